@@ -1,0 +1,188 @@
+"""The per-step planner: lengths + N devices + profile in, a frozen `Plan` out.
+
+Per step (DESIGN.md §2): candidate micro-batch splits (Sequence Blaster), ordered by their proven lower bound;
+each candidate's micro-batches are planned by the bisection MILP (`solver.milp`), in parallel processes when
+`workers > 1`; candidates whose bound cannot beat the best plan so far are skipped. A step never waits on the
+solver: every MILP has a time limit, the step has a deadline, and the best static layout is always in hand as
+the fallback.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
+from solver.cost_model import KINDS
+from solver.microbatching import partition_candidates
+from solver.milp import best_static_draft, solve_micro_batch
+from solver.packing import group_types, improve_step, layout_groups, time_table
+from solver.plan import MicroBatch, Plan
+from solver.profiles import Profile
+from solver.validation import check_batch
+
+__all__ = ["PlannerConfig", "StepPlan", "Planner", "plan_step"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """Knobs of the per-step planner."""
+
+    time_limit_s: float = 1.0
+    """Wall-clock budget for one step's plan; past it the best plan so far is returned."""
+    ilp_time_limit_s: float = 0.2
+    """Time limit of one MILP solve (time-limited answers are used)."""
+    max_buckets: int = 16
+    """Length buckets per micro-batch in the MILP (optimal boundaries, FlexSP §4.1.3)."""
+    tolerance: float = 0.01
+    """Bisection stops when the makespan bracket is within this relative width."""
+    max_bisection_steps: int = 8
+    """At most this many MILP solves per micro-batch."""
+    extra_micro_batches: int = 4
+    """Blaster tries M_min .. M_min + this many micro-batches."""
+    kinds: tuple[str, ...] = KINDS
+    """Attention methods groups may use ('ulysses', 'ring')."""
+    workers: int = 1
+    """Processes solving micro-batches in parallel (1: in this process)."""
+
+    def __post_init__(self) -> None:
+        if not self.time_limit_s > 0 or not self.ilp_time_limit_s > 0:
+            raise ValueError("time limits must be > 0 seconds")
+        if self.max_buckets < 1 or self.max_bisection_steps < 0 or self.extra_micro_batches < 0:
+            raise ValueError("max_buckets >= 1, max_bisection_steps >= 0, extra_micro_batches >= 0 required")
+        if not self.kinds or any(k not in KINDS for k in self.kinds):
+            raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A plan with how it was found."""
+
+    plan: Plan
+    makespan_ms: float
+    """Predicted step time under the cost model (simulator, real lengths)."""
+    bound_ms: float
+    """Proven lower bound on any plan's step time for this batch (solver.bounds)."""
+    solve_s: float
+    status: str
+    """'milp' (a MILP plan beat the static start), 'static' (none did), 'fallback' (time ran out first)."""
+    details: dict = field(default_factory=dict)
+
+    @property
+    def gap(self) -> float:
+        return self.makespan_ms / self.bound_ms - 1.0
+
+
+class Planner:
+    """Plans steps for one profile; holds the worker pool across steps when `workers > 1`."""
+
+    def __init__(self, profile: Profile, config: PlannerConfig | None = None):
+        self.profile = profile
+        self.config = config or PlannerConfig()
+        self._pool: ProcessPoolExecutor | None = None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+    def __enter__(self) -> Planner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def plan(self, lengths, num_devices: int) -> StepPlan:
+        t0 = time.perf_counter()
+        cfg, prof = self.config, self.profile
+        lengths = check_batch(lengths, num_devices, prof)
+        n = int(num_devices)
+        cap = prof.tokens_per_device
+        types = group_types(n, prof, cfg.kinds)
+        table = time_table(lengths, types, prof)
+        area, tmin = area_and_min_time(table, types)
+        if not np.isfinite(area).all():
+            i = int(np.flatnonzero(~np.isfinite(area))[0])
+            raise ValueError(f"sequence {i} ({lengths[i]} tokens) fits no group of kinds {cfg.kinds} on {n} devices")
+        bound = step_bound_ms(table, types, lengths, n, cap, prof.b1_ms)
+        deg = np.array([t.degree for t in types], dtype=np.float64)
+        deadline = t0 + cfg.time_limit_s
+
+        cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches)
+        bounds = [sum(micro_batch_bound_ms(table[c], deg, n, prof.b1_ms) for c in split) for split in cands]
+        order = np.argsort(bounds, kind="stable")
+        best_total, best_mbs, status, tried = np.inf, None, "fallback", 0
+        for ci in order.tolist():
+            split = cands[ci]
+            if bounds[ci] >= best_total:
+                break
+            if best_mbs is not None and time.perf_counter() >= deadline:
+                break
+            sols = self._solve_split(split, types, table, lengths, n, deadline)
+            tried += 1
+            drafts = [s[0] for s in sols]
+            caps = [deg.astype(np.int64)[np.asarray(d.group_type, dtype=np.int64)] * cap for d in drafts]
+            improve_step(drafts, caps, table, lengths, prof.b1_ms)
+            sols = [(d, d.makespan(), s[2]) for d, s in zip(drafts, sols, strict=True)]
+            total = sum(s[1] for s in sols)
+            if total < best_total:
+                best_total, best_mbs = total, [(split, s) for split, s in zip(split, sols, strict=True)]
+                status = "milp" if any(s[2] == "milp" for s in sols) else "static"
+        mbs = [MicroBatch(tuple(layout_groups(draft, types, range(len(lengths))))) for _, (draft, *_rest) in best_mbs]
+        plan = Plan.for_profile(
+            num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof,
+            meta={"planner": "flexorch-milp", "status": status},
+        )
+        solve_s = time.perf_counter() - t0
+        details = {"candidates": len(cands), "candidates_solved": tried,
+                   "micro_batches": len(mbs), "methods": [s[2] for _, s in best_mbs]}
+        return StepPlan(plan, float(best_total), bound, solve_s, status, details)
+
+    def _solve_split(self, split, types, table, lengths, n, deadline):
+        """[(draft, makespan_ms, method)] for each micro-batch of one split."""
+        cfg, prof = self.config, self.profile
+        args = []
+        for items in split:
+            deg = np.array([t.degree for t in types], dtype=np.float64)
+            lb = micro_batch_bound_ms(table[items], deg, n, prof.b1_ms)
+            args.append((items, lb))
+        budget = max(0.0, deadline - time.perf_counter()) / max(1, len(split) if cfg.workers == 1 else 1)
+        kw = dict(num_devices=n, tokens_per_device=prof.tokens_per_device, b1_ms=prof.b1_ms,
+                  max_buckets=cfg.max_buckets, tolerance=cfg.tolerance,
+                  max_bisection_steps=cfg.max_bisection_steps, ilp_time_limit_s=cfg.ilp_time_limit_s)
+        if cfg.workers > 1 and len(split) > 1:
+            if self._pool is None:
+                self._pool = ProcessPoolExecutor(max_workers=cfg.workers)
+            futs = [self._pool.submit(solve_micro_batch, items, types, table, lengths, lower_bound_ms=lb,
+                                      time_budget_s=budget, **kw) for items, lb in args]
+            out = []
+            for (items, _), f in zip(args, futs, strict=True):
+                try:
+                    s = f.result(timeout=budget + 5.0)
+                    out.append((s.draft, s.makespan_ms, s.method))
+                except FutureTimeout:
+                    out.append(self._fallback(items, types, table, lengths, n))
+            return out
+        out = []
+        for items, lb in args:
+            left = max(0.0, deadline - time.perf_counter())
+            s = solve_micro_batch(items, types, table, lengths, lower_bound_ms=lb,
+                                  time_budget_s=min(budget, left), **kw)
+            out.append((s.draft, s.makespan_ms, s.method))
+        return out
+
+    def _fallback(self, items, types, table, lengths, n):
+        d = best_static_draft(items, types, table, lengths, n, self.profile.tokens_per_device, self.profile.b1_ms)
+        return d, d.makespan(), "fallback"
+
+
+def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> StepPlan:
+    """Plan one step (a convenience wrapper around `Planner`)."""
+    with Planner(profile, config) as planner:
+        return planner.plan(lengths, num_devices)
