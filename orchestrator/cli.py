@@ -1,0 +1,117 @@
+"""The `flexorch` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+from orchestrator.lengths import DataError, parse_tokens
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flexorch", description="Per-step adaptive sequence parallelism on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="show the per-step plans for real batches of a corpus")
+    plan.add_argument("--config", type=Path, help="TOML file whose keys are these flags (flags win)")
+    plan.add_argument("--lengths", type=Path, help="lengths file, .jsonl file or directory (default: bundled "
+                      "Wikipedia lengths)")
+    plan.add_argument("--text-field", help="JSONL field with the text (default: text)")
+    plan.add_argument("--devices", type=int, help="N devices (default 64)")
+    plan.add_argument("--profile", help="built-in profile name or profile JSON file (default gpt-7b-a100)")
+    plan.add_argument("--heads", type=int, help="override the profile's attention heads (Ulysses needs d | heads)")
+    plan.add_argument("--max-context", help="longest sequence in tokens, e.g. 384K (default: what N devices hold)")
+    plan.add_argument("--over-long", choices=["drop", "reject"], help="sequences over --max-context (default drop)")
+    plan.add_argument("--batch", type=int, help="sequences per global batch (default 512)")
+    plan.add_argument("--steps", type=int, help="steps to plan (default 10)")
+    plan.add_argument("--seed", type=int, help="batch shuffle seed (default 0)")
+    plan.add_argument("--time-limit", type=float, help="planner budget per step, seconds (default 1.0)")
+    plan.add_argument("--solver-workers", type=int, help="processes solving micro-batches in parallel (default 1)")
+    plan.add_argument("--json", action="store_true", default=None, help="one JSON object per step")
+    plan.add_argument("--svg", type=Path, help="write a picture of every step (devices x time) to this file")
+
+    prof = sub.add_parser("profiles", help="list the built-in cost-model profiles, or print one as JSON")
+    prof.add_argument("name", nargs="?", help="profile name or JSON file to print")
+    return p
+
+
+_PLAN_KEYS = {"lengths", "text_field", "devices", "profile", "heads", "max_context", "over_long", "batch", "steps",
+              "seed", "time_limit", "solver_workers", "json", "svg"}
+
+
+def _merged(args: argparse.Namespace) -> dict:
+    values: dict = {}
+    if args.config is not None:
+        try:
+            values = tomllib.loads(args.config.read_text())
+        except FileNotFoundError:
+            raise DataError(f"config file {args.config} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise DataError(f"config file {args.config} is not valid TOML: {e}") from None
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(values) - _PLAN_KEYS)
+        if unknown:
+            raise DataError(f"config file {args.config}: unknown keys {unknown}; known: {sorted(_PLAN_KEYS)}")
+    for k in _PLAN_KEYS:
+        v = getattr(args, k)
+        if v is not None:
+            values[k] = v
+    return values
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from orchestrator.plan_command import PlanRunConfig, run_plan
+    from solver.planner import PlannerConfig
+    from solver.profiles import get_profile
+
+    v = _merged(args)
+    profile = get_profile(v.get("profile", "gpt-7b-a100"))
+    if v.get("heads") is not None:
+        profile = profile.with_overrides(num_heads=int(v["heads"]), num_kv_heads=int(v["heads"]))
+    planner = PlannerConfig(time_limit_s=float(v.get("time_limit", 1.0)), workers=int(v.get("solver_workers", 1)))
+    cfg = PlanRunConfig(
+        lengths=Path(v["lengths"]) if v.get("lengths") else None,
+        text_field=v.get("text_field", "text"),
+        devices=int(v.get("devices", 64)),
+        max_context=parse_tokens(v["max_context"]) if v.get("max_context") is not None else None,
+        over_long=v.get("over_long", "drop"),
+        batch=int(v.get("batch", 512)),
+        steps=int(v.get("steps", 10)),
+        seed=int(v.get("seed", 0)),
+        json=bool(v.get("json", False)),
+        svg=Path(v["svg"]) if v.get("svg") else None,
+        planner=planner,
+    )
+    run_plan(cfg, profile)
+    return 0
+
+
+def _cmd_profiles(args: argparse.Namespace) -> int:
+    from solver.profiles import BUILTIN_PROFILES, get_profile
+
+    if args.name:
+        print(get_profile(args.name).to_json())
+        return 0
+    for name, p in sorted(BUILTIN_PROFILES.items()):
+        print(f"{name:14s} a1={p.a1_ms:.4g} ms/tok^2  a2={p.a2_ms:.4g} ms/tok  b1={p.b1_ms:.5g} ms  "
+              f"{p.tokens_per_device} tokens/device  L={p.num_layers} h={p.hidden} heads={p.num_heads}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "plan":
+            return _cmd_plan(args)
+        return _cmd_profiles(args)
+    except (ValueError, OSError) as e:  # PlanningError, DataError, ProfileError are ValueErrors
+        print(f"flexorch {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""`flexorch plan`: the per-step plans flexorch would run on N devices, for real batches of a real corpus.
+
+Draws global batches from a length source (an epoch-style seeded shuffle: no sequence repeats before the data is
+used up), plans every step, and prints per step the plan's shape, the solve time, the predicted step time, the gap
+to a proven lower bound and the speedup against the static layouts in use today.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.lengths import DataError, bundled_lengths_path, read_lengths
+from solver.baselines import baseline_times_ms
+from solver.planner import Planner, PlannerConfig
+from solver.profiles import Profile
+from solver.validation import largest_degree
+
+__all__ = ["PlanRunConfig", "BatchStream", "run_plan"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRunConfig:
+    """What `flexorch plan` does."""
+
+    lengths: Path | None = None
+    """Lengths file, JSONL file or directory; None: the bundled Wikipedia lengths."""
+    text_field: str = "text"
+    """JSONL field holding the document text."""
+    devices: int = 64
+    """N: devices to plan for."""
+    max_context: int | None = None
+    """Longest sequence allowed, tokens; default: what the largest group of N devices holds."""
+    over_long: str = "drop"
+    """'drop' sequences over max_context (counted and reported) or 'reject' the data with an error."""
+    batch: int = 512
+    """Sequences per global batch."""
+    steps: int = 10
+    """Steps to plan."""
+    seed: int = 0
+    """Seed of the shuffle that forms batches."""
+    json: bool = False
+    """Print one JSON object per step instead of the table."""
+    svg: Path | None = None
+    """Write a picture of every planned step (devices x time) here."""
+    planner: PlannerConfig = PlannerConfig()
+    """Solver knobs."""
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {self.devices}")
+        if self.batch < 1 or self.steps < 1:
+            raise ValueError(f"--batch and --steps must be >= 1, got {self.batch} and {self.steps}")
+        if self.over_long not in ("drop", "reject"):
+            raise ValueError(f"--over-long must be 'drop' or 'reject', got {self.over_long!r}")
+
+
+class BatchStream:
+    """Seeded epoch-style batches of indices: a permutation consumed in order, reshuffled when used up."""
+
+    def __init__(self, size: int, batch: int, seed: int):
+        if batch > size:
+            raise DataError(f"a batch of {batch} sequences needs at least that many, the data has {size}")
+        self.size, self.batch = size, batch
+        self.rng = np.random.default_rng(seed)
+        self.epoch, self.pos = 0, 0
+        self.order = self.rng.permutation(size)
+
+    def next(self) -> np.ndarray:
+        if self.pos + self.batch > self.size:
+            self.epoch += 1
+            self.order, self.pos = self.rng.permutation(self.size), 0
+        out = self.order[self.pos : self.pos + self.batch]
+        self.pos += self.batch
+        return out
+
+
+def _filter(lengths: np.ndarray, max_context: int, policy: str, out) -> tuple[np.ndarray, dict]:
+    empty = int((lengths == 0).sum())
+    over = lengths > max_context
+    if over.any() and policy == "reject":
+        i = int(np.flatnonzero(over)[0])
+        raise DataError(
+            f"{int(over.sum())} sequence(s) exceed --max-context {max_context} tokens (the first is #{i} with "
+            f"{int(lengths[i])}); use --over-long drop to skip them, or raise --max-context/--devices"
+        )
+    keep = (lengths > 0) & ~over
+    report = {"total": int(lengths.size), "empty_dropped": empty, "over_long_dropped": int(over.sum()),
+              "kept": int(keep.sum())}
+    return lengths[keep], report
+
+
+def run_plan(cfg: PlanRunConfig, profile: Profile, out=sys.stdout) -> list[dict]:
+    """Plan `cfg.steps` steps; print a table (or JSON lines) to `out`; return the per-step records."""
+    source = cfg.lengths or bundled_lengths_path()
+    raw = read_lengths(source, text_field=cfg.text_field)
+    limit = largest_degree(cfg.devices) * profile.tokens_per_device
+    max_context = cfg.max_context or limit
+    if max_context > limit:
+        raise DataError(
+            f"--max-context {max_context} tokens is more than {cfg.devices} devices hold in one SP group "
+            f"({largest_degree(cfg.devices)} x {profile.tokens_per_device} = {limit} tokens with profile "
+            f"{profile.name}); lower --max-context or raise --devices"
+        )
+    lengths, report = _filter(raw, max_context, cfg.over_long, out)
+    stream = BatchStream(lengths.size, cfg.batch, cfg.seed)
+    if not cfg.json:
+        print(
+            f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
+            f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
+            f"  profile {profile.name}, N={cfg.devices} devices, batch {cfg.batch}, {cfg.steps} steps, "
+            f"seed {cfg.seed}",
+            file=out,
+        )
+        head = (f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bound_ms':>9} {'gap':>6} {'x batchada':>10} "
+                f"{'x best-ulysses':>16} {'x best-ring':>14} {'x ulysses-max':>15}  {'eta':>6}  plan")
+        print(head, file=out)
+    records, pictures = [], []
+    t_start = time.perf_counter()
+    with Planner(profile, cfg.planner) as planner:
+        for step in range(cfg.steps):
+            idx = stream.next()
+            batch = lengths[idx]
+            sp = planner.plan(batch, cfg.devices)
+            base = baseline_times_ms(batch, cfg.devices, profile)
+            rec = {
+                "step": step,
+                "epoch": stream.epoch,
+                "solve_s": round(sp.solve_s, 4),
+                "makespan_ms": round(sp.makespan_ms, 3),
+                "bound_ms": round(sp.bound_ms, 3),
+                "gap": round(sp.gap, 5),
+                "status": sp.status,
+                "shape": sp.plan.shape(),
+                "tokens": int(batch.sum()),
+                "baselines": {k: (None if v is None else round(v, 3)) for k, v in base.items()},
+                "micro_batches": sp.plan.to_dict()["micro_batches"],
+            }
+            records.append(rec)
+            pictures.append((f"step {step}: {sp.plan.shape()}  {sp.makespan_ms / 1000:.2f} s", sp.plan))
+            if cfg.json:
+                print(json.dumps(rec), file=out, flush=True)
+            else:
+                elapsed = time.perf_counter() - t_start
+                eta = elapsed / (step + 1) * (cfg.steps - step - 1)
+                print(_row(rec, sp.makespan_ms, base, eta), file=out, flush=True)
+    if not cfg.json:
+        _summary(records, out)
+    if cfg.svg is not None:
+        from dashboards.plan_svg import render_steps_svg
+
+        cfg.svg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.svg.write_text(render_steps_svg(pictures, profile))
+        if not cfg.json:
+            print(f"picture of every step: {cfg.svg}", file=out)
+    return records
+
+
+def _best(base: dict, prefix: str) -> tuple[str | None, float | None]:
+    cands = {k: v for k, v in base.items() if k.startswith(prefix) and v is not None}
+    if not cands:
+        return None, None
+    k = min(cands, key=cands.get)
+    return k, cands[k]
+
+
+def _ulysses_max(base: dict) -> tuple[str | None, float | None]:
+    names = [k for k in base if k.startswith("static-ulysses-")]
+    k = max(names, key=lambda s: int(s.rsplit("-", 1)[1]))
+    return k, base[k]
+
+
+def _x(ref, mine) -> str:
+    return "n/a" if ref is None else f"{ref / mine:.2f}x"
+
+
+def _row(rec: dict, mine: float, base: dict, eta: float) -> str:
+    bu_name, bu = _best(base, "static-ulysses-")
+    br_name, br = _best(base, "static-ring-")
+    um_name, um = _ulysses_max(base)
+    bu_s = f"{_x(bu, mine)} ({bu_name.rsplit('-', 1)[1] if bu_name else '-'})"
+    br_s = f"{_x(br, mine)} ({br_name.rsplit('-', 1)[1] if br_name else '-'})"
+    um_s = f"{_x(um, mine)} ({um_name.rsplit('-', 1)[1]})"
+    return (f"{rec['step']:>4} {rec['solve_s']:>7.3f} {rec['makespan_ms']:>9.0f} {rec['bound_ms']:>9.0f} "
+            f"{rec['gap'] * 100:>5.1f}% {_x(base['batchada'], mine):>10} {bu_s:>16} {br_s:>14} {um_s:>15}  "
+            f"{eta:>5.0f}s  {rec['shape']}")
+
+
+def _summary(records: list[dict], out) -> None:
+    solve = np.array([r["solve_s"] for r in records])
+    gap = np.array([r["gap"] for r in records])
+    ratios = {}
+    for name in records[0]["baselines"]:
+        vals = [r["baselines"][name] / r["makespan_ms"] for r in records if r["baselines"][name] is not None]
+        if len(vals) == len(records):
+            ratios[name] = float(np.median(vals))
+    print(f"summary over {len(records)} steps: solve median {np.median(solve):.3f} s (p95 "
+          f"{np.percentile(solve, 95):.3f} s), gap to bound median {np.median(gap) * 100:.1f} % (max "
+          f"{gap.max() * 100:.1f} %)", file=out)
+    best = sorted(ratios.items(), key=lambda kv: kv[1])[:3]
+    print("  median speedup vs batchada {:.2f}x; closest static layouts: {}".format(
+        ratios.get("batchada", float("nan")), ", ".join(f"{k} {v:.2f}x" for k, v in best)), file=out)
