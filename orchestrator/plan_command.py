@@ -95,8 +95,9 @@ def _filter(lengths: np.ndarray, max_context: int, policy: str, out) -> tuple[np
     return lengths[keep], report
 
 
-def run_plan(cfg: PlanRunConfig, profile: Profile, out=sys.stdout) -> list[dict]:
-    """Plan `cfg.steps` steps; print a table (or JSON lines) to `out`; return the per-step records."""
+def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
+    """Plan `cfg.steps` steps; print a table (or JSON lines) to `out` (stdout); return the per-step records."""
+    out = out or sys.stdout
     source = cfg.lengths or bundled_lengths_path()
     raw = read_lengths(source, text_field=cfg.text_field)
     limit = largest_degree(cfg.devices) * profile.tokens_per_device

@@ -59,7 +59,7 @@ def baseline_plans(lengths, num_devices: int, profile: Profile, extra_micro_batc
     out: dict[str, Plan | None] = {}
     d = 1
     while d <= largest_degree(num_devices):
-        for kind in (ULYSSES, RING):
+        for kind in (ULYSSES, RING) if d > 1 else (ULYSSES,):
             out[f"static-{kind}-{d}"] = static_plan(lengths, num_devices, profile, d, kind, extra_micro_batches)
         d *= 2
     feasible = {k: v for k, v in out.items() if v is not None}

@@ -31,6 +31,7 @@ import mip
 import numpy as np
 
 from solver.bucketing import optimal_buckets
+from solver.exact import MAX_EXACT_SEQUENCES, solve_exact
 from solver.packing import Draft, GroupType, improve, pack
 
 __all__ = ["MicroBatchSolution", "solve_micro_batch", "best_static_draft"]
@@ -40,7 +41,7 @@ __all__ = ["MicroBatchSolution", "solve_micro_batch", "best_static_draft"]
 class MicroBatchSolution:
     draft: Draft
     makespan_ms: float
-    method: str  # "milp" when a MILP solution beat the static start, else "static"
+    method: str  # "exact" (proven optimal), "milp" (a MILP solution beat the static start), else "static"
     ilp_solves: int
     bisection_steps: int
 
@@ -78,12 +79,18 @@ def solve_micro_batch(
     tolerance: float = 0.01,
     max_bisection_steps: int = 8,
     ilp_time_limit_s: float = 0.25,
-) -> MicroBatchSolution:
-    """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices."""
+) -> MicroBatchSolution | None:
+    """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits."""
     deadline = time.perf_counter() + time_budget_s
     items = list(items)
     start = best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, b1_ms)
     best = MicroBatchSolution(start, start.makespan(), "static", 0, 0) if start is not None else None
+    if len(items) <= MAX_EXACT_SEQUENCES:
+        exact = solve_exact(items, types, table, lengths, num_devices=num_devices,
+                            tokens_per_device=tokens_per_device, b1_ms=b1_ms,
+                            time_limit_s=max(0.05, deadline - time.perf_counter()), start=start)
+        if exact is not None and (best is None or exact[0].makespan() <= best.makespan_ms):
+            return MicroBatchSolution(exact[0], exact[0].makespan(), "exact" if exact[1] else "milp", 1, 0)
     buckets = optimal_buckets(lengths[items], max_buckets)
     b_items = [[items[j] for j in b.members] for b in buckets]
     b_len = np.array([b.upper for b in buckets], dtype=np.float64)
@@ -108,7 +115,7 @@ def solve_micro_batch(
         if draft is not None and (best is None or draft.makespan() < best.makespan_ms):
             best = MicroBatchSolution(draft, draft.makespan(), "milp", 0, 0)
     if best is None:
-        raise RuntimeError("no layout found for a micro-batch that passed the feasibility checks")
+        return None  # this micro-batch cannot be packed: the caller splits it further
     best.ilp_solves, best.bisection_steps = solves, steps
     return best
 

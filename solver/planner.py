@@ -126,6 +126,8 @@ class Planner:
                 break
             sols = self._solve_split(split, types, table, lengths, n, deadline)
             tried += 1
+            if sols is None:
+                continue  # some micro-batch of this split cannot be packed
             drafts = [s[0] for s in sols]
             caps = [deg.astype(np.int64)[np.asarray(d.group_type, dtype=np.int64)] * cap for d in drafts]
             improve_step(drafts, caps, table, lengths, prof.b1_ms)
@@ -133,7 +135,12 @@ class Planner:
             total = sum(s[1] for s in sols)
             if total < best_total:
                 best_total, best_mbs = total, [(split, s) for split, s in zip(split, sols, strict=True)]
-                status = "milp" if any(s[2] == "milp" for s in sols) else "static"
+                status = "milp" if any(s[2] in ("milp", "exact") for s in sols) else "static"
+        if best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
+            sols = self._split_until_packed(sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, table,
+                                            lengths, n)
+            best_total = sum(s[1] for s in sols)
+            best_mbs, status = [(None, s) for s in sols], "fallback"
         mbs = [MicroBatch(tuple(layout_groups(draft, types, range(len(lengths))))) for _, (draft, *_rest) in best_mbs]
         plan = Plan.for_profile(
             num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof,
@@ -165,21 +172,35 @@ class Planner:
             for (items, _), f in zip(args, futs, strict=True):
                 try:
                     s = f.result(timeout=budget + 5.0)
-                    out.append((s.draft, s.makespan_ms, s.method))
+                    got = None if s is None else (s.draft, s.makespan_ms, s.method)
                 except FutureTimeout:
-                    out.append(self._fallback(items, types, table, lengths, n))
+                    got = self._fallback(items, types, table, lengths, n)
+                if got is None:
+                    return None
+                out.append(got)
             return out
         out = []
         for items, lb in args:
             left = max(0.0, deadline - time.perf_counter())
             s = solve_micro_batch(items, types, table, lengths, lower_bound_ms=lb,
                                   time_budget_s=min(budget, left), **kw)
+            if s is None:
+                return None
             out.append((s.draft, s.makespan_ms, s.method))
         return out
 
     def _fallback(self, items, types, table, lengths, n):
         d = best_static_draft(items, types, table, lengths, n, self.profile.tokens_per_device, self.profile.b1_ms)
-        return d, d.makespan(), "fallback"
+        return None if d is None else (d, d.makespan(), "fallback")
+
+    def _split_until_packed(self, items, types, table, lengths, n):
+        """Always succeeds: one sequence alone fits the largest group (check_batch guarantees it)."""
+        got = self._fallback(items, types, table, lengths, n)
+        if got is not None:
+            return [got]
+        half = len(items) // 2
+        return (self._split_until_packed(items[:half], types, table, lengths, n)
+                + self._split_until_packed(items[half:], types, table, lengths, n))
 
 
 def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> StepPlan:

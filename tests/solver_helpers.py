@@ -1,0 +1,90 @@
+"""Shared pieces of the solver tests: a tiny profile whose memory and communication bite at toy sizes, and a
+brute-force optimum over every plan (every split into micro-batches, every grouping, every group type)."""
+
+from __future__ import annotations
+
+from functools import cache
+from itertools import combinations
+
+import numpy as np
+
+from solver.packing import group_types, time_table
+from solver.profiles import Profile
+
+TINY = Profile(
+    name="tiny",
+    a1_ms=1e-3,
+    a2_ms=0.1,
+    b1_ms=5.0,
+    act_bytes_per_token=1.0,
+    memory_budget_bytes=100.0,
+    num_layers=1,
+    hidden=4,
+    num_heads=4,
+    num_kv_heads=2,
+    bytes_per_element=2,
+    a2a_gbps={2: 8e-4, 4: 6e-4, 8: 2e-4},
+)  # 100 tokens per device; Ulysses up to degree 4 (4 heads), ring beyond
+
+
+def set_partitions(items):
+    items = list(items)
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in set_partitions(rest):
+        yield [[first], *part]
+        for i in range(len(part)):
+            yield part[:i] + [[first, *part[i]]] + part[i + 1 :]
+
+
+def brute_force_optimum(lengths, num_devices: int, profile: Profile) -> tuple[float, float]:
+    """(best step time over all plans, best time with a single micro-batch) under the cost model."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    types = group_types(num_devices, profile)
+    table = time_table(lengths, types, profile)
+    cap = profile.tokens_per_device
+
+    @cache
+    def mb_opt(subset: frozenset) -> float:
+        best = np.inf
+        for part in set_partitions(sorted(subset)):
+            opts = []
+            for block in part:
+                tok = int(lengths[block].sum())
+                o = [
+                    (profile.b1_ms + float(table[block, t].sum()), types[t].degree)
+                    for t in range(len(types))
+                    if np.isfinite(table[block, t]).all() and tok <= types[t].degree * cap
+                ]
+                if not o:
+                    break
+                opts.append(o)
+            else:
+                for c in sorted({tm for o in opts for tm, _ in o}):
+                    if c >= best:
+                        break
+                    need = sum(min((d for tm, d in o if tm <= c), default=10**9) for o in opts)
+                    if need <= num_devices:
+                        best = c
+                        break
+        return best
+
+    @cache
+    def step_opt(rest: frozenset) -> float:
+        if not rest:
+            return 0.0
+        first = min(rest)
+        others = sorted(rest - {first})
+        best = np.inf
+        for r in range(len(others) + 1):
+            for comb in combinations(others, r):
+                block = frozenset((first, *comb))
+                v = mb_opt(block)
+                if v < best:
+                    best = min(best, v + step_opt(rest - block))
+        return best
+
+    everything = frozenset(range(lengths.size))
+    return step_opt(everything), mb_opt(everything)
