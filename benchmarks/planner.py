@@ -34,10 +34,14 @@ def part1(steps: int, time_limit: float) -> None:
     data = data[(data > 0) & (data <= 384 * 1024)]
     stream = BatchStream(data.size, 512, seed=0)
     rows = []
-    print(f"Part 1: Wikipedia lengths, {profile.name} (64 heads), N=64, 384K context, batch 512, {steps} steps, "
-          f"time limit {time_limit} s/step, one process")
-    print(f"{'step':>4} {'solve_s':>8} {'plan_ms':>8} {'bound_ms':>8} {'gap':>6} {'vs U-64':>8} {'vs ring*':>9} "
-          f"{'vs BatchAda':>11}  shape")
+    print(
+        f"Part 1: Wikipedia lengths, {profile.name} (64 heads), N=64, 384K context, batch 512, {steps} steps, "
+        f"time limit {time_limit} s/step, one process"
+    )
+    print(
+        f"{'step':>4} {'solve_s':>8} {'plan_ms':>8} {'bound_ms':>8} {'gap':>6} {'vs U-64':>8} {'vs ring*':>9} "
+        f"{'vs BatchAda':>11}  shape"
+    )
     t0 = time.perf_counter()
     with Planner(profile, PlannerConfig(time_limit_s=time_limit)) as planner:
         for step in range(steps):
@@ -45,28 +49,44 @@ def part1(steps: int, time_limit: float) -> None:
             r = planner.plan(batch, 64)
             base = baseline_times_ms(batch, 64, profile)
             ring = min(v for k, v in base.items() if k.startswith("static-ring-") and v is not None)
-            row = (r.solve_s, r.makespan_ms, r.bound_ms, r.gap, base["static-ulysses-64"] / r.makespan_ms,
-                   ring / r.makespan_ms, base["batchada"] / r.makespan_ms)
+            row = (
+                r.solve_s,
+                r.makespan_ms,
+                r.bound_ms,
+                r.gap,
+                base["static-ulysses-64"] / r.makespan_ms,
+                ring / r.makespan_ms,
+                base["batchada"] / r.makespan_ms,
+            )
             rows.append(row)
             eta = (time.perf_counter() - t0) / (step + 1) * (steps - step - 1)
-            print(f"{step:>4} {row[0]:>8.3f} {row[1]:>8.0f} {row[2]:>8.0f} {row[3] * 100:>5.1f}% {row[4]:>7.2f}x "
-                  f"{row[5]:>8.2f}x {row[6]:>10.3f}x  {r.plan.shape()}   (eta {eta:.0f} s)", flush=True)
+            print(
+                f"{step:>4} {row[0]:>8.3f} {row[1]:>8.0f} {row[2]:>8.0f} {row[3] * 100:>5.1f}% {row[4]:>7.2f}x "
+                f"{row[5]:>8.2f}x {row[6]:>10.3f}x  {r.plan.shape()}   (eta {eta:.0f} s)",
+                flush=True,
+            )
     a = np.array(rows)
-    print(f"\nsummary: solve median {np.median(a[:, 0]):.3f} s, p95 {np.percentile(a[:, 0], 95):.3f} s | gap median "
-          f"{np.median(a[:, 3]) * 100:.1f} %, max {a[:, 3].max() * 100:.1f} % | speedup median vs static "
-          f"Ulysses-64 {np.median(a[:, 4]):.2f}x, vs best static ring {np.median(a[:, 5]):.2f}x, vs BatchAda "
-          f"{np.median(a[:, 6]):.3f}x (mean {a[:, 6].mean():.3f}x, worse than BatchAda on "
-          f"{int((a[:, 6] < 1 - 1e-9).sum())} of {len(a)} steps)\n")
+    print(
+        f"\nsummary: solve median {np.median(a[:, 0]):.3f} s, p95 {np.percentile(a[:, 0], 95):.3f} s | gap median "
+        f"{np.median(a[:, 3]) * 100:.1f} %, max {a[:, 3].max() * 100:.1f} % | speedup median vs static "
+        f"Ulysses-64 {np.median(a[:, 4]):.2f}x, vs best static ring {np.median(a[:, 5]):.2f}x, vs BatchAda "
+        f"{np.median(a[:, 6]):.3f}x (mean {a[:, 6].mean():.3f}x, worse than BatchAda on "
+        f"{int((a[:, 6] < 1 - 1e-9).sum())} of {len(a)} steps)\n"
+    )
 
 
 def part2(devices, batches, steps: int, time_limit: float) -> None:
     profile = get_profile("gpt-7b-a100")
     data = read_lengths(bundled_lengths_path())
     data = data[data > 0]
-    print(f"Part 2: scaling, {profile.name}, context = min(384K, what N devices hold), {steps} steps per cell, "
-          f"time limit {time_limit} s/step")
-    print(f"{'N':>5} {'batch':>6} {'solve med s':>11} {'solve max s':>11} {'gap med':>8} {'gap max':>8} "
-          f"{'micro-batches':>13}")
+    print(
+        f"Part 2: scaling, {profile.name}, context = min(384K, what N devices hold), {steps} steps per cell, "
+        f"time limit {time_limit} s/step"
+    )
+    print(
+        f"{'N':>5} {'batch':>6} {'solve med s':>11} {'solve max s':>11} {'gap med':>8} {'gap max':>8} "
+        f"{'micro-batches':>13}"
+    )
     for n in devices:
         limit = min(384 * 1024, largest_degree(n) * profile.tokens_per_device)
         pool = data[data <= limit]
@@ -79,8 +99,11 @@ def part2(devices, batches, steps: int, time_limit: float) -> None:
                     solve.append(r.solve_s)
                     gap.append(r.gap)
                     mbs.append(len(r.plan.micro_batches))
-            print(f"{n:>5} {b:>6} {np.median(solve):>11.3f} {max(solve):>11.3f} {np.median(gap) * 100:>7.1f}% "
-                  f"{max(gap) * 100:>7.1f}% {np.median(mbs):>13.0f}", flush=True)
+            print(
+                f"{n:>5} {b:>6} {np.median(solve):>11.3f} {max(solve):>11.3f} {np.median(gap) * 100:>7.1f}% "
+                f"{max(gap) * 100:>7.1f}% {np.median(mbs):>13.0f}",
+                flush=True,
+            )
 
 
 def main(argv=None) -> int:

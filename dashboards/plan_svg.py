@@ -15,8 +15,19 @@ from solver.simulator import group_timings, micro_batch_times_ms
 
 __all__ = ["render_svg", "render_steps_svg"]
 
-_COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
-            "#bab0ac", "#86bcb6"]
+_COLOURS = [
+    "#4e79a7",
+    "#f28e2b",
+    "#e15759",
+    "#76b7b2",
+    "#59a14f",
+    "#edc948",
+    "#b07aa1",
+    "#ff9da7",
+    "#9c755f",
+    "#bab0ac",
+    "#86bcb6",
+]
 
 
 def _colour(degree: int) -> str:
@@ -36,8 +47,10 @@ def _panel(plan: Plan, profile: Profile, title: str, y0: float, width: float, ms
         w = max(0.5, g.time_ms * ms_scale)
         y = top + g.first_rank * row
         h = g.degree * row
-        tip = f"micro-batch {g.micro_batch}, ranks {grp.ranks[0]}-{grp.ranks[-1]}, degree {g.degree} {g.kind}, " \
-              f"{len(grp.seq_ids)} seqs, {g.time_ms:.0f} ms"
+        tip = (
+            f"micro-batch {g.micro_batch}, ranks {grp.ranks[0]}-{grp.ranks[-1]}, degree {g.degree} {g.kind}, "
+            f"{len(grp.seq_ids)} seqs, {g.time_ms:.0f} ms"
+        )
         parts.append(
             f'<rect x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{h:.2f}" fill="{_colour(g.degree)}" '
             f'stroke="white" stroke-width="0.5"><title>{escape(tip)}</title></rect>'
@@ -51,8 +64,9 @@ def _panel(plan: Plan, profile: Profile, title: str, y0: float, width: float, ms
     for span in micro_batch_times_ms(plan, profile)[:-1]:
         t += span
         x = left + t * ms_scale
-        parts.append(f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{top + height:.1f}" stroke="#000" '
-                     'stroke-dasharray="4 3"/>')
+        parts.append(
+            f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{top + height:.1f}" stroke="#000" stroke-dasharray="4 3"/>'
+        )
     parts.append(f'<text x="{left - 6}" y="{top + 10}" font-size="10" text-anchor="end">rank 0</text>')
     parts.append(f'<text x="{left - 6}" y="{top + height:.1f}" font-size="10" text-anchor="end">{n - 1}</text>')
     return parts, top + height + 22
@@ -77,8 +91,10 @@ def render_steps_svg(steps: list[tuple[str, Plan]], profile: Profile, width: flo
         parts.append(f'<rect x="{x}" y="{legend_y - 9}" width="10" height="10" fill="{_colour(d)}"/>')
         parts.append(f'<text x="{x + 14}" y="{legend_y}" font-size="10">SP {d}</text>')
     total_h = legend_y + 12
-    head = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 100:.0f}" height="{total_h:.0f}" '
-            f'font-family="sans-serif"><rect width="100%" height="100%" fill="#fafafa"/>')
+    head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 100:.0f}" height="{total_h:.0f}" '
+        f'font-family="sans-serif"><rect width="100%" height="100%" fill="#fafafa"/>'
+    )
     return head + "".join(parts) + "</svg>\n"
 
 

@@ -18,8 +18,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = sub.add_parser("plan", help="show the per-step plans for real batches of a corpus")
     plan.add_argument("--config", type=Path, help="TOML file whose keys are these flags (flags win)")
-    plan.add_argument("--lengths", type=Path, help="lengths file, .jsonl file or directory (default: bundled "
-                      "Wikipedia lengths)")
+    plan.add_argument(
+        "--lengths",
+        type=Path,
+        help="lengths file, .jsonl file or directory (default: bundled Wikipedia lengths)",
+    )
     plan.add_argument("--text-field", help="JSONL field with the text (default: text)")
     plan.add_argument("--devices", type=int, help="N devices (default 64)")
     plan.add_argument("--profile", help="built-in profile name or profile JSON file (default gpt-7b-a100)")
@@ -39,8 +42,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_PLAN_KEYS = {"lengths", "text_field", "devices", "profile", "heads", "max_context", "over_long", "batch", "steps",
-              "seed", "time_limit", "solver_workers", "json", "svg"}
+_PLAN_KEYS = {
+    "lengths",
+    "text_field",
+    "devices",
+    "profile",
+    "heads",
+    "max_context",
+    "over_long",
+    "batch",
+    "steps",
+    "seed",
+    "time_limit",
+    "solver_workers",
+    "json",
+    "svg",
+}
 
 
 def _merged(args: argparse.Namespace) -> dict:
@@ -97,8 +114,10 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
         print(get_profile(args.name).to_json())
         return 0
     for name, p in sorted(BUILTIN_PROFILES.items()):
-        print(f"{name:14s} a1={p.a1_ms:.4g} ms/tok^2  a2={p.a2_ms:.4g} ms/tok  b1={p.b1_ms:.5g} ms  "
-              f"{p.tokens_per_device} tokens/device  L={p.num_layers} h={p.hidden} heads={p.num_heads}")
+        print(
+            f"{name:14s} a1={p.a1_ms:.4g} ms/tok^2  a2={p.a2_ms:.4g} ms/tok  b1={p.b1_ms:.5g} ms  "
+            f"{p.tokens_per_device} tokens/device  L={p.num_layers} h={p.hidden} heads={p.num_heads}"
+        )
     return 0
 
 

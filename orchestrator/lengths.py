@@ -14,8 +14,29 @@ import numpy as np
 
 __all__ = ["DataError", "read_lengths", "bundled_lengths_path", "parse_tokens"]
 
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".c", ".h", ".cc", ".cpp", ".rs", ".go", ".java", ".js", ".ts",
-                 ".json", ".yaml", ".yml", ".toml", ".html", ".css", ".sh", ".tex"}
+TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".rst",
+    ".py",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".rs",
+    ".go",
+    ".java",
+    ".js",
+    ".ts",
+    ".json",
+    ".yaml",
+    ".yml",
+    ".toml",
+    ".html",
+    ".css",
+    ".sh",
+    ".tex",
+}
 
 
 class DataError(ValueError):

@@ -90,8 +90,12 @@ def _filter(lengths: np.ndarray, max_context: int, policy: str, out) -> tuple[np
             f"{int(lengths[i])}); use --over-long drop to skip them, or raise --max-context/--devices"
         )
     keep = (lengths > 0) & ~over
-    report = {"total": int(lengths.size), "empty_dropped": empty, "over_long_dropped": int(over.sum()),
-              "kept": int(keep.sum())}
+    report = {
+        "total": int(lengths.size),
+        "empty_dropped": empty,
+        "over_long_dropped": int(over.sum()),
+        "kept": int(keep.sum()),
+    }
     return lengths[keep], report
 
 
@@ -118,8 +122,10 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
             f"seed {cfg.seed}",
             file=out,
         )
-        head = (f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bound_ms':>9} {'gap':>6} {'x batchada':>10} "
-                f"{'x best-ulysses':>16} {'x best-ring':>14} {'x ulysses-max':>15}  {'eta':>6}  plan")
+        head = (
+            f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bound_ms':>9} {'gap':>6} {'x batchada':>10} "
+            f"{'x best-ulysses':>16} {'x best-ring':>14} {'x ulysses-max':>15}  {'eta':>6}  plan"
+        )
         print(head, file=out)
     records, pictures = [], []
     t_start = time.perf_counter()
@@ -187,9 +193,11 @@ def _row(rec: dict, mine: float, base: dict, eta: float) -> str:
     bu_s = f"{_x(bu, mine)} ({bu_name.rsplit('-', 1)[1] if bu_name else '-'})"
     br_s = f"{_x(br, mine)} ({br_name.rsplit('-', 1)[1] if br_name else '-'})"
     um_s = f"{_x(um, mine)} ({um_name.rsplit('-', 1)[1]})"
-    return (f"{rec['step']:>4} {rec['solve_s']:>7.3f} {rec['makespan_ms']:>9.0f} {rec['bound_ms']:>9.0f} "
-            f"{rec['gap'] * 100:>5.1f}% {_x(base['batchada'], mine):>10} {bu_s:>16} {br_s:>14} {um_s:>15}  "
-            f"{eta:>5.0f}s  {rec['shape']}")
+    return (
+        f"{rec['step']:>4} {rec['solve_s']:>7.3f} {rec['makespan_ms']:>9.0f} {rec['bound_ms']:>9.0f} "
+        f"{rec['gap'] * 100:>5.1f}% {_x(base['batchada'], mine):>10} {bu_s:>16} {br_s:>14} {um_s:>15}  "
+        f"{eta:>5.0f}s  {rec['shape']}"
+    )
 
 
 def _summary(records: list[dict], out) -> None:
@@ -200,9 +208,16 @@ def _summary(records: list[dict], out) -> None:
         vals = [r["baselines"][name] / r["makespan_ms"] for r in records if r["baselines"][name] is not None]
         if len(vals) == len(records):
             ratios[name] = float(np.median(vals))
-    print(f"summary over {len(records)} steps: solve median {np.median(solve):.3f} s (p95 "
-          f"{np.percentile(solve, 95):.3f} s), gap to bound median {np.median(gap) * 100:.1f} % (max "
-          f"{gap.max() * 100:.1f} %)", file=out)
+    print(
+        f"summary over {len(records)} steps: solve median {np.median(solve):.3f} s (p95 "
+        f"{np.percentile(solve, 95):.3f} s), gap to bound median {np.median(gap) * 100:.1f} % (max "
+        f"{gap.max() * 100:.1f} %)",
+        file=out,
+    )
     best = sorted(ratios.items(), key=lambda kv: kv[1])[:3]
-    print("  median speedup vs batchada {:.2f}x; closest static layouts: {}".format(
-        ratios.get("batchada", float("nan")), ", ".join(f"{k} {v:.2f}x" for k, v in best)), file=out)
+    print(
+        "  median speedup vs batchada {:.2f}x; closest static layouts: {}".format(
+            ratios.get("batchada", float("nan")), ", ".join(f"{k} {v:.2f}x" for k, v in best)
+        ),
+        file=out,
+    )

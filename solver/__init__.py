@@ -1,10 +1,10 @@
 """Planning, pure: lengths + devices + cost-model profile in, a frozen `Plan` out (no Ray, no torch.distributed).
 
-    from solver import get_profile, plan_step
-    result = plan_step([4096, 300, 120_000, ...], num_devices=64, profile=get_profile("gpt-7b-a100"))
-    result.plan          # validated Plan: micro-batches of SP groups, every sequence exactly once
-    result.makespan_ms   # predicted step time (cost model, real lengths)
-    result.bound_ms      # proven lower bound on any plan's step time
+from solver import get_profile, plan_step
+result = plan_step([4096, 300, 120_000, ...], num_devices=64, profile=get_profile("gpt-7b-a100"))
+result.plan          # validated Plan: micro-batches of SP groups, every sequence exactly once
+result.makespan_ms   # predicted step time (cost model, real lengths)
+result.bound_ms      # proven lower bound on any plan's step time
 """
 
 from solver.baselines import baseline_plans, baseline_times_ms, static_plan
@@ -16,8 +16,28 @@ from solver.profiles import BUILTIN_PROFILES, Profile, get_profile, load_profile
 from solver.simulator import micro_batch_times_ms, step_time_ms
 
 __all__ = [
-    "BUILTIN_PROFILES", "Group", "InfeasibleBatchError", "InvalidPlanError", "MicroBatch", "Plan", "Planner",
-    "PlannerConfig", "PlanningError", "Profile", "ProfileError", "RING", "StepPlan", "ULYSSES", "baseline_plans",
-    "baseline_times_ms", "get_profile", "load_profile", "micro_batch_times_ms", "min_degree", "plan_step",
-    "seq_time_ms", "static_plan", "step_time_ms",
+    "BUILTIN_PROFILES",
+    "Group",
+    "InfeasibleBatchError",
+    "InvalidPlanError",
+    "MicroBatch",
+    "Plan",
+    "Planner",
+    "PlannerConfig",
+    "PlanningError",
+    "Profile",
+    "ProfileError",
+    "RING",
+    "StepPlan",
+    "ULYSSES",
+    "baseline_plans",
+    "baseline_times_ms",
+    "get_profile",
+    "load_profile",
+    "micro_batch_times_ms",
+    "min_degree",
+    "plan_step",
+    "seq_time_ms",
+    "static_plan",
+    "step_time_ms",
 ]

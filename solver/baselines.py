@@ -24,8 +24,9 @@ from solver.validation import check_batch, largest_degree
 __all__ = ["static_plan", "baseline_plans", "baseline_times_ms"]
 
 
-def static_plan(lengths, num_devices: int, profile: Profile, degree: int, kind: str,
-                extra_micro_batches: int = 4) -> Plan | None:
+def static_plan(
+    lengths, num_devices: int, profile: Profile, degree: int, kind: str, extra_micro_batches: int = 4
+) -> Plan | None:
     """Every group of `degree` with `kind` attention; None when that layout cannot run the batch."""
     lengths = check_batch(lengths, num_devices, profile)
     if degree > num_devices or degree & (degree - 1) or not kind_allowed(kind, degree, profile):
@@ -49,8 +50,13 @@ def static_plan(lengths, num_devices: int, profile: Profile, degree: int, kind: 
         return None
     improve_step(best, [caps] * len(best), table, lengths, profile.b1_ms)
     mbs = [MicroBatch(tuple(layout_groups(d, types, range(len(lengths))))) for d in best]
-    return Plan.for_profile(num_devices=num_devices, seq_lengths=lengths, micro_batches=mbs, profile=profile,
-                            meta={"planner": f"static-{kind}-{degree}"})
+    return Plan.for_profile(
+        num_devices=num_devices,
+        seq_lengths=lengths,
+        micro_batches=mbs,
+        profile=profile,
+        meta={"planner": f"static-{kind}-{degree}"},
+    )
 
 
 def baseline_plans(lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4) -> dict:

@@ -33,7 +33,13 @@ import numpy as np
 
 from solver.packing import GroupType
 
-__all__ = ["area_and_min_time", "latency_area_bound_ms", "micro_batch_bound_ms", "step_bound_ms", "min_micro_batches"]
+__all__ = [
+    "area_and_min_time",
+    "latency_area_bound_ms",
+    "micro_batch_bound_ms",
+    "step_bound_ms",
+    "min_micro_batches",
+]
 
 
 def area_and_min_time(table: np.ndarray, types: list[GroupType]) -> tuple[np.ndarray, np.ndarray]:
@@ -73,9 +79,7 @@ def micro_batch_bound_ms(table: np.ndarray, degrees: np.ndarray, num_devices: in
     return b1_ms + latency_area_bound_ms(table, degrees, num_devices)
 
 
-def step_bound_ms(
-    table: np.ndarray, types, lengths, num_devices: int, tokens_per_device: int, b1_ms: float
-) -> float:
+def step_bound_ms(table: np.ndarray, types, lengths, num_devices: int, tokens_per_device: int, b1_ms: float) -> float:
     """Bound for a whole step (any micro-batching): the larger of the memory and the latency bounds."""
     degrees = np.array([t.degree for t in types], dtype=np.float64)
     area, tmin = area_and_min_time(table, types)

@@ -24,8 +24,18 @@ __all__ = ["MAX_EXACT_SEQUENCES", "solve_exact"]
 MAX_EXACT_SEQUENCES = 8
 
 
-def solve_exact(items, types: list[GroupType], table: np.ndarray, lengths: np.ndarray, *, num_devices: int,
-                tokens_per_device: int, b1_ms: float, time_limit_s: float, start: Draft | None = None):
+def solve_exact(
+    items,
+    types: list[GroupType],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    num_devices: int,
+    tokens_per_device: int,
+    b1_ms: float,
+    time_limit_s: float,
+    start: Draft | None = None,
+):
     """(draft, proven_optimal) for the micro-batch `items`, or None when CBC found nothing in time."""
     items = list(items)
     deg = [t.degree for t in types]
@@ -63,8 +73,9 @@ def solve_exact(items, types: list[GroupType], table: np.ndarray, lengths: np.nd
         if uv.x >= 0.5:
             gtype.append(t)
             members.append([i for (i, tt, jj), v in y.items() if tt == t and jj == j and v.x >= 0.5])
-    loads = np.array([b1_ms + sum(table[i, t] for i in mem) if mem else 0.0 for t, mem in zip(gtype, members,
-                                                                                              strict=True)])
+    loads = np.array(
+        [b1_ms + sum(table[i, t] for i in mem) if mem else 0.0 for t, mem in zip(gtype, members, strict=True)]
+    )
     tokens = np.array([int(sum(lengths[i] for i in mem)) for mem in members], dtype=np.int64)
     return Draft(gtype, members, loads, tokens), status == mip.OptimizationStatus.OPTIMAL
 

@@ -86,9 +86,17 @@ def solve_micro_batch(
     start = best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, b1_ms)
     best = MicroBatchSolution(start, start.makespan(), "static", 0, 0) if start is not None else None
     if len(items) <= MAX_EXACT_SEQUENCES:
-        exact = solve_exact(items, types, table, lengths, num_devices=num_devices,
-                            tokens_per_device=tokens_per_device, b1_ms=b1_ms,
-                            time_limit_s=max(0.05, deadline - time.perf_counter()), start=start)
+        exact = solve_exact(
+            items,
+            types,
+            table,
+            lengths,
+            num_devices=num_devices,
+            tokens_per_device=tokens_per_device,
+            b1_ms=b1_ms,
+            time_limit_s=max(0.05, deadline - time.perf_counter()),
+            start=start,
+        )
         if exact is not None and (best is None or exact[0].makespan() <= best.makespan_ms):
             return MicroBatchSolution(exact[0], exact[0].makespan(), "exact" if exact[1] else "milp", 1, 0)
     buckets = optimal_buckets(lengths[items], max_buckets)
@@ -242,5 +250,3 @@ def _realise(counts, types, table, lengths, b_items, n_dev, cap, b1_ms):
         if draft is None:
             return None
     return improve(draft, table, lengths, caps, b1_ms)
-
-

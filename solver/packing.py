@@ -15,7 +15,17 @@ from solver.cost_model import KINDS, RING, ULYSSES, kind_allowed, min_degree, se
 from solver.plan import Group
 from solver.profiles import Profile
 
-__all__ = ["GroupType", "group_types", "time_table", "Draft", "lpt_pack", "pack", "improve", "improve_step", "layout_groups"]
+__all__ = [
+    "GroupType",
+    "group_types",
+    "time_table",
+    "Draft",
+    "lpt_pack",
+    "pack",
+    "improve",
+    "improve_step",
+    "layout_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,12 @@ class Draft:
 
 
 def lpt_pack(
-    items, group_type: list[int], table: np.ndarray, lengths: np.ndarray, caps: np.ndarray, b1_ms: float,
+    items,
+    group_type: list[int],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    caps: np.ndarray,
+    b1_ms: float,
     best_fit: bool = False,
 ) -> Draft | None:
     """Longest-processing-time first: each item to the group where it would finish earliest, memory permitting.
@@ -116,15 +131,22 @@ def pack(items, group_type, table, lengths, caps, b1_ms) -> Draft | None:
     return draft
 
 
-def improve(draft: Draft, table: np.ndarray, lengths: np.ndarray, caps: np.ndarray, b1_ms: float,
-            max_moves: int = 200) -> Draft:
+def improve(
+    draft: Draft, table: np.ndarray, lengths: np.ndarray, caps: np.ndarray, b1_ms: float, max_moves: int = 200
+) -> Draft:
     """Move sequences off the slowest group while that lowers the pair's maximum (a 1-move local search)."""
     improve_step([draft], [caps], table, lengths, b1_ms, max_moves)
     return draft
 
 
-def improve_step(drafts: list[Draft], caps: list[np.ndarray], table: np.ndarray, lengths: np.ndarray,
-                 b1_ms: float, max_moves: int = 400) -> list[Draft]:
+def improve_step(
+    drafts: list[Draft],
+    caps: list[np.ndarray],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    b1_ms: float,
+    max_moves: int = 400,
+) -> list[Draft]:
     """Local search over a whole step: the objective is the sum of the micro-batches' makespans.
 
     A move takes one sequence off the slowest group of some micro-batch X and puts it in a group h (of X or of

@@ -18,6 +18,7 @@ import numpy as np
 
 from solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
 from solver.cost_model import KINDS
+from solver.errors import InfeasibleBatchError
 from solver.microbatching import partition_candidates
 from solver.milp import best_static_draft, solve_micro_batch
 from solver.packing import group_types, improve_step, layout_groups, time_table
@@ -109,7 +110,10 @@ class Planner:
         area, tmin = area_and_min_time(table, types)
         if not np.isfinite(area).all():
             i = int(np.flatnonzero(~np.isfinite(area))[0])
-            raise ValueError(f"sequence {i} ({lengths[i]} tokens) fits no group of kinds {cfg.kinds} on {n} devices")
+            raise InfeasibleBatchError(
+                f"sequence {i} ({lengths[i]} tokens) fits no group of kinds {cfg.kinds} on {n} devices (Ulysses "
+                f"degrees must divide num_heads={prof.num_heads}); allow 'ring' or use more devices"
+            )
         bound = step_bound_ms(table, types, lengths, n, cap, prof.b1_ms)
         deg = np.array([t.degree for t in types], dtype=np.float64)
         deadline = t0 + cfg.time_limit_s
@@ -137,37 +141,59 @@ class Planner:
                 best_total, best_mbs = total, [(split, s) for split, s in zip(split, sols, strict=True)]
                 status = "milp" if any(s[2] in ("milp", "exact") for s in sols) else "static"
         if best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
-            sols = self._split_until_packed(sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, table,
-                                            lengths, n)
+            sols = self._split_until_packed(
+                sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, table, lengths, n
+            )
             best_total = sum(s[1] for s in sols)
             best_mbs, status = [(None, s) for s in sols], "fallback"
         mbs = [MicroBatch(tuple(layout_groups(draft, types, range(len(lengths))))) for _, (draft, *_rest) in best_mbs]
         plan = Plan.for_profile(
-            num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof,
+            num_devices=n,
+            seq_lengths=lengths,
+            micro_batches=mbs,
+            profile=prof,
             meta={"planner": "flexorch-milp", "status": status},
         )
         solve_s = time.perf_counter() - t0
-        details = {"candidates": len(cands), "candidates_solved": tried,
-                   "micro_batches": len(mbs), "methods": [s[2] for _, s in best_mbs]}
+        details = {
+            "candidates": len(cands),
+            "candidates_solved": tried,
+            "micro_batches": len(mbs),
+            "methods": [s[2] for _, s in best_mbs],
+        }
         return StepPlan(plan, float(best_total), bound, solve_s, status, details)
 
     def _solve_split(self, split, types, table, lengths, n, deadline):
         """[(draft, makespan_ms, method)] for each micro-batch of one split."""
         cfg, prof = self.config, self.profile
-        args = []
-        for items in split:
-            deg = np.array([t.degree for t in types], dtype=np.float64)
-            lb = micro_batch_bound_ms(table[items], deg, n, prof.b1_ms)
-            args.append((items, lb))
+        deg = np.array([t.degree for t in types], dtype=np.float64)
+        args = [(items, micro_batch_bound_ms(table[items], deg, n, prof.b1_ms)) for items in split]
         budget = max(0.0, deadline - time.perf_counter()) / max(1, len(split) if cfg.workers == 1 else 1)
-        kw = dict(num_devices=n, tokens_per_device=prof.tokens_per_device, b1_ms=prof.b1_ms,
-                  max_buckets=cfg.max_buckets, tolerance=cfg.tolerance,
-                  max_bisection_steps=cfg.max_bisection_steps, ilp_time_limit_s=cfg.ilp_time_limit_s)
+        kw = dict(
+            num_devices=n,
+            tokens_per_device=prof.tokens_per_device,
+            b1_ms=prof.b1_ms,
+            max_buckets=cfg.max_buckets,
+            tolerance=cfg.tolerance,
+            max_bisection_steps=cfg.max_bisection_steps,
+            ilp_time_limit_s=cfg.ilp_time_limit_s,
+        )
         if cfg.workers > 1 and len(split) > 1:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(max_workers=cfg.workers)
-            futs = [self._pool.submit(solve_micro_batch, items, types, table, lengths, lower_bound_ms=lb,
-                                      time_budget_s=budget, **kw) for items, lb in args]
+            futs = [
+                self._pool.submit(
+                    solve_micro_batch,
+                    items,
+                    types,
+                    table,
+                    lengths,
+                    lower_bound_ms=lb,
+                    time_budget_s=budget,
+                    **kw,
+                )
+                for items, lb in args
+            ]
             out = []
             for (items, _), f in zip(args, futs, strict=True):
                 try:
@@ -182,8 +208,9 @@ class Planner:
         out = []
         for items, lb in args:
             left = max(0.0, deadline - time.perf_counter())
-            s = solve_micro_batch(items, types, table, lengths, lower_bound_ms=lb,
-                                  time_budget_s=min(budget, left), **kw)
+            s = solve_micro_batch(
+                items, types, table, lengths, lower_bound_ms=lb, time_budget_s=min(budget, left), **kw
+            )
             if s is None:
                 return None
             out.append((s.draft, s.makespan_ms, s.method))
@@ -199,8 +226,9 @@ class Planner:
         if got is not None:
             return [got]
         half = len(items) // 2
-        return (self._split_until_packed(items[:half], types, table, lengths, n)
-                + self._split_until_packed(items[half:], types, table, lengths, n))
+        return self._split_until_packed(items[:half], types, table, lengths, n) + self._split_until_packed(
+            items[half:], types, table, lengths, n
+        )
 
 
 def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> StepPlan:

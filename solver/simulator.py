@@ -32,10 +32,7 @@ def micro_batch_times_ms(plan: Plan, profile: Profile) -> list[float]:
     out = []
     for mb in plan.micro_batches:
         out.append(
-            max(
-                group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile)
-                for g in mb.groups
-            )
+            max(group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile) for g in mb.groups)
         )
     return out
 

@@ -149,9 +149,7 @@ def test_jsonl_and_directory_sources(tmp_path, capsys):
     (d / "pkg" / "b.md").write_text("é" * 10)
     (d / "image.png").write_bytes(b"\x89PNG")
     assert sorted(read_lengths(d).tolist()) == [12, 20]  # bytes: é is 2 bytes in UTF-8; png skipped
-    code, out, _ = _run(
-        ["plan", "--lengths", str(d), "--devices", "2", "--batch", "2", "--steps", "1"], capsys
-    )
+    code, out, _ = _run(["plan", "--lengths", str(d), "--devices", "2", "--batch", "2", "--steps", "1"], capsys)
     assert code == 0
 
 
@@ -181,9 +179,7 @@ def test_example_config_runs(capsys):
 
 
 def test_parse_tokens():
-    assert (
-        parse_tokens("384K") == 393216 and parse_tokens("2m") == 2 * 1024 * 1024 and parse_tokens("77") == 77
-    )
+    assert parse_tokens("384K") == 393216 and parse_tokens("2m") == 2 * 1024 * 1024 and parse_tokens("77") == 77
     for bad in ("", "K", "12Q", "0"):
         with pytest.raises(ValueError):
             parse_tokens(bad)

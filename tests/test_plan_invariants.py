@@ -118,3 +118,19 @@ def test_degree_below_minimum_and_heads_are_refused():
         _plan([[Group(2, "ring", (0, 1), (0, 1))]], lengths=(350, 1), n=8)
     with pytest.raises(InvalidPlanError, match="does not divide num_heads=4"):
         _plan([[Group(8, "ulysses", tuple(range(8)), (0, 1))]], n=8)
+
+
+def test_parallel_micro_batch_solves_in_worker_processes():
+    profile = get_profile("gpt-7b-a100")
+    lengths = np.random.default_rng(5).choice(read_lengths(bundled_lengths_path()), size=512)
+    lengths = lengths[lengths <= 64 * profile.tokens_per_device]
+    config = PlannerConfig(workers=2, time_limit_s=2.0)
+    from solver import Planner
+
+    with Planner(profile, config) as planner:
+        first = planner.plan(lengths, 64)
+        second = planner.plan(lengths[::-1].copy(), 64)  # the pool is reused across steps
+    for res, ls in ((first, lengths), (second, lengths[::-1])):
+        _check_plan(res.plan, ls, 64, profile)
+        assert len(res.plan.micro_batches) >= 2  # 512 Wikipedia documents need two micro-batches on 64 A100s
+        assert res.bound_ms <= res.makespan_ms

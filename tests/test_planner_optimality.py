@@ -28,12 +28,8 @@ def test_planner_matches_brute_force_and_bound_is_valid(seed):
         res = plan_step(lengths, n, TINY, PlannerConfig(time_limit_s=5.0))
         got = step_time_ms(res.plan, TINY)
         assert got == pytest.approx(res.makespan_ms, rel=1e-9)
-        assert got >= best * (1 - 1e-9), (
-            "a plan beat the brute-force optimum: simulator and brute force disagree"
-        )
-        assert res.bound_ms <= best * (1 + 1e-9), (
-            f"bound {res.bound_ms} above the optimum {best} for {lengths}"
-        )
+        assert got >= best * (1 - 1e-9), "a plan beat the brute-force optimum: simulator and brute force disagree"
+        assert res.bound_ms <= best * (1 + 1e-9), f"bound {res.bound_ms} above the optimum {best} for {lengths}"
         if best_single == best:  # one micro-batch is optimal: the planner must find the optimum
             assert got == pytest.approx(best, rel=1e-6), (n, lengths.tolist(), got, best)
             exact_checked += 1

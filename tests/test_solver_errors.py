@@ -65,6 +65,12 @@ def test_planner_config_is_validated():
         PlannerConfig(workers=0)
 
 
+def test_ulysses_only_cannot_form_groups_larger_than_the_heads():
+    # TINY has 4 heads: a sequence needing 8 devices has no Ulysses group
+    with pytest.raises(InfeasibleBatchError, match="fits no group of kinds \\('ulysses',\\)"):
+        plan_step([700, 10], 8, TINY, PlannerConfig(kinds=("ulysses",)))
+
+
 def test_ring_only_planning_uses_ring_groups():
     res = plan_step([300, 200, 20, 10], 8, TINY, PlannerConfig(kinds=("ring",)))
     kinds = {g.kind for mb in res.plan.micro_batches for g in mb.groups if g.degree > 1}
