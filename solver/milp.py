@@ -24,6 +24,7 @@ become extra groups, and a local search polishes the result. The plan kept is th
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
@@ -79,11 +80,16 @@ def solve_micro_batch(
     tolerance: float = 0.01,
     max_bisection_steps: int = 8,
     ilp_time_limit_s: float = 0.25,
+    start: Draft | None = None,
 ) -> MicroBatchSolution | None:
     """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits."""
     deadline = time.perf_counter() + time_budget_s
     items = list(items)
-    start = best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, b1_ms)
+    if start is None:
+        start = best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, b1_ms)
+    else:  # screened by the planner without polish: polish a copy now
+        caps = np.array([types[g].degree * tokens_per_device for g in start.group_type], dtype=np.int64)
+        start = improve(copy.deepcopy(start), table, lengths, caps, b1_ms)
     best = MicroBatchSolution(start, start.makespan(), "static", 0, 0) if start is not None else None
     if len(items) <= MAX_EXACT_SEQUENCES:
         exact = solve_exact(

@@ -120,15 +120,15 @@ class Planner:
 
         cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches)
         bounds = [sum(micro_batch_bound_ms(table[c], deg, n, prof.b1_ms) for c in split) for split in cands]
-        order = np.argsort(bounds, kind="stable")
+        order = self._screen(cands, bounds, types, table, lengths, n, t0 + 0.3 * cfg.time_limit_s)
         best_total, best_mbs, status, tried = np.inf, None, "fallback", 0
-        for ci in order.tolist():
+        for ci, starts in order:
             split = cands[ci]
             if bounds[ci] >= best_total:
-                break
+                continue
             if best_mbs is not None and time.perf_counter() >= deadline:
                 break
-            sols = self._solve_split(split, types, table, lengths, n, deadline)
+            sols = self._solve_split(split, types, table, lengths, n, deadline, starts)
             tried += 1
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
@@ -163,8 +163,33 @@ class Planner:
         }
         return StepPlan(plan, float(best_total), bound, solve_s, status, details)
 
-    def _solve_split(self, split, types, table, lengths, n, deadline):
+    def _screen(self, cands, bounds, types, table, lengths, n, screen_deadline):
+        """Order candidate splits by their best static layouts (what the MILP starts from), cheapest first.
+
+        Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
+        which no LP bound sees. Screening runs in bound order (memory-full splits last) until `screen_deadline`;
+        splits it did not reach follow in that order. Returns [(candidate index, per-micro-batch static drafts or None)].
+        """
+        cap = self.profile.tokens_per_device
+        # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly
+        fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
+        key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
+        done, rest = [], []
+        for ci in np.argsort(key, kind="stable").tolist():
+            if done and time.perf_counter() >= screen_deadline:
+                rest.append((ci, None))
+                continue
+            starts = [
+                best_static_draft(c, types, table, lengths, n, cap, self.profile.b1_ms, polish=False) for c in cands[ci]
+            ]
+            est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
+            done.append((est, ci, starts))
+        done.sort(key=lambda x: x[0])
+        return [(ci, starts) for _, ci, starts in done] + rest
+
+    def _solve_split(self, split, types, table, lengths, n, deadline, starts=None):
         """[(draft, makespan_ms, method)] for each micro-batch of one split."""
+        starts = starts or [None] * len(split)
         cfg, prof = self.config, self.profile
         deg = np.array([t.degree for t in types], dtype=np.float64)
         args = [(items, micro_batch_bound_ms(table[items], deg, n, prof.b1_ms)) for items in split]
@@ -190,9 +215,10 @@ class Planner:
                     lengths,
                     lower_bound_ms=lb,
                     time_budget_s=budget,
+                    start=st,
                     **kw,
                 )
-                for items, lb in args
+                for (items, lb), st in zip(args, starts, strict=True)
             ]
             out = []
             for (items, _), f in zip(args, futs, strict=True):
@@ -206,10 +232,10 @@ class Planner:
                 out.append(got)
             return out
         out = []
-        for items, lb in args:
+        for (items, lb), st in zip(args, starts, strict=True):
             left = max(0.0, deadline - time.perf_counter())
             s = solve_micro_batch(
-                items, types, table, lengths, lower_bound_ms=lb, time_budget_s=min(budget, left), **kw
+                items, types, table, lengths, lower_bound_ms=lb, time_budget_s=min(budget, left), start=st, **kw
             )
             if s is None:
                 return None

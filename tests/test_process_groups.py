@@ -1,0 +1,160 @@
+"""ProcessGroupRegistry: one world per epoch, overlapping sub-groups with correct collectives (real gloo)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist_utils import DistPool
+from workers.process_groups import canonical_rank_sets
+
+OVERLAPPING = [(0, 1, 2, 3), (0, 1), (2, 3), (1, 3)]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = DistPool(4)
+    yield p
+    p.close()
+
+
+def _collectives_job(ctx):
+    """all_reduce / all_gather / all_to_all / broadcast / ring p2p on every overlapping group, interleaved."""
+    rank = ctx.rank
+    with ctx.registry() as reg:
+        # Each rank lists the sets in a different order: the registry canonicalises before creating.
+        sets = OVERLAPPING[::-1] if rank % 2 else OVERLAPPING
+        reg.ensure(sets)
+        checked = 0
+        for _round in range(2):
+            for ranks in OVERLAPPING:
+                if rank not in ranks:
+                    continue
+                g = reg.group(ranks)
+                me, n = ranks.index(rank), len(ranks)
+                assert dist.get_rank(g) == me and dist.get_world_size(g) == n
+                x = torch.tensor([float(rank + 1)])
+                dist.all_reduce(x, group=g)
+                assert x.item() == sum(r + 1 for r in ranks), (ranks, x)
+                gathered = [torch.zeros(2) for _ in ranks]
+                dist.all_gather(gathered, torch.tensor([rank, 10.0 * rank]), group=g)
+                assert [t.tolist() for t in gathered] == [[r, 10.0 * r] for r in ranks]
+                send = torch.tensor([100.0 * rank + j for j in range(n)])
+                recv = torch.empty(n)
+                dist.all_to_all_single(recv, send, group=g)
+                assert recv.tolist() == [100.0 * r + me for r in ranks]
+                b = torch.tensor([float(rank)])
+                dist.broadcast(b, group_src=n - 1, group=g)
+                assert b.item() == ranks[-1]
+                got = torch.empty(1)
+                reqs = dist.batch_isend_irecv(
+                    [
+                        dist.P2POp(dist.isend, torch.tensor([float(rank)]), group=g, group_peer=(me + 1) % n),
+                        dist.P2POp(dist.irecv, got, group=g, group_peer=(me - 1) % n),
+                    ]
+                )
+                for req in reqs:
+                    req.wait()
+                assert got.item() == ranks[(me - 1) % n]
+                checked += 1
+        return checked
+
+
+def test_overlapping_groups_collectives(pool):
+    expected = [2 * sum(r in s for s in OVERLAPPING) for r in range(4)]
+    assert pool.run(_collectives_job) == expected
+
+
+def _cache_and_lookup_job(ctx):
+    with ctx.registry() as reg:
+        assert reg.group(range(4)) is reg.world  # the full set is the world itself, no new group
+        reg.ensure([(0, 1), (2, 3)])
+        mine = (0, 1) if ctx.rank < 2 else (2, 3)
+        g = reg.group(mine)
+        reg.ensure([(2, 3), (0, 1), (1, 0)])  # same sets again: nothing new, same objects
+        assert reg.group(reversed(mine)) is g
+        other = (2, 3) if ctx.rank < 2 else (0, 1)
+        with pytest.raises(ValueError, match=f"rank {ctx.rank} is not a member of group"):
+            reg.group(other)
+        with pytest.raises(KeyError, match="was not created; call ensure"):
+            reg.group((0, 1, 2) if ctx.rank < 3 else (1, 2, 3))
+        with pytest.raises(ValueError, match="outside the world of size 4"):
+            reg.ensure([(0, 4)])
+    with pytest.raises(RuntimeError, match="registry of epoch .* is closed"):
+        reg.group(mine)
+    return 1
+
+
+def test_groups_are_cached_and_lookups_are_checked(pool):
+    assert pool.run(_cache_and_lookup_job) == [1] * 4
+
+
+def _mismatched_ensure_job(ctx):
+    with ctx.registry() as reg:
+        sets = [(0, 1)] if ctx.rank == 0 else [(2, 3)]
+        with pytest.raises(ValueError, match="must get the same rank sets on every rank"):
+            reg.ensure(sets)
+        # Nothing was created and the world still works.
+        x = torch.ones(1)
+        dist.all_reduce(x, group=reg.world)
+        assert x.item() == 4
+        return 1
+
+
+def test_mismatched_ensure_raises_on_every_rank(pool):
+    assert pool.run(_mismatched_ensure_job, timeout_s=60) == [1] * 4
+
+
+def _epoch_job(ctx):
+    """Epoch 0: world of 4. Epoch 1: rank 3 has left, a world of 3 forms on the same store."""
+    with ctx.registry(epoch_offset=0) as reg:
+        with pytest.raises(RuntimeError, match="already open"):
+            ctx.registry(epoch_offset=5)
+        x = torch.ones(1)
+        dist.all_reduce(x, group=reg.world)
+        assert x.item() == 4
+    assert not dist.is_initialized()
+    if ctx.rank == 3:
+        return 0
+    with ctx.registry(world_size=3, epoch_offset=1) as reg:
+        reg.ensure([(0, 2), (1, 2)])
+        x = torch.tensor([float(ctx.rank)])
+        dist.all_reduce(x, group=reg.world)
+        assert x.item() == 3
+        if ctx.rank != 1:
+            y = torch.tensor([float(ctx.rank)])
+            dist.all_reduce(y, group=reg.group((0, 2)))
+            assert y.item() == 2
+        return dist.get_world_size()
+
+
+def test_new_epoch_new_world(pool):
+    assert pool.run(_epoch_job) == [3, 3, 3, 0]
+
+
+def test_canonical_rank_sets_is_deterministic():
+    a = canonical_rank_sets([(3, 1), (0, 1, 2, 3), (1, 0), (2, 3), (1, 3)], 4)
+    b = canonical_rank_sets([{2, 3}, [0, 1], (1, 3), (3, 2, 1, 0)], 4)
+    assert a == b == [(0, 1), (1, 3), (2, 3), (0, 1, 2, 3)]
+    with pytest.raises(ValueError, match="empty or outside"):
+        canonical_rank_sets([()], 4)
+    with pytest.raises(ValueError, match="empty or outside"):
+        canonical_rank_sets([(-1, 0)], 4)
+
+
+def test_import_workers_is_light():
+    code = "import sys, workers; print('torch' in sys.modules, 'ray' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+        cwd=Path(__file__).parents[1],
+    )
+    assert out.stdout.split() == ["False", "False"]
