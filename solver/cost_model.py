@@ -4,6 +4,7 @@ For a sequence of s tokens on an SP group of degree d (all d devices work on it 
 
 * compute:  (a1*s^2 + a2*s) / d                       (quadratic term: causal attention; linear: the rest)
 * Ulysses:  + bytes(s) / (d * bw_a2a[d])             bytes(s) = 4 all-to-alls/layer * 2 (fwd+bwd) * L * h * s * 2 B
+                                                      (q, o carry h; k, v carry h_kv*head_dim under GQA)
 * ring:     the attention term becomes d ring steps that overlap a block of compute with one K/V exchange,
             c = a1*s^2/d^2 per step (zigzag layout balances causal work), m = one step's bytes / bw_p2p[d]:
             attention = c + (d-1) * max(c, m)        (first block is local; DESIGN.md §2.1 "max(compute, comm)")
@@ -60,7 +61,10 @@ def kind_allowed(kind: str, d: int, profile: Profile) -> bool:
 
 
 def _ulysses_bytes_per_token(profile: Profile) -> float:
-    return 4 * 2 * profile.num_layers * profile.hidden * profile.bytes_per_element
+    # per layer and direction, all-to-alls of q and o (h each) and of k and v (h_kv * head_dim each); with
+    # h_kv == h this is FlexSP's 4 all-to-alls * 2 (fwd+bwd) * L * h * 2 bytes
+    kv_dim = profile.num_kv_heads * profile.head_dim
+    return 2 * profile.num_layers * (2 * profile.hidden + 2 * kv_dim) * profile.bytes_per_element
 
 
 def _ring_step_bytes_per_token(profile: Profile) -> float:

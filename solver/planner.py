@@ -168,7 +168,8 @@ class Planner:
 
         Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
         which no LP bound sees. Screening runs in bound order (memory-full splits last) until `screen_deadline`;
-        splits it did not reach follow in that order. Returns [(candidate index, per-micro-batch static drafts or None)].
+        splits it did not reach follow in that order.
+        Returns [(candidate index, per-micro-batch static drafts or None)].
         """
         cap = self.profile.tokens_per_device
         # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly

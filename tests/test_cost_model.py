@@ -1,0 +1,46 @@
+"""The cost model against hand-computed FlexSP formulas (DESIGN.md §2.1) with the published 7B constants."""
+
+import pytest
+
+from solver import get_profile, min_degree, seq_time_ms
+from solver.cost_model import comm_bytes, kind_allowed, next_pow2
+
+P = get_profile("gpt-7b-a100")
+
+
+def test_compute_terms_and_ulysses_all_to_all():
+    s = 8192
+    compute = 5.128e-6 * s * s + 0.18396 * s
+    assert seq_time_ms(s, 1, "ulysses", P) == pytest.approx(compute)
+    assert seq_time_ms(s, 1, "ring", P) == pytest.approx(compute)
+    # d=8 inside a node: bytes(s) = 4 a2a * 2 (fwd+bwd) * L * h * s * 2 B, over d * 96.5 GB/s
+    comm_ms = 4 * 2 * 32 * 4096 * s * 2 / (8 * 96.5e9) * 1e3
+    assert seq_time_ms(s, 8, "ulysses", P) == pytest.approx(compute / 8 + comm_ms)
+    # across nodes the bandwidth collapses (10.33 GB/s at 16): the device-time almost doubles
+    assert 16 * seq_time_ms(2000, 16, "ulysses", P) > 1.8 * 8 * seq_time_ms(2000, 8, "ulysses", P)
+
+
+def test_ring_overlaps_block_compute_with_kv_exchange():
+    s, d = 65536, 4
+    attn = 5.128e-6 * s * s
+    c = attn / (d * d)
+    step_bytes = 3 * 2 * (32 * 128) * 2 * 32 * (s / d)
+    m = step_bytes / (104.07e9) * 1e3
+    expected = c + (d - 1) * max(c, m) + 0.18396 * s / d
+    assert seq_time_ms(s, d, "ring", P) == pytest.approx(expected)
+
+
+def test_gqa_shrinks_communication():
+    gqa = P.with_overrides(num_kv_heads=8)
+    assert comm_bytes(1000, 4, "ulysses", gqa) == pytest.approx(comm_bytes(1000, 4, "ulysses", P) * (2 + 2 / 4) / 4)
+    assert comm_bytes(1000, 4, "ring", gqa) == pytest.approx(comm_bytes(1000, 4, "ring", P) / 4)
+    assert comm_bytes(1000, 1, "ring", P) == 0.0
+
+
+def test_memory_and_degrees():
+    assert P.tokens_per_device == 6250  # 28 GB / 4.48 MB
+    assert [next_pow2(x) for x in (0, 1, 2, 3, 5, 64, 65)] == [1, 1, 2, 4, 8, 64, 128]
+    assert min_degree(6250, 6250) == 1 and min_degree(6251, 6250) == 2 and min_degree(384 * 1024, 6250) == 64
+    assert kind_allowed("ulysses", 32, P) and not kind_allowed("ulysses", 64, P) and kind_allowed("ring", 64, P)
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        kind_allowed("star", 2, P)
