@@ -107,7 +107,7 @@ class Planner:
         cap = prof.tokens_per_device
         types = group_types(n, prof, cfg.kinds)
         table = time_table(lengths, types, prof)
-        area, tmin = area_and_min_time(table, types)
+        area, _ = area_and_min_time(table, types)
         if not np.isfinite(area).all():
             i = int(np.flatnonzero(~np.isfinite(area))[0])
             raise InfeasibleBatchError(
@@ -119,7 +119,8 @@ class Planner:
         deadline = t0 + cfg.time_limit_s
 
         cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches)
-        bounds = [sum(micro_batch_bound_ms(table[c], deg, n, prof.b1_ms) for c in split) for split in cands]
+        mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, prof.b1_ms) for c in split] for split in cands]
+        bounds = [sum(b) for b in mb_bounds]
         order = self._screen(cands, bounds, types, table, lengths, n, t0 + 0.3 * cfg.time_limit_s)
         best_total, best_mbs, status, tried = np.inf, None, "fallback", 0
         for ci, starts in order:
@@ -128,7 +129,7 @@ class Planner:
                 continue
             if best_mbs is not None and time.perf_counter() >= deadline:
                 break
-            sols = self._solve_split(split, types, table, lengths, n, deadline, starts)
+            sols = self._solve_split(split, mb_bounds[ci], types, table, lengths, n, deadline, starts)
             tried += 1
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
@@ -188,12 +189,11 @@ class Planner:
         done.sort(key=lambda x: x[0])
         return [(ci, starts) for _, ci, starts in done] + rest
 
-    def _solve_split(self, split, types, table, lengths, n, deadline, starts=None):
+    def _solve_split(self, split, lower_bounds, types, table, lengths, n, deadline, starts=None):
         """[(draft, makespan_ms, method)] for each micro-batch of one split."""
         starts = starts or [None] * len(split)
         cfg, prof = self.config, self.profile
-        deg = np.array([t.degree for t in types], dtype=np.float64)
-        args = [(items, micro_batch_bound_ms(table[items], deg, n, prof.b1_ms)) for items in split]
+        args = list(zip(split, lower_bounds, strict=True))
         budget = max(0.0, deadline - time.perf_counter()) / max(1, len(split) if cfg.workers == 1 else 1)
         kw = dict(
             num_devices=n,
