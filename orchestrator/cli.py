@@ -37,9 +37,64 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", default=None, help="one JSON object per step")
     plan.add_argument("--svg", type=Path, help="write a picture of every step (devices x time) to this file")
 
+    train = sub.add_parser("train", help="train a model with a new SP plan every step (Ray driver + worker actors)")
+    _train_flags(train)
+    calib = sub.add_parser("profile", help="calibrate the cost model on the workers and write a profile JSON")
+    _train_flags(calib)
+    calib.add_argument("--out", type=Path, default=Path("runs/profile.json"), help="profile file to write")
+
     prof = sub.add_parser("profiles", help="list the built-in cost-model profiles, or print one as JSON")
     prof.add_argument("name", nargs="?", help="profile name or JSON file to print")
     return p
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="TOML run file (see examples/train_laptop.toml); flags win")
+    p.add_argument("--steps", type=int, help="total steps of the run (default 20)")
+    p.add_argument("--workers", type=int, help="worker actors (default 4)")
+    p.add_argument("--data", help="directory of text/code files, .jsonl or .parquet (default: Python's stdlib)")
+    p.add_argument("--run-dir", help="records, profile and checkpoints go here (default runs/train)")
+    p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the run dir's checkpoint")
+    p.add_argument("--batch-size", type=int, help="documents per global batch (default 16)")
+    p.add_argument("--seed", type=int, help="model init and data order seed (default 0)")
+    p.add_argument("--mode", help="'adaptive' (default) or a static layout such as static-ulysses-2")
+    p.add_argument("--profile", help="'auto' (calibrate at start, default), a built-in name or a profile JSON")
+    p.add_argument("--max-context", help="longest document in tokens, e.g. 2K (default 2048)")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: only at the end)")
+
+
+def _train_config(args: argparse.Namespace):
+    from orchestrator.train_config import load_train_config
+
+    overrides = {
+        "steps": args.steps,
+        "workers": args.workers,
+        "run_dir": args.run_dir,
+        "resume": args.resume,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "checkpoint_every": args.checkpoint_every,
+        "data.source": args.data,
+        "data.max_context": parse_tokens(args.max_context) if args.max_context else None,
+        "plan.mode": args.mode,
+        "plan.profile": args.profile,
+    }
+    return load_train_config(args.config, overrides)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from orchestrator.train_command import run_train
+
+    run_train(_train_config(args), address=args.address)
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from orchestrator.train_command import run_profile
+
+    run_profile(_train_config(args), args.out, address=args.address)
+    return 0
 
 
 _PLAN_KEYS = {
@@ -124,10 +179,9 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.command == "plan":
-            return _cmd_plan(args)
-        return _cmd_profiles(args)
-    except (ValueError, OSError) as e:  # PlanningError, DataError, ProfileError are ValueErrors
+        commands = {"plan": _cmd_plan, "profiles": _cmd_profiles, "train": _cmd_train, "profile": _cmd_profile}
+        return commands[args.command](args)
+    except (ValueError, OSError, RuntimeError) as e:  # PlanningError, DataError, ProfileError are ValueErrors
         print(f"flexorch {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,79 @@
+"""Checkpoints of a training run, in Ray Train's layout: one directory per checkpoint, wrapped as a
+``ray.train.Checkpoint``.
+
+``RUN_DIR/checkpoints/checkpoint_<step>/`` holds
+
+* ``model.pt``: the model's state dict (tensors only);
+* ``train_state.pt``: optimizer, LR schedule and torch RNG state (tensors and plain values);
+* ``driver_state.json``: the step count, the data stream position (the exact next document), the corpus
+  fingerprint and the run config.
+
+A checkpoint is written to a hidden temporary directory and renamed into place, so a crash never leaves a
+half-written one that looks complete. Everything is loaded with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from ray.train import Checkpoint
+
+__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "CheckpointError"]
+
+_PREFIX = "checkpoint_"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, incomplete or from another run."""
+
+
+def _root(run_dir: Path | str) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def save_checkpoint(run_dir: Path | str, step: int, worker_state: dict, driver_state: dict, keep: int = 2) -> Checkpoint:
+    """Write the checkpoint taken after ``step`` steps; keep the newest ``keep`` checkpoints."""
+    root = _root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_PREFIX}{step:06d}"
+    tmp = root / f".tmp-{_PREFIX}{step:06d}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(worker_state["model"], tmp / "model.pt")
+    torch.save(
+        {"optimizer": worker_state["optimizer"], "scheduler": worker_state["scheduler"], "rng": worker_state["rng"]},
+        tmp / "train_state.pt",
+    )
+    (tmp / "driver_state.json").write_text(json.dumps({**driver_state, "step": step}, indent=1, sort_keys=True))
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return Checkpoint.from_directory(str(final))
+
+
+def latest_checkpoint(run_dir: Path | str) -> Checkpoint | None:
+    """The newest complete checkpoint of a run directory, or None."""
+    root = _root(run_dir)
+    if not root.is_dir():
+        return None
+    done = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / "driver_state.json").is_file())
+    return Checkpoint.from_directory(str(done[-1])) if done else None
+
+
+def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict, dict]:
+    """(worker_state, driver_state) of a checkpoint; tensors are loaded with ``weights_only=True``."""
+    with checkpoint.as_directory() as d:
+        d = Path(d)
+        missing = [f for f in ("model.pt", "train_state.pt", "driver_state.json") if not (d / f).is_file()]
+        if missing:
+            raise CheckpointError(f"checkpoint {d} is incomplete: missing {missing}")
+        model = torch.load(d / "model.pt", weights_only=True, map_location="cpu")
+        train = torch.load(d / "train_state.pt", weights_only=True, map_location="cpu")
+        driver = json.loads((d / "driver_state.json").read_text())
+    return {"model": model, **train}, driver

@@ -1,0 +1,297 @@
+"""The TrainingDriver: owns the data stream, the step loop, the planner and the workers (DESIGN.md §1).
+
+Every step: (1) take the next global batch from the stream (lengths are known before any token moves); (2) get
+its plan, which the planner actor computed while the previous step ran; (3) send each worker its
+:class:`~workers.step_task.StepTask` and the refs of the token blocks its documents live in (tokens go from the
+object store to the workers, never through the driver); (4) ask the planner for the next batch's plan, so the
+solve overlaps this step; (5) wait for the outcomes, record plan and outcome in ``steps.jsonl``, checkpoint when
+due. :meth:`TrainingDriver.step` is one explicit transition, so tests can step the driver and look at its state;
+:meth:`run` loops it and publishes progress events the CLI polls.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import ray
+
+from orchestrator.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from orchestrator.corpus import load_corpus
+from orchestrator.data_stream import DocumentStream
+from orchestrator.planning import PlannedStep, StepPlannerActor, planner_profile
+from orchestrator.records import StepRecords
+from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
+from orchestrator.worker_group import RayWorkerGroup
+from solver.errors import InfeasibleBatchError
+from solver.planner import PlannerConfig
+from workers.step_task import DocRef, step_tasks
+
+__all__ = ["TrainingDriver", "TrainingDriverActor"]
+
+
+class TrainingDriver:
+    """The control plane of one run. Construct, :meth:`setup`, then :meth:`step` or :meth:`run`."""
+
+    def __init__(self, config: dict | TrainConfig, corpus=None):
+        self.corpus = corpus  # a loaded Corpus may be shared by in-process drivers (tests, benchmarks)
+        self.cfg = config if isinstance(config, TrainConfig) else config_from_dict(config)
+        self.run_dir = Path(self.cfg.run_dir)
+        self.step_no = 0
+        self.skipped_batches = 0
+        self.resumed_from: int | None = None
+        self._events: list[dict] = []
+        self._lock = threading.Lock()
+        self._pending: tuple[int, ray.ObjectRef] | None = None
+        self._done = False
+        self._error: str | None = None
+        self._step_wall: list[float] = []
+        self.workers: RayWorkerGroup | None = None
+
+    # ---------------------------------------------------------------- setup
+    def setup(self) -> dict:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.corpus is None:
+            self.corpus = load_corpus(cfg.data)
+        if self.corpus.vocab_size > cfg.model.vocab_size:
+            raise ConfigError(
+                f"tokenizer {self.corpus.tokenizer_name!r} has {self.corpus.vocab_size} ids but model.vocab_size="
+                f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.corpus.vocab_size}"
+            )
+        self.stream = DocumentStream(self.corpus.num_docs, cfg.batch_size, cfg.seed)
+        ckpt = latest_checkpoint(self.run_dir) if cfg.resume else None
+        if cfg.resume and ckpt is None:
+            raise ConfigError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; run without --resume")
+        self.workers = RayWorkerGroup(
+            cfg.workers,
+            model_cfg=cfg.model.to_dict(),
+            optim_cfg=_optim_dict(cfg),
+            seed=cfg.seed,
+            use_gpu=cfg.use_gpu,
+            threads=cfg.worker_threads,
+            collective_timeout_s=cfg.collective_timeout_s,
+        )
+        world_s = self.workers.form_world()
+        if ckpt is not None:
+            state, dstate = load_checkpoint(ckpt)
+            if dstate["corpus"] != self._corpus_fingerprint():
+                raise ConfigError(
+                    f"--resume: the checkpoint was taken on another corpus ({dstate['corpus']}); this run reads "
+                    f"{self._corpus_fingerprint()}"
+                )
+            self.stream.load_state_dict(dstate["stream"])
+            self.step_no = self.resumed_from = int(dstate["step"])
+            self.skipped_batches = int(dstate.get("skipped_batches", 0))
+            self.workers.set_state(state)
+        self.profile = self._resolve_profile()
+        planner_cfg = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
+        self.planner = StepPlannerActor.remote(self.profile, planner_cfg, cfg.plan.static)
+        self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
+        (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
+        summary = {
+            "event": "setup",
+            "corpus": self.corpus.stats,
+            "num_docs": self.corpus.num_docs,
+            "batches_per_epoch": self.stream.batches_per_epoch,
+            "workers": cfg.workers,
+            "world_s": world_s,
+            "profile": self.profile.name,
+            "tokens_per_worker": self.profile.tokens_per_device,
+            "resumed_from": self.resumed_from,
+            "steps": cfg.steps,
+            "model_params": cfg.model.num_params(),
+        }
+        self._publish(summary)
+        return summary
+
+    def _corpus_fingerprint(self) -> dict:
+        c = self.corpus
+        return {"num_docs": c.num_docs, "tokens": int(c.lengths.sum()), "first": c.keys[0], "last": c.keys[-1]}
+
+    def _resolve_profile(self):
+        from orchestrator.calibration import resolve_profile
+
+        base = resolve_profile(self.cfg, self.workers, self.run_dir, self._publish)
+        return planner_profile(
+            base,
+            num_heads=self.cfg.model.num_heads,
+            num_kv_heads=self.cfg.model.num_kv_heads,
+            tokens_per_worker=self.cfg.plan.tokens_per_worker,
+        )
+
+    # ---------------------------------------------------------------- one step
+    @property
+    def finished(self) -> bool:
+        return self.step_no >= self.cfg.steps
+
+    def step(self) -> dict:
+        """Train one global batch (or record it as skipped); returns its record."""
+        if self.workers is None:
+            raise RuntimeError("call setup() first")
+        t_start = time.perf_counter()
+        batch = self.stream.next_batch()
+        lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
+        n = self.workers.size
+        t_wait = time.perf_counter()
+        if self._pending is not None and self._pending[0] == batch.step:
+            planned: PlannedStep = ray.get(self._pending[1])
+        else:
+            planned = ray.get(self.planner.plan.remote(lengths, n))
+        self._pending = None
+        plan_wait_ms = (time.perf_counter() - t_wait) * 1e3
+        base = {
+            "step": self.step_no,
+            "epoch": batch.epoch,
+            "batch_index": batch.index_in_epoch,
+            "doc_ids": list(batch.doc_ids),
+            "seq_lengths": lengths,
+            "world_size": n,
+            "mode": self.cfg.plan.mode,
+            "solve_s": planned.solve_s,
+            "plan_wait_ms": plan_wait_ms,
+            "baselines_ms": planned.baselines_ms,
+        }
+        if planned.plan is None:
+            return self._skip(base, planned)
+
+        t_dispatch = time.perf_counter()
+        locs = self.corpus.locate(list(batch.doc_ids))
+        docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
+        tasks = step_tasks(planned.plan, docs, self.step_no)
+        block_refs = [
+            {b: self.corpus.block_refs[b] for b in sorted({d.block for w in t.work for d in w.docs})} for t in tasks
+        ]
+        refs = self.workers.run_step(tasks, block_refs)
+        dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
+        if self.step_no + 1 < self.cfg.steps:  # plan the next batch while this one runs
+            nxt = self.stream.peek()
+            nxt_lengths = [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]]
+            self._pending = (nxt.step, self.planner.plan.remote(nxt_lengths, n))
+        outcomes = self.workers.wait(refs, f"run step {self.step_no}")
+        t_done = time.perf_counter()
+
+        tokens = outcomes[0].num_predicted
+        measured_ms = (t_done - t_dispatch) * 1e3
+        record = {
+            **base,
+            "status": planned.status,
+            "skipped": False,
+            "reason": None,
+            "shape": planned.plan.shape(),
+            "plan": planned.plan.to_dict(),
+            "predicted_ms": planned.predicted_ms,
+            "bound_ms": planned.bound_ms,
+            "measured_ms": measured_ms,
+            "compute_ms": max(o.compute_end_ms for o in outcomes),
+            "sync_ms": max(o.sync_ms for o in outcomes),
+            "optim_ms": max(o.optim_ms for o in outcomes),
+            "dispatch_ms": dispatch_ms,
+            "loss": outcomes[0].loss,
+            "tokens": tokens,
+            "tokens_per_s": tokens / max(measured_ms / 1e3, 1e-9),
+            "lr": outcomes[0].lr,
+            "grad_norm": outcomes[0].grad_norm,
+            "ranks": [
+                {
+                    "micro_batch_ms": o.micro_batch_ms,
+                    "compute_end_ms": o.compute_end_ms,
+                    "local_tokens": o.local_tokens,
+                    "peak_local_tokens": o.peak_local_tokens,
+                    "peak_activation_bytes": o.peak_activation_bytes,
+                }
+                for o in outcomes
+            ],
+        }
+        self.step_no += 1
+        record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
+        self._finish(record, t_start)
+        return record
+
+    def _skip(self, base: dict, planned: PlannedStep) -> dict:
+        if self.cfg.plan.on_infeasible == "error":
+            raise InfeasibleBatchError(
+                f"step {self.step_no}: no plan fits batch {base['batch_index']} of epoch {base['epoch']} "
+                f"(documents {base['doc_ids'][:8]}..., longest {max(base['seq_lengths'])} tokens) on "
+                f"{base['world_size']} workers: {planned.error}. Set plan.on_infeasible = 'skip' to skip such "
+                "batches (they are counted and recorded), or lower data.max_context"
+            )
+        self.skipped_batches += 1
+        record = {**base, "status": "infeasible", "skipped": True, "reason": planned.error, "shape": None}
+        self.step_no += 1
+        self._finish(record, time.perf_counter())
+        return record
+
+    def _finish(self, record: dict, t_start: float) -> None:
+        record = self.records.append(record)
+        self._step_wall.append(time.perf_counter() - t_start)
+        if self.cfg.checkpoint_every and self.step_no % self.cfg.checkpoint_every == 0 and not self.finished:
+            self.checkpoint()
+        remaining = self.cfg.steps - self.step_no
+        recent = self._step_wall[-10:]
+        self._publish({"event": "step", **record, "eta_s": remaining * sum(recent) / len(recent)})
+
+    # ---------------------------------------------------------------- checkpoints, loop, events
+    def checkpoint(self) -> str:
+        state = self.workers.get_state(0)
+        driver_state = {
+            "stream": self.stream.state_dict(),
+            "corpus": self._corpus_fingerprint(),
+            "skipped_batches": self.skipped_batches,
+            "config": self.cfg.to_dict(),
+        }
+        ckpt = save_checkpoint(self.run_dir, self.step_no, state, driver_state, keep=self.cfg.keep_checkpoints)
+        self._publish({"event": "checkpoint", "step": self.step_no, "path": ckpt.path})
+        return ckpt.path
+
+    def run(self) -> dict:
+        """Step until ``steps`` are done, checkpoint at the end; errors are published, then raised."""
+        try:
+            if self.workers is None:
+                self.setup()
+            while not self.finished:
+                self.step()
+            path = self.checkpoint()
+            summary = {"event": "done", "steps": self.step_no, "skipped_batches": self.skipped_batches,
+                       "checkpoint": path, "records": str(self.records.path)}
+            self._publish(summary)
+            return summary
+        except Exception as e:
+            self._error = f"{type(e).__name__}: {e}"
+            self._publish({"event": "error", "error": self._error})
+            raise
+        finally:
+            self._done = True
+
+    def _publish(self, event: dict) -> None:
+        with self._lock:
+            self._events.append(event)
+
+    def poll(self, since: int) -> tuple[list[dict], bool]:
+        """Events after index ``since`` and whether the run has ended."""
+        with self._lock:
+            return self._events[since:], self._done
+
+    def replica_parameters(self) -> list:
+        """Every rank's parameters (tests check the replicas are identical and match the reference)."""
+        return self.workers.call("parameters_digest")
+
+    def shutdown(self) -> None:
+        if self.workers is not None:
+            self.workers.shutdown()
+            self.workers = None
+        planner = getattr(self, "planner", None)
+        if planner is not None:
+            ray.kill(planner)
+
+
+def _optim_dict(cfg: TrainConfig) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(cfg.optim)
+
+
+TrainingDriverActor = ray.remote(num_cpus=0, max_concurrency=4)(TrainingDriver)
+"""The driver as a Ray actor; ``run`` in one thread while the CLI calls ``poll`` from another."""

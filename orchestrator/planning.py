@@ -1,0 +1,81 @@
+"""The step planner the driver talks to: runs in its own process (a Ray actor), so a solve overlaps a step.
+
+It wraps `solver.planner.Planner` (adaptive) or `solver.baselines.static_plan` (a forced static layout, for
+comparisons and the invariant tests) and adds the baselines' predicted step times to every answer.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import ray
+
+from solver.baselines import baseline_times_ms, static_plan
+from solver.errors import InfeasibleBatchError, PlanningError
+from solver.plan import Plan
+from solver.planner import Planner, PlannerConfig
+from solver.profiles import Profile
+from solver.simulator import step_time_ms
+
+__all__ = ["PlannedStep", "StepPlanner", "StepPlannerActor", "planner_profile"]
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A plan and how it was found (or why there is none)."""
+
+    plan: Plan | None
+    predicted_ms: float = 0.0
+    """Step time the cost model predicts for the plan (solver.simulator)."""
+    bound_ms: float = 0.0
+    """Proven lower bound for this batch (0 for forced static plans)."""
+    solve_s: float = 0.0
+    status: str = ""
+    baselines_ms: dict = field(default_factory=dict)
+    """Predicted step time of each static layout and BatchAda (None where infeasible)."""
+    error: str | None = None
+    """Why no plan exists (an infeasible batch); ``plan`` is None then."""
+
+
+def planner_profile(profile: Profile, *, num_heads: int, num_kv_heads: int, tokens_per_worker: int) -> Profile:
+    """``profile`` with the model's heads and a memory budget of exactly ``tokens_per_worker`` activation tokens."""
+    budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * profile.act_bytes_per_token
+    return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget)
+
+
+class StepPlanner:
+    """Plans steps for one profile; ``static`` = (kind, degree) forces one layout."""
+
+    def __init__(self, profile: Profile, config: PlannerConfig, static: tuple[str, int] | None = None):
+        self.profile = profile
+        self.static = static
+        self._planner = Planner(profile, config) if static is None else None
+
+    def plan(self, lengths, num_devices: int, with_baselines: bool = True) -> PlannedStep:
+        t0 = time.perf_counter()
+        try:
+            if self.static is None:
+                sp = self._planner.plan(lengths, num_devices)
+                plan, predicted, bound, status = sp.plan, sp.makespan_ms, sp.bound_ms, sp.status
+            else:
+                kind, d = self.static
+                plan = static_plan(lengths, num_devices, self.profile, d, kind)
+                if plan is None:
+                    raise InfeasibleBatchError(
+                        f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
+                        f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
+                    )
+                predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
+            baselines = baseline_times_ms(lengths, num_devices, self.profile) if with_baselines else {}
+        except PlanningError as e:
+            return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
+        return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
+
+    def close(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
+
+
+StepPlannerActor = ray.remote(num_cpus=0)(StepPlanner)
+"""``StepPlanner`` in its own worker process (no CPU reserved: it sleeps while the step runs)."""

@@ -1,0 +1,89 @@
+"""Shared pieces of the training tests: a small real corpus, a fixed CPU profile, configs, the reference run."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+
+from orchestrator.corpus import CorpusConfig
+from orchestrator.train_config import PlanSettings, TrainConfig
+from solver.profiles import Profile
+from workers.model import ModelConfig
+from workers.optim import OptimConfig
+
+# Byte lengths of the test documents: long-tailed, the longest (255 B + BOS = 256 tokens) needs all 4 workers
+# at 64 tokens per worker, the shortest are a few bytes.
+DOC_BYTES = [5, 40, 255, 17, 90, 200, 127, 60, 8, 33, 150, 71, 12, 250, 99, 3, 180, 45, 64, 22, 120, 7, 230, 55]
+
+
+def write_corpus(root: Path, sizes=DOC_BYTES) -> Path:
+    """Real text (the standard library's textwrap source) cut into documents of the given byte sizes."""
+    text = inspect.getsource(textwrap).encode()
+    root.mkdir(parents=True, exist_ok=True)
+    pos = 0
+    for i, n in enumerate(sizes):
+        (root / f"doc_{i:03d}.txt").write_bytes(text[pos : pos + n])
+        pos += n
+    return root
+
+
+def cpu_profile(path: Path) -> Path:
+    """A fixed profile (no calibration) with the tiny model's shape and a real collective latency."""
+    p = Profile(
+        name="test-cpu",
+        a1_ms=2e-5,
+        a2_ms=0.02,
+        b1_ms=1.0,
+        act_bytes_per_token=11_000.0,
+        memory_budget_bytes=1e9,
+        model_state_bytes=0.0,
+        num_layers=2,
+        hidden=64,
+        num_heads=4,
+        num_kv_heads=2,
+        a2a_gbps={2: 1.0, 4: 1.0},
+        bytes_per_element=4,
+    )
+    data = json.loads(p.to_json())
+    data.update({"a2a_latency_ms": {"2": 4.0, "4": 8.0}, "p2p_latency_ms": {"2": 3.0, "4": 9.0}})
+    path.write_text(json.dumps(data))
+    return path
+
+
+def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) -> TrainConfig:
+    plan = {"profile": str(profile), "tokens_per_worker": 64, "time_limit_s": 0.3, **overrides.pop("plan", {})}
+    values = {
+        "steps": 3,
+        "workers": 4,
+        "batch_size": 8,
+        "seed": 0,
+        "run_dir": str(run_dir),
+        "model": ModelConfig(),
+        "optim": OptimConfig(lr=1e-3, warmup_steps=1),
+        "data": CorpusConfig(source=str(corpus_dir), max_context=256),
+        "plan": PlanSettings(**plan),
+        **overrides,
+    }
+    return TrainConfig(**values)
+
+
+def reference_losses_and_params(cfg: TrainConfig, corpus, records) -> tuple[list[float], dict]:
+    from workers.reference import reference_train
+
+    batches = [corpus.get_tokens(r["doc_ids"]) for r in records if not r["skipped"]]
+    losses, state = reference_train(cfg.model, cfg.optim, batches, cfg.seed)
+    return losses, {k: v.numpy() for k, v in state.items()}
+
+
+def assert_params_close(replicas: list, reference: dict, atol: float = 2e-5, rtol: float = 1e-4) -> None:
+    first = dict(replicas[0])
+    for other in replicas[1:]:  # every replica took the same all-reduced gradient: bitwise identical
+        for name, value in other:
+            np.testing.assert_array_equal(value, first[name], err_msg=f"replicas differ at {name}")
+    assert set(first) == set(reference)
+    for name, value in first.items():
+        np.testing.assert_allclose(value, reference[name], rtol=rtol, atol=atol, err_msg=name)
