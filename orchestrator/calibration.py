@@ -80,7 +80,9 @@ def calibrate(group, cfg, *, repeats: int = 3) -> tuple[Profile, dict]:
         s = np.asarray(p.lengths, dtype=np.float64)
         compute_ms = base.b1_ms + float((base.a1_ms * s * s + base.a2_ms * s).sum()) / p.degree
         comm_samples.append(
-            CommSample(kind=p.kind, degree=p.degree, tokens_per_rank=int(s.sum()) // p.degree, ms=max(0.01, m - compute_ms))
+            CommSample(
+                kind=p.kind, degree=p.degree, tokens_per_rank=int(s.sum()) // p.degree, ms=max(0.01, m - compute_ms)
+            )
         )
         group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m)))
     if not any(c.kind == "ulysses" for c in comm_samples):  # one worker or ring only: a2a table needs an entry

@@ -35,7 +35,9 @@ def _root(run_dir: Path | str) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def save_checkpoint(run_dir: Path | str, step: int, worker_state: dict, driver_state: dict, keep: int = 2) -> Checkpoint:
+def save_checkpoint(
+    run_dir: Path | str, step: int, worker_state: dict, driver_state: dict, keep: int = 2
+) -> Checkpoint:
     """Write the checkpoint taken after ``step`` steps; keep the newest ``keep`` checkpoints."""
     root = _root(run_dir)
     root.mkdir(parents=True, exist_ok=True)

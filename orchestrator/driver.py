@@ -254,8 +254,13 @@ class TrainingDriver:
             while not self.finished:
                 self.step()
             path = self.checkpoint()
-            summary = {"event": "done", "steps": self.step_no, "skipped_batches": self.skipped_batches,
-                       "checkpoint": path, "records": str(self.records.path)}
+            summary = {
+                "event": "done",
+                "steps": self.step_no,
+                "skipped_batches": self.skipped_batches,
+                "checkpoint": path,
+                "records": str(self.records.path),
+            }
             self._publish(summary)
             return summary
         except Exception as e:

@@ -60,8 +60,12 @@ def format_step(ev: dict, total: int) -> str:
 def _describe_setup(ev: dict) -> str:
     st = ev["corpus"]
     parts = [f"{ev['num_docs']:,} documents", f"{st.get('tokens', 0):,} tokens"]
-    for key, label in (("split_docs", "split"), ("dropped_over_long", "over-long dropped"),
-                       ("skipped_binary", "binary skipped"), ("skipped_empty", "empty skipped")):
+    for key, label in (
+        ("split_docs", "split"),
+        ("dropped_over_long", "over-long dropped"),
+        ("skipped_binary", "binary skipped"),
+        ("skipped_empty", "empty skipped"),
+    ):
         if st.get(key):
             parts.append(f"{st[key]:,} {label}")
     resumed = f", resumed after step {ev['resumed_from']}" if ev.get("resumed_from") is not None else ""

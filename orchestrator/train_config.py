@@ -164,7 +164,9 @@ def config_from_dict(values: dict) -> TrainConfig:
     values = {k.replace("-", "_"): v for k, v in values.items()}
     unknown = sorted(set(values) - _RUN_KEYS - {"model", "optim", "data", "plan"})
     if unknown:
-        raise ConfigError(f"unknown keys {unknown}; run keys are {sorted(_RUN_KEYS)} plus [model] [optim] [data] [plan]")
+        raise ConfigError(
+            f"unknown keys {unknown}; run keys are {sorted(_RUN_KEYS)} plus [model] [optim] [data] [plan]"
+        )
     model_table = dict(values.pop("model", {}) or {})
     preset = model_table.pop("preset", "tiny")
     try:

@@ -22,9 +22,14 @@ def test_every_document_reaches_exactly_its_groups_ranks(n):
     tasks = step_tasks(plan, docs, step=5)
     assert [t.rank for t in tasks] == list(range(n))
     assert {t.num_predicted for t in tasks} == {sum(s - 1 for s in lengths)}
-    assert {t.rank_sets for t in tasks} == {tuple(sorted({tuple(g.ranks) for mb in plan.micro_batches
-                                                          for g in mb.groups if g.degree > 1},
-                                                         key=lambda r: (len(r), r)))}
+    assert {t.rank_sets for t in tasks} == {
+        tuple(
+            sorted(
+                {tuple(g.ranks) for mb in plan.micro_batches for g in mb.groups if g.degree > 1},
+                key=lambda r: (len(r), r),
+            )
+        )
+    }
     seen = []
     for mi, mb in enumerate(plan.micro_batches):
         for g in mb.groups:

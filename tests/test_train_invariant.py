@@ -10,7 +10,13 @@ import pytest
 
 from orchestrator.corpus import load_corpus
 from orchestrator.driver import TrainingDriver
-from tests.train_helpers import assert_params_close, cpu_profile, reference_losses_and_params, train_config, write_corpus
+from tests.train_helpers import (
+    assert_params_close,
+    cpu_profile,
+    reference_losses_and_params,
+    train_config,
+    write_corpus,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -98,7 +98,9 @@ class Worker:
         if reg is None:
             raise RuntimeError(f"worker {self.worker_id} has not joined a world")
         n = reg.world_size
-        sets = [tuple(range(f, f + p.degree)) for p in probes if p.degree > 1 for f in range(0, n - n % p.degree, p.degree)]
+        sets = [
+            tuple(range(f, f + p.degree)) for p in probes if p.degree > 1 for f in range(0, n - n % p.degree, p.degree)
+        ]
         reg.ensure(sets)
         world = reg.world if n > 1 else None
         return run_probes(self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size)

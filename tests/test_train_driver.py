@@ -1,0 +1,169 @@
+"""The driver with real Ray actors: resume, the epoch ledger, bad input, infeasible batches, the real CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from orchestrator.corpus import CorpusConfig, load_corpus
+from orchestrator.driver import TrainingDriver
+from orchestrator.lengths import DataError
+from orchestrator.records import read_records
+from orchestrator.train_config import ConfigError, load_train_config
+from solver.errors import InfeasibleBatchError
+from tests.train_helpers import cpu_profile, train_config, write_corpus
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=5, include_dashboard=False, logging_level="ERROR")
+    root = tmp_path_factory.mktemp("driver")
+    corpus_dir = write_corpus(root / "corpus")
+    profile = cpu_profile(root / "profile.json")
+    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
+    yield root, corpus_dir, profile, corpus
+    if started:
+        ray.shutdown()
+
+
+def _run(cfg, corpus, steps=None):
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        out = [driver.step() for _ in range(steps if steps is not None else cfg.steps - driver.step_no)]
+        driver.checkpoint()
+        return out, dict(driver.replica_parameters()[0])
+    finally:
+        driver.shutdown()
+
+
+def test_resume_equals_uninterrupted_run(env):
+    root, corpus_dir, profile, corpus = env
+    full_cfg = train_config(corpus_dir, root / "full", profile, steps=5)
+    full, full_params = _run(full_cfg, corpus)
+
+    part_cfg = train_config(corpus_dir, root / "part", profile, steps=5)
+    first, _ = _run(part_cfg, corpus, steps=2)  # checkpoint after step 2, then the "crash"
+    resumed_cfg = dataclasses.replace(part_cfg, resume=True)
+    rest, resumed_params = _run(resumed_cfg, corpus)
+
+    assert [r["step"] for r in first + rest] == list(range(5))
+    assert [r["doc_ids"] for r in first + rest] == [r["doc_ids"] for r in full], "resume continues at the next doc"
+    assert [r["loss"] for r in first + rest] == pytest.approx([r["loss"] for r in full], rel=1e-5)
+    for name, value in full_params.items():
+        np.testing.assert_allclose(resumed_params[name], value, rtol=1e-4, atol=2e-5, err_msg=name)
+    records = read_records(root / "part" / "steps.jsonl")
+    assert [r["step"] for r in records] == list(range(5)), "steps.jsonl holds every trained step exactly once"
+
+
+def test_every_document_once_per_epoch(env):
+    root, corpus_dir, profile, corpus = env
+    # 24 documents, batches of 7: epochs of 4 batches (7+7+7+3); 9 steps = 2 full epochs and one batch more
+    cfg = train_config(corpus_dir, root / "ledger", profile, steps=9, batch_size=7)
+    records, _ = _run(cfg, corpus)
+    by_epoch: dict[int, list[int]] = {}
+    for r in records:
+        by_epoch.setdefault(r["epoch"], []).extend(r["doc_ids"])
+    assert sorted(by_epoch[0]) == list(range(corpus.num_docs))
+    assert sorted(by_epoch[1]) == list(range(corpus.num_docs))
+    assert by_epoch[0] != by_epoch[1], "each epoch has its own seeded order"
+    assert len(by_epoch[2]) == len(set(by_epoch[2])) == 7
+    for r in records:  # every planned group ran exactly the documents of its batch
+        seqs = sorted(i for mb in r["plan"]["micro_batches"] for g in mb for i in g["seq_ids"])
+        assert seqs == list(range(len(r["doc_ids"])))
+
+
+def test_infeasible_batch_errors_or_is_skipped_and_counted(env):
+    root, corpus_dir, profile, corpus = env
+    # a static SP=1 layout with 64 tokens per worker cannot run documents of up to 256 tokens
+    cfg = train_config(corpus_dir, root / "inf", profile, plan={"mode": "static-ulysses-1"})
+    with pytest.raises(InfeasibleBatchError, match="on_infeasible"):
+        _run(cfg, corpus)
+    skip = dataclasses.replace(
+        cfg, run_dir=str(root / "skip"), plan=dataclasses.replace(cfg.plan, on_infeasible="skip")
+    )
+    records, _ = _run(skip, corpus)
+    skipped = [r for r in records if r["skipped"]]
+    assert skipped and all(r["reason"] and r["doc_ids"] for r in skipped)
+    assert all(max(r["seq_lengths"]) > 64 for r in skipped)
+    assert all(max(r["seq_lengths"]) <= 64 for r in records if not r["skipped"])
+
+
+def test_bad_config_and_corpus_errors(env, tmp_path):
+    root, corpus_dir, profile, _ = env
+    with pytest.raises(ConfigError, match="max_context=8192 tokens cannot fit"):
+        train_config(corpus_dir, tmp_path, profile, data=CorpusConfig(source=str(corpus_dir), max_context=8192))
+    with pytest.raises(ConfigError, match="Ulysses degree 8 must divide model.num_heads=4"):
+        train_config(corpus_dir, tmp_path, profile, workers=8, plan={"mode": "static-ulysses-8"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = 3\n[plan]\nmode = 'sometimes'\n")
+    with pytest.raises(ConfigError, match="plan.mode"):
+        load_train_config(bad)
+    bad.write_text("stepz = 3\n")
+    with pytest.raises(ConfigError, match="unknown keys \\['stepz'\\]"):
+        load_train_config(bad)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cfg = train_config(empty, tmp_path / "run", profile)
+    driver = TrainingDriver(cfg)
+    with pytest.raises(DataError):
+        driver.setup()
+    driver.shutdown()
+    assert driver.workers is None, "a bad corpus fails before any worker starts"
+
+
+def test_flexorch_train_cli_smoke(env, tmp_path):
+    root, corpus_dir, profile, _ = env
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "steps = 2\nworkers = 2\nbatch_size = 6\n"
+        f"[data]\nmax_context = 128\n[plan]\nprofile = '{profile}'\ntokens_per_worker = 64\n"
+        "[optim]\nlr = 0.001\n"
+    )
+    run_dir = tmp_path / "cli-run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "orchestrator.cli",
+        "train",
+        "--config",
+        str(config),
+        "--data",
+        str(corpus_dir),
+        "--run-dir",
+        str(run_dir),
+    ]
+    env_vars = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env_vars, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2 and all("loss" in ln and "ETA" in ln and "plan <" in ln for ln in lines), proc.stdout
+    assert "done: 2 steps" in proc.stdout
+    records = read_records(run_dir / "steps.jsonl")
+    assert [r["step"] for r in records] == [0, 1] and all(np.isfinite(r["loss"]) for r in records)
+    assert (run_dir / "checkpoints" / "checkpoint_000002" / "model.pt").is_file()
+    assert json.loads((run_dir / "config.json").read_text())["workers"] == 2
+
+    bad = subprocess.run(
+        cmd[:-2] + ["--run-dir", str(tmp_path / "r2"), "--max-context", "100K"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_vars,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 2 and "cannot fit" in bad.stderr
