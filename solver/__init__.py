@@ -8,6 +8,7 @@ result.bound_ms      # proven lower bound on any plan's step time
 """
 
 from solver.baselines import baseline_plans, baseline_times_ms, static_plan
+from solver.calibration import CommSample, ComputeSample, FitReport, GroupSample, fit_profile, prediction_errors
 from solver.cost_model import RING, ULYSSES, min_degree, seq_time_ms
 from solver.errors import InfeasibleBatchError, InvalidPlanError, PlanningError, ProfileError
 from solver.plan import Group, MicroBatch, Plan
@@ -17,6 +18,10 @@ from solver.simulator import micro_batch_times_ms, step_time_ms
 
 __all__ = [
     "BUILTIN_PROFILES",
+    "CommSample",
+    "ComputeSample",
+    "FitReport",
+    "GroupSample",
     "Group",
     "InfeasibleBatchError",
     "InvalidPlanError",
@@ -32,11 +37,13 @@ __all__ = [
     "ULYSSES",
     "baseline_plans",
     "baseline_times_ms",
+    "fit_profile",
     "get_profile",
     "load_profile",
     "micro_batch_times_ms",
     "min_degree",
     "plan_step",
+    "prediction_errors",
     "seq_time_ms",
     "static_plan",
     "step_time_ms",

@@ -15,7 +15,7 @@ import numpy as np
 from solver.cost_model import RING, ULYSSES, kind_allowed
 from solver.errors import PlanningError
 from solver.microbatching import partition_candidates
-from solver.packing import GroupType, improve_step, layout_groups, pack, time_table
+from solver.packing import GroupType, improve_step, layout_groups, pack, time_table, type_overheads
 from solver.plan import MicroBatch, Plan
 from solver.profiles import Profile
 from solver.simulator import step_time_ms
@@ -33,6 +33,7 @@ def static_plan(
         return None
     types = [GroupType(degree, ULYSSES if degree == 1 else kind)]
     table = time_table(lengths, types, profile)
+    overheads = type_overheads(types, profile)  # b1 + this degree's collective latency
     if not np.isfinite(table).all():
         return None  # some sequence needs a larger group
     ng = num_devices // degree
@@ -40,7 +41,7 @@ def static_plan(
     caps = np.full(ng, cap, dtype=np.int64)
     best, best_total = None, np.inf
     for split in partition_candidates(lengths, table[:, 0], ng * cap, extra_micro_batches):
-        drafts = [pack(items, [0] * ng, table, lengths, caps, profile.b1_ms) for items in split]
+        drafts = [pack(items, [0] * ng, table, lengths, caps, overheads) for items in split]
         if any(d is None for d in drafts):
             continue
         total = sum(d.makespan() for d in drafts)
@@ -48,7 +49,7 @@ def static_plan(
             best, best_total = drafts, total
     if best is None:
         return None
-    improve_step(best, [caps] * len(best), table, lengths, profile.b1_ms)
+    improve_step(best, [caps] * len(best), table, lengths, overheads)
     mbs = [MicroBatch(tuple(layout_groups(d, types, range(len(lengths))))) for d in best]
     return Plan.for_profile(
         num_devices=num_devices,

@@ -7,7 +7,7 @@ longest sequences: the planner uses it up to `MAX_EXACT_SEQUENCES` sequences per
 
     min C   s.t.  sum_{t,j} y[i,t,j] = 1                        every sequence in one group slot
                   y[i,t,j] <= u[t,j],  u[t,j] >= u[t,j+1]        slots used in order
-                  b1*u[t,j] + sum_i time(i,t)*y[i,t,j] <= C     group time
+                  O_t*u[t,j] + sum_i time(i,t)*y[i,t,j] <= C    group time (O_t = b1 + latency of type t)
                   sum_i s_i*y[i,t,j] <= d_t*cap*u[t,j]          group memory
                   sum_{t,j} d_t*u[t,j] <= N                     devices
 """
@@ -32,11 +32,14 @@ def solve_exact(
     *,
     num_devices: int,
     tokens_per_device: int,
-    b1_ms: float,
+    overheads: np.ndarray,
     time_limit_s: float,
     start: Draft | None = None,
 ):
-    """(draft, proven_optimal) for the micro-batch `items`, or None when CBC found nothing in time."""
+    """(draft, proven_optimal) for the micro-batch `items`, or None when CBC found nothing in time.
+
+    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`).
+    """
     items = list(items)
     deg = [t.degree for t in types]
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
@@ -59,7 +62,7 @@ def solve_exact(
             m += v <= uv
         if j + 1 < slots[t]:
             m += uv >= u[t, j + 1]
-        m += b1_ms * uv + mip.xsum(float(table[i, t]) * v for i, v in mine) <= c
+        m += float(overheads[t]) * uv + mip.xsum(float(table[i, t]) * v for i, v in mine) <= c
         m += mip.xsum(float(lengths[i]) * v for i, v in mine) <= deg[t] * tokens_per_device * uv
     m += mip.xsum(deg[t] * uv for (t, _), uv in u.items()) <= num_devices
     m.objective = c
@@ -74,7 +77,7 @@ def solve_exact(
             gtype.append(t)
             members.append([i for (i, tt, jj), v in y.items() if tt == t and jj == j and v.x >= 0.5])
     loads = np.array(
-        [b1_ms + sum(table[i, t] for i in mem) if mem else 0.0 for t, mem in zip(gtype, members, strict=True)]
+        [overheads[t] + sum(table[i, t] for i in mem) if mem else 0.0 for t, mem in zip(gtype, members, strict=True)]
     )
     tokens = np.array([int(sum(lengths[i] for i in mem)) for mem in members], dtype=np.int64)
     return Draft(gtype, members, loads, tokens), status == mip.OptimizationStatus.OPTIMAL

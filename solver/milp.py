@@ -2,17 +2,18 @@
 
 Formulation (flexorch's; FlexSP §4.1.1 poses the problem, DESIGN.md §2.2 records why its virtual-group MILP is
 too symmetric for CBC). The groups of one type are interchangeable, so instead of one binary per (sequence, group)
-we decide, for a target makespan C (C' = C - b1 of sequence time per group):
+we decide, for a target makespan C (C'_t = C - O_t of sequence time per group of type t, where O_t = b1 +
+latency(t) is the type's fixed cost per micro-batch, `solver.cost_model.group_overhead_ms`):
 
     n_t   in Z>=0       groups of type t = (d, kind)
     x_bt  in Z>=0       sequences of length-bucket b run by groups of type t     (bucket b: c_b sequences <= s_b)
 
     sum_t x_bt = c_b                                     every sequence runs once
-    sum_b x_bt * time(s_b, t)  <= C' * n_t               type t's work fits its groups (fluid balance)
+    sum_b x_bt * time(s_b, t)  <= C'_t * n_t             type t's work fits its groups (fluid balance)
     sum_b x_bt * s_b           <= d_t * cap * n_t        memory of type t's groups
     sum_{b big_2} x_bt <= n_t,  sum_{b big_3} x_bt <= 2 n_t
-                       big_k: time > C'/k or tokens > d*cap/k (at most k-1 such per group: packing cuts)
-    x_bt = 0 if time(s_b, t) > C' or d_t < min degree(s_b)
+                       big_k: time > C'_t/k or tokens > d*cap/k (at most k-1 such per group: packing cuts)
+    x_bt = 0 if time(s_b, t) > C'_t or d_t < min degree(s_b)
     minimise sum_t d_t n_t                               the devices that makespan C needs
 
 For fixed C every constraint is linear; C itself is found by bisection between the area bound and the best
@@ -47,7 +48,7 @@ class MicroBatchSolution:
     bisection_steps: int
 
 
-def best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, b1_ms, polish=True):
+def best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, overheads, polish=True):
     """Best homogeneous layout: floor(N/d) groups of one type, LPT-packed (the per-batch 'BatchAda' choice)."""
     best = None
     for ti, t in enumerate(types):
@@ -56,12 +57,12 @@ def best_static_draft(items, types, table, lengths, num_devices, tokens_per_devi
         ng = num_devices // t.degree
         gtype = [ti] * ng
         caps = np.full(ng, t.degree * tokens_per_device, dtype=np.int64)
-        draft = pack(items, gtype, table, lengths, caps, b1_ms)
+        draft = pack(items, gtype, table, lengths, caps, overheads)
         if draft is not None and (best is None or draft.makespan() < best.makespan()):
             best = draft
     if best is not None and polish:
         caps = np.array([types[g].degree * tokens_per_device for g in best.group_type], dtype=np.int64)
-        best = improve(best, table, lengths, caps, b1_ms)
+        best = improve(best, table, lengths, caps, overheads)
     return best
 
 
@@ -73,7 +74,7 @@ def solve_micro_batch(
     *,
     num_devices: int,
     tokens_per_device: int,
-    b1_ms: float,
+    overheads: np.ndarray,
     lower_bound_ms: float,
     time_budget_s: float,
     max_buckets: int = 16,
@@ -82,14 +83,17 @@ def solve_micro_batch(
     ilp_time_limit_s: float = 0.25,
     start: Draft | None = None,
 ) -> MicroBatchSolution | None:
-    """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits."""
+    """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits.
+
+    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`).
+    """
     deadline = time.perf_counter() + time_budget_s
     items = list(items)
     if start is None:
-        start = best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, b1_ms)
+        start = best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, overheads)
     else:  # screened by the planner without polish: polish a copy now
         caps = np.array([types[g].degree * tokens_per_device for g in start.group_type], dtype=np.int64)
-        start = improve(copy.deepcopy(start), table, lengths, caps, b1_ms)
+        start = improve(copy.deepcopy(start), table, lengths, caps, overheads)
     best = MicroBatchSolution(start, start.makespan(), "static", 0, 0) if start is not None else None
     if len(items) <= MAX_EXACT_SEQUENCES:
         exact = solve_exact(
@@ -99,7 +103,7 @@ def solve_micro_batch(
             lengths,
             num_devices=num_devices,
             tokens_per_device=tokens_per_device,
-            b1_ms=b1_ms,
+            overheads=overheads,
             time_limit_s=max(0.05, deadline - time.perf_counter()),
             start=start,
         )
@@ -119,13 +123,14 @@ def solve_micro_batch(
         steps += 1
         c = 0.5 * (lo + hi)
         limit = min(ilp_time_limit_s, max(0.02, deadline - time.perf_counter()))
-        counts = _devices_needed(c - b1_ms, types, b_time, b_len, b_cnt, num_devices, tokens_per_device, limit)
+        cp = c - np.asarray(overheads, dtype=np.float64)  # per-type room for sequence time
+        counts = _devices_needed(cp, types, b_time, b_len, b_cnt, num_devices, tokens_per_device, limit)
         solves += 1
         if counts is None:
             lo = c
             continue
         hi = c
-        draft = _realise(counts, types, table, lengths, b_items, num_devices, tokens_per_device, b1_ms)
+        draft = _realise(counts, types, table, lengths, b_items, num_devices, tokens_per_device, overheads)
         if draft is not None and (best is None or draft.makespan() < best.makespan_ms):
             best = MicroBatchSolution(draft, draft.makespan(), "milp", 0, 0)
     if best is None:
@@ -135,17 +140,18 @@ def solve_micro_batch(
 
 
 def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, cap, time_limit_s):
-    """Solve the MILP at C' = cp. Returns (n_t, x_bt) when it fits on n_dev devices, else None."""
-    if cp <= 0:
+    """Solve the MILP at C'_t = cp[t]. Returns (n_t, x_bt) when it fits on n_dev devices, else None."""
+    if not (cp > 0).any():
         return None
     nb, nt = b_time.shape
-    allowed = (b_time <= cp) & _undominated(b_time, types)  # inf (does not fit) compares False
+    # inf (does not fit) compares False, and so does every bucket on a type with cp[t] <= 0
+    allowed = (b_time <= cp[None, :]) & _undominated(b_time, types, cp)
     if not allowed.any(axis=1).all():
         return None
     deg = np.array([t.degree for t in types])
     gcap = deg * cap
-    big2 = allowed & ((b_time > cp / 2) | (b_len[:, None] > gcap[None, :] / 2))
-    big3 = allowed & ((b_time > cp / 3) | (b_len[:, None] > gcap[None, :] / 3))
+    big2 = allowed & ((b_time > cp[None, :] / 2) | (b_len[:, None] > gcap[None, :] / 2))
+    big3 = allowed & ((b_time > cp[None, :] / 3) | (b_len[:, None] > gcap[None, :] / 3))
 
     # greedy cover for the warm start: each bucket on its least-area allowed type
     area = np.where(allowed, b_time * deg[None, :], np.inf)
@@ -170,7 +176,7 @@ def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, cap, time_limit_s):
         bs = np.flatnonzero(allowed[:, t])
         if bs.size == 0:
             continue
-        m += mip.xsum(float(b_time[b, t]) * x[b, t] for b in bs) <= cp * n[t]
+        m += mip.xsum(float(b_time[b, t]) * x[b, t] for b in bs) <= float(cp[t]) * n[t]
         m += mip.xsum(float(b_len[b]) * x[b, t] for b in bs) <= float(gcap[t]) * n[t]
         b2 = np.flatnonzero(big2[:, t])
         if b2.size:
@@ -193,17 +199,18 @@ def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, cap, time_limit_s):
     return nv, xv
 
 
-def _undominated(b_time, types):
+def _undominated(b_time, types, cp):
     """(bucket, type) pairs worth a variable: no type of the same or smaller degree runs the bucket as fast.
 
-    A smaller group that is no slower leaves more devices for others (and of the same degree, the other attention
-    kind is simply better), so the MILP loses nothing of note by not offering the dominated pair.
+    A smaller group that is no slower and has at least as much room `cp` (no larger fixed cost) leaves more devices
+    for others (and of the same degree, the other attention kind is simply better), so the MILP loses nothing of
+    note by not offering the dominated pair.
     """
     deg = np.array([t.degree for t in types])
     keep = np.ones(b_time.shape, dtype=bool)
     for t in range(len(types)):
         for u in range(len(types)):
-            if u != t and (deg[u] < deg[t] or (deg[u] == deg[t] and u < t)):
+            if u != t and cp[u] >= cp[t] and (deg[u] < deg[t] or (deg[u] == deg[t] and u < t)):
                 keep[:, t] &= ~(b_time[:, u] <= b_time[:, t])
     return keep
 
@@ -212,13 +219,14 @@ def _groups_for(x, b_time, b_len, big2, big3, cp, gcap, allowed):
     """Fewest groups per type that satisfy every per-type constraint for assignment x."""
     load = (np.where(allowed, b_time, 0.0) * x).sum(axis=0)
     toks = (b_len[:, None] * x).sum(axis=0)
-    need = np.maximum(np.ceil(load / cp - 1e-9), np.ceil(toks / gcap - 1e-9))
+    per = np.divide(load, cp, out=np.zeros_like(load), where=cp > 0)  # no load where cp <= 0 (nothing allowed)
+    need = np.maximum(np.ceil(per - 1e-9), np.ceil(toks / gcap - 1e-9))
     need = np.maximum(need, (x * big2).sum(axis=0))
     need = np.maximum(need, np.ceil((x * big3).sum(axis=0) / 2))
     return need.astype(np.int64)
 
 
-def _realise(counts, types, table, lengths, b_items, n_dev, cap, b1_ms):
+def _realise(counts, types, table, lengths, b_items, n_dev, cap, overheads):
     """Turn (n_t, x_bt) into groups holding real sequences; spare devices become extra groups."""
     n, x = counts
     n = n.copy()
@@ -250,9 +258,9 @@ def _realise(counts, types, table, lengths, b_items, n_dev, cap, b1_ms):
     for i, t in assigned.items():
         masked[i, t] = table[i, t]
     items = list(assigned)
-    draft = pack(items, gtype, masked, lengths, caps, b1_ms)
+    draft = pack(items, gtype, masked, lengths, caps, overheads)
     if draft is None:  # memory after rounding: let the packer use any type
-        draft = pack(items, gtype, table, lengths, caps, b1_ms)
+        draft = pack(items, gtype, table, lengths, caps, overheads)
         if draft is None:
             return None
-    return improve(draft, table, lengths, caps, b1_ms)
+    return improve(draft, table, lengths, caps, overheads)

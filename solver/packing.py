@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.cost_model import KINDS, RING, ULYSSES, kind_allowed, min_degree, seq_times_ms
+from solver.cost_model import KINDS, RING, ULYSSES, group_overhead_ms, kind_allowed, min_degree, seq_times_ms
 from solver.plan import Group
 from solver.profiles import Profile
 
@@ -19,6 +19,7 @@ __all__ = [
     "GroupType",
     "group_types",
     "time_table",
+    "type_overheads",
     "Draft",
     "lpt_pack",
     "pack",
@@ -62,6 +63,11 @@ def time_table(lengths: np.ndarray, types: list[GroupType], profile: Profile) ->
     return table
 
 
+def type_overheads(types: list[GroupType], profile: Profile) -> np.ndarray:
+    """O[t]: fixed ms a group of type t pays once per micro-batch (b1 + its collective latency), like `table[:, t]`."""
+    return np.array([group_overhead_ms(t.degree, t.kind, profile) for t in types], dtype=np.float64)
+
+
 @dataclass
 class Draft:
     """A mutable assignment of one micro-batch's sequences (local indices) to groups of given types."""
@@ -81,12 +87,13 @@ def lpt_pack(
     table: np.ndarray,
     lengths: np.ndarray,
     caps: np.ndarray,
-    b1_ms: float,
+    overheads: np.ndarray,
     best_fit: bool = False,
 ) -> Draft | None:
     """Longest-processing-time first: each item to the group where it would finish earliest, memory permitting.
 
-    `caps[g]` is group g's token capacity. With `best_fit`, memory comes first (best-fit decreasing by tokens,
+    `caps[g]` is group g's token capacity; `overheads[t]` the fixed cost of a group of type t (`type_overheads`),
+    paid by a group once it holds a sequence. With `best_fit`, memory comes first (best-fit decreasing by tokens,
     for batches that nearly fill the devices; `improve` then balances time). Returns None when an item fits no
     group.
     """
@@ -95,6 +102,7 @@ def lpt_pack(
     loads = np.zeros(ng)
     tokens = np.zeros(ng, dtype=np.int64)
     members: list[list[int]] = [[] for _ in range(ng)]
+    fixed = np.asarray(overheads, dtype=np.float64)[gt]
     items = list(items)
     if not items:
         return Draft(list(group_type), members, loads, tokens)
@@ -104,7 +112,7 @@ def lpt_pack(
         key = np.min(table[items][:, np.unique(gt)], axis=1)
     for i in [items[j] for j in np.argsort(-key, kind="stable")]:
         t = table[i, gt]
-        finish = loads + t + np.where(tokens == 0, b1_ms, 0.0)
+        finish = loads + t + np.where(tokens == 0, fixed, 0.0)
         fits = (tokens + lengths[i] <= caps) & np.isfinite(t)
         if best_fit:
             if not fits.any():
@@ -123,19 +131,24 @@ def lpt_pack(
     return Draft(list(group_type), members, loads, tokens)
 
 
-def pack(items, group_type, table, lengths, caps, b1_ms) -> Draft | None:
+def pack(items, group_type, table, lengths, caps, overheads) -> Draft | None:
     """LPT, or best-fit decreasing when LPT leaves some sequence without memory room."""
-    draft = lpt_pack(items, group_type, table, lengths, caps, b1_ms)
+    draft = lpt_pack(items, group_type, table, lengths, caps, overheads)
     if draft is None:
-        draft = lpt_pack(items, group_type, table, lengths, caps, b1_ms, best_fit=True)
+        draft = lpt_pack(items, group_type, table, lengths, caps, overheads, best_fit=True)
     return draft
 
 
 def improve(
-    draft: Draft, table: np.ndarray, lengths: np.ndarray, caps: np.ndarray, b1_ms: float, max_moves: int = 200
+    draft: Draft,
+    table: np.ndarray,
+    lengths: np.ndarray,
+    caps: np.ndarray,
+    overheads: np.ndarray,
+    max_moves: int = 200,
 ) -> Draft:
     """Move sequences off the slowest group while that lowers the pair's maximum (a 1-move local search)."""
-    improve_step([draft], [caps], table, lengths, b1_ms, max_moves)
+    improve_step([draft], [caps], table, lengths, overheads, max_moves)
     return draft
 
 
@@ -144,7 +157,7 @@ def improve_step(
     caps: list[np.ndarray],
     table: np.ndarray,
     lengths: np.ndarray,
-    b1_ms: float,
+    overheads: np.ndarray,
     max_moves: int = 400,
 ) -> list[Draft]:
     """Local search over a whole step: the objective is the sum of the micro-batches' makespans.
@@ -152,13 +165,15 @@ def improve_step(
     A move takes one sequence off the slowest group of some micro-batch X and puts it in a group h (of X or of
     another micro-batch Y) with memory room, when that strictly lowers the critical group's time and does not
     raise any micro-batch's makespan (in X: h ends below X's old makespan; in Y: h ends within Y's makespan).
-    Each move lowers the sum or the critical load, so the search ends; drafts are changed in place.
+    Each move lowers the sum or the critical load, so the search ends; drafts are changed in place. A group's
+    load includes its type's fixed cost `overheads[t]` while it holds a sequence.
     """
     mb_of = np.concatenate([np.full(len(d.group_type), m) for m, d in enumerate(drafts)])
     gtype = np.concatenate([np.asarray(d.group_type, dtype=np.int64) for d in drafts])
     loads = np.concatenate([d.loads for d in drafts])
     tokens = np.concatenate([d.tokens for d in drafts])
     cap = np.concatenate(caps)
+    fixed = np.asarray(overheads, dtype=np.float64)[gtype]
     members = [m for d in drafts for m in d.members]
     nmb = len(drafts)
     stuck = np.zeros(nmb, dtype=bool)
@@ -174,8 +189,8 @@ def improve_step(
         limit = np.where(mb_of == x, span[x] - 1e-9, limit + 1e-9)  # ... strictly below it in X
         best = None
         for i in members[g]:
-            left = loads[g] - table[i, gtype[g]] - (b1_ms if len(members[g]) == 1 else 0.0)
-            new = loads + table[i, gtype] + np.where(tokens == 0, b1_ms, 0.0)
+            left = loads[g] - table[i, gtype[g]] - (fixed[g] if len(members[g]) == 1 else 0.0)
+            new = loads + table[i, gtype] + np.where(tokens == 0, fixed, 0.0)
             ok = (tokens + lengths[i] <= cap) & (new <= limit)
             ok[g] = False
             # same micro-batch: the pair's max must drop below the old makespan

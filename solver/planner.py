@@ -21,7 +21,7 @@ from solver.cost_model import KINDS
 from solver.errors import InfeasibleBatchError
 from solver.microbatching import partition_candidates
 from solver.milp import best_static_draft, solve_micro_batch
-from solver.packing import group_types, improve_step, layout_groups, time_table
+from solver.packing import group_types, improve_step, layout_groups, time_table, type_overheads
 from solver.plan import MicroBatch, Plan
 from solver.profiles import Profile
 from solver.validation import check_batch
@@ -107,6 +107,7 @@ class Planner:
         cap = prof.tokens_per_device
         types = group_types(n, prof, cfg.kinds)
         table = time_table(lengths, types, prof)
+        overheads = type_overheads(types, prof)  # b1 + collective latency per group type, once per micro-batch
         area, _ = area_and_min_time(table, types)
         if not np.isfinite(area).all():
             i = int(np.flatnonzero(~np.isfinite(area))[0])
@@ -114,14 +115,14 @@ class Planner:
                 f"sequence {i} ({lengths[i]} tokens) fits no group of kinds {cfg.kinds} on {n} devices (Ulysses "
                 f"degrees must divide num_heads={prof.num_heads}); allow 'ring' or use more devices"
             )
-        bound = step_bound_ms(table, types, lengths, n, cap, prof.b1_ms)
+        bound = step_bound_ms(table, types, lengths, n, cap, overheads)
         deg = np.array([t.degree for t in types], dtype=np.float64)
         deadline = t0 + cfg.time_limit_s
 
         cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches)
-        mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, prof.b1_ms) for c in split] for split in cands]
+        mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
         bounds = [sum(b) for b in mb_bounds]
-        order = self._screen(cands, bounds, types, table, lengths, n, t0 + 0.3 * cfg.time_limit_s)
+        order = self._screen(cands, bounds, types, overheads, table, lengths, n, t0 + 0.3 * cfg.time_limit_s)
         best_total, best_mbs, status, tried = np.inf, None, "fallback", 0
         for ci, starts in order:
             split = cands[ci]
@@ -129,13 +130,13 @@ class Planner:
                 continue
             if best_mbs is not None and time.perf_counter() >= deadline:
                 break
-            sols = self._solve_split(split, mb_bounds[ci], types, table, lengths, n, deadline, starts)
+            sols = self._solve_split(split, mb_bounds[ci], types, overheads, table, lengths, n, deadline, starts)
             tried += 1
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
             drafts = [s[0] for s in sols]
             caps = [deg.astype(np.int64)[np.asarray(d.group_type, dtype=np.int64)] * cap for d in drafts]
-            improve_step(drafts, caps, table, lengths, prof.b1_ms)
+            improve_step(drafts, caps, table, lengths, overheads)
             sols = [(d, d.makespan(), s[2]) for d, s in zip(drafts, sols, strict=True)]
             total = sum(s[1] for s in sols)
             if total < best_total:
@@ -143,7 +144,7 @@ class Planner:
                 status = "milp" if any(s[2] in ("milp", "exact") for s in sols) else "static"
         if best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
             sols = self._split_until_packed(
-                sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, table, lengths, n
+                sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, overheads, table, lengths, n
             )
             best_total = sum(s[1] for s in sols)
             best_mbs, status = [(None, s) for s in sols], "fallback"
@@ -164,7 +165,7 @@ class Planner:
         }
         return StepPlan(plan, float(best_total), bound, solve_s, status, details)
 
-    def _screen(self, cands, bounds, types, table, lengths, n, screen_deadline):
+    def _screen(self, cands, bounds, types, overheads, table, lengths, n, screen_deadline):
         """Order candidate splits by their best static layouts (what the MILP starts from), cheapest first.
 
         Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
@@ -181,15 +182,13 @@ class Planner:
             if done and time.perf_counter() >= screen_deadline:
                 rest.append((ci, None))
                 continue
-            starts = [
-                best_static_draft(c, types, table, lengths, n, cap, self.profile.b1_ms, polish=False) for c in cands[ci]
-            ]
+            starts = [best_static_draft(c, types, table, lengths, n, cap, overheads, polish=False) for c in cands[ci]]
             est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
             done.append((est, ci, starts))
         done.sort(key=lambda x: x[0])
         return [(ci, starts) for _, ci, starts in done] + rest
 
-    def _solve_split(self, split, lower_bounds, types, table, lengths, n, deadline, starts=None):
+    def _solve_split(self, split, lower_bounds, types, overheads, table, lengths, n, deadline, starts=None):
         """[(draft, makespan_ms, method)] for each micro-batch of one split."""
         starts = starts or [None] * len(split)
         cfg, prof = self.config, self.profile
@@ -198,7 +197,7 @@ class Planner:
         kw = dict(
             num_devices=n,
             tokens_per_device=prof.tokens_per_device,
-            b1_ms=prof.b1_ms,
+            overheads=overheads,
             max_buckets=cfg.max_buckets,
             tolerance=cfg.tolerance,
             max_bisection_steps=cfg.max_bisection_steps,
@@ -227,7 +226,7 @@ class Planner:
                     s = f.result(timeout=budget + 5.0)
                     got = None if s is None else (s.draft, s.makespan_ms, s.method)
                 except FutureTimeout:
-                    got = self._fallback(items, types, table, lengths, n)
+                    got = self._fallback(items, types, overheads, table, lengths, n)
                 if got is None:
                     return None
                 out.append(got)
@@ -243,19 +242,18 @@ class Planner:
             out.append((s.draft, s.makespan_ms, s.method))
         return out
 
-    def _fallback(self, items, types, table, lengths, n):
-        d = best_static_draft(items, types, table, lengths, n, self.profile.tokens_per_device, self.profile.b1_ms)
+    def _fallback(self, items, types, overheads, table, lengths, n):
+        d = best_static_draft(items, types, table, lengths, n, self.profile.tokens_per_device, overheads)
         return None if d is None else (d, d.makespan(), "fallback")
 
-    def _split_until_packed(self, items, types, table, lengths, n):
+    def _split_until_packed(self, items, types, overheads, table, lengths, n):
         """Always succeeds: one sequence alone fits the largest group (check_batch guarantees it)."""
-        got = self._fallback(items, types, table, lengths, n)
+        got = self._fallback(items, types, overheads, table, lengths, n)
         if got is not None:
             return [got]
         half = len(items) // 2
-        return self._split_until_packed(items[:half], types, table, lengths, n) + self._split_until_packed(
-            items[half:], types, table, lengths, n
-        )
+        args = (types, overheads, table, lengths, n)
+        return self._split_until_packed(items[:half], *args) + self._split_until_packed(items[half:], *args)
 
 
 def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> StepPlan:

@@ -2,7 +2,11 @@
 
 A profile describes one model on one kind of hardware. The built-in profiles carry the constants published with
 FlexSP's release (A100-40GB, GPT-7B/13B/30B); a profile measured on other hardware is loaded from a JSON file
-with the same field names (see `examples/profiles/`).
+with the same field names (see `examples/profiles/`), or fitted from timings by `solver.calibration`.
+
+The per-degree collective latency tables (`a2a_latency_ms`, `p2p_latency_ms`) are flexorch's extension of FlexSP's
+model: FlexSP folds every fixed cost into one b1, but on CPU workers over gloo each collective costs ~1-2 ms
+whatever its size (DESIGN.md §7), so a group's fixed cost depends on its degree and attention kind.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ __all__ = ["Profile", "BUILTIN_PROFILES", "get_profile", "load_profile", "profil
 # FlexSP release, A100-40GB, NVLink inside a node of 8 and InfiniBand across nodes: all-to-all bandwidth (GB/s)
 # measured per group size d; it collapses once a group spans nodes (d >= 16).
 _A100_A2A_GBPS = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
+_DEGREE_TABLES = ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
+
+
+def _lookup(table: dict[int, float], d: int) -> float:
+    """table[d]; a degree not measured takes the nearest larger measured degree, beyond the table the largest."""
+    if d in table:
+        return table[d]
+    larger = [k for k in table if k >= d]
+    return table[min(larger)] if larger else table[max(table)]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +66,12 @@ class Profile:
     """Point-to-point bandwidth for a ring of d devices in GB/s; defaults to `a2a_gbps` when empty."""
     bytes_per_element: int = 2
     """Activation element size on the wire (2 for bf16)."""
+    a2a_latency_ms: dict[int, float] = field(default_factory=dict)
+    """Fixed latency (ms) a Ulysses group of d devices pays once per micro-batch for all its all-to-alls (4 per layer
+    forward + 4 backward, all layers), whatever its tokens; keys: powers of two >= 2. Empty: 0 for every d."""
+    p2p_latency_ms: dict[int, float] = field(default_factory=dict)
+    """Fixed latency (ms) a ring group of d devices pays once per micro-batch for all its K/V exchanges (d-1 per
+    layer forward, ~d backward), whatever its tokens; defaults to `a2a_latency_ms` when empty (like `p2p_gbps`)."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,12 +94,18 @@ class Profile:
                 f"memory_budget_bytes={self.memory_budget_bytes:.3g} leaves nothing for activations after "
                 f"model_state_bytes={self.model_state_bytes:.3g}"
             )
-        for table in ("a2a_gbps", "p2p_gbps"):
-            for d, bw in getattr(self, table).items():
-                if not isinstance(d, int) or d < 2 or d & (d - 1):
+        for table in _DEGREE_TABLES:
+            values = getattr(self, table)
+            if not isinstance(values, dict):
+                problems.append(f"{table} must be a mapping {{group size: value}}, got {type(values).__name__}")
+                continue
+            for d, v in values.items():
+                if not isinstance(d, int) or isinstance(d, bool) or d < 2 or d & (d - 1):
                     problems.append(f"{table} keys must be powers of two >= 2, got {d!r}")
-                elif not isinstance(bw, int | float) or not bw > 0:
-                    problems.append(f"{table}[{d}] must be a bandwidth > 0 GB/s, got {bw!r}")
+                elif table.endswith("_gbps") and (not isinstance(v, int | float) or not v > 0):
+                    problems.append(f"{table}[{d}] must be a bandwidth > 0 GB/s, got {v!r}")
+                elif table.endswith("_ms") and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
+                    problems.append(f"{table}[{d}] must be a latency >= 0 ms, got {v!r}")
         if not self.a2a_gbps:
             problems.append("a2a_gbps needs at least one entry (GB/s per group size d)")
         if problems:
@@ -96,18 +121,25 @@ class Profile:
         return int((self.memory_budget_bytes - self.model_state_bytes) // self.act_bytes_per_token)
 
     def bandwidth_gbps(self, d: int, *, ring: bool = False) -> float:
-        """Bandwidth for a group of d devices; sizes beyond the table use the largest measured size."""
+        """Bandwidth for a group of d devices; sizes not measured use the nearest larger (beyond: largest) size."""
         table = (self.p2p_gbps or self.a2a_gbps) if ring else self.a2a_gbps
-        if d in table:
-            return table[d]
-        known = sorted(table)
-        larger = [k for k in known if k >= d]
-        return table[larger[0]] if larger else table[known[-1]]
+        return _lookup(table, d)
+
+    def latency_ms(self, d: int, *, ring: bool = False) -> float:
+        """Collective latency per micro-batch of a group of d devices (0 for d == 1 or empty tables).
+
+        A degree not measured takes the nearest larger measured degree (latency grows with d, so this errs on the
+        slow side), beyond the table the largest measured one, as for the bandwidth tables.
+        """
+        table = (self.p2p_latency_ms or self.a2a_latency_ms) if ring else self.a2a_latency_ms
+        if d <= 1 or not table:
+            return 0.0
+        return _lookup(table, d)
 
     def to_json(self) -> str:
         data = asdict(self)
-        data["a2a_gbps"] = {str(k): v for k, v in self.a2a_gbps.items()}
-        data["p2p_gbps"] = {str(k): v for k, v in self.p2p_gbps.items()}
+        for table in _DEGREE_TABLES:
+            data[table] = {str(k): v for k, v in sorted(getattr(self, table).items())}
         return json.dumps(data, indent=2)
 
     def with_overrides(self, **changes) -> Profile:
@@ -182,7 +214,7 @@ def get_profile(name_or_path: str | Path) -> Profile:
 
 
 def load_profile(path: str | Path) -> Profile:
-    """Load a profile from JSON (the fields of `Profile`; bandwidth tables keyed by group size)."""
+    """Load a profile from JSON (the fields of `Profile`; bandwidth and latency tables keyed by group size)."""
     path = Path(path)
     try:
         raw = json.loads(path.read_text())
@@ -197,10 +229,11 @@ def load_profile(path: str | Path) -> Profile:
     if unknown:
         raise ProfileError(f"profile file {path} has unknown fields {unknown}; known fields: {sorted(known)}")
     raw.setdefault("name", path.stem)
-    for table in ("a2a_gbps", "p2p_gbps"):
+    for table in _DEGREE_TABLES:
         if table in raw:
             if not isinstance(raw[table], dict):
-                raise ProfileError(f"profile file {path}: {table} must be an object {{group size: GB/s}}")
+                unit = "GB/s" if table.endswith("_gbps") else "ms"
+                raise ProfileError(f"profile file {path}: {table} must be an object {{group size: {unit}}}")
             try:
                 raw[table] = {int(k): v for k, v in raw[table].items()}
             except ValueError:

@@ -1,5 +1,6 @@
-"""Shared pieces of the solver tests: a tiny profile whose memory and communication bite at toy sizes, and a
-brute-force optimum over every plan (every split into micro-batches, every grouping, every group type)."""
+"""Shared pieces of the solver tests: a tiny profile whose memory and communication bite at toy sizes (and variants
+with collective latency), and a brute-force optimum over every plan (every split into micro-batches, every
+grouping, every group type)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from itertools import combinations
 
 import numpy as np
 
+from solver.cost_model import group_overhead_ms
 from solver.packing import group_types, time_table
 from solver.profiles import Profile
 
@@ -25,6 +27,21 @@ TINY = Profile(
     bytes_per_element=2,
     a2a_gbps={2: 8e-4, 4: 6e-4, 8: 2e-4},
 )  # 100 tokens per device; Ulysses up to degree 4 (4 heads), ring beyond
+
+# TINY with per-degree collective latency (Profile.a2a_latency_ms / p2p_latency_ms), as gloo on CPU has it
+# (DESIGN.md §7). "small": latency next to b1 (ring falls back to the Ulysses table); "large": SP over short
+# sequences never pays, ring-4 takes the ring-8 latency (the next larger measured degree); "ring": ring cheaper
+# than Ulysses at degree 2, dearer at 4 (Ulysses-2 takes the Ulysses-4 latency).
+TINY_LATENCY = {
+    "small": TINY.with_overrides(name="tiny-lat-small", a2a_latency_ms={2: 3.0, 4: 6.0, 8: 12.0}),
+    "large": TINY.with_overrides(
+        name="tiny-lat-large", a2a_latency_ms={2: 40.0, 4: 80.0}, p2p_latency_ms={2: 25.0, 8: 150.0}
+    ),
+    "ring": TINY.with_overrides(
+        name="tiny-lat-ring", a2a_latency_ms={4: 2.0}, p2p_latency_ms={2: 1.0, 4: 9.0, 8: 30.0}
+    ),
+}
+TINY_PROFILES = {"none": TINY, **TINY_LATENCY}
 
 
 def set_partitions(items):
@@ -44,6 +61,7 @@ def brute_force_optimum(lengths, num_devices: int, profile: Profile) -> tuple[fl
     lengths = np.asarray(lengths, dtype=np.int64)
     types = group_types(num_devices, profile)
     table = time_table(lengths, types, profile)
+    overheads = [group_overhead_ms(t.degree, t.kind, profile) for t in types]  # b1 + latency, per group
     cap = profile.tokens_per_device
 
     @cache
@@ -54,7 +72,7 @@ def brute_force_optimum(lengths, num_devices: int, profile: Profile) -> tuple[fl
             for block in part:
                 tok = int(lengths[block].sum())
                 o = [
-                    (profile.b1_ms + float(table[block, t].sum()), types[t].degree)
+                    (float(overheads[t]) + float(table[block, t].sum()), types[t].degree)
                     for t in range(len(types))
                     if np.isfinite(table[block, t]).all() and tok <= types[t].degree * cap
                 ]

@@ -1,9 +1,10 @@
-"""The cost model against hand-computed FlexSP formulas (DESIGN.md §2.1) with the published 7B constants."""
+"""The cost model against hand-computed FlexSP formulas (DESIGN.md §2.1) with the published 7B constants, and the
+per-degree collective latency flexorch adds."""
 
 import pytest
 
 from solver import get_profile, min_degree, seq_time_ms
-from solver.cost_model import comm_bytes, kind_allowed, next_pow2
+from solver.cost_model import comm_bytes, group_overhead_ms, group_time_ms, kind_allowed, next_pow2
 
 P = get_profile("gpt-7b-a100")
 
@@ -44,3 +45,29 @@ def test_memory_and_degrees():
     assert kind_allowed("ulysses", 32, P) and not kind_allowed("ulysses", 64, P) and kind_allowed("ring", 64, P)
     with pytest.raises(ValueError, match="unknown attention kind"):
         kind_allowed("star", 2, P)
+
+
+# per-degree collective latency (flexorch's extension, DESIGN.md §7): a fixed cost per group per micro-batch
+LAT = P.with_overrides(a2a_latency_ms={2: 7.0, 8: 20.0}, p2p_latency_ms={4: 3.0})
+
+
+def test_group_time_includes_b1_and_collective_latency_once():
+    seqs = [1000, 3000]
+    compute = sum(seq_time_ms(s, 2, "ulysses", P) for s in seqs)
+    assert group_time_ms(seqs, 2, "ulysses", LAT) == pytest.approx(P.b1_ms + 7.0 + compute)
+    assert group_time_ms(seqs, 2, "ulysses", P) == pytest.approx(P.b1_ms + compute)  # built-in profiles: none
+    assert group_time_ms(seqs, 1, "ulysses", LAT) == pytest.approx(group_time_ms(seqs, 1, "ulysses", P))
+    assert group_time_ms([], 8, "ring", LAT) == 0.0
+    # sequence times do not change: the latency is per group, not per sequence
+    assert seq_time_ms(1000, 2, "ulysses", LAT) == seq_time_ms(1000, 2, "ulysses", P)
+
+
+def test_latency_lookup_takes_the_next_larger_measured_degree():
+    assert [group_overhead_ms(d, "ulysses", LAT) - P.b1_ms for d in (1, 2, 4, 8, 16, 32)] == pytest.approx(
+        [0.0, 7.0, 20.0, 20.0, 20.0, 20.0]  # 4 -> 8's; beyond the table: the largest measured degree
+    )
+    assert [LAT.latency_ms(d, ring=True) for d in (1, 2, 4, 64)] == [0.0, 3.0, 3.0, 3.0]
+    only_a2a = P.with_overrides(a2a_latency_ms={2: 1.5})
+    assert group_overhead_ms(2, "ring", only_a2a) == pytest.approx(P.b1_ms + 1.5)  # ring falls back to a2a
+    with pytest.raises(ValueError, match="unknown attention kind"):
+        group_overhead_ms(2, "star", LAT)

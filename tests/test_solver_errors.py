@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,6 +115,44 @@ def test_profile_json_round_trip_and_errors(tmp_path):
     bad.write_text(json.dumps(data))
     with pytest.raises(ProfileError, match="powers of two"):
         load_profile(bad)
+
+
+def test_latency_tables_round_trip_through_json_and_validate(tmp_path):
+    p = get_profile("gpt-7b-a100")
+    assert p.a2a_latency_ms == {} and p.p2p_latency_ms == {}  # built-ins: no latency term
+    lat = p.with_overrides(a2a_latency_ms={2: 0.9, 4: 1.9}, p2p_latency_ms={2: 0.5})
+    data = json.loads(lat.to_json())
+    assert data["a2a_latency_ms"] == {"2": 0.9, "4": 1.9} and data["p2p_latency_ms"] == {"2": 0.5}
+    f = tmp_path / "lat.json"
+    f.write_text(lat.to_json())
+    assert load_profile(f) == lat
+    data.pop("a2a_latency_ms"), data.pop("p2p_latency_ms")  # older files without the tables stay valid
+    f.write_text(json.dumps(data))
+    assert load_profile(f) == p
+    for table, value, msg in [
+        ("a2a_latency_ms", {"3": 1.0}, "a2a_latency_ms keys must be powers of two >= 2"),
+        ("p2p_latency_ms", {"1": 1.0}, "p2p_latency_ms keys must be powers of two >= 2"),
+        ("a2a_latency_ms", {"2": -0.5}, r"a2a_latency_ms\[2\] must be a latency >= 0 ms"),
+        ("p2p_latency_ms", {"4": None}, r"p2p_latency_ms\[4\] must be a latency >= 0 ms"),
+        ("a2a_latency_ms", {"two": 1.0}, "a2a_latency_ms keys must be integers"),
+        ("p2p_latency_ms", [1.0], r"p2p_latency_ms must be an object \{group size: ms\}"),
+    ]:
+        bad = json.loads(lat.to_json())
+        bad[table] = value
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ProfileError, match=msg):
+            load_profile(f)
+    with pytest.raises(ProfileError, match="must be a latency >= 0 ms"):
+        p.with_overrides(a2a_latency_ms={2: float("nan")})
+
+
+def test_example_profiles_load():
+    root = Path(__file__).resolve().parent.parent / "examples" / "profiles"
+    files = sorted(root.glob("*.json"))
+    assert files
+    for f in files:
+        prof = load_profile(f)
+        assert prof.tokens_per_device > 0 and prof.latency_ms(2) >= 0
 
 
 def test_reference_constants_reproduce_flexsp_capacity():
