@@ -6,7 +6,7 @@ VENV ?= .venv
 PIP_EXTRA ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test demo test test-fast lint clean
+.PHONY: setup setup-test demo plan-demo test test-fast lint clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ setup-test: $(PY)
 	$(PY) -m pip install -q $(PIP_EXTRA) "torch==2.13.0" -e ".[test]"
 
 demo: setup
+	$(VENV)/bin/flexorch train --config examples/train_laptop.toml
+
+plan-demo: setup
 	$(VENV)/bin/flexorch plan --devices 64 --profile gpt-7b-a100 --max-context 384K --batch 512 --steps 5 --svg runs/plan.svg
 
 test: setup-test

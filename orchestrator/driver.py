@@ -88,7 +88,7 @@ class TrainingDriver:
             self.workers.set_state(state)
         self.profile = self._resolve_profile()
         planner_cfg = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
-        self.planner = StepPlannerActor.remote(self.profile, planner_cfg, cfg.plan.static)
+        self.planner = StepPlannerActor.remote(self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10)
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
         summary = {
@@ -290,6 +290,7 @@ class TrainingDriver:
         planner = getattr(self, "planner", None)
         if planner is not None:
             ray.kill(planner)
+            self.planner = None
 
 
 def _optim_dict(cfg: TrainConfig) -> dict:

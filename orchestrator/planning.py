@@ -6,6 +6,7 @@ comparisons and the invariant tests) and adds the baselines' predicted step time
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -47,7 +48,11 @@ def planner_profile(profile: Profile, *, num_heads: int, num_kv_heads: int, toke
 class StepPlanner:
     """Plans steps for one profile; ``static`` = (kind, degree) forces one layout."""
 
-    def __init__(self, profile: Profile, config: PlannerConfig, static: tuple[str, int] | None = None):
+    def __init__(
+        self, profile: Profile, config: PlannerConfig, static: tuple[str, int] | None = None, niceness: int = 0
+    ):
+        if niceness:  # the solve overlaps the step: on shared CPUs it must not take cycles from the workers
+            os.nice(niceness)
         self.profile = profile
         self.static = static
         self._planner = Planner(profile, config) if static is None else None
@@ -77,5 +82,6 @@ class StepPlanner:
             self._planner.close()
 
 
-StepPlannerActor = ray.remote(num_cpus=0)(StepPlanner)
-"""``StepPlanner`` in its own worker process (no CPU reserved: it sleeps while the step runs)."""
+StepPlannerActor = ray.remote(num_cpus=0, max_restarts=5, max_task_retries=2)(StepPlanner)
+"""``StepPlanner`` in its own worker process (no CPU reserved: it sleeps while the step runs). CBC can crash on
+rare models (coin-or/Cbc#687, python-mip#139); Ray then restarts the actor and retries the plan call."""

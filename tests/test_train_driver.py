@@ -167,3 +167,26 @@ def test_flexorch_train_cli_smoke(env, tmp_path):
         cwd=ROOT,
     )
     assert bad.returncode == 2 and "cannot fit" in bad.stderr
+
+
+def test_flexorch_profile_calibrates_on_the_workers(env, tmp_path):
+    import io
+
+    from orchestrator.calibration import calibration_probes
+    from orchestrator.train_command import run_profile
+    from solver.profiles import get_profile
+
+    root, corpus_dir, profile, _ = env
+    compute, groups = calibration_probes(64, 2, ("ulysses", "ring"))
+    assert all(sum(p.lengths) <= 64 for p in compute), "compute probes fit one worker's budget"
+    assert {(p.degree, p.kind) for p in groups} == {(2, "ulysses"), (2, "ring")}
+    cfg = train_config(corpus_dir, tmp_path / "run", profile, workers=2, data=CorpusConfig(max_context=128))
+    out = io.StringIO()
+    report = run_profile(cfg, tmp_path / "measured.json", out=out)
+    measured = get_profile(str(tmp_path / "measured.json"))
+    assert measured.a2_ms > 0 and measured.num_layers == cfg.model.num_layers and measured.num_heads == 4
+    assert set(measured.a2a_latency_ms) == {2} and set(measured.p2p_latency_ms) == {2}
+    assert 1_000 < measured.act_bytes_per_token < 100_000
+    assert len(report["probes"]) == len(compute) + len(groups)
+    assert 0 <= report["median_rel_error"] <= report["max_rel_error"]
+    assert "calibrated on 2 workers" in out.getvalue() and "profile written to" in out.getvalue()
