@@ -30,7 +30,7 @@ from workers.calibrate import Probe
 __all__ = ["calibration_probes", "calibrate", "calibrate_on_workers", "resolve_profile"]
 
 
-def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int = 3) -> tuple[list, list]:
+def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int = 5) -> tuple[list, list]:
     """(compute probes, group probes) sized to the per-worker token budget."""
     cap = tokens_per_worker
     singles = sorted({max(16, cap // k) for k in (16, 8, 4, 2, 1)})
@@ -47,7 +47,7 @@ def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int
     return compute, groups
 
 
-def calibrate(group, cfg, *, repeats: int = 3) -> tuple[Profile, dict]:
+def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
     """Run the probes on a formed worker group and fit a profile; returns (profile, report)."""
     t0 = time.perf_counter()
     model = cfg.model
