@@ -122,13 +122,19 @@ def main(argv=None) -> int:
         "--max-context", type=int, default=2048, help="2 x tokens-per-worker: static SP=2 can run every batch"
     )
     ap.add_argument("--tokens-per-worker", type=int, default=1024)
+    ap.add_argument("--time-limit", type=float, default=0.25, help="planner budget per step, seconds")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_train")
     ap.add_argument("--quick", action="store_true", help="4 steps per layout")
     args = ap.parse_args(argv)
     steps = 4 if args.quick else args.steps
 
+    import os
+
     import ray
 
+    # every layout keeps 4 worker actors up, so the cluster has many CPU slots; do not let Ray pre-start a worker
+    # process per slot at init (dozens of interpreters starting would load the machine during calibration)
+    os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     ray.init(num_cpus=6 * args.workers + 2, include_dashboard=False, logging_level="ERROR")
     data_dir = args.out / "corpus"
     write_workload(data_dir, args.batch * (steps + 2), args.scale, args.max_context, seed=1)
@@ -140,7 +146,7 @@ def main(argv=None) -> int:
         model=ModelConfig(),
         optim=OptimConfig(lr=1e-3, warmup_steps=1),
         data=CorpusConfig(source=str(data_dir), max_context=args.max_context),
-        plan=PlanSettings(tokens_per_worker=args.tokens_per_worker, time_limit_s=0.5),
+        plan=PlanSettings(tokens_per_worker=args.tokens_per_worker, time_limit_s=args.time_limit),
     )
     corpus = load_corpus(base.data)
     print(

@@ -22,7 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from solver.calibration import CommSample, ComputeSample, GroupSample, fit_profile, prediction_errors
+from solver.calibration import (
+    CommSample,
+    ComputeSample,
+    GroupSample,
+    fit_group_comm,
+    fit_profile,
+    prediction_errors,
+)
 from solver.errors import ProfileError
 from solver.profiles import Profile, get_profile
 from workers.calibrate import Probe
@@ -89,11 +96,16 @@ def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
         comm_samples += [CommSample(kind="ulysses", degree=2, tokens_per_rank=t, ms=1.0) for t in (1, 2)]
     name = f"calibrated-{model.num_layers}x{model.dim}-{group.size}w"
     profile, fit = fit_profile(name, **dims, compute_samples=comp_samples, comm_samples=comm_samples)
+    group_fit = {}
+    for kind, d in sorted({(p.kind, p.degree) for p in groups}):  # match the cost model's own group formula
+        profile, err = fit_group_comm(profile, group_samples, kind, d)
+        group_fit[f"{kind}-{d}"] = err.to_dict() if hasattr(err, "to_dict") else vars(err)
     errors = np.abs(prediction_errors(profile, comp_samples + group_samples))
     report = {
         "profile": name,
         "seconds": time.perf_counter() - t0,
         "fit": fit.to_dict(),
+        "group_fit": group_fit,
         "probes": [s.to_dict() for s in comp_samples + group_samples],
         "median_rel_error": float(np.median(errors)),
         "max_rel_error": float(np.max(errors)),

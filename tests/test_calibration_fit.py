@@ -181,3 +181,19 @@ def test_bad_sample_fields_are_refused():
         GroupSample([10], 6, "ring", 1.0)
     with pytest.raises(ProfileError, match="num_heads=5 must be a multiple"):
         fit_profile("x", **{**DIMS, "num_heads": 5}, **MEMORY, compute_samples=[], comm_samples=[])
+
+
+@pytest.mark.parametrize("kind", ["ring", "ulysses"])
+def test_group_refit_matches_the_cost_models_own_group_formula(kind):
+    from solver.calibration import GroupSample, fit_group_comm
+
+    lengths = [(256,), (1024,), (2048,), (32,) * 16, (512, 512)]
+    measured = [GroupSample(seq_lengths=s, degree=4, kind=kind, ms=group_time_ms(s, 4, kind, TRUTH)) for s in lengths]
+    key = "p2p" if kind == "ring" else "a2a"
+    start = TRUTH.with_overrides(**{f"{key}_latency_ms": {4: 0.0}, f"{key}_gbps": {4: 1e4}})  # a wrong guess
+    fitted, err = fit_group_comm(start, measured, kind, 4)
+    assert err.max_rel_error < 0.02
+    for s in lengths:
+        assert group_time_ms(s, 4, kind, fitted) == pytest.approx(group_time_ms(s, 4, kind, TRUTH), rel=0.02)
+    with pytest.raises(ProfileError, match="need >= 2 group samples"):
+        fit_group_comm(start, measured[:1], kind, 4)
