@@ -123,6 +123,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--tokens-per-worker", type=int, default=1024)
     ap.add_argument("--time-limit", type=float, default=0.25, help="planner budget per step, seconds")
+    ap.add_argument("--static", default="all", help="comma-separated static layouts to compare, 'all' or 'none'")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_train")
     ap.add_argument("--quick", action="store_true", help="4 steps per layout")
     args = ap.parse_args(argv)
@@ -160,11 +161,15 @@ def main(argv=None) -> int:
     profile_path = Path(base.run_dir) / "adaptive" / "profile.json"
     print(f"calibration took {time.perf_counter() - t0:.0f} s; profile {profile_path}")
     base = dataclasses.replace(base, plan=dataclasses.replace(base.plan, profile=str(profile_path)))
+    statics = []
     d = 1
     while d <= args.workers:
-        for kind in ("ulysses", "ring") if d > 1 else ("ulysses",):
-            drivers[f"static-{kind}-{d}"] = start_mode(f"static-{kind}-{d}", base, corpus)
+        statics += [f"static-{kind}-{d}" for kind in (("ulysses", "ring") if d > 1 else ("ulysses",))]
         d *= 2
+    if args.static != "all":
+        statics = [m for m in statics if m in args.static.split(",")]
+    for mode in statics:
+        drivers[mode] = start_mode(mode, base, corpus)
     results = [{"mode": m, "records": [], "act": drv.profile.act_bytes_per_token} for m, drv in drivers.items()]
     for i in range(steps):
         order = results[i % len(results) :] + results[: i % len(results)]

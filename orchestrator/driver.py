@@ -170,7 +170,9 @@ class TrainingDriver:
             nxt = self.stream.peek()
             nxt_lengths = [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]]
             self._pending = (nxt.step, self.planner.plan.remote(nxt_lengths, n))
-        outcomes = self.workers.wait(refs, f"run step {self.step_no}")
+        # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
+        backstop_s = self.cfg.collective_timeout_s * (len(planned.plan.micro_batches) + 2)
+        outcomes = self.workers.wait(refs, f"run step {self.step_no}", timeout_s=backstop_s)
         t_done = time.perf_counter()
 
         tokens = outcomes[0].num_predicted

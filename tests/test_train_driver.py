@@ -190,3 +190,25 @@ def test_flexorch_profile_calibrates_on_the_workers(env, tmp_path):
     assert len(report["probes"]) == len(compute) + len(groups)
     assert 0 <= report["median_rel_error"] <= report["max_rel_error"]
     assert "calibrated on 2 workers" in out.getvalue() and "profile written to" in out.getvalue()
+
+
+def test_a_worker_dying_fails_the_step_fast_with_a_clear_error(env):
+    import time
+
+    import ray
+
+    from orchestrator.worker_group import WorkerGroupError
+
+    root, corpus_dir, profile, corpus = env
+    cfg = train_config(corpus_dir, root / "dies", profile)
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        driver.step()
+        ray.kill(driver.workers.actors[2])
+        t0 = time.monotonic()
+        with pytest.raises(WorkerGroupError, match="a worker died"):
+            driver.step()
+        assert time.monotonic() - t0 < 30, "the driver must not wait for the survivors' collective timeout"
+    finally:
+        driver.shutdown()
