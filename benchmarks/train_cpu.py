@@ -122,7 +122,7 @@ def main(argv=None) -> int:
         "--max-context", type=int, default=2048, help="2 x tokens-per-worker: static SP=2 can run every batch"
     )
     ap.add_argument("--tokens-per-worker", type=int, default=1024)
-    ap.add_argument("--time-limit", type=float, default=0.25, help="planner budget per step, seconds")
+    ap.add_argument("--time-limit", type=float, default=0.1, help="planner budget per step, seconds")
     ap.add_argument("--static", default="all", help="comma-separated static layouts to compare, 'all' or 'none'")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_train")
     ap.add_argument("--quick", action="store_true", help="4 steps per layout")

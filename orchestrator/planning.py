@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import ray
 
-from solver.baselines import baseline_times_ms, static_plan
+from solver.baselines import baseline_plans, baseline_times_ms, static_plan
 from solver.errors import InfeasibleBatchError, PlanningError
 from solver.plan import Plan
 from solver.planner import Planner, PlannerConfig
@@ -63,6 +63,12 @@ class StepPlanner:
             if self.static is None:
                 sp = self._planner.plan(lengths, num_devices)
                 plan, predicted, bound, status = sp.plan, sp.makespan_ms, sp.bound_ms, sp.status
+                statics = baseline_plans(lengths, num_devices, self.profile)
+                floor = statics["batchada"]
+                floor_ms = step_time_ms(floor, self.profile)
+                if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
+                    plan, predicted, status = floor, floor_ms, "batchada"
+                baselines = {k: (None if p is None else step_time_ms(p, self.profile)) for k, p in statics.items()}
             else:
                 kind, d = self.static
                 plan = static_plan(lengths, num_devices, self.profile, d, kind)
@@ -72,7 +78,7 @@ class StepPlanner:
                         f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
                     )
                 predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
-            baselines = baseline_times_ms(lengths, num_devices, self.profile) if with_baselines else {}
+                baselines = baseline_times_ms(lengths, num_devices, self.profile) if with_baselines else {}
         except PlanningError as e:
             return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
         return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
