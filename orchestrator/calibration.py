@@ -37,6 +37,11 @@ from workers.calibrate import Probe
 __all__ = ["calibration_probes", "calibrate", "calibrate_on_workers", "resolve_profile"]
 
 
+# fit_profile needs an all-to-all table entry; where nothing was measured (the compute-only fit, one worker, ring
+# only) these stand in and are never used for a Ulysses group of the run
+_A2A_PLACEHOLDER = [CommSample(kind="ulysses", degree=2, tokens_per_rank=t, ms=1.0) for t in (1, 2)]
+
+
 def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int = 5) -> tuple[list, list]:
     """(compute probes, group probes) sized to the per-worker token budget."""
     cap = tokens_per_worker
@@ -80,7 +85,7 @@ def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
         "compute-only",
         **dims,
         compute_samples=comp_samples,
-        comm_samples=[CommSample(kind="ulysses", degree=2, tokens_per_rank=t, ms=1.0) for t in (1, 2)],
+        comm_samples=_A2A_PLACEHOLDER,
     )
     comm_samples, group_samples = [], []
     for p, m in zip(groups, ms[len(compute) :], strict=True):
@@ -93,7 +98,7 @@ def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
         )
         group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m)))
     if not any(c.kind == "ulysses" for c in comm_samples):  # one worker or ring only: a2a table needs an entry
-        comm_samples += [CommSample(kind="ulysses", degree=2, tokens_per_rank=t, ms=1.0) for t in (1, 2)]
+        comm_samples += _A2A_PLACEHOLDER
     name = f"calibrated-{model.num_layers}x{model.dim}-{group.size}w"
     profile, fit = fit_profile(name, **dims, compute_samples=comp_samples, comm_samples=comm_samples)
     group_fit = {}
@@ -127,19 +132,9 @@ def _fmt(table: dict) -> str:
 
 def calibrate_on_workers(cfg) -> tuple[Profile, dict]:
     """Start the run's workers, calibrate, stop them (``flexorch profile``)."""
-    import dataclasses
-
     from orchestrator.worker_group import RayWorkerGroup
 
-    group = RayWorkerGroup(
-        cfg.workers,
-        model_cfg=cfg.model.to_dict(),
-        optim_cfg=dataclasses.asdict(cfg.optim),
-        seed=cfg.seed,
-        use_gpu=cfg.use_gpu,
-        threads=cfg.worker_threads,
-        collective_timeout_s=cfg.collective_timeout_s,
-    )
+    group = RayWorkerGroup.from_config(cfg)
     try:
         group.form_world()
         return calibrate(group, cfg)

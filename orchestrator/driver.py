@@ -65,15 +65,7 @@ class TrainingDriver:
         ckpt = latest_checkpoint(self.run_dir) if cfg.resume else None
         if cfg.resume and ckpt is None:
             raise ConfigError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; run without --resume")
-        self.workers = RayWorkerGroup(
-            cfg.workers,
-            model_cfg=cfg.model.to_dict(),
-            optim_cfg=_optim_dict(cfg),
-            seed=cfg.seed,
-            use_gpu=cfg.use_gpu,
-            threads=cfg.worker_threads,
-            collective_timeout_s=cfg.collective_timeout_s,
-        )
+        self.workers = RayWorkerGroup.from_config(cfg)
         world_s = self.workers.form_world()
         if ckpt is not None:
             state, dstate = load_checkpoint(ckpt)
@@ -293,12 +285,6 @@ class TrainingDriver:
         if planner is not None:
             ray.kill(planner)
             self.planner = None
-
-
-def _optim_dict(cfg: TrainConfig) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(cfg.optim)
 
 
 TrainingDriverActor = ray.remote(num_cpus=0, max_concurrency=4)(TrainingDriver)

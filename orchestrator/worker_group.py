@@ -7,6 +7,7 @@ epoch under its own prefix), send each rank its task, fetch and push state.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import ray
@@ -64,6 +65,19 @@ class RayWorkerGroup:
         self.host = ray.util.get_node_ip_address()
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         self.epoch = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> RayWorkerGroup:
+        """The workers a ``TrainConfig`` asks for (its model, optimizer, seed, device kind and timeouts)."""
+        return cls(
+            cfg.workers,
+            model_cfg=cfg.model.to_dict(),
+            optim_cfg=dataclasses.asdict(cfg.optim),
+            seed=cfg.seed,
+            use_gpu=cfg.use_gpu,
+            threads=cfg.worker_threads,
+            collective_timeout_s=cfg.collective_timeout_s,
+        )
 
     @property
     def size(self) -> int:

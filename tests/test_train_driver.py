@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from orchestrator.corpus import CorpusConfig, load_corpus
+from orchestrator.corpus import CorpusConfig
 from orchestrator.driver import TrainingDriver
 from orchestrator.lengths import DataError
 from orchestrator.records import read_records
 from orchestrator.train_config import ConfigError, load_train_config
 from solver.errors import InfeasibleBatchError
-from tests.train_helpers import cpu_profile, train_config, write_corpus
+from tests.train_helpers import train_config, training_env
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,18 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=5, include_dashboard=False, logging_level="ERROR")
-    root = tmp_path_factory.mktemp("driver")
-    corpus_dir = write_corpus(root / "corpus")
-    profile = cpu_profile(root / "profile.json")
-    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
-    yield root, corpus_dir, profile, corpus
-    if started:
-        ray.shutdown()
+    yield from training_env(tmp_path_factory, "driver")
 
 
 def _run(cfg, corpus, steps=None):

@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.corpus import load_corpus
 from orchestrator.driver import TrainingDriver
 from tests.train_helpers import (
     assert_params_close,
-    cpu_profile,
     reference_losses_and_params,
     train_config,
-    write_corpus,
+    training_env,
 )
 
 pytestmark = pytest.mark.slow
@@ -23,19 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=5, include_dashboard=False, logging_level="ERROR")
-    root = tmp_path_factory.mktemp("train")
-    corpus_dir = write_corpus(root / "corpus")
-    profile = cpu_profile(root / "profile.json")
-    cfg = train_config(corpus_dir, root / "run", profile)
-    corpus = load_corpus(cfg.data)
-    yield root, corpus_dir, profile, corpus
-    if started:
-        ray.shutdown()
+    yield from training_env(tmp_path_factory, "train")
 
 
 def _train(cfg, corpus):

@@ -54,6 +54,24 @@ def cpu_profile(path: Path) -> Path:
     return path
 
 
+def training_env(tmp_path_factory, name: str):
+    """Module fixture body: a Ray with room for 4 workers (reused if running), a corpus, a fixed profile."""
+    import ray
+
+    from orchestrator.corpus import load_corpus
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=5, include_dashboard=False, logging_level="ERROR")
+    root = tmp_path_factory.mktemp(name)
+    corpus_dir = write_corpus(root / "corpus")
+    profile = cpu_profile(root / "profile.json")
+    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
+    yield root, corpus_dir, profile, corpus
+    if started:
+        ray.shutdown()
+
+
 def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) -> TrainConfig:
     plan = {"profile": str(profile), "tokens_per_worker": 64, "time_limit_s": 0.3, **overrides.pop("plan", {})}
     values = {
