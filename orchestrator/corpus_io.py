@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.lengths import DataError
 from orchestrator.tokenizer import get_tokenizer
@@ -170,9 +171,13 @@ def _check_parquet_field(files: list[str], field: str) -> None:
 
 
 def pack_blocks(arrow_refs: list, listing: Listing, cfg: CorpusConfig) -> tuple[list[list], list[dict]]:
-    """One `_pack_block` task per Arrow block: (token block refs per task, which the caller now owns; metadata)."""
+    """One `_pack_block` task per Arrow block: (token block refs per task, which the caller now owns; metadata).
+
+    The tasks run on the caller's node (the driver's), so the token blocks live in its object store and survive
+    the loss of any worker node (an elastic run keeps reading them after a node is removed)."""
     spec = (listing.base, listing.fmt, cfg.text_field, cfg.tokenizer, cfg.max_context, cfg.min_tokens, cfg.over_long)
-    gens = [_pack_block.remote(r, spec, cfg.block_tokens) for r in arrow_refs]
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    gens = [_pack_block.options(scheduling_strategy=here).remote(r, spec, cfg.block_tokens) for r in arrow_refs]
     block_refs, metas = [], []
     for g in gens:
         out = list(g)

@@ -18,13 +18,17 @@ from pathlib import Path
 
 import ray
 
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
 from orchestrator.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orchestrator.corpus import load_corpus
 from orchestrator.data_stream import DocumentStream
+from orchestrator.elastic import Elastic
+from orchestrator.membership import ElasticPolicy
 from orchestrator.planning import PlannedStep, StepPlannerActor, planner_profile
 from orchestrator.records import StepRecords
 from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
-from orchestrator.worker_group import RayWorkerGroup
+from orchestrator.worker_group import MembershipFailure, RayWorkerGroup
 from solver.errors import InfeasibleBatchError
 from solver.planner import PlannerConfig
 from workers.step_task import DocRef, step_tasks
@@ -44,7 +48,7 @@ class TrainingDriver:
         self.resumed_from: int | None = None
         self._events: list[dict] = []
         self._lock = threading.Lock()
-        self._pending: tuple[int, ray.ObjectRef] | None = None
+        self._pending: tuple[int, int, ray.ObjectRef] | None = None  # (step, world size, plan ref)
         self._done = False
         self._error: str | None = None
         self._step_wall: list[float] = []
@@ -66,7 +70,14 @@ class TrainingDriver:
         if cfg.resume and ckpt is None:
             raise ConfigError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; run without --resume")
         self.workers = RayWorkerGroup.from_config(cfg)
-        world_s = self.workers.form_world()
+        policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic_wait_s, cfg.max_attempts)
+        self.elastic = Elastic(self.workers, policy, self._publish, self._checkpoint_hint)
+        t_world = time.perf_counter()
+        try:
+            self.workers.form_world()
+        except MembershipFailure as e:
+            self.elastic.recover(e.failure, 0, "form the first world")
+        world_s = time.perf_counter() - t_world
         if ckpt is not None:
             state, dstate = load_checkpoint(ckpt)
             if dstate["corpus"] != self._corpus_fingerprint():
@@ -80,7 +91,10 @@ class TrainingDriver:
             self.workers.set_state(state)
         self.profile = self._resolve_profile()
         planner_cfg = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
-        self.planner = StepPlannerActor.remote(self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        self.planner = StepPlannerActor.options(scheduling_strategy=here).remote(  # beside the driver: survives
+            self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10  # the loss of a worker node
+        )
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
         summary = {
@@ -88,7 +102,9 @@ class TrainingDriver:
             "corpus": self.corpus.stats,
             "num_docs": self.corpus.num_docs,
             "batches_per_epoch": self.stream.batches_per_epoch,
-            "workers": cfg.workers,
+            "workers": self.workers.size,
+            "min_workers": cfg.min_workers,
+            "max_workers": cfg.max_workers,
             "world_s": world_s,
             "profile": self.profile.name,
             "tokens_per_worker": self.profile.tokens_per_device,
@@ -120,54 +136,70 @@ class TrainingDriver:
         return self.step_no >= self.cfg.steps
 
     def step(self) -> dict:
-        """Train one global batch (or record it as skipped); returns its record."""
+        """Train one global batch (or record it as skipped); returns its record.
+
+        Membership changes between steps (workers that finished starting join here). When an attempt fails
+        because workers died or hung, the elastic policy decides; on a shrink the same batch is re-planned for
+        the survivors and re-run, so no document is lost or trained twice (DESIGN.md §4)."""
         if self.workers is None:
             raise RuntimeError("call setup() first")
         t_start = time.perf_counter()
-        batch = self.stream.next_batch()
+        joined = self.elastic.at_boundary()
+        batch = self.stream.peek()  # taken (next_batch) only once the step is done or skipped
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
-        n = self.workers.size
-        t_wait = time.perf_counter()
-        if self._pending is not None and self._pending[0] == batch.step:
-            planned: PlannedStep = ray.get(self._pending[1])
-        else:
-            planned = ray.get(self.planner.plan.remote(lengths, n))
-        self._pending = None
-        plan_wait_ms = (time.perf_counter() - t_wait) * 1e3
-        base = {
-            "step": self.step_no,
-            "epoch": batch.epoch,
-            "batch_index": batch.index_in_epoch,
-            "doc_ids": list(batch.doc_ids),
-            "seq_lengths": lengths,
-            "world_size": n,
-            "mode": self.cfg.plan.mode,
-            "solve_s": planned.solve_s,
-            "plan_wait_ms": plan_wait_ms,
-            "baselines_ms": planned.baselines_ms,
-        }
-        if planned.plan is None:
-            return self._skip(base, planned)
-
-        t_dispatch = time.perf_counter()
-        locs = self.corpus.locate(list(batch.doc_ids))
-        docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
-        tasks = step_tasks(planned.plan, docs, self.step_no)
-        block_refs = [
-            {b: self.corpus.block_refs[b] for b in sorted({d.block for w in t.work for d in w.docs})} for t in tasks
-        ]
-        refs = self.workers.run_step(tasks, block_refs)
-        dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
-        if self.step_no + 1 < self.cfg.steps:  # plan the next batch while this one runs
-            nxt = self.stream.peek()
-            nxt_lengths = [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]]
-            self._pending = (nxt.step, self.planner.plan.remote(nxt_lengths, n))
-        # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
-        backstop_s = self.cfg.collective_timeout_s * (len(planned.plan.micro_batches) + 2)
-        outcomes = self.workers.wait(refs, f"run step {self.step_no}", timeout_s=backstop_s)
+        recoveries = [joined] if joined else []
+        attempt = 0
+        while True:
+            n = self.workers.size
+            t_wait = time.perf_counter()
+            planned = self._plan(batch.step, lengths, n)
+            plan_wait_ms = (time.perf_counter() - t_wait) * 1e3
+            base = {
+                "step": self.step_no,
+                "epoch": batch.epoch,
+                "batch_index": batch.index_in_epoch,
+                "doc_ids": list(batch.doc_ids),
+                "seq_lengths": lengths,
+                "world_size": n,
+                "worker_ids": list(self.workers.worker_ids),
+                "mode": self.cfg.plan.mode,
+                "solve_s": planned.solve_s,
+                "plan_wait_ms": plan_wait_ms,
+                "baselines_ms": planned.baselines_ms,
+                "recoveries": recoveries,
+            }
+            if planned.plan is None:
+                self.stream.next_batch()
+                return self._skip(base, planned)
+            t_dispatch = time.perf_counter()
+            locs = self.corpus.locate(list(batch.doc_ids))
+            docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
+            tasks = step_tasks(planned.plan, docs, self.step_no)
+            block_refs = [
+                {b: self.corpus.block_refs[b] for b in sorted({d.block for w in t.work for d in w.docs})}
+                for t in tasks
+            ]
+            refs = self.workers.run_step(tasks, block_refs)
+            dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
+            if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
+                self._plan_ahead(n)
+            # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
+            backstop_s = self.cfg.collective_timeout_s * (len(planned.plan.micro_batches) + 2)
+            results, failure = self.workers.settle(refs, backstop_s)
+            if failure is None:
+                outcomes = [results[w] for w in self.workers.worker_ids]
+                break
+            rec = self.elastic.recover(failure, attempt, f"run step {self.step_no}")
+            recoveries.append(rec)
+            attempt = rec["attempt"] + 1
+            if rec["step_completed"]:  # some survivors finished the update before the failure: it stands
+                outcomes = [results[w] for w in sorted(failure.completed) if w in results]
+                break
+        self.stream.next_batch()
         t_done = time.perf_counter()
-
         tokens = outcomes[0].num_predicted
+        if tokens != sum(s - 1 for s in lengths):
+            raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")
         measured_ms = (t_done - t_dispatch) * 1e3
         record = {
             **base,
@@ -203,6 +235,33 @@ class TrainingDriver:
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         self._finish(record, t_start)
         return record
+
+    def _plan(self, stream_step: int, lengths: list[int], n: int) -> PlannedStep:
+        """The plan of this batch for ``n`` workers: the one solved during the last step if it was for ``n``."""
+        pending, self._pending = self._pending, None
+        if pending is not None and pending[:2] == (stream_step, n):
+            return ray.get(pending[2])
+        return ray.get(self.planner.plan.remote(lengths, n))
+
+    def _plan_ahead(self, n: int) -> None:
+        nxt = self._peek_after()
+        if nxt is not None:
+            nxt_lengths = [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]]
+            self._pending = (nxt.step, n, self.planner.plan.remote(nxt_lengths, n))
+
+    def _peek_after(self):
+        """The batch after the current one (the stream advances only when a step is done)."""
+        state = self.stream.state_dict()
+        self.stream.next_batch()
+        nxt = self.stream.peek()
+        self.stream.load_state_dict(state)
+        return nxt
+
+    def _checkpoint_hint(self) -> str:
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return "No checkpoint was written yet (set checkpoint_every to keep one)"
+        return f"The last checkpoint, {ckpt.path}, is intact: run again with --resume when capacity is back"
 
     def _skip(self, base: dict, planned: PlannedStep) -> dict:
         if self.cfg.plan.on_infeasible == "error":

@@ -1,6 +1,6 @@
 """The run directory's step records: one JSON object per line in ``RUN_DIR/steps.jsonl``.
 
-Schema ``flexorch.step/1`` (every key always present; times in ms unless the name ends in ``_s``):
+Schema ``flexorch.step/2`` (every key always present; times in ms unless the name ends in ``_s``):
 
 * ``schema``, ``step`` (0-based), ``epoch`` (data epoch), ``batch_index`` (batch inside the epoch),
   ``doc_ids`` (corpus ids of the batch, the ledger), ``seq_lengths``, ``world_size``, ``mode``, ``status``
@@ -13,7 +13,14 @@ Schema ``flexorch.step/1`` (every key always present; times in ms unless the nam
   when the solve hid behind the previous step), ``overhead_ms`` (driver bookkeeping after the outcomes);
 * ``loss``, ``tokens`` (predicted tokens of the batch), ``tokens_per_s``, ``lr``, ``grad_norm``,
   ``ranks`` (per-rank ``micro_batch_ms``, ``compute_end_ms``, ``local_tokens``, ``peak_local_tokens``), ``time``
-  (unix seconds).
+  (unix seconds);
+* ``worker_ids`` (stable id of each rank of the world that ran the step: rank i is ``worker_ids[i]``) and
+  ``recoveries``: membership changes made for this step, each with ``what``, ``world_before``, ``world_after``,
+  ``recovery_ms`` and, after a failure, ``attempt``, ``decisions`` (the policy's, e.g. ``["Shrink"]``), ``lost``,
+  ``reason`` and ``step_completed`` (survivors had finished the update, so the step was not re-run), or, when
+  workers joined, ``joined``.
+
+Version 2 added ``worker_ids`` and ``recoveries`` to version 1.
 
 On ``--resume`` the records of steps after the checkpoint are dropped, so the file always describes the steps
 the current model has trained on, each exactly once.
@@ -27,7 +34,7 @@ from pathlib import Path
 
 __all__ = ["SCHEMA", "StepRecords", "read_records"]
 
-SCHEMA = "flexorch.step/1"
+SCHEMA = "flexorch.step/2"
 
 
 class StepRecords:

@@ -15,7 +15,7 @@ import ray
 
 from orchestrator.train_config import TrainConfig
 
-__all__ = ["run_train", "run_profile", "ray_session", "format_step"]
+__all__ = ["run_train", "run_profile", "ray_session", "format_step", "format_membership"]
 
 
 @contextmanager
@@ -57,6 +57,26 @@ def format_step(ev: dict, total: int) -> str:
     )
 
 
+def format_membership(ev: dict) -> str:
+    """One line per membership change: workers lost (and what was done), joined, starting, waited for."""
+    kind = ev["event"]
+    if kind == "starting":
+        return f"membership: starting workers {ev['worker_ids']} on free slots (world of {ev['size']} now)"
+    if kind == "waiting":
+        return (
+            f"membership: {len(ev['alive'])} workers alive, below min_workers={ev['min_workers']}: waiting up to "
+            f"{ev['timeout_s']:g} s for {ev['need']} more"
+        )
+    before, after = len(ev["world_before"]), len(ev["world_after"])
+    if ev["what"] == "grow":
+        return f"membership: workers {ev['joined']} joined, world {before} -> {after} ({ev['recovery_ms']:.0f} ms)"
+    redo = "the step's update had finished, kept" if ev["step_completed"] else "re-running the step"
+    return (
+        f"membership: {ev['what']}: {ev['reason']}; {'/'.join(ev['decisions'])}, world {before} -> {after} "
+        f"workers {ev['world_after']} in {ev['recovery_ms']:.0f} ms; {redo}"
+    )
+
+
 def _describe_setup(ev: dict) -> str:
     st = ev["corpus"]
     parts = [f"{ev['num_docs']:,} documents", f"{st.get('tokens', 0):,} tokens"]
@@ -70,7 +90,7 @@ def _describe_setup(ev: dict) -> str:
             parts.append(f"{st[key]:,} {label}")
     resumed = f", resumed after step {ev['resumed_from']}" if ev.get("resumed_from") is not None else ""
     return (
-        f"flexorch train: {ev['workers']} workers, model {ev['model_params'] / 1e6:.2f}M params, corpus "
+        f"flexorch train: {ev['workers']} workers (elastic {ev['min_workers']}..{ev['max_workers']}), model {ev['model_params'] / 1e6:.2f}M params, corpus "
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
         f"({ev['tokens_per_worker']} tokens per worker){resumed}"
     )
@@ -81,7 +101,11 @@ def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll
     from orchestrator.driver import TrainingDriverActor
 
     with ray_session(address, cfg.workers):
-        driver = TrainingDriverActor.remote(cfg.to_dict())
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # on this node (the head, under `ray job submit`): the driver must not die with a worker node
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        driver = TrainingDriverActor.options(scheduling_strategy=here).remote(cfg.to_dict())
         run_ref = driver.run.remote()
         seen, done = 0, False
         try:
@@ -96,6 +120,8 @@ def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll
                         print(ev["message"], file=out, flush=True)
                     elif kind == "step":
                         print(format_step(ev, cfg.steps), file=out, flush=True)
+                    elif kind in ("membership", "waiting", "starting"):
+                        print(format_membership(ev), file=out, flush=True)
                     elif kind == "checkpoint":
                         print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)
                 if not done:

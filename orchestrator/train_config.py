@@ -102,7 +102,19 @@ class TrainConfig:
     use_gpu: bool = False
     """One GPU per worker (NCCL) instead of CPU slots (gloo)."""
     collective_timeout_s: float = 120.0
-    """A collective waiting longer than this fails instead of hanging."""
+    """A collective (or a rendezvous) waiting longer than this fails instead of hanging: the bound on how long a
+    silent peer can stall the survivors before it is declared lost."""
+    min_workers: int | None = None
+    """Elastic floor: below this many live workers the run waits ``elastic_wait_s`` for capacity, then fails.
+    Default: the fewest workers whose largest power-of-two SP group holds ``data.max_context`` (and a forced static
+    layout's degree)."""
+    max_workers: int | None = None
+    """Elastic ceiling: free slots in the cluster (a joined node) are used up to this many workers. Default:
+    ``workers`` (replace lost workers when capacity comes back, never grow past the start)."""
+    elastic_wait_s: float = 60.0
+    """How long to wait for capacity when fewer than ``min_workers`` are alive, before failing the run."""
+    max_attempts: int = 5
+    """Attempts at one step (each membership failure costs one) before the run gives up."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: CorpusConfig = field(default_factory=CorpusConfig)
@@ -117,6 +129,10 @@ class TrainConfig:
             raise ConfigError(f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
         if not self.collective_timeout_s > 0:
             raise ConfigError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s!r}")
+        if not self.elastic_wait_s >= 0:
+            raise ConfigError(f"elastic_wait_s must be >= 0, got {self.elastic_wait_s!r}")
+        if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ConfigError(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
         need = self.data.max_context
         have = self.workers * self.plan.tokens_per_worker
         if need > have:
@@ -134,6 +150,31 @@ class TrainConfig:
                     f"plan.mode={self.plan.mode!r}: Ulysses degree {d} must divide model.num_heads="
                     f"{self.model.num_heads}; use static-ring-{d}"
                 )
+        self._resolve_elastic_bounds()
+
+    def _resolve_elastic_bounds(self) -> None:
+        tpw = self.plan.tokens_per_worker
+        floor = 1  # the smallest power-of-two group that holds max_context
+        while floor * tpw < self.data.max_context:
+            floor *= 2
+        if self.plan.static is not None:
+            floor = max(floor, self.plan.static[1])
+        lo = floor if self.min_workers is None else self.min_workers
+        hi = self.workers if self.max_workers is None else self.max_workers
+        for name, v in (("min_workers", lo), ("max_workers", hi)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if lo < floor:
+            raise ConfigError(
+                f"min_workers={lo} is too few: a document of data.max_context={self.data.max_context} tokens needs an "
+                f"SP group of {floor} workers x plan.tokens_per_worker={tpw}"
+                + (f" (and plan.mode={self.plan.mode!r} needs {self.plan.static[1]})" if self.plan.static else "")
+                + f"; set min_workers >= {floor}"
+            )
+        if not lo <= self.workers <= hi:
+            raise ConfigError(f"need min_workers <= workers <= max_workers, got {lo} <= {self.workers} <= {hi}")
+        object.__setattr__(self, "min_workers", lo)
+        object.__setattr__(self, "max_workers", hi)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

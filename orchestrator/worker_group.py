@@ -1,8 +1,14 @@
-"""The driver's handle on its worker actors: a placement group of N bundles, one WorkerActor per bundle.
+"""The driver's handle on its worker actors: one WorkerActor per device, stable worker ids, one world per epoch.
 
-The driver talks to workers only through this class (the seam where membership changes will plug in): create
-them, form a world (rendezvous on a TCPStore the driver hosts; one store serves every membership epoch, each
-epoch under its own prefix), send each rank its task, fetch and push state.
+The driver talks to workers only through this class. Workers are plain actors (``num_cpus=1``, plus
+``num_gpus=1`` on GPU) rather than bundles of one fixed placement group, so the set can shrink when a node dies
+and grow when one joins. ``membership`` maps stable worker ids to ranks (rank = position in ascending id order).
+Every :meth:`form_world` starts a new membership epoch with a fresh rendezvous TCPStore hosted here; dropping the
+old store closes its connections, so workers stuck in an abandoned rendezvous fail at once.
+
+:meth:`settle` waits for a call on every worker and sorts what happened into a :class:`~orchestrator.membership.
+Failure` (lost, peer errors, deterministic errors, completed) instead of failing on the first error: the elastic
+driver needs to know who survived and in which state.
 """
 
 from __future__ import annotations
@@ -12,20 +18,33 @@ import time
 
 import ray
 import torch.distributed as dist
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from workers.actor import WorkerActor
+from orchestrator.membership import Failure, Membership
+from workers.actor import PeerLostError, WorkerActor
 
-__all__ = ["RayWorkerGroup", "WorkerGroupError"]
+__all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
 
 
 class WorkerGroupError(RuntimeError):
-    """Workers could not be placed, could not form a world, or failed a step."""
+    """Workers could not be placed, or failed in a way the run cannot recover from."""
+
+
+class MembershipFailure(WorkerGroupError):
+    """A call on the workers failed; ``failure`` says who was lost and in which state the others are."""
+
+    def __init__(self, what: str, failure: Failure):
+        self.failure = failure
+        parts = []
+        if failure.lost:
+            parts.append(f"lost workers {sorted(failure.lost)}")
+        if failure.peer_errors:
+            parts.append(f"workers {sorted(failure.peer_errors)} left the broken world")
+        parts += [f"worker {w}: {m}" for w, m in failure.errors]
+        super().__init__(f"could not {what}: {'; '.join(parts)}")
 
 
 class RayWorkerGroup:
-    """N worker actors in one placement group, ranks 0..N-1 in creation order."""
+    """Worker actors keyed by stable worker id; ``actors`` lists the members in rank order."""
 
     def __init__(
         self,
@@ -38,33 +57,31 @@ class RayWorkerGroup:
         threads: int = 1,
         collective_timeout_s: float = 120.0,
         placement_timeout_s: float = 60.0,
+        min_workers: int | None = None,
     ):
         self.timeout_s = collective_timeout_s
-        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
-        self.pg = placement_group([bundle] * num_workers, strategy="PACK")
-        try:
-            ray.get(self.pg.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.pg)
-            have = ray.cluster_resources()
-            raise WorkerGroupError(
-                f"could not place {num_workers} workers of {bundle} within {placement_timeout_s:.0f} s; the cluster "
-                f"has CPU={have.get('CPU', 0):g} GPU={have.get('GPU', 0):g}. Lower `workers`, or start Ray with more "
-                "slots (e.g. `ray start --num-cpus N`)"
-            ) from None
-        self.actors = [
-            WorkerActor.options(
-                num_cpus=1,
-                num_gpus=1 if use_gpu else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=i
-                ),
-            ).remote(i, model_cfg, optim_cfg, seed, threads)
-            for i in range(num_workers)
-        ]
+        self.placement_timeout_s = placement_timeout_s
+        self.use_gpu = use_gpu
+        self._args = (model_cfg, optim_cfg, seed, threads)
+        self.membership = Membership()
+        self._actors: dict[int, ray.actor.ActorHandle] = {}
+        self.joining: dict[int, tuple] = {}  # worker id -> (actor, ready ref, start time)
         self.host = ray.util.get_node_ip_address()
-        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
-        self.epoch = 0
+        self.store: dist.TCPStore | None = None
+        need = num_workers if min_workers is None else min_workers
+        self._check_capacity(need)
+        self.start_workers(num_workers)
+        deadline = time.monotonic() + placement_timeout_s
+        while self.joining and time.monotonic() < deadline:
+            self.admit(self.ready_joiners(wait_s=min(1.0, max(deadline - time.monotonic(), 0.0))))
+        if self.size < need:
+            have = ray.cluster_resources()
+            self.shutdown()
+            raise WorkerGroupError(
+                f"only {self.size} of {num_workers} workers started within {placement_timeout_s:.0f} s (at least "
+                f"{need} needed); the cluster has CPU={have.get('CPU', 0):g} GPU={have.get('GPU', 0):g}. Lower "
+                "`workers`/`min_workers`, or start Ray with more slots (e.g. `ray start --num-cpus N`)"
+            )
 
     @classmethod
     def from_config(cls, cfg) -> RayWorkerGroup:
@@ -77,61 +94,175 @@ class RayWorkerGroup:
             use_gpu=cfg.use_gpu,
             threads=cfg.worker_threads,
             collective_timeout_s=cfg.collective_timeout_s,
+            min_workers=getattr(cfg, "min_workers", None),
         )
 
+    # ---------------------------------------------------------------- membership
     @property
     def size(self) -> int:
-        return len(self.actors)
+        return self.membership.size
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        return self.membership.worker_ids
+
+    @property
+    def actors(self) -> list:
+        """Member actors in rank order."""
+        return [self._actors[w] for w in self.membership.worker_ids]
+
+    def actor(self, worker_id: int):
+        return self._actors[worker_id]
+
+    def _check_capacity(self, need: int) -> None:
+        key = "GPU" if self.use_gpu else "CPU"
+        total = ray.cluster_resources().get(key, 0)
+        if total < need:
+            raise WorkerGroupError(
+                f"the Ray cluster has {total:g} {key} slots, the run needs at least {need} workers of 1 {key} each; "
+                "lower `workers`/`min_workers`, or add nodes or slots (e.g. `ray start --num-cpus N`)"
+            )
+
+    def free_slots(self) -> int:
+        """Unclaimed device slots in the cluster now (a joined node shows up here)."""
+        return int(ray.available_resources().get("GPU" if self.use_gpu else "CPU", 0))
+
+    def start_workers(self, count: int) -> list[int]:
+        """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
+        ids = self.membership.new_ids(count)
+        for wid in ids:
+            actor = WorkerActor.options(
+                num_cpus=1, num_gpus=1 if self.use_gpu else 0, name=None, max_restarts=0
+            ).remote(wid, *self._args)
+            self.joining[wid] = (actor, actor.info.remote(), time.monotonic())
+        return ids
+
+    def ready_joiners(self, wait_s: float = 0.0) -> list[int]:
+        """Joining workers whose actor is up; drops joiners that died or could not be placed in time."""
+        if not self.joining:
+            return []
+        by_ref = {j[1]: wid for wid, j in self.joining.items()}
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=wait_s)
+        out = []
+        for ref in ready:
+            wid = by_ref[ref]
+            try:
+                ray.get(ref)
+                out.append(wid)
+            except ray.exceptions.RayError:
+                self.joining.pop(wid)
+        now = time.monotonic()
+        for wid, (actor, _, t0) in list(self.joining.items()):
+            if wid not in out and now - t0 > self.placement_timeout_s:
+                ray.kill(actor, no_restart=True)
+                self.joining.pop(wid)
+        return sorted(out)
+
+    def admit(self, worker_ids) -> None:
+        """Make ready joiners members (the next :meth:`form_world` gives them ranks)."""
+        for wid in worker_ids:
+            self._actors[wid] = self.joining.pop(wid)[0]
+        self.membership.add(worker_ids)
+
+    def remove(self, worker_ids) -> None:
+        """Drop members (dead, hung or unwanted); their actors are killed if still running."""
+        for wid in worker_ids:
+            ray.kill(self._actors.pop(wid), no_restart=True)
+        self.membership.remove(worker_ids)
 
     def form_world(self) -> float:
-        """Every worker joins a fresh world (the next membership epoch); returns the seconds it took."""
-        self.epoch += 1
+        """Every member joins a fresh world (the next membership epoch); returns the seconds it took."""
+        epoch = self.membership.next_epoch()
         t0 = time.perf_counter()
-        refs = [
-            a.join_world.remote(self.host, self.store.port, rank, self.size, self.epoch, self.timeout_s)
-            for rank, a in enumerate(self.actors)
-        ]
-        self._get(refs, "form a torch.distributed world")
+        self.store = None  # close the last epoch's rendezvous: anyone still waiting on it fails now
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        ids = self.worker_ids
+        refs = {
+            w: self._actors[w].join_world.remote(self.host, self.store.port, r, len(ids), epoch, self.timeout_s)
+            for r, w in enumerate(ids)
+        }
+        self.call_all(refs, "form a torch.distributed world", self.timeout_s + 30.0)
         return time.perf_counter() - t0
 
-    def run_step(self, tasks, block_refs: list[dict]) -> list:
-        """Start every rank's step; returns the object refs of their outcomes (the caller waits on them)."""
-        return [a.run_step.remote(t, refs) for a, t, refs in zip(self.actors, tasks, block_refs, strict=True)]
+    # ---------------------------------------------------------------- calls
+    def run_step(self, tasks, block_refs: list[dict]) -> dict:
+        """Start every rank's step; returns {worker id: outcome ref} (the caller settles them)."""
+        return {
+            w: self._actors[w].run_step.remote(t, refs)
+            for w, t, refs in zip(self.worker_ids, tasks, block_refs, strict=True)
+        }
 
-    def wait(self, refs: list, what: str, timeout_s: float | None = None) -> list:
-        return self._get(refs, what, timeout_s)
+    def settle(self, refs: dict, timeout_s: float) -> tuple[dict, Failure | None]:
+        """Wait for every worker's call; returns ({worker id: result} of those that finished, failure or None).
+
+        After the first failure the rendezvous store is closed (a worker waiting in a rendezvous or ``new_group``
+        fails at once) and the others get ``collective_timeout_s`` plus a grace to settle (survivors whose
+        collective broke fail fast; one blocked on a silent peer fails at its collective timeout); a worker that
+        has not answered by then is hung: it is killed and counted as lost.
+        """
+        pending = {ref: wid for wid, ref in refs.items()}
+        results, lost, peer, errors = {}, set(), set(), []
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            for ref in ready:
+                wid = pending.pop(ref)
+                try:
+                    results[wid] = ray.get(ref)
+                    continue
+                except ray.exceptions.RayActorError:
+                    lost.add(wid)
+                except ray.exceptions.RayTaskError as e:
+                    cause = e.cause if e.cause is not None else e
+                    if isinstance(cause, PeerLostError) or isinstance(e, PeerLostError):
+                        peer.add(wid)
+                    else:
+                        errors.append((wid, f"{type(cause).__name__}: {str(cause).splitlines()[0][:500]}"))
+                if self.store is not None:  # the world is broken: workers blocked in its rendezvous fail now
+                    self.store = None
+                deadline = min(deadline, time.monotonic() + self.timeout_s + 5.0)
+        for wid in pending.values():  # hung past the collective timeout
+            ray.kill(self._actors[wid], no_restart=True)
+            lost.add(wid)
+        if not (lost or peer or errors):
+            return results, None
+        return results, Failure(frozenset(lost), frozenset(peer), tuple(errors), frozenset(results))
+
+    def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
+        """:meth:`settle`, raising :class:`MembershipFailure` on any failure."""
+        results, failure = self.settle(refs, timeout_s)
+        if failure is not None:
+            raise MembershipFailure(what, failure)
+        return results
+
+    def sync_state(self, source: int, targets) -> None:
+        """Copy model, optimizer, schedule and RNG state from worker ``source`` to ``targets`` (object store)."""
+        targets = [t for t in targets if t != source]
+        if targets:
+            ref = self._actors[source].get_state.remote()
+            self.call_all({t: self._actors[t].set_state.remote(ref) for t in targets}, "copy state", self.timeout_s)
 
     def get_state(self, rank: int = 0) -> dict:
-        return self._get([self.actors[rank].get_state.remote()], "fetch the model state")[0]
+        wid = self.worker_ids[rank]
+        return self.call_all({wid: self._actors[wid].get_state.remote()}, "fetch the model state", self.timeout_s)[wid]
 
     def set_state(self, state: dict) -> None:
         ref = ray.put(state)
-        self._get([a.set_state.remote(ref) for a in self.actors], "load the model state")
+        self.call_all({w: self._actors[w].set_state.remote(ref) for w in self.worker_ids}, "load state", self.timeout_s)
 
     def call(self, method: str, *args) -> list:
-        """Call a worker method on every rank and wait (e.g. 'parameters_digest')."""
-        return self._get([getattr(a, method).remote(*args) for a in self.actors], method)
-
-    def _get(self, refs: list, what: str, timeout_s: float | None = None) -> list:
-        """Wait for all refs; fail fast on the first error (the others may be stuck in a collective)."""
-        timeout = timeout_s if timeout_s is not None else self.timeout_s + 30.0
-        deadline = time.monotonic() + timeout
-        pending = list(refs)
-        try:
-            while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise WorkerGroupError(f"workers did not {what} within {timeout:.0f} s")
-                ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-                ray.get(ready)  # raises the worker's error now, not after the survivors time out
-            return ray.get(refs)
-        except ray.exceptions.RayActorError as e:
-            raise WorkerGroupError(f"a worker died while trying to {what}: {e}") from e
-        except ray.exceptions.RayTaskError as e:
-            raise WorkerGroupError(f"a worker failed to {what}: {e.cause if e.cause else e}") from e
+        """Call a worker method on every rank and wait; results in rank order (e.g. 'parameters_digest')."""
+        out = self.call_all(
+            {w: getattr(self._actors[w], method).remote(*args) for w in self.worker_ids}, method, self.timeout_s + 30
+        )
+        return [out[w] for w in self.worker_ids]
 
     def shutdown(self) -> None:
-        for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-        remove_placement_group(self.pg)
+        for actor in list(self._actors.values()) + [j[0] for j in self.joining.values()]:
+            ray.kill(actor, no_restart=True)
+        self._actors.clear()
+        self.joining.clear()
+        self.store = None

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import socket
 import time
+import traceback
+from collections import Counter
 
 import ray
 import torch
@@ -23,7 +25,21 @@ from workers.process_groups import ProcessGroupRegistry
 from workers.step_exec import StepOutcome, run_step
 from workers.step_task import StepTask
 
-__all__ = ["WorkerActor", "Worker"]
+__all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS"]
+
+FAULT_POINTS = ("join", "micro_batch", "before_sync", "after_sync")
+"""Where :meth:`Worker.inject_fault` can strike: joining a world, after a micro-batch's forward, before the
+gradient all-reduce, after it (before the optimizer step)."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because the world broke (a peer died, hung or left); this worker has left the world
+    and keeps its state from before the step, ready to join the next one."""
+
+
+def _is_world_error(e: BaseException) -> bool:
+    markers = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe")
+    return isinstance(e, dist.DistError) or any(m in str(e) for m in markers)
 
 
 class Worker:
@@ -42,6 +58,8 @@ class Worker:
         self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
+        self._faults: list[tuple[str, int, int, str]] = []
+        self._calls: Counter = Counter()
 
     def info(self) -> dict:
         """Where this worker runs."""
@@ -57,17 +75,65 @@ class Worker:
         """Join the torch.distributed world of membership ``epoch`` (blocks until every rank joined)."""
         t0 = time.perf_counter()
         self.leave_world()
+        self._strike("join", epoch)
+        self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
+        return time.perf_counter() - t0
+
+    def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
         self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
         self.registry = ProcessGroupRegistry(
             store=self._store, rank=rank, world_size=world_size, epoch=epoch, timeout_s=timeout_s
         )
-        return time.perf_counter() - t0
 
     def leave_world(self) -> None:
+        """Drop the current world (idempotent; safe after a failed collective)."""
         if self.registry is not None:
-            self.registry.close()
+            try:
+                self.registry.close()
+            except Exception:  # noqa: BLE001 - a broken world may not close cleanly; it is dropped either way
+                pass
             self.registry = None
+        if dist.is_initialized():  # a half-made world (a join that failed)
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
         self._store = None
+
+    def _guarded(self, fn, *args, **kwargs):
+        """Run ``fn``; on any error leave the world first (closing its connections, so peers blocked on this
+        worker fail at once instead of at their timeout), then raise :class:`PeerLostError` for a broken world
+        or the original error otherwise."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            err, text = e, traceback.format_exc()
+        err.__traceback__ = None  # release the failed collective's frames, so leaving the world closes sockets
+        self.leave_world()
+        if _is_world_error(err):
+            raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
+        err.add_note(text)
+        raise err
+
+    def inject_fault(self, point: str, step: int, nth: int = 1, action: str = "exit") -> None:
+        """Test seam: on the ``nth`` visit to ``point`` during ``step`` (for ``"join"``: membership epoch),
+        ``"exit"`` kills this process at once (as a node loss would), ``"hang"`` blocks it forever, ``"raise"``
+        raises an error (a bug in the step: not a membership problem)."""
+        if point not in FAULT_POINTS or action not in ("exit", "hang", "raise"):
+            raise ValueError(f"fault point must be one of {FAULT_POINTS} and action 'exit', 'hang' or 'raise'")
+        self._faults.append((point, step, nth, action))
+
+    def _strike(self, point: str, step: int) -> None:
+        if not self._faults:
+            return
+        self._calls[(point, step)] += 1
+        for p, s, nth, action in self._faults:
+            if p == point and s == step and nth == self._calls[(point, step)]:
+                if action == "exit":
+                    os._exit(1)
+                if action == "raise":
+                    raise RuntimeError(f"injected fault at {point} of step {step}")
+                time.sleep(10**6)
 
     def run_step(self, task: StepTask, block_refs: dict) -> StepOutcome:
         """Run this rank's part of a step. ``block_refs`` maps block index -> ObjectRef of an int32 token array."""
@@ -76,6 +142,9 @@ class Worker:
         keys = sorted(block_refs)
         values = ray.get([block_refs[k] for k in keys]) if keys else []  # refs nested in a dict arrive unresolved
         blocks = dict(zip(keys, values, strict=True))
+        return self._guarded(self._run_step, task, blocks)
+
+    def _run_step(self, task: StepTask, blocks: dict) -> StepOutcome:
         self.registry.ensure(task.rank_sets)
         world = self.registry.world if task.world_size > 1 else None
         return run_step(
@@ -88,6 +157,7 @@ class Worker:
             world,
             self.optim_cfg,
             vocab_size=self.model_cfg.vocab_size,
+            hook=(lambda point: self._strike(point, task.step)) if self._faults else None,
         )
 
     def probe(self, probes: list) -> list[float]:

@@ -106,12 +106,16 @@ def run_step(
     *,
     vocab_size: int,
     backend: str | None = None,
+    hook: Callable[[str], None] | None = None,
 ) -> StepOutcome:
     """Run ``task`` on this rank and step the optimizer; every rank of the world must call it for the same step.
 
     ``group_of(ranks)`` returns the process group of an SP group (already created for ``task.rank_sets``);
-    ``world`` is the whole world's group (None when the world has one rank).
+    ``world`` is the whole world's group (None when the world has one rank). ``hook(point)`` is called at
+    ``"micro_batch"`` (after each forward), ``"before_sync"`` and ``"after_sync"`` (gradients all-reduced, the
+    optimizer not yet stepped): the worker's fault injection for the elasticity tests, None otherwise.
     """
+    hook = hook or (lambda point: None)
     t0 = time.perf_counter()
     out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
     optimizer.zero_grad(set_to_none=False)
@@ -132,6 +136,7 @@ def run_step(
             loss = loss_sum(logits, labels.to(device))
         out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
         del logits
+        hook("micro_batch")
         loss.backward()
         local_loss += loss.detach().double().cpu()
         local_pred += int((labels != -100).sum())
@@ -140,6 +145,7 @@ def run_step(
         out.micro_batch_ms.append((time.perf_counter() - t_mb) * 1e3)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
 
+    hook("before_sync")
     t_sync = time.perf_counter()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     # one flat float32 buffer of every gradient; the loss sum and token count ride in a small float64 one
@@ -163,6 +169,7 @@ def run_step(
     out.loss = float(stats[0]) * scale
     out.num_predicted = total_pred
     out.sync_ms = (time.perf_counter() - t_sync) * 1e3
+    hook("after_sync")
 
     t_opt = time.perf_counter()
     out.grad_norm = clip_grad_norm_(params, optim_cfg.grad_clip) if optim_cfg.grad_clip else _norm(params)

@@ -1,0 +1,123 @@
+"""Elastic membership on a multi-node Ray cluster (``ray.cluster_utils.Cluster``: several raylets on this machine).
+
+A node is removed mid-run (its workers die with it: the run shrinks in place), a node is added (the next steps use
+more workers), and a run that falls below ``min_workers`` waits for capacity: it goes on when a node joins in
+time and fails with a clear message, checkpoint intact, when none does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from orchestrator.corpus import CorpusConfig
+from orchestrator.data_stream import DocumentStream
+from orchestrator.driver import TrainingDriver
+from orchestrator.elastic import ElasticError
+from tests.train_helpers import (
+    assert_params_close,
+    cpu_profile,
+    reference_losses_and_params,
+    train_config,
+    write_corpus,
+)
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    ray.init(address=c.address, logging_level="ERROR")
+    from orchestrator.corpus import load_corpus
+
+    corpus_dir = write_corpus(tmp_path / "corpus")
+    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
+    yield c, corpus_dir, cpu_profile(tmp_path / "profile.json"), corpus, tmp_path
+    ray.shutdown()
+    c.shutdown()
+
+
+def _cfg(env, name, **kw):
+    _, corpus_dir, profile, _, root = env
+    return train_config(corpus_dir, root / name, profile, plan={"tokens_per_worker": 128}, **kw)
+
+
+def _nodes_of(driver) -> dict[int, str]:
+    return {wid: info["node_id"] for wid, info in zip(driver.workers.worker_ids, driver.workers.call("info"))}
+
+
+def _check(cfg, corpus, records, replicas):
+    stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
+    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in records]
+    ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert_params_close(replicas, ref_params)
+
+
+def test_node_removed_then_added_mid_run(cluster):
+    c, corpus = cluster[0], cluster[3]
+    node_b = c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    cfg = _cfg(cluster, "remove-add", steps=20, max_workers=4)
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        on_b = sorted(w for w, n in _nodes_of(driver).items() if n == node_b.node_id)
+        assert len(on_b) == 2, "the head holds two workers, node B the other two"
+        records = [driver.step()]
+        c.remove_node(node_b)
+        records.append(driver.step())
+        rec = records[1]["recoveries"][0]
+        assert sorted(rec["lost"]) == on_b and records[1]["world_size"] == 2
+        c.add_node(num_cpus=2)
+        deadline = time.monotonic() + 90
+        while records[-1]["world_size"] < 4 and time.monotonic() < deadline:
+            records.append(driver.step())
+        grown = records[-1]
+        assert grown["world_size"] == 4, "the run grew onto the new node"
+        assert any(r.get("what") == "grow" for r in grown["recoveries"])
+        ranks = {r for mb in grown["plan"]["micro_batches"] for g in mb for r in g["ranks"]}
+        assert max(ranks) == 3, "the plan uses the new workers"
+        assert len(set(grown["worker_ids"]) - {0, 1, 2, 3}) == 2, "newcomers have fresh worker ids"
+        records.append(driver.step())
+        replicas = driver.replica_parameters()
+    finally:
+        driver.shutdown()
+    _check(cfg, corpus, records, replicas)
+
+
+@pytest.mark.parametrize("node_joins", [True, False])
+def test_below_min_workers_waits_for_capacity(cluster, node_joins):
+    from orchestrator.checkpoint import latest_checkpoint
+
+    c, corpus = cluster[0], cluster[3]
+    node_b = c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    cfg = _cfg(cluster, f"wait-{node_joins}", steps=3, min_workers=4, elastic_wait_s=8.0, checkpoint_every=1)
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        records = [driver.step()]
+        c.remove_node(node_b)
+        if node_joins:
+            threading.Timer(2.0, lambda: c.add_node(num_cpus=2)).start()
+            records += [driver.step(), driver.step()]
+            rec = records[1]["recoveries"][0]
+            assert rec["decisions"][0] == "WaitForCapacity" and records[1]["world_size"] == 4
+            _check(cfg, corpus, records, driver.replica_parameters())
+        else:
+            t0 = time.monotonic()
+            with pytest.raises(ElasticError, match=r"min_workers=4.*elastic_wait_s=8.*checkpoint_000001.*--resume"):
+                driver.step()
+            assert time.monotonic() - t0 < 60
+            assert latest_checkpoint(cfg.run_dir).path.endswith("checkpoint_000001")
+    finally:
+        driver.shutdown()

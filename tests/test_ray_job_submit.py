@@ -1,0 +1,142 @@
+"""`ray job submit` of `flexorch train` to a real Ray head started with `ray start --head` on loopback.
+
+The test starts its own head (its own temp dir, ports and HOME, so the token it makes stays in the test's
+directory), submits one job that must succeed and one that must fail, checks the job status and the job logs
+(the per-step lines), then stops exactly the processes it started: the `ray start --block` process group and any
+process whose command line names its private temp dir.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import cpu_profile, write_corpus
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).parent / "ray")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pids_naming(text: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text.encode() in (d / "cmdline").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+@pytest.fixture
+def ray_head(tmp_path):
+    temp = Path(tempfile.mkdtemp(prefix="fxr-", dir="/tmp"))  # short: Ray's socket paths must stay < 108 bytes
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    dash = _free_port()
+    cmd = [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}"]
+    cmd += [f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=3", f"--temp-dir={temp}"]
+    cmd += ["--include-dashboard=true", f"--ray-client-server-port={_free_port()}", "--disable-usage-stats"]
+    log = open(tmp_path / "ray-start.log", "w")  # noqa: SIM115 - closed below
+    head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            probe = subprocess.run(
+                [RAY, "job", "list", "--address", address], env=env, capture_output=True, text=True, timeout=60
+            )
+            if probe.returncode == 0:
+                break
+            if time.monotonic() > deadline or head.poll() is not None:
+                raise RuntimeError(f"the Ray head did not come up: {probe.stderr[-2000:]}\n{log.name}")
+            time.sleep(2)
+        yield address, env
+    finally:
+        try:
+            os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its node on SIGTERM
+            head.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        for pid in set(_pids_naming(str(temp))):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        log.close()
+
+
+def _submit(address, env, entrypoint: list[str]) -> str:
+    cmd = [RAY, "job", "submit", "--address", address, "--no-wait", "--working-dir", str(ROOT), "--"]
+    out = subprocess.run(cmd + entrypoint, env=env, capture_output=True, text=True, timeout=120, check=True)
+    for token in out.stdout.split():
+        if token.startswith("raysubmit_"):
+            return token.strip("'\".")
+    raise AssertionError(f"no job id in: {out.stdout}")
+
+
+def _wait(address, env, job_id, timeout_s=300) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        st = subprocess.run(
+            [RAY, "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True, timeout=60
+        ).stdout
+        for status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            if f"status: {status}" in st or f"'{status}'" in st or f"{status}." in st or st.strip().endswith(status):
+                return status
+        time.sleep(2)
+    raise AssertionError(f"job {job_id} did not finish in {timeout_s} s")
+
+
+def _logs(address, env, job_id) -> str:
+    return subprocess.run(
+        [RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True, text=True, timeout=60
+    ).stdout
+
+
+def test_ray_job_submit_runs_flexorch_train_and_reports_status(ray_head, tmp_path):
+    address, env = ray_head
+    corpus = write_corpus(tmp_path / "corpus")
+    profile = cpu_profile(tmp_path / "profile.json")
+    config = tmp_path / "job.toml"
+    config.write_text(
+        "steps = 3\nworkers = 2\nbatch_size = 6\n"
+        f"[data]\nsource = '{corpus}'\nmax_context = 128\n"
+        f"[plan]\nprofile = '{profile}'\ntokens_per_worker = 64\n"
+    )
+    run_dir = tmp_path / "run"
+    entry = [sys.executable, "-m", "orchestrator.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
+    job = _submit(address, env, entry)
+    status = _wait(address, env, job)
+    logs = _logs(address, env, job)
+    assert status == "SUCCEEDED", logs[-3000:]
+    steps = [ln for ln in logs.splitlines() if ln.lstrip().startswith("step ") and "loss" in ln]
+    assert len(steps) == 3, logs[-3000:]
+    assert "done: 3 steps" in logs
+    assert (run_dir / "checkpoints" / "checkpoint_000003").is_dir()
+
+    bad = _submit(address, env, entry[:-2] + ["--run-dir", str(tmp_path / "bad"), "--max-context", "100K"])
+    assert _wait(address, env, bad) == "FAILED"
+    assert "cannot fit" in _logs(address, env, bad)
