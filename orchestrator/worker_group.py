@@ -22,6 +22,8 @@ import torch.distributed as dist
 from orchestrator.membership import Failure, Membership
 from workers.actor import PeerLostError, WorkerActor
 
+ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
+
 __all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
 
 
@@ -198,7 +200,8 @@ class RayWorkerGroup:
         After the first failure the rendezvous store is closed (a worker waiting in a rendezvous or ``new_group``
         fails at once) and the others get ``collective_timeout_s`` plus a grace to settle (survivors whose
         collective broke fail fast; one blocked on a silent peer fails at its collective timeout); a worker that
-        has not answered by then is hung: it is killed and counted as lost.
+        has not answered by then is hung: it is killed and counted as lost. A worker's own error (a bug, bad
+        input) is final, so then the others get only ``ERROR_GRACE_S`` before they are killed.
         """
         pending = {ref: wid for wid, ref in refs.items()}
         results, lost, peer, errors = {}, set(), set(), []
@@ -223,7 +226,9 @@ class RayWorkerGroup:
                         errors.append((wid, f"{type(cause).__name__}: {str(cause).splitlines()[0][:500]}"))
                 if self.store is not None:  # the world is broken: workers blocked in its rendezvous fail now
                     self.store = None
-                deadline = min(deadline, time.monotonic() + self.timeout_s + 5.0)
+                # a worker's own error ends the run (it is not retried), so peers get a short grace only
+                grace = ERROR_GRACE_S if errors else self.timeout_s + 5.0
+                deadline = min(deadline, time.monotonic() + grace)
         for wid in pending.values():  # hung past the collective timeout
             ray.kill(self._actors[wid], no_restart=True)
             lost.add(wid)

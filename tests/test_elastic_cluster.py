@@ -7,7 +7,7 @@ time and fails with a clear message, checkpoint intact, when none does.
 
 from __future__ import annotations
 
-import threading
+import concurrent.futures
 import time
 
 import pytest
@@ -108,8 +108,13 @@ def test_below_min_workers_waits_for_capacity(cluster, node_joins):
         records = [driver.step()]
         c.remove_node(node_b)
         if node_joins:
-            threading.Timer(2.0, lambda: c.add_node(num_cpus=2)).start()
-            records += [driver.step(), driver.step()]
+            # the step waits for capacity in a thread; the node joins from this (main) thread, as Ray requires
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(driver.step)
+                time.sleep(2.0)
+                c.add_node(num_cpus=2)
+                records.append(waiting.result(timeout=120))
+            records.append(driver.step())
             rec = records[1]["recoveries"][0]
             assert rec["decisions"][0] == "WaitForCapacity" and records[1]["world_size"] == 4
             _check(cfg, corpus, records, driver.replica_parameters())

@@ -9,6 +9,7 @@ process whose command line names its private temp dir.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -51,6 +52,9 @@ def ray_head(tmp_path):
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "RAY_AUTH_MODE": "token", "RAY_ADDRESS": ""}
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    # what a user does once per cluster (README): make a token; every node and client finds it in ~/.ray/auth_token
+    subprocess.run([RAY, "get-auth-token", "--generate"], env=env, capture_output=True, timeout=60, check=True)
+    assert (home / ".ray" / "auth_token").is_file()
     dash = _free_port()
     cmd = [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={_free_port()}"]
     cmd += [f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", "--num-cpus=3", f"--temp-dir={temp}"]
@@ -88,13 +92,22 @@ def ray_head(tmp_path):
         log.close()
 
 
-def _submit(address, env, entrypoint: list[str]) -> str:
-    cmd = [RAY, "job", "submit", "--address", address, "--no-wait", "--working-dir", str(ROOT), "--"]
-    out = subprocess.run(cmd + entrypoint, env=env, capture_output=True, text=True, timeout=120, check=True)
-    for token in out.stdout.split():
-        if token.startswith("raysubmit_"):
-            return token.strip("'\".")
-    raise AssertionError(f"no job id in: {out.stdout}")
+def _plain(text: str) -> str:
+    return re.sub(r"\x1b\[[0-9;]*m", "", text)  # the Ray CLI colours its output
+
+
+def _submit(address, env, entrypoint: list[str], job_id: str) -> str:
+    cmd = [RAY, "job", "submit", "--address", address, "--no-wait", "--submission-id", job_id]
+    cmd += ["--working-dir", str(ROOT), "--"]
+    deadline = time.monotonic() + 120
+    while True:
+        out = subprocess.run(cmd + entrypoint, env=env, capture_output=True, text=True, timeout=120)
+        # a fresh head answers `ray job list` a little before its job agent takes submissions
+        if "No available agent" not in out.stderr or time.monotonic() > deadline:
+            break
+        time.sleep(3)
+    assert out.returncode == 0 and job_id in _plain(out.stdout), out.stdout + out.stderr
+    return job_id
 
 
 def _wait(address, env, job_id, timeout_s=300) -> str:
@@ -102,18 +115,21 @@ def _wait(address, env, job_id, timeout_s=300) -> str:
     while time.monotonic() < deadline:
         st = subprocess.run(
             [RAY, "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True, timeout=60
-        ).stdout
-        for status in ("SUCCEEDED", "FAILED", "STOPPED"):
-            if f"status: {status}" in st or f"'{status}'" in st or f"{status}." in st or st.strip().endswith(status):
-                return status
+        )
+        # "Status for job 'x': SUCCEEDED" while reported, or "Job 'x' succeeded" once it has ended
+        found = re.search(rf"job '{job_id}':? (succeeded|failed|stopped)\b", _plain(st.stdout), re.IGNORECASE)
+        if found:
+            return found.group(1).upper()
         time.sleep(2)
     raise AssertionError(f"job {job_id} did not finish in {timeout_s} s")
 
 
 def _logs(address, env, job_id) -> str:
-    return subprocess.run(
-        [RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True, text=True, timeout=60
-    ).stdout
+    return _plain(
+        subprocess.run(
+            [RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True, text=True, timeout=60
+        ).stdout
+    )
 
 
 def test_ray_job_submit_runs_flexorch_train_and_reports_status(ray_head, tmp_path):
@@ -128,7 +144,7 @@ def test_ray_job_submit_runs_flexorch_train_and_reports_status(ray_head, tmp_pat
     )
     run_dir = tmp_path / "run"
     entry = [sys.executable, "-m", "orchestrator.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
-    job = _submit(address, env, entry)
+    job = _submit(address, env, entry, f"flexorch-ok-{os.getpid()}")
     status = _wait(address, env, job)
     logs = _logs(address, env, job)
     assert status == "SUCCEEDED", logs[-3000:]
@@ -137,6 +153,7 @@ def test_ray_job_submit_runs_flexorch_train_and_reports_status(ray_head, tmp_pat
     assert "done: 3 steps" in logs
     assert (run_dir / "checkpoints" / "checkpoint_000003").is_dir()
 
-    bad = _submit(address, env, entry[:-2] + ["--run-dir", str(tmp_path / "bad"), "--max-context", "100K"])
+    bad_entry = entry[:-2] + ["--run-dir", str(tmp_path / "bad"), "--max-context", "100K"]
+    bad = _submit(address, env, bad_entry, f"flexorch-bad-{os.getpid()}")
     assert _wait(address, env, bad) == "FAILED"
     assert "cannot fit" in _logs(address, env, bad)
