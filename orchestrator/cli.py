@@ -62,6 +62,8 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="'auto' (calibrate at start, default), a built-in name or a profile JSON")
     p.add_argument("--max-context", help="longest document in tokens, e.g. 2K (default 2048)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: only at the end)")
+    p.add_argument("--min-workers", type=int, help="elastic floor: below it, wait for capacity (default: auto)")
+    p.add_argument("--max-workers", type=int, help="elastic ceiling: grow onto joining nodes up to it")
 
 
 def _train_config(args: argparse.Namespace):
@@ -75,6 +77,8 @@ def _train_config(args: argparse.Namespace):
         "batch_size": args.batch_size,
         "seed": args.seed,
         "checkpoint_every": args.checkpoint_every,
+        "min_workers": args.min_workers,
+        "max_workers": args.max_workers,
         "data.source": args.data,
         "data.max_context": parse_tokens(args.max_context) if args.max_context else None,
         "plan.mode": args.mode,

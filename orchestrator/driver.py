@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import ray
-
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from orchestrator.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -26,7 +25,7 @@ from orchestrator.data_stream import DocumentStream
 from orchestrator.elastic import Elastic
 from orchestrator.membership import ElasticPolicy
 from orchestrator.planning import PlannedStep, StepPlannerActor, planner_profile
-from orchestrator.records import StepRecords
+from orchestrator.records import StepRecords, step_record
 from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
 from orchestrator.worker_group import MembershipFailure, RayWorkerGroup
 from solver.errors import InfeasibleBatchError
@@ -93,7 +92,10 @@ class TrainingDriver:
         planner_cfg = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         self.planner = StepPlannerActor.options(scheduling_strategy=here).remote(  # beside the driver: survives
-            self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10  # the loss of a worker node
+            self.profile,
+            planner_cfg,
+            cfg.plan.static,
+            0 if cfg.use_gpu else 10,  # the loss of a worker node
         )
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
@@ -176,8 +178,7 @@ class TrainingDriver:
             docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
             tasks = step_tasks(planned.plan, docs, self.step_no)
             block_refs = [
-                {b: self.corpus.block_refs[b] for b in sorted({d.block for w in t.work for d in w.docs})}
-                for t in tasks
+                {b: self.corpus.block_refs[b] for b in sorted({d.block for w in t.work for d in w.docs})} for t in tasks
             ]
             refs = self.workers.run_step(tasks, block_refs)
             dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
@@ -201,36 +202,7 @@ class TrainingDriver:
         if tokens != sum(s - 1 for s in lengths):
             raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")
         measured_ms = (t_done - t_dispatch) * 1e3
-        record = {
-            **base,
-            "status": planned.status,
-            "skipped": False,
-            "reason": None,
-            "shape": planned.plan.shape(),
-            "plan": planned.plan.to_dict(),
-            "predicted_ms": planned.predicted_ms,
-            "bound_ms": planned.bound_ms,
-            "measured_ms": measured_ms,
-            "compute_ms": max(o.compute_end_ms for o in outcomes),
-            "sync_ms": max(o.sync_ms for o in outcomes),
-            "optim_ms": max(o.optim_ms for o in outcomes),
-            "dispatch_ms": dispatch_ms,
-            "loss": outcomes[0].loss,
-            "tokens": tokens,
-            "tokens_per_s": tokens / max(measured_ms / 1e3, 1e-9),
-            "lr": outcomes[0].lr,
-            "grad_norm": outcomes[0].grad_norm,
-            "ranks": [
-                {
-                    "micro_batch_ms": o.micro_batch_ms,
-                    "compute_end_ms": o.compute_end_ms,
-                    "local_tokens": o.local_tokens,
-                    "peak_local_tokens": o.peak_local_tokens,
-                    "peak_activation_bytes": o.peak_activation_bytes,
-                }
-                for o in outcomes
-            ],
-        }
+        record = step_record(base, planned, outcomes, measured_ms, dispatch_ms)
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         self._finish(record, t_start)

@@ -145,9 +145,7 @@ class ElasticPolicy:
             return Fail(f"worker {wid} failed (not a membership problem, so not retried): {msg}")
         survivors = tuple(w for w in alive if w not in failure.lost)
         if not survivors:
-            return Fail(
-                f"all {len(alive)} workers were lost (ids {list(alive)}); the model state lived only on them"
-            )
+            return Fail(f"all {len(alive)} workers were lost (ids {list(alive)}); the model state lived only on them")
         if attempt + 1 >= self.max_attempts:
             return Fail(f"gave up after {attempt + 1} failed attempts at one step (elastic.max_attempts)")
         if not failure.lost:

@@ -67,3 +67,38 @@ def read_records(path: Path | str) -> list[dict]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: not a JSON record ({e})") from None
     return out
+
+
+def step_record(base: dict, planned, outcomes: list, measured_ms: float, dispatch_ms: float) -> dict:
+    """The record of a trained step: ``base`` (batch, world, recoveries) plus the plan and every rank's outcome."""
+    tokens = outcomes[0].num_predicted
+    return {
+        **base,
+        "status": planned.status,
+        "skipped": False,
+        "reason": None,
+        "shape": planned.plan.shape(),
+        "plan": planned.plan.to_dict(),
+        "predicted_ms": planned.predicted_ms,
+        "bound_ms": planned.bound_ms,
+        "measured_ms": measured_ms,
+        "compute_ms": max(o.compute_end_ms for o in outcomes),
+        "sync_ms": max(o.sync_ms for o in outcomes),
+        "optim_ms": max(o.optim_ms for o in outcomes),
+        "dispatch_ms": dispatch_ms,
+        "loss": outcomes[0].loss,
+        "tokens": tokens,
+        "tokens_per_s": tokens / max(measured_ms / 1e3, 1e-9),
+        "lr": outcomes[0].lr,
+        "grad_norm": outcomes[0].grad_norm,
+        "ranks": [
+            {
+                "micro_batch_ms": o.micro_batch_ms,
+                "compute_end_ms": o.compute_end_ms,
+                "local_tokens": o.local_tokens,
+                "peak_local_tokens": o.peak_local_tokens,
+                "peak_activation_bytes": o.peak_activation_bytes,
+            }
+            for o in outcomes
+        ],
+    }

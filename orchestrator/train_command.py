@@ -90,7 +90,8 @@ def _describe_setup(ev: dict) -> str:
             parts.append(f"{st[key]:,} {label}")
     resumed = f", resumed after step {ev['resumed_from']}" if ev.get("resumed_from") is not None else ""
     return (
-        f"flexorch train: {ev['workers']} workers (elastic {ev['min_workers']}..{ev['max_workers']}), model {ev['model_params'] / 1e6:.2f}M params, corpus "
+        f"flexorch train: {ev['workers']} workers (elastic {ev['min_workers']}..{ev['max_workers']}), "
+        f"model {ev['model_params'] / 1e6:.2f}M params, corpus "
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
         f"({ev['tokens_per_worker']} tokens per worker){resumed}"
     )

@@ -72,7 +72,9 @@ class RayWorkerGroup:
         self.store: dist.TCPStore | None = None
         need = num_workers if min_workers is None else min_workers
         self._check_capacity(need)
-        self.start_workers(num_workers)
+        # start what the free slots hold now (at least the floor); the rest join at a step boundary once
+        # capacity appears (the elastic policy grows up to max_workers)
+        self.start_workers(max(need, min(num_workers, self.free_slots())))
         deadline = time.monotonic() + placement_timeout_s
         while self.joining and time.monotonic() < deadline:
             self.admit(self.ready_joiners(wait_s=min(1.0, max(deadline - time.monotonic(), 0.0))))

@@ -51,7 +51,8 @@ def _cfg(env, name, **kw):
 
 
 def _nodes_of(driver) -> dict[int, str]:
-    return {wid: info["node_id"] for wid, info in zip(driver.workers.worker_ids, driver.workers.call("info"))}
+    infos = driver.workers.call("info")
+    return {wid: info["node_id"] for wid, info in zip(driver.workers.worker_ids, infos, strict=True)}
 
 
 def _check(cfg, corpus, records, replicas):
@@ -101,7 +102,9 @@ def test_below_min_workers_waits_for_capacity(cluster, node_joins):
     c, corpus = cluster[0], cluster[3]
     node_b = c.add_node(num_cpus=2)
     c.wait_for_nodes()
-    cfg = _cfg(cluster, f"wait-{node_joins}", steps=3, min_workers=4, elastic_wait_s=8.0, checkpoint_every=1)
+    # a joining node needs its raylet up and its worker processes to import torch before it is capacity
+    wait_s = 60.0 if node_joins else 8.0
+    cfg = _cfg(cluster, f"wait-{node_joins}", steps=3, min_workers=4, elastic_wait_s=wait_s, checkpoint_every=1)
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Submit flexorch train to a Ray cluster as a Ray job (run from the repository root).
+#
+# Once per cluster (Ray 2.60 turns on token authentication when a head starts):
+#   ray get-auth-token --generate          # writes ~/.ray/auth_token; copy it to every node and client
+#   ray start --head --dashboard-host=0.0.0.0                      # on the head
+#   ray start --address=HEAD_IP:6379                              # on each worker node (joins grow the run)
+# Then, from any machine with the token:
+#   RAY_AUTH_MODE=token examples/submit_cluster.sh http://HEAD_IP:8265
+set -euo pipefail
+ADDRESS="${1:-http://127.0.0.1:8265}"
+export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
+# --working-dir ships this checkout to the cluster; the job's Python needs torch and ray (pip install -e . on
+# every node, or add: --runtime-env-json '{"pip": ["torch==2.13.0", "mip==2.0"]}')
+ray job submit --address "$ADDRESS" --working-dir . -- \
+    python -m orchestrator.cli train --config examples/train_cluster.toml "${@:2}"
+# Follow it:  ray job logs --address "$ADDRESS" --follow <job id>     Status: ray job status --address ...
+# Stop it:    ray job stop --address "$ADDRESS" <job id>

@@ -1,0 +1,95 @@
+"""The driver process itself dies (SIGKILL, mid-run): `flexorch train --resume` continues at the exact next document.
+
+Workers can be replaced in place (test_elastic.py); the driver cannot, because it owns the data stream. What
+survives it is the last checkpoint (taken every step here). The test kills the whole `flexorch train` process
+tree (its local Ray included) right after a step line, resumes, and checks the ledger: every step once in
+steps.jsonl, the documents of an uninterrupted stream in order, and the final parameters equal to one process
+training on the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from orchestrator.corpus import CorpusConfig, load_corpus
+from orchestrator.data_stream import DocumentStream
+from orchestrator.records import read_records
+from orchestrator.train_config import load_train_config
+from tests.train_helpers import cpu_profile, reference_losses_and_params, write_corpus
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _kill_tree(proc: subprocess.Popen, ray_tmp: Path) -> None:
+    """SIGKILL the CLI's process group and every Ray process of its private temp dir (raylet, GCS, workers)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    needle = str(ray_tmp).encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "cmdline").read_bytes() or needle in (d / "environ").read_bytes():
+                    os.kill(int(d.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+
+
+def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluster):
+    corpus_dir = write_corpus(tmp_path / "corpus")
+    profile = cpu_profile(tmp_path / "profile.json")
+    config = tmp_path / "run.toml"
+    config.write_text(
+        "steps = 6\nworkers = 2\nbatch_size = 6\ncheckpoint_every = 1\n"
+        f"[data]\nsource = '{corpus_dir}'\nmax_context = 128\n"
+        f"[plan]\nprofile = '{profile}'\ntokens_per_worker = 64\n"
+    )
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "orchestrator.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
+    ray_tmp = Path(tempfile.mkdtemp(prefix="fxc-", dir="/tmp"))  # short: Ray's socket paths stay < 108 bytes
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp)}
+
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    seen = []
+    try:
+        deadline = time.monotonic() + 240
+        for line in proc.stdout:  # the CLI prints one line per step
+            seen.append(line)
+            if line.startswith("step    3/6") or time.monotonic() > deadline:
+                break
+    finally:
+        _kill_tree(proc, ray_tmp)
+    assert any(ln.startswith("step    3/6") for ln in seen), "".join(seen)[-3000:]
+    before = read_records(run_dir / "steps.jsonl")
+    assert [r["step"] for r in before][:3] == [0, 1, 2] and len(before) <= 4
+
+    resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "resumed after step" in resumed.stdout and "done: 6 steps" in resumed.stdout
+
+    records = read_records(run_dir / "steps.jsonl")
+    assert [r["step"] for r in records] == list(range(6)), "every step exactly once, none lost or repeated"
+    cfg = load_train_config(config, {})
+    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=128))  # in this process's Ray
+    stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
+    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in range(6)]
+    ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    final = torch.load(run_dir / "checkpoints" / "checkpoint_000006" / "model.pt", weights_only=True)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(final[name].numpy(), value, rtol=1e-4, atol=2e-5, err_msg=name)
