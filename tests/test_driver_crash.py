@@ -10,6 +10,7 @@ training on the same batches.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from orchestrator.corpus import CorpusConfig, load_corpus
 from orchestrator.data_stream import DocumentStream
 from orchestrator.records import read_records
 from orchestrator.train_config import load_train_config
-from tests.train_helpers import cpu_profile, reference_losses_and_params, write_corpus
+from tests.train_helpers import reference_losses_and_params, small_run_toml
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,14 +50,8 @@ def _kill_tree(proc: subprocess.Popen, ray_tmp: Path) -> None:
 
 
 def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluster):
-    corpus_dir = write_corpus(tmp_path / "corpus")
-    profile = cpu_profile(tmp_path / "profile.json")
-    config = tmp_path / "run.toml"
-    config.write_text(
-        "steps = 6\nworkers = 2\nbatch_size = 6\ncheckpoint_every = 1\n"
-        f"[data]\nsource = '{corpus_dir}'\nmax_context = 128\n"
-        f"[plan]\nprofile = '{profile}'\ntokens_per_worker = 64\n"
-    )
+    config = small_run_toml(tmp_path, steps=6, checkpoint_every=1)
+    corpus_dir = tmp_path / "corpus"
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "orchestrator.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
     ray_tmp = Path(tempfile.mkdtemp(prefix="fxc-", dir="/tmp"))  # short: Ray's socket paths stay < 108 bytes
@@ -78,7 +73,10 @@ def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluste
     before = read_records(run_dir / "steps.jsonl")
     assert [r["step"] for r in before][:3] == [0, 1, 2] and len(before) <= 4
 
-    resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    try:
+        resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert "resumed after step" in resumed.stdout and "done: 6 steps" in resumed.stdout
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import cpu_profile, write_corpus
+from tests.train_helpers import small_run_toml
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,7 @@ def ray_head(tmp_path):
         except ProcessLookupError:
             pass
         log.close()
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def _plain(text: str) -> str:
@@ -134,14 +136,7 @@ def _logs(address, env, job_id) -> str:
 
 def test_ray_job_submit_runs_flexorch_train_and_reports_status(ray_head, tmp_path):
     address, env = ray_head
-    corpus = write_corpus(tmp_path / "corpus")
-    profile = cpu_profile(tmp_path / "profile.json")
-    config = tmp_path / "job.toml"
-    config.write_text(
-        "steps = 3\nworkers = 2\nbatch_size = 6\n"
-        f"[data]\nsource = '{corpus}'\nmax_context = 128\n"
-        f"[plan]\nprofile = '{profile}'\ntokens_per_worker = 64\n"
-    )
+    config = small_run_toml(tmp_path, steps=3)
     run_dir = tmp_path / "run"
     entry = [sys.executable, "-m", "orchestrator.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
     job = _submit(address, env, entry, f"flexorch-ok-{os.getpid()}")

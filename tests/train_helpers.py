@@ -105,3 +105,17 @@ def assert_params_close(replicas: list, reference: dict, atol: float = 2e-5, rto
     assert set(first) == set(reference)
     for name, value in first.items():
         np.testing.assert_allclose(value, reference[name], rtol=rtol, atol=atol, err_msg=name)
+
+
+def small_run_toml(root: Path, steps: int, **keys) -> Path:
+    """A real corpus, the fixed profile and a 2-worker TOML run file under ``root`` for CLI and job tests."""
+    corpus_dir = write_corpus(root / "corpus")
+    profile = cpu_profile(root / "profile.json")
+    extra = "".join(f"{k} = {v}\n" for k, v in keys.items())
+    path = root / "run.toml"
+    path.write_text(
+        f"steps = {steps}\nworkers = 2\nbatch_size = 6\n{extra}"
+        f"[data]\nsource = '{corpus_dir}'\nmax_context = 128\n"
+        f"[plan]\nprofile = '{profile}'\ntokens_per_worker = 64\n"
+    )
+    return path

@@ -1,0 +1,47 @@
+"""Elastic bounds in the run config and on the command line: defaults, flags, and clear errors (fast, no Ray)."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.cli import _train_config, build_parser
+from orchestrator.train_config import ConfigError, load_train_config
+
+
+def _cfg(**overrides):
+    base = {"workers": 4, "data.max_context": 512, "plan.tokens_per_worker": 128, "plan.profile": "gpt-7b-a100"}
+    return load_train_config(None, {**base, **overrides})
+
+
+def test_defaults_floor_is_the_smallest_group_holding_max_context_ceiling_is_workers():
+    cfg = _cfg()
+    assert (cfg.min_workers, cfg.max_workers) == (4, 4)  # 512 tokens need 4 x 128
+    cfg = _cfg(**{"data.max_context": 200})
+    assert (cfg.min_workers, cfg.max_workers) == (2, 4)
+    cfg = _cfg(**{"data.max_context": 100, "plan.mode": "static-ulysses-2"})
+    assert cfg.min_workers == 2, "a static layout of degree 2 needs 2 workers"
+
+
+def test_flags_set_the_bounds():
+    args = build_parser().parse_args(
+        ["train", "--workers", "4", "--min-workers", "2", "--max-workers", "8", "--max-context", "256"]
+    )
+    cfg = _train_config(args)
+    assert (cfg.workers, cfg.min_workers, cfg.max_workers) == (4, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"min_workers": 2}, r"min_workers=2 is too few: a document of data.max_context=512.*min_workers >= 4"),
+        ({"min_workers": 0}, r"min_workers must be a positive integer, got 0"),
+        ({"max_workers": 3}, r"need min_workers <= workers <= max_workers, got 4 <= 4 <= 3"),
+        ({"workers": 2, "data.max_context": 128, "min_workers": 3}, r"got 3 <= 2 <= 2"),
+        ({"elastic_wait_s": -1.0}, r"elastic_wait_s must be >= 0"),
+        ({"max_attempts": 0}, r"max_attempts must be a positive integer"),
+        ({"collective_timeout_s": 0}, r"collective_timeout_s must be > 0"),
+    ],
+)
+def test_bad_bounds_say_what_to_set(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        _cfg(**overrides)
