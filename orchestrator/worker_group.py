@@ -72,9 +72,9 @@ class RayWorkerGroup:
         self.store: dist.TCPStore | None = None
         need = num_workers if min_workers is None else min_workers
         self._check_capacity(need)
-        # start what the free slots hold now (at least the floor); the rest join at a step boundary once
-        # capacity appears (the elastic policy grows up to max_workers)
-        self.start_workers(max(need, min(num_workers, self.free_slots())))
+        # no more than the cluster holds (a job on a smaller cluster starts with what fits; the elastic policy grows
+        # it up to max_workers when nodes join); slots other jobs hold are waited for up to placement_timeout_s
+        self.start_workers(max(need, min(num_workers, self._total_slots())))
         deadline = time.monotonic() + placement_timeout_s
         while self.joining and time.monotonic() < deadline:
             self.admit(self.ready_joiners(wait_s=min(1.0, max(deadline - time.monotonic(), 0.0))))
@@ -118,9 +118,12 @@ class RayWorkerGroup:
     def actor(self, worker_id: int):
         return self._actors[worker_id]
 
+    def _total_slots(self) -> int:
+        return int(ray.cluster_resources().get("GPU" if self.use_gpu else "CPU", 0))
+
     def _check_capacity(self, need: int) -> None:
         key = "GPU" if self.use_gpu else "CPU"
-        total = ray.cluster_resources().get(key, 0)
+        total = self._total_slots()
         if total < need:
             raise WorkerGroupError(
                 f"the Ray cluster has {total:g} {key} slots, the run needs at least {need} workers of 1 {key} each; "
