@@ -9,9 +9,10 @@ through a step and measures the wall time from that kill to the next completed s
 - ``restart``: what a restart-based trainer does: notice the loss (the same detection), stop every worker,
   start a new driver and worker group, load the last checkpoint, re-run the step.
 
-A third row times absorbing a joining worker: after the loss, the freed CPU slot gets a new worker between steps
-(``at_boundary``); reported are its start (process + imports) and its admission (state copy + new world), both
-off the critical path only in part (admission blocks the next step).
+Growing is timed twice: after each in-place recovery the freed CPU slot gets a new worker that joins between
+steps, and once a whole node joins a 3-worker run (``ray.cluster_utils.Cluster``: real raylets on this machine):
+the time from the node's arrival to the first step on 4 workers (training goes on meanwhile; only the admission,
+a state copy and a new world, blocks a step).
 
 Every trial checks the ledger: the documents trained equal an uninterrupted stream's, none lost or repeated.
 Writes ``results.json`` and ``recovery.svg`` (per-trial bars) into ``--out``.
@@ -114,6 +115,30 @@ def trial_restart(cfg: TrainConfig, corpus, warm: int, step_s: float) -> dict:
         again.shutdown()
 
 
+def trial_join(cfg: TrainConfig, corpus, cluster) -> dict:
+    """3 workers train; a node with one slot joins; time until a step runs on 4 workers (training goes on)."""
+    driver = TrainingDriver(cfg, corpus=corpus)
+    driver.setup()
+    try:
+        records = [driver.step() for _ in range(2)]
+        cluster.add_node(num_cpus=1)
+        added_at = time.perf_counter()
+        deadline = time.monotonic() + 120
+        while records[-1]["world_size"] < 4 and time.monotonic() < deadline:
+            records.append(driver.step())
+        if records[-1]["world_size"] < 4:
+            raise RuntimeError("the joining node was not absorbed within 120 s")
+        grow = [r for r in records[-1]["recoveries"] if r.get("what") == "grow"][0]
+        return {
+            "first_step_s": time.perf_counter() - added_at,
+            "steps_meanwhile": sum(1 for r in records[2:] if r["world_size"] == 3),
+            "admit_ms": grow["recovery_ms"],
+            "records": records,
+        }
+    finally:
+        driver.shutdown()
+
+
 def check_ledger(records: list[dict], num_docs: int, cfg: TrainConfig) -> None:
     stream = DocumentStream(num_docs, cfg.batch_size, cfg.seed)
     want = [list(stream.next_batch().doc_ids) for _ in records]
@@ -156,7 +181,14 @@ def main(argv=None) -> int:
 
     shutil.rmtree(args.out, ignore_errors=True)  # trials must not resume an earlier run's checkpoints
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
+    from ray.cluster_utils import Cluster
+
+    # a head with 3 CPU slots and a node with 1 (real raylets on this machine): the kill trials use all 4; the
+    # join trial removes the small node, trains on 3, then adds a node back and times its absorption
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    extra = cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
     data_dir = args.out / "corpus"
     write_workload(data_dir, args.batch * (args.warm + 10), scale=8.0, max_context=1024, seed=1)
     base = TrainConfig(
@@ -190,6 +222,17 @@ def main(argv=None) -> int:
             results[name].append(res)
             print(f"  trial {i + 1} {name:<9s} kill -> next completed step {res['recovery_s']:6.2f} s", flush=True)
 
+    cluster.remove_node(extra)
+    cfg = dataclasses.replace(
+        base,
+        workers=3,
+        max_workers=4,
+        run_dir=str(args.out / "join"),
+        plan=dataclasses.replace(base.plan, profile=profile),
+    )
+    join = trial_join(cfg, corpus, cluster)
+    check_ledger(join.pop("records"), corpus.num_docs, cfg)
+
     med = {k: statistics.median(r["recovery_s"] for r in v) for k, v in results.items()}
     print()
     print(f"{'strategy':<10s} {'median s':>9s} {'min s':>7s} {'max s':>7s} {'redone':>7s} {'vs in-place':>12s}")
@@ -199,6 +242,11 @@ def main(argv=None) -> int:
             f"{name:<10s} {med[name]:9.2f} {min(vals):7.2f} {max(vals):7.2f} "
             f"{statistics.median(r['redone_steps'] for r in rows):7.0f} {med[name] / med['in-place']:11.1f}x"
         )
+    print(
+        f"a node joining (1 slot, 3 workers training): first step on 4 workers {join['first_step_s']:.1f} s after "
+        f"`add_node` returned ({join['steps_meanwhile']} steps trained on 3 meanwhile); admission (state copy + new "
+        f"world) {join['admit_ms']:.0f} ms"
+    )
     admits = [r["join_admit_ms"] for r in results["in-place"] if r["join_admit_ms"] is not None]
     if admits:
         after = statistics.median(r["join_after_s"] for r in results["in-place"] if r["join_after_s"] is not None)
@@ -209,10 +257,12 @@ def main(argv=None) -> int:
         )
     print("ledger: every trial trained exactly the stream's documents (none lost, none repeated)")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.json").write_text(json.dumps({"step_s": step_s, "median_s": med, **results}, indent=1))
+    summary = {"step_s": step_s, "median_s": med, "join": join, **results}
+    (args.out / "results.json").write_text(json.dumps(summary, indent=1))
     write_svg(args.out / "recovery.svg", {k: [r["recovery_s"] for r in v] for k, v in results.items()})
     print(f"wrote {args.out / 'results.json'} and {args.out / 'recovery.svg'}")
     ray.shutdown()
+    cluster.shutdown()
     return 0
 
 

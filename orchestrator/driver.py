@@ -24,7 +24,7 @@ from orchestrator.corpus import load_corpus
 from orchestrator.data_stream import DocumentStream
 from orchestrator.elastic import Elastic
 from orchestrator.membership import ElasticPolicy
-from orchestrator.planning import PlannedStep, StepPlannerActor, planner_profile
+from orchestrator.planning import PlannedStep, StepPlannerActor, heuristic_plan, planner_profile
 from orchestrator.records import StepRecords, step_record
 from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
 from orchestrator.worker_group import MembershipFailure, RayWorkerGroup
@@ -90,13 +90,8 @@ class TrainingDriver:
             self.workers.set_state(state)
         self.profile = self._resolve_profile()
         planner_cfg = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        self.planner = StepPlannerActor.options(scheduling_strategy=here).remote(  # beside the driver: survives
-            self.profile,
-            planner_cfg,
-            cfg.plan.static,
-            0 if cfg.use_gpu else 10,  # the loss of a worker node
-        )
+        self._planner_args = (self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10)
+        self.planner = self._start_planner()
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
         summary = {
@@ -208,12 +203,34 @@ class TrainingDriver:
         self._finish(record, t_start)
         return record
 
+    def _start_planner(self):
+        """The planner actor, beside the driver (it survives the loss of a worker node); niceness 10 on CPU."""
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        return StepPlannerActor.options(scheduling_strategy=here).remote(*self._planner_args)
+
     def _plan(self, stream_step: int, lengths: list[int], n: int) -> PlannedStep:
-        """The plan of this batch for ``n`` workers: the one solved during the last step if it was for ``n``."""
+        """The plan of this batch for ``n`` workers: the one solved during the last step if it was for ``n``.
+
+        A plan not back within ``plan.timeout_s`` (CBC can get stuck on rare models) is abandoned: the planner
+        actor is replaced and this step runs the BatchAda heuristic plan (status 'fallback')."""
         pending, self._pending = self._pending, None
         if pending is not None and pending[:2] == (stream_step, n):
-            return ray.get(pending[2])
-        return ray.get(self.planner.plan.remote(lengths, n))
+            ref = pending[2]
+        else:
+            ref = self.planner.plan.remote(lengths, n)
+        try:
+            return ray.get(ref, timeout=self.cfg.plan.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.planner, no_restart=True)
+            self.planner = self._start_planner()
+            self._publish(
+                {
+                    "event": "planner",
+                    "message": f"step {self.step_no}: the planner gave no plan within plan.timeout_s="
+                    f"{self.cfg.plan.timeout_s:g} s; restarted it, this step runs the BatchAda heuristic plan",
+                }
+            )
+            return heuristic_plan(self.profile, lengths, n, self.cfg.plan.static)
 
     def _plan_ahead(self, n: int) -> None:
         nxt = self._peek_after()

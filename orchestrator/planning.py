@@ -19,7 +19,7 @@ from solver.planner import Planner, PlannerConfig
 from solver.profiles import Profile
 from solver.simulator import step_time_ms
 
-__all__ = ["PlannedStep", "StepPlanner", "StepPlannerActor", "planner_profile"]
+__all__ = ["PlannedStep", "StepPlanner", "StepPlannerActor", "heuristic_plan", "planner_profile"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,16 @@ class StepPlanner:
         self.profile = profile
         self.static = static
         self._planner = Planner(profile, config) if static is None else None
+        self._hangs = 0
+
+    def inject_fault(self, hangs: int = 1) -> None:
+        """Test seam: the next ``hangs`` plan calls block forever, as a stuck CBC solve does."""
+        self._hangs = hangs
 
     def plan(self, lengths, num_devices: int, with_baselines: bool = True) -> PlannedStep:
+        if self._hangs > 0:
+            self._hangs -= 1
+            time.sleep(10**6)
         t0 = time.perf_counter()
         try:
             if self.static is None:
@@ -86,6 +94,19 @@ class StepPlanner:
     def close(self) -> None:
         if self._planner is not None:
             self._planner.close()
+
+
+def heuristic_plan(profile: Profile, lengths, num_devices: int, static: tuple[str, int] | None) -> PlannedStep:
+    """Without a MILP: the BatchAda plan (or the forced static layout), for when the planner actor is stuck."""
+    t0 = time.perf_counter()
+    if static is None:
+        plan = baseline_plans(lengths, num_devices, profile)["batchada"]
+    else:
+        plan = static_plan(lengths, num_devices, profile, static[1], static[0])
+    if plan is None:
+        error = f"no heuristic plan fits this batch on {num_devices} workers (the planner timed out)"
+        return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error)
+    return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
 
 
 StepPlannerActor = ray.remote(num_cpus=0, max_restarts=5, max_task_retries=2)(StepPlanner)

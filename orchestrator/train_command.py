@@ -117,7 +117,7 @@ def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll
                     kind = ev["event"]
                     if kind == "setup":
                         print(_describe_setup(ev), file=out, flush=True)
-                    elif kind == "calibrated":
+                    elif kind in ("calibrated", "planner"):
                         print(ev["message"], file=out, flush=True)
                     elif kind == "step":
                         print(format_step(ev, cfg.steps), file=out, flush=True)

@@ -49,6 +49,9 @@ class PlanSettings:
     """Attention methods the planner may use."""
     on_infeasible: str = "error"
     """A batch no plan can run: 'error' (stop with the reason) or 'skip' (record and count it, train on)."""
+    timeout_s: float = 30.0
+    """A plan not back after this long (a stuck solver) is abandoned: the planner is restarted and the step runs
+    the BatchAda heuristic plan (recorded with status 'fallback')."""
 
     def __post_init__(self) -> None:
         if self.mode != "adaptive":
@@ -62,6 +65,8 @@ class PlanSettings:
             raise ConfigError(f"plan.tokens_per_worker must be an integer >= 16, got {self.tokens_per_worker!r}")
         if not self.time_limit_s > 0:
             raise ConfigError(f"plan.time_limit_s must be > 0, got {self.time_limit_s!r}")
+        if not self.timeout_s > self.time_limit_s:
+            raise ConfigError(f"plan.timeout_s must exceed plan.time_limit_s, got {self.timeout_s!r}")
         bad = [k for k in self.kinds if k not in ("ulysses", "ring")]
         if not self.kinds or bad:
             raise ConfigError(f"plan.kinds must be a non-empty subset of ['ulysses', 'ring'], got {list(self.kinds)}")

@@ -14,6 +14,7 @@ from orchestrator.data_stream import DocumentStream
 from orchestrator.driver import TrainingDriver
 from orchestrator.elastic import ElasticError
 from orchestrator.records import read_records
+from orchestrator.train_command import format_membership
 from tests.train_helpers import assert_params_close, reference_losses_and_params, train_config, training_env
 
 pytestmark = pytest.mark.slow
@@ -69,6 +70,9 @@ def test_worker_killed_mid_step_shrinks_in_place_and_matches_the_reference(env):
     ranks = {r for mb in records[1]["plan"]["micro_batches"] for g in mb for r in g["ranks"]}
     assert ranks <= {0, 1, 2}, "the step was re-planned for three workers"
     assert rec["recovery_ms"] < 10_000
+    line = format_membership({"event": "membership", **rec})
+    assert line.startswith("membership: run step 1: workers [2] died or hung") and "Shrink, world 4 -> 3" in line
+    assert line.endswith("re-running the step"), line
     _check_against_reference(cfg, env[3], records, replicas)
 
 
