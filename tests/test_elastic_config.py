@@ -45,3 +45,13 @@ def test_flags_set_the_bounds():
 def test_bad_bounds_say_what_to_set(overrides, message):
     with pytest.raises(ConfigError, match=message):
         _cfg(**overrides)
+
+
+@pytest.mark.parametrize("name", ["train_laptop.toml", "train_cluster.toml", "train_7b_gpu.toml"])
+def test_example_run_files_are_valid(name):
+    from pathlib import Path
+
+    cfg = load_train_config(Path(__file__).resolve().parents[1] / "examples" / name)
+    assert cfg.min_workers <= cfg.workers <= cfg.max_workers
+    if name == "train_cluster.toml":
+        assert (cfg.min_workers, cfg.max_workers, cfg.elastic_wait_s) == (2, 8, 120)
