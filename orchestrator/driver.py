@@ -24,6 +24,7 @@ from orchestrator.corpus import load_corpus
 from orchestrator.data_stream import DocumentStream
 from orchestrator.elastic import Elastic
 from orchestrator.membership import ElasticPolicy
+from orchestrator.metrics import RunMetrics
 from orchestrator.planning import PlannedStep, StepPlannerActor, heuristic_plan, planner_profile
 from orchestrator.records import StepRecords, step_record
 from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
@@ -93,6 +94,7 @@ class TrainingDriver:
         self._planner_args = (self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10)
         self.planner = self._start_planner()
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
+        self.metrics = RunMetrics(self.run_dir.name)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
         summary = {
             "event": "setup",
@@ -200,7 +202,7 @@ class TrainingDriver:
         record = step_record(base, planned, outcomes, measured_ms, dispatch_ms)
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
-        self._finish(record, t_start)
+        self._finish(record, t_start, planned.plan)
         return record
 
     def _start_planner(self):
@@ -266,8 +268,11 @@ class TrainingDriver:
         self._finish(record, time.perf_counter())
         return record
 
-    def _finish(self, record: dict, t_start: float) -> None:
+    def _finish(self, record: dict, t_start: float, plan=None) -> None:
         record = self.records.append(record)
+        self.metrics.on_step(record, plan, self.profile)
+        for rec in record["recoveries"]:
+            self.metrics.on_recovery(rec)
         self._step_wall.append(time.perf_counter() - t_start)
         if self.cfg.checkpoint_every and self.step_no % self.cfg.checkpoint_every == 0 and not self.finished:
             self.checkpoint()

@@ -39,6 +39,7 @@ __all__ = [
     "seq_times_ms",
     "group_overhead_ms",
     "group_time_ms",
+    "group_comm_ms",
     "kind_allowed",
     "comm_bytes",
 ]
@@ -128,3 +129,20 @@ def group_time_ms(lengths, d: int, kind: str, profile: Profile) -> float:
     if len(lengths) == 0:
         return 0.0
     return group_overhead_ms(d, kind, profile) + float(seq_times_ms(np.asarray(lengths), d, kind, profile).sum())
+
+
+def group_comm_ms(lengths, d: int, kind: str, profile: Profile) -> float:
+    """The communication part of :func:`group_time_ms`: collective latency plus the all-to-all time (Ulysses) or
+    the ring's exposed transfer time, what ``max(c, m)`` adds over compute (0 for d == 1 or an empty group)."""
+    if d == 1 or len(lengths) == 0:
+        return 0.0
+    s = np.asarray(lengths, dtype=np.float64)
+    if kind == ULYSSES:
+        bw = profile.bandwidth_gbps(d) * 1e9
+        moved = float((_ulysses_bytes_per_token(profile) * s / (d * bw) * 1e3).sum())
+    else:
+        bw = profile.bandwidth_gbps(d, ring=True) * 1e9
+        c = profile.a1_ms * s * s / (d * d)
+        m = _ring_step_bytes_per_token(profile) * (s / d) / bw * 1e3
+        moved = float(((d - 1) * np.maximum(m - c, 0.0)).sum())
+    return profile.latency_ms(d, ring=kind == RING) + moved

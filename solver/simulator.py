@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from solver.cost_model import group_time_ms
+from solver.cost_model import group_comm_ms, group_time_ms
 from solver.plan import Plan
 from solver.profiles import Profile
 
-__all__ = ["GroupTiming", "group_timings", "micro_batch_times_ms", "step_time_ms"]
+__all__ = ["GroupTiming", "comm_share", "group_timings", "micro_batch_times_ms", "step_time_ms"]
 
 
 @dataclass(frozen=True)
@@ -55,3 +55,18 @@ def group_timings(plan: Plan, profile: Profile) -> list[GroupTiming]:
             span = max(span, t)
         start += span
     return out
+
+
+def comm_share(plan: Plan, profile: Profile) -> float:
+    """Share of the predicted step time spent communicating (SP all-to-all / ring transfers and collective latency)
+    on each micro-batch's critical path, i.e. in its slowest group."""
+    total = comm = 0.0
+    for mb in plan.micro_batches:
+        times = []
+        for g in mb.groups:
+            lengths = [plan.seq_lengths[i] for i in g.seq_ids]
+            times.append((group_time_ms(lengths, g.degree, g.kind, profile), lengths, g))
+        t, lengths, g = max(times, key=lambda x: x[0])
+        total += t
+        comm += group_comm_ms(lengths, g.degree, g.kind, profile)
+    return comm / total if total > 0 else 0.0

@@ -71,3 +71,28 @@ def test_latency_lookup_takes_the_next_larger_measured_degree():
     assert group_overhead_ms(2, "ring", only_a2a) == pytest.approx(P.b1_ms + 1.5)  # ring falls back to a2a
     with pytest.raises(ValueError, match="unknown attention kind"):
         group_overhead_ms(2, "star", LAT)
+
+
+def test_comm_part_is_what_sp_adds_over_compute_and_bounds_the_share():
+    from solver.cost_model import group_comm_ms
+    from solver.plan import Group, MicroBatch, Plan
+    from solver.simulator import comm_share, step_time_ms
+
+    s, d = 8192, 8
+    compute = 5.128e-6 * s * s + 0.18396 * s
+    # Ulysses: the group time is b1 + its compute share + exactly the communication part
+    assert group_time_ms([s], d, "ulysses", P) == pytest.approx(
+        P.b1_ms + compute / d + group_comm_ms([s], d, "ulysses", P)
+    )
+    assert group_comm_ms([s], 1, "ulysses", P) == 0.0 and group_comm_ms([], d, "ring", P) == 0.0
+    # ring with compute-bound blocks (long sequence): only the collective latency is exposed
+    assert group_comm_ms([65536], 4, "ring", P) == pytest.approx(P.latency_ms(4, ring=True))
+    plan = Plan.for_profile(
+        num_devices=8,
+        seq_lengths=[s, 512],
+        micro_batches=[MicroBatch((Group(d, "ulysses", tuple(range(8)), (0, 1)),))],
+        profile=P,
+    )
+    share = comm_share(plan, P)
+    assert share == pytest.approx(group_comm_ms([s, 512], d, "ulysses", P) / step_time_ms(plan, P))
+    assert 0 < share < 1

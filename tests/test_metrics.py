@@ -1,0 +1,104 @@
+"""flexorch's Ray metrics: a real Ray with its metrics agent on loopback, a few real steps, then the node's
+Prometheus export endpoint is scraped and every flexorch metric is found with a sane value."""
+
+from __future__ import annotations
+
+import re
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from orchestrator.driver import TrainingDriver
+from orchestrator.metrics import step_shares
+from tests.train_helpers import cpu_profile, train_config, write_corpus
+
+pytestmark = pytest.mark.slow
+
+NAMES = [
+    "flexorch_step_measured_ms",
+    "flexorch_step_predicted_ms",
+    "flexorch_step_time_ms_count",
+    "flexorch_solve_ms",
+    "flexorch_tokens_per_s",
+    "flexorch_loss",
+    "flexorch_comm_share",
+    "flexorch_grad_sync_share",
+    "flexorch_idle_share",
+    "flexorch_workers_alive",
+    "flexorch_plan_groups",
+    "flexorch_steps_total",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _scrape(port: int, run: str) -> dict[str, list[tuple[dict, float]]]:
+    """{metric name without Ray's prefix: [(labels, value), ...]} of this run's samples."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict = {}
+    for line in text.splitlines():
+        m = re.match(r"ray_(flexorch_\w+)\{(.*)\} (\S+)$", line)
+        if m:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))
+            if labels.get("run") == run:
+                out.setdefault(m.group(1), []).append((labels, float(m.group(3))))
+    return out
+
+
+def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    port = _free_port()
+    ray.init(
+        num_cpus=5,
+        include_dashboard=False,
+        logging_level="ERROR",
+        _metrics_export_port=port,
+        _system_config={"metrics_report_interval_ms": 1000},
+    )
+    try:
+        corpus_dir = write_corpus(tmp_path / "corpus")
+        cfg = train_config(corpus_dir, tmp_path / "metrics-run", cpu_profile(tmp_path / "profile.json"), steps=3)
+        driver = TrainingDriver(cfg)
+        try:
+            driver.setup()
+            records = [driver.step() for _ in range(cfg.steps)]
+        finally:
+            driver.shutdown()
+        deadline = time.monotonic() + 60
+        while True:
+            found = _scrape(port, "metrics-run")
+            if all(n in found for n in NAMES) and found["flexorch_steps_total"][0][1] == 3:
+                break
+            assert time.monotonic() < deadline, f"missing: {[n for n in NAMES if n not in found]}; found {found}"
+            time.sleep(1)
+    finally:
+        ray.shutdown()
+
+    last = records[-1]
+    value = {n: v[0][1] for n, v in found.items()}
+    assert value["flexorch_step_measured_ms"] == pytest.approx(last["measured_ms"], rel=1e-6)
+    assert value["flexorch_step_predicted_ms"] == pytest.approx(last["predicted_ms"], rel=1e-6)
+    assert value["flexorch_loss"] == pytest.approx(last["loss"], rel=1e-6)
+    assert value["flexorch_workers_alive"] == 4 and value["flexorch_step_time_ms_count"] == 3
+    assert value["flexorch_tokens_per_s"] == pytest.approx(last["tokens_per_s"], rel=1e-6)
+    sync, idle = step_shares(last)
+    assert value["flexorch_grad_sync_share"] == pytest.approx(sync, rel=1e-6)
+    assert value["flexorch_idle_share"] == pytest.approx(idle, rel=1e-6, abs=1e-9)
+    for share in ("flexorch_comm_share", "flexorch_grad_sync_share", "flexorch_idle_share"):
+        assert 0.0 <= value[share] <= 1.0, share
+    groups = {(lab["degree"], lab["kind"]): v for lab, v in found["flexorch_plan_groups"]}
+    expected: dict = {}
+    for mb in last["plan"]["micro_batches"]:
+        for g in mb:
+            key = (str(g["degree"]), g["kind"])
+            expected[key] = expected.get(key, 0) + 1
+    assert {k: v for k, v in groups.items() if v} == expected
