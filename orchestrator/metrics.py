@@ -33,7 +33,25 @@ from solver.plan import Plan
 from solver.profiles import Profile
 from solver.simulator import comm_share
 
-__all__ = ["RunMetrics", "step_shares"]
+__all__ = ["METRICS", "RunMetrics", "step_shares"]
+
+# (name, kind, Grafana unit, panel title): the one list the dashboard (dashboards/grafana.py) is built from
+METRICS = (
+    ("flexorch_step_measured_ms", "gauge", "ms", "Step time: measured"),
+    ("flexorch_step_predicted_ms", "gauge", "ms", "Step time: predicted"),
+    ("flexorch_step_time_ms", "histogram", "ms", "Step time p50 / p90"),
+    ("flexorch_solve_ms", "gauge", "ms", "Planner solve time"),
+    ("flexorch_tokens_per_s", "gauge", "short", "Tokens per second"),
+    ("flexorch_loss", "gauge", "short", "Loss"),
+    ("flexorch_comm_share", "gauge", "percentunit", "SP communication share (predicted)"),
+    ("flexorch_grad_sync_share", "gauge", "percentunit", "Gradient all-reduce share"),
+    ("flexorch_idle_share", "gauge", "percentunit", "Idle (imbalance) share"),
+    ("flexorch_workers_alive", "gauge", "short", "Workers alive"),
+    ("flexorch_plan_groups", "gauge", "short", "SP groups per degree"),
+    ("flexorch_steps_total", "counter", "short", "Steps trained"),
+    ("flexorch_skipped_batches_total", "counter", "short", "Batches skipped"),
+    ("flexorch_recoveries_total", "counter", "short", "Membership changes"),
+)
 
 STEP_MS_BOUNDARIES = [10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000]
 

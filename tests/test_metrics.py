@@ -95,6 +95,13 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
     assert value["flexorch_idle_share"] == pytest.approx(idle, rel=1e-6, abs=1e-9)
     for share in ("flexorch_comm_share", "flexorch_grad_sync_share", "flexorch_idle_share"):
         assert 0.0 <= value[share] <= 1.0, share
+    # the Grafana dashboard queries series that the export really has (the two counters not hit here aside)
+    from dashboards.grafana import build_dashboard
+
+    for panel in build_dashboard()["panels"]:
+        for t in panel["targets"]:
+            for name in re.findall(r"ray_(flexorch_\w+)\{", t["expr"]):
+                assert name in found or name in ("flexorch_skipped_batches_total", "flexorch_recoveries_total"), name
     groups = {(lab["degree"], lab["kind"]): v for lab, v in found["flexorch_plan_groups"]}
     expected: dict = {}
     for mb in last["plan"]["micro_batches"]:
