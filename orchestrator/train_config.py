@@ -49,7 +49,7 @@ class PlanSettings:
     """Attention methods the planner may use."""
     on_infeasible: str = "error"
     """A batch no plan can run: 'error' (stop with the reason) or 'skip' (record and count it, train on)."""
-    timeout_s: float = 30.0
+    timeout_s: float = 15.0
     """A plan not back after this long (a stuck solver) is abandoned: the planner is restarted and the step runs
     the BatchAda heuristic plan (recorded with status 'fallback')."""
 
