@@ -102,7 +102,7 @@ def summarise(result: dict) -> dict:
         "compute_ms": float(np.median(compute)),
         "predicted_ms": float(np.median(predicted)),
         "pred_error": float(np.median(np.abs(predicted - compute) / compute)),
-        "peak_act_mb": max(max(x["peak_activation_bytes"] for x in r["ranks"]) for r in recs) / 1e6,
+        "peak_act_mb": max(max(x["peak_activation_bytes"] for x in r["ranks"] if x) for r in recs) / 1e6,
         "pred_act_mb": max(_predicted_peak_bytes(r, result["act"]) for r in recs) / 1e6,
         "overhead": float(np.median(overhead)),
         "solve_s": float(np.median([r["solve_s"] for r in recs])),
@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     # every layout keeps 4 worker actors up, so the cluster has many CPU slots; do not let Ray pre-start a worker
     # process per slot at init (dozens of interpreters starting would load the machine during calibration)
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    ray.init(num_cpus=6 * args.workers + 2, include_dashboard=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=6 * args.workers + 2, include_dashboard=False, logging_level="ERROR")
     data_dir = args.out / "corpus"
     write_workload(data_dir, args.batch * (steps + 2), args.scale, args.max_context, seed=1)
     base = TrainConfig(

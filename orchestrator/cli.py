@@ -36,12 +36,21 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--solver-workers", type=int, help="processes solving micro-batches in parallel (default 1)")
     plan.add_argument("--json", action="store_true", default=None, help="one JSON object per step")
     plan.add_argument("--svg", type=Path, help="write a picture of every step (devices x time) to this file")
+    plan.add_argument(
+        "--run-dir", type=Path, help="write every step's record to RUN_DIR/steps.jsonl (see: flexorch dashboard)"
+    )
 
     train = sub.add_parser("train", help="train a model with a new SP plan every step (Ray driver + worker actors)")
     _train_flags(train)
     calib = sub.add_parser("profile", help="calibrate the cost model on the workers and write a profile JSON")
     _train_flags(calib)
     calib.add_argument("--out", type=Path, default=Path("runs/profile.json"), help="profile file to write")
+
+    dash = sub.add_parser("dashboard", help="serve the plan viewer page for a run directory (live while it runs)")
+    dash.add_argument("run_dir", type=Path, help="run directory of `flexorch train` or `flexorch plan --run-dir`")
+    dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    dash.add_argument("--port", type=int, default=8266, help="port (default 8266; 0 picks a free one)")
+    dash.add_argument("--poll", type=float, default=2.0, help="seconds between the page's refreshes (default 2)")
 
     prof = sub.add_parser("profiles", help="list the built-in cost-model profiles, or print one as JSON")
     prof.add_argument("name", nargs="?", help="profile name or JSON file to print")
@@ -64,6 +73,9 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: only at the end)")
     p.add_argument("--min-workers", type=int, help="elastic floor: below it, wait for capacity (default: auto)")
     p.add_argument("--max-workers", type=int, help="elastic ceiling: grow onto joining nodes up to it")
+    p.add_argument(
+        "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
+    )
 
 
 def _train_config(args: argparse.Namespace):
@@ -90,7 +102,33 @@ def _train_config(args: argparse.Namespace):
 def _cmd_train(args: argparse.Namespace) -> int:
     from orchestrator.train_command import run_train
 
-    run_train(_train_config(args), address=args.address)
+    cfg = _train_config(args)
+    viewer = None
+    if args.dashboard_port is not None:
+        from dashboards.viewer import ViewerServer
+
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        viewer = ViewerServer(cfg.run_dir, port=args.dashboard_port).start()
+        print(f"plan viewer: {viewer.url} (while this run lasts; later: flexorch dashboard {cfg.run_dir})", flush=True)
+    try:
+        run_train(cfg, address=args.address)
+    finally:
+        if viewer is not None:
+            viewer.stop()
+    return 0
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from dashboards.viewer import ViewerServer
+
+    server = ViewerServer(args.run_dir, host=args.host, port=args.port, poll_s=args.poll)
+    print(f"flexorch dashboard: serving {args.run_dir} at {server.url} (Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
     return 0
 
 
@@ -116,6 +154,7 @@ _PLAN_KEYS = {
     "solver_workers",
     "json",
     "svg",
+    "run_dir",
 }
 
 
@@ -160,6 +199,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         seed=int(v.get("seed", 0)),
         json=bool(v.get("json", False)),
         svg=Path(v["svg"]) if v.get("svg") else None,
+        run_dir=Path(v["run_dir"]) if v.get("run_dir") else None,
         planner=planner,
     )
     run_plan(cfg, profile)
@@ -183,7 +223,13 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        commands = {"plan": _cmd_plan, "profiles": _cmd_profiles, "train": _cmd_train, "profile": _cmd_profile}
+        commands = {
+            "plan": _cmd_plan,
+            "profiles": _cmd_profiles,
+            "train": _cmd_train,
+            "profile": _cmd_profile,
+            "dashboard": _cmd_dashboard,
+        }
         return commands[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:  # PlanningError, DataError, ProfileError are ValueErrors
         print(f"flexorch {args.command}: error: {e}", file=sys.stderr)

@@ -26,7 +26,7 @@ from orchestrator.elastic import Elastic
 from orchestrator.membership import ElasticPolicy
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import PlannedStep, StepPlannerActor, heuristic_plan, planner_profile
-from orchestrator.records import StepRecords, step_record
+from orchestrator.records import StepRecords, skip_record, step_record
 from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
 from orchestrator.worker_group import MembershipFailure, RayWorkerGroup
 from solver.errors import InfeasibleBatchError
@@ -191,15 +191,15 @@ class TrainingDriver:
             recoveries.append(rec)
             attempt = rec["attempt"] + 1
             if rec["step_completed"]:  # some survivors finished the update before the failure: it stands
-                outcomes = [results[w] for w in sorted(failure.completed) if w in results]
+                outcomes = [results.get(w) if w in failure.completed else None for w in base["worker_ids"]]
                 break
         self.stream.next_batch()
         t_done = time.perf_counter()
-        tokens = outcomes[0].num_predicted
+        tokens = next(o for o in outcomes if o is not None).num_predicted
         if tokens != sum(s - 1 for s in lengths):
             raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")
         measured_ms = (t_done - t_dispatch) * 1e3
-        record = step_record(base, planned, outcomes, measured_ms, dispatch_ms)
+        record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         self._finish(record, t_start, planned.plan)
@@ -263,7 +263,7 @@ class TrainingDriver:
                 "batches (they are counted and recorded), or lower data.max_context"
             )
         self.skipped_batches += 1
-        record = {**base, "status": "infeasible", "skipped": True, "reason": planned.error, "shape": None}
+        record = skip_record(base, "infeasible", planned.error)
         self.step_no += 1
         self._finish(record, time.perf_counter())
         return record

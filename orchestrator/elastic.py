@@ -30,7 +30,6 @@ class Elastic:
         self.policy = policy
         self.publish = publish
         self.checkpoint_hint = checkpoint_hint  # () -> str: where the last checkpoint is and how to resume
-        self.recoveries = 0
 
     def recover(self, failure: Failure, attempt: int, what: str, fresh=()) -> dict:
         """Bring the run back to a formed world after ``failure``; raises :class:`ElasticError` when it cannot.
@@ -61,7 +60,7 @@ class Elastic:
                     fresh |= self._wait_for_capacity(decision)
                 source = min(ahead) if ahead else min(set(w.worker_ids) - fresh)
                 targets = set(w.worker_ids) - ahead if ahead else set(fresh)
-                self._copy_state(source, targets)
+                w.sync_state(source, targets)
                 if ahead:
                     ahead = set(w.worker_ids)
                 fresh.clear()
@@ -81,17 +80,8 @@ class Elastic:
                 "step_completed": bool(ahead),
                 "recovery_ms": (time.perf_counter() - t0) * 1e3,
             }
-            self.recoveries += 1
             self.publish({"event": "membership", **rec})
             return rec
-
-    def _copy_state(self, source: int, targets: set[int]) -> None:
-        targets = sorted(targets - {source})
-        if not targets:
-            return
-        ref = self.workers.actor(source).get_state.remote()
-        refs = {t: self.workers.actor(t).set_state.remote(ref) for t in targets}
-        self.workers.call_all(refs, "copy the model state", self.workers.timeout_s)
 
     def _wait_for_capacity(self, decision: WaitForCapacity) -> set[int]:
         """Start replacements and wait for ``decision.need`` of them; returns their ids (admitted, stateless)."""
@@ -134,7 +124,7 @@ class Elastic:
             source = min(before)
             w.admit(ready)
             try:
-                self._copy_state(source, set(ready))
+                w.sync_state(source, ready)
                 w.form_world()
             except MembershipFailure as e:
                 # the joiners hold no state unless the copy finished; let recovery sort the survivors out

@@ -59,7 +59,7 @@ STEP_MS_BOUNDARIES = [10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000]
 def step_shares(record: dict) -> tuple[float, float]:
     """(gradient-sync share, idle share) of a trained step's record."""
     measured = max(record["measured_ms"], 1e-9)
-    ends = np.array([r["compute_end_ms"] for r in record["ranks"]], dtype=float)
+    ends = np.array([r["compute_end_ms"] for r in record["ranks"] if r is not None], dtype=float)
     idle = 1.0 - float(ends.mean() / ends.max()) if ends.size and ends.max() > 0 else 0.0
     return min(record["sync_ms"] / measured, 1.0), idle
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from orchestrator.lengths import DataError, bundled_lengths_path, read_lengths
+from orchestrator.records import StepRecords, plan_record
 from solver.baselines import baseline_times_ms
 from solver.planner import Planner, PlannerConfig
 from solver.profiles import Profile
@@ -48,6 +49,8 @@ class PlanRunConfig:
     """Print one JSON object per step instead of the table."""
     svg: Path | None = None
     """Write a picture of every planned step (devices x time) here."""
+    run_dir: Path | None = None
+    """Write every step's record (``flexorch.step/3``) to ``run_dir/steps.jsonl``, for `flexorch dashboard`."""
     planner: PlannerConfig = PlannerConfig()
     """Solver knobs."""
 
@@ -128,6 +131,7 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
         )
         print(head, file=out)
     records, pictures = [], []
+    writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
     t_start = time.perf_counter()
     with Planner(profile, cfg.planner) as planner:
         for step in range(cfg.steps):
@@ -135,19 +139,21 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
             batch = lengths[idx]
             sp = planner.plan(batch, cfg.devices)
             base = baseline_times_ms(batch, cfg.devices, profile)
-            rec = {
-                "step": step,
-                "epoch": stream.epoch,
-                "solve_s": round(sp.solve_s, 4),
-                "makespan_ms": round(sp.makespan_ms, 3),
-                "bound_ms": round(sp.bound_ms, 3),
-                "gap": round(sp.gap, 5),
-                "status": sp.status,
-                "shape": sp.plan.shape(),
-                "tokens": int(batch.sum()),
-                "baselines": {k: (None if v is None else round(v, 3)) for k, v in base.items()},
-                "micro_batches": sp.plan.to_dict()["micro_batches"],
-            }
+            base_ms = {k: (None if v is None else round(v, 3)) for k, v in base.items()}
+            rec = plan_record(
+                {
+                    "step": step,
+                    "epoch": stream.epoch,
+                    "world_size": cfg.devices,
+                    "seq_lengths": [int(x) for x in batch],
+                    "mode": "adaptive",
+                },
+                sp,
+                profile,
+                base_ms,
+            )
+            if writer is not None:
+                writer.append(rec)
             records.append(rec)
             pictures.append((f"step {step}: {sp.plan.shape()}  {sp.makespan_ms / 1000:.2f} s", sp.plan))
             if cfg.json:
@@ -158,6 +164,8 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
                 print(_row(rec, sp.makespan_ms, base, eta), file=out, flush=True)
     if not cfg.json:
         _summary(records, out)
+        if writer is not None:
+            print(f"step records: {writer.path} (view them with: flexorch dashboard {cfg.run_dir})", file=out)
     if cfg.svg is not None:
         from dashboards.plan_svg import render_steps_svg
 
@@ -194,18 +202,22 @@ def _row(rec: dict, mine: float, base: dict, eta: float) -> str:
     br_s = f"{_x(br, mine)} ({br_name.rsplit('-', 1)[1] if br_name else '-'})"
     um_s = f"{_x(um, mine)} ({um_name.rsplit('-', 1)[1]})"
     return (
-        f"{rec['step']:>4} {rec['solve_s']:>7.3f} {rec['makespan_ms']:>9.0f} {rec['bound_ms']:>9.0f} "
-        f"{rec['gap'] * 100:>5.1f}% {_x(base['batchada'], mine):>10} {bu_s:>16} {br_s:>14} {um_s:>15}  "
+        f"{rec['step']:>4} {rec['solve_s']:>7.3f} {rec['predicted_ms']:>9.0f} {rec['bound_ms']:>9.0f} "
+        f"{_gap(rec) * 100:>5.1f}% {_x(base['batchada'], mine):>10} {bu_s:>16} {br_s:>14} {um_s:>15}  "
         f"{eta:>5.0f}s  {rec['shape']}"
     )
 
 
+def _gap(rec: dict) -> float:
+    return rec["predicted_ms"] / rec["bound_ms"] - 1.0 if rec["bound_ms"] > 0 else 0.0
+
+
 def _summary(records: list[dict], out) -> None:
     solve = np.array([r["solve_s"] for r in records])
-    gap = np.array([r["gap"] for r in records])
+    gap = np.array([_gap(r) for r in records])
     ratios = {}
-    for name in records[0]["baselines"]:
-        vals = [r["baselines"][name] / r["makespan_ms"] for r in records if r["baselines"][name] is not None]
+    for name in records[0]["baselines_ms"]:
+        vals = [r["baselines_ms"][name] / r["predicted_ms"] for r in records if r["baselines_ms"][name] is not None]
         if len(vals) == len(records):
             ratios[name] = float(np.median(vals))
     print(

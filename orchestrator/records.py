@@ -1,26 +1,8 @@
 """The run directory's step records: one JSON object per line in ``RUN_DIR/steps.jsonl``.
 
-Schema ``flexorch.step/2`` (every key always present; times in ms unless the name ends in ``_s``):
-
-* ``schema``, ``step`` (0-based), ``epoch`` (data epoch), ``batch_index`` (batch inside the epoch),
-  ``doc_ids`` (corpus ids of the batch, the ledger), ``seq_lengths``, ``world_size``, ``mode``, ``status``
-  (planner status, or ``skipped`` / ``infeasible``), ``skipped`` (bool) and ``reason`` (why, or null);
-* ``shape`` and ``plan`` (``solver.plan.Plan.to_dict()``: micro-batches of groups with degree, kind, ranks,
-  seq_ids, seq_lengths), ``solve_s``, ``predicted_ms``, ``bound_ms``, ``baselines_ms``;
-* ``measured_ms`` (the step as the driver saw it: dispatch to the last outcome), ``compute_ms`` (slowest rank,
-  start to end of its micro-batches; what ``predicted_ms`` predicts), ``sync_ms``, ``optim_ms``,
-  ``dispatch_ms`` (driver work to send the step), ``plan_wait_ms`` (time the driver waited for the plan: zero
-  when the solve hid behind the previous step), ``overhead_ms`` (driver bookkeeping after the outcomes);
-* ``loss``, ``tokens`` (predicted tokens of the batch), ``tokens_per_s``, ``lr``, ``grad_norm``,
-  ``ranks`` (per-rank ``micro_batch_ms``, ``compute_end_ms``, ``local_tokens``, ``peak_local_tokens``), ``time``
-  (unix seconds);
-* ``worker_ids`` (stable id of each rank of the world that ran the step: rank i is ``worker_ids[i]``) and
-  ``recoveries``: membership changes made for this step, each with ``what``, ``world_before``, ``world_after``,
-  ``recovery_ms`` and, after a failure, ``attempt``, ``decisions`` (the policy's, e.g. ``["Shrink"]``), ``lost``,
-  ``reason`` and ``step_completed`` (survivors had finished the update, so the step was not re-run), or, when
-  workers joined, ``joined``.
-
-Version 2 added ``worker_ids`` and ``recoveries`` to version 1.
+The schema, ``flexorch.step/3``, is documented and checked in :mod:`orchestrator.record_schema`; `flexorch plan`
+and `flexorch train` build their records with :func:`plan_fields`, :func:`plan_record` and :func:`step_record`
+here, so both write the same keys.
 
 On ``--resume`` the records of steps after the checkpoint are dropped, so the file always describes the steps
 the current model has trained on, each exactly once.
@@ -32,9 +14,10 @@ import json
 import time
 from pathlib import Path
 
-__all__ = ["SCHEMA", "StepRecords", "read_records"]
+from orchestrator.record_schema import SCHEMA, RecordError, validate_record
+from solver.simulator import group_timings
 
-SCHEMA = "flexorch.step/2"
+__all__ = ["SCHEMA", "StepRecords", "read_records", "plan_fields", "plan_record", "step_record", "skip_record"]
 
 
 class StepRecords:
@@ -51,54 +34,125 @@ class StepRecords:
 
     def append(self, record: dict) -> dict:
         record = {"schema": SCHEMA, "time": time.time(), **record}
+        validate_record(record, f"step {record.get('step')}")  # a writer bug must not leave a record nobody can read
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         return record
 
 
-def read_records(path: Path | str) -> list[dict]:
-    """All records of a steps.jsonl file; a malformed line raises ValueError naming it."""
+def read_records(path: Path | str, validate: bool = False) -> list[dict]:
+    """All records of a steps.jsonl file; a malformed line raises :class:`RecordError` (a ValueError) naming it.
+
+    With ``validate`` every record is also checked against the schema."""
     out = []
     for i, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{i}: not a JSON record ({e})") from None
+            raise RecordError(f"{path}:{i}: not a JSON record ({e})") from None
+        out.append(validate_record(rec, f"{path}:{i}") if validate else rec)
     return out
 
 
-def step_record(base: dict, planned, outcomes: list, measured_ms: float, dispatch_ms: float) -> dict:
-    """The record of a trained step: ``base`` (batch, world, recoveries) plus the plan and every rank's outcome."""
-    tokens = outcomes[0].num_predicted
+def plan_fields(plan, profile) -> dict:
+    """``shape``, ``plan`` and ``timeline`` (the cost model's schedule: when each group starts and how long it runs)."""
+    return {
+        "shape": plan.shape(),
+        "plan": plan.to_dict(),
+        "timeline": [
+            {"micro_batch": g.micro_batch, "group": g.group, "start_ms": g.start_ms, "time_ms": g.time_ms}
+            for g in group_timings(plan, profile)
+        ],
+    }
+
+
+def plan_record(base: dict, sp, profile, baselines_ms: dict) -> dict:
+    """A `flexorch plan` record: ``base`` (step, epoch, world_size, seq_lengths, mode) plus the solved plan."""
+    return {
+        "schema": SCHEMA,
+        "source": "plan",
+        "time": time.time(),
+        **base,
+        "tokens": sum(int(s) - 1 for s in base["seq_lengths"]),
+        "status": sp.status,
+        "skipped": False,
+        "reason": None,
+        **plan_fields(sp.plan, profile),
+        "solve_s": sp.solve_s,
+        "predicted_ms": sp.makespan_ms,
+        "bound_ms": sp.bound_ms,
+        "baselines_ms": baselines_ms,
+    }
+
+
+_TRAIN_ONLY_NULL = (
+    "measured_ms compute_ms sync_ms optim_ms dispatch_ms overhead_ms loss tokens_per_s lr grad_norm ranks"
+).split()
+
+
+def skip_record(base: dict, status: str, reason: str) -> dict:
+    """The record of a training step whose batch no plan fits (nothing ran)."""
     return {
         **base,
+        "source": "train",
+        "tokens": sum(s - 1 for s in base["seq_lengths"]),
+        "status": status,
+        "skipped": True,
+        "reason": reason,
+        "shape": None,
+        "plan": None,
+        "timeline": None,
+        "predicted_ms": None,
+        "bound_ms": 0.0,
+        **dict.fromkeys(_TRAIN_ONLY_NULL),
+    }
+
+
+def _rank_entry(o, n_mb: int) -> dict | None:
+    if o is None:  # a rank lost after the update stood (its outcome never came back)
+        return None
+    ms: list[float | None] = [None] * n_mb
+    start: list[float | None] = [None] * n_mb
+    for mb, t, t0 in zip(o.micro_batches, o.micro_batch_ms, o.micro_batch_start_ms, strict=True):
+        ms[mb], start[mb] = t, t0
+    return {
+        "micro_batch_ms": ms,
+        "micro_batch_start_ms": start,
+        "compute_end_ms": o.compute_end_ms,
+        "local_tokens": o.local_tokens,
+        "peak_local_tokens": o.peak_local_tokens,
+        "peak_activation_bytes": o.peak_activation_bytes,
+    }
+
+
+def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float, dispatch_ms: float) -> dict:
+    """The record of a trained step: ``base`` (batch, world, recoveries) plus the plan and every rank's outcome.
+
+    ``outcomes[r]`` is rank r's :class:`workers.step_exec.StepOutcome`, or None for a rank lost after the update
+    had been applied (the step stands; its ``ranks`` entry is null)."""
+    done = [o for o in outcomes if o is not None]
+    tokens = done[0].num_predicted
+    n_mb = len(planned.plan.micro_batches)
+    return {
+        **base,
+        "source": "train",
+        "tokens": tokens,
         "status": planned.status,
         "skipped": False,
         "reason": None,
-        "shape": planned.plan.shape(),
-        "plan": planned.plan.to_dict(),
+        **plan_fields(planned.plan, profile),
         "predicted_ms": planned.predicted_ms,
         "bound_ms": planned.bound_ms,
         "measured_ms": measured_ms,
-        "compute_ms": max(o.compute_end_ms for o in outcomes),
-        "sync_ms": max(o.sync_ms for o in outcomes),
-        "optim_ms": max(o.optim_ms for o in outcomes),
+        "compute_ms": max(o.compute_end_ms for o in done),
+        "sync_ms": max(o.sync_ms for o in done),
+        "optim_ms": max(o.optim_ms for o in done),
         "dispatch_ms": dispatch_ms,
-        "loss": outcomes[0].loss,
-        "tokens": tokens,
+        "loss": done[0].loss,
         "tokens_per_s": tokens / max(measured_ms / 1e3, 1e-9),
-        "lr": outcomes[0].lr,
-        "grad_norm": outcomes[0].grad_norm,
-        "ranks": [
-            {
-                "micro_batch_ms": o.micro_batch_ms,
-                "compute_end_ms": o.compute_end_ms,
-                "local_tokens": o.local_tokens,
-                "peak_local_tokens": o.peak_local_tokens,
-                "peak_activation_bytes": o.peak_activation_bytes,
-            }
-            for o in outcomes
-        ],
+        "lr": done[0].lr,
+        "grad_norm": done[0].grad_norm,
+        "ranks": [_rank_entry(o, n_mb) for o in outcomes],
     }

@@ -27,7 +27,10 @@ def ray_session(address: str | None, workers: int):
         if address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         else:
+            # "local": a stale /tmp/ray/ray_current_cluster (left by `ray start` or a crashed run) must not make
+            # a laptop run join, or fail to join, someone else's cluster
             ray.init(
+                address="local",
                 num_cpus=max(os.cpu_count() or 1, workers),
                 include_dashboard=False,
                 runtime_env=env,

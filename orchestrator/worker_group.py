@@ -98,7 +98,7 @@ class RayWorkerGroup:
             use_gpu=cfg.use_gpu,
             threads=cfg.worker_threads,
             collective_timeout_s=cfg.collective_timeout_s,
-            min_workers=getattr(cfg, "min_workers", None),
+            min_workers=cfg.min_workers,
         )
 
     # ---------------------------------------------------------------- membership
@@ -253,7 +253,9 @@ class RayWorkerGroup:
         targets = [t for t in targets if t != source]
         if targets:
             ref = self._actors[source].get_state.remote()
-            self.call_all({t: self._actors[t].set_state.remote(ref) for t in targets}, "copy state", self.timeout_s)
+            self.call_all(
+                {t: self._actors[t].set_state.remote(ref) for t in targets}, "copy the model state", self.timeout_s
+            )
 
     def get_state(self, rank: int = 0) -> dict:
         wid = self.worker_ids[rank]

@@ -8,6 +8,8 @@ import pytest
 
 from orchestrator.cli import main
 from orchestrator.lengths import parse_tokens, read_lengths
+from orchestrator.record_schema import SCHEMA, validate_record
+from orchestrator.records import read_records
 
 
 def _run(args, capsys):
@@ -24,16 +26,32 @@ def test_json_lines_have_the_documented_fields(capsys):
     recs = [json.loads(line) for line in out.strip().splitlines()]
     assert [r["step"] for r in recs] == [0, 1]
     for r in recs:
-        for key in ("solve_s", "makespan_ms", "bound_ms", "baselines", "micro_batches"):
-            assert key in r
-        assert r["bound_ms"] <= r["makespan_ms"]
-        assert {"static-ulysses-16", "static-ring-16", "static-ulysses-1", "batchada"} <= set(r["baselines"])
-        ids = sorted(i for mb in r["micro_batches"] for g in mb for i in g["seq_ids"])
+        assert validate_record(r) is r and r["schema"] == SCHEMA and r["source"] == "plan"
+        assert r["bound_ms"] <= r["predicted_ms"]
+        assert r["tokens"] == sum(s - 1 for s in r["seq_lengths"]) and r["world_size"] == 16
+        assert {"static-ulysses-16", "static-ring-16", "static-ulysses-1", "batchada"} <= set(r["baselines_ms"])
+        ids = sorted(i for mb in r["plan"]["micro_batches"] for g in mb for i in g["seq_ids"])
         assert ids == list(range(64))
-        for mb in r["micro_batches"]:
+        # the timeline is the cost model's schedule: groups of a micro-batch start together, the last one ends at
+        # the predicted step time
+        ends = [t["start_ms"] + t["time_ms"] for t in r["timeline"]]
+        assert max(ends) == pytest.approx(r["predicted_ms"], rel=1e-6)
+        for mb in r["plan"]["micro_batches"]:
             for g in mb:
                 assert g["kind"] in ("ulysses", "ring") and len(g["ranks"]) == g["degree"]
                 assert len(g["seq_lengths"]) == len(g["seq_ids"])
+
+
+def test_run_dir_gets_the_records_it_printed(tmp_path, capsys):
+    run = tmp_path / "plan-run"
+    args = ["plan", "--devices", "8", "--batch", "32", "--steps", "3", "--time-limit", "0.3", "--run-dir", str(run)]
+    code, out, _ = _run(args + ["--json"], capsys)
+    assert code == 0
+    printed = [json.loads(line) for line in out.splitlines()]
+    written = read_records(run / "steps.jsonl", validate=True)
+    assert written == printed and [r["step"] for r in written] == [0, 1, 2]
+    code, out, _ = _run(args, capsys)  # the table run names the file and how to view it
+    assert code == 0 and f"flexorch dashboard {run}" in out and len(read_records(run / "steps.jsonl")) == 3
 
 
 def test_table_and_picture(tmp_path, capsys):
@@ -69,13 +87,13 @@ def test_batches_are_seeded_and_cover_the_data_once_per_epoch(tmp_path, capsys):
     ]
     _, out1, _ = _run(args, capsys)
     _, out2, _ = _run(args, capsys)
-    plans1 = [(r["step"], r["micro_batches"]) for r in map(json.loads, out1.splitlines())]
-    plans2 = [(r["step"], r["micro_batches"]) for r in map(json.loads, out2.splitlines())]
+    plans1 = [(r["step"], r["plan"]) for r in map(json.loads, out1.splitlines())]
+    plans2 = [(r["step"], r["plan"]) for r in map(json.loads, out2.splitlines())]
     assert plans1 == plans2
     seen = sorted(
         s
         for line in out1.splitlines()
-        for mb in json.loads(line)["micro_batches"]
+        for mb in json.loads(line)["plan"]["micro_batches"]
         for g in mb
         for s in g["seq_lengths"]
     )

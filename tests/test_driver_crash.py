@@ -80,7 +80,7 @@ def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluste
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert "resumed after step" in resumed.stdout and "done: 6 steps" in resumed.stdout
 
-    records = read_records(run_dir / "steps.jsonl")
+    records = read_records(run_dir / "steps.jsonl", validate=True)
     assert [r["step"] for r in records] == list(range(6)), "every step exactly once, none lost or repeated"
     cfg = load_train_config(config, {})
     corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=128))  # in this process's Ray

@@ -53,7 +53,7 @@ def _check_against_reference(cfg, corpus, records, replicas):
     ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert_params_close(replicas, ref_params)
-    on_disk = read_records(cfg.run_dir + "/steps.jsonl")
+    on_disk = read_records(cfg.run_dir + "/steps.jsonl", validate=True)
     assert [(r["step"], r["doc_ids"], r["recoveries"]) for r in on_disk] == [
         (r["step"], r["doc_ids"], r["recoveries"]) for r in records
     ]

@@ -58,6 +58,7 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
         ray.shutdown()
     port = _free_port()
     ray.init(
+        address="local",
         num_cpus=5,
         include_dashboard=False,
         logging_level="ERROR",

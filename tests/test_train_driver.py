@@ -56,7 +56,7 @@ def test_resume_equals_uninterrupted_run(env):
     assert [r["loss"] for r in first + rest] == pytest.approx([r["loss"] for r in full], rel=1e-5)
     for name, value in full_params.items():
         np.testing.assert_allclose(resumed_params[name], value, rtol=1e-4, atol=2e-5, err_msg=name)
-    records = read_records(root / "part" / "steps.jsonl")
+    records = read_records(root / "part" / "steps.jsonl", validate=True)
     assert [r["step"] for r in records] == list(range(5)), "steps.jsonl holds every trained step exactly once"
 
 
@@ -143,7 +143,7 @@ def test_flexorch_train_cli_smoke(env, tmp_path):
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("step ")]
     assert len(lines) == 2 and all("loss" in ln and "ETA" in ln and "plan <" in ln for ln in lines), proc.stdout
     assert "done: 2 steps" in proc.stdout
-    records = read_records(run_dir / "steps.jsonl")
+    records = read_records(run_dir / "steps.jsonl", validate=True)
     assert [r["step"] for r in records] == [0, 1] and all(np.isfinite(r["loss"]) for r in records)
     assert (run_dir / "checkpoints" / "checkpoint_000002" / "model.pt").is_file()
     assert json.loads((run_dir / "config.json").read_text())["workers"] == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.driver import TrainingDriver
+from orchestrator.record_schema import validate_record
 from tests.train_helpers import (
     assert_params_close,
     reference_losses_and_params,
@@ -65,5 +66,7 @@ def test_plan_does_not_change_the_math(setup, mode, tokens_per_worker):
     assert got == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert_params_close(replicas, ref_params)
     for r in records:
+        validate_record(r)  # the documented schema, flexorch.step/3
+        assert r["source"] == "train" and all(e is not None for e in r["ranks"])
         assert r["tokens"] == sum(s - 1 for s in r["seq_lengths"])
         assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and r["compute_ms"] > 0

@@ -62,7 +62,7 @@ def training_env(tmp_path_factory, name: str):
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=5, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=5, include_dashboard=False, logging_level="ERROR")
     root = tmp_path_factory.mktemp(name)
     corpus_dir = write_corpus(root / "corpus")
     profile = cpu_profile(root / "profile.json")

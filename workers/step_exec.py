@@ -45,6 +45,10 @@ class StepOutcome:
     """Tokens (padding included) this rank held over all its micro-batches."""
     micro_batch_ms: list[float] = field(default_factory=list)
     """Wall time of each of this rank's groups (forward + backward, communication and waits included)."""
+    micro_batches: list[int] = field(default_factory=list)
+    """The micro-batch index of each entry of ``micro_batch_ms`` (a rank may sit out a micro-batch)."""
+    micro_batch_start_ms: list[float] = field(default_factory=list)
+    """When each of those groups started, from the start of the step on this rank."""
     compute_end_ms: float = 0.0
     """From the start of the step to the end of this rank's last micro-batch."""
     sync_ms: float = 0.0
@@ -143,6 +147,8 @@ def run_step(
         out.local_tokens += int(ids.numel())
         out.peak_local_tokens = max(out.peak_local_tokens, int(ids.numel()))
         out.micro_batch_ms.append((time.perf_counter() - t_mb) * 1e3)
+        out.micro_batches.append(work.micro_batch)
+        out.micro_batch_start_ms.append((t_mb - t0) * 1e3)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
 
     hook("before_sync")

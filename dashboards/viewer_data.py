@@ -1,0 +1,111 @@
+"""What the plan viewer shows, computed from a run's step records (pure Python; no Ray, no server).
+
+:func:`read_run` reads ``RUN_DIR/steps.jsonl`` and validates each record against ``flexorch.step/3``; it keeps the
+good records before a malformed line and reports that line's error, so the page shows both. :func:`step_view`
+turns one record into the picture's bars: one bar per SP group with its ranks, predicted start and length (the
+cost model's timeline) and, for trained steps, measured start and length (slowest member of the group, from
+each rank's per-micro-batch timings).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from orchestrator.record_schema import RecordError, validate_record
+
+__all__ = ["read_run", "step_view"]
+
+PARTIAL_LINE_GRACE_S = 10.0
+"""A last line without its newline is taken as being written for this long, then reported as malformed."""
+
+
+def read_run(run_dir: Path | str, since: int = 0) -> dict:
+    """Records ``since`` onwards as views: ``{"total", "records", "error", "waiting"}``.
+
+    ``error`` names the first malformed line (the records before it are returned); ``waiting`` is true while the
+    run has written no records file yet."""
+    path = Path(run_dir) / "steps.jsonl"
+    if not path.exists():
+        return {"total": 0, "records": [], "error": None, "waiting": True}
+    views, error = [], None
+    text = path.read_text()
+    lines = text.splitlines()
+    if not text.endswith("\n") and time.time() - path.stat().st_mtime < PARTIAL_LINE_GRACE_S:
+        lines = lines[:-1]  # the writer is still writing that line: it shows on the next poll
+    count = 0
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {i}"
+        try:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            validate_record(rec, where)
+        except RecordError as e:
+            error = f"{e}. The records before it are shown; fix or remove that line (or re-run) to see the rest."
+            break
+        if count >= since:
+            views.append(step_view(rec))
+        count += 1
+    return {"total": count, "records": views, "error": error, "waiting": False}
+
+
+def _measured(rec: dict, mi: int, ranks: list[int]) -> tuple[float | None, float | None]:
+    """Start and length of a group's micro-batch as measured: its members' latest start and longest time."""
+    per_rank = rec.get("ranks") or []
+    starts, times = [], []
+    for r in ranks:
+        entry = per_rank[r] if r < len(per_rank) else None
+        if entry is None or entry["micro_batch_ms"][mi] is None:
+            continue
+        times.append(entry["micro_batch_ms"][mi])
+        start = (entry.get("micro_batch_start_ms") or [None] * (mi + 1))[mi]
+        if start is not None:
+            starts.append(start)
+    if not times:
+        return None, None
+    return (max(starts) if starts else None), max(times)
+
+
+def step_view(rec: dict) -> dict:
+    """One validated record as the page draws it (the record's summary fields plus ``groups``)."""
+    groups = []
+    if rec["plan"] is not None:
+        when = {(t["micro_batch"], t["group"]): t for t in rec["timeline"]}
+        trained = rec["source"] == "train"
+        for mi, mb in enumerate(rec["plan"]["micro_batches"]):
+            for gi, g in enumerate(mb):
+                t = when[(mi, gi)]
+                m_start, m_ms = _measured(rec, mi, g["ranks"]) if trained else (None, None)
+                groups.append(
+                    {
+                        "micro_batch": mi,
+                        "group": gi,
+                        "degree": g["degree"],
+                        "kind": g["kind"] if g["degree"] > 1 else "local",
+                        "ranks": g["ranks"],
+                        "first_rank": min(g["ranks"]),
+                        "contiguous": max(g["ranks"]) - min(g["ranks"]) + 1 == len(g["ranks"]),
+                        "sequences": len(g["seq_ids"]),
+                        "tokens": sum(g["seq_lengths"]),
+                        "longest": max(g["seq_lengths"], default=0),
+                        "predicted_start_ms": t["start_ms"],
+                        "predicted_ms": t["time_ms"],
+                        "measured_start_ms": m_start,
+                        "measured_ms": m_ms,
+                    }
+                )
+    keys = (
+        "source step epoch world_size status skipped reason shape solve_s predicted_ms bound_ms baselines_ms tokens "
+        "measured_ms compute_ms loss tokens_per_s worker_ids recoveries"
+    ).split()
+    view = {k: rec.get(k) for k in keys}
+    view["sequences"] = len(rec["seq_lengths"])
+    view["longest"] = max(rec["seq_lengths"], default=0)
+    view["micro_batches"] = len(rec["plan"]["micro_batches"]) if rec["plan"] else 0
+    view["groups"] = groups
+    return view

@@ -1,0 +1,201 @@
+"""The step record schema, ``flexorch.step/3``: one JSON object per planned or trained step.
+
+`flexorch plan --run-dir DIR` and `flexorch train` both write ``DIR/steps.jsonl`` in this schema (`flexorch plan
+--json` prints the same objects), and `flexorch dashboard DIR` reads it. :func:`validate_record` checks one
+record and says exactly what is wrong with it. Times are milliseconds unless a name ends in ``_s``.
+
+Keys of every record (``source`` is ``"plan"`` or ``"train"``):
+
+* ``schema`` (this version), ``source``, ``step`` (0-based), ``time`` (unix seconds when written), ``epoch``
+  (pass over the data), ``world_size`` (devices or workers planned for), ``seq_lengths`` (tokens of each sequence
+  of the batch, in batch order: a plan's ``seq_ids`` index this list), ``tokens`` (next-token predictions of the
+  batch: the sum of ``length - 1``);
+* ``status`` (the planner's: ``optimal``, ``feasible``, ``heuristic``, ``fallback``, ... or ``infeasible``),
+  ``skipped`` (bool: no plan fits, nothing ran) and ``reason`` (why, or null), ``mode`` (planner mode);
+* ``shape`` (e.g. ``"<4, 2x2> | <8>"``: SP degrees of each micro-batch, or null when skipped), ``plan`` (null
+  when skipped, else ``{"num_devices", "micro_batches": [[{"degree", "kind", "ranks", "seq_ids",
+  "seq_lengths"}, ...], ...]}``), ``timeline`` (the cost model's schedule of that plan: ``[{"micro_batch",
+  "group", "start_ms", "time_ms"}, ...]``, one entry per group, or null), ``solve_s``, ``predicted_ms`` (the
+  plan's predicted step time, null when skipped), ``bound_ms`` (proven lower bound, 0 when none),
+  ``baselines_ms`` (predicted step time of each static layout and BatchAda for the same batch, null where a layout
+  cannot hold it).
+
+Keys of ``source == "train"`` records only (null where the step was skipped):
+
+* ``batch_index`` (batch inside the epoch), ``doc_ids`` (corpus ids of the batch, the ledger), ``worker_ids``
+  (stable id of each rank: rank i ran on worker ``worker_ids[i]``), ``recoveries`` (membership changes made for
+  this step, each with ``what``, ``world_before``, ``world_after``, ``recovery_ms`` and either ``attempt``,
+  ``decisions``, ``lost``, ``reason``, ``step_completed`` after a failure or ``joined`` when workers joined);
+* ``measured_ms`` (dispatch to the last outcome, as the driver saw it), ``compute_ms`` (slowest rank, start to
+  end of its micro-batches: what ``predicted_ms`` predicts), ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
+  ``plan_wait_ms`` (time the driver waited for the plan: zero when the solve hid behind the previous step),
+  ``overhead_ms`` (driver bookkeeping after the outcomes);
+* ``loss``, ``tokens_per_s``, ``lr``, ``grad_norm``, ``ranks`` (per rank, or null for a rank lost after the step's
+  update was applied: ``micro_batch_ms`` and ``micro_batch_start_ms`` (the measured time and start, from the
+  rank's step start, of its group in each micro-batch; null where it sat one out), ``compute_end_ms``,
+  ``local_tokens``, ``peak_local_tokens``, ``peak_activation_bytes``).
+
+History: version 2 (train only) added ``worker_ids`` and ``recoveries``; version 3 made one schema for `plan` and
+`train`: ``source``, ``timeline``, and `plan`'s ``makespan_ms``/``baselines``/``micro_batches`` became
+``predicted_ms``/``baselines_ms``/``plan``.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["SCHEMA", "SOURCES", "RecordError", "validate_record"]
+
+SCHEMA = "flexorch.step/3"
+SOURCES = ("plan", "train")
+
+_INT = (int,)
+_NUM = (int, float)
+
+# key: (allowed types, may be null)
+_COMMON = {
+    "schema": ((str,), False),
+    "source": ((str,), False),
+    "step": (_INT, False),
+    "time": (_NUM, False),
+    "epoch": (_INT, False),
+    "world_size": (_INT, False),
+    "seq_lengths": ((list,), False),
+    "tokens": (_INT, False),
+    "status": ((str,), False),
+    "skipped": ((bool,), False),
+    "reason": ((str,), True),
+    "mode": ((str,), False),
+    "shape": ((str,), True),
+    "plan": ((dict,), True),
+    "timeline": ((list,), True),
+    "solve_s": (_NUM, False),
+    "predicted_ms": (_NUM, True),
+    "bound_ms": (_NUM, False),
+    "baselines_ms": ((dict,), False),
+}
+_TRAIN = {
+    "batch_index": (_INT, False),
+    "doc_ids": ((list,), False),
+    "worker_ids": ((list,), False),
+    "recoveries": ((list,), False),
+    "measured_ms": (_NUM, True),
+    "compute_ms": (_NUM, True),
+    "sync_ms": (_NUM, True),
+    "optim_ms": (_NUM, True),
+    "dispatch_ms": (_NUM, True),
+    "plan_wait_ms": (_NUM, False),
+    "overhead_ms": (_NUM, True),
+    "loss": (_NUM, True),
+    "tokens_per_s": (_NUM, True),
+    "lr": (_NUM, True),
+    "grad_norm": (_NUM, True),
+    "ranks": ((list,), True),
+}
+_GROUP_KEYS = ("degree", "kind", "ranks", "seq_ids", "seq_lengths")
+
+
+class RecordError(ValueError):
+    """A step record that does not follow the schema; the message names the key and what was expected."""
+
+
+def _type_name(types: tuple) -> str:
+    return " or ".join("number" if t is float else {int: "integer", str: "string"}.get(t, t.__name__) for t in types)
+
+
+def _check_keys(rec: dict, spec: dict, where: str) -> None:
+    for key, (types, nullable) in spec.items():
+        if key not in rec:
+            raise RecordError(f"{where}: key {key!r} is missing")
+        v = rec[key]
+        if v is None:
+            if not nullable:
+                raise RecordError(f"{where}: {key!r} is null, expected {_type_name(types)}")
+            continue
+        if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+            raise RecordError(f"{where}: {key!r} is {type(v).__name__} {v!r:.60}, expected {_type_name(types)}")
+        if isinstance(v, float) and not math.isfinite(v) and key not in ("loss", "grad_norm"):
+            raise RecordError(f"{where}: {key!r} is {v}, expected a finite number")
+
+
+def _check_plan(rec: dict, where: str) -> None:
+    plan, n, lengths = rec["plan"], rec["world_size"], rec["seq_lengths"]
+    if plan.get("num_devices") != n:
+        raise RecordError(f"{where}: plan.num_devices {plan.get('num_devices')!r} differs from world_size {n}")
+    mbs = plan.get("micro_batches")
+    if not isinstance(mbs, list) or not mbs:
+        raise RecordError(f"{where}: plan.micro_batches must be a non-empty list of micro-batches")
+    seen: list[int] = []
+    for mi, mb in enumerate(mbs):
+        if not isinstance(mb, list) or not mb:
+            raise RecordError(f"{where}: plan.micro_batches[{mi}] must be a non-empty list of groups")
+        used: set[int] = set()
+        for gi, g in enumerate(mb):
+            at = f"{where}: plan.micro_batches[{mi}][{gi}]"
+            if not isinstance(g, dict) or any(k not in g for k in _GROUP_KEYS):
+                raise RecordError(f"{at} must be an object with keys {', '.join(_GROUP_KEYS)}")
+            ranks = g["ranks"]
+            if len(ranks) != g["degree"] or any(not isinstance(r, int) or not 0 <= r < n for r in ranks):
+                raise RecordError(f"{at}: ranks {ranks} must be {g['degree']} (its degree) ranks in [0, {n})")
+            if used & set(ranks):
+                raise RecordError(f"{at}: ranks {sorted(used & set(ranks))} are in two groups of one micro-batch")
+            used |= set(ranks)
+            if any(not isinstance(i, int) or not 0 <= i < len(lengths) for i in g["seq_ids"]):
+                raise RecordError(f"{at}: seq_ids {g['seq_ids']} must index seq_lengths (0..{len(lengths) - 1})")
+            seen += g["seq_ids"]
+    if sorted(seen) != list(range(len(lengths))):
+        raise RecordError(f"{where}: the plan must place every sequence of the batch exactly once")
+    timeline = rec["timeline"]
+    if timeline is None:
+        raise RecordError(f"{where}: 'timeline' is null but the record has a plan")
+    want = {(mi, gi) for mi, mb in enumerate(mbs) for gi in range(len(mb))}
+    got = set()
+    for t in timeline:
+        if not isinstance(t, dict) or any(k not in t for k in ("micro_batch", "group", "start_ms", "time_ms")):
+            raise RecordError(f"{where}: timeline entries need micro_batch, group, start_ms and time_ms")
+        got.add((t["micro_batch"], t["group"]))
+    if got != want:
+        raise RecordError(f"{where}: the timeline must have one entry per group of the plan")
+
+
+def validate_record(rec, where: str = "record") -> dict:
+    """Check ``rec`` against ``flexorch.step/3``; return it, or raise :class:`RecordError` saying what is wrong."""
+    if not isinstance(rec, dict):
+        raise RecordError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    schema = rec.get("schema")
+    if schema != SCHEMA:
+        hint = (
+            " (written by an older flexorch: re-run it to get this version)"
+            if str(schema).startswith("flexorch.step/")
+            else ""
+        )
+        raise RecordError(f"{where}: schema is {schema!r}, this flexorch reads {SCHEMA!r}{hint}")
+    if rec.get("source") not in SOURCES:
+        raise RecordError(f"{where}: source is {rec.get('source')!r}, expected one of {', '.join(SOURCES)}")
+    _check_keys(rec, _COMMON, where)
+    if rec["source"] == "train":
+        _check_keys(rec, _TRAIN, where)
+        if len(rec["doc_ids"]) != len(rec["seq_lengths"]):
+            raise RecordError(f"{where}: doc_ids and seq_lengths differ in length")
+        if len(rec["worker_ids"]) != rec["world_size"]:
+            raise RecordError(
+                f"{where}: worker_ids has {len(rec['worker_ids'])} ids for world_size {rec['world_size']}"
+            )
+    if rec["skipped"]:
+        if rec["plan"] is not None:
+            raise RecordError(f"{where}: a skipped step has no plan, but 'plan' is set")
+        return rec
+    if rec["plan"] is None or rec["predicted_ms"] is None:
+        raise RecordError(f"{where}: a step that was not skipped needs 'plan' and 'predicted_ms'")
+    _check_plan(rec, where)
+    if rec["source"] == "train":
+        ranks = rec["ranks"]
+        if ranks is None or len(ranks) != rec["world_size"]:
+            raise RecordError(f"{where}: 'ranks' must hold one entry per rank ({rec['world_size']})")
+        n_mb = len(rec["plan"]["micro_batches"])
+        for r, entry in enumerate(ranks):
+            if entry is None:  # a rank lost after the update had been applied
+                continue
+            if not isinstance(entry, dict) or len(entry.get("micro_batch_ms") or []) != n_mb:
+                raise RecordError(f"{where}: ranks[{r}].micro_batch_ms must hold one time per micro-batch ({n_mb})")
+    return rec

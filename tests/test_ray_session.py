@@ -1,0 +1,44 @@
+"""`flexorch train` without an address starts its own Ray, even when a stale cluster address file is lying around.
+
+Ray's `ray.init()` with no address reads `<ray temp dir>/ray_current_cluster` (written by `ray start` and by
+`ray.cluster_utils.Cluster`, left behind when they are killed) and tries to join that cluster; our laptop runs and
+test fixtures must not. The test points Ray's temp dir at a private folder holding such a stale file.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = """
+import ray
+from orchestrator.train_command import ray_session
+with ray_session(None, 1):
+    print("cpus", int(ray.cluster_resources()["CPU"]))
+"""
+
+
+@pytest.mark.slow
+def test_local_session_ignores_a_stale_cluster_address_file():
+    tmp = Path(tempfile.mkdtemp(prefix="fxs-", dir="/tmp"))  # short: Ray's socket paths must stay < 108 bytes
+    try:
+        (tmp / "ray").mkdir()
+        (tmp / "ray" / "ray_current_cluster").write_text("127.0.0.1:9")  # nothing listens on port 9
+        env = {**os.environ, "RAY_TMPDIR": str(tmp), "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT)}
+        out = subprocess.run(
+            [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=180, cwd=ROOT
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        cpus = int(out.stdout.split("cpus")[-1])
+        assert cpus >= 1
+    finally:
+        subprocess.run(["pkill", "-f", str(tmp)], check=False)
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,106 @@
+"""The step record schema, flexorch.step/3: real records validate, and each kind of damage gets a message naming it."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import pytest
+
+from orchestrator.plan_command import PlanRunConfig, run_plan
+from orchestrator.record_schema import SCHEMA, RecordError, validate_record
+from orchestrator.records import StepRecords, read_records, skip_record
+from solver.planner import PlannerConfig
+from solver.profiles import get_profile
+
+
+@pytest.fixture(scope="module")
+def plan_records():
+    cfg = PlanRunConfig(devices=8, batch=24, steps=2, json=True, planner=PlannerConfig(time_limit_s=0.3))
+    return run_plan(cfg, get_profile("gpt-7b-a100"), out=io.StringIO())
+
+
+def test_plan_records_validate(plan_records):
+    for r in plan_records:
+        assert validate_record(r) is r
+        assert r["schema"] == SCHEMA and r["source"] == "plan" and not r["skipped"]
+
+
+def _broken(rec, change):
+    rec = copy.deepcopy(rec)
+    change(rec)
+    return rec
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda r: r.pop("predicted_ms"), "key 'predicted_ms' is missing"),
+        (lambda r: r.update(step="3"), "'step' is str '3', expected integer"),
+        (lambda r: r.update(solve_s=None), "'solve_s' is null, expected"),
+        (lambda r: r.update(skipped="no"), "'skipped' is str"),
+        (lambda r: r.update(schema="flexorch.step/2"), "written by an older flexorch"),
+        (lambda r: r.update(schema="something"), "schema is 'something'"),
+        (lambda r: r.update(source="bench"), "source is 'bench'"),
+        (
+            lambda r: r["plan"]["micro_batches"][0][0].update(ranks=[99] * r["plan"]["micro_batches"][0][0]["degree"]),
+            "ranks [99",
+        ),
+        (lambda r: r["plan"]["micro_batches"][0][0].pop("kind"), "must be an object with keys degree, kind"),
+        (lambda r: r["plan"]["micro_batches"][0][0]["seq_ids"].pop(), "every sequence of the batch exactly once"),
+        (lambda r: r["plan"].update(num_devices=3), "plan.num_devices 3 differs from world_size 8"),
+        (lambda r: r["timeline"].pop(), "one entry per group"),
+        (lambda r: r.update(timeline=None), "'timeline' is null but the record has a plan"),
+        (lambda r: r.update(skipped=True), "a skipped step has no plan"),
+        (lambda r: r.update(predicted_ms=float("nan")), "expected a finite number"),
+    ],
+)
+def test_damage_is_named(plan_records, change, message):
+    with pytest.raises(RecordError, match="^step 0: ") as e:
+        validate_record(_broken(plan_records[0], change), "step 0")
+    assert message in str(e.value)
+
+
+def test_train_keys_are_required_for_train_records(plan_records):
+    rec = dict(plan_records[0], source="train")
+    with pytest.raises(RecordError, match="key 'batch_index' is missing"):
+        validate_record(rec)
+
+
+def test_skipped_train_record_validates():
+    base = {
+        "step": 4,
+        "epoch": 0,
+        "batch_index": 4,
+        "doc_ids": [7, 9],
+        "seq_lengths": [10, 5000],
+        "world_size": 2,
+        "worker_ids": [0, 1],
+        "mode": "adaptive",
+        "solve_s": 0.01,
+        "plan_wait_ms": 0.0,
+        "baselines_ms": {},
+        "recoveries": [],
+    }
+    rec = {"schema": SCHEMA, "time": 1.0, **skip_record(base, "infeasible", "the longest sequence needs 3 workers")}
+    assert validate_record(rec)["tokens"] == 9 + 4999
+    rec["doc_ids"] = [7]
+    with pytest.raises(RecordError, match="doc_ids and seq_lengths differ"):
+        validate_record(rec)
+
+
+def test_writer_refuses_a_bad_record_and_reader_names_the_line(tmp_path, plan_records):
+    w = StepRecords(tmp_path)
+    w.append({k: v for k, v in plan_records[0].items() if k not in ("schema", "time")})
+    with pytest.raises(RecordError, match="key 'plan' is missing"):
+        w.append({k: v for k, v in plan_records[1].items() if k != "plan"})
+    assert len(read_records(w.path, validate=True)) == 1  # nothing half-written
+    with w.path.open("a") as f:
+        f.write(json.dumps({**plan_records[1], "world_size": -1}) + "\n")
+    with pytest.raises(RecordError, match=r"steps\.jsonl:2: plan\.num_devices 8 differs from world_size -1"):
+        read_records(w.path, validate=True)
+    with w.path.open("a") as f:
+        f.write("{not json\n")
+    with pytest.raises(RecordError, match=r"steps\.jsonl:3: not a JSON record"):
+        read_records(w.path)
