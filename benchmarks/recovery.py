@@ -213,6 +213,7 @@ def main(argv=None) -> int:
     print(f"a normal step takes {step_s:.2f} s; killing a worker {step_s / 2:.2f} s into step {args.warm + 1}")
 
     results: dict[str, list[dict]] = {"in-place": [], "restart": []}
+    t_trials, done, total = time.perf_counter(), 0, 2 * args.trials
     for i in range(args.trials):
         for name, trial in (("in-place", trial_in_place), ("restart", trial_restart))[:: 1 if i % 2 == 0 else -1]:
             run_dir = args.out / f"{name}-{i}"
@@ -222,7 +223,12 @@ def main(argv=None) -> int:
             res["records"] = len(res["records"])
             results[name].append(res)
             how = "step re-run" if res["redone_steps"] else "the update had finished: step kept"
-            print(f"  trial {i + 1} {name:<9s} kill -> next completed step {res['recovery_s']:6.2f} s ({how})")
+            done += 1
+            eta = (time.perf_counter() - t_trials) / done * (total - done)
+            print(
+                f"  trial {i + 1} {name:<9s} kill -> next completed step {res['recovery_s']:6.2f} s ({how})  "
+                f"[{done}/{total}, ETA {eta:.0f} s]"
+            )
 
     cluster.remove_node(extra)
     cfg = dataclasses.replace(

@@ -171,11 +171,14 @@ def main(argv=None) -> int:
     for mode in statics:
         drivers[mode] = start_mode(mode, base, corpus)
     results = [{"mode": m, "records": [], "act": drv.profile.act_bytes_per_token} for m, drv in drivers.items()]
+    t_steps = time.perf_counter()
     for i in range(steps):
         order = results[i % len(results) :] + results[: i % len(results)]
         for res in order:
             if "infeasible" not in res:
                 step_mode(drivers[res["mode"]], res)
+        eta = (time.perf_counter() - t_steps) / (i + 1) * (steps - i - 1)
+        print(f"round {i + 1}/{steps} done, ETA {eta:.0f} s", flush=True)
     for drv in drivers.values():
         drv.shutdown()
     for res in results:

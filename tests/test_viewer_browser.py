@@ -153,3 +153,23 @@ def test_malformed_record_shows_an_error_not_a_blank_page(browser, tmp_path):
         browser.save_screenshot(str(_artifacts() / "plan_viewer_error.png"))
     finally:
         server.stop()
+
+
+def test_page_follows_a_run_as_it_writes_steps(browser, tmp_path):
+    lines = (RECORDED / "steps.jsonl").read_text().splitlines()
+    server = ViewerServer(tmp_path, port=0, poll_s=0.3).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, "return document.getElementById('waiting').offsetParent !== null")  # no records yet
+        path = tmp_path / "steps.jsonl"
+        path.write_text(lines[0] + "\n")
+        _wait(browser, "return document.querySelectorAll('#step-table tbody tr').length === 1")
+        with path.open("a") as f:
+            f.write("\n".join(lines[1:]) + "\n")
+        _wait(browser, f"return document.querySelectorAll('#step-table tbody tr').length === {len(lines)}")
+        last = json.loads(lines[-1])
+        _wait(browser, f"return document.getElementById('plan-measured').dataset.step === '{last['step']}'")
+        assert _bars(browser, "plan-measured") == _groups(last)
+        assert browser.execute_script("return document.getElementById('waiting').offsetParent") is None
+    finally:
+        server.stop()

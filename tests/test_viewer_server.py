@@ -130,3 +130,26 @@ def test_cli_errors_are_clear(tmp_path, capsys):
         assert "pick another with --port" in capsys.readouterr().err
     finally:
         server.server_close()
+
+
+def test_train_serves_the_viewer_while_it_runs(tmp_path, monkeypatch, capsys):
+    """`flexorch train --dashboard-port 0`: the page answers during the run and the port is released after it.
+
+    `run_train` is replaced at its seam (the real one is tested end to end elsewhere) by a stand-in that writes a
+    recorded step into the run directory and asks the running viewer for it."""
+    import orchestrator.train_command as train_command
+
+    seen = {}
+
+    def fake_run_train(cfg, address=None):
+        url = capsys.readouterr().out.split("plan viewer: ")[1].split()[0]
+        shutil.copy(RECORDED / "steps.jsonl", Path(cfg.run_dir) / "steps.jsonl")
+        seen["url"], seen["data"] = url, json.loads(_get(url + "api/steps")[2])
+        return {}
+
+    monkeypatch.setattr(train_command, "run_train", fake_run_train)
+    run = tmp_path / "run"
+    assert main(["train", "--run-dir", str(run), "--steps", "2", "--dashboard-port", "0"]) == 0
+    assert seen["url"].startswith("http://127.0.0.1:") and seen["data"]["total"] == 5
+    with pytest.raises(urllib.error.URLError):
+        _get(seen["url"])
