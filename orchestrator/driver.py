@@ -202,8 +202,7 @@ class TrainingDriver:
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
-        self._finish(record, t_start, planned.plan)
-        return record
+        return self._finish(record, t_start, planned.plan)
 
     def _start_planner(self):
         """The planner actor, beside the driver (it survives the loss of a worker node); niceness 10 on CPU."""
@@ -265,10 +264,10 @@ class TrainingDriver:
         self.skipped_batches += 1
         record = skip_record(base, "infeasible", planned.error)
         self.step_no += 1
-        self._finish(record, time.perf_counter())
-        return record
+        return self._finish(record, time.perf_counter())
 
-    def _finish(self, record: dict, t_start: float, plan=None) -> None:
+    def _finish(self, record: dict, t_start: float, plan=None) -> dict:
+        """Write the record (as the file has it: schema and time added), export metrics, checkpoint, report."""
         record = self.records.append(record)
         self.metrics.on_step(record, plan, self.profile)
         for rec in record["recoveries"]:
@@ -279,6 +278,7 @@ class TrainingDriver:
         remaining = self.cfg.steps - self.step_no
         recent = self._step_wall[-10:]
         self._publish({"event": "step", **record, "eta_s": remaining * sum(recent) / len(recent)})
+        return record
 
     # ---------------------------------------------------------------- checkpoints, loop, events
     def checkpoint(self) -> str:
