@@ -1,0 +1,176 @@
+"""The per-step pipeline plan: chunk, order, checkpoint, simulate; choose the granularity (InfiniPipe, Seq1F1B).
+
+For each candidate granularity K (default P, 2P, 4P, 8P units), :func:`plan_pipeline` chunks the batch
+(``solver.chunking``), orders it 1F1B (``solver.pipeline_schedule``), picks the checkpointed layers that fit memory
+(``solver.checkpointing``), and simulates it (``solver.pipeline_sim``); it keeps the fastest. When no checkpointing
+fits one pipeline, the units are run as back-to-back pipelines (split between sequences, each pipeline drains
+before the next starts), as InfiniPipe does. The baselines of the benchmark go through the same code:
+:func:`packed_1f1b_units` (plain 1F1B over packed micro-batches, no splitting) and :func:`seq1f1b_units` (every
+sequence split into a fixed k segments).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from solver.checkpointing import checkpoint_plan
+from solver.chunking import Piece, Unit, chunk_batch
+from solver.pipeline_schedule import Op, one_f_one_b
+from solver.pipeline_sim import PipelineRun, simulate
+from solver.profiles import Profile
+from solver.segments import equal_flop_boundaries, segment_cost
+from solver.stage_model import StageModel
+
+__all__ = ["Pipeline", "PipelinePlan", "plan_pipeline", "plan_units", "packed_1f1b_units", "seq1f1b_units"]
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    units: tuple[Unit, ...]
+    schedule: tuple[tuple[Op, ...], ...]
+    checkpointed: tuple[tuple[int, ...], ...]
+    """Layers checkpointed ``[stage][unit]``."""
+    run: PipelineRun
+
+
+@dataclass(frozen=True)
+class PipelinePlan:
+    stages: int
+    granularity: int
+    pipelines: tuple[Pipeline, ...]
+    """Run one after another (more than one only when memory requires)."""
+
+    @property
+    def makespan_ms(self) -> float:
+        return sum(p.run.makespan_ms for p in self.pipelines)
+
+    @property
+    def bubble_share(self) -> float:
+        busy = sum(sum(p.run.busy_ms) for p in self.pipelines)
+        return 1.0 - busy / (self.stages * self.makespan_ms) if self.makespan_ms > 0 else 0.0
+
+    @property
+    def peak_bytes(self) -> tuple[float, ...]:
+        return tuple(max(p.run.peak_bytes[r] for p in self.pipelines) for r in range(self.stages))
+
+    @property
+    def units(self) -> list[Unit]:
+        return [u for p in self.pipelines for u in p.units]
+
+
+def _one_pipeline(model: StageModel, units: list[Unit], time_limit_s: float) -> Pipeline | None:
+    sched = one_f_one_b(units, model.stages)
+    ckpt = checkpoint_plan(model, units, sched, time_limit_s)
+    if ckpt is None:
+        return None
+    p = model.stages
+    run = simulate(
+        sched,
+        [[model.fwd_ms(u, r) for u in units] for r in range(p)],
+        [[model.bwd_ms(u, r, ckpt[r][i]) for i, u in enumerate(units)] for r in range(p)],
+        [[model.act_bytes(u, r, ckpt[r][i]) for i, u in enumerate(units)] for r in range(p)],
+        p2p_ms=[model.send_ms(u) for u in units],
+    )
+    return Pipeline(tuple(units), tuple(tuple(s) for s in sched), tuple(tuple(c) for c in ckpt), run)
+
+
+def _split_between_chains(units: list[Unit], parts: int) -> list[list[Unit]]:
+    """``parts`` consecutive runs of whole chains with similar work."""
+    chains: list[list[Unit]] = []
+    for u in units:
+        if chains and chains[-1][-1].chain == u.chain:
+            chains[-1].append(u)
+        else:
+            chains.append([u])
+    if parts > len(chains):
+        return []
+    total = sum(u.work for u in units)
+    out: list[list[Unit]] = [[]]
+    acc = 0.0
+    for i, ch in enumerate(chains):
+        left_chains, left_parts = len(chains) - i, parts - len(out)
+        if out[-1] and (acc >= total * len(out) / parts or left_chains == left_parts):
+            out.append([])
+        out[-1].extend(ch)
+        acc += sum(u.work for u in ch)
+    return out
+
+
+def _renumber(units: list[Unit]) -> list[Unit]:
+    first = {}
+    return [Unit(u.pieces, first.setdefault(u.chain, len(first)), u.position, u.work) for u in units]
+
+
+def plan_units(model: StageModel, units: list[Unit], granularity: int, time_limit_s: float = 2.0) -> PipelinePlan:
+    """Plan given units: one pipeline if checkpointing makes it fit, else the fewest back-to-back pipelines."""
+    for parts in range(1, len(units) + 1):
+        groups = [units] if parts == 1 else _split_between_chains(units, parts)
+        if not groups:
+            break
+        pipes = [_one_pipeline(model, _renumber(g), time_limit_s) for g in groups]
+        if all(p is not None for p in pipes):
+            return PipelinePlan(model.stages, granularity, tuple(pipes))
+    biggest = max(units, key=lambda u: u.tokens)
+    raise ValueError(
+        f"no activation checkpointing fits the memory budget: a unit of {biggest.tokens} tokens needs "
+        f"{max(model.act_bytes(biggest, r, min(model.layers)) for r in range(model.stages)) / 2**30:.2f} GiB on a "
+        f"stage even with every layer checkpointed, the budget is "
+        f"{min(model.budget_bytes(r) for r in range(model.stages)) / 2**30:.2f} GiB; add stages or workers per stage, "
+        "or lower the context length"
+    )
+
+
+def plan_pipeline(
+    lengths,
+    stages: int,
+    profile: Profile,
+    *,
+    degree: int = 1,
+    granularities: list[int] | None = None,
+    time_limit_s: float = 2.0,
+) -> PipelinePlan:
+    """The fastest simulated plan of ``lengths`` on ``stages`` stages of ``degree`` workers each."""
+    model = StageModel(profile, stages, degree)
+    cap = model.token_cap()
+    if cap < 1:
+        raise ValueError(
+            f"the memory budget leaves no room for activations on a stage ({model.budget_bytes(0) / 2**30:.2f} GiB "
+            "after the model state); add stages or lower the model state"
+        )
+    cands = granularities or [stages * f for f in (1, 2, 4, 8)]
+    best: PipelinePlan | None = None
+    for k in sorted(set(cands)):
+        units = chunk_batch(lengths, k, profile.a1_ms, profile.a2_ms, cap)
+        plan = plan_units(model, units, k, time_limit_s)
+        if best is None or plan.makespan_ms < best.makespan_ms:
+            best = plan
+    return best
+
+
+def packed_1f1b_units(lengths, micro_batches: int, a1: float, a2: float) -> list[Unit]:
+    """Plain 1F1B's units: whole sequences packed into ``micro_batches`` of similar token counts, none split."""
+    lengths = [int(s) for s in lengths]
+    bins: list[list[int]] = [[] for _ in range(micro_batches)]
+    tokens = [0] * micro_batches
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        b = min(range(micro_batches), key=lambda b: tokens[b])
+        bins[b].append(i)
+        tokens[b] += lengths[i]
+    units = []
+    for c, seqs in enumerate(b for b in bins if b):
+        work = sum(segment_cost(0, lengths[i], a1, a2) for i in seqs)
+        units.append(Unit(tuple(Piece(i, 0, lengths[i]) for i in seqs), c, 0, work))
+    return units
+
+
+def seq1f1b_units(lengths, micro_batches: int, k: int, a1: float, a2: float) -> list[Unit]:
+    """Seq1F1B's units: plain 1F1B's packed micro-batches, each split into ``k`` segments (segment j of a micro-batch
+    holds the j-th equal-work segment of each of its sequences; a micro-batch is one chain)."""
+    units = []
+    for mb in packed_1f1b_units(lengths, micro_batches, a1, a2):
+        per_seq = [(p.seq, equal_flop_boundaries(p.tokens, min(k, p.tokens), a1, a2)) for p in mb.pieces]
+        for j in range(k):
+            pieces = [Piece(i, xs[j], xs[j + 1]) for i, xs in per_seq if j + 1 < len(xs)]
+            work = sum(segment_cost(q.start, q.end, a1, a2) for q in pieces)
+            units.append(Unit(tuple(pieces), mb.chain, j, work))
+    return units

@@ -1,0 +1,84 @@
+"""Time and memory of pipeline units on pipeline stages (the FlexSP cost model of DESIGN.md §2.1, per stage).
+
+The model's L layers are split over P stages as evenly as possible (the first ``L % P`` stages get one more). A
+stage is a group of ``degree`` workers that shares each unit's tokens (sequence parallel inside the stage). For a
+unit of work ``w = sum a1*(end^2 - start^2) + a2*(end - start)`` over its pieces, on stage r with l_r layers:
+
+* forward:   (w / degree + b1) * l_r / L / 3       (the profile's constants are forward + backward; backward ~ 2x)
+* backward:  2 * (w / degree + b1) * l_r / L / 3  + recompute: the forward time of the checkpointed layers
+* held activations: tokens / degree * (act_per_token / L) * (l_r - c) + tokens / degree * keep * c for c
+  checkpointed layers, where ``keep`` is what a checkpointed layer still holds per token (its input:
+  hidden * bytes_per_element);
+* one send between stages: tokens * hidden * bytes_per_element / p2p bandwidth.
+
+The per-stage budget is the profile's ``memory_budget_bytes`` less the stage's share of ``model_state_bytes``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from solver.chunking import Unit
+from solver.profiles import Profile
+
+__all__ = ["stage_layers", "StageModel"]
+
+
+def stage_layers(num_layers: int, stages: int) -> list[int]:
+    """Layers per stage, as even as possible; more stages than layers is an error."""
+    if stages < 1:
+        raise ValueError(f"pipeline_stages must be >= 1, got {stages}")
+    if stages > num_layers:
+        raise ValueError(
+            f"{stages} pipeline stages for a model of {num_layers} layers: every stage needs at least one layer; "
+            f"use at most {num_layers} stages"
+        )
+    base, extra = divmod(num_layers, stages)
+    return [base + (1 if r < extra else 0) for r in range(stages)]
+
+
+@dataclass(frozen=True)
+class StageModel:
+    profile: Profile
+    stages: int
+    degree: int = 1
+    """Workers per stage (SP inside a stage)."""
+
+    @property
+    def layers(self) -> list[int]:
+        return stage_layers(self.profile.num_layers, self.stages)
+
+    def _share(self, r: int) -> float:
+        return self.layers[r] / self.profile.num_layers
+
+    def fwd_ms(self, u: Unit, r: int) -> float:
+        return (u.work / self.degree + self.profile.b1_ms) * self._share(r) / 3.0
+
+    def bwd_ms(self, u: Unit, r: int, checkpointed: int = 0) -> float:
+        recompute = self.fwd_ms(u, r) * checkpointed / self.layers[r]
+        return 2.0 * self.fwd_ms(u, r) + recompute
+
+    def act_per_layer(self) -> float:
+        """Bytes per token per layer a stage holds for backward (on one of its workers)."""
+        return self.profile.act_bytes_per_token / self.profile.num_layers / self.degree
+
+    def keep_per_layer(self) -> float:
+        """Bytes per token per layer a checkpointed layer still holds (its input)."""
+        return min(self.profile.hidden * self.profile.bytes_per_element / self.degree, self.act_per_layer())
+
+    def act_bytes(self, u: Unit, r: int, checkpointed: int = 0) -> float:
+        c = checkpointed
+        return u.tokens * (self.act_per_layer() * (self.layers[r] - c) + self.keep_per_layer() * c)
+
+    def budget_bytes(self, r: int) -> float:
+        p = self.profile
+        return p.memory_budget_bytes - p.model_state_bytes * self._share(r)
+
+    def send_ms(self, u: Unit) -> float:
+        p = self.profile
+        bw = (p.p2p_gbps or p.a2a_gbps or {2: 100.0}).get(2, 100.0)
+        return u.tokens * p.hidden * p.bytes_per_element / (bw * 1e6)
+
+    def token_cap(self) -> int:
+        """Most tokens one unit may hold on every stage with no checkpointing (the chunker's memory cap)."""
+        return int(min(self.budget_bytes(r) / (self.act_per_layer() * self.layers[r]) for r in range(self.stages)))
