@@ -91,3 +91,51 @@ def test_segments_out_of_order_are_refused():
     stage = build_stages(model, [2])[0]
     with pytest.raises(RuntimeError, match="needs the K/V of tokens"):
         stage.forward_unit(0, UnitInput(units[j].pieces, seqs), None, 100)
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages):
+    """The checkpointing ILP's plan, run for real: bytes saved for backward per stage stay within the budget."""
+    import dataclasses
+
+    from solver.checkpointing import checkpoint_plan
+    from solver.profiles import get_profile
+    from solver.stage_model import StageModel
+    from workers.pipeline_stage import UnitInput
+
+    cfg = ModelConfig(num_layers=4)
+    seqs = _sequences(cfg)
+    model = init_model(cfg, seed=3)
+    units = packed_1f1b_units(LENGTHS, 6, 1e-3, 1.0)
+    probe = build_stages(model, [cfg.num_layers - 1, 1])[0]  # measure what a layer keeps per token (no head)
+    probe.forward_unit(0, UnitInput(units[0].pieces, seqs), None, 1000)
+    per_token = probe.held_bytes / units[0].tokens / (cfg.num_layers - 1) * cfg.num_layers
+    profile = dataclasses.replace(
+        get_profile("gpt-7b-a100"),
+        num_layers=cfg.num_layers,
+        hidden=cfg.dim,
+        bytes_per_element=4,
+        act_bytes_per_token=per_token,
+        model_state_bytes=0.0,
+        memory_budget_bytes=1e12,
+    )
+    sched = one_f_one_b(units, stages)
+    loose = StageModel(profile, stages)
+    need = max(sum(loose.act_bytes(units[u], 0) for u in held) for held in _held(sched[0]))
+    model_cfg = StageModel(dataclasses.replace(profile, memory_budget_bytes=0.5 * need), stages)
+    ckpt = checkpoint_plan(model_cfg, units, sched)
+    assert ckpt is not None and sum(map(sum, ckpt)) > 0, "the budget should need checkpointing"
+    pipe_stages = build_stages(model, stage_layers(cfg.num_layers, stages))
+    run_local_step(pipe_stages, [(units, sched, ckpt)], seqs)
+    free = [build_stages(model, stage_layers(cfg.num_layers, stages)), None]
+    run_local_step(free[0], [(units, sched, [[0] * len(units)] * stages)], seqs)
+    for r in range(stages - 1):  # the last stage also holds the LM head's logits, which the stage model leaves out
+        assert pipe_stages[r].peak_held_bytes <= model_cfg.budget_bytes(r)
+        assert pipe_stages[r].peak_held_bytes < free[0][r].peak_held_bytes
+    assert all(s.held_bytes == 0 for s in pipe_stages)
+
+
+def _held(ops):
+    from solver.checkpointing import held_sets
+
+    return held_sets(ops)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from workers.activation_memory import saved_tensor_meter
 from workers.model import Block, Decoder, ModelConfig, RMSNorm, loss_sum, rope_cos_sin
 from workers.segment_attn import segment_attn_func
 
@@ -108,6 +109,10 @@ class StageModule(torch.nn.Module):
                 self.output = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._units: dict[int, dict] = {}
         self.cache = KVCache()
+        self.held_bytes = 0
+        """Activation bytes this stage holds for backward now (units run forward, not yet backward)."""
+        self.peak_held_bytes = 0
+        """Most activation bytes held at once since the last :meth:`reset_peak`."""
 
     # ---------------------------------------------------------------- parameters <-> the full model
     def full_name(self, name: str) -> str:
@@ -165,20 +170,28 @@ class StageModule(torch.nn.Module):
             x = leaf
         cos, sin = rope_cos_sin(unit.pos, self.cfg.head_dim, self.cfg.rope_theta)  # (t, hd/2) each
         own: list = []
-        for i in range(self.first, self.last):
-            block = self.layers[str(i)]
-            attn = self._attn(i, unit, own)
-            if i - self.first < checkpointed:
-                x = checkpoint(block, x, cos, sin, attn, use_reentrant=False)
+        kept = 0  # inputs of checkpointed layers: all they keep (the meter does not see checkpoint's own storage)
+        with saved_tensor_meter(self.parameters()) as meter:
+            for i in range(self.first, self.last):
+                block = self.layers[str(i)]
+                attn = self._attn(i, unit, own)
+                if i - self.first < checkpointed:
+                    kept += x.numel() * x.element_size()
+                    x = checkpoint(block, x, cos, sin, attn, use_reentrant=False)
+                else:
+                    x = block(x, cos, sin, attn)
+            if self.is_last:
+                h = self.norm(x)
+                weight = self.head_weight if self.cfg.tie_embeddings else self.output.weight
+                logits = F.linear(h, weight).float()  # (t, dim) x (vocab, dim)^T -> (t, vocab)
+                out = loss_sum(logits, unit.labels) / n_predicted
+                del logits
             else:
-                x = block(x, cos, sin, attn)
-        if self.is_last:
-            h = self.norm(x)
-            weight = self.head_weight if self.cfg.tie_embeddings else self.output.weight
-            out = loss_sum(F.linear(h, weight).float(), unit.labels) / n_predicted  # (t, dim) -> (t, vocab) -> ()
-        else:
-            out = x
-        self._units[u] = {"out": out, "leaf": leaf, "own": own}
+                out = x
+        held = meter.bytes + kept
+        self.held_bytes += held
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+        self._units[u] = {"out": out, "leaf": leaf, "own": own, "bytes": held}
         return out.detach()
 
     def backward_unit(self, u: int, grad_out: torch.Tensor | None) -> torch.Tensor | None:
@@ -191,7 +204,11 @@ class StageModule(torch.nn.Module):
                     tensors.append(t)
                     grads.append(leaf.grad)
         torch.autograd.backward(tensors, grads)
+        self.held_bytes -= saved["bytes"]
         return None if saved["leaf"] is None else saved["leaf"].grad
+
+    def reset_peak(self) -> None:
+        self.peak_held_bytes = self.held_bytes
 
     def end_step(self) -> None:
         if self._units:
