@@ -4,8 +4,10 @@ The model's L layers are split over P stages as evenly as possible (the first ``
 stage is a group of ``degree`` workers that shares each unit's tokens (sequence parallel inside the stage). For a
 unit of work ``w = sum a1*(end^2 - start^2) + a2*(end - start)`` over its pieces, on stage r with l_r layers:
 
-* forward:   (w / degree + b1) * l_r / L / 3       (the profile's constants are forward + backward; backward ~ 2x)
-* backward:  2 * (w / degree + b1) * l_r / L / 3  + recompute: the forward time of the checkpointed layers
+* forward:   (w / degree + a2a(tokens, degree) + b1 + latency(degree)) * l_r / L / 3   (the profile's constants
+  are forward + backward, backward ~ 2x; a2a is the cost model's Ulysses all-to-all time inside the stage, b1 +
+  latency its per-group overhead, both 0 extra for degree 1 but b1)
+* backward:  2 * forward + recompute: the forward time of the checkpointed layers
 * held activations: tokens / degree * (act_per_token / L) * (l_r - c) + tokens / degree * keep * c for c
   checkpointed layers, where ``keep`` is what a checkpointed layer still holds per token (its input:
   hidden * bytes_per_element);
@@ -19,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from solver.chunking import Unit
+from solver.cost_model import ULYSSES, comm_bytes, group_overhead_ms
 from solver.profiles import Profile
 
 __all__ = ["stage_layers", "StageModel"]
@@ -52,7 +55,17 @@ class StageModel:
         return self.layers[r] / self.profile.num_layers
 
     def fwd_ms(self, u: Unit, r: int) -> float:
-        return (u.work / self.degree + self.profile.b1_ms) * self._share(r) / 3.0
+        return (u.work / self.degree + self.sp_comm_ms(u) + group_overhead_ms(self.degree, ULYSSES, self.profile)) * (
+            self._share(r) / 3.0
+        )
+
+    def sp_comm_ms(self, u: Unit) -> float:
+        """Ulysses all-to-all time of the unit's tokens inside a stage of ``degree`` workers (all layers, fwd+bwd)."""
+        if self.degree == 1:
+            return 0.0
+        return comm_bytes(u.tokens, self.degree, ULYSSES, self.profile) / (
+            self.profile.bandwidth_gbps(self.degree) * 1e6
+        )
 
     def bwd_ms(self, u: Unit, r: int, checkpointed: int = 0) -> float:
         recompute = self.fwd_ms(u, r) * checkpointed / self.layers[r]
