@@ -56,11 +56,12 @@ def _batches(data: np.ndarray, context: int, count: int, seed: int, tokens: int 
 
 
 def _best_pipeline(lengths, profile, units_fn):
+    """The best P x d layout of a baseline; ``units_fn(lengths, p)`` gives its units for p stages."""
     best = None
     for p, d in LAYOUTS:
         model = StageModel(profile, p, d)
         try:
-            plan = plan_units(model, units_fn(p), 0, time_limit_s=1.0)
+            plan = plan_units(model, units_fn(lengths, p), 0, time_limit_s=1.0)
         except ValueError:
             continue
         if best is None or plan.makespan_ms < best[0].makespan_ms:
@@ -95,8 +96,8 @@ def part1(batches_per_setting: int) -> None:
                     if best is None or plan.makespan_ms < best[0].makespan_ms:
                         best = (plan, f"{p}x{d}")
                 plan_s = time.perf_counter() - t0
-                seq = _best_pipeline(lengths, profile, lambda p: seq1f1b_units(lengths, 2 * p, 4, a1, a2))
-                one = _best_pipeline(lengths, profile, lambda p: packed_1f1b_units(lengths, 2 * p, a1, a2))
+                seq = _best_pipeline(lengths, profile, lambda ls, p: seq1f1b_units(ls, 2 * p, 4, a1, a2))
+                one = _best_pipeline(lengths, profile, lambda ls, p: packed_1f1b_units(ls, 2 * p, a1, a2))
                 el = best[0].makespan_ms
                 r = (sp / el, seq[0].makespan_ms / el, one[0].makespan_ms / el)
                 ratios.setdefault((name, context), []).append(r)
