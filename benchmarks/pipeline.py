@@ -69,6 +69,22 @@ def _best_pipeline(lengths, profile, units_fn):
     return best
 
 
+def _picture(lengths, profile, best, seq, one) -> None:
+    from pathlib import Path
+
+    from dashboards.pipeline_svg import render_pipelines_svg
+
+    out = Path("runs/pipeline/schedules.svg")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    panels = [
+        (f"elastic pipeline {best[1]} ({len(lengths)} sequences)", best[0]),
+        (f"Seq1F1B k=4 {seq[1]}", seq[0]),
+        (f"plain 1F1B {one[1]}", one[0]),
+    ]
+    out.write_text(render_pipelines_svg(panels))
+    print(f"  schedules of this batch: {out}", flush=True)
+
+
 def part1(batches_per_setting: int) -> None:
     profile = get_profile("gpt-13b-a100")
     wiki = read_lengths(bundled_lengths_path())
@@ -107,6 +123,10 @@ def part1(batches_per_setting: int) -> None:
                     f"{one[0].makespan_ms / 1e3:>8.1f} {r[0]:>5.2f}x {r[1]:>8.2f}x {r[2]:>6.2f}x {plan_s:>6.1f}",
                     flush=True,
                 )
+        if (
+            name == "github" and context == 96 * 1024
+        ):  # one picture: the last batch's schedules, elastic vs the baselines, shared time axis
+            _picture(lengths, profile, best, seq, one)
     print("\nmedian speedup of the elastic pipeline:")
     for (name, context), rs in ratios.items():
         med = [statistics.median(x[j] for x in rs) for j in range(3)]

@@ -251,3 +251,27 @@ def test_back_to_back_pipelines_when_one_does_not_fit():
     plan = plan_units(model, units, 16)
     assert len(plan.pipelines) == 2 and len(plan.units) == 16
     assert all(p <= model.budget_bytes(r) * (1 + 1e-9) for r, p in enumerate(plan.peak_bytes))
+
+
+def test_schedule_picture_has_one_box_per_op_and_a_shared_time_axis():
+    import xml.etree.ElementTree as ET
+
+    from dashboards.pipeline_svg import render_pipelines_svg
+    from solver.pipeline_plan import plan_units, seq1f1b_units
+    from solver.stage_model import StageModel
+
+    model = StageModel(_profile(), 4, 8)
+    lengths = _long_tail(64, seed=2)
+    a = plan_units(model, chunk_batch(lengths, 16, model.profile.a1_ms, model.profile.a2_ms, model.token_cap()), 16)
+    b = plan_units(model, seq1f1b_units(lengths, 8, 4, model.profile.a1_ms, model.profile.a2_ms), 0)
+    svg = render_pipelines_svg([("elastic", a), ("seq1f1b", b)], width=800)
+    root = ET.fromstring(svg)
+    ns = "{http://www.w3.org/2000/svg}"
+    ops = [r for r in root.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]
+    assert len(ops) == 2 * 4 * (len(a.units) + len(b.units))  # a forward and a backward per unit per stage
+    right = max(float(r.get("x")) + float(r.get("width")) for r in ops)
+    assert right == pytest.approx(70 + 800, abs=1.0)  # the longer schedule spans the whole width
+    titles = [t.text for t in root.iter(f"{ns}text")]
+    assert any(t.startswith("elastic") for t in titles) and any("bubble" in t for t in titles)
+    with pytest.raises(ValueError, match="nothing to draw"):
+        render_pipelines_svg([])
