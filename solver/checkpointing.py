@@ -21,7 +21,7 @@ from solver.chunking import Unit
 from solver.pipeline_schedule import Op
 from solver.stage_model import StageModel
 
-__all__ = ["held_sets", "checkpoint_plan"]
+__all__ = ["held_sets", "fits", "checkpoint_plan"]
 
 
 def held_sets(ops: list[Op]) -> list[list[int]]:
@@ -37,7 +37,8 @@ def held_sets(ops: list[Op]) -> list[list[int]]:
     return out
 
 
-def _fits(model: StageModel, units: list[Unit], schedule: list[list[Op]], ckpt) -> bool:
+def fits(model: StageModel, units: list[Unit], schedule: list[list[Op]], ckpt) -> bool:
+    """Whether every stage's held activations stay within its budget with ``ckpt[stage][unit]`` layers checkpointed."""
     for r, ops in enumerate(schedule):
         for held in held_sets(ops):
             if sum(model.act_bytes(units[u], r, ckpt[r][u]) for u in held) > model.budget_bytes(r) * (1 + 1e-9):
@@ -51,11 +52,11 @@ def checkpoint_plan(
     """Checkpointed layers ``[stage][unit]`` with the least recomputation that fits memory; None if none fits."""
     p, n = model.stages, len(units)
     none = [[0] * n for _ in range(p)]
-    if _fits(model, units, schedule, none):
+    if fits(model, units, schedule, none):
         return none
     top = min(model.layers)
     full = [[top] * n for _ in range(p)]
-    if not _fits(model, units, schedule, full):
+    if not fits(model, units, schedule, full):
         return None
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
     m.verbose = 0
@@ -78,4 +79,4 @@ def checkpoint_plan(
     if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
         return full  # fits (checked above) even if CBC found nothing better in time
     ckpt = [[int(round(var(r, u).x)) for u in range(n)] for r in range(p)]
-    return ckpt if _fits(model, units, schedule, ckpt) else full
+    return ckpt if fits(model, units, schedule, ckpt) else full

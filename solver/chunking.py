@@ -23,7 +23,10 @@ from dataclasses import dataclass
 
 from solver.segments import equal_flop_boundaries, segment_cost
 
-__all__ = ["Piece", "Unit", "chunk_batch"]
+__all__ = ["MAX_SEGMENTS", "Piece", "Unit", "chunk_batch"]
+
+MAX_SEGMENTS = 4096
+"""More segments than this for one sequence is refused (the step would be all per-unit overhead)."""
 
 
 @dataclass(frozen=True)
@@ -83,13 +86,19 @@ def chunk_batch(lengths, granularity: int, a1: float, a2: float, token_cap: int,
         if work[i] <= target * (1 + 1e-9) and s <= token_cap:
             short.append(i)
             continue
-        k = max(1, math.ceil(work[i] / target - 1e-9))
-        while True:  # equal-work segments: the first is the longest in tokens, so it sets the memory
+        # equal-work segments: the first is the longest in tokens, so it sets the memory; it is <= token_cap
+        # exactly when F(S)/k <= F(token_cap), so start there (rounding may need a few more)
+        k = max(1, math.ceil(work[i] / target - 1e-9), math.ceil(work[i] / segment_cost(0, token_cap, a1, a2) - 1e-9))
+        while True:
+            if k > MAX_SEGMENTS or k * align > s:
+                raise ValueError(
+                    f"sequence {i} ({s} tokens) would need more than {min(MAX_SEGMENTS, s // align)} segments of at "
+                    f"most {token_cap} tokens (what one unit may hold on a stage); add stages or workers per stage, "
+                    "or lower the context length"
+                )
             xs = equal_flop_boundaries(s, k, a1, a2, align)
             if max(b - a for a, b in zip(xs, xs[1:], strict=False)) <= token_cap:
                 break
-            if (k + 1) * align > s:
-                raise ValueError(f"sequence {i} ({s} tokens) cannot be split into segments of <= {token_cap} tokens")
             k += 1
         for j, (a, b) in enumerate(zip(xs, xs[1:], strict=False)):
             units.append(Unit((Piece(i, a, b),), chain, j, segment_cost(a, b, a1, a2)))

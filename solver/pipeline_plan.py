@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from solver.checkpointing import checkpoint_plan
+from solver.checkpointing import checkpoint_plan, fits, held_sets
 from solver.chunking import Piece, Unit, chunk_batch
 from solver.pipeline_schedule import Op, one_f_one_b
 from solver.pipeline_sim import PipelineRun, simulate
@@ -21,7 +21,16 @@ from solver.profiles import Profile
 from solver.segments import equal_flop_boundaries, segment_cost
 from solver.stage_model import StageModel
 
-__all__ = ["Pipeline", "PipelinePlan", "plan_pipeline", "plan_units", "packed_1f1b_units", "seq1f1b_units"]
+__all__ = [
+    "Pipeline",
+    "PipelinePlan",
+    "pipeline_layouts",
+    "plan_best_layout",
+    "plan_pipeline",
+    "plan_units",
+    "packed_1f1b_units",
+    "seq1f1b_units",
+]
 
 
 @dataclass(frozen=True)
@@ -101,23 +110,67 @@ def _renumber(units: list[Unit]) -> list[Unit]:
     return [Unit(u.pieces, first.setdefault(u.chain, len(first)), u.position, u.work) for u in units]
 
 
+def _fits_fully_checkpointed(model: StageModel, units: list[Unit]) -> bool:
+    top = min(model.layers)
+    return fits(model, units, one_f_one_b(units, model.stages), [[top] * len(units)] * model.stages)
+
+
+def _split_that_fits(model: StageModel, units: list[Unit]) -> list[list[Unit]] | None:
+    """The fewest back-to-back pipelines (split between sequences) that fit with every layer checkpointed: the
+    count is found by doubling, then bisection (fewer units in flight per pipeline never need more memory)."""
+
+    def groups(parts: int) -> list[list[Unit]] | None:
+        gs = [units] if parts == 1 else _split_between_chains(units, parts)
+        if not gs:
+            return None
+        gs = [_renumber(g) for g in gs]
+        return gs if all(_fits_fully_checkpointed(model, g) for g in gs) else None
+
+    chains = len({u.chain for u in units})
+    lo, hi = 0, 1  # lo: known not to fit (0: none tried), hi: candidate
+    while groups(hi) is None:
+        if hi >= chains:
+            return None
+        lo, hi = hi, min(2 * hi, chains)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if groups(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return groups(hi)
+
+
+def _too_big(model: StageModel, units: list[Unit]) -> str:
+    """Why even one sequence per pipeline, every layer checkpointed, does not fit."""
+    top = min(model.layers)
+    worst = (0.0, 0, 0)
+    for chain in sorted({u.chain for u in units}):
+        mine = _renumber([u for u in units if u.chain == chain])
+        sched = one_f_one_b(mine, model.stages)
+        for r, ops in enumerate(sched):
+            for held in held_sets(ops):
+                need = sum(model.act_bytes(mine[u], r, top) for u in held)
+                if need > worst[0]:
+                    worst = (need, r, sum(u.tokens for u in mine))
+    need, r, tokens = worst
+    return (
+        f"no activation checkpointing fits the memory budget: even with every layer checkpointed and each sequence "
+        f"in a pipeline of its own, stage {r} must hold {need / 2**30:.2f} GiB at once for a unit chain of {tokens} "
+        f"tokens (a sequence keeps all its segments until its backward), the budget is "
+        f"{model.budget_bytes(r) / 2**30:.2f} GiB; add stages or workers per stage, or lower the context length"
+    )
+
+
 def plan_units(model: StageModel, units: list[Unit], granularity: int, time_limit_s: float = 2.0) -> PipelinePlan:
     """Plan given units: one pipeline if checkpointing makes it fit, else the fewest back-to-back pipelines."""
-    for parts in range(1, len(units) + 1):
-        groups = [units] if parts == 1 else _split_between_chains(units, parts)
-        if not groups:
-            break
-        pipes = [_one_pipeline(model, _renumber(g), time_limit_s) for g in groups]
-        if all(p is not None for p in pipes):
-            return PipelinePlan(model.stages, granularity, tuple(pipes))
-    biggest = max(units, key=lambda u: u.tokens)
-    raise ValueError(
-        f"no activation checkpointing fits the memory budget: a unit of {biggest.tokens} tokens needs "
-        f"{max(model.act_bytes(biggest, r, min(model.layers)) for r in range(model.stages)) / 2**30:.2f} GiB on a "
-        f"stage even with every layer checkpointed, the budget is "
-        f"{min(model.budget_bytes(r) for r in range(model.stages)) / 2**30:.2f} GiB; add stages or workers per stage, "
-        "or lower the context length"
-    )
+    groups = _split_that_fits(model, units)
+    if groups is None:
+        raise ValueError(_too_big(model, units))
+    pipes = [_one_pipeline(model, g, time_limit_s) for g in groups]
+    if any(p is None for p in pipes):  # cannot happen: every group fits fully checkpointed
+        raise RuntimeError("a back-to-back pipeline that fits fully checkpointed got no checkpoint plan")
+    return PipelinePlan(model.stages, granularity, tuple(pipes))
 
 
 def plan_pipeline(
@@ -144,6 +197,37 @@ def plan_pipeline(
         plan = plan_units(model, units, k, time_limit_s)
         if best is None or plan.makespan_ms < best.makespan_ms:
             best = plan
+    return best
+
+
+def pipeline_layouts(devices: int, num_layers: int, min_stages: int = 2) -> list[tuple[int, int]]:
+    """(stages, workers per stage) splits of ``devices`` worth trying: powers of two, at most one stage per layer."""
+    out = []
+    p = 1
+    while p <= devices:
+        if devices % p == 0 and min_stages <= p <= num_layers:
+            out.append((p, devices // p))
+        p *= 2
+    return out
+
+
+def plan_best_layout(
+    lengths, devices: int, profile: Profile, *, time_limit_s: float = 1.0
+) -> tuple[PipelinePlan, int, int]:
+    """``pipeline_stages = auto``: the fastest simulated plan over :func:`pipeline_layouts`; returns it with its
+    (stages, degree). Layouts whose memory no checkpointing can meet are skipped; none fitting is an error."""
+    best, errors = None, []
+    for stages, degree in pipeline_layouts(devices, profile.num_layers):
+        try:
+            plan = plan_pipeline(lengths, stages, profile, degree=degree, time_limit_s=time_limit_s)
+        except ValueError as e:
+            errors.append(f"{stages}x{degree}: {e}")
+            continue
+        if best is None or plan.makespan_ms < best[0].makespan_ms:
+            best = (plan, stages, degree)
+    if best is None:
+        detail = "; ".join(errors) or f"no layout of {devices} devices has 2 to {profile.num_layers} stages"
+        raise ValueError(f"no pipeline layout fits this batch: {detail}")
     return best
 
 

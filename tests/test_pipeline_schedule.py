@@ -198,7 +198,7 @@ def test_a_budget_no_checkpointing_can_meet_is_a_clear_error():
 
     model = StageModel(_profile(budget_gib=26.0), 4, 1)
     units = chunk_batch([400_000], 1, A1, A2, 10**9)  # one unit of 400K tokens on one worker per stage
-    with pytest.raises(ValueError, match="no activation checkpointing fits the memory budget: a unit of 400000"):
+    with pytest.raises(ValueError, match="no activation checkpointing fits the memory budget: even with every layer"):
         plan_units(model, units, 1)
 
 
@@ -275,3 +275,18 @@ def test_schedule_picture_has_one_box_per_op_and_a_shared_time_axis():
     assert any(t.startswith("elastic") for t in titles) and any("bubble" in t for t in titles)
     with pytest.raises(ValueError, match="nothing to draw"):
         render_pipelines_svg([])
+
+
+def test_auto_layout_picks_the_fastest_simulated_split():
+    from solver.pipeline_plan import pipeline_layouts, plan_best_layout, plan_pipeline
+
+    assert pipeline_layouts(32, 40) == [(2, 16), (4, 8), (8, 4), (16, 2), (32, 1)]
+    assert pipeline_layouts(8, 4) == [(2, 4), (4, 2)]
+    profile = _profile()
+    lengths = _long_tail(48, seed=4)
+    plan, stages, degree = plan_best_layout(lengths, 8, profile, time_limit_s=0.2)
+    assert stages * degree == 8 and plan.stages == stages
+    for p, d in pipeline_layouts(8, profile.num_layers):
+        assert plan.makespan_ms <= plan_pipeline(lengths, p, profile, degree=d, time_limit_s=0.2).makespan_ms + 1e-6
+    with pytest.raises(ValueError, match="no pipeline layout fits this batch"):
+        plan_best_layout([2_000_000], 4, _profile(budget_gib=1.0), time_limit_s=0.2)
