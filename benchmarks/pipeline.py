@@ -33,7 +33,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import numpy as np  # noqa: E402
 
 from orchestrator.lengths import bundled_lengths_path, read_lengths  # noqa: E402
-from solver.pipeline_plan import packed_1f1b_units, plan_pipeline, plan_units, seq1f1b_units  # noqa: E402
+from solver.pipeline_plan import packed_1f1b_units, plan_best_layout, plan_units, seq1f1b_units  # noqa: E402
 from solver.planner import PlannerConfig, plan_step  # noqa: E402
 from solver.profiles import get_profile  # noqa: E402
 from solver.stage_model import StageModel  # noqa: E402
@@ -103,14 +103,8 @@ def part1(batches_per_setting: int) -> None:
             for lengths in _batches(data, context, batches_per_setting, seed=10):
                 sp = plan_step(lengths, DEVICES, profile, PlannerConfig(time_limit_s=2.0)).makespan_ms
                 t0 = time.perf_counter()
-                best = None
-                for p, d in LAYOUTS:
-                    try:
-                        plan = plan_pipeline(lengths, p, profile, degree=d, time_limit_s=1.0)
-                    except ValueError:
-                        continue
-                    if best is None or plan.makespan_ms < best[0].makespan_ms:
-                        best = (plan, f"{p}x{d}")
+                plan, p, d = plan_best_layout(lengths, DEVICES, profile, time_limit_s=1.0, layouts=LAYOUTS)
+                best = (plan, f"{p}x{d}")
                 plan_s = time.perf_counter() - t0
                 seq = _best_pipeline(lengths, profile, lambda ls, p: seq1f1b_units(ls, 2 * p, 4, a1, a2))
                 one = _best_pipeline(lengths, profile, lambda ls, p: packed_1f1b_units(ls, 2 * p, a1, a2))

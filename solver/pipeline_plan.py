@@ -119,12 +119,14 @@ def _split_that_fits(model: StageModel, units: list[Unit]) -> list[list[Unit]] |
     """The fewest back-to-back pipelines (split between sequences) that fit with every layer checkpointed: the
     count is found by doubling, then bisection (fewer units in flight per pipeline never need more memory)."""
 
+    tried: dict[int, list[list[Unit]] | None] = {}
+
     def groups(parts: int) -> list[list[Unit]] | None:
-        gs = [units] if parts == 1 else _split_between_chains(units, parts)
-        if not gs:
-            return None
-        gs = [_renumber(g) for g in gs]
-        return gs if all(_fits_fully_checkpointed(model, g) for g in gs) else None
+        if parts not in tried:
+            gs = [units] if parts == 1 else _split_between_chains(units, parts)
+            gs = [_renumber(g) for g in gs]
+            tried[parts] = gs if gs and all(_fits_fully_checkpointed(model, g) for g in gs) else None
+        return tried[parts]
 
     chains = len({u.chain for u in units})
     lo, hi = 0, 1  # lo: known not to fit (0: none tried), hi: candidate
@@ -212,12 +214,13 @@ def pipeline_layouts(devices: int, num_layers: int, min_stages: int = 2) -> list
 
 
 def plan_best_layout(
-    lengths, devices: int, profile: Profile, *, time_limit_s: float = 1.0
+    lengths, devices: int, profile: Profile, *, time_limit_s: float = 1.0, layouts: list[tuple[int, int]] | None = None
 ) -> tuple[PipelinePlan, int, int]:
-    """``pipeline_stages = auto``: the fastest simulated plan over :func:`pipeline_layouts`; returns it with its
-    (stages, degree). Layouts whose memory no checkpointing can meet are skipped; none fitting is an error."""
+    """``pipeline_stages = auto``: the fastest simulated plan over ``layouts`` (default :func:`pipeline_layouts`);
+    returns it with its (stages, degree). Layouts whose memory no checkpointing can meet are skipped; none fitting
+    is an error."""
     best, errors = None, []
-    for stages, degree in pipeline_layouts(devices, profile.num_layers):
+    for stages, degree in layouts or pipeline_layouts(devices, profile.num_layers):
         try:
             plan = plan_pipeline(lengths, stages, profile, degree=degree, time_limit_s=time_limit_s)
         except ValueError as e:
