@@ -71,7 +71,9 @@ def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluste
         _kill_tree(proc, ray_tmp)
     assert any(ln.startswith("step    3/6") for ln in seen), "".join(seen)[-3000:]
     before = read_records(run_dir / "steps.jsonl")
-    assert [r["step"] for r in before][:3] == [0, 1, 2] and len(before) <= 4
+    # steps of this tiny run take ~0.3 s, so one or two more may finish before the kill lands; the run must not
+    # have finished (the resume below has steps left to do)
+    assert [r["step"] for r in before][:3] == [0, 1, 2] and len(before) < 6
 
     try:
         resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
