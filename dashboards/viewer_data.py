@@ -1,6 +1,6 @@
 """What the plan viewer shows, computed from a run's step records (pure Python; no Ray, no server).
 
-:func:`read_run` reads ``RUN_DIR/steps.jsonl`` and validates each record against ``flexorch.step/3``; it keeps the
+:func:`read_run` reads ``RUN_DIR/steps.jsonl`` and validates each record against ``flexorch.step/4``; it keeps the
 good records before a malformed line and reports that line's error, so the page shows both. :func:`step_view`
 turns one record into the picture's bars: one bar per SP group with its ranks, predicted start and length (the
 cost model's timeline) and, for trained steps, measured start and length (slowest member of the group, from

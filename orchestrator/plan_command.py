@@ -50,7 +50,7 @@ class PlanRunConfig:
     svg: Path | None = None
     """Write a picture of every planned step (devices x time) here."""
     run_dir: Path | None = None
-    """Write every step's record (``flexorch.step/3``) to ``run_dir/steps.jsonl``, for `flexorch dashboard`."""
+    """Write every step's record (``flexorch.step/4``) to ``run_dir/steps.jsonl``, for `flexorch dashboard`."""
     planner: PlannerConfig = PlannerConfig()
     """Solver knobs."""
 

@@ -1,4 +1,4 @@
-"""The step record schema, ``flexorch.step/3``: one JSON object per planned or trained step.
+"""The step record schema, ``flexorch.step/4``: one JSON object per planned or trained step.
 
 `flexorch plan --run-dir DIR` and `flexorch train` both write ``DIR/steps.jsonl`` in this schema (`flexorch plan
 --json` prints the same objects), and `flexorch dashboard DIR` reads it. :func:`validate_record` checks one
@@ -18,7 +18,16 @@ Keys of every record (``source`` is ``"plan"`` or ``"train"``):
   "group", "start_ms", "time_ms"}, ...]``, one entry per group, or null), ``solve_s``, ``predicted_ms`` (the
   plan's predicted step time, null when skipped), ``bound_ms`` (proven lower bound, 0 when none),
   ``baselines_ms`` (predicted step time of each static layout and BatchAda for the same batch, null where a layout
-  cannot hold it).
+  cannot hold it), ``pipeline`` (null unless the step ran on pipeline stages, see below).
+
+A pipelined step (``pipeline_stages`` set) has ``plan`` and ``timeline`` null and ``shape`` like ``"pp 2x2 ·
+12 units"``; its ``pipeline`` holds ``stages``, ``degree`` (workers per stage, SP inside a stage), ``layers``
+(decoder layers per stage), ``stage_ranks`` (the world ranks of each stage), ``granularity``, ``bubble_share``
+(simulated), ``peak_bytes`` (predicted activation bytes per stage), ``units`` (``[{"chain", "pipeline",
+"tokens", "pieces": [[seq_id, start, end], ...]}, ...]``, numbered across back-to-back pipelines; every token of
+every sequence is in exactly one piece), ``checkpointed`` (``[stage][unit]`` layers run under activation
+checkpointing) and ``ops`` (the simulated schedule: ``[{"stage", "kind": "F"|"B", "unit", "start_ms",
+"end_ms"}, ...]``, one forward and one backward per unit and stage).
 
 Keys of ``source == "train"`` records only (null where the step was skipped):
 
@@ -33,11 +42,13 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
 * ``loss``, ``tokens_per_s``, ``lr``, ``grad_norm``, ``ranks`` (per rank, or null for a rank lost after the step's
   update was applied: ``micro_batch_ms`` and ``micro_batch_start_ms`` (the measured time and start, from the
   rank's step start, of its group in each micro-batch; null where it sat one out), ``compute_end_ms``,
-  ``local_tokens``, ``peak_local_tokens``, ``peak_activation_bytes``).
+  ``local_tokens``, ``peak_local_tokens``, ``peak_activation_bytes``; in a pipelined step ``micro_batch_ms`` and
+  ``micro_batch_start_ms`` are empty and ``ops`` holds the rank's measured ``[{"kind", "unit", "start_ms",
+  "end_ms"}, ...]`` in the order it ran them, empty for a rank no stage uses).
 
 History: version 2 (train only) added ``worker_ids`` and ``recoveries``; version 3 made one schema for `plan` and
 `train`: ``source``, ``timeline``, and `plan`'s ``makespan_ms``/``baselines``/``micro_batches`` became
-``predicted_ms``/``baselines_ms``/``plan``.
+``predicted_ms``/``baselines_ms``/``plan``; version 4 added ``pipeline`` and the ranks' ``ops``.
 """
 
 from __future__ import annotations
@@ -46,7 +57,7 @@ import math
 
 __all__ = ["SCHEMA", "SOURCES", "RecordError", "validate_record"]
 
-SCHEMA = "flexorch.step/3"
+SCHEMA = "flexorch.step/4"
 SOURCES = ("plan", "train")
 
 _INT = (int,)
@@ -73,6 +84,7 @@ _COMMON = {
     "predicted_ms": (_NUM, True),
     "bound_ms": (_NUM, False),
     "baselines_ms": ((dict,), False),
+    "pipeline": ((dict,), True),
 }
 _TRAIN = {
     "batch_index": (_INT, False),
@@ -158,8 +170,49 @@ def _check_plan(rec: dict, where: str) -> None:
         raise RecordError(f"{where}: the timeline must have one entry per group of the plan")
 
 
+_PIPELINE_KEYS = "stages degree layers stage_ranks granularity bubble_share peak_bytes units checkpointed ops".split()
+
+
+def _check_pipeline(rec: dict, where: str) -> None:
+    pipe, n, lengths = rec["pipeline"], rec["world_size"], rec["seq_lengths"]
+    missing = [k for k in _PIPELINE_KEYS if k not in pipe]
+    if missing:
+        raise RecordError(f"{where}: pipeline lacks {', '.join(missing)}")
+    p, d = pipe["stages"], pipe["degree"]
+    if not isinstance(p, int) or not isinstance(d, int) or p < 1 or d < 1 or p * d > n:
+        raise RecordError(f"{where}: pipeline.stages x degree ({p!r} x {d!r}) must be positive and fit world_size {n}")
+    ranks = pipe["stage_ranks"]
+    if len(ranks) != p or any(len(rs) != d for rs in ranks) or len({r for rs in ranks for r in rs}) != p * d:
+        raise RecordError(f"{where}: pipeline.stage_ranks must list {p} stages of {d} distinct ranks each")
+    if len(pipe["layers"]) != p or len(pipe["checkpointed"]) != p:
+        raise RecordError(f"{where}: pipeline.layers and pipeline.checkpointed need one entry per stage ({p})")
+    units = pipe["units"]
+    covered: dict[int, list[tuple[int, int]]] = {}
+    for ui, u in enumerate(units):
+        for piece in u.get("pieces", []) if isinstance(u, dict) else []:
+            if not isinstance(piece, list) or len(piece) != 3 or not 0 <= piece[0] < len(lengths):
+                raise RecordError(
+                    f"{where}: pipeline.units[{ui}] has a piece {piece!r:.40}, expected [seq_id, start, end]"
+                )
+            covered.setdefault(piece[0], []).append((piece[1], piece[2]))
+    for i, s in enumerate(lengths):
+        at = 0
+        for a, b in sorted(covered.get(i, [])):
+            if a != at or b <= a:
+                break
+            at = b
+        if at != s:
+            raise RecordError(
+                f"{where}: pipeline.units must cover every token of sequence {i} exactly once ({s} tokens)"
+            )
+    want = {(r, k, u) for r in range(p) for k in "FB" for u in range(len(units))}
+    got = {(o.get("stage"), o.get("kind"), o.get("unit")) for o in pipe["ops"] if isinstance(o, dict)}
+    if got != want or len(pipe["ops"]) != len(want):
+        raise RecordError(f"{where}: pipeline.ops must hold one F and one B per unit and stage")
+
+
 def validate_record(rec, where: str = "record") -> dict:
-    """Check ``rec`` against ``flexorch.step/3``; return it, or raise :class:`RecordError` saying what is wrong."""
+    """Check ``rec`` against ``flexorch.step/4``; return it, or raise :class:`RecordError` saying what is wrong."""
     if not isinstance(rec, dict):
         raise RecordError(f"{where}: expected a JSON object, got {type(rec).__name__}")
     schema = rec.get("schema")
@@ -185,8 +238,13 @@ def validate_record(rec, where: str = "record") -> dict:
         if rec["plan"] is not None:
             raise RecordError(f"{where}: a skipped step has no plan, but 'plan' is set")
         return rec
-    if rec["plan"] is None or rec["predicted_ms"] is None:
-        raise RecordError(f"{where}: a step that was not skipped needs 'plan' and 'predicted_ms'")
+    if rec["predicted_ms"] is None or (rec["plan"] is None) == (rec["pipeline"] is None):
+        raise RecordError(f"{where}: a step that was not skipped needs 'predicted_ms' and one of 'plan' or 'pipeline'")
+    if rec["pipeline"] is not None:
+        _check_pipeline(rec, where)
+        if rec["source"] == "train":
+            _check_pipeline_ranks(rec, where)
+        return rec
     _check_plan(rec, where)
     if rec["source"] == "train":
         ranks = rec["ranks"]
@@ -199,3 +257,21 @@ def validate_record(rec, where: str = "record") -> dict:
             if not isinstance(entry, dict) or len(entry.get("micro_batch_ms") or []) != n_mb:
                 raise RecordError(f"{where}: ranks[{r}].micro_batch_ms must hold one time per micro-batch ({n_mb})")
     return rec
+
+
+def _check_pipeline_ranks(rec: dict, where: str) -> None:
+    ranks, pipe = rec["ranks"], rec["pipeline"]
+    if ranks is None or len(ranks) != rec["world_size"]:
+        raise RecordError(f"{where}: 'ranks' must hold one entry per rank ({rec['world_size']})")
+    in_stage = {r for rs in pipe["stage_ranks"] for r in rs}
+    n_ops = 2 * len(pipe["units"])
+    for r, entry in enumerate(ranks):
+        if entry is None:
+            continue
+        ops = entry.get("ops") if isinstance(entry, dict) else None
+        if not isinstance(ops, list) or len(ops) != (n_ops if r in in_stage else 0):
+            raise RecordError(
+                f"{where}: ranks[{r}].ops must hold its stage's {n_ops} measured ops"
+                if r in in_stage
+                else f"{where}: ranks[{r}] is in no stage, its ops must be empty"
+            )

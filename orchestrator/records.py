@@ -1,6 +1,6 @@
 """The run directory's step records: one JSON object per line in ``RUN_DIR/steps.jsonl``.
 
-The schema, ``flexorch.step/3``, is documented and checked in :mod:`orchestrator.record_schema`; `flexorch plan`
+The schema, ``flexorch.step/4``, is documented and checked in :mod:`orchestrator.record_schema`; `flexorch plan`
 and `flexorch train` build their records with :func:`plan_fields`, :func:`plan_record` and :func:`step_record`
 here, so both write the same keys.
 
@@ -84,6 +84,7 @@ def plan_record(base: dict, sp, profile, baselines_ms: dict) -> dict:
         "predicted_ms": sp.makespan_ms,
         "bound_ms": sp.bound_ms,
         "baselines_ms": baselines_ms,
+        "pipeline": None,
     }
 
 
@@ -106,6 +107,7 @@ def skip_record(base: dict, status: str, reason: str) -> dict:
         "timeline": None,
         "predicted_ms": None,
         "bound_ms": 0.0,
+        "pipeline": None,
         **dict.fromkeys(_TRAIN_ONLY_NULL),
     }
 
@@ -145,6 +147,7 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
         **plan_fields(planned.plan, profile),
         "predicted_ms": planned.predicted_ms,
         "bound_ms": planned.bound_ms,
+        "pipeline": None,
         "measured_ms": measured_ms,
         "compute_ms": max(o.compute_end_ms for o in done),
         "sync_ms": max(o.sync_ms for o in done),

@@ -1,4 +1,4 @@
-"""The step record schema, flexorch.step/3: real records validate, and each kind of damage gets a message naming it."""
+"""The step record schema, flexorch.step/4: real records validate, and each kind of damage gets a message naming it."""
 
 from __future__ import annotations
 

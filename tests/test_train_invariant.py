@@ -66,7 +66,7 @@ def test_plan_does_not_change_the_math(setup, mode, tokens_per_worker):
     assert got == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert_params_close(replicas, ref_params)
     for r in records:
-        validate_record(r)  # the documented schema, flexorch.step/3
+        validate_record(r)  # the documented schema, flexorch.step/4
         assert r["source"] == "train" and all(e is not None for e in r["ranks"])
         assert r["tokens"] == sum(s - 1 for s in r["seq_lengths"])
         assert r["predicted_ms"] > 0 and r["measured_ms"] > 0 and r["compute_ms"] > 0

@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from workers.model import ModelConfig, init_model
 from workers.optim import OptimConfig, build_optimizer
+from workers.pipeline_exec import run_pipeline_step
+from workers.pipeline_task import PipelineTask
 from workers.process_groups import ProcessGroupRegistry
 from workers.step_exec import StepOutcome, run_step
 from workers.step_task import StepTask
@@ -135,8 +137,9 @@ class Worker:
                     raise RuntimeError(f"injected fault at {point} of step {step}")
                 time.sleep(10**6)
 
-    def run_step(self, task: StepTask, block_refs: dict) -> StepOutcome:
-        """Run this rank's part of a step. ``block_refs`` maps block index -> ObjectRef of an int32 token array."""
+    def run_step(self, task: StepTask | PipelineTask, block_refs: dict) -> StepOutcome:
+        """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
+        index -> ObjectRef of an int32 token array."""
         if self.registry is None or self.registry.rank != task.rank or self.registry.world_size != task.world_size:
             raise RuntimeError(f"worker {self.worker_id} is not rank {task.rank} of a world of {task.world_size}")
         keys = sorted(block_refs)
@@ -144,10 +147,11 @@ class Worker:
         blocks = dict(zip(keys, values, strict=True))
         return self._guarded(self._run_step, task, blocks)
 
-    def _run_step(self, task: StepTask, blocks: dict) -> StepOutcome:
+    def _run_step(self, task: StepTask | PipelineTask, blocks: dict) -> StepOutcome:
         self.registry.ensure(task.rank_sets)
         world = self.registry.world if task.world_size > 1 else None
-        return run_step(
+        fn = run_pipeline_step if isinstance(task, PipelineTask) else run_step
+        return fn(
             self.model,
             self.optimizer,
             self.scheduler,

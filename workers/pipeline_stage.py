@@ -17,20 +17,32 @@ does). Running unit u (pieces of sequences, ``solver.chunking.Unit``):
 * activation checkpointing: the first ``checkpointed`` layers of the stage run under
   ``torch.utils.checkpoint`` (non-reentrant): only their inputs stay, they are recomputed in backward.
 
-Shapes: hidden ``(t, dim)`` with t the unit's tokens (pieces back to back); q ``(t, h, hd)``, k/v ``(t, h_kv, hd)``.
+Sequence parallelism inside a stage (``sp_group`` of d workers, Ulysses): the unit's t tokens are padded to
+``t_pad = ceil(t / d) * d`` and rank j of the stage holds tokens ``[j * t_pad / d, (j + 1) * t_pad / d)``; the
+hidden states between stages are those shards. In attention an all-to-all gives each rank all t tokens of ``h / d``
+heads, so the segment attention and the K/V prefix cache work on head slices of whole units (the cache of a rank
+holds its own heads), and a second all-to-all returns the token shards. Padding tokens have label -100 and are
+dropped before attention.
+
+Shapes: hidden ``(t, dim)`` with t the unit's tokens (pieces back to back; ``(t_pad / d, dim)`` with SP); q
+``(t, h, hd)``, k/v ``(t, h_kv, hd)``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from workers.activation_memory import saved_tensor_meter
 from workers.model import Block, Decoder, ModelConfig, RMSNorm, loss_sum, rope_cos_sin
 from workers.segment_attn import segment_attn_func
+from workers.ulysses import head_to_seq, seq_to_head
 
-__all__ = ["StageModule", "UnitInput", "KVCache"]
+__all__ = ["StageModule", "UnitInput", "KVCache", "shard_tokens"]
 
 
 class UnitInput:
@@ -51,6 +63,22 @@ class UnitInput:
         self.ids, self.pos, self.labels = torch.cat(ids), torch.cat(pos), torch.cat(labels)
         self.lens = [b - a for _, a, b in self.pieces]
         self.prefix = [a for _, a, _ in self.pieces]
+        self.tokens = sum(self.lens)
+
+    def shard(self, j: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(ids, positions, labels) of rank j of d: tokens ``[j * t_pad / d, (j + 1) * t_pad / d)`` of the unit
+        padded to ``t_pad = ceil(t / d) * d`` (padding: id 0, position 0, label -100)."""
+        if d == 1:
+            return self.ids, self.pos, self.labels
+        n = -(-self.tokens // d)
+        pad = n * d - self.tokens
+        ids, pos, lab = (F.pad(x, (0, pad), value=v) for x, v in ((self.ids, 0), (self.pos, 0), (self.labels, -100)))
+        return ids[j * n : (j + 1) * n], pos[j * n : (j + 1) * n], lab[j * n : (j + 1) * n]
+
+
+def shard_tokens(tokens: int, degree: int) -> int:
+    """Tokens each of ``degree`` stage workers holds of a unit of ``tokens`` (padded to a multiple of degree)."""
+    return -(-tokens // degree)
 
 
 class KVCache:
@@ -93,20 +121,42 @@ class KVCache:
 class StageModule(torch.nn.Module):
     """Layers [first, last) of a decoder (plus embedding on stage 0, norm and head on the last stage)."""
 
-    def __init__(self, cfg: ModelConfig, first: int, last: int, stage: int, stages: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        first: int,
+        last: int,
+        stage: int,
+        stages: int,
+        *,
+        model: Decoder | None = None,
+        sp_group: dist.ProcessGroup | None = None,
+    ):
+        """``model``: share that decoder's modules (parameters and their gradients) instead of owning copies, as a
+        worker that keeps a whole replica does; ``sp_group``: the stage's workers, for SP inside the stage."""
         super().__init__()
         if not 0 <= first < last <= cfg.num_layers:
             raise ValueError(f"stage layers [{first}, {last}) are not inside the model's {cfg.num_layers} layers")
         self.cfg, self.first, self.last = cfg, first, last
         self.is_first, self.is_last = stage == 0, stage == stages - 1
-        self.tok_embeddings = torch.nn.Embedding(cfg.vocab_size, cfg.dim) if self.is_first else None
-        self.layers = torch.nn.ModuleDict({str(i): Block(cfg) for i in range(first, last)})
+        self.sp_group = sp_group
+        self.sp_degree = dist.get_world_size(sp_group) if sp_group is not None else 1
+        self.sp_rank = dist.get_rank(sp_group) if sp_group is not None else 0
+        if self.is_first:
+            self.tok_embeddings = model.tok_embeddings if model else torch.nn.Embedding(cfg.vocab_size, cfg.dim)
+        else:
+            self.tok_embeddings = None
+        self.layers = torch.nn.ModuleDict(
+            {str(i): model.layers[i] if model else Block(cfg) for i in range(first, last)}
+        )
         if self.is_last:
-            self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+            self.norm = model.norm if model else RMSNorm(cfg.dim, cfg.norm_eps)
             if cfg.tie_embeddings:
-                self.head_weight = torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+                self.head_weight = (
+                    model.tok_embeddings.weight if model else torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
+                )
             else:
-                self.output = torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+                self.output = model.output if model else torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self._units: dict[int, dict] = {}
         self.cache = KVCache()
         self.held_bytes = 0
@@ -134,7 +184,14 @@ class StageModule(torch.nn.Module):
     def _attn(self, layer: int, unit: UnitInput, own: list):
         first_call = [True]  # a checkpointed layer runs again in backward: no second cache entry then
 
+        d, group = self.sp_degree, self.sp_group
+
         def attn(q, k, v):
+            if d > 1:
+                return self._sp_attn(q, k, v, seq_attn, unit.tokens, d, group)
+            return seq_attn(q, k, v)
+
+        def seq_attn(q, k, v):
             ks, vs = [], []
             for seq, a, _ in unit.pieces:
                 pk, pv = self.cache.prefix(layer, seq, a) if a > 0 else ([], [])
@@ -157,18 +214,35 @@ class StageModule(torch.nn.Module):
 
         return attn
 
+    @staticmethod
+    def _sp_attn(q, k, v, seq_attn, tokens: int, d: int, group):
+        """Ulysses around the segment attention: ``(t_pad/d, h, hd)`` shards -> whole unit, ``h/d`` heads -> back."""
+        h_kv = k.shape[1]
+        if h_kv % d:  # GQA with fewer KV heads than d: replicate each KV head (as workers.ulysses does)
+            rep = math.lcm(h_kv, d) // h_kv
+            k = k.repeat_interleave(rep, dim=1)  # (t_pad/d, h_kv, hd) -> (t_pad/d, lcm(h_kv, d), hd)
+            v = v.repeat_interleave(rep, dim=1)
+        q_h = seq_to_head(q, group)[:tokens]  # (t_pad/d, h, hd) -a2a-> (t_pad, h/d, hd) -> (t, h/d, hd)
+        k_h = seq_to_head(k, group)[:tokens]  # (t_pad/d, h_kv', hd) -a2a-> (t, h_kv'/d, hd)
+        v_h = seq_to_head(v, group)[:tokens]
+        out = seq_attn(q_h, k_h, v_h)  # (t, h/d, hd)
+        pad = q.shape[0] * d - tokens
+        out = F.pad(out, (0, 0, 0, 0, 0, pad))  # (t, h/d, hd) -> (t_pad, h/d, hd)
+        return head_to_seq(out, group)  # (t_pad, h/d, hd) -a2a-> (t_pad/d, h, hd)
+
     def forward_unit(
         self, u: int, unit: UnitInput, x_in: torch.Tensor | None, n_predicted: int, checkpointed: int = 0
     ) -> torch.Tensor:
         """Run unit ``u`` forward; returns the hidden states for the next stage (detached) or, on the last stage,
         the unit's loss share (a float tensor, detached)."""
+        ids, pos, labels = unit.shard(self.sp_rank, self.sp_degree)  # (t,) each, or this rank's (t_pad/d,) shard
         if self.is_first:
-            x = self.tok_embeddings(unit.ids)  # (t,) -> (t, dim)
+            x = self.tok_embeddings(ids)  # (t,) -> (t, dim)
             leaf = None
         else:
             leaf = x_in.detach().requires_grad_()
             x = leaf
-        cos, sin = rope_cos_sin(unit.pos, self.cfg.head_dim, self.cfg.rope_theta)  # (t, hd/2) each
+        cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)  # (t, hd/2) each
         own: list = []
         kept = 0  # inputs of checkpointed layers: all they keep (the meter does not see checkpoint's own storage)
         with saved_tensor_meter(self.parameters()) as meter:
@@ -184,7 +258,7 @@ class StageModule(torch.nn.Module):
                 h = self.norm(x)
                 weight = self.head_weight if self.cfg.tie_embeddings else self.output.weight
                 logits = F.linear(h, weight).float()  # (t, dim) x (vocab, dim)^T -> (t, vocab)
-                out = loss_sum(logits, unit.labels) / n_predicted
+                out = loss_sum(logits, labels) / n_predicted
                 del logits
             else:
                 out = x

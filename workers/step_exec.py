@@ -26,7 +26,7 @@ from workers.optim import OptimConfig, clip_grad_norm_
 from workers.sharding import Layout, contiguous_layout, shard, zigzag_layout
 from workers.step_task import GroupWork, StepTask
 
-__all__ = ["StepOutcome", "run_step", "micro_batch_inputs", "GroupGetter"]
+__all__ = ["StepOutcome", "run_step", "sync_and_step", "micro_batch_inputs", "GroupGetter"]
 
 GroupGetter = Callable[[tuple[int, ...]], dist.ProcessGroup]
 
@@ -61,7 +61,10 @@ class StepOutcome:
     peak_local_tokens: int = 0
     """Most tokens this rank held in one micro-batch (the plan's memory unit)."""
     peak_activation_bytes: int = 0
-    """Most bytes saved for backward in one micro-batch (``workers.activation_memory``)."""
+    """Most bytes saved for backward in one micro-batch (``workers.activation_memory``); pipelined: most bytes
+    the stage held at once for units run forward and not yet backward."""
+    ops: list[dict] = field(default_factory=list)
+    """Pipelined steps: this rank's ops as run, ``{"kind", "unit", "start_ms", "end_ms"}`` from its step start."""
 
 
 def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Tensor, list[int]]:
@@ -151,6 +154,29 @@ def run_step(
         out.micro_batch_start_ms.append((t_mb - t0) * 1e3)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
 
+    return sync_and_step(
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0
+    )
+
+
+def sync_and_step(
+    out: StepOutcome,
+    params: list[torch.nn.Parameter],
+    local_loss: torch.Tensor,
+    local_pred: int,
+    task,
+    world: dist.ProcessGroup | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    optim_cfg: OptimConfig,
+    *,
+    hook: Callable[[str], None],
+    t0: float,
+) -> StepOutcome:
+    """The end of every step (SP or pipelined): sum the gradients, loss and predicted-token count over the world,
+    check the count against the task's, divide, clip (global norm over every parameter) and step the optimizer.
+    ``local_loss``/``local_pred``: this rank's summed cross-entropy and predicted tokens; the gradients in
+    ``params`` are of that sum (not yet divided)."""
     hook("before_sync")
     t_sync = time.perf_counter()
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

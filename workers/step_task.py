@@ -62,6 +62,10 @@ class StepTask:
     num_predicted: int
     """Predicted tokens of the whole global batch: the loss denominator, identical on every rank."""
 
+    def blocks(self) -> set[int]:
+        """Object-store blocks this rank reads."""
+        return {d.block for w in self.work for d in w.docs}
+
 
 def step_tasks(plan, docs: Sequence[DocRef], step: int) -> list[StepTask]:
     """One :class:`StepTask` per rank of ``plan``; ``docs[i]`` is the plan's sequence ``i``.

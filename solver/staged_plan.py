@@ -1,0 +1,167 @@
+"""A pipelined step for the workers alive now: which ranks form which stage, and the step's pipeline plan.
+
+``pipeline_stages = P`` puts ``d = n // P`` workers on each stage (SP inside a stage, Ulysses); stage r is ranks
+``[r*d, (r+1)*d)`` and the ``n - P*d`` ranks left over sit the step out (they still take part in the gradient
+all-reduce and keep a replica, so they are ready when the next membership change needs them).
+``pipeline_stages = "auto"`` tries every power-of-two split (``solver.pipeline_plan.plan_best_layout``). Because
+this runs every step for the ranks alive now, a worker lost or joined changes the stage mapping at the next plan:
+nothing else is kept per stage.
+
+:meth:`StagedPlan.to_dict` is the ``pipeline`` section of a step record (``orchestrator.record_schema``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from solver.errors import InfeasibleBatchError
+from solver.pipeline_plan import PipelinePlan, packed_1f1b_units, plan_best_layout, plan_pipeline, plan_units
+from solver.pipeline_plan import seq1f1b_units as _seq1f1b_units
+from solver.profiles import Profile
+from solver.stage_model import StageModel, stage_layers
+
+__all__ = ["StagedPlan", "plan_staged", "pipeline_baselines_ms", "check_pipeline_stages"]
+
+
+@dataclass(frozen=True)
+class StagedPlan:
+    plan: PipelinePlan
+    degree: int
+    """Workers per stage."""
+    num_devices: int
+    """Ranks in the world (``stages * degree`` of them run stages)."""
+    layers: tuple[int, ...]
+    """Decoder layers of each stage."""
+
+    @property
+    def stages(self) -> int:
+        return self.plan.stages
+
+    @property
+    def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
+        d = self.degree
+        return tuple(tuple(range(r * d, (r + 1) * d)) for r in range(self.stages))
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.plan.makespan_ms
+
+    def shape(self) -> str:
+        b2b = f" · {len(self.plan.pipelines)} back-to-back" if len(self.plan.pipelines) > 1 else ""
+        return f"pp {self.stages}x{self.degree} · {len(self.plan.units)} units{b2b}"
+
+    def to_dict(self) -> dict:
+        units, ckpt, ops = [], [[] for _ in range(self.stages)], []
+        offset_ms, base = 0.0, 0
+        for pi, pipe in enumerate(self.plan.pipelines):
+            for u in pipe.units:
+                units.append(
+                    {
+                        "chain": u.chain,
+                        "pipeline": pi,
+                        "tokens": u.tokens,
+                        "pieces": [[p.seq, p.start, p.end] for p in u.pieces],
+                    }
+                )
+            for r in range(self.stages):
+                ckpt[r] += list(pipe.checkpointed[r])
+            for t in pipe.run.timings:
+                ops.append(
+                    {
+                        "stage": t.stage,
+                        "kind": t.op.kind,
+                        "unit": base + t.op.unit,
+                        "start_ms": offset_ms + t.start_ms,
+                        "end_ms": offset_ms + t.end_ms,
+                    }
+                )
+            offset_ms += pipe.run.makespan_ms
+            base += len(pipe.units)
+        return {
+            "stages": self.stages,
+            "degree": self.degree,
+            "layers": list(self.layers),
+            "stage_ranks": [list(rs) for rs in self.stage_ranks],
+            "granularity": self.plan.granularity,
+            "bubble_share": self.plan.bubble_share,
+            "peak_bytes": list(self.plan.peak_bytes),
+            "units": units,
+            "checkpointed": ckpt,
+            "ops": ops,
+        }
+
+
+def check_pipeline_stages(stages: int | str, num_devices: int, num_layers: int, num_heads: int) -> None:
+    """Refuse a stage count no world of ``num_devices`` can run, saying what to change."""
+    if stages == "auto":
+        return
+    stage_layers(num_layers, stages)  # more stages than layers: its own error
+    if num_devices < stages:
+        raise InfeasibleBatchError(
+            f"pipeline_stages = {stages} needs at least {stages} workers, {num_devices} are alive; add workers or "
+            "lower pipeline_stages (or set it to 'auto')"
+        )
+    d = num_devices // stages
+    if num_heads % d:
+        raise InfeasibleBatchError(
+            f"pipeline_stages = {stages} on {num_devices} workers puts {d} workers on a stage (Ulysses SP inside "
+            f"the stage), but the model's {num_heads} heads are not divisible by {d}; choose pipeline_stages so "
+            "that workers // stages divides the heads, or 'auto'"
+        )
+
+
+def plan_staged(
+    lengths, num_devices: int, profile: Profile, stages: int | str, *, time_limit_s: float = 1.0
+) -> StagedPlan:
+    """The step's pipeline plan on ``num_devices`` ranks: ``stages`` fixed (``d = n // stages`` per stage) or
+    ``"auto"`` (the fastest simulated split whose degree divides the heads). Raises InfeasibleBatchError when no
+    checkpointing lets the batch fit."""
+    check_pipeline_stages(stages, num_devices, profile.num_layers, profile.num_heads)
+    try:
+        if stages == "auto":
+            layouts = [
+                (p, num_devices // p)
+                for p in _powers_of_two(num_devices)
+                if 2 <= p <= profile.num_layers and profile.num_heads % (num_devices // p) == 0
+            ]
+            if not layouts:
+                raise InfeasibleBatchError(
+                    f"pipeline_stages = 'auto' found no split of {num_devices} workers into 2 to "
+                    f"{profile.num_layers} stages whose workers per stage divide the {profile.num_heads} heads"
+                )
+            plan, p, d = plan_best_layout(lengths, num_devices, profile, time_limit_s=time_limit_s, layouts=layouts)
+        else:
+            p, d = stages, num_devices // stages
+            plan = plan_pipeline(lengths, p, profile, degree=d, time_limit_s=time_limit_s)
+    except ValueError as e:
+        if isinstance(e, InfeasibleBatchError):
+            raise
+        raise InfeasibleBatchError(str(e)) from None
+    return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
+
+
+def _powers_of_two(n: int) -> list[int]:
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def pipeline_baselines_ms(
+    lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
+) -> dict[str, float | None]:
+    """Predicted step time of plain 1F1B (packed micro-batches, one per stage) and Seq1F1B (k segments) on the
+    same stages: what the step's elastic pipeline plan is compared against (None where memory cannot fit)."""
+    model = StageModel(profile, staged.stages, staged.degree)
+    p = staged.stages
+    out: dict[str, float | None] = {}
+    for name, units in (
+        ("1f1b", packed_1f1b_units(lengths, min(p, len(lengths)), profile.a1_ms, profile.a2_ms)),
+        (f"seq1f1b-{k}", _seq1f1b_units(lengths, min(p, len(lengths)), k, profile.a1_ms, profile.a2_ms)),
+    ):
+        try:
+            out[name] = plan_units(model, units, len(units), time_limit_s).makespan_ms
+        except ValueError:
+            out[name] = None
+    return out

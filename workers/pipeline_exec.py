@@ -1,0 +1,133 @@
+"""Run one rank's part of a pipelined step inside a worker that keeps a whole model replica.
+
+The rank's stage is a :class:`~workers.pipeline_stage.StageModule` *sharing* the replica's modules (layers
+``[first, last)``, plus the embedding on stage 0 and norm and head on the last stage), so the gradients of the
+stage's units land in the replica's ``.grad``. Ops run in the order of the plan's schedule for this stage
+(``solver.pipeline_schedule``): ``F u`` receives the unit's hidden states from the same-position rank of the
+previous stage, runs the unit and sends its output on (non-blocking); ``B u`` receives the output's gradient,
+runs the unit backward and sends the input's gradient back. Message shapes come from the plan (``(t_pad/d, dim)``
+per unit), tags are ``2 * unit + (0 forward, 1 backward)`` with units numbered across back-to-back pipelines,
+sends are asynchronous and receives block: the schedule ``solver.pipeline_sim`` checked for deadlock is what runs.
+
+The last stage computes the units' summed cross-entropy (not divided), so the step ends exactly like an SP step
+(``workers.step_exec.sync_and_step``): one all-reduce over the world sums every rank's gradients (each parameter
+has gradients only from its stage; a tied embedding from the first and the last stage), the loss and the
+predicted-token count, which must equal the batch's; then the same division, global-norm clipping and AdamW step
+on every rank, so replicas stay identical and checkpoints, resume and elastic shrink/grow work as without stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from workers.model import check_token_range
+from workers.optim import OptimConfig
+from workers.pipeline_stage import StageModule, UnitInput, shard_tokens
+from workers.pipeline_task import PipelineTask
+from workers.step_exec import GroupGetter, StepOutcome, sync_and_step
+
+__all__ = ["run_pipeline_step"]
+
+
+def _sequences(task: PipelineTask, blocks: dict[int, np.ndarray], vocab_size: int) -> list[torch.Tensor]:
+    out = []
+    for d in task.docs:
+        seq = torch.from_numpy(blocks[d.block][d.offset : d.offset + d.length].astype(np.int64))
+        check_token_range(seq, vocab_size)
+        out.append(seq)
+    return out
+
+
+def run_pipeline_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    task: PipelineTask,
+    blocks: dict[int, np.ndarray],
+    group_of: GroupGetter,
+    world: dist.ProcessGroup | None,
+    optim_cfg: OptimConfig,
+    *,
+    vocab_size: int,
+    hook: Callable[[str], None] | None = None,
+) -> StepOutcome:
+    """Run ``task`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer."""
+    hook = hook or (lambda point: None)
+    t0 = time.perf_counter()
+    out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+    optimizer.zero_grad(set_to_none=False)
+    params = [p for p in model.parameters() if p.requires_grad]
+    local_loss = torch.zeros((), dtype=torch.float64)
+    local_pred = 0
+    if task.stage is not None:
+        sequences = _sequences(task, blocks, vocab_size)
+        local_loss, local_pred = _run_stage(model, task, sequences, group_of, out, hook, t0)
+    out.compute_end_ms = (time.perf_counter() - t0) * 1e3
+    return sync_and_step(
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0
+    )
+
+
+def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome, hook, t0: float):
+    r, p = task.stage, len(task.stage_ranks)
+    ranks = task.stage_ranks[r]
+    d, j = len(ranks), ranks.index(task.rank)
+    first = sum(task.layers[:r])
+    stage = StageModule(
+        model.cfg, first, first + task.layers[r], r, p, model=model, sp_group=group_of(ranks) if d > 1 else None
+    )
+    prev = task.stage_ranks[r - 1][j] if r > 0 else None
+    nxt = task.stage_ranks[r + 1][j] if r < p - 1 else None
+    dim = model.cfg.dim
+    dtype = next(model.parameters()).dtype
+    loss = torch.zeros((), dtype=torch.float64)
+    pred = 0
+    base = 0
+    for pipe in task.pipelines:
+        inputs = [UnitInput(u.pieces, sequences) for u in pipe.units]
+        sends = []
+        for kind, u in pipe.ops:
+            t_op = time.perf_counter()
+            tag = 2 * (base + u)
+            n_local = shard_tokens(inputs[u].tokens, d)
+            if kind == "F":
+                x = None
+                if prev is not None:
+                    x = torch.empty(n_local, dim, dtype=dtype)  # (t_pad/d, dim) hidden states from stage r-1
+                    dist.recv(x, src=prev, tag=tag)
+                res = stage.forward_unit(u, inputs[u], x, 1, pipe.checkpointed[u])  # last stage: summed loss
+                if nxt is not None:
+                    sends.append(dist.isend(res.contiguous(), dst=nxt, tag=tag))
+                else:
+                    loss += res.double()
+                    pred += int((inputs[u].shard(j, d)[2] != -100).sum())
+                out.local_tokens += n_local
+                out.peak_local_tokens = max(out.peak_local_tokens, n_local)
+                hook("micro_batch")
+            else:
+                g = None
+                if nxt is not None:
+                    g = torch.empty(n_local, dim, dtype=dtype)  # (t_pad/d, dim) gradient of unit u's output
+                    dist.recv(g, src=nxt, tag=tag + 1)
+                g_in = stage.backward_unit(u, g)
+                if prev is not None:
+                    sends.append(dist.isend(g_in.contiguous(), dst=prev, tag=tag + 1))
+            out.ops.append(
+                {
+                    "kind": kind,
+                    "unit": base + u,
+                    "start_ms": (t_op - t0) * 1e3,
+                    "end_ms": (time.perf_counter() - t0) * 1e3,
+                }
+            )
+        for w in sends:
+            w.wait()
+        stage.end_step()
+        base += len(pipe.units)
+    out.peak_activation_bytes = int(stage.peak_held_bytes)
+    return loss, pred
