@@ -39,6 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--run-dir", type=Path, help="write every step's record to RUN_DIR/steps.jsonl (see: flexorch dashboard)"
     )
+    plan.add_argument(
+        "--pipeline-stages",
+        metavar="P|auto",
+        help="plan each step as a pipeline of P stages (devices // P per stage, SP inside a stage) or 'auto' (the "
+        "best split per step), against 1F1B and Seq1F1B, instead of SP groups",
+    )
 
     train = sub.add_parser("train", help="train a model with a new SP plan every step (Ray driver + worker actors)")
     _train_flags(train)
@@ -74,6 +80,11 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-workers", type=int, help="elastic floor: below it, wait for capacity (default: auto)")
     p.add_argument("--max-workers", type=int, help="elastic ceiling: grow onto joining nodes up to it")
     p.add_argument(
+        "--pipeline-stages",
+        type=_stages_arg,
+        help="split the layers over P pipeline stages (workers // P per stage), or 'auto'; 1 (default): SP only",
+    )
+    p.add_argument(
         "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
     )
 
@@ -95,8 +106,18 @@ def _train_config(args: argparse.Namespace):
         "data.max_context": parse_tokens(args.max_context) if args.max_context else None,
         "plan.mode": args.mode,
         "plan.profile": args.profile,
+        "pipeline_stages": args.pipeline_stages,
     }
     return load_train_config(args.config, overrides)
+
+
+def _stages_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of stages or 'auto', got {value!r}") from None
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -179,7 +200,7 @@ def _merged(args: argparse.Namespace) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from orchestrator.plan_command import PlanRunConfig, run_plan
+    from orchestrator.plan_command import PlanRunConfig, parse_pipeline_stages, run_plan
     from solver.planner import PlannerConfig
     from solver.profiles import get_profile
 
@@ -201,6 +222,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         svg=Path(v["svg"]) if v.get("svg") else None,
         run_dir=Path(v["run_dir"]) if v.get("run_dir") else None,
         planner=planner,
+        pipeline_stages=parse_pipeline_stages(args.pipeline_stages),
     )
     run_plan(cfg, profile)
     return 0

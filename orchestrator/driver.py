@@ -31,6 +31,7 @@ from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
 from orchestrator.worker_group import MembershipFailure, RayWorkerGroup
 from solver.errors import InfeasibleBatchError
 from solver.planner import PlannerConfig
+from workers.pipeline_task import pipeline_tasks
 from workers.step_task import DocRef, step_tasks
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
@@ -91,7 +92,7 @@ class TrainingDriver:
             self.workers.set_state(state)
         self.profile = self._resolve_profile()
         planner_cfg = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
-        self._planner_args = (self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10)
+        self._planner_args = (self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10, cfg.pipeline_stages)
         self.planner = self._start_planner()
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
         self.metrics = RunMetrics(self.run_dir.name)
@@ -110,6 +111,7 @@ class TrainingDriver:
             "resumed_from": self.resumed_from,
             "steps": cfg.steps,
             "model_params": cfg.model.num_params(),
+            "pipeline_stages": cfg.pipeline_stages,
         }
         self._publish(summary)
         return summary
@@ -127,6 +129,7 @@ class TrainingDriver:
             num_heads=self.cfg.model.num_heads,
             num_kv_heads=self.cfg.model.num_kv_heads,
             tokens_per_worker=self.cfg.plan.tokens_per_worker,
+            num_layers=self.cfg.model.num_layers,
         )
 
     # ---------------------------------------------------------------- one step
@@ -173,16 +176,16 @@ class TrainingDriver:
             t_dispatch = time.perf_counter()
             locs = self.corpus.locate(list(batch.doc_ids))
             docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
-            tasks = step_tasks(planned.plan, docs, self.step_no)
-            block_refs = [
-                {b: self.corpus.block_refs[b] for b in sorted({d.block for w in t.work for d in w.docs})} for t in tasks
-            ]
+            pipelined = self.cfg.pipelined
+            tasks = (pipeline_tasks if pipelined else step_tasks)(planned.plan, docs, self.step_no)
+            block_refs = [{b: self.corpus.block_refs[b] for b in sorted(t.blocks())} for t in tasks]
             refs = self.workers.run_step(tasks, block_refs)
             dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
             if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
                 self._plan_ahead(n)
             # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
-            backstop_s = self.cfg.collective_timeout_s * (len(planned.plan.micro_batches) + 2)
+            waits = 2 * len(planned.plan.plan.units) if pipelined else len(planned.plan.micro_batches)
+            backstop_s = self.cfg.collective_timeout_s * (waits + 2)
             results, failure = self.workers.settle(refs, backstop_s)
             if failure is None:
                 outcomes = [results[w] for w in self.workers.worker_ids]
@@ -231,7 +234,7 @@ class TrainingDriver:
                     f"{self.cfg.plan.timeout_s:g} s; restarted it, this step runs the BatchAda heuristic plan",
                 }
             )
-            return heuristic_plan(self.profile, lengths, n, self.cfg.plan.static)
+            return heuristic_plan(self.profile, lengths, n, self.cfg.plan.static, self.cfg.pipeline_stages)
 
     def _plan_ahead(self, n: int) -> None:
         nxt = self._peek_after()

@@ -17,6 +17,8 @@ tag ``run`` (the run directory's name). Names, kinds and units:
 ``flexorch_idle_share``                 gauge      imbalance: 1 - mean / max of the ranks' compute times (0..1)
 ``flexorch_workers_alive``              gauge      workers in the world that ran the last step
 ``flexorch_plan_groups``                gauge      SP groups in the last step's plan, tags ``degree`` and ``kind``
+``flexorch_pipeline_bubble_share``      gauge      simulated bubble share of the last pipelined step's schedule
+                                                   (0..1; ``pipeline_stages`` runs only)
 ``flexorch_steps_total``                counter    steps trained
 ``flexorch_skipped_batches_total``      counter    batches skipped as infeasible (``plan.on_infeasible="skip"``)
 ``flexorch_recoveries_total``           counter    membership changes, tag ``what``: ``shrink`` (after a
@@ -48,6 +50,7 @@ METRICS = (
     ("flexorch_idle_share", "gauge", "percentunit", "Idle (imbalance) share"),
     ("flexorch_workers_alive", "gauge", "short", "Workers alive"),
     ("flexorch_plan_groups", "gauge", "short", "SP groups per degree"),
+    ("flexorch_pipeline_bubble_share", "gauge", "percentunit", "Pipeline bubble share (simulated)"),
     ("flexorch_steps_total", "counter", "short", "Steps trained"),
     ("flexorch_skipped_batches_total", "counter", "short", "Batches skipped"),
     ("flexorch_recoveries_total", "counter", "short", "Membership changes"),
@@ -90,6 +93,7 @@ class RunMetrics:
         self.idle = gauge("flexorch_idle_share", "Imbalance: 1 - mean/max rank compute time (0..1)")
         self.alive = gauge("flexorch_workers_alive", "Workers in the world that ran the step")
         self.groups = gauge("flexorch_plan_groups", "SP groups in the step's plan", ("degree", "kind"))
+        self.bubble = gauge("flexorch_pipeline_bubble_share", "Simulated bubble share of the step's pipeline")
         self.steps = Counter("flexorch_steps_total", description="Steps trained", tag_keys=run_tag)
         self.skipped = Counter("flexorch_skipped_batches_total", description="Batches skipped", tag_keys=run_tag)
         self.recoveries = Counter(
@@ -97,7 +101,8 @@ class RunMetrics:
         )
         self._group_keys: set[tuple[str, str]] = set()
 
-    def on_step(self, record: dict, plan: Plan | None, profile: Profile) -> None:
+    def on_step(self, record: dict, plan, profile: Profile) -> None:
+        """``plan``: the step's :class:`~solver.plan.Plan`, a pipelined step's ``StagedPlan``, or None."""
         t = self._tags
         if record["skipped"]:
             self.skipped.inc(1, tags=t)
@@ -113,7 +118,9 @@ class RunMetrics:
         sync, idle = step_shares(record)
         self.sync.set(sync, tags=t)
         self.idle.set(idle, tags=t)
-        if plan is not None:
+        if record["pipeline"] is not None:
+            self.bubble.set(record["pipeline"]["bubble_share"], tags=t)
+        if isinstance(plan, Plan):
             self.comm.set(comm_share(plan, profile), tags=t)
             counts: dict[tuple[str, str], int] = {}
             for mb in plan.micro_batches:

@@ -3,6 +3,10 @@
 Draws global batches from a length source (an epoch-style seeded shuffle: no sequence repeats before the data is
 used up), plans every step, and prints per step the plan's shape, the solve time, the predicted step time, the gap
 to a proven lower bound and the speedup against the static layouts in use today.
+
+With ``pipeline_stages`` (``--pipeline-stages P|auto``) every step is planned as a pipeline instead
+(``solver.staged_plan.plan_staged``: P stages of ``devices // P`` devices, SP inside a stage, or the best split per
+step for ``auto``), and compared against plain 1F1B and Seq1F1B on the same stages.
 """
 
 from __future__ import annotations
@@ -18,11 +22,29 @@ import numpy as np
 from orchestrator.lengths import DataError, bundled_lengths_path, read_lengths
 from orchestrator.records import StepRecords, plan_record
 from solver.baselines import baseline_times_ms
+from solver.errors import InfeasibleBatchError
 from solver.planner import Planner, PlannerConfig
 from solver.profiles import Profile
+from solver.staged_plan import StagedPlan, pipeline_baselines_ms, plan_staged
 from solver.validation import largest_degree
 
-__all__ = ["PlanRunConfig", "BatchStream", "run_plan"]
+__all__ = ["PlanRunConfig", "BatchStream", "run_plan", "parse_pipeline_stages"]
+
+
+def parse_pipeline_stages(value) -> int | str | None:
+    """``--pipeline-stages`` as given (a string from the command line, an int or a string from a file): a positive
+    int, ``"auto"``, or None (not given: SP planning). Anything else is a ValueError naming the flag."""
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            return "auto"
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    raise ValueError(f"--pipeline-stages must be a positive integer or 'auto', got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +75,9 @@ class PlanRunConfig:
     """Write every step's record (``flexorch.step/4``) to ``run_dir/steps.jsonl``, for `flexorch dashboard`."""
     planner: PlannerConfig = PlannerConfig()
     """Solver knobs."""
+    pipeline_stages: int | str | None = None
+    """None: plan SP groups. P >= 1 or 'auto': plan every step as a pipeline of P stages (``devices // P`` devices
+    each, SP inside a stage; the ``devices - P * (devices // P)`` left over sit out) or the best split per step."""
 
     def __post_init__(self) -> None:
         if self.devices < 1:
@@ -61,6 +86,9 @@ class PlanRunConfig:
             raise ValueError(f"--batch and --steps must be >= 1, got {self.batch} and {self.steps}")
         if self.over_long not in ("drop", "reject"):
             raise ValueError(f"--over-long must be 'drop' or 'reject', got {self.over_long!r}")
+        p = self.pipeline_stages
+        if p is not None and p != "auto" and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
+            raise ValueError(f"--pipeline-stages must be a positive integer (>= 1) or 'auto', got {p!r}")
 
 
 class BatchStream:
@@ -117,6 +145,17 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
         )
     lengths, report = _filter(raw, max_context, cfg.over_long, out)
     stream = BatchStream(lengths.size, cfg.batch, cfg.seed)
+    if cfg.pipeline_stages is not None:
+        _check_stages(cfg.pipeline_stages, cfg.devices, profile)
+        if not cfg.json:
+            print(
+                f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
+                f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
+                f"  profile {profile.name}, N={cfg.devices} devices, batch {cfg.batch}, {cfg.steps} steps, "
+                f"seed {cfg.seed}, pipeline stages {cfg.pipeline_stages} (SP inside a stage)",
+                file=out,
+            )
+        return _run_pipeline(cfg, profile, lengths, stream, out)
     if not cfg.json:
         print(
             f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
@@ -174,6 +213,135 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
         if not cfg.json:
             print(f"picture of every step: {cfg.svg}", file=out)
     return records
+
+
+_PIPELINE_BASELINES = ("1f1b", "seq1f1b-4")
+"""The keys of ``pipeline_baselines_ms`` (its default k = 4), in the table's column order."""
+
+
+def _check_stages(stages: int | str, n: int, profile: Profile) -> None:
+    """Refuse a ``--pipeline-stages`` that no step could use, before planning any (and before writing records)."""
+    layers, heads = profile.num_layers, profile.num_heads
+    if stages == "auto":
+        splits, p = [], 2
+        while p <= min(n, layers):
+            if heads % (n // p) == 0:
+                splits.append(p)
+            p *= 2
+        if not splits:
+            raise ValueError(
+                f"--pipeline-stages auto: no split of {n} devices into 2 to {layers} stages (powers of two) puts a "
+                f"number of devices on each stage that divides profile {profile.name}'s {heads} heads; use at least "
+                "2 devices, change --heads, or give a fixed --pipeline-stages"
+            )
+        return
+    if stages > layers:
+        raise ValueError(
+            f"--pipeline-stages {stages} is more stages than profile {profile.name}'s {layers} layers: every stage "
+            f"needs at least one layer; use at most {layers} stages"
+        )
+    if stages > n:
+        raise ValueError(f"--pipeline-stages {stages} needs at least {stages} devices, --devices is {n}")
+    d = n // stages
+    if heads % d:
+        raise ValueError(
+            f"--pipeline-stages {stages} on {n} devices puts {d} devices on each stage (Ulysses SP inside a stage), "
+            f"but profile {profile.name}'s {heads} heads are not divisible by {d}; choose --pipeline-stages so that "
+            "devices // stages divides the heads (or change --heads), or use 'auto'"
+        )
+
+
+@dataclass(frozen=True)
+class _PipelineSolve:
+    """What :func:`plan_record` reads of a solve, for a pipelined step."""
+
+    plan: StagedPlan
+    makespan_ms: float
+    solve_s: float
+    status: str = "pipeline"
+    bound_ms: float = 0.0
+
+
+def _run_pipeline(cfg: PlanRunConfig, profile: Profile, lengths: np.ndarray, stream: BatchStream, out) -> list[dict]:
+    """`flexorch plan --pipeline-stages`: every step planned as a pipeline, against 1F1B and Seq1F1B on its stages."""
+    if not cfg.json:
+        cols = " ".join(f"{'x ' + name:>11}" for name in _PIPELINE_BASELINES)
+        print(f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bubble':>6} {'gran':>4} {cols}  {'eta':>6}  plan", file=out)
+    records, pictures = [], []
+    writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
+    limit = cfg.planner.time_limit_s
+    t_start = time.perf_counter()
+    for step in range(cfg.steps):
+        batch = lengths[stream.next()]
+        t0 = time.perf_counter()
+        try:
+            staged = plan_staged(batch, cfg.devices, profile, cfg.pipeline_stages, time_limit_s=limit)
+        except InfeasibleBatchError as e:  # as on the SP path: an error (exit 2); the steps before it stay written
+            raise InfeasibleBatchError(f"step {step} (--pipeline-stages {cfg.pipeline_stages}): {e}") from None
+        solved = _PipelineSolve(staged, staged.makespan_ms, time.perf_counter() - t0)
+        base = pipeline_baselines_ms(batch, staged, profile, time_limit_s=limit)
+        rec = plan_record(
+            {
+                "step": step,
+                "epoch": stream.epoch,
+                "world_size": cfg.devices,
+                "seq_lengths": [int(x) for x in batch],
+                "mode": "adaptive",
+            },
+            solved,
+            profile,
+            {k: (None if v is None else round(v, 3)) for k, v in base.items()},
+        )
+        if writer is not None:
+            writer.append(rec)
+        records.append(rec)
+        pictures.append((f"step {step}: {staged.shape()}  {staged.makespan_ms / 1000:.2f} s", staged.plan))
+        if cfg.json:
+            print(json.dumps(rec), file=out, flush=True)
+        else:
+            eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
+            print(_pipeline_row(rec, base, eta), file=out, flush=True)
+    if not cfg.json:
+        _pipeline_summary(records, out)
+        if writer is not None:
+            print(f"step records: {writer.path} (view them with: flexorch dashboard {cfg.run_dir})", file=out)
+    if cfg.svg is not None:
+        from dashboards.pipeline_svg import render_pipelines_svg
+
+        cfg.svg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.svg.write_text(render_pipelines_svg(pictures))
+        if not cfg.json:
+            print(f"picture of every step (stages x time): {cfg.svg}", file=out)
+    return records
+
+
+def _pipeline_row(rec: dict, base: dict, eta: float) -> str:
+    mine, pipe = rec["predicted_ms"], rec["pipeline"]
+    cols = " ".join(f"{_x(base.get(name), mine):>11}" for name in _PIPELINE_BASELINES)
+    return (
+        f"{rec['step']:>4} {rec['solve_s']:>7.3f} {mine:>9.0f} {pipe['bubble_share'] * 100:>5.1f}% "
+        f"{pipe['granularity']:>4} {cols}  {eta:>5.0f}s  {rec['shape']}"
+    )
+
+
+def _pipeline_summary(records: list[dict], out) -> None:
+    solve = np.array([r["solve_s"] for r in records])
+    bubble = np.array([r["pipeline"]["bubble_share"] for r in records])
+    speedups = []
+    for name in _PIPELINE_BASELINES:
+        vals = [r["baselines_ms"][name] / r["predicted_ms"] for r in records if r["baselines_ms"].get(name) is not None]
+        text = f"vs {name} {np.median(vals):.2f}x" if vals else f"vs {name} n/a (it fits no step)"
+        if vals and len(vals) < len(records):
+            text += f" (over the {len(vals)} steps it fits)"
+        speedups.append(text)
+    b2b = sum(1 for r in records if len({u["pipeline"] for u in r["pipeline"]["units"]}) > 1)
+    print(
+        f"summary over {len(records)} steps: solve median {np.median(solve):.3f} s (p95 "
+        f"{np.percentile(solve, 95):.3f} s), simulated bubble median {np.median(bubble) * 100:.1f} % (max "
+        f"{bubble.max() * 100:.1f} %)" + (f", {b2b} step(s) as back-to-back pipelines" if b2b else ""),
+        file=out,
+    )
+    print(f"  median speedup {', '.join(speedups)} (same stages, same batch)", file=out)
 
 
 def _best(base: dict, prefix: str) -> tuple[str | None, float | None]:

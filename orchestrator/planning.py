@@ -6,6 +6,7 @@ comparisons and the invariant tests) and adds the baselines' predicted step time
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from solver.plan import Plan
 from solver.planner import Planner, PlannerConfig
 from solver.profiles import Profile
 from solver.simulator import step_time_ms
+from solver.staged_plan import StagedPlan, fallback_staged, pipeline_baselines, plan_staged
 
 __all__ = ["PlannedStep", "StepPlanner", "StepPlannerActor", "heuristic_plan", "planner_profile"]
 
@@ -26,7 +28,8 @@ __all__ = ["PlannedStep", "StepPlanner", "StepPlannerActor", "heuristic_plan", "
 class PlannedStep:
     """A plan and how it was found (or why there is none)."""
 
-    plan: Plan | None
+    plan: Plan | StagedPlan | None
+    """SP groups per micro-batch, or a pipeline over stages (``pipeline_stages``)."""
     predicted_ms: float = 0.0
     """Step time the cost model predicts for the plan (solver.simulator)."""
     bound_ms: float = 0.0
@@ -39,23 +42,35 @@ class PlannedStep:
     """Why no plan exists (an infeasible batch); ``plan`` is None then."""
 
 
-def planner_profile(profile: Profile, *, num_heads: int, num_kv_heads: int, tokens_per_worker: int) -> Profile:
-    """``profile`` with the model's heads and a memory budget of exactly ``tokens_per_worker`` activation tokens."""
+def planner_profile(
+    profile: Profile, *, num_heads: int, num_kv_heads: int, tokens_per_worker: int, num_layers: int | None = None
+) -> Profile:
+    """``profile`` with the model's heads (and layers: pipeline stages split them) and a memory budget of exactly
+    ``tokens_per_worker`` activation tokens."""
     budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * profile.act_bytes_per_token
-    return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget)
+    layers = {"num_layers": num_layers} if num_layers is not None else {}
+    return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget, **layers)
 
 
 class StepPlanner:
-    """Plans steps for one profile; ``static`` = (kind, degree) forces one layout."""
+    """Plans steps for one profile; ``static`` = (kind, degree) forces one layout; ``pipeline_stages`` other than 1
+    plans pipelines (``solver.staged_plan``) instead of SP groups."""
 
     def __init__(
-        self, profile: Profile, config: PlannerConfig, static: tuple[str, int] | None = None, niceness: int = 0
+        self,
+        profile: Profile,
+        config: PlannerConfig,
+        static: tuple[str, int] | None = None,
+        niceness: int = 0,
+        pipeline_stages: int | str = 1,
     ):
         if niceness:  # the solve overlaps the step: on shared CPUs it must not take cycles from the workers
             os.nice(niceness)
         self.profile = profile
         self.static = static
-        self._planner = Planner(profile, config) if static is None else None
+        self.config = config
+        self.pipeline_stages = pipeline_stages
+        self._planner = Planner(profile, config) if static is None and pipeline_stages == 1 else None
         self._hangs = 0
 
     def inject_fault(self, hangs: int = 1) -> None:
@@ -68,6 +83,8 @@ class StepPlanner:
             time.sleep(10**6)
         t0 = time.perf_counter()
         try:
+            if self.pipeline_stages != 1:
+                return self._plan_pipeline(lengths, num_devices, t0)
             if self.static is None:
                 sp = self._planner.plan(lengths, num_devices)
                 plan, predicted, bound, status = sp.plan, sp.makespan_ms, sp.bound_ms, sp.status
@@ -91,14 +108,36 @@ class StepPlanner:
             return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
         return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
 
+    def _plan_pipeline(self, lengths, num_devices: int, t0: float) -> PlannedStep:
+        """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
+        baseline's schedule is faster it runs instead (status ``pipeline-1f1b`` / ``pipeline-seq1f1b-4``)."""
+        limit = self.config.time_limit_s
+        staged = plan_staged(lengths, num_devices, self.profile, self.pipeline_stages, time_limit_s=limit)
+        bases = pipeline_baselines(lengths, staged, self.profile, time_limit_s=limit)
+        status = "pipeline"
+        for name, p in bases.items():
+            if p is not None and p.makespan_ms < staged.makespan_ms:
+                staged, status = dataclasses.replace(staged, plan=p), f"pipeline-{name}"
+        baselines = {name: None if p is None else p.makespan_ms for name, p in bases.items()}
+        return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, status, baselines)
+
     def close(self) -> None:
         if self._planner is not None:
             self._planner.close()
 
 
-def heuristic_plan(profile: Profile, lengths, num_devices: int, static: tuple[str, int] | None) -> PlannedStep:
-    """Without a MILP: the BatchAda plan (or the forced static layout), for when the planner actor is stuck."""
+def heuristic_plan(
+    profile: Profile, lengths, num_devices: int, static: tuple[str, int] | None, pipeline_stages: int | str = 1
+) -> PlannedStep:
+    """Without a MILP: the BatchAda plan (or the forced static layout, or a fully checkpointed pipeline), for when
+    the planner actor is stuck."""
     t0 = time.perf_counter()
+    if pipeline_stages != 1:
+        try:
+            staged = fallback_staged(lengths, num_devices, profile, pipeline_stages)
+        except PlanningError as e:
+            return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
+        return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, "fallback", {})
     if static is None:
         plan = baseline_plans(lengths, num_devices, profile)["batchada"]
     else:

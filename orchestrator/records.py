@@ -17,7 +17,16 @@ from pathlib import Path
 from orchestrator.record_schema import SCHEMA, RecordError, validate_record
 from solver.simulator import group_timings
 
-__all__ = ["SCHEMA", "StepRecords", "read_records", "plan_fields", "plan_record", "step_record", "skip_record"]
+__all__ = [
+    "SCHEMA",
+    "StepRecords",
+    "read_records",
+    "plan_fields",
+    "pipeline_fields",
+    "plan_record",
+    "step_record",
+    "skip_record",
+]
 
 
 class StepRecords:
@@ -56,8 +65,17 @@ def read_records(path: Path | str, validate: bool = False) -> list[dict]:
     return out
 
 
+def pipeline_fields(staged) -> dict:
+    """``shape``, ``plan``/``timeline`` (null) and ``pipeline`` of a pipelined step (``solver.staged_plan.StagedPlan``):
+    stages, their ranks, units, checkpointing and the simulated schedule."""
+    return {"shape": staged.shape(), "plan": None, "timeline": None, "pipeline": staged.to_dict()}
+
+
 def plan_fields(plan, profile) -> dict:
-    """``shape``, ``plan`` and ``timeline`` (the cost model's schedule: when each group starts and how long it runs)."""
+    """``shape``, ``plan``, ``timeline`` (the cost model's schedule: when each group starts and how long it runs) and
+    ``pipeline`` (null), or :func:`pipeline_fields` for a pipelined step."""
+    if hasattr(plan, "stage_ranks"):
+        return pipeline_fields(plan)
     return {
         "shape": plan.shape(),
         "plan": plan.to_dict(),
@@ -65,6 +83,7 @@ def plan_fields(plan, profile) -> dict:
             {"micro_batch": g.micro_batch, "group": g.group, "start_ms": g.start_ms, "time_ms": g.time_ms}
             for g in group_timings(plan, profile)
         ],
+        "pipeline": None,
     }
 
 
@@ -84,7 +103,6 @@ def plan_record(base: dict, sp, profile, baselines_ms: dict) -> dict:
         "predicted_ms": sp.makespan_ms,
         "bound_ms": sp.bound_ms,
         "baselines_ms": baselines_ms,
-        "pipeline": None,
     }
 
 
@@ -112,9 +130,19 @@ def skip_record(base: dict, status: str, reason: str) -> dict:
     }
 
 
-def _rank_entry(o, n_mb: int) -> dict | None:
+def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
     if o is None:  # a rank lost after the update stood (its outcome never came back)
         return None
+    if pipelined:
+        return {
+            "micro_batch_ms": [],
+            "micro_batch_start_ms": [],
+            "compute_end_ms": o.compute_end_ms,
+            "local_tokens": o.local_tokens,
+            "peak_local_tokens": o.peak_local_tokens,
+            "peak_activation_bytes": o.peak_activation_bytes,
+            "ops": list(o.ops),
+        }
     ms: list[float | None] = [None] * n_mb
     start: list[float | None] = [None] * n_mb
     for mb, t, t0 in zip(o.micro_batches, o.micro_batch_ms, o.micro_batch_start_ms, strict=True):
@@ -136,7 +164,8 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
     had been applied (the step stands; its ``ranks`` entry is null)."""
     done = [o for o in outcomes if o is not None]
     tokens = done[0].num_predicted
-    n_mb = len(planned.plan.micro_batches)
+    pipelined = hasattr(planned.plan, "stage_ranks")
+    n_mb = 0 if pipelined else len(planned.plan.micro_batches)
     return {
         **base,
         "source": "train",
@@ -147,7 +176,6 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
         **plan_fields(planned.plan, profile),
         "predicted_ms": planned.predicted_ms,
         "bound_ms": planned.bound_ms,
-        "pipeline": None,
         "measured_ms": measured_ms,
         "compute_ms": max(o.compute_end_ms for o in done),
         "sync_ms": max(o.sync_ms for o in done),
@@ -157,5 +185,5 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
         "tokens_per_s": tokens / max(measured_ms / 1e3, 1e-9),
         "lr": done[0].lr,
         "grad_norm": done[0].grad_norm,
-        "ranks": [_rank_entry(o, n_mb) for o in outcomes],
+        "ranks": [_rank_entry(o, n_mb, pipelined) for o in outcomes],
     }

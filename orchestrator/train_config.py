@@ -120,6 +120,11 @@ class TrainConfig:
     """How long to wait for capacity when fewer than ``min_workers`` are alive, before failing the run."""
     max_attempts: int = 5
     """Attempts at one step (each membership failure costs one) before the run gives up."""
+    pipeline_stages: int | str = 1
+    """1: every step is planned as SP groups (FlexSP). P >= 2: the model's layers are split over P pipeline stages,
+    each a group of ``workers // P`` workers (Ulysses SP inside a stage), and every step runs a 1F1B schedule whose
+    units (Seq1F1B segments, InfiniPipe packing) and checkpointing are planned for its batch. 'auto': the fastest
+    simulated stages x workers-per-stage split, chosen per step."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: CorpusConfig = field(default_factory=CorpusConfig)
@@ -138,9 +143,10 @@ class TrainConfig:
             raise ConfigError(f"elastic_wait_s must be >= 0, got {self.elastic_wait_s!r}")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ConfigError(f"max_attempts must be a positive integer, got {self.max_attempts!r}")
+        self._check_pipeline()
         need = self.data.max_context
         have = self.workers * self.plan.tokens_per_worker
-        if need > have:
+        if self.pipeline_stages == 1 and need > have:
             raise ConfigError(
                 f"data.max_context={need} tokens cannot fit: {self.workers} workers x plan.tokens_per_worker="
                 f"{self.plan.tokens_per_worker} hold {have}; lower max_context, or raise workers or tokens_per_worker"
@@ -157,11 +163,42 @@ class TrainConfig:
                 )
         self._resolve_elastic_bounds()
 
+    def _check_pipeline(self) -> None:
+        p = self.pipeline_stages
+        if p == "auto":
+            if self.workers < 2:
+                raise ConfigError("pipeline_stages = 'auto' needs at least 2 workers")
+        elif not isinstance(p, int) or isinstance(p, bool) or p < 1:
+            raise ConfigError(f"pipeline_stages must be a positive integer or 'auto', got {p!r}")
+        elif p > self.model.num_layers:
+            raise ConfigError(
+                f"pipeline_stages = {p} but the model has {self.model.num_layers} layers: every stage needs at least "
+                f"one layer; use at most {self.model.num_layers} stages"
+            )
+        elif p > self.workers:
+            raise ConfigError(f"pipeline_stages = {p} needs at least {p} workers, the run has {self.workers}")
+        elif p > 1 and self.model.num_heads % (self.workers // p):
+            raise ConfigError(
+                f"pipeline_stages = {p} on {self.workers} workers puts {self.workers // p} workers on a stage "
+                f"(Ulysses inside the stage), which must divide model.num_heads={self.model.num_heads}"
+            )
+        if p != 1 and self.plan.static is not None:
+            raise ConfigError(
+                f"plan.mode={self.plan.mode!r} forces an SP layout; it cannot be combined with pipeline_stages = "
+                f"{p!r} (set plan.mode = 'adaptive')"
+            )
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline_stages != 1
+
     def _resolve_elastic_bounds(self) -> None:
         tpw = self.plan.tokens_per_worker
         floor = 1  # the smallest power-of-two group that holds max_context
         while floor * tpw < self.data.max_context:
             floor *= 2
+        if self.pipelined:  # long documents become segments: the stages, not one SP group, set the floor
+            floor = 2 if self.pipeline_stages == "auto" else self.pipeline_stages
         if self.plan.static is not None:
             floor = max(floor, self.plan.static[1])
         lo = floor if self.min_workers is None else self.min_workers
@@ -171,8 +208,13 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
         if lo < floor:
             raise ConfigError(
-                f"min_workers={lo} is too few: a document of data.max_context={self.data.max_context} tokens needs an "
-                f"SP group of {floor} workers x plan.tokens_per_worker={tpw}"
+                f"min_workers={lo} is too few: "
+                + (
+                    f"pipeline_stages = {self.pipeline_stages!r} needs {floor} workers"
+                    if self.pipelined
+                    else f"a document of data.max_context={self.data.max_context} tokens needs an SP group of {floor} "
+                    f"workers x plan.tokens_per_worker={tpw}"
+                )
                 + (f" (and plan.mode={self.plan.mode!r} needs {self.plan.static[1]})" if self.plan.static else "")
                 + f"; set min_workers >= {floor}"
             )

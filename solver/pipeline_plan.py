@@ -28,6 +28,7 @@ __all__ = [
     "plan_best_layout",
     "plan_pipeline",
     "plan_units",
+    "plan_fully_checkpointed",
     "packed_1f1b_units",
     "seq1f1b_units",
 ]
@@ -173,6 +174,29 @@ def plan_units(model: StageModel, units: list[Unit], granularity: int, time_limi
     if any(p is None for p in pipes):  # cannot happen: every group fits fully checkpointed
         raise RuntimeError("a back-to-back pipeline that fits fully checkpointed got no checkpoint plan")
     return PipelinePlan(model.stages, granularity, tuple(pipes))
+
+
+def plan_fully_checkpointed(lengths, stages: int, profile: Profile, *, degree: int = 1) -> PipelinePlan:
+    """A plan without any MILP (for when the planner is stuck): granularity P, every layer checkpointed, the
+    fewest back-to-back pipelines that fit. Slower than :func:`plan_pipeline`'s, never less safe on memory."""
+    model = StageModel(profile, stages, degree)
+    units = chunk_batch(lengths, stages, profile.a1_ms, profile.a2_ms, max(model.token_cap(), 1))
+    groups = _split_that_fits(model, units)
+    if groups is None:
+        raise ValueError(_too_big(model, units))
+    pipes = []
+    for g in groups:
+        sched = one_f_one_b(g, stages)
+        ckpt = [[model.layers[r]] * len(g) for r in range(stages)]
+        run = simulate(
+            sched,
+            [[model.fwd_ms(u, r) for u in g] for r in range(stages)],
+            [[model.bwd_ms(u, r, ckpt[r][i]) for i, u in enumerate(g)] for r in range(stages)],
+            [[model.act_bytes(u, r, model.layers[r]) for u in g] for r in range(stages)],
+            p2p_ms=[model.send_ms(u) for u in g],
+        )
+        pipes.append(Pipeline(tuple(g), tuple(tuple(s) for s in sched), tuple(tuple(c) for c in ckpt), run))
+    return PipelinePlan(stages, stages, tuple(pipes))
 
 
 def plan_pipeline(

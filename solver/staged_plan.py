@@ -15,12 +15,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from solver.errors import InfeasibleBatchError
-from solver.pipeline_plan import PipelinePlan, packed_1f1b_units, plan_best_layout, plan_pipeline, plan_units
+from solver.pipeline_plan import (
+    PipelinePlan,
+    packed_1f1b_units,
+    plan_best_layout,
+    plan_fully_checkpointed,
+    plan_pipeline,
+    plan_units,
+)
 from solver.pipeline_plan import seq1f1b_units as _seq1f1b_units
 from solver.profiles import Profile
 from solver.stage_model import StageModel, stage_layers
 
-__all__ = ["StagedPlan", "plan_staged", "pipeline_baselines_ms", "check_pipeline_stages"]
+__all__ = [
+    "StagedPlan",
+    "plan_staged",
+    "fallback_staged",
+    "pipeline_baselines",
+    "pipeline_baselines_ms",
+    "check_pipeline_stages",
+]
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,19 @@ def plan_staged(
     return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
 
 
+def fallback_staged(lengths, num_devices: int, profile: Profile, stages: int | str) -> StagedPlan:
+    """Without any MILP (the planner actor is stuck): ``stages`` (2 for 'auto') stages, granularity P, every layer
+    checkpointed (``solver.pipeline_plan.plan_fully_checkpointed``)."""
+    p = 2 if stages == "auto" else stages
+    check_pipeline_stages(p, num_devices, profile.num_layers, profile.num_heads)
+    d = num_devices // p
+    try:
+        plan = plan_fully_checkpointed(lengths, p, profile, degree=d)
+    except ValueError as e:
+        raise InfeasibleBatchError(str(e)) from None
+    return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
+
+
 def _powers_of_two(n: int) -> list[int]:
     out, p = [], 1
     while p <= n:
@@ -148,20 +175,29 @@ def _powers_of_two(n: int) -> list[int]:
     return out
 
 
-def pipeline_baselines_ms(
+def pipeline_baselines(
     lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
-) -> dict[str, float | None]:
-    """Predicted step time of plain 1F1B (packed micro-batches, one per stage) and Seq1F1B (k segments) on the
-    same stages: what the step's elastic pipeline plan is compared against (None where memory cannot fit)."""
+) -> dict[str, PipelinePlan | None]:
+    """The step's baselines on the same stages: plain 1F1B (packed micro-batches, one per stage, no splitting) and
+    Seq1F1B (those micro-batches in k equal-FLOP segments each), with the same checkpointing ILP; None where no
+    checkpointing fits."""
     model = StageModel(profile, staged.stages, staged.degree)
-    p = staged.stages
-    out: dict[str, float | None] = {}
+    m = min(staged.stages, len(lengths))
+    out: dict[str, PipelinePlan | None] = {}
     for name, units in (
-        ("1f1b", packed_1f1b_units(lengths, min(p, len(lengths)), profile.a1_ms, profile.a2_ms)),
-        (f"seq1f1b-{k}", _seq1f1b_units(lengths, min(p, len(lengths)), k, profile.a1_ms, profile.a2_ms)),
+        ("1f1b", packed_1f1b_units(lengths, m, profile.a1_ms, profile.a2_ms)),
+        (f"seq1f1b-{k}", _seq1f1b_units(lengths, m, k, profile.a1_ms, profile.a2_ms)),
     ):
         try:
-            out[name] = plan_units(model, units, len(units), time_limit_s).makespan_ms
+            out[name] = plan_units(model, units, len(units), time_limit_s)
         except ValueError:
             out[name] = None
     return out
+
+
+def pipeline_baselines_ms(
+    lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
+) -> dict[str, float | None]:
+    """Predicted step time of each of :func:`pipeline_baselines` (None where memory cannot fit)."""
+    plans = pipeline_baselines(lengths, staged, profile, k=k, time_limit_s=time_limit_s)
+    return {name: None if p is None else p.makespan_ms for name, p in plans.items()}
