@@ -12,8 +12,13 @@ predicts) and the median prediction error, the speedup of adaptive over it, peak
 much of the solve was hidden behind the previous step. Writes ``plans.svg`` (the adaptive plans as devices x
 time) and ``results.json`` into ``--out``.
 
+With ``--pipeline 2,4,auto`` the same run also trains with ``pipeline_stages`` = 2, 4 and 'auto' (rows ``pp-2``,
+``pp-4``, ``pp-auto``: the elastic pipeline planned per step against adaptive SP on the same batches); stages
+split the layers, so pass ``--layers 4`` (every layout then trains the same 4-layer model).
+
     python benchmarks/train_cpu.py            # ~5 minutes on 2 cores
     python benchmarks/train_cpu.py --quick    # fewer steps
+    python benchmarks/train_cpu.py --layers 4 --static none --pipeline 2,4,auto --quick
 """
 
 from __future__ import annotations
@@ -58,9 +63,18 @@ def write_workload(out: Path, n_docs: int, scale: float, max_context: int, seed:
 
 
 def start_mode(mode: str, base: TrainConfig, corpus) -> TrainingDriver:
-    cfg = dataclasses.replace(
-        base, run_dir=str(Path(base.run_dir) / mode), plan=dataclasses.replace(base.plan, mode=mode)
-    )
+    if mode.startswith("pp-"):  # a pipelined run: adaptive planning of pipelines over that many stages
+        stages = mode.removeprefix("pp-")
+        cfg = dataclasses.replace(
+            base,
+            run_dir=str(Path(base.run_dir) / mode),
+            pipeline_stages=stages if stages == "auto" else int(stages),
+            min_workers=None,
+        )
+    else:
+        cfg = dataclasses.replace(
+            base, run_dir=str(Path(base.run_dir) / mode), plan=dataclasses.replace(base.plan, mode=mode)
+        )
     driver = TrainingDriver(cfg, corpus=corpus)
     driver.setup()
     return driver
@@ -81,6 +95,8 @@ def step_mode(driver: TrainingDriver, result: dict) -> None:
 
 
 def _predicted_peak_bytes(rec: dict, act: float) -> float:
+    if rec["pipeline"] is not None:  # the pipeline simulator's most bytes held at once on a stage's worker
+        return float(max(rec["pipeline"]["peak_bytes"]))
     peak = np.zeros(rec["world_size"])
     for mb in rec["plan"]["micro_batches"]:
         for g in mb:
@@ -124,6 +140,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens-per-worker", type=int, default=1024)
     ap.add_argument("--time-limit", type=float, default=0.1, help="planner budget per step, seconds")
     ap.add_argument("--static", default="all", help="comma-separated static layouts to compare, 'all' or 'none'")
+    ap.add_argument("--pipeline", default="", help="comma-separated pipeline_stages to compare too, e.g. 2,4,auto")
+    ap.add_argument("--layers", type=int, default=2, help="model layers (pipeline stages split them)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_train")
     ap.add_argument("--quick", action="store_true", help="4 steps per layout")
     args = ap.parse_args(argv)
@@ -144,7 +162,7 @@ def main(argv=None) -> int:
         workers=args.workers,
         batch_size=args.batch,
         run_dir=str(args.out),
-        model=ModelConfig(),
+        model=ModelConfig(num_layers=args.layers),
         optim=OptimConfig(lr=1e-3, warmup_steps=1),
         data=CorpusConfig(source=str(data_dir), max_context=args.max_context),
         plan=PlanSettings(tokens_per_worker=args.tokens_per_worker, time_limit_s=args.time_limit),
@@ -168,7 +186,8 @@ def main(argv=None) -> int:
         d *= 2
     if args.static != "all":
         statics = [m for m in statics if m in args.static.split(",")]
-    for mode in statics:
+    pipelined = [f"pp-{p}" for p in args.pipeline.split(",") if p]
+    for mode in statics + pipelined:
         drivers[mode] = start_mode(mode, base, corpus)
     results = [{"mode": m, "records": [], "act": drv.profile.act_bytes_per_token} for m, drv in drivers.items()]
     t_steps = time.perf_counter()
@@ -186,7 +205,7 @@ def main(argv=None) -> int:
 
     rows = [summarise(r) for r in results if "infeasible" not in r]
     adaptive = rows[0]
-    statics = [r for r in rows[1:]]
+    statics = [r for r in rows[1:] if not r["mode"].startswith("pp-")]
     best = min(statics, key=lambda r: r["step_ms"]) if statics else None
     print()
     print(

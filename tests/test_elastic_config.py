@@ -47,11 +47,15 @@ def test_bad_bounds_say_what_to_set(overrides, message):
         _cfg(**overrides)
 
 
-@pytest.mark.parametrize("name", ["train_laptop.toml", "train_cluster.toml", "train_7b_gpu.toml"])
+@pytest.mark.parametrize(
+    "name", ["train_laptop.toml", "train_cluster.toml", "train_7b_gpu.toml", "train_pipeline.toml"]
+)
 def test_example_run_files_are_valid(name):
     from pathlib import Path
 
     cfg = load_train_config(Path(__file__).resolve().parents[1] / "examples" / name)
     assert cfg.min_workers <= cfg.workers <= cfg.max_workers
+    if name == "train_pipeline.toml":
+        assert (cfg.pipeline_stages, cfg.model.num_layers, cfg.min_workers) == (2, 4, 2)
     if name == "train_cluster.toml":
         assert (cfg.min_workers, cfg.max_workers, cfg.elastic_wait_s) == (2, 8, 120)
