@@ -4,7 +4,9 @@
 good records before a malformed line and reports that line's error, so the page shows both. :func:`step_view`
 turns one record into the picture's bars: one bar per SP group with its ranks, predicted start and length (the
 cost model's timeline) and, for trained steps, measured start and length (slowest member of the group, from
-each rank's per-micro-batch timings).
+each rank's per-micro-batch timings). A pipelined step (``pipeline`` set) has no groups; its ``pipeline`` view
+has one bar per forward and backward op of each stage and unit, predicted (the pipeline simulator's schedule) and,
+for trained steps, measured (from the ops its stage's ranks reported).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pathlib import Path
 
 from orchestrator.record_schema import RecordError, validate_record
 
-__all__ = ["read_run", "step_view"]
+__all__ = ["read_run", "step_view", "pipeline_view"]
 
 PARTIAL_LINE_GRACE_S = 10.0
 """A last line without its newline is taken as being written for this long, then reported as malformed."""
@@ -71,8 +73,73 @@ def _measured(rec: dict, mi: int, ranks: list[int]) -> tuple[float | None, float
     return (max(starts) if starts else None), max(times)
 
 
+_OP_TIMES = ("start_ms", "end_ms")
+
+
+def _measured_ops(rec: dict) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """Measured (start, length) of each (stage, kind, unit): the latest start and the longest time over the stage's
+    ranks that reported the op (a lost rank's entry is null and counts for nothing)."""
+    per_rank = rec.get("ranks") or []
+    out: dict[tuple[int, str, int], tuple[float, float]] = {}
+    for stage, ranks in enumerate(rec["pipeline"]["stage_ranks"]):
+        for r in ranks:
+            entry = per_rank[r] if r < len(per_rank) else None
+            for op in (entry or {}).get("ops") or []:
+                if not isinstance(op, dict) or any(not isinstance(op.get(k), (int, float)) for k in _OP_TIMES):
+                    continue  # the schema checks how many ops a rank has, not each one: a broken entry draws nothing
+                key = (stage, op.get("kind"), op.get("unit"))
+                start, ms = op["start_ms"], op["end_ms"] - op["start_ms"]
+                if key in out:
+                    start, ms = max(start, out[key][0]), max(ms, out[key][1])
+                out[key] = (start, ms)
+    return out
+
+
+def pipeline_view(rec: dict) -> dict:
+    """The ``pipeline`` view of a pipelined record: its stages and one entry per op (stage, kind, unit) with the
+    unit's chain, tokens, pieces and checkpointed layers, the predicted start and length (``pipeline.ops``) and the
+    measured ones (train records; null for plan records and for ops no rank of the stage reported)."""
+    pipe = rec["pipeline"]
+    measured = _measured_ops(rec) if rec["source"] == "train" else {}
+    ops = []
+    for o in pipe["ops"]:
+        u = pipe["units"][o["unit"]]
+        pieces = u.get("pieces") or []
+        ckpt = pipe["checkpointed"][o["stage"]]
+        m_start, m_ms = measured.get((o["stage"], o["kind"], o["unit"]), (None, None))
+        ops.append(
+            {
+                "stage": o["stage"],
+                "kind": o["kind"],
+                "unit": o["unit"],
+                "chain": u.get("chain", 0),
+                "pipeline": u.get("pipeline", 0),
+                "tokens": u.get("tokens"),
+                "pieces": len(pieces),
+                "sequences": len({piece[0] for piece in pieces}),
+                "checkpointed": ckpt[o["unit"]] if o["unit"] < len(ckpt) else None,
+                "predicted_start_ms": o["start_ms"],
+                "predicted_ms": o["end_ms"] - o["start_ms"],
+                "measured_start_ms": m_start,
+                "measured_ms": m_ms,
+            }
+        )
+    return {
+        "stages": pipe["stages"],
+        "degree": pipe["degree"],
+        "layers": pipe["layers"],
+        "stage_ranks": pipe["stage_ranks"],
+        "granularity": pipe["granularity"],
+        "bubble_share": pipe["bubble_share"],
+        "units": len(pipe["units"]),
+        "pipelines": len({u.get("pipeline", 0) for u in pipe["units"]}),
+        "ops": ops,
+    }
+
+
 def step_view(rec: dict) -> dict:
-    """One validated record as the page draws it (the record's summary fields plus ``groups``)."""
+    """One validated record as the page draws it (the record's summary fields plus ``groups`` for SP steps, or
+    ``pipeline`` (:func:`pipeline_view`; null for SP steps) for pipelined ones)."""
     groups = []
     if rec["plan"] is not None:
         when = {(t["micro_batch"], t["group"]): t for t in rec["timeline"]}
@@ -108,4 +175,5 @@ def step_view(rec: dict) -> dict:
     view["longest"] = max(rec["seq_lengths"], default=0)
     view["micro_batches"] = len(rec["plan"]["micro_batches"]) if rec["plan"] else 0
     view["groups"] = groups
+    view["pipeline"] = pipeline_view(rec) if rec.get("pipeline") is not None else None
     return view

@@ -330,7 +330,7 @@ def _pipeline_summary(records: list[dict], out) -> None:
     speedups = []
     for name in _PIPELINE_BASELINES:
         vals = [r["baselines_ms"][name] / r["predicted_ms"] for r in records if r["baselines_ms"].get(name) is not None]
-        text = f"vs {name} {np.median(vals):.2f}x" if vals else f"vs {name} n/a (it fits no step)"
+        text = f"vs {name} {np.median(vals):.2f}x" if vals else f"vs {name} n/a (it holds no step's batch)"
         if vals and len(vals) < len(records):
             text += f" (over the {len(vals)} steps it fits)"
         speedups.append(text)

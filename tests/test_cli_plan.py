@@ -10,6 +10,7 @@ from orchestrator.cli import main
 from orchestrator.lengths import parse_tokens, read_lengths
 from orchestrator.record_schema import SCHEMA, validate_record
 from orchestrator.records import read_records
+from tests.pipeline_helpers import TIGHT_PROFILE
 
 
 def _run(args, capsys):
@@ -208,3 +209,122 @@ def test_console_script_is_installed():
         [sys.executable, "-m", "orchestrator.cli", "profiles"], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and "gpt-7b-a100" in r.stdout and "6250 tokens/device" in r.stdout
+
+
+PIPELINE = ["plan", "--devices", "8", "--batch", "32", "--steps", "2", "--pipeline-stages", "2", "--time-limit", "0.5"]
+
+
+def test_pipeline_json_lines_are_the_records_written(tmp_path, capsys):
+    run = tmp_path / "pp-run"
+    code, out, err = _run(PIPELINE + ["--json", "--run-dir", str(run)], capsys)
+    assert code == 0, err
+    printed = [json.loads(line) for line in out.splitlines()]
+    written = read_records(run / "steps.jsonl", validate=True)
+    assert written == printed and [r["step"] for r in written] == [0, 1]
+    for r in written:
+        assert validate_record(r) is r and r["source"] == "plan" and r["status"] == "pipeline"
+        assert r["plan"] is None and r["timeline"] is None and r["bound_ms"] == 0.0 and r["world_size"] == 8
+        pipe = r["pipeline"]
+        assert (pipe["stages"], pipe["degree"], pipe["layers"]) == (2, 4, [16, 16])
+        assert pipe["stage_ranks"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+        assert r["shape"] == f"pp 2x4 · {len(pipe['units'])} units"
+        assert set(r["baselines_ms"]) == {"1f1b", "seq1f1b-4"}
+        # one forward and one backward per unit and stage; the simulated schedule ends at the predicted step time
+        keys = [(o["stage"], o["kind"], o["unit"]) for o in pipe["ops"]]
+        assert sorted(keys) == sorted((s, k, u) for s in range(2) for k in "FB" for u in range(len(pipe["units"])))
+        assert max(o["end_ms"] for o in pipe["ops"]) == pytest.approx(r["predicted_ms"], rel=1e-9)
+        assert 0.0 <= pipe["bubble_share"] < 1.0
+        assert sum(u["tokens"] for u in pipe["units"]) == sum(r["seq_lengths"])
+
+
+def test_pipeline_table_rows_summary_and_picture(tmp_path, capsys):
+    run, svg = tmp_path / "pp-run", tmp_path / "pp.svg"
+    code, out, err = _run(PIPELINE + ["--run-dir", str(run), "--svg", str(svg)], capsys)
+    assert code == 0, err
+    assert "pipeline stages 2" in out
+    head = next(line for line in out.splitlines() if line.lstrip().startswith("step "))
+    assert head.split()[:9] == ["step", "solve_s", "step_ms", "bubble", "gran", "x", "1f1b", "x", "seq1f1b-4"]
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    recs = read_records(run / "steps.jsonl", validate=True)
+    assert len(rows) == len(recs) == 2
+    for row, r in zip(rows, recs, strict=True):
+        cells = row.split()
+        assert cells[0] == str(r["step"]) and row.endswith(r["shape"]) and r["shape"].startswith("pp 2x4 · ")
+        assert float(cells[1]) == pytest.approx(r["solve_s"], abs=6e-4)
+        assert int(cells[2]) == round(r["predicted_ms"])
+        assert float(cells[3].rstrip("%")) == pytest.approx(r["pipeline"]["bubble_share"] * 100, abs=0.06)
+        assert int(cells[4]) == r["pipeline"]["granularity"]
+        for cell, name in zip(cells[5:7], ("1f1b", "seq1f1b-4"), strict=True):
+            assert float(cell.rstrip("x")) == pytest.approx(r["baselines_ms"][name] / r["predicted_ms"], abs=0.006)
+    assert "summary over 2 steps" in out and "simulated bubble median" in out and "vs seq1f1b-4" in out
+    assert f"flexorch dashboard {run}" in out
+    text = svg.read_text()
+    assert text.startswith("<svg") and "step 1: pp 2x4" in text
+    ops = sum(len(r["pipeline"]["ops"]) for r in recs)
+    assert text.count("<title>stage ") == ops  # one box per forward and backward of every step
+
+
+def test_pipeline_stages_auto_picks_a_split(capsys):
+    code, out, err = _run(
+        ["plan", "--devices", "8", "--batch", "16", "--steps", "1", "--pipeline-stages", "auto", "--json"], capsys
+    )
+    assert code == 0, err
+    (rec,) = [validate_record(json.loads(line)) for line in out.splitlines()]
+    pipe = rec["pipeline"]
+    assert pipe["stages"] >= 2 and pipe["stages"] * pipe["degree"] == 8 and 32 % pipe["degree"] == 0
+
+
+@pytest.mark.parametrize(
+    "value, extra, msg",
+    [
+        ("0", [], "--pipeline-stages must be a positive integer (>= 1) or 'auto', got 0"),
+        ("-3", [], "--pipeline-stages must be a positive integer (>= 1) or 'auto', got -3"),
+        ("two", [], "--pipeline-stages must be a positive integer or 'auto', got 'two'"),
+        ("2.5", [], "--pipeline-stages must be a positive integer or 'auto', got '2.5'"),
+        ("33", ["--devices", "64"], "--pipeline-stages 33 is more stages than profile gpt-7b-a100's 32 layers"),
+        ("16", [], "--pipeline-stages 16 needs at least 16 devices, --devices is 8"),
+        ("2", ["--heads", "2"], "--pipeline-stages 2 on 8 devices puts 4 devices on each stage"),
+        ("auto", ["--devices", "64", "--heads", "1"], "--pipeline-stages auto: no split of 64 devices"),
+    ],
+)
+def test_bad_pipeline_stages_exit_2_before_any_step(tmp_path, capsys, value, extra, msg):
+    run = tmp_path / "run"
+    args = ["plan", "--devices", "8", "--batch", "8", "--steps", "1", "--run-dir", str(run)]
+    code, out, err = _run(args + extra + ["--pipeline-stages", value], capsys)
+    assert code == 2 and msg in err and err.startswith("flexorch plan: error: ")
+    assert not (run / "steps.jsonl").exists()  # refused before planning (and writing) anything
+
+
+def test_pipeline_batch_no_checkpointing_fits_is_an_error(tmp_path, capsys):
+    """A real batch the SP planner runs but no pipeline can hold (``TIGHT_PROFILE``): a 6000-token sequence needs
+    0.11 GiB on stage 0, over its 0.09 GiB. As on the SP path, an infeasible step is an error (exit 2) naming the
+    step."""
+    profile = tmp_path / "three-layers.json"
+    profile.write_text(json.dumps(TIGHT_PROFILE))
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("6000\n100\n200\n")
+    args = ["plan", "--profile", str(profile), "--lengths", str(lengths), "--devices", "2", "--batch", "3"]
+    code, _, err = _run(args + ["--steps", "1"], capsys)
+    assert code == 0, err  # SP groups hold it
+    code, _, err = _run(args + ["--steps", "1", "--pipeline-stages", "2"], capsys)
+    assert code == 2
+    assert "step 0 (--pipeline-stages 2): no activation checkpointing fits the memory budget" in err
+    assert "unit chain of 6000 tokens" in err
+
+
+def test_pipeline_batch_that_fits_only_back_to_back(tmp_path, capsys):
+    """Four ~3000-token sequences on ``TIGHT_PROFILE``: two units in flight on stage 0 are over its 5000 tokens, so
+    each sequence runs as a pipeline of its own, one after another; the units say which pipeline they are in."""
+    profile = tmp_path / "three-layers.json"
+    profile.write_text(json.dumps(TIGHT_PROFILE))
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("3000\n3000\n2800\n2900\n")
+    run = tmp_path / "run"
+    args = ["plan", "--profile", str(profile), "--lengths", str(lengths), "--devices", "2", "--batch", "4"]
+    code, out, err = _run(args + ["--steps", "1", "--pipeline-stages", "2", "--run-dir", str(run)], capsys)
+    assert code == 0, err
+    (rec,) = read_records(run / "steps.jsonl", validate=True)
+    assert rec["shape"] == "pp 2x1 · 4 units · 4 back-to-back"
+    assert sorted(u["pipeline"] for u in rec["pipeline"]["units"]) == [0, 1, 2, 3]
+    assert rec["baselines_ms"] == {"1f1b": None, "seq1f1b-4": None}  # neither holds the batch
+    assert "n/a" in out and "1 step(s) as back-to-back pipelines" in out and out.count("4 back-to-back") == 1

@@ -3,7 +3,10 @@
 Serves a recorded training run (``tests/data/recorded_run``, written by a real `flexorch train`), opens the page and
 checks what Plotly actually drew: one bar per SP group of the selected step in the predicted and the measured
 picture, one table row per step, clicking a row selects that step; a malformed record shows an error banner, not a
-blank page. Screenshots are kept in ``build/test-artifacts/`` (or ``$FLEXORCH_TEST_ARTIFACTS``).
+blank page. Pipelined steps (``tests/data/recorded_pipeline_plan``, written by a real `flexorch plan
+--pipeline-stages`, and a trained step built from it) are drawn stages x time, one bar per forward and backward op,
+with a note; a run mixing both kinds switches between the pictures. Screenshots are kept in
+``build/test-artifacts/`` (or ``$FLEXORCH_TEST_ARTIFACTS``).
 
 Without Chromium the test is skipped, unless ``FLEXORCH_REQUIRE_BROWSER=1`` (CI sets it after installing it), where a
 missing browser fails it.
@@ -11,6 +14,7 @@ missing browser fails it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -21,6 +25,10 @@ from pathlib import Path
 import pytest
 
 from dashboards.viewer import ViewerServer
+from orchestrator.plan_command import PlanRunConfig, run_plan
+from solver.planner import PlannerConfig
+from solver.profiles import get_profile
+from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
 
 RECORDED = Path(__file__).parent / "data" / "recorded_run"
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,5 +179,147 @@ def test_page_follows_a_run_as_it_writes_steps(browser, tmp_path):
         _wait(browser, f"return document.getElementById('plan-measured').dataset.step === '{last['step']}'")
         assert _bars(browser, "plan-measured") == _groups(last)
         assert browser.execute_script("return document.getElementById('waiting').offsetParent") is None
+    finally:
+        server.stop()
+
+
+def _ticks(driver, div: str) -> list[str]:
+    return driver.execute_script(
+        f"return [...document.querySelectorAll('#{div} g.ytick text')].map(t => t.textContent)"
+    )
+
+
+def _note(driver) -> str | None:
+    return driver.execute_script(
+        "const n = document.getElementById('pipeline-note'); return n.offsetParent === null ? null : n.textContent"
+    )
+
+
+def _stage_rows(rec: dict) -> list[str]:
+    return [f"stage {r} (ranks {min(rs)}-{max(rs)})" for r, rs in enumerate(rec["pipeline"]["stage_ranks"])]
+
+
+def test_pipeline_plan_renders_one_bar_per_op_on_stage_rows(browser):
+    records = pipeline_plan_records()
+    server = ViewerServer(RECORDED_PIPELINE, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        last = records[-1]
+        _wait(browser, f"return document.getElementById('plan-predicted').dataset.step === '{last['step']}'")
+        assert browser.execute_script("return document.getElementById('plan-predicted').dataset.layout") == "pipeline"
+        assert _bars(browser, "plan-predicted") == len(last["pipeline"]["ops"])
+        assert _ticks(browser, "plan-predicted") == _stage_rows(last)
+        # a plan record measured nothing: no measured picture
+        assert browser.execute_script("return document.getElementById('measured-card').offsetParent") is None
+
+        # the step with the most ops, picked in the table; its note says what the picture is
+        pick = max(range(len(records)), key=lambda i: (len(records[i]["pipeline"]["ops"]), -i))
+        rec, pipe = records[pick], records[pick]["pipeline"]
+        browser.execute_script(f"document.querySelectorAll('#step-table tbody tr')[{pick}].click()")
+        _wait(browser, f"return document.getElementById('plan-predicted').dataset.step === '{rec['step']}'")
+        assert _bars(browser, "plan-predicted") == len(pipe["ops"])
+        assert _ticks(browser, "plan-predicted") == _stage_rows(rec)
+        title = browser.execute_script("return document.querySelector('#plan-predicted .gtitle').textContent")
+        predicted_ms = f"{rec['predicted_ms']:,.1f}"
+        assert f"step {rec['step']}: predicted (pipeline simulator), {predicted_ms} ms · bubble" in title
+        assert f"bubble {pipe['bubble_share'] * 100:.1f} %" in title
+        note = _note(browser)
+        assert f"{pipe['stages']} stages x {pipe['degree']} device(s) per stage" in note
+        assert f"{len(pipe['units'])} units (granularity {pipe['granularity']}) in one pipeline" in note
+        # the bars are where the simulator put them: each trace's bases are its ops' predicted starts
+        starts = browser.execute_script(
+            "return document.getElementById('plan-predicted').data.map(t => t.base).flat().sort((a, b) => a - b)"
+        )
+        assert starts == pytest.approx(sorted(o["start_ms"] for o in pipe["ops"]))
+        labels = browser.execute_script("return document.getElementById('baselines-chart').data[0].y")
+        assert labels[0] == "flexorch plan (predicted)" and set(labels[1:]) == {"1f1b", "seq1f1b-4"}
+        summary = browser.execute_script("return document.getElementById('step-summary').textContent")
+        assert summary.startswith(f"step {rec['step']}:") and rec["shape"] in summary
+        browser.save_screenshot(str(_artifacts() / "plan_viewer_pipeline.png"))
+    finally:
+        server.stop()
+
+
+def test_mixed_run_switches_between_sp_and_pipeline_pictures(browser, tmp_path):
+    sp_lines = (RECORDED / "steps.jsonl").read_text().splitlines()
+    sp_records = [json.loads(line) for line in sp_lines]
+    plans = pipeline_plan_records()
+    n_sp = len(sp_records)
+    plan_rec = dict(plans[0], step=n_sp)
+    trained = train_record_from_plan(dict(plans[1], step=n_sp + 1))
+    (tmp_path / "steps.jsonl").write_text("\n".join(sp_lines + [json.dumps(plan_rec), json.dumps(trained)]) + "\n")
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    rows = "document.querySelectorAll('#step-table tbody tr')"
+    try:
+        browser.get(server.url)
+        # follows the latest step: a trained pipelined step, drawn predicted and measured, one bar per op in each
+        _wait(browser, f"return document.getElementById('plan-measured').dataset.step === '{trained['step']}'")
+        _wait(browser, f"return document.getElementById('plan-predicted').dataset.step === '{trained['step']}'")
+        assert browser.execute_script(f"return {rows}.length") == n_sp + 2
+        for div in ("plan-predicted", "plan-measured"):
+            assert _bars(browser, div) == len(trained["pipeline"]["ops"])
+            assert _ticks(browser, div) == _stage_rows(trained)
+        title = browser.execute_script("return document.querySelector('#plan-measured .gtitle').textContent")
+        assert title == f"step {trained['step']}: measured, {trained['measured_ms']:,.1f} ms"
+        assert _note(browser) is not None
+        browser.save_screenshot(str(_artifacts() / "plan_viewer_pipeline_trained.png"))
+        measured = browser.execute_script(
+            "return document.getElementById('run-chart').data.filter(t => t.name === 'measured')[0].y"
+        )  # every step; a plan record has no measured time
+        assert measured == [r["measured_ms"] for r in sp_records] + [None, trained["measured_ms"]]
+
+        # an SP step: groups on device rows, no note
+        browser.execute_script(f"{rows}[0].click()")
+        _wait(browser, f"return document.getElementById('plan-measured').dataset.step === '{sp_records[0]['step']}'")
+        _wait(browser, "return document.getElementById('plan-predicted').dataset.layout === 'sp'")
+        assert _bars(browser, "plan-predicted") == _groups(sp_records[0])
+        assert _bars(browser, "plan-measured") == _groups(sp_records[0])
+        assert _note(browser) is None
+        assert not any(t.startswith("stage ") for t in _ticks(browser, "plan-predicted"))
+
+        # the pipelined plan record: the predicted picture only, back on stage rows
+        browser.execute_script(f"{rows}[{n_sp}].click()")
+        _wait(browser, f"return document.getElementById('plan-predicted').dataset.step === '{plan_rec['step']}'")
+        assert browser.execute_script("return document.getElementById('plan-predicted').dataset.layout") == "pipeline"
+        assert _bars(browser, "plan-predicted") == len(plan_rec["pipeline"]["ops"])
+        assert _ticks(browser, "plan-predicted") == _stage_rows(plan_rec)
+        assert browser.execute_script("return document.getElementById('measured-card').offsetParent") is None
+        assert _note(browser) is not None
+
+        # and back to an SP step with the arrow key's button (the step before the pipelined one)
+        browser.execute_script("document.getElementById('prev').click()")
+        _wait(browser, f"return document.getElementById('plan-predicted').dataset.step === '{sp_records[-1]['step']}'")
+        _wait(browser, "return document.getElementById('plan-predicted').dataset.layout === 'sp'")
+        assert _bars(browser, "plan-predicted") == _groups(sp_records[-1])
+        assert browser.execute_script("return document.getElementById('error').offsetParent") is None
+        browser.save_screenshot(str(_artifacts() / "plan_viewer_mixed.png"))
+    finally:
+        server.stop()
+
+
+def test_back_to_back_pipelines_are_marked(browser, tmp_path):
+    """A real plan that memory splits into back-to-back pipelines (``TIGHT_PROFILE``): a dashed line where each
+    pipeline but the last drains, and the note says so."""
+    profile, lengths = tmp_path / "three-layers.json", tmp_path / "lengths.txt"
+    profile.write_text(json.dumps(TIGHT_PROFILE))
+    lengths.write_text("3000\n3000\n2800\n2900\n")
+    cfg = PlanRunConfig(
+        lengths=lengths, devices=2, batch=4, steps=1, pipeline_stages=2, run_dir=tmp_path, planner=PlannerConfig()
+    )
+    (rec,) = run_plan(cfg, get_profile(profile), out=io.StringIO())
+    pipelines = len({u["pipeline"] for u in rec["pipeline"]["units"]})
+    assert pipelines > 1
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, f"return document.getElementById('plan-predicted').dataset.step === '{rec['step']}'")
+        assert _bars(browser, "plan-predicted") == len(rec["pipeline"]["ops"])
+        lines = browser.execute_script("return document.getElementById('plan-predicted').layout.shapes.map(s => s.x0)")
+        ends = [
+            max(o["end_ms"] for o in rec["pipeline"]["ops"] if rec["pipeline"]["units"][o["unit"]]["pipeline"] == p)
+            for p in range(pipelines - 1)
+        ]
+        assert sorted(lines) == pytest.approx(ends)
+        assert f"in {pipelines} back-to-back pipelines" in _note(browser)
     finally:
         server.stop()

@@ -17,8 +17,17 @@ from dashboards.viewer import ViewerServer
 from dashboards.viewer_data import read_run, step_view
 from orchestrator.cli import main
 from orchestrator.plan_command import PlanRunConfig, run_plan
+from orchestrator.record_schema import validate_record
 from solver.planner import PlannerConfig
 from solver.profiles import get_profile
+from tests.pipeline_helpers import (
+    LATE_MS,
+    RECORDED_PIPELINE,
+    SLOW,
+    measured_op,
+    pipeline_plan_records,
+    train_record_from_plan,
+)
 
 RECORDED = Path(__file__).parent / "data" / "recorded_run"
 
@@ -153,3 +162,91 @@ def test_train_serves_the_viewer_while_it_runs(tmp_path, monkeypatch, capsys):
     assert seen["url"].startswith("http://127.0.0.1:") and seen["data"]["total"] == 5
     with pytest.raises(urllib.error.URLError):
         _get(seen["url"])
+
+
+def _op_keys(pipe: dict) -> list[tuple[int, str, int]]:
+    return sorted((s, k, u) for s in range(pipe["stages"]) for k in "FB" for u in range(len(pipe["units"])))
+
+
+def test_pipeline_plan_records_served_as_one_op_view_per_stage_kind_unit():
+    records = pipeline_plan_records()
+    server = ViewerServer(RECORDED_PIPELINE, port=0).start()
+    try:
+        data = json.loads(_get(server.url + "api/steps")[2])
+    finally:
+        server.stop()
+    assert data["error"] is None and data["total"] == len(data["records"]) == len(records) >= 2
+    for rec, view in zip(records, data["records"], strict=True):
+        pipe, pv = rec["pipeline"], view["pipeline"]
+        assert view["groups"] == [] and view["micro_batches"] == 0 and view["shape"] == rec["shape"]
+        assert view["source"] == "plan" and view["measured_ms"] is None
+        assert (pv["stages"], pv["degree"], pv["stage_ranks"]) == (pipe["stages"], pipe["degree"], pipe["stage_ranks"])
+        assert pv["bubble_share"] == pipe["bubble_share"] and pv["units"] == len(pipe["units"])
+        assert sorted((o["stage"], o["kind"], o["unit"]) for o in pv["ops"]) == _op_keys(pipe)
+        predicted = {(o["stage"], o["kind"], o["unit"]): o for o in pipe["ops"]}
+        for o in pv["ops"]:
+            want, unit = predicted[(o["stage"], o["kind"], o["unit"])], pipe["units"][o["unit"]]
+            assert o["predicted_start_ms"] == want["start_ms"]
+            assert o["predicted_start_ms"] + o["predicted_ms"] == pytest.approx(want["end_ms"], rel=1e-12)
+            assert (o["chain"], o["pipeline"], o["tokens"]) == (unit["chain"], unit["pipeline"], unit["tokens"])
+            assert o["pieces"] == len(unit["pieces"])
+            assert o["checkpointed"] == pipe["checkpointed"][o["stage"]][o["unit"]]
+            assert o["measured_start_ms"] is None and o["measured_ms"] is None  # a plan record measured nothing
+        ends = [o["predicted_start_ms"] + o["predicted_ms"] for o in pv["ops"]]
+        assert max(ends) == pytest.approx(rec["predicted_ms"], rel=1e-9)
+    # the fixture's first step recomputes checkpointed layers on some backward
+    assert any(o["checkpointed"] > 0 for o in data["records"][0]["pipeline"]["ops"] if o["kind"] == "B")
+    # and an SP record's view has no pipeline
+    assert all(v["pipeline"] is None and v["groups"] for v in read_run(RECORDED)["records"])
+
+
+def test_pipelined_train_record_measures_each_op_on_its_stage_ranks():
+    """A trained pipelined step (built from the plan fixture: source train, the train keys, ranks[].ops): each op's
+    measured bar starts at the latest start and lasts the longest time over its stage's ranks that reported it."""
+    plan_rec = pipeline_plan_records()[0]
+    pipe = plan_rec["pipeline"]
+    d = pipe["degree"]
+    assert d >= 2  # the fixture has several ranks per stage
+    lost = pipe["stage_ranks"][1][0]  # stage 1 lost its (late-starting) first rank after the update
+    rec = train_record_from_plan(plan_rec, lost=(lost,))
+    assert validate_record(rec) is rec
+    view = step_view(rec)
+    assert view["source"] == "train" and view["measured_ms"] == rec["measured_ms"] and view["groups"] == []
+    ops = view["pipeline"]["ops"]
+    assert sorted((o["stage"], o["kind"], o["unit"]) for o in ops) == _op_keys(pipe)
+    for o in ops:
+        ranks = pipe["stage_ranks"][o["stage"]]
+        alive = [j for j, r in enumerate(ranks) if r != lost]
+        reported = [measured_op(o["predicted_start_ms"], o["predicted_ms"], j) for j in alive]
+        assert o["measured_start_ms"] == pytest.approx(max(t0 for t0, _ in reported), rel=1e-12)
+        assert o["measured_ms"] == pytest.approx(max(ms for _, ms in reported), rel=1e-9)
+        if o["stage"] == 1:  # its late rank is lost: on time, and as slow as its last rank
+            assert o["measured_start_ms"] == pytest.approx(o["predicted_start_ms"] * 1.25, rel=1e-12)
+        else:  # the start is the first rank's (late), the time the last rank's (slowest): two ranks, one bar
+            assert o["measured_start_ms"] == pytest.approx(o["predicted_start_ms"] * 1.25 + LATE_MS, rel=1e-12)
+        assert o["measured_ms"] == pytest.approx(o["predicted_ms"] * (1.1 + SLOW * (d - 1)), rel=1e-9)
+    # a stage whose every rank was lost has no measured ops; the other stages keep theirs
+    rec = validate_record(train_record_from_plan(plan_rec, lost=tuple(pipe["stage_ranks"][2])))
+    for o in step_view(rec)["pipeline"]["ops"]:
+        assert (o["measured_ms"] is None) == (o["stage"] == 2) and (o["measured_start_ms"] is None) == (o["stage"] == 2)
+
+
+def test_mixed_run_serves_both_kinds_of_views(tmp_path):
+    """One run directory with SP train records, pipelined plan records and a pipelined train record."""
+    sp_lines = (RECORDED / "steps.jsonl").read_text().splitlines()
+    plans = pipeline_plan_records()
+    trained = train_record_from_plan(plans[1])
+    lines = sp_lines + [json.dumps(r) for r in (plans[0], trained)]
+    (tmp_path / "steps.jsonl").write_text("\n".join(lines) + "\n")
+    server = ViewerServer(tmp_path, port=0).start()
+    try:
+        data = json.loads(_get(server.url + "api/steps")[2])
+        later = json.loads(_get(server.url + f"api/steps?since={len(sp_lines)}")[2])
+    finally:
+        server.stop()
+    assert data["error"] is None and data["total"] == len(lines)
+    kinds = [(v["source"], v["pipeline"] is not None) for v in data["records"]]
+    assert kinds == [("train", False)] * len(sp_lines) + [("plan", True), ("train", True)]
+    assert [v["shape"] for v in later["records"]] == [plans[0]["shape"], plans[1]["shape"]]
+    measured = [o["measured_ms"] for o in later["records"][1]["pipeline"]["ops"]]
+    assert len(measured) == len(plans[1]["pipeline"]["ops"]) and all(m > 0 for m in measured)

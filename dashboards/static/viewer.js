@@ -1,5 +1,6 @@
-// flexorch plan viewer: polls /api/steps and draws the selected step (devices x time), its baselines, the run's
-// step times and the step table with Plotly.js. Data shapes: see dashboards/viewer_data.py (step_view).
+// flexorch plan viewer: polls /api/steps and draws the selected step (devices x time for SP steps, stages x time
+// for pipelined ones), its baselines, the run's step times and the step table with Plotly.js. Data shapes: see
+// dashboards/viewer_data.py (step_view, pipeline_view).
 "use strict";
 
 const COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -46,11 +47,12 @@ function planTraces(view, which) {
       textposition: "inside",
       insidetextanchor: "start",
       textangle: 0,
-      customdata: gs.map((g) => [g.micro_batch, g.ranks.join(","), g.kind, g.sequences, g.tokens, g.longest]),
-      hovertemplate:
+      customdata: gs.map((g) => [g.micro_batch, g.ranks.join(","), g.kind, g.sequences, g.tokens, g.longest,
+        g[`${which}_ms`]]),
+      hovertemplate:  // %{x} of a bar with a base is where it ends: the length comes from customdata
         "micro-batch %{customdata[0]}, ranks %{customdata[1]}<br>degree " + d +
         " %{customdata[2]}, %{customdata[3]} sequences, %{customdata[4]} tokens (longest %{customdata[5]})" +
-        "<br>%{base:.1f} ms + %{x:.1f} ms<extra></extra>",
+        "<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
     };
   });
 }
@@ -84,8 +86,118 @@ function drawPlan(div, view, which, title) {
   };
   return Plotly.react(div, planTraces(view, which), layout, { displayModeBar: false, responsive: true }).then(() => {
     div.dataset.step = String(view.step);
+    div.dataset.layout = "sp";
+    div.dataset.ops = "0";
     div.dataset.groups = String(view.groups.filter((g) => g[`${which}_ms`] !== null).length);
   });
+}
+
+// ---------------------------------------------------------------- stages x time, one bar per pipeline op
+const HUES = [210, 30, 0, 175, 120, 50, 290, 340, 20, 260, 90, 190];  // as dashboards/pipeline_svg.py
+
+function opColour(i, kind) {
+  return `hsl(${HUES[i % HUES.length]}, 55%, ${kind === "B" ? 38 : 72}%)`;
+}
+
+function rankSpan(ranks) {
+  if (!ranks.length) return "none";
+  const lo = Math.min(...ranks), hi = Math.max(...ranks);
+  return ranks.length === 1 ? `rank ${lo}` : hi - lo + 1 === ranks.length ? `ranks ${lo}-${hi}` : `ranks ${ranks.join(",")}`;
+}
+
+function stageLabel(pipe, r) {
+  return `stage ${r} (${rankSpan(pipe.stage_ranks[r])})`;
+}
+
+function pipelineTraces(view, which) {
+  const pipe = view.pipeline;
+  // chains are numbered inside each back-to-back pipeline: one colour per (pipeline, chain), in unit order
+  const hue = new Map();
+  for (const o of [...pipe.ops].sort((a, b) => a.unit - b.unit)) {
+    const key = `${o.pipeline}:${o.chain}`;
+    if (!hue.has(key)) hue.set(key, hue.size);
+  }
+  return [["F", "forward (light)"], ["B", "backward (dark); colour = sequence chain"]].map(([kind, name]) => {
+    const ops = pipe.ops.filter((o) => o.kind === kind && o[`${which}_ms`] !== null);
+    return {
+      type: "bar",
+      orientation: "h",
+      name,
+      y: ops.map((o) => o.stage),
+      width: ops.map(() => 0.84),
+      base: ops.map((o) => o[`${which}_start_ms`] ?? 0),
+      x: ops.map((o) => Math.max(o[`${which}_ms`], 1e-3)),
+      marker: { color: ops.map((o) => opColour(hue.get(`${o.pipeline}:${o.chain}`), kind)),
+                line: { color: "white", width: 0.5 } },
+      text: ops.map((o) => `${o.unit}`),
+      textposition: "inside",
+      insidetextanchor: "middle",
+      textangle: 0,
+      customdata: ops.map((o) => [stageLabel(pipe, o.stage), o.unit, kind === "F" ? "forward" : "backward", o.tokens,
+        o.pieces, o.sequences, o.checkpointed ?? "?", o.chain, o.pipeline, o[`${which}_ms`]]),
+      hovertemplate:
+        "%{customdata[0]}: unit %{customdata[1]} %{customdata[2]}<br>%{customdata[3]} tokens in %{customdata[4]} " +
+        "piece(s) of %{customdata[5]} sequence(s), chain %{customdata[7]}, pipeline %{customdata[8]}<br>" +
+        "%{customdata[6]} layer(s) checkpointed<br>%{base:.1f} ms + %{customdata[9]:.1f} ms<extra></extra>",
+    };
+  });
+}
+
+function pipelineBoundaries(view, which) {  // the end of each back-to-back pipeline but the last
+  const ends = new Map();
+  for (const o of view.pipeline.ops) {
+    if (o[`${which}_ms`] === null) continue;
+    const end = (o[`${which}_start_ms`] ?? 0) + o[`${which}_ms`];
+    ends.set(o.pipeline, Math.max(ends.get(o.pipeline) ?? 0, end));
+  }
+  const last = Math.max(...ends.keys());
+  return [...ends.entries()].filter(([p]) => p !== last).map(([, x]) => ({
+    type: "line", x0: x, x1: x, yref: "paper", y0: 0, y1: 1, line: { dash: "dash", color: "#000", width: 1 },
+  }));
+}
+
+function drawPipeline(div, view, which, title) {
+  if (!div._fullLayout) div.textContent = "";  // a skipped step left a note there
+  const pipe = view.pipeline;
+  const stages = [...Array(pipe.stages).keys()];
+  const layout = {
+    title: { text: title, font: { size: 14 } },
+    barmode: "overlay",
+    bargap: 0,
+    uniformtext: { mode: "hide", minsize: 8 },  // a unit number that does not fit its bar is left to the hover
+    margin: { l: 150, r: 10, t: 40, b: 76 },
+    xaxis: { title: { text: "time (ms)", standoff: 4 }, rangemode: "tozero" },
+    yaxis: { autorange: "reversed", range: [pipe.stages - 0.5, -0.5], tickvals: stages,
+             ticktext: stages.map((r) => stageLabel(pipe, r)), zeroline: false },
+    shapes: pipelineBoundaries(view, which),
+    legend: { orientation: "h", x: 0, y: -0.3 },
+    showlegend: true,
+  };
+  return Plotly.react(div, pipelineTraces(view, which), layout, { displayModeBar: false, responsive: true }).then(() => {
+    div.dataset.step = String(view.step);
+    div.dataset.layout = "pipeline";
+    div.dataset.groups = "0";
+    div.dataset.ops = String(pipe.ops.filter((o) => o[`${which}_ms`] !== null).length);
+  });
+}
+
+function pipelineNote(view) {
+  const p = view.pipeline;
+  const used = p.stage_ranks.flat();
+  const idle = view.world_size - used.length;
+  const b2b = p.pipelines > 1
+    ? ` in ${p.pipelines} back-to-back pipelines (memory: each drains before the next starts, black dashed lines)`
+    : " in one pipeline";
+  const ckpt = p.ops.filter((o) => o.kind === "B" && o.checkpointed > 0).length;
+  const baseline = (view.status || "").startsWith("pipeline-")  // the trainer ran a baseline's schedule instead
+    ? ` Schedule: ${view.status.slice("pipeline-".length)} (simulated faster than the elastic plan, so it ran).`
+    : "";
+  return `Pipelined step: ${p.stages} stages x ${p.degree} device(s) per stage (Ulysses SP inside a stage; ` +
+    `layers per stage ${p.layers.join(", ")})` + (idle > 0 ? `, ${idle} rank(s) sit this step out` : "") +
+    `. ${p.units} units (granularity ${p.granularity})${b2b}; simulated bubble ${fmt(p.bubble_share * 100, 1)} %; ` +
+    `${ckpt} of ${p.units * p.stages} backward(s) recompute checkpointed layers. One bar per forward (light) and ` +
+    "backward (dark) of a unit on a stage, labelled with the unit; one colour per sequence chain (the segments of " +
+    "a split sequence share it)." + baseline;
 }
 
 function drawBaselines(view) {
@@ -131,7 +243,9 @@ function drawRun() {
   const shapes = state.selected >= 0 ? [{ type: "line", x0: state.records[state.selected].step,
     x1: state.records[state.selected].step, yref: "paper", y0: 0, y1: 1, line: { color: "#e65100", width: 1 } }] : [];
   Plotly.react($("run-chart"), traces, {
-    margin: { l: 60, r: 10, t: 10, b: 40 }, xaxis: { title: { text: "step" }, tickformat: "d" },
+    margin: { l: 60, r: 10, t: 10, b: 40 },
+    xaxis: { title: { text: "step" }, tickformat: "d",
+             dtick: x.length && Math.max(...x) - Math.min(...x) <= 20 ? 1 : undefined },  // no repeated ticks
     yaxis: { title: { text: "ms" }, rangemode: "tozero" }, shapes, legend: { orientation: "h", y: 1.12 },
   }, { displayModeBar: false });
 }
@@ -168,20 +282,26 @@ function select(i) {
   document.querySelectorAll("#step-table tbody tr.selected").forEach((tr) => tr.classList.remove("selected"));
   const row = document.querySelector(`#step-table tbody tr[data-index="${i}"]`);
   if (row) row.classList.add("selected");
+  const piped = !v.skipped && v.pipeline !== null && v.pipeline !== undefined;
   $("step-summary").textContent = v.skipped
     ? `step ${v.step}: skipped (${v.reason})`
     : `step ${v.step}: ${v.world_size} devices, ${v.sequences} sequences (longest ${fmt(v.longest)}), ` +
-      `${v.micro_batches} micro-batch(es), shape ${v.shape}`;
+      (piped ? `${v.pipeline.units} pipeline unit(s)` : `${v.micro_batches} micro-batch(es)`) + `, shape ${v.shape}`;
+  $("pipeline-note").style.display = piped ? "block" : "none";
+  $("pipeline-note").textContent = piped ? pipelineNote(v) : "";
   const trained = v.source === "train";
   if (v.skipped) {
     Plotly.purge($("plan-predicted"));
     $("plan-predicted").textContent = `step ${v.step} was skipped: ${v.reason}`;
+  } else if (piped) {
+    drawPipeline($("plan-predicted"), v, "predicted", `step ${v.step}: predicted (pipeline simulator), ` +
+      `${fmt(v.predicted_ms, 1)} ms · bubble ${fmt(v.pipeline.bubble_share * 100, 1)} %`);
   } else {
     drawPlan($("plan-predicted"), v, "predicted", `step ${v.step}: predicted (cost model), ${fmt(v.predicted_ms, 1)} ms`);
   }
   $("measured-card").style.display = trained && !v.skipped ? "block" : "none";
   if (trained && !v.skipped) {
-    drawPlan($("plan-measured"), v, "measured", `step ${v.step}: measured, ${fmt(v.measured_ms, 1)} ms`);
+    (piped ? drawPipeline : drawPlan)($("plan-measured"), v, "measured", `step ${v.step}: measured, ${fmt(v.measured_ms, 1)} ms`);
   }
   if (!v.skipped) drawBaselines(v);
   drawRun();
