@@ -176,6 +176,7 @@ _PLAN_KEYS = {
     "json",
     "svg",
     "run_dir",
+    "pipeline_stages",
 }
 
 
@@ -222,7 +223,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         svg=Path(v["svg"]) if v.get("svg") else None,
         run_dir=Path(v["run_dir"]) if v.get("run_dir") else None,
         planner=planner,
-        pipeline_stages=parse_pipeline_stages(args.pipeline_stages),
+        pipeline_stages=parse_pipeline_stages(v.get("pipeline_stages")),
     )
     run_plan(cfg, profile)
     return 0

@@ -130,6 +130,7 @@ class TrainingDriver:
             num_kv_heads=self.cfg.model.num_kv_heads,
             tokens_per_worker=self.cfg.plan.tokens_per_worker,
             num_layers=self.cfg.model.num_layers,
+            vocab_size=self.cfg.model.vocab_size,
         )
 
     # ---------------------------------------------------------------- one step

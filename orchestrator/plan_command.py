@@ -33,7 +33,10 @@ __all__ = ["PlanRunConfig", "BatchStream", "run_plan", "parse_pipeline_stages"]
 
 def parse_pipeline_stages(value) -> int | str | None:
     """``--pipeline-stages`` as given (a string from the command line, an int or a string from a file): a positive
-    int, ``"auto"``, or None (not given: SP planning). Anything else is a ValueError naming the flag."""
+    int, ``"auto"``, or None (not given, or 1: SP planning, as ``pipeline_stages = 1`` means in `flexorch train`).
+    Anything else is a ValueError naming the flag."""
+    if value == 1 or value == "1":
+        return None
     if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
         return value
     if isinstance(value, str):

@@ -43,13 +43,22 @@ class PlannedStep:
 
 
 def planner_profile(
-    profile: Profile, *, num_heads: int, num_kv_heads: int, tokens_per_worker: int, num_layers: int | None = None
+    profile: Profile,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    tokens_per_worker: int,
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
 ) -> Profile:
-    """``profile`` with the model's heads (and layers: pipeline stages split them) and a memory budget of exactly
-    ``tokens_per_worker`` activation tokens."""
+    """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of exactly
+    ``tokens_per_worker`` activation tokens, and (with ``vocab_size``) the LM head's share of the activations: the
+    fp32 log-softmax the loss keeps, ``vocab * 4`` bytes per token (at most half of all), held by the last stage."""
     budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * profile.act_bytes_per_token
-    layers = {"num_layers": num_layers} if num_layers is not None else {}
-    return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget, **layers)
+    extra: dict = {"num_layers": num_layers} if num_layers is not None else {}
+    if vocab_size is not None:
+        extra["head_bytes_per_token"] = min(4.0 * vocab_size, 0.5 * profile.act_bytes_per_token)
+    return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget, **extra)
 
 
 class StepPlanner:

@@ -187,9 +187,13 @@ def _check_pipeline(rec: dict, where: str) -> None:
     if len(pipe["layers"]) != p or len(pipe["checkpointed"]) != p:
         raise RecordError(f"{where}: pipeline.layers and pipeline.checkpointed need one entry per stage ({p})")
     units = pipe["units"]
+    if not isinstance(units, list) or any(len(c) != len(units) for c in pipe["checkpointed"]):
+        raise RecordError(f"{where}: pipeline.checkpointed[stage] needs one entry per unit ({len(units)})")
     covered: dict[int, list[tuple[int, int]]] = {}
     for ui, u in enumerate(units):
-        for piece in u.get("pieces", []) if isinstance(u, dict) else []:
+        if not isinstance(u, dict) or any(not isinstance(u.get(k), int) for k in ("chain", "pipeline", "tokens")):
+            raise RecordError(f"{where}: pipeline.units[{ui}] must be an object with integer chain, pipeline, tokens")
+        for piece in u.get("pieces") or []:
             if not isinstance(piece, list) or len(piece) != 3 or not 0 <= piece[0] < len(lengths):
                 raise RecordError(
                     f"{where}: pipeline.units[{ui}] has a piece {piece!r:.40}, expected [seq_id, start, end]"
@@ -275,3 +279,14 @@ def _check_pipeline_ranks(rec: dict, where: str) -> None:
                 if r in in_stage
                 else f"{where}: ranks[{r}] is in no stage, its ops must be empty"
             )
+        seen = set()
+        for o in ops:
+            ok = isinstance(o, dict) and o.get("kind") in ("F", "B") and isinstance(o.get("unit"), int)
+            ok = ok and 0 <= o["unit"] < len(pipe["units"]) and (o["kind"], o["unit"]) not in seen
+            ok = ok and all(isinstance(o.get(k), int | float) for k in ("start_ms", "end_ms"))
+            if not ok or o["start_ms"] > o["end_ms"]:
+                raise RecordError(
+                    f"{where}: ranks[{r}].ops entry {o!r:.80} must be {{kind: F|B, unit, start_ms <= end_ms}}, each "
+                    "(kind, unit) once"
+                )
+            seen.add((o["kind"], o["unit"]))

@@ -70,7 +70,7 @@ def checkpoint_plan(
     for r, ops in enumerate(schedule):
         layers = model.layers[r]
         for held in held_sets(ops):
-            fixed = sum(units[u].tokens * act * layers for u in held)
+            fixed = sum(units[u].tokens * (act * layers + model.head_bytes(r)) for u in held)
             m += fixed - mip.xsum(units[u].tokens * (act - keep) * var(r, u) for u in held) <= model.budget_bytes(r)
     m.objective = mip.xsum(
         (model.fwd_ms(units[u], r) / model.layers[r]) * var(r, u) for r in range(p) for u in range(n)

@@ -69,6 +69,10 @@ class Profile:
     a2a_latency_ms: dict[int, float] = field(default_factory=dict)
     """Fixed latency (ms) a Ulysses group of d devices pays once per micro-batch for all its all-to-alls (4 per layer
     forward + 4 backward, all layers), whatever its tokens; keys: powers of two >= 2. Empty: 0 for every d."""
+    head_bytes_per_token: float = 0.0
+    """The part of ``act_bytes_per_token`` the LM head and the loss hold (the fp32 log-softmax of the logits,
+    ``vocab * 4`` bytes): in a pipeline only the last stage holds it, and checkpointing cannot drop it. 0: spread
+    over the layers like the rest."""
     p2p_latency_ms: dict[int, float] = field(default_factory=dict)
     """Fixed latency (ms) a ring group of d devices pays once per micro-batch for all its K/V exchanges (d-1 per
     layer forward, ~d backward), whatever its tokens; defaults to `a2a_latency_ms` when empty (like `p2p_gbps`)."""
@@ -79,6 +83,12 @@ class Profile:
             v = getattr(self, f)
             if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 problems.append(f"{f} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.head_bytes_per_token, int | float) or not (
+            0 <= self.head_bytes_per_token < self.act_bytes_per_token
+        ):
+            problems.append(
+                f"head_bytes_per_token must be >= 0 and below act_bytes_per_token, got {self.head_bytes_per_token!r}"
+            )
         if self.act_bytes_per_token <= 0:
             problems.append(f"act_bytes_per_token must be > 0, got {self.act_bytes_per_token!r}")
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "bytes_per_element"):

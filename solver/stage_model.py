@@ -10,7 +10,8 @@ unit of work ``w = sum a1*(end^2 - start^2) + a2*(end - start)`` over its pieces
 * backward:  2 * forward + recompute: the forward time of the checkpointed layers
 * held activations: tokens / degree * (act_per_token / L) * (l_r - c) + tokens / degree * keep * c for c
   checkpointed layers, where ``keep`` is what a checkpointed layer still holds per token (its input:
-  hidden * bytes_per_element);
+  hidden * bytes_per_element); the last stage also holds ``tokens / degree * head_bytes_per_token`` (the LM
+  head's log-softmax, which checkpointing does not drop), taken out of the per-layer share;
 * one send between stages: tokens * hidden * bytes_per_element / p2p bandwidth.
 
 The per-stage budget is the profile's ``memory_budget_bytes`` less the stage's share of ``model_state_bytes``.
@@ -73,7 +74,12 @@ class StageModel:
 
     def act_per_layer(self) -> float:
         """Bytes per token per layer a stage holds for backward (on one of its workers)."""
-        return self.profile.act_bytes_per_token / self.profile.num_layers / self.degree
+        p = self.profile
+        return (p.act_bytes_per_token - p.head_bytes_per_token) / p.num_layers / self.degree
+
+    def head_bytes(self, r: int) -> float:
+        """Bytes per token the LM head and loss hold on stage r (the last stage only; not checkpointed)."""
+        return self.profile.head_bytes_per_token / self.degree if r == self.stages - 1 else 0.0
 
     def keep_per_layer(self) -> float:
         """Bytes per token per layer a checkpointed layer still holds (its input)."""
@@ -81,7 +87,7 @@ class StageModel:
 
     def act_bytes(self, u: Unit, r: int, checkpointed: int = 0) -> float:
         c = checkpointed
-        return u.tokens * (self.act_per_layer() * (self.layers[r] - c) + self.keep_per_layer() * c)
+        return u.tokens * (self.act_per_layer() * (self.layers[r] - c) + self.keep_per_layer() * c + self.head_bytes(r))
 
     def budget_bytes(self, r: int) -> float:
         p = self.profile
@@ -94,4 +100,9 @@ class StageModel:
 
     def token_cap(self) -> int:
         """Most tokens one unit may hold on every stage with no checkpointing (the chunker's memory cap)."""
-        return int(min(self.budget_bytes(r) / (self.act_per_layer() * self.layers[r]) for r in range(self.stages)))
+        return int(
+            min(
+                self.budget_bytes(r) / (self.act_per_layer() * self.layers[r] + self.head_bytes(r))
+                for r in range(self.stages)
+            )
+        )

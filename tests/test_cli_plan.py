@@ -328,3 +328,17 @@ def test_pipeline_batch_that_fits_only_back_to_back(tmp_path, capsys):
     assert sorted(u["pipeline"] for u in rec["pipeline"]["units"]) == [0, 1, 2, 3]
     assert rec["baselines_ms"] == {"1f1b": None, "seq1f1b-4": None}  # neither holds the batch
     assert "n/a" in out and "1 step(s) as back-to-back pipelines" in out and out.count("4 back-to-back") == 1
+
+
+def test_pipeline_stages_from_a_config_file_and_1_means_sp(tmp_path, capsys):
+    conf = tmp_path / "plan.toml"
+    conf.write_text("devices = 8\nbatch = 8\nsteps = 1\ntime_limit = 0.5\npipeline_stages = 2\njson = true\n")
+    code, out, err = _run(["plan", "--config", str(conf)], capsys)
+    assert code == 0, err
+    (rec,) = [validate_record(json.loads(line)) for line in out.splitlines()]
+    assert rec["pipeline"]["stages"] == 2 and rec["plan"] is None
+    # as in `flexorch train`, one stage is no pipeline: SP groups per step (the flag wins over the file)
+    code, out, err = _run(["plan", "--config", str(conf), "--pipeline-stages", "1"], capsys)
+    assert code == 0, err
+    (rec,) = [validate_record(json.loads(line)) for line in out.splitlines()]
+    assert rec["pipeline"] is None and rec["plan"]["num_devices"] == 8

@@ -107,15 +107,20 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages):
     seqs = _sequences(cfg)
     model = init_model(cfg, seed=3)
     units = packed_1f1b_units(LENGTHS, 6, 1e-3, 1.0)
-    probe = build_stages(model, [cfg.num_layers - 1, 1])[0]  # measure what a layer keeps per token (no head)
+    probe, last = build_stages(model, [cfg.num_layers - 1, 1])  # what a layer keeps per token, and the LM head
     probe.forward_unit(0, UnitInput(units[0].pieces, seqs), None, 1000)
-    per_token = probe.held_bytes / units[0].tokens / (cfg.num_layers - 1) * cfg.num_layers
+    per_layer = probe.held_bytes / units[0].tokens / (cfg.num_layers - 1)
+    last.forward_unit(0, UnitInput(units[0].pieces, seqs), torch.zeros(units[0].tokens, cfg.dim), 1000)
+    head = last.held_bytes / units[0].tokens - per_layer
+    assert head >= 4 * cfg.vocab_size * 0.9, "the loss keeps the fp32 log-softmax: ~vocab * 4 bytes per token"
+    per_token = per_layer * cfg.num_layers + head
     profile = dataclasses.replace(
         get_profile("gpt-7b-a100"),
         num_layers=cfg.num_layers,
         hidden=cfg.dim,
         bytes_per_element=4,
         act_bytes_per_token=per_token,
+        head_bytes_per_token=head,
         model_state_bytes=0.0,
         memory_budget_bytes=1e12,
     )
@@ -129,7 +134,7 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages):
     run_local_step(pipe_stages, [(units, sched, ckpt)], seqs)
     free = [build_stages(model, stage_layers(cfg.num_layers, stages)), None]
     run_local_step(free[0], [(units, sched, [[0] * len(units)] * stages)], seqs)
-    for r in range(stages - 1):  # the last stage also holds the LM head's logits, which the stage model leaves out
+    for r in range(stages):  # the last stage's LM head share is in the stage model too
         assert pipe_stages[r].peak_held_bytes <= model_cfg.budget_bytes(r)
         assert pipe_stages[r].peak_held_bytes < free[0][r].peak_held_bytes
     assert all(s.held_bytes == 0 for s in pipe_stages)

@@ -104,3 +104,41 @@ def test_writer_refuses_a_bad_record_and_reader_names_the_line(tmp_path, plan_re
         f.write("{not json\n")
     with pytest.raises(RecordError, match=r"steps\.jsonl:3: not a JSON record"):
         read_records(w.path)
+
+
+@pytest.fixture(scope="module")
+def pipeline_records():
+    from tests.pipeline_helpers import pipeline_plan_records, train_record_from_plan
+
+    plans = pipeline_plan_records()
+    return plans[0], train_record_from_plan(plans[0])
+
+
+def test_pipeline_records_validate(pipeline_records):
+    plan_rec, train_rec = pipeline_records
+    for r in (plan_rec, train_rec):
+        assert validate_record(r) is r and r["plan"] is None and r["pipeline"] is not None
+
+
+@pytest.mark.parametrize(
+    "which, change, message",
+    [
+        ("plan", lambda r: r["pipeline"].pop("ops"), "pipeline lacks ops"),
+        ("plan", lambda r: r["pipeline"]["ops"].pop(), "one F and one B per unit and stage"),
+        ("plan", lambda r: r["pipeline"].update(degree=64), "must be positive and fit world_size 8"),
+        ("plan", lambda r: r["pipeline"]["stage_ranks"][0].__setitem__(0, 7), "stages of 2 distinct ranks"),
+        ("plan", lambda r: r["pipeline"]["units"][0]["pieces"].pop(), "cover every token of sequence"),
+        ("plan", lambda r: r["pipeline"]["units"].__setitem__(0, [1, 2]), "must be an object with integer chain"),
+        ("plan", lambda r: r["pipeline"]["checkpointed"][0].pop(), "one entry per unit"),
+        ("plan", lambda r: r.update(plan={"num_devices": 8, "micro_batches": []}), "one of 'plan' or 'pipeline'"),
+        ("train", lambda r: r["ranks"][0]["ops"].pop(), "ranks[0].ops must hold its stage's"),
+        ("train", lambda r: r["ranks"][0]["ops"][0].update(kind="X"), "ranks[0].ops entry"),
+        ("train", lambda r: r["ranks"][0]["ops"][1].update(r["ranks"][0]["ops"][0]), "each (kind, unit) once"),
+        ("train", lambda r: r["ranks"][0]["ops"][0].update(start_ms=1e9), "start_ms <= end_ms"),
+    ],
+)
+def test_pipeline_damage_is_named(pipeline_records, which, change, message):
+    rec = pipeline_records[0] if which == "plan" else pipeline_records[1]
+    with pytest.raises(RecordError) as e:
+        validate_record(_broken(rec, change), "step 0")
+    assert message in str(e.value)
