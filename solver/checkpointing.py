@@ -66,12 +66,11 @@ def checkpoint_plan(
     def var(r: int, u: int):
         return z[u + (p - 1 - r)]
 
-    act, keep = model.act_per_layer(), model.keep_per_layer()
     for r, ops in enumerate(schedule):
-        layers = model.layers[r]
         for held in held_sets(ops):
-            fixed = sum(units[u].tokens * (act * layers + model.head_bytes(r)) for u in held)
-            m += fixed - mip.xsum(units[u].tokens * (act - keep) * var(r, u) for u in held) <= model.budget_bytes(r)
+            fixed = sum(model.act_bytes(units[u], r, 0) for u in held)
+            saved = [model.layer_bytes(units[u]) - model.keep_bytes(units[u]) for u in held]
+            m += fixed - mip.xsum(s * var(r, u) for s, u in zip(saved, held, strict=True)) <= model.budget_bytes(r)
     m.objective = mip.xsum(
         (model.fwd_ms(units[u], r) / model.layers[r]) * var(r, u) for r in range(p) for u in range(n)
     )

@@ -8,10 +8,12 @@ unit of work ``w = sum a1*(end^2 - start^2) + a2*(end - start)`` over its pieces
   are forward + backward, backward ~ 2x; a2a is the cost model's Ulysses all-to-all time inside the stage, b1 +
   latency its per-group overhead, both 0 extra for degree 1 but b1)
 * backward:  2 * forward + recompute: the forward time of the checkpointed layers
-* held activations: tokens / degree * (act_per_token / L) * (l_r - c) + tokens / degree * keep * c for c
-  checkpointed layers, where ``keep`` is what a checkpointed layer still holds per token (its input:
-  hidden * bytes_per_element); the last stage also holds ``tokens / degree * head_bytes_per_token`` (the LM
-  head's log-softmax, which checkpointing does not drop), taken out of the per-layer share;
+* held activations: ``(tokens / degree * (act_per_token / L) + prefix K/V) * (l_r - c) + tokens * keep * c`` for
+  c checkpointed layers, where the prefix K/V is what a segment's attention saves of its sequence's earlier tokens
+  (``prefix x 2 x kv_heads x head_dim x bytes / degree`` per layer) and ``keep`` is what a checkpointed layer still
+  holds per token (its input, its K/V kept by the prefix cache, RoPE's cos/sin: ``(hidden + 2 kv_heads head_dim +
+  head_dim) * bytes_per_element / degree``); the last stage also holds ``tokens / degree * head_bytes_per_token``
+  (the LM head's log-softmax, which checkpointing does not drop), taken out of the per-layer share;
 * one send between stages: tokens * hidden * bytes_per_element / p2p bandwidth.
 
 The per-stage budget is the profile's ``memory_budget_bytes`` less the stage's share of ``model_state_bytes``.
@@ -82,12 +84,30 @@ class StageModel:
         return self.profile.head_bytes_per_token / self.degree if r == self.stages - 1 else 0.0
 
     def keep_per_layer(self) -> float:
-        """Bytes per token per layer a checkpointed layer still holds (its input)."""
-        return min(self.profile.hidden * self.profile.bytes_per_element / self.degree, self.act_per_layer())
+        """Bytes per token per layer a checkpointed layer still holds: its input (hidden), its K and V (the prefix
+        cache keeps them for the sequence's later segments: 2 x kv heads x head dim) and RoPE's cos/sin (head dim)."""
+        p = self.profile
+        per_token = p.hidden + 2 * p.num_kv_heads * p.head_dim + p.head_dim
+        return min(per_token * p.bytes_per_element / self.degree, self.act_per_layer())
+
+    def prefix_kv_bytes(self, u: Unit) -> float:
+        """Bytes per layer a unit keeps for its pieces' K/V prefix (a segment's attention saves the concatenated
+        K and V of its sequence's earlier tokens for backward): prefix tokens x 2 x kv heads x head dim."""
+        p = self.profile
+        prefix = sum(piece.start for piece in u.pieces)
+        return prefix * 2 * p.num_kv_heads * p.head_dim * p.bytes_per_element / self.degree
+
+    def layer_bytes(self, u: Unit) -> float:
+        """What one layer run without checkpointing holds for unit u."""
+        return u.tokens * self.act_per_layer() + self.prefix_kv_bytes(u)
+
+    def keep_bytes(self, u: Unit) -> float:
+        """What one checkpointed layer holds for unit u (its input)."""
+        return u.tokens * self.keep_per_layer()
 
     def act_bytes(self, u: Unit, r: int, checkpointed: int = 0) -> float:
         c = checkpointed
-        return u.tokens * (self.act_per_layer() * (self.layers[r] - c) + self.keep_per_layer() * c + self.head_bytes(r))
+        return self.layer_bytes(u) * (self.layers[r] - c) + self.keep_bytes(u) * c + u.tokens * self.head_bytes(r)
 
     def budget_bytes(self, r: int) -> float:
         p = self.profile

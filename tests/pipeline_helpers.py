@@ -25,12 +25,13 @@ TIGHT_PROFILE = {
     "memory_budget_bytes": 1e8,
     "num_layers": 3,
     "hidden": 8192,
-    "num_heads": 4,
-    "num_kv_heads": 4,
+    "num_heads": 64,
+    "num_kv_heads": 1,
     "a2a_gbps": {"2": 100.0},
 }
 """A profile (JSON) whose memory binds pipelines: 3 layers on 2 stages put 2 on stage 0, and checkpointing saves
-nothing (a layer's kept input is as big as its activations), so stage 0 holds 5000 tokens at once (0.09 GiB),
+nothing (a layer's kept input is as big as its activations), so stage 0 holds 5000 tokens at once (0.09 GiB;
+one KV head of 128 dims keeps a segment's K/V prefix small),
 while an SP group of 2 devices holds 6666."""
 
 

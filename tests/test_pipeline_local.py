@@ -94,8 +94,10 @@ def test_segments_out_of_order_are_refused():
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages):
-    """The checkpointing ILP's plan, run for real: bytes saved for backward per stage stay within the budget."""
+@pytest.mark.parametrize("kind", ["packed", "segments"])
+def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages, kind):
+    """The checkpointing ILP's plan, run for real: bytes saved for backward per stage stay within the budget
+    (segments also hold their K/V prefix, which the stage model counts)."""
     import dataclasses
 
     from solver.checkpointing import checkpoint_plan
@@ -118,12 +120,15 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages):
         get_profile("gpt-7b-a100"),
         num_layers=cfg.num_layers,
         hidden=cfg.dim,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
         bytes_per_element=4,
         act_bytes_per_token=per_token,
         head_bytes_per_token=head,
         model_state_bytes=0.0,
         memory_budget_bytes=1e12,
     )
+    units = _units(kind, LENGTHS)
     sched = one_f_one_b(units, stages)
     loose = StageModel(profile, stages)
     need = max(sum(loose.act_bytes(units[u], 0) for u in held) for held in _held(sched[0]))
@@ -136,7 +141,8 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages):
     run_local_step(free[0], [(units, sched, [[0] * len(units)] * stages)], seqs)
     for r in range(stages):  # the last stage's LM head share is in the stage model too
         assert pipe_stages[r].peak_held_bytes <= model_cfg.budget_bytes(r)
-        assert pipe_stages[r].peak_held_bytes < free[0][r].peak_held_bytes
+        assert pipe_stages[r].peak_held_bytes <= free[0][r].peak_held_bytes
+    assert any(pipe_stages[r].peak_held_bytes < free[0][r].peak_held_bytes for r in range(stages))
     assert all(s.held_bytes == 0 for s in pipe_stages)
 
 

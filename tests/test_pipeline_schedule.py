@@ -240,17 +240,20 @@ def test_plan_fits_memory_covers_every_token_and_beats_plain_1f1b():
 
 
 def test_back_to_back_pipelines_when_one_does_not_fit():
-    from solver.pipeline_plan import plan_units
+    from solver.pipeline_plan import _fits_fully_checkpointed, _renumber, _split_between_chains, plan_units
     from solver.stage_model import StageModel
 
     # 16 stages: stage 0 holds 16 units at once; at the token cap, even fully checkpointed (each layer keeps its
-    # input, ~10 % of its activations) that is over the budget, while 8 units are not: two pipelines of 8
+    # input and K/V, ~30 % of its activations) that is over the budget: the fewest back-to-back pipelines that fit
     model = StageModel(_profile(budget_gib=3.0, layers=32), 16, 2)
     cap = model.token_cap()
     units = chunk_batch([cap] * 16, 16, model.profile.a1_ms, model.profile.a2_ms, cap)
     plan = plan_units(model, units, 16)
-    assert len(plan.pipelines) == 2 and len(plan.units) == 16
+    k = len(plan.pipelines)
+    assert k >= 2 and len(plan.units) == 16
     assert all(p <= model.budget_bytes(r) * (1 + 1e-9) for r, p in enumerate(plan.peak_bytes))
+    fewer = [_renumber(g) for g in _split_between_chains(units, k - 1)]
+    assert not all(_fits_fully_checkpointed(model, g) for g in fewer), "one pipeline fewer would also have fit"
 
 
 def test_schedule_picture_has_one_box_per_op_and_a_shared_time_axis():

@@ -84,8 +84,8 @@ def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome,
     prev = task.stage_ranks[r - 1][j] if r > 0 else None
     nxt = task.stage_ranks[r + 1][j] if r < p - 1 else None
     dim = model.cfg.dim
-    dtype = next(model.parameters()).dtype
-    loss = torch.zeros((), dtype=torch.float64)
+    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
+    loss = 0.0  # summed cross-entropy of this rank's last-stage shards (a Python float: no device to match)
     pred = 0
     base = 0
     for pipe in task.pipelines:
@@ -98,21 +98,25 @@ def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome,
             if kind == "F":
                 x = None
                 if prev is not None:
-                    x = torch.empty(n_local, dim, dtype=dtype)  # (t_pad/d, dim) hidden states from stage r-1
+                    x = torch.empty(
+                        n_local, dim, dtype=dtype, device=device
+                    )  # (t_pad/d, dim) hidden states from stage r-1
                     dist.recv(x, src=prev, tag=tag)
                 res = stage.forward_unit(u, inputs[u], x, 1, pipe.checkpointed[u])  # last stage: summed loss
                 if nxt is not None:
                     sends.append(dist.isend(res.contiguous(), dst=nxt, tag=tag))
                 else:
-                    loss += res.double()
-                    pred += int((inputs[u].shard(j, d)[2] != -100).sum())
+                    loss += float(res)
+                    pred += int((inputs[u].shard(j, d)[2] != -100).sum())  # labels of this rank's shard
                 out.local_tokens += n_local
                 out.peak_local_tokens = max(out.peak_local_tokens, n_local)
                 hook("micro_batch")
             else:
                 g = None
                 if nxt is not None:
-                    g = torch.empty(n_local, dim, dtype=dtype)  # (t_pad/d, dim) gradient of unit u's output
+                    g = torch.empty(
+                        n_local, dim, dtype=dtype, device=device
+                    )  # (t_pad/d, dim) gradient of unit u's output
                     dist.recv(g, src=nxt, tag=tag + 1)
                 g_in = stage.backward_unit(u, g)
                 if prev is not None:

@@ -114,6 +114,13 @@ class KVCache:
                 return k, v
         raise KeyError((layer, seq, start))
 
+    def drop(self, layer: int, seq: int, start: int) -> None:
+        """Forget one segment's K/V (after its backward, the last use)."""
+        entries = self._store.get((layer, seq), [])
+        entries[:] = [e for e in entries if e[0] != start]
+        if not entries:
+            self._store.pop((layer, seq), None)
+
     def clear(self) -> None:
         self._store.clear()
 
@@ -208,7 +215,7 @@ class StageModule(torch.nn.Module):
                 kk, vv = k[at : at + b - a], v[at : at + b - a]
                 leaf_k, leaf_v = kk.detach().requires_grad_(), vv.detach().requires_grad_()
                 self.cache.put(layer, seq, a, b, leaf_k, leaf_v)
-                own.append((kk, vv, leaf_k, leaf_v))
+                own.append((kk, vv, leaf_k, leaf_v, (layer, seq, a)))
                 at += b - a
             return out
 
@@ -235,7 +242,9 @@ class StageModule(torch.nn.Module):
     ) -> torch.Tensor:
         """Run unit ``u`` forward; returns the hidden states for the next stage (detached) or, on the last stage,
         the unit's loss share (a float tensor, detached)."""
-        ids, pos, labels = unit.shard(self.sp_rank, self.sp_degree)  # (t,) each, or this rank's (t_pad/d,) shard
+        dev = self.layers[str(self.first)].attention.wq.weight.device
+        # (t,) each, or this rank's (t_pad/d,) shard, on the stage's device
+        ids, pos, labels = (x.to(dev) for x in unit.shard(self.sp_rank, self.sp_degree))
         if self.is_first:
             x = self.tok_embeddings(ids)  # (t,) -> (t, dim)
             leaf = None
@@ -272,12 +281,14 @@ class StageModule(torch.nn.Module):
         """Run unit ``u`` backward; returns the gradient of its input hidden states (for the previous stage)."""
         saved = self._units.pop(u)
         tensors, grads = [saved["out"]], [grad_out if not self.is_last else torch.ones_like(saved["out"])]
-        for kk, vv, leaf_k, leaf_v in saved["own"]:
+        for kk, vv, leaf_k, leaf_v, _ in saved["own"]:
             for t, leaf in ((kk, leaf_k), (vv, leaf_v)):
                 if leaf.grad is not None:  # later segments attended to these K/V
                     tensors.append(t)
                     grads.append(leaf.grad)
         torch.autograd.backward(tensors, grads)
+        for *_, key in saved["own"]:  # later segments ran backward before this one: nobody needs these K/V now
+            self.cache.drop(*key)
         self.held_bytes -= saved["bytes"]
         return None if saved["leaf"] is None else saved["leaf"].grad
 
