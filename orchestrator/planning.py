@@ -52,12 +52,15 @@ def planner_profile(
     vocab_size: int | None = None,
 ) -> Profile:
     """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of exactly
-    ``tokens_per_worker`` activation tokens, and (with ``vocab_size``) the LM head's share of the activations: the
-    fp32 log-softmax the loss keeps, ``vocab * 4`` bytes per token (at most half of all), held by the last stage."""
+    ``tokens_per_worker`` activation tokens, and (with ``vocab_size``) the LM head's share of the activations, held
+    by the last pipeline stage: the fp32 log-softmax the loss keeps (``vocab * 4`` bytes per token) and the final
+    norm's and the head's inputs (about 4 hidden-size vectors; measured 3.2 on the tiny model), at most half of
+    all."""
     budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * profile.act_bytes_per_token
     extra: dict = {"num_layers": num_layers} if num_layers is not None else {}
     if vocab_size is not None:
-        extra["head_bytes_per_token"] = min(4.0 * vocab_size, 0.5 * profile.act_bytes_per_token)
+        head = 4.0 * vocab_size + 4.0 * profile.hidden * profile.bytes_per_element
+        extra["head_bytes_per_token"] = min(head, 0.5 * profile.act_bytes_per_token)
     return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget, **extra)
 
 
@@ -76,6 +79,11 @@ class StepPlanner:
         if niceness:  # the solve overlaps the step: on shared CPUs it must not take cycles from the workers
             os.nice(niceness)
         self.profile = profile
+        # pipeline stages run on workers that keep a whole replica: each stage has the budget less the WHOLE model
+        # state (the stage model would otherwise give a stage the room of the other stages' parameters)
+        self.pipeline_profile = profile.with_overrides(
+            memory_budget_bytes=profile.memory_budget_bytes - profile.model_state_bytes, model_state_bytes=0.0
+        )
         self.static = static
         self.config = config
         self.pipeline_stages = pipeline_stages
@@ -121,8 +129,8 @@ class StepPlanner:
         """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
         baseline's schedule is faster it runs instead (status ``pipeline-1f1b`` / ``pipeline-seq1f1b-4``)."""
         limit = self.config.time_limit_s
-        staged = plan_staged(lengths, num_devices, self.profile, self.pipeline_stages, time_limit_s=limit)
-        bases = pipeline_baselines(lengths, staged, self.profile, time_limit_s=limit)
+        staged = plan_staged(lengths, num_devices, self.pipeline_profile, self.pipeline_stages, time_limit_s=limit)
+        bases = pipeline_baselines(lengths, staged, self.pipeline_profile, time_limit_s=limit)
         status = "pipeline"
         for name, p in bases.items():
             if p is not None and p.makespan_ms < staged.makespan_ms:
@@ -142,8 +150,11 @@ def heuristic_plan(
     the planner actor is stuck."""
     t0 = time.perf_counter()
     if pipeline_stages != 1:
+        replica = profile.with_overrides(  # whole replicas on every worker, as in StepPlanner
+            memory_budget_bytes=profile.memory_budget_bytes - profile.model_state_bytes, model_state_bytes=0.0
+        )
         try:
-            staged = fallback_staged(lengths, num_devices, profile, pipeline_stages)
+            staged = fallback_staged(lengths, num_devices, replica, pipeline_stages)
         except PlanningError as e:
             return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
         return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, "fallback", {})

@@ -74,16 +74,37 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
             records = [driver.step() for _ in range(cfg.steps)]
         finally:
             driver.shutdown()
+        # a pipelined run beside it (2 steps): its schedule's bubble share is exported too
+        from workers.model import ModelConfig
+
+        pp_cfg = train_config(
+            corpus_dir, tmp_path / "metrics-pp", cfg.plan.profile, steps=2, model=ModelConfig(num_layers=4),
+            pipeline_stages=2,
+        )  # fmt: skip
+        pp_driver = TrainingDriver(pp_cfg)
+        try:
+            pp_driver.setup()
+            pp_records = [pp_driver.step() for _ in range(pp_cfg.steps)]
+        finally:
+            pp_driver.shutdown()
         deadline = time.monotonic() + 60
         while True:
             found = _scrape(port, "metrics-run")
-            if all(n in found for n in NAMES) and found["flexorch_steps_total"][0][1] == 3:
+            pp_found = _scrape(port, "metrics-pp")
+            if (
+                all(n in found for n in NAMES)
+                and found["flexorch_steps_total"][0][1] == 3
+                and "flexorch_pipeline_bubble_share" in pp_found
+            ):
                 break
             assert time.monotonic() < deadline, f"missing: {[n for n in NAMES if n not in found]}; found {found}"
             time.sleep(1)
     finally:
         ray.shutdown()
 
+    bubble = pp_found["flexorch_pipeline_bubble_share"][0][1]
+    assert bubble == pytest.approx(pp_records[-1]["pipeline"]["bubble_share"], rel=1e-6) and 0.0 <= bubble < 1.0
+    assert "flexorch_pipeline_bubble_share" not in found  # an SP run has no pipeline
     last = records[-1]
     value = {n: v[0][1] for n, v in found.items()}
     assert value["flexorch_step_measured_ms"] == pytest.approx(last["measured_ms"], rel=1e-6)
@@ -96,13 +117,15 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
     assert value["flexorch_idle_share"] == pytest.approx(idle, rel=1e-6, abs=1e-9)
     for share in ("flexorch_comm_share", "flexorch_grad_sync_share", "flexorch_idle_share"):
         assert 0.0 <= value[share] <= 1.0, share
-    # the Grafana dashboard queries series that the export really has (the two counters not hit here aside)
+    # the Grafana dashboard queries series that the export really has (the two counters not hit here aside; the
+    # pipeline bubble comes from the pipelined run)
     from dashboards.grafana import build_dashboard
 
     for panel in build_dashboard()["panels"]:
         for t in panel["targets"]:
             for name in re.findall(r"ray_(flexorch_\w+)\{", t["expr"]):
-                assert name in found or name in ("flexorch_skipped_batches_total", "flexorch_recoveries_total"), name
+                not_here = ("flexorch_skipped_batches_total", "flexorch_recoveries_total")
+                assert name in found or name in not_here or name in pp_found, name
     groups = {(lab["degree"], lab["kind"]): v for lab, v in found["flexorch_plan_groups"]}
     expected: dict = {}
     for mb in last["plan"]["micro_batches"]:
