@@ -159,10 +159,17 @@ def _too_big(model: StageModel, units: list[Unit]) -> str:
     need, r, tokens = worst
     return (
         f"no activation checkpointing fits the memory budget: even with every layer checkpointed and each sequence "
-        f"in a pipeline of its own, stage {r} must hold {need / 2**30:.2f} GiB at once for a unit chain of {tokens} "
-        f"tokens (a sequence keeps all its segments until its backward), the budget is "
-        f"{model.budget_bytes(r) / 2**30:.2f} GiB; add stages or workers per stage, or lower the context length"
+        f"in a pipeline of its own, stage {r} must hold {_size(need)} at once for a unit chain of {tokens} tokens (a "
+        f"sequence keeps all its segments until its backward), the budget is {_size(model.budget_bytes(r))}; add "
+        "stages or workers per stage, raise the memory budget (plan.tokens_per_worker), or lower the context length"
     )
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
 def plan_units(model: StageModel, units: list[Unit], granularity: int, time_limit_s: float = 2.0) -> PipelinePlan:

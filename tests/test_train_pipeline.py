@@ -74,8 +74,10 @@ def _checkpointed(rec) -> int:
     "stages,tokens_per_worker,degree,segments,checkpointing",
     [
         (2, 256, 2, False, False),  # roomy memory: whole documents packed, nothing recomputed; 2 workers per stage
-        (4, 16, 1, True, True),  # tight memory: long documents in segments with their K/V cache, checkpointing
-        ("auto", 32, None, True, True),
+        # tight memory: long documents in segments with their K/V cache, checkpointing, at times back-to-back
+        # pipelines (the last stage keeps a whole document's logits until its backward)
+        (4, 64, 1, True, True),
+        ("auto", 48, None, True, True),  # the split can change from step to step (2x2 or 4x1)
     ],
 )
 def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker, degree, segments, checkpointing):
@@ -91,8 +93,9 @@ def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker,
         for rank, entry in enumerate(r["ranks"]):  # every stage rank ran one F and one B per unit, in plan order
             want = 2 * len(pipe["units"]) if rank in in_stage else 0
             assert len(entry["ops"]) == want
-        assert set(r["baselines_ms"]) == {"1f1b", "seq1f1b-4"}
-        assert r["predicted_ms"] <= min(v for v in r["baselines_ms"].values() if v is not None) + 1e-9
+        assert set(r["baselines_ms"]) == {"1f1b", "seq1f1b-4"}  # null where a baseline cannot fit the memory
+        fitting = [v for v in r["baselines_ms"].values() if v is not None]
+        assert r["predicted_ms"] <= min(fitting, default=float("inf")) + 1e-9
     assert any(_segments(r) for r in records) == segments
     assert any(_checkpointed(r) for r in records) == checkpointing
     _check(cfg, env[3], records, replicas)
@@ -101,7 +104,7 @@ def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker,
 def test_worker_killed_mid_pipeline_is_remapped_and_the_step_reruns(env):
     # 4 workers as 2 stages x 2; worker 3 (stage 1) dies after its first forward of step 1: the 3 survivors form
     # 2 stages x 1 with one rank sitting out, the same batch re-runs, nothing lost or trained twice
-    cfg = _cfg(env, "pp-kill", 2, 64, steps=3)
+    cfg = _cfg(env, "pp-kill", 2, 128, steps=3)
     records, replicas = _run(cfg, env[3], faults=[(3, "micro_batch", 1, 1, "exit")])
     assert [r["world_size"] for r in records] == [4, 3, 3]
     rec = records[1]["recoveries"][0]
@@ -117,7 +120,7 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
     # checkpoint, "crash", resume on 4 stages for 2 more; together they equal the reference on the same batches
     import dataclasses
 
-    first_cfg = _cfg(env, "pp-resume", 2, 64, steps=4)
+    first_cfg = _cfg(env, "pp-resume", 2, 128, steps=4)
     driver = TrainingDriver(first_cfg, corpus=env[3])
     try:
         driver.setup()
