@@ -178,20 +178,25 @@ def _powers_of_two(n: int) -> list[int]:
 def pipeline_baselines(
     lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
 ) -> dict[str, PipelinePlan | None]:
-    """The step's baselines on the same stages: plain 1F1B (packed micro-batches, one per stage, no splitting) and
-    Seq1F1B (those micro-batches in k equal-FLOP segments each), with the same checkpointing ILP; None where no
-    checkpointing fits."""
+    """The step's baselines on the same stages: plain 1F1B (packed micro-batches, no splitting) and Seq1F1B (those
+    micro-batches in k equal-FLOP segments each), each with the fastest of P, 2P and 4P micro-batches and the same
+    checkpointing ILP; None where no micro-batch count fits."""
     model = StageModel(profile, staged.stages, staged.degree)
-    m = min(staged.stages, len(lengths))
+    p = staged.stages
     out: dict[str, PipelinePlan | None] = {}
-    for name, units in (
-        ("1f1b", packed_1f1b_units(lengths, m, profile.a1_ms, profile.a2_ms)),
-        (f"seq1f1b-{k}", _seq1f1b_units(lengths, m, k, profile.a1_ms, profile.a2_ms)),
+    for name, make in (
+        ("1f1b", lambda m: packed_1f1b_units(lengths, m, profile.a1_ms, profile.a2_ms)),
+        (f"seq1f1b-{k}", lambda m: _seq1f1b_units(lengths, m, k, profile.a1_ms, profile.a2_ms)),
     ):
-        try:
-            out[name] = plan_units(model, units, len(units), time_limit_s)
-        except ValueError:
-            out[name] = None
+        best = None
+        for m in sorted({min(f * p, len(lengths)) for f in (1, 2, 4)}):
+            try:
+                plan = plan_units(model, make(m), m, time_limit_s)
+            except ValueError:
+                continue
+            if best is None or plan.makespan_ms < best.makespan_ms:
+                best = plan
+        out[name] = best
     return out
 
 

@@ -326,8 +326,9 @@ def test_pipeline_batch_that_fits_only_back_to_back(tmp_path, capsys):
     (rec,) = read_records(run / "steps.jsonl", validate=True)
     assert rec["shape"] == "pp 2x1 · 4 units · 4 back-to-back"
     assert sorted(u["pipeline"] for u in rec["pipeline"]["units"]) == [0, 1, 2, 3]
-    assert rec["baselines_ms"] == {"1f1b": None, "seq1f1b-4": None}  # neither holds the batch
-    assert "n/a" in out and "1 step(s) as back-to-back pipelines" in out and out.count("4 back-to-back") == 1
+    # the baselines hold it only with a micro-batch per sequence (4 = 2P), also back to back
+    assert all(v is not None and v > 0 for v in rec["baselines_ms"].values())
+    assert "1 step(s) as back-to-back pipelines" in out and out.count("4 back-to-back") == 1
 
 
 def test_pipeline_stages_from_a_config_file_and_1_means_sp(tmp_path, capsys):
