@@ -63,11 +63,19 @@ def _check(cfg, corpus, records, replicas):
     assert_params_close(replicas, ref_params)
 
 
-def test_node_removed_then_added_mid_run(cluster):
+def _ranks_used(rec: dict) -> set[int]:
+    if rec["pipeline"] is not None:
+        return {r for rs in rec["pipeline"]["stage_ranks"] for r in rs}
+    return {r for mb in rec["plan"]["micro_batches"] for g in mb for r in g["ranks"]}
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_node_removed_then_added_mid_run(cluster, stages):
+    # with pipeline_stages = 2 the stages are re-mapped each time: 2 x 2 workers, 2 x 1 after the loss, 2 x 2 again
     c, corpus = cluster[0], cluster[3]
     node_b = c.add_node(num_cpus=2)
     c.wait_for_nodes()
-    cfg = _cfg(cluster, "remove-add", steps=20, max_workers=4)
+    cfg = _cfg(cluster, f"remove-add-{stages}", steps=20, max_workers=4, pipeline_stages=stages)
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()
@@ -85,8 +93,11 @@ def test_node_removed_then_added_mid_run(cluster):
         grown = records[-1]
         assert grown["world_size"] == 4, "the run grew onto the new node"
         assert any(r.get("what") == "grow" for r in grown["recoveries"])
-        ranks = {r for mb in grown["plan"]["micro_batches"] for g in mb for r in g["ranks"]}
-        assert max(ranks) == 3, "the plan uses the new workers"
+        assert max(_ranks_used(grown)) == 3, "the plan uses the new workers"
+        if stages == 2:
+            assert records[0]["pipeline"]["stage_ranks"] == [[0, 1], [2, 3]]
+            assert records[1]["pipeline"]["stage_ranks"] == [[0], [1]]
+            assert grown["pipeline"]["stage_ranks"] == [[0, 1], [2, 3]]
         assert len(set(grown["worker_ids"]) - {0, 1, 2, 3}) == 2, "newcomers have fresh worker ids"
         records.append(driver.step())
         replicas = driver.replica_parameters()
