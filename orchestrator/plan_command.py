@@ -194,28 +194,38 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
                 profile,
                 base_ms,
             )
-            if writer is not None:
-                writer.append(rec)
-            records.append(rec)
             pictures.append((f"step {step}: {sp.plan.shape()}  {sp.makespan_ms / 1000:.2f} s", sp.plan))
-            if cfg.json:
-                print(json.dumps(rec), file=out, flush=True)
-            else:
-                elapsed = time.perf_counter() - t_start
-                eta = elapsed / (step + 1) * (cfg.steps - step - 1)
-                print(_row(rec, sp.makespan_ms, base, eta), file=out, flush=True)
+            eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
+            _emit(cfg, out, writer, records, rec, None if cfg.json else _row(rec, sp.makespan_ms, base, eta))
     if not cfg.json:
         _summary(records, out)
-        if writer is not None:
-            print(f"step records: {writer.path} (view them with: flexorch dashboard {cfg.run_dir})", file=out)
-    if cfg.svg is not None:
+
+    def picture() -> str:
         from dashboards.plan_svg import render_steps_svg
 
-        cfg.svg.parent.mkdir(parents=True, exist_ok=True)
-        cfg.svg.write_text(render_steps_svg(pictures, profile))
-        if not cfg.json:
-            print(f"picture of every step: {cfg.svg}", file=out)
+        return render_steps_svg(pictures, profile)
+
+    _close(cfg, out, writer, picture, "picture of every step")
     return records
+
+
+def _emit(cfg: PlanRunConfig, out, writer, records: list, rec: dict, row: str | None) -> None:
+    """Record one step: to ``steps.jsonl`` (with --run-dir), to ``records``, and printed (JSON, or the table row)."""
+    if writer is not None:
+        writer.append(rec)
+    records.append(rec)
+    print(json.dumps(rec) if cfg.json else row, file=out, flush=True)
+
+
+def _close(cfg: PlanRunConfig, out, writer, picture, what: str) -> None:
+    """After the summary: say where the records went, and write the picture (``picture()``) with --svg."""
+    if writer is not None and not cfg.json:
+        print(f"step records: {writer.path} (view them with: flexorch dashboard {cfg.run_dir})", file=out)
+    if cfg.svg is not None:
+        cfg.svg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.svg.write_text(picture())
+        if not cfg.json:
+            print(f"{what}: {cfg.svg}", file=out)
 
 
 _PIPELINE_BASELINES = ("1f1b", "seq1f1b-4")
@@ -295,26 +305,18 @@ def _run_pipeline(cfg: PlanRunConfig, profile: Profile, lengths: np.ndarray, str
             profile,
             {k: (None if v is None else round(v, 3)) for k, v in base.items()},
         )
-        if writer is not None:
-            writer.append(rec)
-        records.append(rec)
         pictures.append((f"step {step}: {staged.shape()}  {staged.makespan_ms / 1000:.2f} s", staged.plan))
-        if cfg.json:
-            print(json.dumps(rec), file=out, flush=True)
-        else:
-            eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
-            print(_pipeline_row(rec, base, eta), file=out, flush=True)
+        eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
+        _emit(cfg, out, writer, records, rec, None if cfg.json else _pipeline_row(rec, base, eta))
     if not cfg.json:
         _pipeline_summary(records, out)
-        if writer is not None:
-            print(f"step records: {writer.path} (view them with: flexorch dashboard {cfg.run_dir})", file=out)
-    if cfg.svg is not None:
+
+    def picture() -> str:
         from dashboards.pipeline_svg import render_pipelines_svg
 
-        cfg.svg.parent.mkdir(parents=True, exist_ok=True)
-        cfg.svg.write_text(render_pipelines_svg(pictures))
-        if not cfg.json:
-            print(f"picture of every step (stages x time): {cfg.svg}", file=out)
+        return render_pipelines_svg(pictures)
+
+    _close(cfg, out, writer, picture, "picture of every step (stages x time)")
     return records
 
 

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.data_stream import DocumentStream
 from orchestrator.driver import TrainingDriver
 from orchestrator.elastic import ElasticError
 from orchestrator.records import read_records
 from orchestrator.train_command import format_membership
-from tests.train_helpers import assert_params_close, reference_losses_and_params, train_config, training_env
+from tests.train_helpers import check_against_reference, run_driver, train_config, training_env
 
 pytestmark = pytest.mark.slow
 
@@ -31,28 +30,9 @@ def _cfg(env, name, **kw):
     return train_config(corpus_dir, root / name, profile, steps=4, plan=plan, **kw)
 
 
-def _run(cfg, corpus, faults=()):
-    """Train ``cfg.steps`` steps after injecting ``faults`` ((worker id, point, step, nth, action), ...)."""
-    driver = TrainingDriver(cfg, corpus=corpus)
-    try:
-        driver.setup()
-        for wid, point, step, nth, action in faults:
-            driver.workers.actor(wid).inject_fault.remote(point, step, nth, action)
-        records = [driver.step() for _ in range(cfg.steps)]
-        return records, driver.replica_parameters()
-    finally:
-        driver.shutdown()
-
-
 def _check_against_reference(cfg, corpus, records, replicas):
-    stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
-    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in records], (
-        "the ledger: every step trained exactly the documents of a fault-free run, each once"
-    )
+    check_against_reference(cfg, corpus, records, replicas)
     assert [r["step"] for r in records] == list(range(len(records)))
-    ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
-    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    assert_params_close(replicas, ref_params)
     on_disk = read_records(cfg.run_dir + "/steps.jsonl", validate=True)
     assert [(r["step"], r["doc_ids"], r["recoveries"]) for r in on_disk] == [
         (r["step"], r["doc_ids"], r["recoveries"]) for r in records
@@ -61,7 +41,7 @@ def _check_against_reference(cfg, corpus, records, replicas):
 
 def test_worker_killed_mid_step_shrinks_in_place_and_matches_the_reference(env):
     cfg = _cfg(env, "kill")
-    records, replicas = _run(cfg, env[3], faults=[(2, "micro_batch", 1, 1, "exit")])
+    records, replicas = run_driver(cfg, env[3], faults=[(2, "micro_batch", 1, 1, "exit")])
     assert [r["world_size"] for r in records[:2]] == [4, 3]
     rec = records[1]["recoveries"][0]
     assert rec["lost"] == [2] and rec["decisions"] == ["Shrink"] and not rec["step_completed"]
@@ -79,7 +59,7 @@ def test_worker_killed_mid_step_shrinks_in_place_and_matches_the_reference(env):
 def test_death_after_the_update_keeps_the_step_and_syncs_state(env):
     # worker 1 dies after the gradient all-reduce: the survivors finish the optimizer step; it must not run twice
     cfg = _cfg(env, "after")
-    records, replicas = _run(cfg, env[3], faults=[(1, "after_sync", 2, 1, "exit")])
+    records, replicas = run_driver(cfg, env[3], faults=[(1, "after_sync", 2, 1, "exit")])
     rec = records[2]["recoveries"][0]
     assert rec["lost"] == [1] and rec["step_completed"], rec
     assert records[3]["world_size"] == 3
@@ -91,7 +71,7 @@ def test_two_failures_in_one_step_and_a_failure_while_the_world_forms(env):
     # re-run on {1, 2} then loses nobody. Step 2: worker 1 dies before the all-reduce, first attempt.
     cfg = _cfg(env, "two")
     faults = [(0, "micro_batch", 1, 1, "exit"), (3, "join", 2, 1, "exit")]
-    records, replicas = _run(cfg, env[3], faults=faults)
+    records, replicas = run_driver(cfg, env[3], faults=faults)
     recs = records[1]["recoveries"]
     lost = sorted(w for r in recs for w in r["lost"])
     assert lost == [0, 3] and records[1]["world_size"] == 2 and records[1]["worker_ids"] == [1, 2]
@@ -100,7 +80,7 @@ def test_two_failures_in_one_step_and_a_failure_while_the_world_forms(env):
 
 def test_a_hung_worker_is_declared_lost_after_the_collective_timeout(env):
     cfg = _cfg(env, "hang", collective_timeout_s=4.0)
-    records, replicas = _run(cfg, env[3], faults=[(3, "before_sync", 1, 1, "hang")])
+    records, replicas = run_driver(cfg, env[3], faults=[(3, "before_sync", 1, 1, "hang")])
     rec = records[1]["recoveries"][0]
     assert rec["lost"] == [3] and records[1]["world_size"] == 3
     assert rec["recovery_ms"] < 30_000

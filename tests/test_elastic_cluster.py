@@ -13,16 +13,9 @@ import time
 import pytest
 
 from orchestrator.corpus import CorpusConfig
-from orchestrator.data_stream import DocumentStream
 from orchestrator.driver import TrainingDriver
 from orchestrator.elastic import ElasticError
-from tests.train_helpers import (
-    assert_params_close,
-    cpu_profile,
-    reference_losses_and_params,
-    train_config,
-    write_corpus,
-)
+from tests.train_helpers import check_against_reference, cpu_profile, train_config, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -53,14 +46,6 @@ def _cfg(env, name, **kw):
 def _nodes_of(driver) -> dict[int, str]:
     infos = driver.workers.call("info")
     return {wid: info["node_id"] for wid, info in zip(driver.workers.worker_ids, infos, strict=True)}
-
-
-def _check(cfg, corpus, records, replicas):
-    stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
-    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in records]
-    ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
-    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    assert_params_close(replicas, ref_params)
 
 
 def _ranks_used(rec: dict) -> set[int]:
@@ -103,7 +88,7 @@ def test_node_removed_then_added_mid_run(cluster, stages):
         replicas = driver.replica_parameters()
     finally:
         driver.shutdown()
-    _check(cfg, corpus, records, replicas)
+    check_against_reference(cfg, corpus, records, replicas)
 
 
 @pytest.mark.parametrize("node_joins", [True, False])
@@ -131,7 +116,7 @@ def test_below_min_workers_waits_for_capacity(cluster, node_joins):
             records.append(driver.step())
             rec = records[1]["recoveries"][0]
             assert rec["decisions"][0] == "WaitForCapacity" and records[1]["world_size"] == 4
-            _check(cfg, corpus, records, driver.replica_parameters())
+            check_against_reference(cfg, corpus, records, driver.replica_parameters())
         else:
             t0 = time.monotonic()
             with pytest.raises(ElasticError, match=r"min_workers=4.*elastic_wait_s=8.*checkpoint_000001.*--resume"):

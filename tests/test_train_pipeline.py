@@ -14,7 +14,14 @@ import pytest
 from orchestrator.data_stream import DocumentStream
 from orchestrator.driver import TrainingDriver
 from orchestrator.records import read_records
-from tests.train_helpers import assert_params_close, reference_losses_and_params, train_config, training_env
+from tests.train_helpers import (
+    assert_params_close,
+    check_against_reference,
+    reference_losses_and_params,
+    run_driver,
+    train_config,
+    training_env,
+)
 from workers.model import ModelConfig
 
 pytestmark = pytest.mark.slow
@@ -38,26 +45,8 @@ def _cfg(env, name, stages, tokens_per_worker, **kw):
     )
 
 
-def _run(cfg, corpus, faults=()):
-    driver = TrainingDriver(cfg, corpus=corpus)
-    try:
-        driver.setup()
-        for wid, point, step, nth, action in faults:
-            driver.workers.actor(wid).inject_fault.remote(point, step, nth, action)
-        records = []
-        while not driver.finished:  # a resumed run starts after its checkpoint's step
-            records.append(driver.step())
-        return records, driver.replica_parameters()
-    finally:
-        driver.shutdown()
-
-
 def _check(cfg, corpus, records, replicas):
-    stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
-    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in records]
-    ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
-    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    assert_params_close(replicas, ref_params)
+    check_against_reference(cfg, corpus, records, replicas)
     on_disk = read_records(cfg.run_dir + "/steps.jsonl", validate=True)  # the documented schema, flexorch.step/4
     assert [r["step"] for r in on_disk] == list(range(cfg.steps))
 
@@ -82,7 +71,7 @@ def _checkpointed(rec) -> int:
 )
 def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker, degree, segments, checkpointing):
     cfg = _cfg(env, f"pp-{stages}-{tokens_per_worker}", stages, tokens_per_worker)
-    records, replicas = _run(cfg, env[3])
+    records, replicas = run_driver(cfg, env[3])
     for r in records:
         pipe = r["pipeline"]
         assert r["plan"] is None and pipe is not None and r["status"].startswith("pipeline")
@@ -105,7 +94,7 @@ def test_worker_killed_mid_pipeline_is_remapped_and_the_step_reruns(env):
     # 4 workers as 2 stages x 2; worker 3 (stage 1) dies after its first forward of step 1: the 3 survivors form
     # 2 stages x 1 with one rank sitting out, the same batch re-runs, nothing lost or trained twice
     cfg = _cfg(env, "pp-kill", 2, 128, steps=3)
-    records, replicas = _run(cfg, env[3], faults=[(3, "micro_batch", 1, 1, "exit")])
+    records, replicas = run_driver(cfg, env[3], faults=[(3, "micro_batch", 1, 1, "exit")])
     assert [r["world_size"] for r in records] == [4, 3, 3]
     rec = records[1]["recoveries"][0]
     assert rec["lost"] == [3] and not rec["step_completed"] and rec["recovery_ms"] < 30_000
@@ -129,7 +118,7 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
     finally:
         driver.shutdown()
     resumed_cfg = dataclasses.replace(first_cfg, resume=True, pipeline_stages=4, min_workers=None)
-    rest, replicas = _run(resumed_cfg, env[3])
+    rest, replicas = run_driver(resumed_cfg, env[3])
     assert [r["step"] for r in first + rest] == [0, 1, 2, 3]
     assert [r["pipeline"]["stages"] for r in first + rest] == [2, 2, 4, 4]
     full = dataclasses.replace(first_cfg, steps=4)

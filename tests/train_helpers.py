@@ -119,3 +119,35 @@ def small_run_toml(root: Path, steps: int, **keys) -> Path:
         f"[plan]\nprofile = '{profile}'\ntokens_per_worker = 64\n"
     )
     return path
+
+
+def run_driver(cfg: TrainConfig, corpus, faults=()) -> tuple[list[dict], list]:
+    """Set a driver up, inject ``faults`` ((worker id, point, step, nth, action), ...), step it to the end (a
+    resumed run starts after its checkpoint's step); returns the records and every replica's parameters."""
+    from orchestrator.driver import TrainingDriver
+
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        for wid, point, step, nth, action in faults:
+            driver.workers.actor(wid).inject_fault.remote(point, step, nth, action)
+        records = []
+        while not driver.finished:
+            records.append(driver.step())
+        return records, driver.replica_parameters()
+    finally:
+        driver.shutdown()
+
+
+def check_against_reference(cfg: TrainConfig, corpus, records: list[dict], replicas: list) -> None:
+    """The ledger (every step trained exactly the documents of a fault-free run, each once), the per-step losses
+    and the parameters against the single-process reference, and every replica identical."""
+    import pytest
+
+    from orchestrator.data_stream import DocumentStream
+
+    stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
+    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in records]
+    ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    assert_params_close(replicas, ref_params)
