@@ -124,6 +124,9 @@ class TrainingDriver:
         from orchestrator.calibration import resolve_profile
 
         base = resolve_profile(self.cfg, self.workers, self.run_dir, self._publish)
+        stage_bytes = None
+        if self.cfg.pipelined:  # what a stage holds, measured on a worker's own model (a fraction of a second)
+            stage_bytes = ray.get(self.workers.actor(self.workers.worker_ids[0]).stage_activation_bytes.remote())
         return planner_profile(
             base,
             num_heads=self.cfg.model.num_heads,
@@ -131,6 +134,7 @@ class TrainingDriver:
             tokens_per_worker=self.cfg.plan.tokens_per_worker,
             num_layers=self.cfg.model.num_layers,
             vocab_size=self.cfg.model.vocab_size,
+            stage_bytes=stage_bytes,
         )
 
     # ---------------------------------------------------------------- one step

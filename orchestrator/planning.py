@@ -50,15 +50,21 @@ def planner_profile(
     tokens_per_worker: int,
     num_layers: int | None = None,
     vocab_size: int | None = None,
+    stage_bytes: tuple[float, float] | None = None,
 ) -> Profile:
     """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of exactly
     ``tokens_per_worker`` activation tokens, and (with ``vocab_size``) the LM head's share of the activations, held
     by the last pipeline stage: the fp32 log-softmax the loss keeps (``vocab * 4`` bytes per token) and the final
     norm's and the head's inputs (about 4 hidden-size vectors; measured 3.2 on the tiny model), at most half of
-    all."""
-    budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * profile.act_bytes_per_token
+    all. ``stage_bytes`` (per layer, head), measured on real stages (``workers.calibrate.stage_activation_bytes``),
+    replace the activation bytes and the head's share (pipelined runs: the budget is then in stage-measured bytes)."""
     extra: dict = {"num_layers": num_layers} if num_layers is not None else {}
-    if vocab_size is not None:
+    if stage_bytes is not None:
+        per_layer, head = stage_bytes
+        layers = num_layers if num_layers is not None else profile.num_layers
+        profile = profile.with_overrides(act_bytes_per_token=per_layer * layers + head, head_bytes_per_token=head)
+    budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * profile.act_bytes_per_token
+    if stage_bytes is None and vocab_size is not None:
         head = 4.0 * vocab_size + 4.0 * profile.hidden * profile.bytes_per_element
         extra["head_bytes_per_token"] = min(head, 0.5 * profile.act_bytes_per_token)
     return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget, **extra)

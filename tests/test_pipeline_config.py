@@ -123,3 +123,15 @@ def test_planner_never_slower_than_its_baselines_and_fallback_needs_no_milp():
     h = heuristic_plan(_profile(), LENGTHS, 4, None, pipeline_stages="auto")
     assert h.status == "fallback" and h.plan.stages == 2
     assert fb.makespan_ms >= out.predicted_ms - 1e-9  # recomputing everything is never faster
+
+
+def test_planner_profile_takes_the_stage_bytes_measured_on_the_workers():
+    from orchestrator.planning import planner_profile
+
+    base = _profile()
+    p = planner_profile(base, num_heads=4, num_kv_heads=2, tokens_per_worker=100, num_layers=4, stage_bytes=(2000, 900))
+    assert p.act_bytes_per_token == 4 * 2000 + 900 and p.head_bytes_per_token == 900
+    assert p.memory_budget_bytes == pytest.approx(100.5 * (4 * 2000 + 900))  # the budget is in those bytes
+    q = planner_profile(base, num_heads=4, num_kv_heads=2, tokens_per_worker=100, vocab_size=257)
+    assert q.act_bytes_per_token == base.act_bytes_per_token
+    assert q.head_bytes_per_token == 4 * 257 + 4 * base.hidden * base.bytes_per_element  # the analytic estimate

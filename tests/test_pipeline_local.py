@@ -103,18 +103,16 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages, ki
     from solver.checkpointing import checkpoint_plan
     from solver.profiles import get_profile
     from solver.stage_model import StageModel
-    from workers.pipeline_stage import UnitInput
+    from workers.calibrate import activation_bytes_per_token, stage_activation_bytes
 
     cfg = ModelConfig(num_layers=4)
     seqs = _sequences(cfg)
     model = init_model(cfg, seed=3)
     units = packed_1f1b_units(LENGTHS, 6, 1e-3, 1.0)
-    probe, last = build_stages(model, [cfg.num_layers - 1, 1])  # what a layer keeps per token, and the LM head
-    probe.forward_unit(0, UnitInput(units[0].pieces, seqs), None, 1000)
-    per_layer = probe.held_bytes / units[0].tokens / (cfg.num_layers - 1)
-    last.forward_unit(0, UnitInput(units[0].pieces, seqs), torch.zeros(units[0].tokens, cfg.dim), 1000)
-    head = last.held_bytes / units[0].tokens - per_layer
+    per_layer, head = stage_activation_bytes(model, cfg.vocab_size)  # what the workers measure for the planner
     assert head >= 4 * cfg.vocab_size * 0.9, "the loss keeps the fp32 log-softmax: ~vocab * 4 bytes per token"
+    whole = activation_bytes_per_token(model, cfg.vocab_size)  # the SP calibration's figure, for comparison
+    assert 0.9 * whole < per_layer * cfg.num_layers + head < 1.2 * whole
     per_token = per_layer * cfg.num_layers + head
     profile = dataclasses.replace(
         get_profile("gpt-7b-a100"),

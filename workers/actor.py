@@ -184,6 +184,12 @@ class Worker:
 
         return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
 
+    def stage_activation_bytes(self) -> tuple[float, float]:
+        """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold (``workers.calibrate``)."""
+        from workers.calibrate import stage_activation_bytes
+
+        return stage_activation_bytes(self.model, self.model_cfg.vocab_size)
+
     def get_state(self) -> dict:
         """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers."""
         return {

@@ -73,3 +73,29 @@ def activation_bytes_per_token(model, vocab_size: int, tokens: int = 512) -> flo
     ids, pos, _, layout = micro_batch_inputs(ids, cu, 0, 1, "ulysses")
     attn = _attention(layout, GroupWork(0, (0,), "ulysses", ()), None, None)
     return measure_activation_bytes(model, ids, pos, attn) / tokens
+
+
+def stage_activation_bytes(model, vocab_size: int, tokens: int = 512) -> tuple[float, float]:
+    """(bytes per token per decoder layer, bytes per token of the LM head and loss) that pipeline stages save for
+    backward, measured by running a document of ``tokens`` tokens through two real stages of ``model`` (layers
+    [0, L-1) with the embedding, then the last layer with the head); the pipeline's stage memory model uses them."""
+    from solver.chunking import Piece
+    from workers.pipeline_stage import StageModule, UnitInput
+
+    n = model.cfg.num_layers
+    if n < 2:
+        raise ValueError(f"pipeline stages need a model of at least 2 layers, this one has {n}")
+    ids, _ = _synthetic([tokens], vocab_size, seed=0)
+    unit = UnitInput([Piece(0, 0, tokens)], [ids.long()])
+    first = StageModule(model.cfg, 0, n - 1, 0, 2, model=model)
+    first.forward_unit(0, unit, None, 1)
+    per_layer = first.held_bytes / tokens / (n - 1)
+    last = StageModule(model.cfg, n - 1, n, 1, 2, model=model)
+    dev = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    last.forward_unit(0, unit, torch.zeros(tokens, model.cfg.dim, device=dev, dtype=dtype), 1)
+    head = max(last.held_bytes / tokens - per_layer, 0.0)
+    for s in (first, last):  # drop the graphs (nothing runs backward)
+        s._units.clear()
+        s.cache.clear()
+    return per_layer, head
