@@ -2,6 +2,9 @@
 
 Every stage process runs its own op list of the planned schedule (``solver.pipeline_schedule``), in order:
 
+:func:`run_stage_ops` is the op loop every pipelined step uses (the training workers' ``workers.pipeline_exec`` and
+:func:`run_stage_step` here, one process per stage with its own parameter copies):
+
 * ``F u``: stage r > 0 receives unit u's hidden states ``(tokens_u, dim)`` from stage r-1 (the shape comes from the
   plan, so no shape message is sent), runs the unit forward and sends its output to stage r+1 (non-blocking);
 * ``B u``: stage r < P-1 receives the gradient of that output ``(tokens_u, dim)`` from stage r+1, runs the unit
@@ -16,12 +19,89 @@ Works over gloo (CPU) and NCCL (GPU) alike.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 import torch.distributed as dist
 
-from workers.pipeline_stage import StageModule, UnitInput
+from workers.pipeline_stage import StageModule, UnitInput, shard_tokens
 
-__all__ = ["run_stage_step"]
+__all__ = ["StageOps", "run_stage_ops", "run_stage_step"]
+
+
+@dataclass
+class StageOps:
+    """What :func:`run_stage_ops` saw: the summed loss and predicted tokens of this rank (last stage), tokens held
+    per unit, and every op's start and end (ms from ``t0``)."""
+
+    loss: float = 0.0
+    predicted: int = 0
+    local_tokens: int = 0
+    peak_local_tokens: int = 0
+    ops: list[dict] = field(default_factory=list)
+
+
+def run_stage_ops(
+    stage: StageModule,
+    pipelines,
+    sequences: list[torch.Tensor],
+    *,
+    prev: int | None,
+    nxt: int | None,
+    n_predicted: int = 1,
+    group: dist.ProcessGroup | None = None,
+    hook: Callable[[str], None] | None = None,
+    t0: float | None = None,
+) -> StageOps:
+    """Run this rank's ops of one step: ``pipelines`` are (units, [(kind, unit), ...] of this stage, checkpointed
+    layers per unit), run one after another; ``prev``/``nxt``: the ranks (in ``group``) this rank receives from and
+    sends to (None at the ends). With SP inside the stage (``stage.sp_group``) each message is this rank's token
+    shard ``(t_pad/d, dim)``. The last stage's loss share is divided by ``n_predicted`` (1: the summed loss)."""
+    t0 = time.perf_counter() if t0 is None else t0
+    j, d = stage.sp_rank, stage.sp_degree
+    dim = stage.cfg.dim
+    param = next(stage.parameters())
+    res = StageOps()
+    base = 0
+    for units, ops, ckpt in pipelines:
+        inputs = [UnitInput(u.pieces, sequences) for u in units]
+        sends = []
+        for kind, u in ops:
+            t_op = time.perf_counter()
+            tag = 2 * (base + u)
+            n_local = shard_tokens(inputs[u].tokens, d)
+            if kind == "F":
+                x = None
+                if prev is not None:  # (t_pad/d, dim) hidden states of unit u from the previous stage
+                    x = torch.empty(n_local, dim, dtype=param.dtype, device=param.device)
+                    dist.recv(x, src=prev, group=group, tag=tag)
+                out = stage.forward_unit(u, inputs[u], x, n_predicted, ckpt[u])
+                if nxt is not None:
+                    sends.append(dist.isend(out.contiguous(), dst=nxt, group=group, tag=tag))
+                else:
+                    res.loss += float(out)
+                    res.predicted += int((inputs[u].shard(j, d)[2] != -100).sum())  # labels of this rank's shard
+                res.local_tokens += n_local
+                res.peak_local_tokens = max(res.peak_local_tokens, n_local)
+                if hook is not None:
+                    hook("micro_batch")
+            else:
+                g = None
+                if nxt is not None:  # (t_pad/d, dim) gradient of unit u's output from the next stage
+                    g = torch.empty(n_local, dim, dtype=param.dtype, device=param.device)
+                    dist.recv(g, src=nxt, group=group, tag=tag + 1)
+                g_in = stage.backward_unit(u, g)
+                if prev is not None:
+                    sends.append(dist.isend(g_in.contiguous(), dst=prev, group=group, tag=tag + 1))
+            end = time.perf_counter()
+            res.ops.append({"kind": kind, "unit": base + u, "start_ms": (t_op - t0) * 1e3, "end_ms": (end - t0) * 1e3})
+        for w in sends:
+            w.wait()
+        stage.end_step()
+        base += len(units)
+    return res
 
 
 def run_stage_step(
@@ -34,45 +114,20 @@ def run_stage_step(
     group: dist.ProcessGroup | None = None,
     tie_group: dist.ProcessGroup | None = None,
 ) -> float | None:
-    """Run this stage's ops of one step; returns the step's loss on the last stage, None elsewhere.
+    """Run this stage's ops of one step (one process per stage, its own parameter copies); returns the step's loss
+    on the last stage, None elsewhere.
 
     ``pipelines``: (units, schedule, checkpointed[stage][unit]) run one after another; ``stage_ranks[r]``: the
     rank (in ``group``) of stage r's process."""
     r, p = stage_index, len(stage_ranks)
     n_pred = sum(int(s.numel()) - 1 for s in sequences)
-    dim = stage.cfg.dim
-    loss = 0.0
-    base = 0
-    for units, schedule, ckpt in pipelines:
-        inputs = [UnitInput(u.pieces, sequences) for u in units]
-        sends = []
-        for op in schedule[r]:
-            u, tokens, tag = op.unit, units[op.unit].tokens, 2 * (base + op.unit)
-            if op.kind == "F":
-                x = None
-                if r > 0:
-                    x = torch.empty(tokens, dim)  # (t, dim) hidden states of unit u from stage r-1
-                    dist.recv(x, src=stage_ranks[r - 1], group=group, tag=tag)
-                out = stage.forward_unit(u, inputs[u], x, n_pred, ckpt[r][u])
-                if r < p - 1:
-                    sends.append(dist.isend(out.contiguous(), dst=stage_ranks[r + 1], group=group, tag=tag))
-                else:
-                    loss += float(out)
-            else:
-                g = None
-                if r < p - 1:
-                    g = torch.empty(tokens, dim)  # (t, dim) gradient of unit u's output from stage r+1
-                    dist.recv(g, src=stage_ranks[r + 1], group=group, tag=tag + 1)
-                g_in = stage.backward_unit(u, g)
-                if r > 0:
-                    sends.append(dist.isend(g_in.contiguous(), dst=stage_ranks[r - 1], group=group, tag=tag + 1))
-        for w in sends:
-            w.wait()
-        stage.end_step()
-        base += len(units)
+    mine = [(units, [(op.kind, op.unit) for op in schedule[r]], ckpt[r]) for units, schedule, ckpt in pipelines]
+    prev = stage_ranks[r - 1] if r > 0 else None
+    nxt = stage_ranks[r + 1] if r < p - 1 else None
+    res = run_stage_ops(stage, mine, sequences, prev=prev, nxt=nxt, n_predicted=n_pred, group=group)
     if stage.cfg.tie_embeddings and p > 1 and (stage.is_first or stage.is_last):
         w = stage.tok_embeddings.weight if stage.is_first else stage.head_weight
         if w.grad is None:
             w.grad = torch.zeros_like(w)
         dist.all_reduce(w.grad, group=tie_group)
-    return loss if r == p - 1 else None
+    return res.loss if r == p - 1 else None

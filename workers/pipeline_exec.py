@@ -27,7 +27,8 @@ import torch.distributed as dist
 
 from workers.model import check_token_range
 from workers.optim import OptimConfig
-from workers.pipeline_stage import StageModule, UnitInput, shard_tokens
+from workers.pipeline_dist import run_stage_ops
+from workers.pipeline_stage import StageModule
 from workers.pipeline_task import PipelineTask
 from workers.step_exec import GroupGetter, StepOutcome, sync_and_step
 
@@ -81,57 +82,16 @@ def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome,
     stage = StageModule(
         model.cfg, first, first + task.layers[r], r, p, model=model, sp_group=group_of(ranks) if d > 1 else None
     )
-    prev = task.stage_ranks[r - 1][j] if r > 0 else None
-    nxt = task.stage_ranks[r + 1][j] if r < p - 1 else None
-    dim = model.cfg.dim
-    dtype, device = next(model.parameters()).dtype, next(model.parameters()).device
-    loss = 0.0  # summed cross-entropy of this rank's last-stage shards (a Python float: no device to match)
-    pred = 0
-    base = 0
-    for pipe in task.pipelines:
-        inputs = [UnitInput(u.pieces, sequences) for u in pipe.units]
-        sends = []
-        for kind, u in pipe.ops:
-            t_op = time.perf_counter()
-            tag = 2 * (base + u)
-            n_local = shard_tokens(inputs[u].tokens, d)
-            if kind == "F":
-                x = None
-                if prev is not None:
-                    x = torch.empty(
-                        n_local, dim, dtype=dtype, device=device
-                    )  # (t_pad/d, dim) hidden states from stage r-1
-                    dist.recv(x, src=prev, tag=tag)
-                res = stage.forward_unit(u, inputs[u], x, 1, pipe.checkpointed[u])  # last stage: summed loss
-                if nxt is not None:
-                    sends.append(dist.isend(res.contiguous(), dst=nxt, tag=tag))
-                else:
-                    loss += float(res)
-                    pred += int((inputs[u].shard(j, d)[2] != -100).sum())  # labels of this rank's shard
-                out.local_tokens += n_local
-                out.peak_local_tokens = max(out.peak_local_tokens, n_local)
-                hook("micro_batch")
-            else:
-                g = None
-                if nxt is not None:
-                    g = torch.empty(
-                        n_local, dim, dtype=dtype, device=device
-                    )  # (t_pad/d, dim) gradient of unit u's output
-                    dist.recv(g, src=nxt, tag=tag + 1)
-                g_in = stage.backward_unit(u, g)
-                if prev is not None:
-                    sends.append(dist.isend(g_in.contiguous(), dst=prev, tag=tag + 1))
-            out.ops.append(
-                {
-                    "kind": kind,
-                    "unit": base + u,
-                    "start_ms": (t_op - t0) * 1e3,
-                    "end_ms": (time.perf_counter() - t0) * 1e3,
-                }
-            )
-        for w in sends:
-            w.wait()
-        stage.end_step()
-        base += len(pipe.units)
+    pipes = [(pipe.units, pipe.ops, pipe.checkpointed) for pipe in task.pipelines]
+    res = run_stage_ops(
+        stage,
+        pipes,
+        sequences,
+        prev=task.stage_ranks[r - 1][j] if r > 0 else None,  # the same-position rank of the neighbouring stages
+        nxt=task.stage_ranks[r + 1][j] if r < p - 1 else None,
+        hook=hook,
+        t0=t0,
+    )  # the last stage's loss is the summed cross-entropy (n_predicted = 1): sync_and_step divides
+    out.local_tokens, out.peak_local_tokens, out.ops = res.local_tokens, res.peak_local_tokens, res.ops
     out.peak_activation_bytes = int(stage.peak_held_bytes)
-    return loss, pred
+    return res.loss, res.predicted
