@@ -87,6 +87,9 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
             pp_records = [pp_driver.step() for _ in range(pp_cfg.steps)]
         finally:
             pp_driver.shutdown()
+        # the export is flushed every second, metric by metric: wait until it shows each run's last step (a
+        # scrape between two flushes can hold step 1's gauge beside step 2's counter)
+        pp_bubble = pp_records[-1]["pipeline"]["bubble_share"]
         deadline = time.monotonic() + 60
         while True:
             found = _scrape(port, "metrics-run")
@@ -94,10 +97,16 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
             if (
                 all(n in found for n in NAMES)
                 and found["flexorch_steps_total"][0][1] == 3
-                and "flexorch_pipeline_bubble_share" in pp_found
+                and found["flexorch_step_measured_ms"][0][1] == pytest.approx(records[-1]["measured_ms"], rel=1e-6)
+                and pp_found.get("flexorch_steps_total", [({}, 0)])[0][1] == 2
+                and pp_found.get("flexorch_pipeline_bubble_share", [({}, -1.0)])[0][1]
+                == pytest.approx(pp_bubble, rel=1e-6)
             ):
                 break
-            assert time.monotonic() < deadline, f"missing: {[n for n in NAMES if n not in found]}; found {found}"
+            assert time.monotonic() < deadline, (
+                f"missing: {[n for n in NAMES if n not in found]}; found {found}; pipelined run: {pp_found}, "
+                f"its last bubble share {pp_bubble}"
+            )
             time.sleep(1)
     finally:
         ray.shutdown()
