@@ -238,9 +238,11 @@ def part2(steps: int) -> None:
     from solver.chunking import chunk_batch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the tests' process pool
+    from orchestrator.planning import planner_profile
     from solver.planner import PlannerConfig, plan_step
     from tests._dist_utils import DistPool
-    from workers.model import ModelConfig
+    from workers.calibrate import activation_bytes_per_token
+    from workers.model import ModelConfig, init_model
 
     cfg = ModelConfig(num_layers=CPU_LAYERS)
     a1, a2, b1 = _calibrate(cfg)
@@ -249,8 +251,8 @@ def part2(steps: int) -> None:
         a1_ms=a1,
         a2_ms=a2,
         b1_ms=b1,
-        act_bytes_per_token=1.0,
-        memory_budget_bytes=4096.0,
+        act_bytes_per_token=activation_bytes_per_token(init_model(cfg, 0), cfg.vocab_size),
+        memory_budget_bytes=1e12,
         num_layers=cfg.num_layers,
         hidden=cfg.dim,
         num_heads=cfg.num_heads,
@@ -259,6 +261,8 @@ def part2(steps: int) -> None:
         a2a_gbps={2: 1.0, 4: 1.0},
         a2a_latency_ms={2: 4.0, 4: 8.0},
     )
+    # SP alone: 4,096 tokens per device in any layout (in the measured bytes per token)
+    profile = planner_profile(profile, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, tokens_per_worker=4096)
     batches = _cpu_batches(steps, seed=3)
     print(
         f"\nPart 2: measured, {CPU_STAGES} CPU processes (gloo), tiny model with {CPU_LAYERS} layers, "

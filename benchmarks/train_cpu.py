@@ -94,16 +94,16 @@ def step_mode(driver: TrainingDriver, result: dict) -> None:
     )
 
 
-def _predicted_peak_bytes(rec: dict, act: float) -> float:
+def _predicted_peak_bytes(rec: dict, profile) -> float:
     if rec["pipeline"] is not None:  # the pipeline simulator's most bytes held at once on a stage's worker
         return float(max(rec["pipeline"]["peak_bytes"]))
     peak = np.zeros(rec["world_size"])
     for mb in rec["plan"]["micro_batches"]:
         for g in mb:
-            local = sum(g["seq_lengths"]) / g["degree"]
+            held = sum(g["seq_lengths"]) / g["degree"] * profile.act_bytes_per_local_token(g["kind"], g["degree"])
             for r in g["ranks"]:
-                peak[r] = max(peak[r], local)
-    return float(peak.max() * act)
+                peak[r] = max(peak[r], held)
+    return float(peak.max())
 
 
 def summarise(result: dict) -> dict:
@@ -119,7 +119,7 @@ def summarise(result: dict) -> dict:
         "predicted_ms": float(np.median(predicted)),
         "pred_error": float(np.median(np.abs(predicted - compute) / compute)),
         "peak_act_mb": max(max(x["peak_activation_bytes"] for x in r["ranks"] if x) for r in recs) / 1e6,
-        "pred_act_mb": max(_predicted_peak_bytes(r, result["act"]) for r in recs) / 1e6,
+        "pred_act_mb": max(_predicted_peak_bytes(r, result["profile"]) for r in recs) / 1e6,
         "overhead": float(np.median(overhead)),
         "solve_s": float(np.median([r["solve_s"] for r in recs])),
         "plan_wait_ms": float(np.median([r["plan_wait_ms"] for r in recs])),
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     pipelined = [f"pp-{p}" for p in args.pipeline.split(",") if p]
     for mode in statics + pipelined:
         drivers[mode] = start_mode(mode, base, corpus)
-    results = [{"mode": m, "records": [], "act": drv.profile.act_bytes_per_token} for m, drv in drivers.items()]
+    results = [{"mode": m, "records": [], "profile": drv.profile} for m, drv in drivers.items()]
     t_steps = time.perf_counter()
     for i in range(steps):
         order = results[i % len(results) :] + results[: i % len(results)]

@@ -52,8 +52,10 @@ def planner_profile(
     vocab_size: int | None = None,
     stage_bytes: tuple[float, float] | None = None,
 ) -> Profile:
-    """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of exactly
-    ``tokens_per_worker`` activation tokens, and (with ``vocab_size``) the LM head's share of the activations, held
+    """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of
+    ``tokens_per_worker`` activation tokens on a worker of any group (a Ulysses group's all-to-all copies make its
+    tokens the costliest, ``Profile.act_bytes_per_local_token``: one device and ring groups then hold a few per cent
+    more), and (with ``vocab_size``) the LM head's share of the activations, held
     by the last pipeline stage: the fp32 log-softmax the loss keeps (``vocab * 4`` bytes per token) and the final
     norm's and the head's inputs (about 4 hidden-size vectors; measured 3.2 on the tiny model), at most half of
     all. ``stage_bytes`` (per layer, head), measured on real stages (``workers.calibrate.stage_activation_bytes``),
@@ -63,11 +65,14 @@ def planner_profile(
         per_layer, head = stage_bytes
         layers = num_layers if num_layers is not None else profile.num_layers
         profile = profile.with_overrides(act_bytes_per_token=per_layer * layers + head, head_bytes_per_token=head)
-    budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * profile.act_bytes_per_token
     if stage_bytes is None and vocab_size is not None:
         head = 4.0 * vocab_size + 4.0 * profile.hidden * profile.bytes_per_element
         extra["head_bytes_per_token"] = min(head, 0.5 * profile.act_bytes_per_token)
-    return profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, memory_budget_bytes=budget, **extra)
+    profile = profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, **extra)
+    degrees = [d for d in (2**i for i in range(num_heads.bit_length())) if num_heads % d == 0]
+    costliest = max(profile.act_bytes_per_local_token("ulysses", d) for d in degrees)
+    budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * costliest
+    return profile.with_overrides(memory_budget_bytes=budget)
 
 
 class StepPlanner:

@@ -37,7 +37,7 @@ def static_plan(
     if not np.isfinite(table).all():
         return None  # some sequence needs a larger group
     ng = num_devices // degree
-    cap = degree * profile.tokens_per_device
+    cap = profile.group_token_cap(types[0].kind, degree)
     caps = np.full(ng, cap, dtype=np.int64)
     best, best_total = None, np.inf
     for split in partition_candidates(lengths, table[:, 0], ng * cap, extra_micro_batches):

@@ -31,14 +31,15 @@ def solve_exact(
     lengths: np.ndarray,
     *,
     num_devices: int,
-    tokens_per_device: int,
+    caps_by_type: np.ndarray,
     overheads: np.ndarray,
     time_limit_s: float,
     start: Draft | None = None,
 ):
     """(draft, proven_optimal) for the micro-batch `items`, or None when CBC found nothing in time.
 
-    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`).
+    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
+    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`).
     """
     items = list(items)
     deg = [t.degree for t in types]
@@ -63,7 +64,7 @@ def solve_exact(
         if j + 1 < slots[t]:
             m += uv >= u[t, j + 1]
         m += float(overheads[t]) * uv + mip.xsum(float(table[i, t]) * v for i, v in mine) <= c
-        m += mip.xsum(float(lengths[i]) * v for i, v in mine) <= deg[t] * tokens_per_device * uv
+        m += mip.xsum(float(lengths[i]) * v for i, v in mine) <= int(caps_by_type[t]) * uv
     m += mip.xsum(deg[t] * uv for (t, _), uv in u.items()) <= num_devices
     m.objective = c
     if start is not None:

@@ -48,20 +48,22 @@ class MicroBatchSolution:
     bisection_steps: int
 
 
-def best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, overheads, polish=True):
-    """Best homogeneous layout: floor(N/d) groups of one type, LPT-packed (the per-batch 'BatchAda' choice)."""
+def best_static_draft(items, types, table, lengths, num_devices, caps_by_type, overheads, polish=True):
+    """Best homogeneous layout: floor(N/d) groups of one type, LPT-packed (the per-batch 'BatchAda' choice).
+
+    ``caps_by_type[t]``: tokens a group of type t holds (``solver.packing.type_caps``)."""
     best = None
     for ti, t in enumerate(types):
         if not np.isfinite(table[items, ti]).all():
             continue
         ng = num_devices // t.degree
         gtype = [ti] * ng
-        caps = np.full(ng, t.degree * tokens_per_device, dtype=np.int64)
+        caps = np.full(ng, caps_by_type[ti], dtype=np.int64)
         draft = pack(items, gtype, table, lengths, caps, overheads)
         if draft is not None and (best is None or draft.makespan() < best.makespan()):
             best = draft
     if best is not None and polish:
-        caps = np.array([types[g].degree * tokens_per_device for g in best.group_type], dtype=np.int64)
+        caps = np.array([caps_by_type[g] for g in best.group_type], dtype=np.int64)
         best = improve(best, table, lengths, caps, overheads)
     return best
 
@@ -73,7 +75,7 @@ def solve_micro_batch(
     lengths: np.ndarray,
     *,
     num_devices: int,
-    tokens_per_device: int,
+    caps_by_type: np.ndarray,
     overheads: np.ndarray,
     lower_bound_ms: float,
     time_budget_s: float,
@@ -85,14 +87,15 @@ def solve_micro_batch(
 ) -> MicroBatchSolution | None:
     """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits.
 
-    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`).
+    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
+    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`).
     """
     deadline = time.perf_counter() + time_budget_s
     items = list(items)
     if start is None:
-        start = best_static_draft(items, types, table, lengths, num_devices, tokens_per_device, overheads)
+        start = best_static_draft(items, types, table, lengths, num_devices, caps_by_type, overheads)
     else:  # screened by the planner without polish: polish a copy now
-        caps = np.array([types[g].degree * tokens_per_device for g in start.group_type], dtype=np.int64)
+        caps = np.array([caps_by_type[g] for g in start.group_type], dtype=np.int64)
         start = improve(copy.deepcopy(start), table, lengths, caps, overheads)
     best = MicroBatchSolution(start, start.makespan(), "static", 0, 0) if start is not None else None
     if len(items) <= MAX_EXACT_SEQUENCES:
@@ -102,7 +105,7 @@ def solve_micro_batch(
             table,
             lengths,
             num_devices=num_devices,
-            tokens_per_device=tokens_per_device,
+            caps_by_type=caps_by_type,
             overheads=overheads,
             time_limit_s=max(0.05, deadline - time.perf_counter()),
             start=start,
@@ -124,13 +127,13 @@ def solve_micro_batch(
         c = 0.5 * (lo + hi)
         limit = min(ilp_time_limit_s, max(0.02, deadline - time.perf_counter()))
         cp = c - np.asarray(overheads, dtype=np.float64)  # per-type room for sequence time
-        counts = _devices_needed(cp, types, b_time, b_len, b_cnt, num_devices, tokens_per_device, limit)
+        counts = _devices_needed(cp, types, b_time, b_len, b_cnt, num_devices, caps_by_type, limit)
         solves += 1
         if counts is None:
             lo = c
             continue
         hi = c
-        draft = _realise(counts, types, table, lengths, b_items, num_devices, tokens_per_device, overheads)
+        draft = _realise(counts, types, table, lengths, b_items, num_devices, caps_by_type, overheads)
         if draft is not None and (best is None or draft.makespan() < best.makespan_ms):
             best = MicroBatchSolution(draft, draft.makespan(), "milp", 0, 0)
     if best is None:
@@ -139,7 +142,7 @@ def solve_micro_batch(
     return best
 
 
-def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, cap, time_limit_s):
+def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_limit_s):
     """Solve the MILP at C'_t = cp[t]. Returns (n_t, x_bt) when it fits on n_dev devices, else None."""
     if not (cp > 0).any():
         return None
@@ -149,7 +152,7 @@ def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, cap, time_limit_s):
     if not allowed.any(axis=1).all():
         return None
     deg = np.array([t.degree for t in types])
-    gcap = deg * cap
+    gcap = np.asarray(caps_by_type, dtype=np.int64)  # tokens a group of each type holds
     big2 = allowed & ((b_time > cp[None, :] / 2) | (b_len[:, None] > gcap[None, :] / 2))
     big3 = allowed & ((b_time > cp[None, :] / 3) | (b_len[:, None] > gcap[None, :] / 3))
 
@@ -226,7 +229,7 @@ def _groups_for(x, b_time, b_len, big2, big3, cp, gcap, allowed):
     return need.astype(np.int64)
 
 
-def _realise(counts, types, table, lengths, b_items, n_dev, cap, overheads):
+def _realise(counts, types, table, lengths, b_items, n_dev, caps_by_type, overheads):
     """Turn (n_t, x_bt) into groups holding real sequences; spare devices become extra groups."""
     n, x = counts
     n = n.copy()
@@ -253,7 +256,7 @@ def _realise(counts, types, table, lengths, b_items, n_dev, cap, overheads):
         n[t] += 1
         spare -= deg[t]
     gtype = [t for t in range(len(types)) for _ in range(int(n[t]))]
-    caps = np.array([deg[t] * cap for t in gtype], dtype=np.int64)
+    caps = np.array([caps_by_type[t] for t in gtype], dtype=np.int64)
     masked = np.full_like(table, np.inf)
     for i, t in assigned.items():
         masked[i, t] = table[i, t]

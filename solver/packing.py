@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.cost_model import KINDS, RING, ULYSSES, group_overhead_ms, kind_allowed, min_degree, seq_times_ms
+from solver.cost_model import KINDS, RING, ULYSSES, group_overhead_ms, kind_allowed, seq_times_ms
 from solver.plan import Group
 from solver.profiles import Profile
 
@@ -19,6 +19,7 @@ __all__ = [
     "GroupType",
     "group_types",
     "time_table",
+    "type_caps",
     "type_overheads",
     "Draft",
     "lpt_pack",
@@ -52,14 +53,20 @@ def group_types(num_devices: int, profile: Profile, kinds=KINDS) -> list[GroupTy
     return out
 
 
+def type_caps(types: list[GroupType], profile: Profile) -> np.ndarray:
+    """C[t]: tokens a group of type t holds in one micro-batch (``Profile.group_token_cap``: a Ulysses group holds
+    a little less per device than a ring group of the same degree)."""
+    return np.array([profile.group_token_cap(t.kind, t.degree) for t in types], dtype=np.int64)
+
+
 def time_table(lengths: np.ndarray, types: list[GroupType], profile: Profile) -> np.ndarray:
     """T[i, t]: ms of sequence i alone on a group of type t; inf where the group cannot hold it."""
     lengths = np.asarray(lengths, dtype=np.int64)
     table = np.empty((lengths.size, len(types)))
-    dmin = np.array([min_degree(int(s), profile.tokens_per_device) for s in lengths], dtype=np.int64)
+    caps = type_caps(types, profile)
     for j, t in enumerate(types):
         col = seq_times_ms(lengths, t.degree, t.kind, profile)
-        table[:, j] = np.where(dmin <= t.degree, col, np.inf)
+        table[:, j] = np.where(lengths <= caps[j], col, np.inf)
     return table
 
 

@@ -73,6 +73,9 @@ class Plan:
     """Memory limit: a group of degree d holds at most d * tokens_per_device tokens in one micro-batch."""
     num_heads: int
     """Query heads of the model: a Ulysses group's degree must divide it."""
+    ulysses_tokens_per_device: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
+    """Per-device limit of a Ulysses group by degree, where its all-to-all copies make it below
+    ``tokens_per_device`` (``Profile.local_token_cap``); degrees not listed use ``tokens_per_device``."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     """Free-form provenance (planner name, solver status); not validated, not compared."""
 
@@ -106,11 +109,14 @@ class Plan:
                             f"({self.tokens_per_device} tokens per device), got degree {g.degree}"
                         )
                     tokens += s
-                cap = g.degree * self.tokens_per_device
+                per_device = self.tokens_per_device
+                if g.kind == ULYSSES:
+                    per_device = self.ulysses_tokens_per_device.get(g.degree, per_device)
+                cap = g.degree * per_device
                 if tokens > cap:
                     raise InvalidPlanError(
                         f"micro-batch {mi}: group on ranks {g.ranks[0]}..{g.ranks[-1]} holds {tokens} tokens, "
-                        f"over its memory budget of {cap} ({g.degree} x {self.tokens_per_device})"
+                        f"over its memory budget of {cap} ({g.degree} x {per_device})"
                     )
         missing = [i for i, c in enumerate(counts) if c == 0]
         twice = [i for i, c in enumerate(counts) if c > 1]
@@ -150,6 +156,9 @@ class Plan:
             micro_batches=tuple(micro_batches),
             tokens_per_device=profile.tokens_per_device,
             num_heads=profile.num_heads,
+            ulysses_tokens_per_device={
+                d: profile.local_token_cap(ULYSSES, d) for d in (2**i for i in range(1, num_devices.bit_length()))
+            },
             meta=dict(meta or {}),
         )
 

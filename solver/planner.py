@@ -21,7 +21,7 @@ from solver.cost_model import KINDS
 from solver.errors import InfeasibleBatchError
 from solver.microbatching import partition_candidates
 from solver.milp import best_static_draft, solve_micro_batch
-from solver.packing import group_types, improve_step, layout_groups, time_table, type_overheads
+from solver.packing import group_types, improve_step, layout_groups, time_table, type_caps, type_overheads
 from solver.plan import MicroBatch, Plan
 from solver.profiles import Profile
 from solver.validation import check_batch
@@ -104,8 +104,9 @@ class Planner:
         cfg, prof = self.config, self.profile
         lengths = check_batch(lengths, num_devices, prof)
         n = int(num_devices)
-        cap = prof.tokens_per_device
+        cap = prof.tokens_per_device  # per device, the most any group holds: for bounds and candidate splits
         types = group_types(n, prof, cfg.kinds)
+        caps_t = type_caps(types, prof)  # tokens a group of each type holds
         table = time_table(lengths, types, prof)
         overheads = type_overheads(types, prof)  # b1 + collective latency per group type, once per micro-batch
         area, _ = area_and_min_time(table, types)
@@ -135,7 +136,7 @@ class Planner:
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
             drafts = [s[0] for s in sols]
-            caps = [deg.astype(np.int64)[np.asarray(d.group_type, dtype=np.int64)] * cap for d in drafts]
+            caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
             improve_step(drafts, caps, table, lengths, overheads)
             sols = [(d, d.makespan(), s[2]) for d, s in zip(drafts, sols, strict=True)]
             total = sum(s[1] for s in sols)
@@ -174,6 +175,7 @@ class Planner:
         Returns [(candidate index, per-micro-batch static drafts or None)].
         """
         cap = self.profile.tokens_per_device
+        caps_t = type_caps(types, self.profile)
         # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly
         fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
         key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
@@ -182,7 +184,9 @@ class Planner:
             if done and time.perf_counter() >= screen_deadline:
                 rest.append((ci, None))
                 continue
-            starts = [best_static_draft(c, types, table, lengths, n, cap, overheads, polish=False) for c in cands[ci]]
+            starts = [
+                best_static_draft(c, types, table, lengths, n, caps_t, overheads, polish=False) for c in cands[ci]
+            ]
             est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
             done.append((est, ci, starts))
         done.sort(key=lambda x: x[0])
@@ -196,7 +200,7 @@ class Planner:
         budget = max(0.0, deadline - time.perf_counter()) / max(1, len(split) if cfg.workers == 1 else 1)
         kw = dict(
             num_devices=n,
-            tokens_per_device=prof.tokens_per_device,
+            caps_by_type=type_caps(types, prof),
             overheads=overheads,
             max_buckets=cfg.max_buckets,
             tolerance=cfg.tolerance,
@@ -243,7 +247,7 @@ class Planner:
         return out
 
     def _fallback(self, items, types, overheads, table, lengths, n):
-        d = best_static_draft(items, types, table, lengths, n, self.profile.tokens_per_device, overheads)
+        d = best_static_draft(items, types, table, lengths, n, type_caps(types, self.profile), overheads)
         return None if d is None else (d, d.makespan(), "fallback")
 
     def _split_until_packed(self, items, types, overheads, table, lengths, n):

@@ -127,8 +127,38 @@ class Profile:
 
     @property
     def tokens_per_device(self) -> int:
-        """Tokens of activations one device holds within its budget (the unit of SP memory)."""
+        """Tokens of activations one device holds within its budget (the unit of SP memory): the most a device of
+        any group holds (one device, or a ring group); a Ulysses group of degree d > 1 holds
+        ``local_token_cap("ulysses", d)`` per device, a little less."""
         return int((self.memory_budget_bytes - self.model_state_bytes) // self.act_bytes_per_token)
+
+    def ulysses_extra_bytes_per_token(self, degree: int) -> float:
+        """Bytes a device of a Ulysses group of ``degree`` holds per local token beyond ``act_bytes_per_token``
+        (measured on one device), in every layer: the attention output in head shards ``(s, h/d, hd)`` is saved
+        by the attention kernel and its all-to-all back ``(s/d, h, hd)`` by the output projection, two storages
+        where one device has one (``hidden`` elements); and K/V heads replicated to ``lcm(kv_heads, d)`` when d
+        does not divide them hold ``lcm(kv_heads, d) - kv_heads`` more heads each (``workers/ulysses.py``).
+        Measured on the default CPU model: +512 bytes/token at d = 2 and +1,024 at d = 4, exactly this."""
+        if degree <= 1:
+            return 0.0
+        replicated = math.lcm(self.num_kv_heads, degree) - self.num_kv_heads
+        per_layer = self.hidden + 2 * replicated * self.head_dim
+        return float(self.num_layers * per_layer * self.bytes_per_element)
+
+    def act_bytes_per_local_token(self, kind: str, degree: int) -> float:
+        """Activation bytes a device of a group of ``kind`` (``"ulysses"``/``"ring"``) and ``degree`` holds per token
+        of its shard (FlexSP's memory term ``s / d * act_per_token``, with Ulysses's all-to-all copies)."""
+        extra = self.ulysses_extra_bytes_per_token(degree) if kind == "ulysses" else 0.0
+        return self.act_bytes_per_token + extra
+
+    def local_token_cap(self, kind: str, degree: int) -> int:
+        """Tokens one device of a ``kind`` group of ``degree`` holds within its budget."""
+        room = self.memory_budget_bytes - self.model_state_bytes
+        return int(room // self.act_bytes_per_local_token(kind, degree))
+
+    def group_token_cap(self, kind: str, degree: int) -> int:
+        """Tokens a ``kind`` group of ``degree`` devices holds in one micro-batch: ``degree * local_token_cap``."""
+        return degree * self.local_token_cap(kind, degree)
 
     def bandwidth_gbps(self, d: int, *, ring: bool = False) -> float:
         """Bandwidth for a group of d devices; sizes not measured use the nearest larger (beyond: largest) size."""

@@ -8,7 +8,8 @@ unit of work ``w = sum a1*(end^2 - start^2) + a2*(end - start)`` over its pieces
   are forward + backward, backward ~ 2x; a2a is the cost model's Ulysses all-to-all time inside the stage, b1 +
   latency its per-group overhead, both 0 extra for degree 1 but b1)
 * backward:  2 * forward + recompute: the forward time of the checkpointed layers
-* held activations: ``(tokens / degree * (act_per_token / L) + prefix K/V) * (l_r - c) + tokens * keep * c`` for
+* held activations: ``(tokens / degree * (act_per_token / L) + prefix K/V) * (l_r - c) + tokens * keep * c`` (with
+  Ulysses's all-to-all copies in ``act_per_token`` when degree > 1: ``Profile.ulysses_extra_bytes_per_token``) for
   c checkpointed layers, where the prefix K/V is what a segment's attention saves of its sequence's earlier tokens
   (``prefix x 2 x kv_heads x head_dim x bytes / degree`` per layer) and ``keep`` is what a checkpointed layer still
   holds per token (its input, its K/V kept by the prefix cache, RoPE's cos/sin: ``(hidden + 2 kv_heads head_dim +
@@ -75,9 +76,11 @@ class StageModel:
         return 2.0 * self.fwd_ms(u, r) + recompute
 
     def act_per_layer(self) -> float:
-        """Bytes per token per layer a stage holds for backward (on one of its workers)."""
+        """Bytes per token per layer a stage holds for backward (on one of its workers), with Ulysses's all-to-all
+        copies when the stage is SP-parallel (``Profile.ulysses_extra_bytes_per_token``)."""
         p = self.profile
-        return (p.act_bytes_per_token - p.head_bytes_per_token) / p.num_layers / self.degree
+        per_token = p.act_bytes_per_token - p.head_bytes_per_token + p.ulysses_extra_bytes_per_token(self.degree)
+        return per_token / p.num_layers / self.degree
 
     def head_bytes(self, r: int) -> float:
         """Bytes per token the LM head and loss hold on stage r (the last stage only; not checkpointed)."""

@@ -18,15 +18,16 @@ TINY = Profile(
     a1_ms=1e-3,
     a2_ms=0.1,
     b1_ms=5.0,
-    act_bytes_per_token=1.0,
-    memory_budget_bytes=100.0,
+    act_bytes_per_token=100.0,
+    memory_budget_bytes=100.0 * 100.0,
     num_layers=1,
     hidden=4,
     num_heads=4,
     num_kv_heads=2,
     bytes_per_element=2,
     a2a_gbps={2: 8e-4, 4: 6e-4, 8: 2e-4},
-)  # 100 tokens per device; Ulysses up to degree 4 (4 heads), ring beyond
+)  # 100 tokens per device (92 and 86 in Ulysses groups of 2 and 4: their all-to-all copies); Ulysses up to
+# degree 4 (4 heads), ring beyond
 
 # TINY with per-degree collective latency (Profile.a2a_latency_ms / p2p_latency_ms), as gloo on CPU has it
 # (DESIGN.md §7). "small": latency next to b1 (ring falls back to the Ulysses table); "large": SP over short
@@ -62,7 +63,7 @@ def brute_force_optimum(lengths, num_devices: int, profile: Profile) -> tuple[fl
     types = group_types(num_devices, profile)
     table = time_table(lengths, types, profile)
     overheads = [group_overhead_ms(t.degree, t.kind, profile) for t in types]  # b1 + latency, per group
-    cap = profile.tokens_per_device
+    caps = [profile.group_token_cap(t.kind, t.degree) for t in types]  # Ulysses holds a little less than ring
 
     @cache
     def mb_opt(subset: frozenset) -> float:
@@ -74,7 +75,7 @@ def brute_force_optimum(lengths, num_devices: int, profile: Profile) -> tuple[fl
                 o = [
                     (float(overheads[t]) + float(table[block, t].sum()), types[t].degree)
                     for t in range(len(types))
-                    if np.isfinite(table[block, t]).all() and tok <= types[t].degree * cap
+                    if np.isfinite(table[block, t]).all() and tok <= caps[t]
                 ]
                 if not o:
                     break

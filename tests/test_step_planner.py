@@ -11,7 +11,9 @@ from solver.simulator import step_time_ms
 from tests.solver_helpers import TINY
 
 PROFILE = planner_profile(
-    TINY.with_overrides(hidden=64, a2a_latency_ms={2: 5.0, 4: 9.0}, p2p_latency_ms={2: 4.0, 4: 8.0}),
+    TINY.with_overrides(
+        hidden=64, act_bytes_per_token=2560.0, a2a_latency_ms={2: 5.0, 4: 9.0}, p2p_latency_ms={2: 4.0, 4: 8.0}
+    ),  # 20 bf16 hidden vectors per token
     num_heads=4,
     num_kv_heads=2,
     tokens_per_worker=128,

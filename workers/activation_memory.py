@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from workers.model import AttnFn
+from workers.model import AttnFn, loss_sum
 
 __all__ = ["SavedTensorMeter", "measure_activation_bytes", "saved_tensor_meter"]
 
@@ -66,11 +66,18 @@ def saved_tensor_meter(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedTe
 
 
 def measure_activation_bytes(
-    model: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttnFn
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    attn: AttnFn,
+    labels: torch.Tensor | None = None,
 ) -> int:
     """Bytes of the distinct storages saved for backward by one forward of ``model`` (parameters and buffers
-    excluded). Runs the forward with gradients enabled and drops its graph afterwards."""
+    excluded), and with ``labels`` by the loss too (its fp32 log-softmax of the logits: what a training step
+    holds). Runs the forward with gradients enabled and drops its graph afterwards."""
     with torch.enable_grad(), saved_tensor_meter([*model.parameters(), *model.buffers()]) as meter:
         out = model(input_ids, position_ids, attn)
+        if labels is not None:
+            out = loss_sum(out, labels)
         del out  # the graph (and every saved tensor) is freed only after counting is done
     return meter.bytes

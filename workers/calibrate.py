@@ -68,11 +68,15 @@ def run_probes(model, probes, rank: int, world_size: int, group_of, world, vocab
 
 
 def activation_bytes_per_token(model, vocab_size: int, tokens: int = 512) -> float:
-    """Bytes saved for backward per token, measured on one device for one document of ``tokens`` tokens."""
+    """Bytes saved for backward per token by a training step's forward and loss (the loss keeps the fp32
+    log-softmax of the logits, ~9 % of the total on the default model), measured on one device for one document
+    of ``tokens`` tokens. What an SP group of degree d > 1 holds beyond this per local token (Ulysses's all-to-all
+    copies) is added by the profile (``Profile.act_bytes_per_local_token``)."""
     ids, cu = _synthetic([tokens], vocab_size, seed=0)
-    ids, pos, _, layout = micro_batch_inputs(ids, cu, 0, 1, "ulysses")
+    ids, pos, labels, layout = micro_batch_inputs(ids, cu, 0, 1, "ulysses")
     attn = _attention(layout, GroupWork(0, (0,), "ulysses", ()), None, None)
-    return measure_activation_bytes(model, ids, pos, attn) / tokens
+    dev = next(model.parameters()).device
+    return measure_activation_bytes(model, ids.to(dev), pos.to(dev), attn, labels.to(dev)) / tokens
 
 
 def stage_activation_bytes(model, vocab_size: int, tokens: int = 512) -> tuple[float, float]:
