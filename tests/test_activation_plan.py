@@ -141,3 +141,56 @@ def test_train_budget_holds_tokens_per_worker_in_every_layout():
     caps = [p.local_token_cap(k, d) for k in (ULYSSES, RING) for d in (1, 2, 4)]
     assert min(caps) == 1024 == p.local_token_cap(ULYSSES, 4)  # the costliest layout holds exactly the setting
     assert p.tokens_per_device > 1024  # one device and ring groups hold a little more
+
+
+def _padded_local(kind: str, degree: int, lengths: list[int]) -> int:
+    """Tokens a rank of the group really holds: Ulysses pads the packed batch to a multiple of d, zigzag ring
+    pads every document to a multiple of 2d (``workers.sharding``)."""
+    if degree == 1:
+        return sum(lengths)
+    if kind == RING:
+        return sum(-(-s // (2 * degree)) * 2 * degree for s in lengths) // degree
+    return -(-sum(lengths) // degree)
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    from tests.train_helpers import training_env
+
+    yield from training_env(tmp_path_factory, "activation-plan")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["adaptive", "static-ulysses-4", "static-ring-2"])
+def test_training_holds_what_the_plan_predicts(training, mode):
+    """Real training on 4 Ray workers with a calibrated profile: every rank's peak of bytes saved for backward is
+    what the profile predicts for its largest micro-batch (with the sharding's padding), in every layout."""
+    import json
+
+    from solver.profiles import load_profile
+    from tests.train_helpers import run_driver, train_config
+    from workers.calibrate import activation_bytes_per_token
+    from workers.model import init_model
+
+    root, corpus_dir, fixed_profile, corpus = training
+    cfg_model = ModelConfig()
+    act = activation_bytes_per_token(init_model(cfg_model, 0), cfg_model.vocab_size)  # as `flexorch train` does
+    path = root / f"profile-{mode}.json"
+    path.write_text(json.dumps({**json.loads(fixed_profile.read_text()), "act_bytes_per_token": act}))
+    plan = {"mode": mode, "tokens_per_worker": 128 if mode.endswith("-2") else 64}  # 256-token documents fit
+    records, _ = run_driver(train_config(corpus_dir, root / f"run-{mode}", path, plan=plan), corpus)
+    profile = load_profile(path)
+    assert profile.act_bytes_per_token == act
+    checked = 0
+    for rec in records:
+        predicted = [0.0] * rec["world_size"]
+        for mb in rec["plan"]["micro_batches"]:
+            for g in mb:
+                local = _padded_local(g["kind"], g["degree"], g["seq_lengths"])
+                held = local * profile.act_bytes_per_local_token(g["kind"], g["degree"])
+                for r in g["ranks"]:
+                    predicted[r] = max(predicted[r], held)
+        for r, rank in enumerate(rec["ranks"]):
+            assert rank["peak_activation_bytes"] == pytest.approx(predicted[r], rel=2e-3), (rec["step"], r)
+            checked += predicted[r] > 0
+    assert checked >= 3 * 4 - 2  # every rank of every step ran something (a rank may sit out a micro-batch)
