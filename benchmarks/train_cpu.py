@@ -73,7 +73,10 @@ def start_mode(mode: str, base: TrainConfig, corpus) -> TrainingDriver:
         )
     else:
         cfg = dataclasses.replace(
-            base, run_dir=str(Path(base.run_dir) / mode), plan=dataclasses.replace(base.plan, mode=mode)
+            base,
+            run_dir=str(Path(base.run_dir) / mode),
+            plan=dataclasses.replace(base.plan, mode=mode),
+            min_workers=None,  # each layout's own floor (a static SP=4 needs 4)
         )
     driver = TrainingDriver(cfg, corpus=corpus)
     driver.setup()

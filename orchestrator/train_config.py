@@ -197,6 +197,7 @@ class TrainConfig:
         floor = 1  # the smallest power-of-two group that holds max_context
         while floor * tpw < self.data.max_context:
             floor *= 2
+        doc_floor = floor
         if self.pipelined:  # long documents become segments: the stages, not one SP group, set the floor
             floor = 2 if self.pipeline_stages == "auto" else self.pipeline_stages
         if self.plan.static is not None:
@@ -212,8 +213,8 @@ class TrainConfig:
                 + (
                     f"pipeline_stages = {self.pipeline_stages!r} needs {floor} workers"
                     if self.pipelined
-                    else f"a document of data.max_context={self.data.max_context} tokens needs an SP group of {floor} "
-                    f"workers x plan.tokens_per_worker={tpw}"
+                    else f"a document of data.max_context={self.data.max_context} tokens needs an SP group of "
+                    f"{doc_floor} workers x plan.tokens_per_worker={tpw}"
                 )
                 + (f" (and plan.mode={self.plan.mode!r} needs {self.plan.static[1]})" if self.plan.static else "")
                 + f"; set min_workers >= {floor}"

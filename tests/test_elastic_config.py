@@ -34,6 +34,11 @@ def test_flags_set_the_bounds():
     ("overrides", "message"),
     [
         ({"min_workers": 2}, r"min_workers=2 is too few: a document of data.max_context=512.*min_workers >= 4"),
+        (  # the document's floor and the static layout's, each named for what it is
+            {"data.max_context": 128, "plan.mode": "static-ulysses-4", "min_workers": 2},
+            r"needs an SP group of 1 workers x plan.tokens_per_worker=.*\(and plan.mode='static-ulysses-4' needs 4\); "
+            r"set min_workers >= 4",
+        ),
         ({"min_workers": 0}, r"min_workers must be a positive integer, got 0"),
         ({"max_workers": 3}, r"need min_workers <= workers <= max_workers, got 4 <= 4 <= 3"),
         ({"workers": 2, "data.max_context": 128, "min_workers": 3}, r"got 3 <= 2 <= 2"),
