@@ -16,7 +16,9 @@ For a sequence of s tokens on an SP group of degree d (all d devices work on it 
             steps (d-1 K/V exchanges per layer forward, ~d backward) whatever its tokens, measured per DESIGN.md §7
             (gloo on CPU: ~0.9 ms per collective for 2 ranks, ~1.9 ms for 4) and stored per degree in the profile
             (`Profile.a2a_latency_ms`, `Profile.p2p_latency_ms`; 0 when not measured, and 0 for d == 1).
-* memory:   a group of degree d holds at most d * tokens_per_device tokens (s/d * act_per_token per device).
+* memory:   a group of degree d holds at most d * tokens_per_device tokens (s/d * act_per_token per device); a
+            Ulysses group's tokens also cost its all-to-all copies (``Profile.act_bytes_per_local_token``), so it
+            holds ``Profile.group_token_cap("ulysses", d)``, a few per cent less.
 
 All times are milliseconds.
 """

@@ -70,7 +70,8 @@ class Plan:
     micro_batches: tuple[MicroBatch, ...]
     """Executed in order."""
     tokens_per_device: int
-    """Memory limit: a group of degree d holds at most d * tokens_per_device tokens in one micro-batch."""
+    """Memory limit: a group of degree d holds at most d * tokens_per_device tokens in one micro-batch (a Ulysses
+    group less: ``ulysses_tokens_per_device``)."""
     num_heads: int
     """Query heads of the model: a Ulysses group's degree must divide it."""
     ulysses_tokens_per_device: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
