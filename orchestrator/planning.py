@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import ray
 
 from solver.baselines import baseline_plans, baseline_times_ms, static_plan
+from solver.cost_model import ULYSSES, kind_allowed
 from solver.errors import InfeasibleBatchError, PlanningError
 from solver.plan import Plan
 from solver.planner import Planner, PlannerConfig
@@ -69,8 +70,8 @@ def planner_profile(
         head = 4.0 * vocab_size + 4.0 * profile.hidden * profile.bytes_per_element
         extra["head_bytes_per_token"] = min(head, 0.5 * profile.act_bytes_per_token)
     profile = profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, **extra)
-    degrees = [d for d in (2**i for i in range(num_heads.bit_length())) if num_heads % d == 0]
-    costliest = max(profile.act_bytes_per_local_token("ulysses", d) for d in degrees)
+    degrees = [d for d in (2**i for i in range(num_heads.bit_length())) if kind_allowed(ULYSSES, d, profile)]
+    costliest = max(profile.act_bytes_per_local_token(ULYSSES, d) for d in degrees)
     budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * costliest
     return profile.with_overrides(memory_budget_bytes=budget)
 

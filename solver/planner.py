@@ -123,7 +123,7 @@ class Planner:
         cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches)
         mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
         bounds = [sum(b) for b in mb_bounds]
-        order = self._screen(cands, bounds, types, overheads, table, lengths, n, t0 + 0.3 * cfg.time_limit_s)
+        order = self._screen(cands, bounds, types, caps_t, overheads, table, lengths, n, t0 + 0.3 * cfg.time_limit_s)
         best_total, best_mbs, status, tried = np.inf, None, "fallback", 0
         for ci, starts in order:
             split = cands[ci]
@@ -131,7 +131,9 @@ class Planner:
                 continue
             if best_mbs is not None and time.perf_counter() >= deadline:
                 break
-            sols = self._solve_split(split, mb_bounds[ci], types, overheads, table, lengths, n, deadline, starts)
+            sols = self._solve_split(
+                split, mb_bounds[ci], types, caps_t, overheads, table, lengths, n, deadline, starts
+            )
             tried += 1
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
@@ -145,7 +147,7 @@ class Planner:
                 status = "milp" if any(s[2] in ("milp", "exact") for s in sols) else "static"
         if best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
             sols = self._split_until_packed(
-                sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, overheads, table, lengths, n
+                sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, caps_t, overheads, table, lengths, n
             )
             best_total = sum(s[1] for s in sols)
             best_mbs, status = [(None, s) for s in sols], "fallback"
@@ -166,7 +168,7 @@ class Planner:
         }
         return StepPlan(plan, float(best_total), bound, solve_s, status, details)
 
-    def _screen(self, cands, bounds, types, overheads, table, lengths, n, screen_deadline):
+    def _screen(self, cands, bounds, types, caps_t, overheads, table, lengths, n, screen_deadline):
         """Order candidate splits by their best static layouts (what the MILP starts from), cheapest first.
 
         Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
@@ -175,7 +177,6 @@ class Planner:
         Returns [(candidate index, per-micro-batch static drafts or None)].
         """
         cap = self.profile.tokens_per_device
-        caps_t = type_caps(types, self.profile)
         # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly
         fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
         key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
@@ -192,15 +193,15 @@ class Planner:
         done.sort(key=lambda x: x[0])
         return [(ci, starts) for _, ci, starts in done] + rest
 
-    def _solve_split(self, split, lower_bounds, types, overheads, table, lengths, n, deadline, starts=None):
+    def _solve_split(self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts=None):
         """[(draft, makespan_ms, method)] for each micro-batch of one split."""
         starts = starts or [None] * len(split)
-        cfg, prof = self.config, self.profile
+        cfg = self.config
         args = list(zip(split, lower_bounds, strict=True))
         budget = max(0.0, deadline - time.perf_counter()) / max(1, len(split) if cfg.workers == 1 else 1)
         kw = dict(
             num_devices=n,
-            caps_by_type=type_caps(types, prof),
+            caps_by_type=caps_t,
             overheads=overheads,
             max_buckets=cfg.max_buckets,
             tolerance=cfg.tolerance,
@@ -230,7 +231,7 @@ class Planner:
                     s = f.result(timeout=budget + 5.0)
                     got = None if s is None else (s.draft, s.makespan_ms, s.method)
                 except FutureTimeout:
-                    got = self._fallback(items, types, overheads, table, lengths, n)
+                    got = self._fallback(items, types, caps_t, overheads, table, lengths, n)
                 if got is None:
                     return None
                 out.append(got)
@@ -246,17 +247,17 @@ class Planner:
             out.append((s.draft, s.makespan_ms, s.method))
         return out
 
-    def _fallback(self, items, types, overheads, table, lengths, n):
-        d = best_static_draft(items, types, table, lengths, n, type_caps(types, self.profile), overheads)
+    def _fallback(self, items, types, caps_t, overheads, table, lengths, n):
+        d = best_static_draft(items, types, table, lengths, n, caps_t, overheads)
         return None if d is None else (d, d.makespan(), "fallback")
 
-    def _split_until_packed(self, items, types, overheads, table, lengths, n):
+    def _split_until_packed(self, items, types, caps_t, overheads, table, lengths, n):
         """Always succeeds: one sequence alone fits the largest group (check_batch guarantees it)."""
-        got = self._fallback(items, types, overheads, table, lengths, n)
+        got = self._fallback(items, types, caps_t, overheads, table, lengths, n)
         if got is not None:
             return [got]
         half = len(items) // 2
-        args = (types, overheads, table, lengths, n)
+        args = (types, caps_t, overheads, table, lengths, n)
         return self._split_until_packed(items[:half], *args) + self._split_until_packed(items[half:], *args)
 
 

@@ -4,8 +4,6 @@ and the solver keeping every group within its layout's token cap."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -13,8 +11,8 @@ from solver.cost_model import RING, ULYSSES
 from solver.errors import InvalidPlanError
 from solver.plan import Group, MicroBatch, Plan
 from solver.planner import PlannerConfig, plan_step
-from solver.profiles import get_profile
 from tests._dist_utils import DistPool
+from tests.train_helpers import model_profile
 from workers.model import ModelConfig
 
 LENGTHS = [300, 100, 60, 52]  # one packed micro-batch of 512 tokens
@@ -29,18 +27,7 @@ def pool():
 
 def _profile(cfg: ModelConfig, act: float, **kw):
     """A profile of the model ``cfg`` (float32 activations) whose one-device bytes per token are ``act``."""
-    return dataclasses.replace(
-        get_profile("gpt-7b-a100"),
-        num_layers=cfg.num_layers,
-        hidden=cfg.dim,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        bytes_per_element=4,
-        act_bytes_per_token=act,
-        head_bytes_per_token=0.0,
-        model_state_bytes=0.0,
-        **kw,
-    )
+    return model_profile(cfg, act, head_bytes_per_token=0.0, **kw)
 
 
 def _held_bytes_job(ctx, cfg: ModelConfig, layouts):

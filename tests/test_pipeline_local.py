@@ -101,8 +101,8 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages, ki
     import dataclasses
 
     from solver.checkpointing import checkpoint_plan
-    from solver.profiles import get_profile
     from solver.stage_model import StageModel
+    from tests.train_helpers import model_profile
     from workers.calibrate import activation_bytes_per_token, stage_activation_bytes
 
     cfg = ModelConfig(num_layers=4)
@@ -114,18 +114,7 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages, ki
     whole = activation_bytes_per_token(model, cfg.vocab_size)  # the SP calibration's figure, for comparison
     assert 0.9 * whole < per_layer * cfg.num_layers + head < 1.2 * whole
     per_token = per_layer * cfg.num_layers + head
-    profile = dataclasses.replace(
-        get_profile("gpt-7b-a100"),
-        num_layers=cfg.num_layers,
-        hidden=cfg.dim,
-        num_heads=cfg.num_heads,
-        num_kv_heads=cfg.num_kv_heads,
-        bytes_per_element=4,
-        act_bytes_per_token=per_token,
-        head_bytes_per_token=head,
-        model_state_bytes=0.0,
-        memory_budget_bytes=1e12,
-    )
+    profile = model_profile(cfg, per_token, head_bytes_per_token=head, memory_budget_bytes=1e12)
     units = _units(kind, LENGTHS)
     sched = one_f_one_b(units, stages)
     loose = StageModel(profile, stages)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import textwrap
@@ -52,6 +53,24 @@ def cpu_profile(path: Path) -> Path:
     data.update({"a2a_latency_ms": {"2": 4.0, "4": 8.0}, "p2p_latency_ms": {"2": 3.0, "4": 9.0}})
     path.write_text(json.dumps(data))
     return path
+
+
+def model_profile(cfg: ModelConfig, act_bytes_per_token: float, **overrides) -> Profile:
+    """gpt-7b-a100's timing constants with the shape of the model ``cfg`` (float32 activations), the given activation
+    bytes per token and no model state; ``overrides`` set the rest (budget, LM head's share)."""
+    from solver.profiles import get_profile
+
+    return dataclasses.replace(
+        get_profile("gpt-7b-a100"),
+        num_layers=cfg.num_layers,
+        hidden=cfg.dim,
+        num_heads=cfg.num_heads,
+        num_kv_heads=cfg.num_kv_heads,
+        bytes_per_element=4,
+        act_bytes_per_token=act_bytes_per_token,
+        model_state_bytes=0.0,
+        **overrides,
+    )
 
 
 def training_env(tmp_path_factory, name: str):
