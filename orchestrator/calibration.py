@@ -123,6 +123,8 @@ def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
         f"{len(errors)} probes: median {100 * report['median_rel_error']:.1f} %, max "
         f"{100 * report['max_rel_error']:.1f} %"
     )
+    if fit.notes:
+        report["message"] += "".join(f"\nwarning: {n}" for n in fit.notes)
     return profile, report
 
 

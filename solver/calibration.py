@@ -183,6 +183,14 @@ def fit_profile(
         "compute_samples",
         "time micro-batches of different total tokens, some one long sequence, some many short ones packed",
     )
+    notes = []
+    if a1 <= 0 and a2 <= 0:
+        tokens = [sum(c.seq_lengths) for c in comp]
+        notes.append(
+            f"compute: time did not grow with tokens over the probes ({min(tokens)}-{max(tokens)} tokens), so the "
+            "profile prices tokens at zero and the planner cannot tell a long micro-batch from a short one; "
+            "calibrate with a larger tokens_per_worker or on a quieter machine"
+        )
     by_group: dict[tuple[str, int], list[CommSample]] = {}
     for c in comms:
         by_group.setdefault((c.kind, c.degree), []).append(c)
@@ -192,7 +200,6 @@ def fit_profile(
             f"{sorted(by_group)}): the profile's a2a_gbps needs an entry"
         )
     tables: dict[str, dict[int, float]] = {t: {} for t in ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")}
-    notes = []
     for (kind, d), group in sorted(by_group.items()):
         key = f"{kind}-{d}"
         if len(group) < MIN_COMM_SAMPLES or len({c.tokens_per_rank for c in group}) < 2:

@@ -134,6 +134,18 @@ def test_latency_only_collectives_clamp_the_bandwidth():
     assert any("ulysses-2" in n and "clamped" in n for n in report.notes)
 
 
+def test_flat_compute_timings_fit_with_a_warning():
+    """Probes too small to show any per-token cost (a busy CPU, a tiny budget) fit b1 alone, and the report says
+    the profile cannot tell long micro-batches from short ones."""
+    _, comm = _samples(noise=0.0)
+    flat = [ComputeSample([s] * n, 5.0) for s, n in ((16, 1), (32, 1), (64, 1), (16, 4), (32, 2))]
+    profile, report = _fit(flat, comm)
+    assert (profile.a1_ms, profile.a2_ms) == (0.0, 0.0) and profile.b1_ms == pytest.approx(5.0)
+    assert any("did not grow with tokens" in n and "16-64 tokens" in n for n in report.notes)
+    _, fine = _fit(*_samples(noise=0.0))
+    assert not any("did not grow" in n for n in fine.notes)
+
+
 @pytest.mark.parametrize(
     "compute, comm, msg",
     [

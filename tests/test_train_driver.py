@@ -174,8 +174,11 @@ def test_flexorch_profile_calibrates_on_the_workers(env, tmp_path):
     out = io.StringIO()
     report = run_profile(cfg, tmp_path / "measured.json", out=out)
     measured = get_profile(str(tmp_path / "measured.json"))
-    # a non-negative fit; on two busy cores the <= 64-token probes cannot always tell a2 from b1 (CI once got a2 = 0)
-    assert measured.a1_ms >= 0 and measured.a2_ms >= 0 and measured.a1_ms + measured.a2_ms > 0
+    # a non-negative fit; on two busy cores the <= 64-token probes cannot always show a per-token cost (CI got
+    # a2 = 0 once and a1 = a2 = 0 once): then the user is warned that the profile prices tokens at zero
+    assert measured.a1_ms >= 0 and measured.a2_ms >= 0 and measured.b1_ms > 0
+    flat = measured.a1_ms + measured.a2_ms == 0
+    assert ("warning: compute: time did not grow with tokens" in out.getvalue()) == flat
     assert measured.num_layers == cfg.model.num_layers and measured.num_heads == 4
     assert set(measured.a2a_latency_ms) == {2} and set(measured.p2p_latency_ms) == {2}
     assert 1_000 < measured.act_bytes_per_token < 100_000
