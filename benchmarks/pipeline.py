@@ -209,10 +209,14 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
             return times, peak
         from solver.pipeline_schedule import one_f_one_b
         from solver.stage_model import stage_layers
-        from workers.pipeline_dist import run_stage_step
+        from workers.pipeline_dist import gradient_groups, run_stage_step
         from workers.pipeline_local import build_stages
+        from workers.pipeline_task import gradient_channels
 
-        stage = build_stages(model, stage_layers(cfg.num_layers, CPU_STAGES))[ctx.rank]
+        r = ctx.rank
+        reg.ensure(gradient_channels([(i,) for i in range(CPU_STAGES)]))  # gradients on a group per stage pair
+        grad_groups = gradient_groups(reg.group, r, r - 1 if r > 0 else None, r + 1 if r < CPU_STAGES - 1 else None)
+        stage = build_stages(model, stage_layers(cfg.num_layers, CPU_STAGES))[r]
         optim, sched = build_optimizer(stage, OptimConfig())
         for lengths, units in zip(batches, units_per_batch, strict=True):
             gen = torch.Generator().manual_seed(len(lengths))
@@ -222,7 +226,7 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
             optim.zero_grad(set_to_none=True)
             dist.barrier()
             t0 = time.perf_counter()
-            run_stage_step(stage, ctx.rank, list(range(CPU_STAGES)), pipes, seqs)
+            run_stage_step(stage, r, list(range(CPU_STAGES)), pipes, seqs, grad_groups=grad_groups)
             optim.step()
             sched.step()
             dist.barrier()

@@ -7,14 +7,18 @@ embedding, back-to-back pipelines.
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from solver.pipeline_schedule import one_f_one_b
 from solver.stage_model import stage_layers
 from tests._dist_utils import DistPool
 from tests.test_pipeline_local import LENGTHS, _reference, _sequences, _units
 from workers.model import ModelConfig, init_model
+from workers.pipeline_task import gradient_channels
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +31,7 @@ def pool():
 
 
 def _job(ctx, stages, cfg_kwargs, kind, ckpt, split):
-    from workers.pipeline_dist import run_stage_step
+    from workers.pipeline_dist import gradient_groups, run_stage_step
     from workers.pipeline_local import build_stages
 
     torch.manual_seed(0)
@@ -46,15 +50,28 @@ def _job(ctx, stages, cfg_kwargs, kind, ckpt, split):
             (part, sched, [[layers[r] if ckpt and u % 3 == 0 else 0 for u in range(len(part))] for r in range(stages)])
         )
     with ctx.registry() as reg:
-        reg.ensure([[0, stages - 1]] if stages > 1 else [])
+        channels = gradient_channels([(r,) for r in range(stages)])  # (r, r + 1): gradients on their own group
+        reg.ensure(([[0, stages - 1]] if stages > 1 else []) + channels)
         if ctx.rank >= stages:
             return None
+        r = ctx.rank
+        grad_groups = gradient_groups(reg.group, r, r - 1 if r > 0 else None, r + 1 if r < stages - 1 else None)
         model = init_model(cfg, seed=3)
-        stage = build_stages(model, layers)[ctx.rank]
-        tie = reg.group([0, stages - 1]) if cfg.tie_embeddings and ctx.rank in (0, stages - 1) else None
-        loss = run_stage_step(stage, ctx.rank, list(range(stages)), pipes, seqs, tie_group=tie)
+        stage = build_stages(model, layers)[r]
+        tie = reg.group([0, stages - 1]) if cfg.tie_embeddings and r in (0, stages - 1) else None
+        routes = set()  # (forward 0 / backward 1, carried by the world or by a gradient channel)
+
+        def spy(real):
+            def call(t, *args, group=None, tag=0, **kw):
+                routes.add((tag % 2, "channel" if group is not None and group in grad_groups else "world"))
+                return real(t, *args, group=group, tag=tag, **kw)
+
+            return call
+
+        with mock.patch.object(dist, "isend", spy(dist.isend)), mock.patch.object(dist, "recv", spy(dist.recv)):
+            loss = run_stage_step(stage, r, list(range(stages)), pipes, seqs, grad_groups=grad_groups, tie_group=tie)
         grads = {stage.full_name(n): p.grad.clone() for n, p in stage.named_parameters() if p.grad is not None}
-        return loss, grads
+        return loss, grads, routes
 
 
 @pytest.mark.parametrize(
@@ -74,8 +91,10 @@ def test_pipelined_step_over_gloo_equals_the_reference(pool, stages, kind, ckpt,
     assert all(r is None for r in results[stages:])
     loss = results[stages - 1][0]
     assert loss == pytest.approx(ref_loss, rel=1e-5)
+    # activations travel on the world, gradients on each neighbour pair's own group (NCCL: one stream each way)
+    assert set().union(*(r[2] for r in results[:stages])) == {(0, "world"), (1, "channel")}
     got: dict[str, torch.Tensor] = {}
-    for _, grads in results[:stages]:
+    for _, grads, _ in results[:stages]:
         for name, g in grads.items():
             if name in got:  # the tied embedding: both copies hold the all-reduced sum
                 torch.testing.assert_close(got[name], g)

@@ -56,3 +56,16 @@ def test_static_plan_tasks_and_mismatch_errors():
     bad[1] = DocRef(1, 0, 0, 21)
     with pytest.raises(ValueError, match="plan says 20 tokens"):
         step_tasks(plan, bad, step=0)
+
+
+def test_pipeline_tasks_create_each_stage_group_and_each_gradient_channel():
+    """Every rank creates the SP groups of the stages and one group per neighbour pair for the gradients (NCCL
+    would deadlock with activations and gradients of one pair on one communicator)."""
+    from workers.pipeline_task import PipelineTask, gradient_channels
+
+    assert gradient_channels([(0, 1), (2, 3), (4, 5)]) == [(0, 2), (1, 3), (2, 4), (3, 5)]
+    assert gradient_channels([(0,), (1,), (2,)]) == [(0, 1), (1, 2)]
+    assert gradient_channels([(0, 1, 2, 3)]) == []
+    task = PipelineTask(0, 0, 6, 0, ((0, 1), (2, 3), (4, 5)), (1, 1, 1), (), (), 0)
+    assert task.rank_sets == ((0, 1), (2, 3), (4, 5), (0, 2), (1, 3), (2, 4), (3, 5))
+    assert PipelineTask(0, 3, 4, None, ((0,), (1,), (2,)), (2, 1, 1), (), (), 0).rank_sets == ((0, 1), (1, 2))

@@ -11,10 +11,16 @@ Every stage process runs its own op list of the planned schedule (``solver.pipel
   backward and sends its input's gradient to stage r-1 (non-blocking).
 
 Messages carry the tag ``2 * unit + (0 forward, 1 backward)`` (units numbered across the step's back-to-back
-pipelines), so shapes that change per unit never get mixed up. Sends are asynchronous and receives block, which is
-what ``solver.pipeline_sim`` assumes when it checks the schedule for deadlocks: a schedule that simulates cannot
-deadlock here. With tied embeddings the first and last stage all-reduce their two copies' gradients at the end.
-Works over gloo (CPU) and NCCL (GPU) alike.
+pipelines), so shapes that change per unit never get mixed up on gloo. NCCL ignores tags and matches a pair's
+messages in order; that holds because ``solver.pipeline_schedule.check_schedule`` makes every stage run the
+forwards in one order and the backwards in one order. Sends are asynchronous and receives block, which is what
+``solver.pipeline_sim`` assumes when it checks the schedule for deadlocks. On NCCL a send may block its
+communicator's stream until the peer posts the receive, so two neighbours sending to each other at once (an
+activation one way, a gradient the other) on one communicator would deadlock; gradients therefore travel on a
+group of their own per neighbour pair (``workers.pipeline_task.gradient_channels``, the ``grad_groups``
+argument; PyTorch's own pipelining added per-direction communicators for the same reason), and each direction
+progresses in the order both sides agree on. With tied embeddings the first and last stage all-reduce their two
+copies' gradients at the end. Tested over gloo here; the NCCL path has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import torch.distributed as dist
 
 from workers.pipeline_stage import StageModule, UnitInput, shard_tokens
 
-__all__ = ["StageOps", "run_stage_ops", "run_stage_step"]
+__all__ = ["StageOps", "gradient_groups", "run_stage_ops", "run_stage_step"]
 
 
 @dataclass
@@ -43,6 +49,12 @@ class StageOps:
     ops: list[dict] = field(default_factory=list)
 
 
+def gradient_groups(group_of, rank: int, prev: int | None, nxt: int | None) -> tuple:
+    """``grad_groups`` for :func:`run_stage_ops`: the groups ``rank`` shares with ``prev`` and ``nxt`` (None at the
+    ends), from ``group_of(ranks)`` (a ``ProcessGroupRegistry.group`` after ``ensure(gradient_channels(...))``)."""
+    return tuple(None if peer is None else group_of((peer, rank)) for peer in (prev, nxt))
+
+
 def run_stage_ops(
     stage: StageModule,
     pipelines,
@@ -52,14 +64,18 @@ def run_stage_ops(
     nxt: int | None,
     n_predicted: int = 1,
     group: dist.ProcessGroup | None = None,
+    grad_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     hook: Callable[[str], None] | None = None,
     t0: float | None = None,
 ) -> StageOps:
     """Run this rank's ops of one step: ``pipelines`` are (units, [(kind, unit), ...] of this stage, checkpointed
-    layers per unit), run one after another; ``prev``/``nxt``: the ranks (in ``group``) this rank receives from and
-    sends to (None at the ends). With SP inside the stage (``stage.sp_group``) each message is this rank's token
-    shard ``(t_pad/d, dim)``. The last stage's loss share is divided by ``n_predicted`` (1: the summed loss)."""
+    layers per unit), run one after another; ``prev``/``nxt``: the world ranks this rank receives activations from
+    and sends them to over ``group`` (None at the ends); ``grad_groups``: the groups it shares with ``prev`` and
+    with ``nxt`` (``workers.pipeline_task.gradient_channels``), which carry the gradients (None: ``group``). With
+    SP inside the stage (``stage.sp_group``) each message is this rank's token shard ``(t_pad/d, dim)``. The last
+    stage's loss share is divided by ``n_predicted`` (1: the summed loss)."""
     t0 = time.perf_counter() if t0 is None else t0
+    grad_prev, grad_next = (g if g is not None else group for g in grad_groups)
     j, d = stage.sp_rank, stage.sp_degree
     dim = stage.cfg.dim
     param = next(stage.parameters())
@@ -91,10 +107,10 @@ def run_stage_ops(
                 g = None
                 if nxt is not None:  # (t_pad/d, dim) gradient of unit u's output from the next stage
                     g = torch.empty(n_local, dim, dtype=param.dtype, device=param.device)
-                    dist.recv(g, src=nxt, group=group, tag=tag + 1)
+                    dist.recv(g, src=nxt, group=grad_next, tag=tag + 1)
                 g_in = stage.backward_unit(u, g)
                 if prev is not None:
-                    sends.append(dist.isend(g_in.contiguous(), dst=prev, group=group, tag=tag + 1))
+                    sends.append(dist.isend(g_in.contiguous(), dst=prev, group=grad_prev, tag=tag + 1))
             end = time.perf_counter()
             res.ops.append({"kind": kind, "unit": base + u, "start_ms": (t_op - t0) * 1e3, "end_ms": (end - t0) * 1e3})
         for w in sends:
@@ -112,19 +128,22 @@ def run_stage_step(
     sequences: list[torch.Tensor],
     *,
     group: dist.ProcessGroup | None = None,
+    grad_groups: tuple[dist.ProcessGroup | None, dist.ProcessGroup | None] = (None, None),
     tie_group: dist.ProcessGroup | None = None,
 ) -> float | None:
     """Run this stage's ops of one step (one process per stage, its own parameter copies); returns the step's loss
     on the last stage, None elsewhere.
 
     ``pipelines``: (units, schedule, checkpointed[stage][unit]) run one after another; ``stage_ranks[r]``: the
-    rank (in ``group``) of stage r's process."""
+    world rank of stage r's process; ``grad_groups``: see :func:`run_stage_ops`."""
     r, p = stage_index, len(stage_ranks)
     n_pred = sum(int(s.numel()) - 1 for s in sequences)
     mine = [(units, [(op.kind, op.unit) for op in schedule[r]], ckpt[r]) for units, schedule, ckpt in pipelines]
     prev = stage_ranks[r - 1] if r > 0 else None
     nxt = stage_ranks[r + 1] if r < p - 1 else None
-    res = run_stage_ops(stage, mine, sequences, prev=prev, nxt=nxt, n_predicted=n_pred, group=group)
+    res = run_stage_ops(
+        stage, mine, sequences, prev=prev, nxt=nxt, n_predicted=n_pred, group=group, grad_groups=grad_groups
+    )
     if stage.cfg.tie_embeddings and p > 1 and (stage.is_first or stage.is_last):
         w = stage.tok_embeddings.weight if stage.is_first else stage.head_weight
         if w.grad is None:

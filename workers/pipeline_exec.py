@@ -7,7 +7,8 @@ stage's units land in the replica's ``.grad``. Ops run in the order of the plan'
 previous stage, runs the unit and sends its output on (non-blocking); ``B u`` receives the output's gradient,
 runs the unit backward and sends the input's gradient back. Message shapes come from the plan (``(t_pad/d, dim)``
 per unit), tags are ``2 * unit + (0 forward, 1 backward)`` with units numbered across back-to-back pipelines,
-sends are asynchronous and receives block: the schedule ``solver.pipeline_sim`` checked for deadlock is what runs.
+gradients travel on a group per neighbour pair (``workers.pipeline_task.gradient_channels``), sends are
+asynchronous and receives block: the schedule ``solver.pipeline_sim`` checked for deadlock is what runs.
 
 The last stage computes the units' summed cross-entropy (not divided), so the step ends exactly like an SP step
 (``workers.step_exec.sync_and_step``): one all-reduce over the world sums every rank's gradients (each parameter
@@ -27,7 +28,7 @@ import torch.distributed as dist
 
 from workers.model import check_token_range
 from workers.optim import OptimConfig
-from workers.pipeline_dist import run_stage_ops
+from workers.pipeline_dist import gradient_groups, run_stage_ops
 from workers.pipeline_stage import StageModule
 from workers.pipeline_task import PipelineTask
 from workers.step_exec import GroupGetter, StepOutcome, sync_and_step
@@ -83,12 +84,15 @@ def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome,
         model.cfg, first, first + task.layers[r], r, p, model=model, sp_group=group_of(ranks) if d > 1 else None
     )
     pipes = [(pipe.units, pipe.ops, pipe.checkpointed) for pipe in task.pipelines]
+    prev = task.stage_ranks[r - 1][j] if r > 0 else None  # the same-position rank of the neighbouring stages
+    nxt = task.stage_ranks[r + 1][j] if r < p - 1 else None
     res = run_stage_ops(
         stage,
         pipes,
         sequences,
-        prev=task.stage_ranks[r - 1][j] if r > 0 else None,  # the same-position rank of the neighbouring stages
-        nxt=task.stage_ranks[r + 1][j] if r < p - 1 else None,
+        prev=prev,
+        nxt=nxt,
+        grad_groups=gradient_groups(group_of, task.rank, prev, nxt),
         hook=hook,
         t0=t0,
     )  # the last stage's loss is the summed cross-entropy (n_predicted = 1): sync_and_step divides

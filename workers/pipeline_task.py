@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from workers.step_task import DocRef
 
-__all__ = ["PipelineTask", "StagePipeline", "pipeline_tasks"]
+__all__ = ["PipelineTask", "StagePipeline", "gradient_channels", "pipeline_tasks"]
 
 
 @dataclass(frozen=True)
@@ -46,12 +46,22 @@ class PipelineTask:
 
     @property
     def rank_sets(self) -> tuple[tuple[int, ...], ...]:
-        """Process groups every rank must create: the stages with more than one worker (SP inside a stage)."""
-        return tuple(rs for rs in self.stage_ranks if len(rs) > 1)
+        """Process groups every rank must create: the stages with more than one worker (SP inside a stage) and the
+        neighbour pairs whose gradients travel on a group of their own (``workers.pipeline_dist``)."""
+        return tuple(rs for rs in self.stage_ranks if len(rs) > 1) + tuple(gradient_channels(self.stage_ranks))
 
     def blocks(self) -> set[int]:
         """Object-store blocks this rank reads."""
         return {d.block for d in self.docs} if self.stage is not None else set()
+
+
+def gradient_channels(stage_ranks: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """The rank pairs ``(rank j of stage r, rank j of stage r + 1)`` whose gradient messages travel on a process
+    group of their own (activations travel on the world); every rank must create these groups."""
+    pairs = []
+    for here, there in zip(stage_ranks, stage_ranks[1:], strict=False):
+        pairs += [(int(a), int(b)) for a, b in zip(here, there, strict=True)]
+    return pairs
 
 
 def pipeline_tasks(staged, docs: Sequence[DocRef], step: int) -> list[PipelineTask]:
