@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from orchestrator.record_schema import RecordError, validate_record
+from orchestrator.records import measured_bubble_share
 
 __all__ = ["read_run", "step_view", "pipeline_view"]
 
@@ -131,6 +132,7 @@ def pipeline_view(rec: dict) -> dict:
         "stage_ranks": pipe["stage_ranks"],
         "granularity": pipe["granularity"],
         "bubble_share": pipe["bubble_share"],
+        "measured_bubble_share": measured_bubble_share(rec),
         "units": len(pipe["units"]),
         "pipelines": len({u.get("pipeline", 0) for u in pipe["units"]}),
         "ops": ops,

@@ -19,6 +19,8 @@ tag ``run`` (the run directory's name). Names, kinds and units:
 ``flexorch_plan_groups``                gauge      SP groups in the last step's plan, tags ``degree`` and ``kind``
 ``flexorch_pipeline_bubble_share``      gauge      simulated bubble share of the last pipelined step's schedule
                                                    (0..1; ``pipeline_stages`` runs only)
+``flexorch_pipeline_measured_bubble_share``  gauge  the same, measured: time the stage ranks spent outside their
+                                                   ops (``orchestrator.records.measured_bubble_share``)
 ``flexorch_steps_total``                counter    steps trained
 ``flexorch_skipped_batches_total``      counter    batches skipped as infeasible (``plan.on_infeasible="skip"``)
 ``flexorch_recoveries_total``           counter    membership changes, tag ``what``: ``shrink`` (after a
@@ -31,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from orchestrator.records import measured_bubble_share
 from solver.plan import Plan
 from solver.profiles import Profile
 from solver.simulator import comm_share
@@ -51,6 +54,7 @@ METRICS = (
     ("flexorch_workers_alive", "gauge", "short", "Workers alive"),
     ("flexorch_plan_groups", "gauge", "short", "SP groups per degree"),
     ("flexorch_pipeline_bubble_share", "gauge", "percentunit", "Pipeline bubble share (simulated)"),
+    ("flexorch_pipeline_measured_bubble_share", "gauge", "percentunit", "Pipeline bubble share (measured)"),
     ("flexorch_steps_total", "counter", "short", "Steps trained"),
     ("flexorch_skipped_batches_total", "counter", "short", "Batches skipped"),
     ("flexorch_recoveries_total", "counter", "short", "Membership changes"),
@@ -94,6 +98,9 @@ class RunMetrics:
         self.alive = gauge("flexorch_workers_alive", "Workers in the world that ran the step")
         self.groups = gauge("flexorch_plan_groups", "SP groups in the step's plan", ("degree", "kind"))
         self.bubble = gauge("flexorch_pipeline_bubble_share", "Simulated bubble share of the step's pipeline")
+        self.measured_bubble = gauge(
+            "flexorch_pipeline_measured_bubble_share", "Measured bubble share of the step's pipeline"
+        )
         self.steps = Counter("flexorch_steps_total", description="Steps trained", tag_keys=run_tag)
         self.skipped = Counter("flexorch_skipped_batches_total", description="Batches skipped", tag_keys=run_tag)
         self.recoveries = Counter(
@@ -120,6 +127,9 @@ class RunMetrics:
         self.idle.set(idle, tags=t)
         if record["pipeline"] is not None:
             self.bubble.set(record["pipeline"]["bubble_share"], tags=t)
+            measured_bubble = measured_bubble_share(record)
+            if measured_bubble is not None:
+                self.measured_bubble.set(measured_bubble, tags=t)
         if isinstance(plan, Plan):
             self.comm.set(comm_share(plan, profile), tags=t)
             counts: dict[tuple[str, str], int] = {}

@@ -44,7 +44,9 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   rank's step start, of its group in each micro-batch; null where it sat one out), ``compute_end_ms``,
   ``local_tokens``, ``peak_local_tokens``, ``peak_activation_bytes``; in a pipelined step ``micro_batch_ms`` and
   ``micro_batch_start_ms`` are empty and ``ops`` holds the rank's measured ``[{"kind", "unit", "start_ms",
-  "end_ms"}, ...]`` in the order it ran them, empty for a rank no stage uses).
+  "end_ms", "wait_ms"}, ...]`` in the order it ran them, empty for a rank no stage uses: ``start_ms`` is when the
+  op's input had arrived, ``wait_ms`` how long the rank waited for it (optional: records written before it was
+  added have none, and their ``start_ms`` includes the wait).
 
 History: version 2 (train only) added ``worker_ids`` and ``recoveries``; version 3 made one schema for `plan` and
 `train`: ``source``, ``timeline``, and `plan`'s ``makespan_ms``/``baselines``/``micro_batches`` became
@@ -284,9 +286,10 @@ def _check_pipeline_ranks(rec: dict, where: str) -> None:
             ok = isinstance(o, dict) and o.get("kind") in ("F", "B") and isinstance(o.get("unit"), int)
             ok = ok and 0 <= o["unit"] < len(pipe["units"]) and (o["kind"], o["unit"]) not in seen
             ok = ok and all(isinstance(o.get(k), int | float) for k in ("start_ms", "end_ms"))
+            ok = ok and (o.get("wait_ms") is None or (isinstance(o["wait_ms"], int | float) and o["wait_ms"] >= 0))
             if not ok or o["start_ms"] > o["end_ms"]:
                 raise RecordError(
-                    f"{where}: ranks[{r}].ops entry {o!r:.80} must be {{kind: F|B, unit, start_ms <= end_ms}}, each "
-                    "(kind, unit) once"
+                    f"{where}: ranks[{r}].ops entry {o!r:.80} must be {{kind: F|B, unit, start_ms <= end_ms, "
+                    "wait_ms >= 0 if given}, each (kind, unit) once"
                 )
             seen.add((o["kind"], o["unit"]))

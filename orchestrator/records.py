@@ -26,6 +26,7 @@ __all__ = [
     "plan_record",
     "step_record",
     "skip_record",
+    "measured_bubble_share",
 ]
 
 
@@ -187,3 +188,18 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
         "grad_norm": done[0].grad_norm,
         "ranks": [_rank_entry(o, n_mb, pipelined) for o in outcomes],
     }
+
+
+def measured_bubble_share(record: dict) -> float | None:
+    """The measured counterpart of ``pipeline.bubble_share`` for a trained pipelined step: ``1 - sum(busy) /
+    (ranks * span)`` over the ranks that ran stage ops, busy being each rank's time in its ops (input received to
+    done) and span the latest op end, both from each rank's own step start. None for SP steps, plan records and
+    steps no rank reported ops for."""
+    if record.get("pipeline") is None or record.get("source") != "train":
+        return None
+    ops = [entry["ops"] for entry in record.get("ranks") or [] if entry and entry.get("ops")]
+    if not ops:
+        return None
+    busy = sum(o["end_ms"] - o["start_ms"] for rank_ops in ops for o in rank_ops)
+    span = max(o["end_ms"] for rank_ops in ops for o in rank_ops)
+    return max(0.0, 1.0 - busy / (len(ops) * span)) if span > 0 else 0.0

@@ -12,6 +12,7 @@ import pytest
 
 from orchestrator.driver import TrainingDriver
 from orchestrator.metrics import step_shares
+from orchestrator.records import measured_bubble_share
 from tests.train_helpers import cpu_profile, train_config, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -101,6 +102,8 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
                 and pp_found.get("flexorch_steps_total", [({}, 0)])[0][1] == 2
                 and pp_found.get("flexorch_pipeline_bubble_share", [({}, -1.0)])[0][1]
                 == pytest.approx(pp_bubble, rel=1e-6)
+                and pp_found.get("flexorch_pipeline_measured_bubble_share", [({}, -1.0)])[0][1]
+                == pytest.approx(measured_bubble_share(pp_records[-1]), rel=1e-6)
             ):
                 break
             assert time.monotonic() < deadline, (
@@ -114,6 +117,9 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
     bubble = pp_found["flexorch_pipeline_bubble_share"][0][1]
     assert bubble == pytest.approx(pp_records[-1]["pipeline"]["bubble_share"], rel=1e-6) and 0.0 <= bubble < 1.0
     assert "flexorch_pipeline_bubble_share" not in found  # an SP run has no pipeline
+    measured_bubble = pp_found["flexorch_pipeline_measured_bubble_share"][0][1]
+    assert measured_bubble == pytest.approx(measured_bubble_share(pp_records[-1]), rel=1e-6)
+    assert 0.0 <= measured_bubble < 1.0 and "flexorch_pipeline_measured_bubble_share" not in found
     last = records[-1]
     value = {n: v[0][1] for n, v in found.items()}
     assert value["flexorch_step_measured_ms"] == pytest.approx(last["measured_ms"], rel=1e-6)

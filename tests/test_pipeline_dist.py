@@ -191,3 +191,6 @@ def test_pipelined_training_on_stage_workers_equals_the_reference(pool, stages, 
     n_units = len(_units(kind, LENGTHS))
     assert all(len(r[2]) == 2 * n_units for r in results[:in_stage])
     assert all(r[2] == [] for r in results[in_stage:])
+    for _, _, ops in results[:in_stage]:  # one op at a time: each waited for its input after the previous ended
+        for before, op in zip(ops, ops[1:], strict=False):
+            assert op["wait_ms"] >= 0 and op["start_ms"] - op["wait_ms"] >= before["end_ms"] - 1e-6, (before, op)

@@ -135,6 +135,7 @@ def test_pipeline_records_validate(pipeline_records):
         ("train", lambda r: r["ranks"][0]["ops"][0].update(kind="X"), "ranks[0].ops entry"),
         ("train", lambda r: r["ranks"][0]["ops"][1].update(r["ranks"][0]["ops"][0]), "each (kind, unit) once"),
         ("train", lambda r: r["ranks"][0]["ops"][0].update(start_ms=1e9), "start_ms <= end_ms"),
+        ("train", lambda r: r["ranks"][0]["ops"][0].update(wait_ms=-1.0), "wait_ms >= 0 if given"),
     ],
 )
 def test_pipeline_damage_is_named(pipeline_records, which, change, message):
@@ -142,3 +143,20 @@ def test_pipeline_damage_is_named(pipeline_records, which, change, message):
     with pytest.raises(RecordError) as e:
         validate_record(_broken(rec, change), "step 0")
     assert message in str(e.value)
+
+
+def test_measured_bubble_share_is_the_time_stage_ranks_spent_outside_their_ops(pipeline_records):
+    from orchestrator.records import measured_bubble_share
+
+    plan_rec, train_rec = pipeline_records
+    assert measured_bubble_share(plan_rec) is None  # nothing measured
+    # rank 0 busy 0-10 and 20-30, rank 1 busy 5-25; rank 2 lost, rank 3 in no stage: 1 - 40 / (2 * 30)
+    ops = [
+        [{"kind": "F", "unit": 0, "start_ms": 0.0, "end_ms": 10.0}, {"kind": "B", "unit": 0, "start_ms": 20.0,
+         "end_ms": 30.0, "wait_ms": 10.0}],
+        [{"kind": "F", "unit": 0, "start_ms": 5.0, "end_ms": 25.0, "wait_ms": 5.0}],
+    ]  # fmt: skip
+    rec = {**train_rec, "ranks": [{"ops": ops[0]}, {"ops": ops[1]}, None, {"ops": []}]}
+    assert measured_bubble_share(rec) == pytest.approx(1 / 3)
+    assert measured_bubble_share({**rec, "pipeline": None}) is None  # an SP step
+    assert 0.0 <= measured_bubble_share(train_rec) < 1.0

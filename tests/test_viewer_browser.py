@@ -26,6 +26,7 @@ import pytest
 
 from dashboards.viewer import ViewerServer
 from orchestrator.plan_command import PlanRunConfig, run_plan
+from orchestrator.records import measured_bubble_share
 from solver.planner import PlannerConfig
 from solver.profiles import get_profile
 from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
@@ -260,7 +261,10 @@ def test_mixed_run_switches_between_sp_and_pipeline_pictures(browser, tmp_path):
             assert _bars(browser, div) == len(trained["pipeline"]["ops"])
             assert _ticks(browser, div) == _stage_rows(trained)
         title = browser.execute_script("return document.querySelector('#plan-measured .gtitle').textContent")
-        assert title == f"step {trained['step']}: measured, {trained['measured_ms']:,.1f} ms"
+        bubble = measured_bubble_share(trained)
+        assert (
+            title == f"step {trained['step']}: measured, {trained['measured_ms']:,.1f} ms · bubble {bubble * 100:.1f} %"
+        )
         assert _note(browser) is not None
         browser.save_screenshot(str(_artifacts() / "plan_viewer_pipeline_trained.png"))
         measured = browser.execute_script(

@@ -18,6 +18,7 @@ from dashboards.viewer_data import read_run, step_view
 from orchestrator.cli import main
 from orchestrator.plan_command import PlanRunConfig, run_plan
 from orchestrator.record_schema import validate_record
+from orchestrator.records import measured_bubble_share
 from solver.planner import PlannerConfig
 from solver.profiles import get_profile
 from tests.pipeline_helpers import (
@@ -182,6 +183,7 @@ def test_pipeline_plan_records_served_as_one_op_view_per_stage_kind_unit():
         assert view["source"] == "plan" and view["measured_ms"] is None
         assert (pv["stages"], pv["degree"], pv["stage_ranks"]) == (pipe["stages"], pipe["degree"], pipe["stage_ranks"])
         assert pv["bubble_share"] == pipe["bubble_share"] and pv["units"] == len(pipe["units"])
+        assert pv["measured_bubble_share"] is None  # a plan record measured nothing
         assert sorted((o["stage"], o["kind"], o["unit"]) for o in pv["ops"]) == _op_keys(pipe)
         predicted = {(o["stage"], o["kind"], o["unit"]): o for o in pipe["ops"]}
         for o in pv["ops"]:
@@ -212,6 +214,9 @@ def test_pipelined_train_record_measures_each_op_on_its_stage_ranks():
     assert validate_record(rec) is rec
     view = step_view(rec)
     assert view["source"] == "train" and view["measured_ms"] == rec["measured_ms"] and view["groups"] == []
+    assert (
+        view["pipeline"]["measured_bubble_share"] == measured_bubble_share(rec) and 0 < measured_bubble_share(rec) < 1
+    )
     ops = view["pipeline"]["ops"]
     assert sorted((o["stage"], o["kind"], o["unit"]) for o in ops) == _op_keys(pipe)
     for o in ops:

@@ -40,7 +40,8 @@ __all__ = ["StageOps", "gradient_groups", "run_stage_ops", "run_stage_step"]
 @dataclass
 class StageOps:
     """What :func:`run_stage_ops` saw: the summed loss and predicted tokens of this rank (last stage), tokens held
-    per unit, and every op's start and end (ms from ``t0``)."""
+    per unit, and every op's start (its input received) and end, ms from ``t0``, and the time it waited for its
+    input (on CPU/gloo the receive blocks; on NCCL it only orders the streams, so these are enqueue times)."""
 
     loss: float = 0.0
     predicted: int = 0
@@ -93,6 +94,7 @@ def run_stage_ops(
                 if prev is not None:  # (t_pad/d, dim) hidden states of unit u from the previous stage
                     x = torch.empty(n_local, dim, dtype=param.dtype, device=param.device)
                     dist.recv(x, src=prev, group=group, tag=tag)
+                t_ready = time.perf_counter()
                 out = stage.forward_unit(u, inputs[u], x, n_predicted, ckpt[u])
                 if nxt is not None:
                     sends.append(dist.isend(out.contiguous(), dst=nxt, group=group, tag=tag))
@@ -108,11 +110,21 @@ def run_stage_ops(
                 if nxt is not None:  # (t_pad/d, dim) gradient of unit u's output from the next stage
                     g = torch.empty(n_local, dim, dtype=param.dtype, device=param.device)
                     dist.recv(g, src=nxt, group=grad_next, tag=tag + 1)
+                t_ready = time.perf_counter()
                 g_in = stage.backward_unit(u, g)
                 if prev is not None:
                     sends.append(dist.isend(g_in.contiguous(), dst=prev, group=grad_prev, tag=tag + 1))
             end = time.perf_counter()
-            res.ops.append({"kind": kind, "unit": base + u, "start_ms": (t_op - t0) * 1e3, "end_ms": (end - t0) * 1e3})
+            # start: when the op's input was there; wait: the time blocked receiving it (a bubble, transfer included)
+            res.ops.append(
+                {
+                    "kind": kind,
+                    "unit": base + u,
+                    "start_ms": (t_ready - t0) * 1e3,
+                    "end_ms": (end - t0) * 1e3,
+                    "wait_ms": (t_ready - t_op) * 1e3,
+                }
+            )
         for w in sends:
             w.wait()
         stage.end_step()

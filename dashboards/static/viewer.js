@@ -301,7 +301,10 @@ function select(i) {
   }
   $("measured-card").style.display = trained && !v.skipped ? "block" : "none";
   if (trained && !v.skipped) {
-    (piped ? drawPipeline : drawPlan)($("plan-measured"), v, "measured", `step ${v.step}: measured, ${fmt(v.measured_ms, 1)} ms`);
+    const mb = piped ? v.pipeline.measured_bubble_share : null;
+    const bubble = mb === null || mb === undefined ? "" : ` · bubble ${fmt(mb * 100, 1)} %`;
+    (piped ? drawPipeline : drawPlan)($("plan-measured"), v, "measured",
+      `step ${v.step}: measured, ${fmt(v.measured_ms, 1)} ms${bubble}`);
   }
   if (!v.skipped) drawBaselines(v);
   drawRun();
