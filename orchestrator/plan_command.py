@@ -183,13 +183,7 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
             base = baseline_times_ms(batch, cfg.devices, profile)
             base_ms = {k: (None if v is None else round(v, 3)) for k, v in base.items()}
             rec = plan_record(
-                {
-                    "step": step,
-                    "epoch": stream.epoch,
-                    "world_size": cfg.devices,
-                    "seq_lengths": [int(x) for x in batch],
-                    "mode": "adaptive",
-                },
+                _step_fields(step, stream, cfg, batch),
                 sp,
                 profile,
                 base_ms,
@@ -207,6 +201,17 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
 
     _close(cfg, out, writer, picture, "picture of every step")
     return records
+
+
+def _step_fields(step: int, stream: BatchStream, cfg: PlanRunConfig, batch) -> dict:
+    """The record keys of a planned step that say which batch it was (SP and pipelined paths alike)."""
+    return {
+        "step": step,
+        "epoch": stream.epoch,
+        "world_size": cfg.devices,
+        "seq_lengths": [int(x) for x in batch],
+        "mode": "adaptive",
+    }
 
 
 def _emit(cfg: PlanRunConfig, out, writer, records: list, rec: dict, row: str | None) -> None:
@@ -294,13 +299,7 @@ def _run_pipeline(cfg: PlanRunConfig, profile: Profile, lengths: np.ndarray, str
         solved = _PipelineSolve(staged, staged.makespan_ms, time.perf_counter() - t0)
         base = pipeline_baselines_ms(batch, staged, profile, time_limit_s=limit)
         rec = plan_record(
-            {
-                "step": step,
-                "epoch": stream.epoch,
-                "world_size": cfg.devices,
-                "seq_lengths": [int(x) for x in batch],
-                "mode": "adaptive",
-            },
+            _step_fields(step, stream, cfg, batch),
             solved,
             profile,
             {k: (None if v is None else round(v, 3)) for k, v in base.items()},
