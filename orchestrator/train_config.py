@@ -44,14 +44,18 @@ class PlanSettings:
     tokens_per_worker: int = 1024
     """Activation budget of one worker in tokens: a document longer than this must be sequence-parallel."""
     time_limit_s: float = 0.5
-    """Planner budget per step (the solve overlaps the previous step)."""
+    """Planner budget per step (the solve overlaps the previous step). A pipelined step gives it to each
+    checkpointing ILP it solves (one per candidate unit count and per baseline schedule, for every layout with
+    'auto'), so its solve can take several times this (0.9-1.3 s at 0.2 in examples/train_pipeline.toml);
+    ``timeout_s`` still bounds it."""
     kinds: tuple[str, ...] = ("ulysses", "ring")
     """Attention methods the planner may use."""
     on_infeasible: str = "error"
     """A batch no plan can run: 'error' (stop with the reason) or 'skip' (record and count it, train on)."""
     timeout_s: float = 15.0
     """A plan not back after this long (a stuck solver) is abandoned: the planner is restarted and the step runs
-    the BatchAda heuristic plan (recorded with status 'fallback')."""
+    the BatchAda heuristic plan, or with pipeline stages a fully checkpointed one (recorded with status
+    'fallback')."""
 
     def __post_init__(self) -> None:
         if self.mode != "adaptive":
