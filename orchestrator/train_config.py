@@ -46,7 +46,7 @@ class PlanSettings:
     time_limit_s: float = 0.5
     """Planner budget per step (the solve overlaps the previous step). A pipelined step gives it to each
     checkpointing ILP it solves (one per candidate unit count and per baseline schedule, for every layout with
-    'auto'), so its solve can take several times this (0.9-1.3 s at 0.2 in examples/train_pipeline.toml);
+    'auto'), so its solve can take several times this (0.2-1.3 s at 0.2 in examples/train_pipeline.toml);
     ``timeout_s`` still bounds it."""
     kinds: tuple[str, ...] = ("ulysses", "ring")
     """Attention methods the planner may use."""
