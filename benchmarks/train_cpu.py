@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 from orchestrator.corpus import CorpusConfig, load_corpus  # noqa: E402
 from orchestrator.driver import TrainingDriver  # noqa: E402
 from orchestrator.lengths import bundled_lengths_path, read_lengths  # noqa: E402
+from orchestrator.records import measured_bubble_share  # noqa: E402
 from orchestrator.train_config import PlanSettings, TrainConfig  # noqa: E402
 from solver.errors import InfeasibleBatchError  # noqa: E402
 from workers.model import ModelConfig  # noqa: E402
@@ -128,6 +129,13 @@ def summarise(result: dict) -> dict:
         "plan_wait_ms": float(np.median([r["plan_wait_ms"] for r in recs])),
         "tokens_per_s": float(np.median([r["tokens_per_s"] for r in recs])),
         "shapes": [r["shape"] for r in recs],
+        # pipelined layouts: the schedule's bubble share, simulated and measured (medians over the steps)
+        "bubble": None
+        if recs[0]["pipeline"] is None
+        else (
+            float(np.median([r["pipeline"]["bubble_share"] for r in recs])),
+            float(np.median([measured_bubble_share(r) for r in recs])),
+        ),
     }
 
 
@@ -213,13 +221,14 @@ def main(argv=None) -> int:
     print()
     print(
         f"{'layout':<18s} {'step ms':>8s} {'adapt x':>8s} {'compute':>8s} {'pred':>8s} {'err':>6s} "
-        f"{'act MB':>7s} {'pred MB':>7s} {'ovh':>6s} {'tok/s':>8s}"
+        f"{'act MB':>7s} {'pred MB':>7s} {'ovh':>6s} {'tok/s':>8s} {'bubble sim/meas':>15s}"
     )
     for r in rows:
+        bubble = "-" if r["bubble"] is None else f"{100 * r['bubble'][0]:.1f}%/{100 * r['bubble'][1]:.1f}%"
         print(
             f"{r['mode']:<18s} {r['step_ms']:8.1f} {r['step_ms'] / adaptive['step_ms']:7.2f}x {r['compute_ms']:8.1f} "
             f"{r['predicted_ms']:8.1f} {100 * r['pred_error']:5.1f}% {r['peak_act_mb']:7.2f} {r['pred_act_mb']:7.2f} "
-            f"{100 * r['overhead']:5.1f}% {r['tokens_per_s']:8.0f}"
+            f"{100 * r['overhead']:5.1f}% {r['tokens_per_s']:8.0f} {bubble:>15s}"
         )
     for r in results:
         if "infeasible" in r:
