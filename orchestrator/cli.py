@@ -85,6 +85,11 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
         help="split the layers over P pipeline stages (workers // P per stage), or 'auto'; 1 (default): SP only",
     )
     p.add_argument(
+        "--pipeline-params",
+        choices=("stage", "replicated"),
+        help="with stages: each worker holds its stage's parameters ('stage', default) or the whole model",
+    )
+    p.add_argument(
         "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
     )
 
@@ -107,6 +112,7 @@ def _train_config(args: argparse.Namespace):
         "plan.mode": args.mode,
         "plan.profile": args.profile,
         "pipeline_stages": args.pipeline_stages,
+        "pipeline_params": getattr(args, "pipeline_params", None),
     }
     return load_train_config(args.config, overrides)
 

@@ -11,6 +11,7 @@ due. :meth:`TrainingDriver.step` is one explicit transition, so tests can step t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -22,7 +23,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from orchestrator.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from orchestrator.corpus import load_corpus
 from orchestrator.data_stream import DocumentStream
-from orchestrator.elastic import Elastic
+from orchestrator.elastic import Elastic, ElasticError
 from orchestrator.membership import ElasticPolicy
 from orchestrator.metrics import RunMetrics
 from orchestrator.planning import PlannedStep, StepPlannerActor, heuristic_plan, planner_profile
@@ -31,7 +32,8 @@ from orchestrator.train_config import ConfigError, TrainConfig, config_from_dict
 from orchestrator.worker_group import MembershipFailure, RayWorkerGroup
 from solver.errors import InfeasibleBatchError
 from solver.planner import PlannerConfig
-from workers.pipeline_task import pipeline_tasks
+from workers.param_placement import PartsLostError
+from workers.pipeline_task import PipelineTask, pipeline_tasks
 from workers.step_task import DocRef, step_tasks
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
@@ -53,6 +55,7 @@ class TrainingDriver:
         self._done = False
         self._error: str | None = None
         self._step_wall: list[float] = []
+        self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
         self.workers: RayWorkerGroup | None = None
 
     # ---------------------------------------------------------------- setup
@@ -92,7 +95,14 @@ class TrainingDriver:
             self.workers.set_state(state)
         self.profile = self._resolve_profile()
         planner_cfg = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
-        self._planner_args = (self.profile, planner_cfg, cfg.plan.static, 0 if cfg.use_gpu else 10, cfg.pipeline_stages)
+        self._planner_args = (
+            self.profile,
+            planner_cfg,
+            cfg.plan.static,
+            0 if cfg.use_gpu else 10,
+            cfg.pipeline_stages,
+            cfg.pipeline_params,
+        )
         self.planner = self._start_planner()
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
         self.metrics = RunMetrics(self.run_dir.name)
@@ -151,10 +161,14 @@ class TrainingDriver:
         if self.workers is None:
             raise RuntimeError("call setup() first")
         t_start = time.perf_counter()
-        joined = self.elastic.at_boundary()
+        try:
+            joined = self.elastic.at_boundary()
+        except PartsLostError as e:
+            self._roll_back(e, "admit joining workers")
+            return self.step()
         batch = self.stream.peek()  # taken (next_batch) only once the step is done or skipped
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
-        recoveries = [joined] if joined else []
+        recoveries, self._rolled_back = self._rolled_back + ([joined] if joined else []), []
         attempt = 0
         while True:
             n = self.workers.size
@@ -182,20 +196,22 @@ class TrainingDriver:
             locs = self.corpus.locate(list(batch.doc_ids))
             docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
             pipelined = self.cfg.pipelined
-            tasks = (pipeline_tasks if pipelined else step_tasks)(planned.plan, docs, self.step_no)
-            block_refs = [{b: self.corpus.block_refs[b] for b in sorted(t.blocks())} for t in tasks]
-            refs = self.workers.run_step(tasks, block_refs)
-            dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
-            if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
-                self._plan_ahead(n)
-            # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
-            waits = 2 * len(planned.plan.plan.units) if pipelined else len(planned.plan.micro_batches)
-            backstop_s = self.cfg.collective_timeout_s * (waits + 2)
-            results, failure = self.workers.settle(refs, backstop_s)
+            if pipelined:
+                stage_params = self.cfg.pipeline_params == "stage"
+                tasks = pipeline_tasks(
+                    planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
+                )
+            else:
+                tasks = step_tasks(planned.plan, docs, self.step_no)
+            results, failure, moved, dispatch_ms = self._dispatch(tasks, planned, n, attempt, t_dispatch)
             if failure is None:
                 outcomes = [results[w] for w in self.workers.worker_ids]
                 break
-            rec = self.elastic.recover(failure, attempt, f"run step {self.step_no}")
+            try:
+                rec = self.elastic.recover(failure, attempt, f"run step {self.step_no}")
+            except PartsLostError as e:  # stage-local parameters whose every holder died: back to the checkpoint
+                self._roll_back(e, f"run step {self.step_no}")
+                return self.step()
             recoveries.append(rec)
             attempt = rec["attempt"] + 1
             if rec["step_completed"]:  # some survivors finished the update before the failure: it stands
@@ -208,9 +224,64 @@ class TrainingDriver:
             raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")
         measured_ms = (t_done - t_dispatch) * 1e3
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
+        if moved is not None:
+            record["pipeline"]["params"] = {"placement": self.cfg.pipeline_params, **moved}
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         return self._finish(record, t_start, planned.plan)
+
+    def _dispatch(self, tasks, planned, n: int, attempt: int, t_dispatch: float):
+        """Move stage-local parameters where the step needs them, start every rank's part, plan the next batch
+        meanwhile and wait: (results, failure or None, what moved or None, ms until every rank was started)."""
+        moved = None
+        if isinstance(tasks[0], PipelineTask) and tasks[0].stage_params:
+            try:
+                moved = self.workers.place_params(tasks[0].held_parts())
+            except MembershipFailure as e:  # a worker died while parameters moved: nobody has run the step
+                return {}, dataclasses.replace(e.failure, completed=frozenset()), None, 0.0
+        block_refs = [{b: self.corpus.block_refs[b] for b in sorted(t.blocks())} for t in tasks]
+        refs = self.workers.run_step(tasks, block_refs)
+        dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
+        if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
+            self._plan_ahead(n)
+        # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
+        waits = 2 * len(planned.plan.plan.units) if self.cfg.pipelined else len(planned.plan.micro_batches)
+        results, failure = self.workers.settle(refs, self.cfg.collective_timeout_s * (waits + 2))
+        return results, failure, moved, dispatch_ms
+
+    def _roll_back(self, err: PartsLostError, what: str) -> None:
+        """Every holder of some parameters was lost (stage-local parameters): load the last checkpoint on the
+        workers alive and continue from its step; the steps after it are trained again on the same batches, and
+        their records are rewritten. Without a checkpoint the run stops with what to do."""
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            raise ElasticError(
+                f"{what}: {err}, and no checkpoint was written yet to roll back to. Set checkpoint_every (a "
+                "pipelined run with pipeline_params = 'stage' rolls back to its last checkpoint when every holder of "
+                "a stage's parameters is lost), or pipeline_params = 'replicated' (every worker keeps the whole model)"
+            )
+        t0 = time.perf_counter()
+        state, dstate = load_checkpoint(ckpt)
+        self.workers.set_state(state)
+        self.stream.load_state_dict(dstate["stream"])
+        from_step = self.step_no
+        self.step_no = int(dstate["step"])
+        self.skipped_batches = int(dstate.get("skipped_batches", 0))
+        self.records.truncate(self.step_no)
+        self._pending = None
+        rec = {
+            "what": what,
+            "rollback": True,
+            "lost": sorted(err.lost_workers),
+            "reason": str(err),
+            "from_step": from_step,
+            "to_step": self.step_no,
+            "world_before": list(self.workers.worker_ids),
+            "world_after": list(self.workers.worker_ids),
+            "recovery_ms": (time.perf_counter() - t0) * 1e3,
+        }
+        self._rolled_back.append(rec)
+        self._publish({"event": "membership", **rec})
 
     def _start_planner(self):
         """The planner actor, beside the driver (it survives the loss of a worker node); niceness 10 on CPU."""
@@ -239,7 +310,9 @@ class TrainingDriver:
                     f"{self.cfg.plan.timeout_s:g} s; restarted it, this step runs the BatchAda heuristic plan",
                 }
             )
-            return heuristic_plan(self.profile, lengths, n, self.cfg.plan.static, self.cfg.pipeline_stages)
+            return heuristic_plan(
+                self.profile, lengths, n, self.cfg.plan.static, self.cfg.pipeline_stages, self.cfg.pipeline_params
+            )
 
     def _plan_ahead(self, n: int) -> None:
         nxt = self._peek_after()

@@ -24,7 +24,8 @@ tag ``run`` (the run directory's name). Names, kinds and units:
 ``flexorch_steps_total``                counter    steps trained
 ``flexorch_skipped_batches_total``      counter    batches skipped as infeasible (``plan.on_infeasible="skip"``)
 ``flexorch_recoveries_total``           counter    membership changes, tag ``what``: ``shrink`` (after a
-                                                   failure) or ``grow`` (workers joined)
+                                                   failure), ``grow`` (workers joined) or ``rollback`` (stage-local
+                                                   parameters lost with their holders: back to the checkpoint)
 ======================================  =========  ==============================================================
 """
 
@@ -142,5 +143,5 @@ class RunMetrics:
             self._group_keys |= set(counts)
 
     def on_recovery(self, record: dict) -> None:
-        what = "grow" if record.get("what") == "grow" else "shrink"
+        what = "rollback" if record.get("rollback") else "grow" if record.get("what") == "grow" else "shrink"
         self.recoveries.inc(1, tags={**self._tags, "what": what})

@@ -87,15 +87,12 @@ class StepPlanner:
         static: tuple[str, int] | None = None,
         niceness: int = 0,
         pipeline_stages: int | str = 1,
+        pipeline_params: str = "stage",
     ):
         if niceness:  # the solve overlaps the step: on shared CPUs it must not take cycles from the workers
             os.nice(niceness)
         self.profile = profile
-        # pipeline stages run on workers that keep a whole replica: each stage has the budget less the WHOLE model
-        # state (the stage model would otherwise give a stage the room of the other stages' parameters)
-        self.pipeline_profile = profile.with_overrides(
-            memory_budget_bytes=profile.memory_budget_bytes - profile.model_state_bytes, model_state_bytes=0.0
-        )
+        self.pipeline_profile = stage_memory_profile(profile, pipeline_params)
         self.static = static
         self.config = config
         self.pipeline_stages = pipeline_stages
@@ -155,18 +152,33 @@ class StepPlanner:
             self._planner.close()
 
 
+def stage_memory_profile(profile: Profile, pipeline_params: str) -> Profile:
+    """The profile pipeline stages are planned with. 'stage' (stage-local parameters): as is, the stage model takes
+    each stage's share of ``model_state_bytes`` out of its budget. 'replicated': every worker keeps the whole model,
+    so each stage has the budget less the WHOLE model state."""
+    if pipeline_params == "stage":
+        return profile
+    return profile.with_overrides(
+        memory_budget_bytes=profile.memory_budget_bytes - profile.model_state_bytes, model_state_bytes=0.0
+    )
+
+
 def heuristic_plan(
-    profile: Profile, lengths, num_devices: int, static: tuple[str, int] | None, pipeline_stages: int | str = 1
+    profile: Profile,
+    lengths,
+    num_devices: int,
+    static: tuple[str, int] | None,
+    pipeline_stages: int | str = 1,
+    pipeline_params: str = "stage",
 ) -> PlannedStep:
     """Without a MILP: the BatchAda plan (or the forced static layout, or a fully checkpointed pipeline), for when
     the planner actor is stuck."""
     t0 = time.perf_counter()
     if pipeline_stages != 1:
-        replica = profile.with_overrides(  # whole replicas on every worker, as in StepPlanner
-            memory_budget_bytes=profile.memory_budget_bytes - profile.model_state_bytes, model_state_bytes=0.0
-        )
         try:
-            staged = fallback_staged(lengths, num_devices, replica, pipeline_stages)
+            staged = fallback_staged(
+                lengths, num_devices, stage_memory_profile(profile, pipeline_params), pipeline_stages
+            )
         except PlanningError as e:
             return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
         return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, "fallback", {})

@@ -27,14 +27,19 @@ A pipelined step (``pipeline_stages`` set) has ``plan`` and ``timeline`` null an
 "tokens", "pieces": [[seq_id, start, end], ...]}, ...]``, numbered across back-to-back pipelines; every token of
 every sequence is in exactly one piece), ``checkpointed`` (``[stage][unit]`` layers run under activation
 checkpointing) and ``ops`` (the simulated schedule: ``[{"stage", "kind": "F"|"B", "unit", "start_ms",
-"end_ms"}, ...]``, one forward and one backward per unit and stage).
+"end_ms"}, ...]``, one forward and one backward per unit and stage). A trained pipelined step with
+``pipeline_params = "stage"`` also has ``params`` (``placement``, ``moved_parts``, ``moved_bytes``, ``move_ms``:
+the model parts copied between workers before the step because the stage map changed) and each rank's entry
+``param_bytes`` (parameters, gradients and optimizer state it held).
 
 Keys of ``source == "train"`` records only (null where the step was skipped):
 
 * ``batch_index`` (batch inside the epoch), ``doc_ids`` (corpus ids of the batch, the ledger), ``worker_ids``
   (stable id of each rank: rank i ran on worker ``worker_ids[i]``), ``recoveries`` (membership changes made for
   this step, each with ``what``, ``world_before``, ``world_after``, ``recovery_ms`` and either ``attempt``,
-  ``decisions``, ``lost``, ``reason``, ``step_completed`` after a failure or ``joined`` when workers joined);
+  ``decisions``, ``lost``, ``reason``, ``step_completed`` after a failure, ``joined`` when workers joined, or
+  ``rollback: true``, ``from_step``, ``to_step``, ``lost``, ``reason`` when stage-local parameters died with
+  every holder and the run went back to its last checkpoint);
 * ``measured_ms`` (dispatch to the last outcome, as the driver saw it), ``compute_ms`` (slowest rank, start to
   end of its micro-batches: what ``predicted_ms`` predicts), ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
   ``plan_wait_ms`` (time the driver waited for the plan: zero when the solve hid behind the previous step),
@@ -188,6 +193,19 @@ def _check_pipeline(rec: dict, where: str) -> None:
         raise RecordError(f"{where}: pipeline.stage_ranks must list {p} stages of {d} distinct ranks each")
     if len(pipe["layers"]) != p or len(pipe["checkpointed"]) != p:
         raise RecordError(f"{where}: pipeline.layers and pipeline.checkpointed need one entry per stage ({p})")
+    params = pipe.get("params")
+    if params is not None and (
+        not isinstance(params, dict)
+        or params.get("placement") not in ("stage", "replicated")
+        or any(
+            not isinstance(params.get(k), int | float) or params[k] < 0
+            for k in ("moved_parts", "moved_bytes", "move_ms")
+        )
+    ):
+        raise RecordError(
+            f"{where}: pipeline.params {params!r:.80} must be {{placement: stage|replicated, moved_parts, "
+            "moved_bytes, move_ms >= 0}"
+        )
     units = pipe["units"]
     if not isinstance(units, list) or any(len(c) != len(units) for c in pipe["checkpointed"]):
         raise RecordError(f"{where}: pipeline.checkpointed[stage] needs one entry per unit ({len(units)})")

@@ -39,8 +39,12 @@ class StepRecords:
         if keep_before_step is None:
             self.path.write_text("")
         else:  # resume: keep what the checkpoint had trained
-            kept = [r for r in read_records(self.path) if r["step"] < keep_before_step] if self.path.exists() else []
-            self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            self.truncate(keep_before_step)
+
+    def truncate(self, before_step: int) -> None:
+        """Keep the records of steps before ``before_step`` (a resume or a roll-back trains the rest again)."""
+        kept = [r for r in read_records(self.path) if r["step"] < before_step] if self.path.exists() else []
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def append(self, record: dict) -> dict:
         record = {"schema": SCHEMA, "time": time.time(), **record}
@@ -143,6 +147,7 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
             "peak_local_tokens": o.peak_local_tokens,
             "peak_activation_bytes": o.peak_activation_bytes,
             "ops": list(o.ops),
+            "param_bytes": o.param_bytes,
         }
     ms: list[float | None] = [None] * n_mb
     start: list[float | None] = [None] * n_mb

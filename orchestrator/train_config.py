@@ -129,6 +129,11 @@ class TrainConfig:
     each a group of ``workers // P`` workers (Ulysses SP inside a stage), and every step runs a 1F1B schedule whose
     units (Seq1F1B segments, InfiniPipe packing) and checkpointing are planned for its batch. 'auto': the fastest
     simulated stages x workers-per-stage split, chosen per step."""
+    pipeline_params: str = "stage"
+    """With pipeline stages, where parameters and optimizer state live. 'stage': each worker holds only its stage's
+    layers (a stage's share of the model's memory); parts are copied between workers when the stage map changes,
+    and a part whose every holder is lost sends the run back to its last checkpoint. 'replicated': every worker
+    keeps the whole model (more memory; any single survivor can carry the run on)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: CorpusConfig = field(default_factory=CorpusConfig)
@@ -186,6 +191,8 @@ class TrainConfig:
                 f"pipeline_stages = {p} on {self.workers} workers puts {self.workers // p} workers on a stage "
                 f"(Ulysses inside the stage), which must divide model.num_heads={self.model.num_heads}"
             )
+        if self.pipeline_params not in ("stage", "replicated"):
+            raise ConfigError(f"pipeline_params must be 'stage' or 'replicated', got {self.pipeline_params!r}")
         if p != 1 and self.plan.static is not None:
             raise ConfigError(
                 f"plan.mode={self.plan.mode!r} forces an SP layout; it cannot be combined with pipeline_stages = "

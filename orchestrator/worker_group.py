@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from orchestrator.membership import Failure, Membership
 from workers.actor import PeerLostError, WorkerActor
+from workers.model import ModelConfig
+from workers.param_placement import ALL, missing_parts, model_parts, transfers
 
 ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
 
@@ -65,6 +67,9 @@ class RayWorkerGroup:
         self.placement_timeout_s = placement_timeout_s
         self.use_gpu = use_gpu
         self._args = (model_cfg, optim_cfg, seed, threads)
+        self.parts = model_parts(int(model_cfg.get("num_layers", ModelConfig().num_layers)))
+        self.held: dict[int, frozenset[str] | None] = {}
+        """Model parts each member holds (``workers.param_placement``; None: the whole model)."""
         self.membership = Membership()
         self._actors: dict[int, ray.actor.ActorHandle] = {}
         self.joining: dict[int, tuple] = {}  # worker id -> (actor, ready ref, start time)
@@ -169,12 +174,14 @@ class RayWorkerGroup:
         """Make ready joiners members (the next :meth:`form_world` gives them ranks)."""
         for wid in worker_ids:
             self._actors[wid] = self.joining.pop(wid)[0]
+            self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
         self.membership.add(worker_ids)
 
     def remove(self, worker_ids) -> None:
         """Drop members (dead, hung or unwanted); their actors are killed if still running."""
         for wid in worker_ids:
             ray.kill(self._actors.pop(wid), no_restart=True)
+            self.held.pop(wid, None)
         self.membership.remove(worker_ids)
 
     def form_world(self) -> float:
@@ -249,21 +256,75 @@ class RayWorkerGroup:
         return results
 
     def sync_state(self, source: int, targets) -> None:
-        """Copy model, optimizer, schedule and RNG state from worker ``source`` to ``targets`` (object store)."""
+        """Copy model, optimizer, schedule and RNG state from worker ``source`` to ``targets`` (object store): they
+        then hold what ``source`` holds (with stage-local parameters, its parts only)."""
         targets = [t for t in targets if t != source]
         if targets:
             ref = self._actors[source].get_state.remote()
             self.call_all(
                 {t: self._actors[t].set_state.remote(ref) for t in targets}, "copy the model state", self.timeout_s
             )
+            for t in targets:
+                self.held[t] = self.held[source]
+
+    def missing_parts(self) -> list[str]:
+        """Model parts no member holds (their every holder was lost)."""
+        return missing_parts({w: self.held[w] for w in self.worker_ids}, self.parts)
+
+    def place_params(self, needed_by_rank) -> dict:
+        """Before a step with stage-local parameters: copy to each member the parts it will need and does not hold
+        (``needed_by_rank[r]``: the parts rank r holds during the step), each from a holder, through the object
+        store; the step itself drops what a member no longer needs. Returns what moved."""
+        t0 = time.perf_counter()
+        needed = {w: frozenset(needed_by_rank[r]) for r, w in enumerate(self.worker_ids)}
+        moves = transfers({w: self.held[w] for w in self.worker_ids}, needed, self.parts)
+        refs = {}
+        for dst, srcs in moves.items():
+            exported = [self._actors[src].export_parts.remote(list(parts)) for src, parts in srcs.items()]
+            refs[dst] = self._actors[dst].import_parts.remote(exported)
+        got = self.call_all(refs, "move parameters between stages", self.timeout_s) if refs else {}
+        self.held.update(needed)
+        return {
+            "moved_parts": sum(len(ps) for srcs in moves.values() for ps in srcs.values()),
+            "moved_bytes": int(sum(got.values())),
+            "move_ms": (time.perf_counter() - t0) * 1e3,
+        }
 
     def get_state(self, rank: int = 0) -> dict:
-        wid = self.worker_ids[rank]
-        return self.call_all({wid: self._actors[wid].get_state.remote()}, "fetch the model state", self.timeout_s)[wid]
+        """The whole model's state: from one member when it holds everything, else assembled from holders of
+        every part (model tensors and optimizer state by part; schedule and RNG from the first)."""
+        ids = self.worker_ids
+        first = ids[rank]
+        if self.held[first] is ALL:
+            return self.call_all(
+                {first: self._actors[first].get_state.remote()}, "fetch the model state", self.timeout_s
+            )[first]
+        missing = self.missing_parts()
+        if missing:
+            raise WorkerGroupError(f"no member holds {missing}: the model state cannot be assembled")
+        chosen, covered = [], set()
+        for w in [first, *[x for x in ids if x != first]]:  # fewest fetches: take holders in rank order
+            if self.held[w] is ALL or not self.held[w] <= covered:
+                chosen.append(w)
+                covered |= set(self.parts) if self.held[w] is ALL else self.held[w]
+            if covered >= set(self.parts):
+                break
+        got = self.call_all(
+            {w: self._actors[w].get_state.remote() for w in chosen}, "fetch the model state", self.timeout_s
+        )
+        state = dict(got[chosen[0]])
+        state["model"], state["optimizer"] = {}, dict(state["optimizer"], state={})
+        for w in chosen:
+            state["model"].update(got[w]["model"])
+            state["optimizer"]["state"].update(got[w]["optimizer"]["state"])
+        state["parts"] = None
+        return state
 
     def set_state(self, state: dict) -> None:
         ref = ray.put(state)
         self.call_all({w: self._actors[w].set_state.remote(ref) for w in self.worker_ids}, "load state", self.timeout_s)
+        for w in self.worker_ids:
+            self.held[w] = ALL if state.get("parts") is None else frozenset(state["parts"])
 
     def call(self, method: str, *args) -> list:
         """Call a worker method on every rank and wait; results in rank order (e.g. 'parameters_digest')."""

@@ -46,9 +46,31 @@ def _cfg(env, name, stages, tokens_per_worker, **kw):
 
 
 def _check(cfg, corpus, records, replicas):
-    check_against_reference(cfg, corpus, records, replicas)
+    stage_local = cfg.pipeline_params == "stage"
+    check_against_reference(cfg, corpus, records, replicas, whole=not stage_local)
     on_disk = read_records(cfg.run_dir + "/steps.jsonl", validate=True)  # the documented schema, flexorch.step/4
     assert [r["step"] for r in on_disk] == list(range(cfg.steps))
+    if stage_local:
+        _assert_stage_local(cfg, records[-1], replicas)
+
+
+def _assert_stage_local(cfg, rec, replicas):
+    """After the last step each rank holds exactly its stage's parts, and the bytes it reported for parameters,
+    gradients and AdamW's two moments and step count are those parts' and no more."""
+    from workers.model import init_model
+    from workers.param_placement import part_of, placement
+
+    pipe = rec["pipeline"]
+    shapes = {n: p.numel() for n, p in init_model(cfg.model, 0).named_parameters()}
+    want = placement(pipe["stage_ranks"], pipe["layers"], rec["world_size"], cfg.model.tie_embeddings)
+    for rank, params in enumerate(replicas):
+        assert {part_of(n) for n, _ in params} == want[rank], f"rank {rank}"
+        held = [n for n in shapes if part_of(n) in want[rank]]
+        assert rec["ranks"][rank]["param_bytes"] == sum(16 * shapes[n] + 4 for n in held)  # float32 p, g, m, v
+    assert pipe["params"]["placement"] == "stage"
+    whole = sum(16 * v + 4 for v in shapes.values())
+    in_stage = [r for rs in pipe["stage_ranks"] for r in rs]
+    assert max(rec["ranks"][r]["param_bytes"] for r in in_stage) < whole
 
 
 def _segments(rec) -> int:
@@ -70,6 +92,8 @@ def _checkpointed(rec) -> int:
     ],
 )
 def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker, degree, segments, checkpointing):
+    # stage-local parameters (the default): each worker holds its stage's layers only; 'auto' moves them between
+    # workers whenever the split changes
     cfg = _cfg(env, f"pp-{stages}-{tokens_per_worker}", stages, tokens_per_worker)
     records, replicas = run_driver(cfg, env[3])
     for r in records:
@@ -87,7 +111,21 @@ def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker,
         assert r["predicted_ms"] <= min(fitting, default=float("inf")) + 1e-9
     assert any(_segments(r) for r in records) == segments
     assert any(_checkpointed(r) for r in records) == checkpointing
+    moved = [r["pipeline"]["params"]["moved_parts"] for r in records]
+    assert moved == _expected_moves(records)  # exactly the parts a changed stage map left without a copy
     _check(cfg, env[3], records, replicas)
+
+
+def _expected_moves(records) -> list[int]:
+    from workers.param_placement import ALL, model_parts, placement, transfers
+
+    held, out = dict.fromkeys(range(4), ALL), []  # every worker starts with the whole model
+    for r in records:
+        pipe = r["pipeline"]
+        need = dict(enumerate(placement(pipe["stage_ranks"], pipe["layers"], r["world_size"], False)))
+        out.append(sum(len(ps) for srcs in transfers(held, need, model_parts(4)).values() for ps in srcs.values()))
+        held = need
+    return out
 
 
 def test_worker_killed_mid_pipeline_is_remapped_and_the_step_reruns(env):
@@ -101,13 +139,21 @@ def test_worker_killed_mid_pipeline_is_remapped_and_the_step_reruns(env):
     assert records[0]["pipeline"]["stage_ranks"] == [[0, 1], [2, 3]]
     assert records[1]["pipeline"]["stage_ranks"] == [[0], [1]]
     assert records[1]["ranks"][2]["ops"] == []  # the rank left over sat the step out
+    # stage-local parameters: worker 1 (now stage 1 alone) got stage 1's layers and head from worker 2, the last
+    # survivor that held them; worker 2, left over, dropped them
+    assert [r["pipeline"]["params"]["moved_parts"] for r in records] == [0, 3, 0]
+    assert records[1]["ranks"][2]["param_bytes"] == 0
     _check(cfg, env[3], records, replicas)
 
 
 def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
-    # every worker keeps a whole replica, so a checkpoint does not depend on the stage layout: 2 steps on 2 stages,
-    # checkpoint, "crash", resume on 4 stages for 2 more; together they equal the reference on the same batches
+    # each worker holds its stage's parts only, but the checkpoint is the whole model assembled from the stages'
+    # holders, so it does not depend on the stage layout: 2 steps on 2 stages, checkpoint, "crash", resume on 4
+    # stages for 2 more; together they equal the reference on the same batches
     import dataclasses
+
+    from orchestrator.checkpoint import latest_checkpoint, load_checkpoint
+    from workers.model import init_model
 
     first_cfg = _cfg(env, "pp-resume", 2, 128, steps=4)
     driver = TrainingDriver(first_cfg, corpus=env[3])
@@ -117,6 +163,10 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
         driver.checkpoint()
     finally:
         driver.shutdown()
+    state, _ = load_checkpoint(latest_checkpoint(first_cfg.run_dir))
+    names = [n for n, _ in init_model(first_cfg.model, 0).named_parameters()]
+    assert sorted(state["model"]) == sorted(names)
+    assert len(state["optimizer"]["state"]) == len(names)  # every parameter's AdamW moments, from its stage
     resumed_cfg = dataclasses.replace(first_cfg, resume=True, pipeline_stages=4, min_workers=None)
     rest, replicas = run_driver(resumed_cfg, env[3])
     assert [r["step"] for r in first + rest] == [0, 1, 2, 3]
@@ -126,4 +176,5 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
     assert [r["doc_ids"] for r in first + rest] == [list(stream.next_batch().doc_ids) for _ in range(4)]
     ref_losses, ref_params = reference_losses_and_params(full, env[3], first + rest)
     assert [r["loss"] for r in first + rest] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    assert_params_close(replicas, ref_params)
+    assert_params_close(replicas, ref_params, whole=False)
+    _assert_stage_local(resumed_cfg, rest[-1], replicas)

@@ -19,6 +19,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from workers.held_params import HeldParams
 from workers.model import ModelConfig, init_model
 from workers.optim import OptimConfig, build_optimizer
 from workers.pipeline_exec import run_pipeline_step
@@ -58,6 +59,7 @@ class Worker:
         if self.device is not None:
             self.model.to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
+        self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
         self._faults: list[tuple[str, int, int, str]] = []
@@ -150,6 +152,7 @@ class Worker:
     def _run_step(self, task: StepTask | PipelineTask, blocks: dict) -> StepOutcome:
         self.registry.ensure(task.rank_sets)
         world = self.registry.world if task.world_size > 1 else None
+        extra = {"held": self.held} if isinstance(task, PipelineTask) else {}
         fn = run_pipeline_step if isinstance(task, PipelineTask) else run_step
         return fn(
             self.model,
@@ -162,6 +165,7 @@ class Worker:
             self.optim_cfg,
             vocab_size=self.model_cfg.vocab_size,
             hook=(lambda point: self._strike(point, task.step)) if self._faults else None,
+            **extra,
         )
 
     def probe(self, probes: list) -> list[float]:
@@ -191,23 +195,43 @@ class Worker:
         return stage_activation_bytes(self.model, self.model_cfg.vocab_size)
 
     def get_state(self) -> dict:
-        """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers."""
+        """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers. With stage-local
+        parameters only the parts held (``parts``; None: the whole model) and their optimizer state."""
+        held = set(self.held.held_names())
         return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()},
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k in held},
             "optimizer": _to_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
+            "parts": None if self.held.held is None else sorted(self.held.held),
         }
 
     def set_state(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        """Take ``state`` (whole or partial, from :meth:`get_state` or a checkpoint): hold exactly its parts."""
+        self.held.set_from(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
 
+    def export_parts(self, parts: list[str]) -> dict:
+        """The parameters and optimizer state of ``parts`` (``workers.param_placement``), for another worker."""
+        return self.held.export(set(parts))
+
+    def import_parts(self, exported: list) -> int:
+        """Hold the parts of ``exported`` (refs to :meth:`export_parts` results); returns the bytes received."""
+        got = ray.get(list(exported))  # refs nested in a list arrive unresolved
+        for item in got:
+            self.held.load(item)
+        return sum(v["data"].numel() * v["data"].element_size() for item in got for v in item.values())
+
+    def param_bytes(self) -> int:
+        """Bytes of parameters, gradients and optimizer state this worker holds now."""
+        return self.held.nbytes()
+
     def parameters_digest(self) -> list:
-        """Parameters as numpy arrays in state-dict order (tests compare replicas and the reference)."""
-        return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items()]
+        """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference)."""
+        held = set(self.held.held_names())
+        return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items() if k in held]
 
 
 def _to_cpu(obj):

@@ -26,12 +26,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from workers.held_params import HeldParams
 from workers.model import check_token_range
 from workers.optim import OptimConfig
+from workers.param_placement import holder_sets
 from workers.pipeline_dist import gradient_groups, run_stage_ops
 from workers.pipeline_stage import StageModule
 from workers.pipeline_task import PipelineTask
-from workers.step_exec import GroupGetter, StepOutcome, sync_and_step
+from workers.step_exec import GradBucket, GroupGetter, StepOutcome, sync_and_step
 
 __all__ = ["run_pipeline_step"]
 
@@ -57,22 +59,57 @@ def run_pipeline_step(
     *,
     vocab_size: int,
     hook: Callable[[str], None] | None = None,
+    held: HeldParams | None = None,
 ) -> StepOutcome:
-    """Run ``task`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer."""
+    """Run ``task`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer.
+    With ``task.stage_params`` this rank first drops the parts its stage does not run (``held``)."""
     hook = hook or (lambda point: None)
     t0 = time.perf_counter()
     out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+    buckets = None
+    if task.stage_params:
+        buckets = _stage_buckets(task, held, group_of)
+        params = [p for b in buckets for p in b.params]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=False)
-    params = [p for p in model.parameters() if p.requires_grad]
     local_loss = torch.zeros((), dtype=torch.float64)
     local_pred = 0
     if task.stage is not None:
         sequences = _sequences(task, blocks, vocab_size)
         local_loss, local_pred = _run_stage(model, task, sequences, group_of, out, hook, t0)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
+    if held is not None:
+        out.param_bytes = held.nbytes()
     return sync_and_step(
-        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0
+        out,
+        params,
+        local_loss,
+        local_pred,
+        task,
+        world,
+        optimizer,
+        scheduler,
+        optim_cfg,
+        hook=hook,
+        t0=t0,
+        buckets=buckets,
     )
+
+
+def _stage_buckets(task: PipelineTask, held: HeldParams, group_of) -> list[GradBucket]:
+    """Keep only this rank's parts; one gradient bucket per set of ranks holding the same parts (in the same order
+    on every rank: ``holder_sets``), summed over those ranks, counted in the norm by the first of them."""
+    parts = task.held_parts()[task.rank]
+    held.release(parts)
+    held.require(parts, f"rank {task.rank} (stage {task.stage})")
+    buckets = []
+    for ranks, bucket_parts in holder_sets(task.held_parts()):
+        if task.rank in ranks:
+            ps = [p for n, p in held.params.items() if held.part[n] in bucket_parts and p.requires_grad]
+            group = group_of(ranks) if len(ranks) > 1 else None
+            buckets.append(GradBucket(group, ps, task.rank == ranks[0]))
+    return buckets
 
 
 def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome, hook, t0: float):

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from workers.param_placement import holder_sets, placement
 from workers.step_task import DocRef
 
 __all__ = ["PipelineTask", "StagePipeline", "gradient_channels", "pipeline_tasks"]
@@ -43,12 +44,24 @@ class PipelineTask:
     docs: tuple[DocRef, ...]
     """Every sequence of the batch (``Piece.seq`` indexes it)."""
     num_predicted: int
+    stage_params: bool = False
+    """Each rank holds only its stage's parameters (``workers.param_placement``); False: whole replicas."""
+    tied: bool = False
+    """The model ties its embedding and LM head (the first and the last stage both hold the embedding)."""
+
+    def held_parts(self) -> list[frozenset[str]]:
+        """The model parts each rank holds during this step (``stage_params``)."""
+        return placement(self.stage_ranks, self.layers, self.world_size, self.tied)
 
     @property
     def rank_sets(self) -> tuple[tuple[int, ...], ...]:
         """Process groups every rank must create: the stages with more than one worker (SP inside a stage) and the
-        neighbour pairs whose gradients travel on a group of their own (``workers.pipeline_dist``)."""
-        return tuple(rs for rs in self.stage_ranks if len(rs) > 1) + tuple(gradient_channels(self.stage_ranks))
+        neighbour pairs whose gradients travel on a group of their own (``workers.pipeline_dist``); with stage-local
+        parameters also every other set of ranks holding one part."""
+        sets = tuple(rs for rs in self.stage_ranks if len(rs) > 1) + tuple(gradient_channels(self.stage_ranks))
+        if self.stage_params:  # parts held by more than a stage (a tied embedding) are summed over their holders
+            sets += tuple(rs for rs, _ in holder_sets(self.held_parts()) if len(rs) > 1 and rs not in sets)
+        return sets
 
     def blocks(self) -> set[int]:
         """Object-store blocks this rank reads."""
@@ -64,7 +77,9 @@ def gradient_channels(stage_ranks: Sequence[Sequence[int]]) -> list[tuple[int, i
     return pairs
 
 
-def pipeline_tasks(staged, docs: Sequence[DocRef], step: int) -> list[PipelineTask]:
+def pipeline_tasks(
+    staged, docs: Sequence[DocRef], step: int, *, stage_params: bool = False, tied: bool = False
+) -> list[PipelineTask]:
     """One task per rank of ``staged`` (a ``StagedPlan``); ``docs[i]`` is sequence ``i`` of the batch."""
     lengths = [
         sum(p.end - p.start for u in staged.plan.units for p in u.pieces if p.seq == i) for i in range(len(docs))
@@ -88,7 +103,17 @@ def pipeline_tasks(staged, docs: Sequence[DocRef], step: int) -> list[PipelineTa
             )
         tasks.append(
             PipelineTask(
-                step, rank, n, st, tuple(staged.stage_ranks), tuple(staged.layers), pipes, tuple(docs), num_predicted
+                step,
+                rank,
+                n,
+                st,
+                tuple(tuple(rs) for rs in staged.stage_ranks),
+                tuple(staged.layers),
+                pipes,
+                tuple(docs),
+                num_predicted,
+                stage_params,
+                tied,
             )
         )
     return tasks

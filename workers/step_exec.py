@@ -26,7 +26,7 @@ from workers.optim import OptimConfig, clip_grad_norm_
 from workers.sharding import Layout, contiguous_layout, shard, zigzag_layout
 from workers.step_task import GroupWork, StepTask
 
-__all__ = ["StepOutcome", "run_step", "sync_and_step", "micro_batch_inputs", "GroupGetter"]
+__all__ = ["StepOutcome", "run_step", "sync_and_step", "GradBucket", "micro_batch_inputs", "GroupGetter"]
 
 GroupGetter = Callable[[tuple[int, ...]], dist.ProcessGroup]
 
@@ -65,6 +65,8 @@ class StepOutcome:
     the stage held at once for units run forward and not yet backward."""
     ops: list[dict] = field(default_factory=list)
     """Pipelined steps: this rank's ops as run, ``{"kind", "unit", "start_ms", "end_ms"}`` from its step start."""
+    param_bytes: int = 0
+    """Pipelined steps: bytes of parameters, gradients and optimizer state this rank held during the step."""
 
 
 def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Tensor, list[int]]:
@@ -159,6 +161,18 @@ def run_step(
     )
 
 
+@dataclass(frozen=True)
+class GradBucket:
+    """Parameters whose gradients are summed over one process group (with stage-local parameters: the ranks that
+    hold them, ``workers.param_placement.holder_sets``)."""
+
+    group: dist.ProcessGroup | None
+    """None: this rank is the only holder, nothing to sum."""
+    params: list
+    counts_in_norm: bool
+    """This rank adds these gradients to the global norm (the first holder only, so each counts once)."""
+
+
 def sync_and_step(
     out: StepOutcome,
     params: list[torch.nn.Parameter],
@@ -172,19 +186,35 @@ def sync_and_step(
     *,
     hook: Callable[[str], None],
     t0: float,
+    buckets: list[GradBucket] | None = None,
 ) -> StepOutcome:
     """The end of every step (SP or pipelined): sum the gradients, loss and predicted-token count over the world,
     check the count against the task's, divide, clip (global norm over every parameter) and step the optimizer.
     ``local_loss``/``local_pred``: this rank's summed cross-entropy and predicted tokens; the gradients in
-    ``params`` are of that sum (not yet divided)."""
+    ``params`` are of that sum (not yet divided).
+
+    ``buckets`` (stage-local parameters): each bucket's gradients are summed over its holders only, and the global
+    norm is the world's sum of each bucket's squared norm counted once, riding with the loss and token count;
+    ``params`` are then the ones this rank holds (the optimizer skips the rest, whose gradient is None)."""
     hook("before_sync")
     t_sync = time.perf_counter()
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    # one flat float32 buffer of every gradient; the loss sum and token count ride in a small float64 one
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    stats = torch.tensor([float(local_loss), float(local_pred)], dtype=torch.float64, device=flat.device)
+    sharded = buckets is not None
+    if buckets is None:  # whole replicas: one flat float32 buffer of every gradient, summed over the world
+        buckets = [GradBucket(world if task.world_size > 1 else None, params, True)]
+    device = _device(params, buckets)
+    reduced = []
+    norm_sq = 0.0
+    for b in buckets:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0, device=device)
+        if b.group is not None:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=b.group)
+        if sharded and b.counts_in_norm:
+            norm_sq += float((flat.double() ** 2).sum())
+        reduced.append((b.params, flat))
+    # the loss sum and token count (and, sharded, the squared gradient norm) ride in a small float64 buffer
+    stats = torch.tensor([float(local_loss), float(local_pred), norm_sq], dtype=torch.float64, device=device)
     if world is not None and task.world_size > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=world)
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=world)
     total_pred = int(round(float(stats[1])))
     if total_pred != task.num_predicted:
@@ -193,24 +223,46 @@ def sync_and_step(
             "a document was lost or counted twice"
         )
     scale = 1.0 / max(total_pred, 1)
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        n = g.numel()
-        p.grad = (flat[offset : offset + n] * scale).to(p.dtype).view_as(p)
-        offset += n
+    for ps, flat in reduced:
+        offset = 0
+        for p in ps:
+            n = p.numel()
+            p.grad = (flat[offset : offset + n] * scale).to(p.dtype).view_as(p)
+            offset += n
     out.loss = float(stats[0]) * scale
     out.num_predicted = total_pred
     out.sync_ms = (time.perf_counter() - t_sync) * 1e3
     hook("after_sync")
 
     t_opt = time.perf_counter()
-    out.grad_norm = clip_grad_norm_(params, optim_cfg.grad_clip) if optim_cfg.grad_clip else _norm(params)
+    if sharded:
+        out.grad_norm = _clip_sharded(params, float(stats[2]) ** 0.5 * scale, optim_cfg.grad_clip)
+    else:
+        out.grad_norm = clip_grad_norm_(params, optim_cfg.grad_clip) if optim_cfg.grad_clip else _norm(params)
     out.lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
     scheduler.step()
     out.optim_ms = (time.perf_counter() - t_opt) * 1e3
     out.total_ms = (time.perf_counter() - t0) * 1e3
     return out
+
+
+def _device(params, buckets) -> torch.device:
+    """Where this rank's tensors live (a rank holding no parameter: the current GPU, else CPU)."""
+    for p in [*params, *(q for b in buckets for q in b.params)]:
+        return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _clip_sharded(params, norm: float, max_norm: float | None) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s scaling (coefficient ``max_norm / (norm + 1e-6)``, at most 1) with the
+    global norm computed across the holders."""
+    if max_norm:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
 
 
 def _norm(params) -> float:
