@@ -38,10 +38,9 @@ def _cfg(env, name, stages, tokens_per_worker, **kw):
         corpus_dir,
         root / name,
         profile,
-        model=ModelConfig(num_layers=4),
         pipeline_stages=stages,
         plan={"tokens_per_worker": tokens_per_worker},
-        **kw,
+        **{"model": ModelConfig(num_layers=4), **kw},
     )
 
 
@@ -178,3 +177,44 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
     assert [r["loss"] for r in first + rest] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert_params_close(replicas, ref_params, whole=False)
     _assert_stage_local(resumed_cfg, rest[-1], replicas)
+
+
+@pytest.mark.parametrize("params,tied", [("stage", True), ("replicated", False)])
+def test_tied_embeddings_and_whole_replicas(env, params, tied):
+    # stage-local with a tied embedding: the first and the last stage both hold it and sum its gradient over the
+    # four ranks; 'replicated': every worker keeps the whole model, nothing moves
+    cfg = _cfg(
+        env, f"pp-{params}-{tied}", 2, 128, pipeline_params=params, model=ModelConfig(num_layers=4, tie_embeddings=tied)
+    )
+    records, replicas = run_driver(cfg, env[3])
+    assert all(r["pipeline"]["stage_ranks"] == [[0, 1], [2, 3]] for r in records)
+    if params == "replicated":
+        assert all("params" not in r["pipeline"] for r in records)
+        assert len({e["param_bytes"] for r in records[1:] for e in r["ranks"]}) == 1  # the whole model on every rank
+    _check(cfg, env[3], records, replicas)
+
+
+def test_a_stage_lost_with_its_only_holder_rolls_back_to_the_checkpoint(env):
+    # 2 stages x 1 worker: each stage's layers live on one worker. Worker 1 dies in step 2: stage 1's layers are
+    # gone. A replacement starts (min_workers = 2), the run loads the checkpoint of step 2 on both and trains step 2
+    # again; the ledger, losses and parameters equal the uninterrupted reference
+    cfg = _cfg(env, "pp-rollback", 2, 128, steps=4, workers=2, checkpoint_every=1)
+    records, replicas = run_driver(cfg, env[3], faults=[(1, "micro_batch", 2, 1, "exit")])
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["worker_ids"] for r in records] == [[0, 1], [0, 1], [0, 2], [0, 2]]
+    back = records[2]["recoveries"]
+    assert [b.get("rollback") for b in back] == [True]
+    assert back[0]["lost"] == [1] and back[0]["from_step"] == back[0]["to_step"] == 2
+    on_disk = read_records(cfg.run_dir + "/steps.jsonl", validate=True)
+    assert [r["step"] for r in on_disk] == [0, 1, 2, 3]  # step 2 recorded once, as re-trained
+    _check(cfg, env[3], records, replicas)
+
+
+def test_a_lost_stage_without_a_checkpoint_is_a_clear_error(env):
+    from orchestrator.elastic import ElasticError
+
+    cfg = _cfg(env, "pp-lost", 2, 128, steps=3, workers=2)
+    with pytest.raises(
+        ElasticError, match=r"layer:2.*held only by lost workers \[1\].*no checkpoint.*checkpoint_every"
+    ):
+        run_driver(cfg, env[3], faults=[(1, "micro_batch", 1, 1, "exit")])
