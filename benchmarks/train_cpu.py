@@ -14,11 +14,15 @@ time) and ``results.json`` into ``--out``.
 
 With ``--pipeline 2,4,auto`` the same run also trains with ``pipeline_stages`` = 2, 4 and 'auto' (rows ``pp-2``,
 ``pp-4``, ``pp-auto``: the elastic pipeline planned per step against adaptive SP on the same batches); stages
-split the layers, so pass ``--layers 4`` (every layout then trains the same 4-layer model).
+split the layers, so pass ``--layers 4`` (every layout then trains the same 4-layer model). Pipelined rows also
+print ``state MB``, the most bytes of parameters, gradients and AdamW state one worker held, and ``move ms``, the
+median time per step spent copying stage-local parameters between workers; ``--pipeline-params
+stage,replicated`` runs each pipelined layout both ways (rows ``pp-2`` and ``pp-2-replicated``).
 
     python benchmarks/train_cpu.py            # ~5 minutes on 2 cores
     python benchmarks/train_cpu.py --quick    # fewer steps
     python benchmarks/train_cpu.py --layers 4 --static none --pipeline 2,4,auto --quick
+    python benchmarks/train_cpu.py --layers 4 --static none --pipeline 2,auto --pipeline-params stage,replicated --quick
 """
 
 from __future__ import annotations
@@ -65,11 +69,12 @@ def write_workload(out: Path, n_docs: int, scale: float, max_context: int, seed:
 
 def start_mode(mode: str, base: TrainConfig, corpus) -> TrainingDriver:
     if mode.startswith("pp-"):  # a pipelined run: adaptive planning of pipelines over that many stages
-        stages = mode.removeprefix("pp-")
+        stages, _, placement = mode.removeprefix("pp-").partition("-")  # 'pp-2' or 'pp-2-replicated'
         cfg = dataclasses.replace(
             base,
             run_dir=str(Path(base.run_dir) / mode),
             pipeline_stages=stages if stages == "auto" else int(stages),
+            pipeline_params=placement or "stage",
             min_workers=None,
         )
     else:
@@ -129,6 +134,14 @@ def summarise(result: dict) -> dict:
         "plan_wait_ms": float(np.median([r["plan_wait_ms"] for r in recs])),
         "tokens_per_s": float(np.median([r["tokens_per_s"] for r in recs])),
         "shapes": [r["shape"] for r in recs],
+        # pipelined layouts: most bytes of parameters, gradients and AdamW state one worker held, and the time spent
+        # moving stage-local parameters between workers per step (median)
+        "state_mb": None
+        if recs[0]["pipeline"] is None
+        else max(max(x["param_bytes"] for x in r["ranks"] if x) for r in recs) / 1e6,
+        "move_ms": float(np.median([(r["pipeline"].get("params") or {}).get("move_ms", 0.0) for r in recs]))
+        if recs[0]["pipeline"] is not None
+        else None,
         # pipelined layouts: the schedule's bubble share, simulated and measured (medians over the steps)
         "bubble": None
         if recs[0]["pipeline"] is None
@@ -152,6 +165,11 @@ def main(argv=None) -> int:
     ap.add_argument("--time-limit", type=float, default=0.1, help="planner budget per step, seconds")
     ap.add_argument("--static", default="all", help="comma-separated static layouts to compare, 'all' or 'none'")
     ap.add_argument("--pipeline", default="", help="comma-separated pipeline_stages to compare too, e.g. 2,4,auto")
+    ap.add_argument(
+        "--pipeline-params",
+        default="stage",
+        help="pipeline_params of the pipelined rows, comma-separated: stage (own layers only), replicated",
+    )
     ap.add_argument("--layers", type=int, default=2, help="model layers (pipeline stages split them)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_train")
     ap.add_argument("--quick", action="store_true", help="4 steps per layout")
@@ -197,7 +215,12 @@ def main(argv=None) -> int:
         d *= 2
     if args.static != "all":
         statics = [m for m in statics if m in args.static.split(",")]
-    pipelined = [f"pp-{p}" for p in args.pipeline.split(",") if p]
+    pipelined = [
+        f"pp-{p}" + ("" if placement == "stage" else f"-{placement}")
+        for p in args.pipeline.split(",")
+        if p
+        for placement in args.pipeline_params.split(",")
+    ]
     for mode in statics + pipelined:
         drivers[mode] = start_mode(mode, base, corpus)
     results = [{"mode": m, "records": [], "profile": drv.profile} for m, drv in drivers.items()]
@@ -221,14 +244,17 @@ def main(argv=None) -> int:
     print()
     print(
         f"{'layout':<18s} {'step ms':>8s} {'adapt x':>8s} {'compute':>8s} {'pred':>8s} {'err':>6s} "
-        f"{'act MB':>7s} {'pred MB':>7s} {'ovh':>6s} {'tok/s':>8s} {'bubble sim/meas':>15s}"
+        f"{'act MB':>7s} {'pred MB':>7s} {'ovh':>6s} {'tok/s':>8s} {'bubble sim/meas':>15s} {'state MB':>8s} "
+        f"{'move ms':>7s}"
     )
     for r in rows:
         bubble = "-" if r["bubble"] is None else f"{100 * r['bubble'][0]:.1f}%/{100 * r['bubble'][1]:.1f}%"
+        state = "-" if r["state_mb"] is None else f"{r['state_mb']:.2f}"
+        move = "-" if r["move_ms"] is None else f"{r['move_ms']:.1f}"
         print(
             f"{r['mode']:<18s} {r['step_ms']:8.1f} {r['step_ms'] / adaptive['step_ms']:7.2f}x {r['compute_ms']:8.1f} "
             f"{r['predicted_ms']:8.1f} {100 * r['pred_error']:5.1f}% {r['peak_act_mb']:7.2f} {r['pred_act_mb']:7.2f} "
-            f"{100 * r['overhead']:5.1f}% {r['tokens_per_s']:8.0f} {bubble:>15s}"
+            f"{100 * r['overhead']:5.1f}% {r['tokens_per_s']:8.0f} {bubble:>15s} {state:>8s} {move:>7s}"
         )
     for r in results:
         if "infeasible" in r:

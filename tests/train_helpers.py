@@ -166,9 +166,7 @@ def run_driver(cfg: TrainConfig, corpus, faults=()) -> tuple[list[dict], list]:
         driver.shutdown()
 
 
-def check_against_reference(
-    cfg: TrainConfig, corpus, records: list[dict], replicas: list, whole: bool = True
-) -> None:
+def check_against_reference(cfg: TrainConfig, corpus, records: list[dict], replicas: list, whole: bool = True) -> None:
     """The ledger (every step trained exactly the documents of a fault-free run, each once), the per-step losses
     and the parameters against the single-process reference, and every replica identical."""
     import pytest
