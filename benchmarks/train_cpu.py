@@ -183,7 +183,10 @@ def main(argv=None) -> int:
     # every layout keeps 4 worker actors up, so the cluster has many CPU slots; do not let Ray pre-start a worker
     # process per slot at init (dozens of interpreters starting would load the machine during calibration)
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    ray.init(address="local", num_cpus=6 * args.workers + 2, include_dashboard=False, logging_level="ERROR")
+    # one slot per worker of every layout kept up: adaptive, up to 6 static SP layouts, the pipelined rows
+    n_pipelined = len([p for p in args.pipeline.split(",") if p]) * len(args.pipeline_params.split(","))
+    slots = (7 + n_pipelined) * args.workers + 2
+    ray.init(address="local", num_cpus=slots, include_dashboard=False, logging_level="ERROR")
     data_dir = args.out / "corpus"
     write_workload(data_dir, args.batch * (steps + 2), args.scale, args.max_context, seed=1)
     base = TrainConfig(
