@@ -56,6 +56,7 @@ class TrainingDriver:
         self._error: str | None = None
         self._step_wall: list[float] = []
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
+        self._own_checkpoint = None  # the newest checkpoint this run wrote or resumed from (never an older run's)
         self.workers: RayWorkerGroup | None = None
 
     # ---------------------------------------------------------------- setup
@@ -83,6 +84,7 @@ class TrainingDriver:
             self.elastic.recover(e.failure, 0, "form the first world")
         world_s = time.perf_counter() - t_world
         if ckpt is not None:
+            self._own_checkpoint = ckpt
             state, dstate = load_checkpoint(ckpt)
             if dstate["corpus"] != self._corpus_fingerprint():
                 raise ConfigError(
@@ -253,10 +255,10 @@ class TrainingDriver:
         """Every holder of some parameters was lost (stage-local parameters): load the last checkpoint on the
         workers alive and continue from its step; the steps after it are trained again on the same batches, and
         their records are rewritten. Without a checkpoint the run stops with what to do."""
-        ckpt = latest_checkpoint(self.run_dir)
+        ckpt = self._own_checkpoint
         if ckpt is None:
             raise ElasticError(
-                f"{what}: {err}, and no checkpoint was written yet to roll back to. Set checkpoint_every (a "
+                f"{what}: {err}, and this run has written no checkpoint yet to roll back to. Set checkpoint_every (a "
                 "pipelined run with pipeline_params = 'stage' rolls back to its last checkpoint when every holder of "
                 "a stage's parameters is lost), or pipeline_params = 'replicated' (every worker keeps the whole model)"
             )
@@ -371,6 +373,7 @@ class TrainingDriver:
             "config": self.cfg.to_dict(),
         }
         ckpt = save_checkpoint(self.run_dir, self.step_no, state, driver_state, keep=self.cfg.keep_checkpoints)
+        self._own_checkpoint = ckpt
         self._publish({"event": "checkpoint", "step": self.step_no, "path": ckpt.path})
         return ckpt.path
 

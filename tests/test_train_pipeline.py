@@ -215,6 +215,6 @@ def test_a_lost_stage_without_a_checkpoint_is_a_clear_error(env):
 
     cfg = _cfg(env, "pp-lost", 2, 128, steps=3, workers=2)
     with pytest.raises(
-        ElasticError, match=r"layer:2.*held only by lost workers \[1\].*no checkpoint.*checkpoint_every"
+        ElasticError, match=r"layer:2.*held only by lost workers \[1\].*no checkpoint yet.*checkpoint_every"
     ):
         run_driver(cfg, env[3], faults=[(1, "micro_batch", 1, 1, "exit")])
