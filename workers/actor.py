@@ -22,6 +22,7 @@ import torch.distributed as dist
 from workers.held_params import HeldParams
 from workers.model import ModelConfig, init_model
 from workers.optim import OptimConfig, build_optimizer
+from workers.param_placement import ALL
 from workers.pipeline_exec import run_pipeline_step
 from workers.pipeline_task import PipelineTask
 from workers.process_groups import ProcessGroupRegistry
@@ -203,7 +204,7 @@ class Worker:
             "optimizer": _to_cpu(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
-            "parts": None if self.held.held is None else sorted(self.held.held),
+            "parts": None if self.held.held is ALL else sorted(self.held.held),
         }
 
     def set_state(self, state: dict) -> None:
@@ -223,10 +224,6 @@ class Worker:
         for item in got:
             self.held.load(item)
         return sum(v["data"].numel() * v["data"].element_size() for item in got for v in item.values())
-
-    def param_bytes(self) -> int:
-        """Bytes of parameters, gradients and optimizer state this worker holds now."""
-        return self.held.nbytes()
 
     def parameters_digest(self) -> list:
         """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference)."""

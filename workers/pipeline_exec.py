@@ -100,11 +100,12 @@ def run_pipeline_step(
 def _stage_buckets(task: PipelineTask, held: HeldParams, group_of) -> list[GradBucket]:
     """Keep only this rank's parts; one gradient bucket per set of ranks holding the same parts (in the same order
     on every rank: ``holder_sets``), summed over those ranks, counted in the norm by the first of them."""
-    parts = task.held_parts()[task.rank]
+    placed = task.held_parts()
+    parts = placed[task.rank]
     held.release(parts)
     held.require(parts, f"rank {task.rank} (stage {task.stage})")
     buckets = []
-    for ranks, bucket_parts in holder_sets(task.held_parts()):
+    for ranks, bucket_parts in holder_sets(placed):
         if task.rank in ranks:
             ps = [p for n, p in held.params.items() if held.part[n] in bucket_parts and p.requires_grad]
             group = group_of(ranks) if len(ranks) > 1 else None
