@@ -28,8 +28,9 @@ A pipelined step (``pipeline_stages`` set) has ``plan`` and ``timeline`` null an
 every sequence is in exactly one piece), ``checkpointed`` (``[stage][unit]`` layers run under activation
 checkpointing) and ``ops`` (the simulated schedule: ``[{"stage", "kind": "F"|"B", "unit", "start_ms",
 "end_ms"}, ...]``, one forward and one backward per unit and stage). A trained pipelined step with
-``pipeline_params = "stage"`` also has ``params`` (``placement``, ``moved_parts``, ``moved_bytes``, ``move_ms``:
-the model parts copied between workers before the step because the stage map changed) and each rank's entry
+``pipeline_params = "stage"`` also has ``params`` (``placement``, ``moved_parts``, ``moved_bytes`` (parameters
+and their optimizer state), ``move_ms``: the model parts copied between workers before the step because the stage
+map changed) and each rank's entry
 ``param_bytes`` (parameters, gradients and optimizer state it held).
 
 Keys of ``source == "train"`` records only (null where the step was skipped):

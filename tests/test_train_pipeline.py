@@ -141,6 +141,12 @@ def test_worker_killed_mid_pipeline_is_remapped_and_the_step_reruns(env):
     # stage-local parameters: worker 1 (now stage 1 alone) got stage 1's layers and head from worker 2, the last
     # survivor that held them; worker 2, left over, dropped them
     assert [r["pipeline"]["params"]["moved_parts"] for r in records] == [0, 3, 0]
+    from workers.model import init_model
+    from workers.param_placement import part_of
+
+    stage1 = [p for n, p in init_model(cfg.model, 0).named_parameters() if part_of(n) in ("layer:2", "layer:3", "head")]
+    # each parameter with its two AdamW moments (float32) and step count
+    assert records[1]["pipeline"]["params"]["moved_bytes"] == sum(12 * p.numel() + 4 for p in stage1)
     assert records[1]["ranks"][2]["param_bytes"] == 0
     _check(cfg, env[3], records, replicas)
 

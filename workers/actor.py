@@ -219,11 +219,13 @@ class Worker:
         return self.held.export(set(parts))
 
     def import_parts(self, exported: list) -> int:
-        """Hold the parts of ``exported`` (refs to :meth:`export_parts` results); returns the bytes received."""
+        """Hold the parts of ``exported`` (refs to :meth:`export_parts` results); returns the bytes received
+        (parameters and their optimizer state)."""
         got = ray.get(list(exported))  # refs nested in a list arrive unresolved
         for item in got:
             self.held.load(item)
-        return sum(v["data"].numel() * v["data"].element_size() for item in got for v in item.values())
+        tensors = [t for item in got for v in item.values() for t in (v["data"], *v["state"].values())]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def parameters_digest(self) -> list:
         """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference)."""
