@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from workers.attention import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func  # noqa: E402
-from workers.process_groups import ProcessGroupRegistry  # noqa: E402
-from workers.sharding import contiguous_layout, shard, zigzag_layout  # noqa: E402
+from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func  # noqa: E402
+from flexorch.workers.attention.sharding import contiguous_layout, shard, zigzag_layout  # noqa: E402
+from flexorch.workers.process_groups import ProcessGroupRegistry  # noqa: E402
 
 METHODS = {
     "ulysses": (ulysses_attn_varlen_func, contiguous_layout),
@@ -168,8 +168,8 @@ def bench_sp(d, args) -> list[tuple]:
 def model_mb(tokens, d, method, args) -> str:
     """The planner's bytes-per-device estimate for this shape (solver.cost_model), or n/a if unavailable."""
     try:
-        from solver.cost_model import comm_bytes
-        from solver.profiles import Profile
+        from flexorch.solver.cost_model import comm_bytes
+        from flexorch.solver.profiles import Profile
 
         profile = Profile(
             name="bench",

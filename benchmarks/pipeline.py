@@ -8,7 +8,7 @@ longer ones truncated to the context. Per batch and strategy, the predicted step
 simulator):
 
 * adaptive SP alone (FlexSP): ``solver.planner`` on all 32 devices;
-* elastic pipeline (InfiniPipe-style): ``solver.pipeline_plan.plan_pipeline`` (chunking granularity chosen per step,
+* elastic pipeline (InfiniPipe-style): ``flexorch.solver.pipeline.plan.plan_pipeline`` (chunking granularity chosen per step,
   checkpointing ILP), best of P x d in {2x16, 4x8, 8x4} (P stages of d-way Ulysses SP);
 * Seq1F1B: packed micro-batches (2P of them) each split into k=4 equal-work segments, same P x d choices;
 * plain 1F1B: packed micro-batches (2P), no splitting, same P x d choices.
@@ -32,11 +32,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from orchestrator.lengths import bundled_lengths_path, read_lengths  # noqa: E402
-from solver.pipeline_plan import packed_1f1b_units, plan_best_layout, plan_units, seq1f1b_units  # noqa: E402
-from solver.planner import PlannerConfig, plan_step  # noqa: E402
-from solver.profiles import get_profile  # noqa: E402
-from solver.stage_model import StageModel  # noqa: E402
+from flexorch.data.lengths import bundled_lengths_path, read_lengths  # noqa: E402
+from flexorch.solver.pipeline.plan import packed_1f1b_units, plan_best_layout, plan_units, seq1f1b_units  # noqa: E402
+from flexorch.solver.pipeline.stage_model import StageModel  # noqa: E402
+from flexorch.solver.planner import PlannerConfig, plan_step  # noqa: E402
+from flexorch.solver.profiles import get_profile  # noqa: E402
 
 DEVICES = 32
 LAYOUTS = [(2, 16), (4, 8), (8, 4)]
@@ -72,7 +72,7 @@ def _best_pipeline(lengths, profile, units_fn):
 def _picture(lengths, profile, best, seq, one) -> None:
     from pathlib import Path
 
-    from dashboards.pipeline_svg import render_pipelines_svg
+    from flexorch.dashboards.pipeline_svg import render_pipelines_svg
 
     out = Path("runs/pipeline/schedules.svg")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -153,10 +153,10 @@ def _calibrate(cfg) -> tuple[float, float, float]:
     """a1, a2, b1 (ms) of the whole tiny model, forward + backward on one process (least squares over lengths)."""
     import torch
 
-    from solver.chunking import Piece
-    from workers.model import init_model
-    from workers.pipeline_local import build_stages
-    from workers.pipeline_stage import UnitInput
+    from flexorch.solver.pipeline.chunking import Piece
+    from flexorch.workers.model import init_model
+    from flexorch.workers.pipeline.local import build_stages
+    from flexorch.workers.pipeline.stage import UnitInput
 
     model = init_model(cfg, seed=0)
     xs, ys = [], []
@@ -177,8 +177,8 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
     import torch
     import torch.distributed as dist
 
-    from workers.model import ModelConfig, init_model
-    from workers.optim import OptimConfig, build_optimizer
+    from flexorch.workers.model import ModelConfig, init_model
+    from flexorch.workers.optim import OptimConfig, build_optimizer
 
     torch.manual_seed(0)
     cfg = ModelConfig(**cfg_dict)
@@ -186,8 +186,8 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
     times, peak = [], 0
     with ctx.registry() as reg:
         if strategy == "SP alone":
-            from workers.step_exec import run_step
-            from workers.step_task import DocRef, step_tasks
+            from flexorch.tasks.step import DocRef, step_tasks
+            from flexorch.workers.step_exec import run_step
 
             optim, sched = build_optimizer(model, OptimConfig())
             for lengths, plan in zip(batches, plans, strict=True):
@@ -207,11 +207,11 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
                 times.append((time.perf_counter() - t0) * 1e3)
                 peak = max(peak, out.peak_activation_bytes)
             return times, peak
-        from solver.pipeline_schedule import one_f_one_b
-        from solver.stage_model import stage_layers
-        from workers.pipeline_dist import gradient_groups, run_stage_step
-        from workers.pipeline_local import build_stages
-        from workers.pipeline_task import gradient_channels
+        from flexorch.solver.pipeline.schedule import one_f_one_b
+        from flexorch.solver.pipeline.stage_model import stage_layers
+        from flexorch.tasks.pipeline import gradient_channels
+        from flexorch.workers.pipeline.local import build_stages
+        from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_step
 
         r = ctx.rank
         reg.ensure(gradient_channels([(i,) for i in range(CPU_STAGES)]))  # gradients on a group per stage pair
@@ -239,14 +239,14 @@ def part2(steps: int) -> None:
     import sys
     from pathlib import Path
 
-    from solver.chunking import chunk_batch
+    from flexorch.solver.pipeline.chunking import chunk_batch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the tests' process pool
-    from orchestrator.planning import planner_profile
-    from solver.planner import PlannerConfig, plan_step
+    from flexorch.control.planner_client import planner_profile
+    from flexorch.solver.planner import PlannerConfig, plan_step
+    from flexorch.workers.calibrate import activation_bytes_per_token
+    from flexorch.workers.model import ModelConfig, init_model
     from tests._dist_utils import DistPool
-    from workers.calibrate import activation_bytes_per_token
-    from workers.model import ModelConfig, init_model
 
     cfg = ModelConfig(num_layers=CPU_LAYERS)
     a1, a2, b1 = _calibrate(cfg)

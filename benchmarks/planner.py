@@ -22,10 +22,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from orchestrator.lengths import bundled_lengths_path, read_lengths  # noqa: E402
-from orchestrator.plan_command import BatchStream  # noqa: E402
-from solver import Planner, PlannerConfig, baseline_times_ms, get_profile  # noqa: E402
-from solver.validation import largest_degree  # noqa: E402
+from flexorch.cli.plan import BatchStream  # noqa: E402
+from flexorch.data.lengths import bundled_lengths_path, read_lengths  # noqa: E402
+from flexorch.solver import Planner, PlannerConfig, baseline_times_ms, get_profile  # noqa: E402
+from flexorch.solver.validation import largest_degree  # noqa: E402
 
 
 def part1(steps: int, time_limit: float) -> None:

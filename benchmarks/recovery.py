@@ -41,12 +41,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from train_cpu import write_workload  # noqa: E402
 
-from orchestrator.corpus import CorpusConfig, load_corpus  # noqa: E402
-from orchestrator.data_stream import DocumentStream  # noqa: E402
-from orchestrator.driver import TrainingDriver  # noqa: E402
-from orchestrator.train_config import PlanSettings, TrainConfig  # noqa: E402
-from workers.model import ModelConfig  # noqa: E402
-from workers.optim import OptimConfig  # noqa: E402
+from flexorch.config import PlanSettings, TrainConfig  # noqa: E402
+from flexorch.control.driver import TrainingDriver  # noqa: E402
+from flexorch.data.corpus import CorpusConfig, load_corpus  # noqa: E402
+from flexorch.data.stream import DocumentStream  # noqa: E402
+from flexorch.workers.model import ModelConfig  # noqa: E402
+from flexorch.workers.optim import OptimConfig  # noqa: E402
 
 
 def _kill_during_step(driver: TrainingDriver, rank: int, delay_s: float) -> tuple[float, dict | None, BaseException]:

@@ -40,14 +40,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from orchestrator.corpus import CorpusConfig, load_corpus  # noqa: E402
-from orchestrator.driver import TrainingDriver  # noqa: E402
-from orchestrator.lengths import bundled_lengths_path, read_lengths  # noqa: E402
-from orchestrator.records import measured_bubble_share  # noqa: E402
-from orchestrator.train_config import PlanSettings, TrainConfig  # noqa: E402
-from solver.errors import InfeasibleBatchError  # noqa: E402
-from workers.model import ModelConfig  # noqa: E402
-from workers.optim import OptimConfig  # noqa: E402
+from flexorch.config import PlanSettings, TrainConfig  # noqa: E402
+from flexorch.control.driver import TrainingDriver  # noqa: E402
+from flexorch.data.corpus import CorpusConfig, load_corpus  # noqa: E402
+from flexorch.data.lengths import bundled_lengths_path, read_lengths  # noqa: E402
+from flexorch.records.writer import measured_bubble_share  # noqa: E402
+from flexorch.solver.errors import InfeasibleBatchError  # noqa: E402
+from flexorch.workers.model import ModelConfig  # noqa: E402
+from flexorch.workers.optim import OptimConfig  # noqa: E402
 
 
 def write_workload(out: Path, n_docs: int, scale: float, max_context: int, seed: int) -> list[int]:
@@ -285,10 +285,10 @@ def main(argv=None) -> int:
 
 
 def _picture(result: dict, profile_path: Path, out: Path) -> None:
-    from dashboards.plan_svg import render_steps_svg
-    from orchestrator.planning import planner_profile
-    from solver.plan import Group, MicroBatch, Plan
-    from solver.profiles import get_profile
+    from flexorch.control.planner_client import planner_profile
+    from flexorch.dashboards.plan_svg import render_steps_svg
+    from flexorch.solver.plan import Group, MicroBatch, Plan
+    from flexorch.solver.profiles import get_profile
 
     recs = result["records"][:4]
     prof = get_profile(str(profile_path))

@@ -13,6 +13,6 @@ export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 # --working-dir ships this checkout to the cluster; the job's Python needs torch and ray (pip install -e . on
 # every node, or add: --runtime-env-json '{"pip": ["torch==2.13.0", "mip==2.0"]}')
 ray job submit --address "$ADDRESS" --working-dir . -- \
-    python -m orchestrator.cli train --config examples/train_cluster.toml "${@:2}"
+    python -m flexorch.cli.main train --config examples/train_cluster.toml "${@:2}"
 # Follow it:  ray job logs --address "$ADDRESS" --follow <job id>     Status: ray job status --address ...
 # Stop it:    ray job stop --address "$ADDRESS" <job id>

@@ -31,7 +31,7 @@ class WorkerContext:
     job: int
 
     def registry(self, world_size: int | None = None, *, epoch_offset: int = 0, timeout_s: float = PG_TIMEOUT_S):
-        from workers.process_groups import ProcessGroupRegistry
+        from flexorch.workers.process_groups import ProcessGroupRegistry
 
         return ProcessGroupRegistry(
             store=self.store,

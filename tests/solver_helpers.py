@@ -9,9 +9,9 @@ from itertools import combinations
 
 import numpy as np
 
-from solver.cost_model import group_overhead_ms
-from solver.packing import group_types, time_table
-from solver.profiles import Profile
+from flexorch.solver.cost_model import group_overhead_ms
+from flexorch.solver.packing import group_types, time_table
+from flexorch.solver.profiles import Profile
 
 TINY = Profile(
     name="tiny",

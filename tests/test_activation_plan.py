@@ -7,13 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from solver.cost_model import RING, ULYSSES
-from solver.errors import InvalidPlanError
-from solver.plan import Group, MicroBatch, Plan
-from solver.planner import PlannerConfig, plan_step
+from flexorch.solver.cost_model import RING, ULYSSES
+from flexorch.solver.errors import InvalidPlanError
+from flexorch.solver.plan import Group, MicroBatch, Plan
+from flexorch.solver.planner import PlannerConfig, plan_step
+from flexorch.workers.model import ModelConfig
 from tests._dist_utils import DistPool
 from tests.train_helpers import model_profile
-from workers.model import ModelConfig
 
 LENGTHS = [300, 100, 60, 52]  # one packed micro-batch of 512 tokens
 
@@ -33,11 +33,11 @@ def _profile(cfg: ModelConfig, act: float, **kw):
 def _held_bytes_job(ctx, cfg: ModelConfig, layouts):
     """Bytes per local token a training step's forward + loss saves on this rank, per (kind, degree) layout (the
     group is ranks 0..d-1; the others sit out), measured as ``run_step`` measures it."""
-    from workers.activation_memory import saved_tensor_meter
-    from workers.calibrate import _synthetic
-    from workers.model import init_model, loss_sum
-    from workers.step_exec import _attention, micro_batch_inputs
-    from workers.step_task import GroupWork
+    from flexorch.tasks.step import GroupWork
+    from flexorch.workers.activation_memory import saved_tensor_meter
+    from flexorch.workers.calibrate import _synthetic
+    from flexorch.workers.model import init_model, loss_sum
+    from flexorch.workers.step_exec import _attention, micro_batch_inputs
 
     registry = ctx.registry()
     registry.ensure([tuple(range(d)) for _, d in layouts if d > 1])
@@ -62,8 +62,8 @@ def _held_bytes_job(ctx, cfg: ModelConfig, layouts):
 
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_profile_predicts_the_bytes_real_sp_groups_hold(pool, kv_heads):
-    from workers.calibrate import activation_bytes_per_token
-    from workers.model import init_model
+    from flexorch.workers.calibrate import activation_bytes_per_token
+    from flexorch.workers.model import init_model
 
     cfg = ModelConfig(num_kv_heads=kv_heads)
     act = activation_bytes_per_token(init_model(cfg, 0), cfg.vocab_size)  # what `flexorch train` calibrates
@@ -120,7 +120,7 @@ def test_ulysses_groups_get_their_own_smaller_token_cap():
 
 
 def test_train_budget_holds_tokens_per_worker_in_every_layout():
-    from orchestrator.planning import planner_profile
+    from flexorch.control.planner_client import planner_profile
 
     cfg = ModelConfig()
     base = _profile(cfg, 12_040.0, memory_budget_bytes=1e9)
@@ -132,7 +132,7 @@ def test_train_budget_holds_tokens_per_worker_in_every_layout():
 
 def _padded_local(kind: str, degree: int, lengths: list[int]) -> int:
     """Tokens a rank of the group really holds: Ulysses pads the packed batch to a multiple of d, zigzag ring
-    pads every document to a multiple of 2d (``workers.sharding``)."""
+    pads every document to a multiple of 2d (``flexorch.workers.attention.sharding``)."""
     if degree == 1:
         return sum(lengths)
     if kind == RING:
@@ -154,10 +154,10 @@ def test_training_holds_what_the_plan_predicts(training, mode):
     what the profile predicts for its largest micro-batch (with the sharding's padding), in every layout."""
     import json
 
-    from solver.profiles import load_profile
+    from flexorch.solver.profiles import load_profile
+    from flexorch.workers.calibrate import activation_bytes_per_token
+    from flexorch.workers.model import init_model
     from tests.train_helpers import run_driver, train_config
-    from workers.calibrate import activation_bytes_per_token
-    from workers.model import init_model
 
     root, corpus_dir, fixed_profile, corpus = training
     cfg_model = ModelConfig()

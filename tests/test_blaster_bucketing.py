@@ -5,8 +5,8 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from solver.blaster import balanced_chunks, min_max_partition, sorted_chunks
-from solver.bucketing import optimal_buckets, padding_tokens
+from flexorch.solver.blaster import balanced_chunks, min_max_partition, sorted_chunks
+from flexorch.solver.bucketing import optimal_buckets, padding_tokens
 
 
 def _brute_padding(lengths, q):

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from solver import ProfileError
-from solver.calibration import (
+from flexorch.solver import ProfileError
+from flexorch.solver.calibration import (
     MAX_GBPS,
     CommSample,
     ComputeSample,
@@ -19,8 +19,8 @@ from solver.calibration import (
     predict_ms,
     prediction_errors,
 )
-from solver.cost_model import group_time_ms
-from solver.profiles import Profile
+from flexorch.solver.cost_model import group_time_ms
+from flexorch.solver.profiles import Profile
 
 # a CPU-like profile (DESIGN.md §7): float32 on the wire, gloo latencies of ~1-2 ms per collective
 TRUTH = Profile(
@@ -197,7 +197,7 @@ def test_bad_sample_fields_are_refused():
 
 @pytest.mark.parametrize("kind", ["ring", "ulysses"])
 def test_group_refit_matches_the_cost_models_own_group_formula(kind):
-    from solver.calibration import GroupSample, fit_group_comm
+    from flexorch.solver.calibration import GroupSample, fit_group_comm
 
     lengths = [(256,), (1024,), (2048,), (32,) * 16, (512, 512)]
     measured = [GroupSample(seq_lengths=s, degree=4, kind=kind, ms=group_time_ms(s, 4, kind, TRUTH)) for s in lengths]

@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from orchestrator.cli import main
-from orchestrator.lengths import parse_tokens, read_lengths
-from orchestrator.record_schema import SCHEMA, validate_record
-from orchestrator.records import read_records
+from flexorch.cli.main import main
+from flexorch.data.lengths import parse_tokens, read_lengths
+from flexorch.records.schema import SCHEMA, validate_record
+from flexorch.records.writer import read_records
 from tests.pipeline_helpers import TIGHT_PROFILE
 
 
@@ -206,7 +206,7 @@ def test_parse_tokens():
 
 def test_console_script_is_installed():
     r = subprocess.run(
-        [sys.executable, "-m", "orchestrator.cli", "profiles"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "flexorch.cli.main", "profiles"], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and "gpt-7b-a100" in r.stdout and "6250 tokens/device" in r.stdout
 

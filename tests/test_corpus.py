@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from orchestrator.corpus import CorpusConfig, DocLocation, fetch_documents, load_corpus, resolve_blocks
-from orchestrator.lengths import DataError
-from orchestrator.tokenizer import ByteTokenizer
+from flexorch.data.corpus import CorpusConfig, DocLocation, fetch_documents, load_corpus, resolve_blocks
+from flexorch.data.lengths import DataError
+from flexorch.data.tokenizer import ByteTokenizer
 
 BOS = ByteTokenizer.BOS
 TEXTS = {

@@ -3,8 +3,8 @@ per-degree collective latency flexorch adds."""
 
 import pytest
 
-from solver import get_profile, min_degree, seq_time_ms
-from solver.cost_model import comm_bytes, group_overhead_ms, group_time_ms, kind_allowed, next_pow2
+from flexorch.solver import get_profile, min_degree, seq_time_ms
+from flexorch.solver.cost_model import comm_bytes, group_overhead_ms, group_time_ms, kind_allowed, next_pow2
 
 P = get_profile("gpt-7b-a100")
 
@@ -74,9 +74,9 @@ def test_latency_lookup_takes_the_next_larger_measured_degree():
 
 
 def test_comm_part_is_what_sp_adds_over_compute_and_bounds_the_share():
-    from solver.cost_model import group_comm_ms
-    from solver.plan import Group, MicroBatch, Plan
-    from solver.simulator import comm_share, step_time_ms
+    from flexorch.solver.cost_model import group_comm_ms
+    from flexorch.solver.plan import Group, MicroBatch, Plan
+    from flexorch.solver.simulator import comm_share, step_time_ms
 
     s, d = 8192, 8
     compute = 5.128e-6 * s * s + 0.18396 * s

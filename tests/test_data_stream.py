@@ -11,9 +11,9 @@ import types
 import numpy as np
 import pytest
 
-from orchestrator.data_stream import Batch, DocumentStream
-from orchestrator.lengths import DataError
-from orchestrator.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
+from flexorch.data.lengths import DataError
+from flexorch.data.stream import Batch, DocumentStream
+from flexorch.data.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
 
 
 def test_byte_tokenizer_round_trip_and_range():

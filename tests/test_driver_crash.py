@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from orchestrator.corpus import CorpusConfig, load_corpus
-from orchestrator.data_stream import DocumentStream
-from orchestrator.records import read_records
-from orchestrator.train_config import load_train_config
+from flexorch.config import load_train_config
+from flexorch.data.corpus import CorpusConfig, load_corpus
+from flexorch.data.stream import DocumentStream
+from flexorch.records.writer import read_records
 from tests.train_helpers import reference_losses_and_params, small_run_toml
 
 pytestmark = pytest.mark.slow
@@ -53,7 +53,7 @@ def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluste
     config = small_run_toml(tmp_path, steps=6, checkpoint_every=1)
     corpus_dir = tmp_path / "corpus"
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "orchestrator.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
+    cmd = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config), "--run-dir", str(run_dir)]
     ray_tmp = Path(tempfile.mkdtemp(prefix="fxc-", dir="/tmp"))  # short: Ray's socket paths stay < 108 bytes
     env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp)}
 

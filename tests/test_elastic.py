@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.driver import TrainingDriver
-from orchestrator.elastic import ElasticError
-from orchestrator.records import read_records
-from orchestrator.train_command import format_membership
+from flexorch.cli.train import format_membership
+from flexorch.control.driver import TrainingDriver
+from flexorch.control.elastic import ElasticError
+from flexorch.records.writer import read_records
 from tests.train_helpers import check_against_reference, run_driver, train_config, training_env
 
 pytestmark = pytest.mark.slow
@@ -88,7 +88,7 @@ def test_a_hung_worker_is_declared_lost_after_the_collective_timeout(env):
 
 
 def test_all_workers_lost_is_a_clear_error_and_the_checkpoint_is_intact(env):
-    from orchestrator.checkpoint import latest_checkpoint, load_checkpoint
+    from flexorch.control.checkpoint import latest_checkpoint, load_checkpoint
 
     cfg = _cfg(env, "all", checkpoint_every=1)
     driver = TrainingDriver(cfg, corpus=env[3])

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from orchestrator.corpus import CorpusConfig
-from orchestrator.driver import TrainingDriver
-from orchestrator.elastic import ElasticError
+from flexorch.control.driver import TrainingDriver
+from flexorch.control.elastic import ElasticError
+from flexorch.data.corpus import CorpusConfig
 from tests.train_helpers import check_against_reference, cpu_profile, train_config, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -29,7 +29,7 @@ def cluster(tmp_path):
         ray.shutdown()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
     ray.init(address=c.address, logging_level="ERROR")
-    from orchestrator.corpus import load_corpus
+    from flexorch.data.corpus import load_corpus
 
     corpus_dir = write_corpus(tmp_path / "corpus")
     corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
@@ -99,7 +99,7 @@ def test_node_removed_then_added_mid_run(cluster, stages):
 
 @pytest.mark.parametrize("node_joins", [True, False])
 def test_below_min_workers_waits_for_capacity(cluster, node_joins):
-    from orchestrator.checkpoint import latest_checkpoint
+    from flexorch.control.checkpoint import latest_checkpoint
 
     c, corpus = cluster[0], cluster[3]
     node_b = c.add_node(num_cpus=2)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.cli import _train_config, build_parser
-from orchestrator.train_config import ConfigError, load_train_config
+from flexorch.cli.main import _train_config, build_parser
+from flexorch.config import ConfigError, load_train_config
 
 
 def _cfg(**overrides):

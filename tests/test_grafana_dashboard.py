@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 
-from dashboards.grafana import DASHBOARD_PATH, build_dashboard
-from orchestrator.metrics import METRICS
+from flexorch.dashboards.grafana import DASHBOARD_PATH, build_dashboard
+from flexorch.records.metrics import METRICS
 
 
 def test_checked_in_dashboard_is_the_generated_one():
-    assert json.loads(DASHBOARD_PATH.read_text()) == build_dashboard(), "run: python -m dashboards.grafana"
+    assert json.loads(DASHBOARD_PATH.read_text()) == build_dashboard(), "run: python -m flexorch.dashboards.grafana"
 
 
 def test_one_panel_per_metric_and_every_query_names_a_known_series():

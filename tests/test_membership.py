@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.membership import (
+from flexorch.control.membership import (
     ElasticPolicy,
     Fail,
     Failure,
@@ -67,8 +67,8 @@ def test_growth_fills_free_slots_up_to_max_counting_joiners():
 
 
 def test_config_resolves_and_checks_elastic_bounds():
-    from orchestrator.corpus import CorpusConfig
-    from orchestrator.train_config import ConfigError, PlanSettings, TrainConfig
+    from flexorch.config import ConfigError, PlanSettings, TrainConfig
+    from flexorch.data.corpus import CorpusConfig
 
     data = CorpusConfig(max_context=256)
     cfg = TrainConfig(workers=4, data=data, plan=PlanSettings(tokens_per_worker=64))

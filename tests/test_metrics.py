@@ -10,9 +10,9 @@ import urllib.request
 
 import pytest
 
-from orchestrator.driver import TrainingDriver
-from orchestrator.metrics import step_shares
-from orchestrator.records import measured_bubble_share
+from flexorch.control.driver import TrainingDriver
+from flexorch.records.metrics import step_shares
+from flexorch.records.writer import measured_bubble_share
 from tests.train_helpers import cpu_profile, train_config, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -76,7 +76,7 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
         finally:
             driver.shutdown()
         # a pipelined run beside it (2 steps): its schedule's bubble share is exported too
-        from workers.model import ModelConfig
+        from flexorch.workers.model import ModelConfig
 
         pp_cfg = train_config(
             corpus_dir, tmp_path / "metrics-pp", cfg.plan.profile, steps=2, model=ModelConfig(num_layers=4),
@@ -134,7 +134,7 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
         assert 0.0 <= value[share] <= 1.0, share
     # the Grafana dashboard queries series that the export really has (the two counters not hit here aside; the
     # pipeline bubble comes from the pipelined run)
-    from dashboards.grafana import build_dashboard
+    from flexorch.dashboards.grafana import build_dashboard
 
     for panel in build_dashboard()["panels"]:
         for t in panel["targets"]:

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from tests._dist_utils import DistPool
-from workers.activation_memory import measure_activation_bytes, saved_tensor_meter
-from workers.attention import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
-from workers.model import (
+from flexorch.workers.activation_memory import measure_activation_bytes, saved_tensor_meter
+from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
+from flexorch.workers.attention.sharding import shard, shard_contiguous, shard_zigzag
+from flexorch.workers.model import (
     IGNORE_INDEX,
     MODEL_PRESETS,
     ModelConfig,
@@ -28,9 +28,9 @@ from workers.model import (
     model_config,
     next_token_labels,
 )
-from workers.optim import OptimConfig, build_optimizer, clip_grad_norm_, lr_at
-from workers.reference import pack_documents, reference_loss_sum, reference_step, reference_train
-from workers.sharding import shard, shard_contiguous, shard_zigzag
+from flexorch.workers.optim import OptimConfig, build_optimizer, clip_grad_norm_, lr_at
+from flexorch.workers.reference import pack_documents, reference_loss_sum, reference_step, reference_train
+from tests._dist_utils import DistPool
 
 PARITY_TOL = {"rtol": 1e-4, "atol": 1e-5}
 
@@ -280,7 +280,7 @@ GQA, MHA, GQA1 = {}, {"num_kv_heads": 4}, {"num_kv_heads": 1, "tie_embeddings": 
 @pytest.mark.parametrize("method", ["ulysses", "ring"])
 def test_sharded_model_matches_reference(pool, method):
     # d=1 on {0} and {3}, d=2 on {0,1} and {2,3} concurrently, then d=4; GQA with 2 KV heads at d=4 makes
-    # Ulysses replicate KV heads (workers/ulysses.py); 1 KV head also covers tied embeddings.
+    # Ulysses replicate KV heads (flexorch/workers/attention/ulysses.py); 1 KV head also covers tied embeddings.
     groups = [(0,), (3,), (0, 1), (2, 3), (0, 1, 2, 3)]
     cases = [
         ((0,), method, GQA, "mixed", 1),

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from workers.param_placement import (
+from flexorch.tasks.pipeline import PipelineTask
+from flexorch.tasks.placement import (
     ALL,
     PartsLostError,
     holder_sets,
@@ -16,13 +17,12 @@ from workers.param_placement import (
     stage_parts,
     transfers,
 )
-from workers.pipeline_task import PipelineTask
 
 PARTS = model_parts(4)
 
 
 def test_parts_of_the_decoder_parameters():
-    from workers.model import ModelConfig, init_model
+    from flexorch.workers.model import ModelConfig, init_model
 
     model = init_model(ModelConfig(num_layers=3), seed=0)
     parts = {part_of(n) for n, _ in model.named_parameters()}

@@ -13,12 +13,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from solver.pipeline_schedule import one_f_one_b
-from solver.stage_model import stage_layers
+from flexorch.solver.pipeline.schedule import one_f_one_b
+from flexorch.solver.pipeline.stage_model import stage_layers
+from flexorch.tasks.pipeline import gradient_channels
+from flexorch.workers.model import ModelConfig, init_model
 from tests._dist_utils import DistPool
 from tests.test_pipeline_local import LENGTHS, _reference, _sequences, _units
-from workers.model import ModelConfig, init_model
-from workers.pipeline_task import gradient_channels
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,8 @@ def pool():
 
 
 def _job(ctx, stages, cfg_kwargs, kind, ckpt, split):
-    from workers.pipeline_dist import gradient_groups, run_stage_step
-    from workers.pipeline_local import build_stages
+    from flexorch.workers.pipeline.local import build_stages
+    from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_step
 
     torch.manual_seed(0)
     cfg = ModelConfig(**cfg_kwargs)
@@ -118,9 +118,9 @@ def assert_params_match(state: dict, ref_state: dict) -> None:
 
 def _staged(units, stages: int, degree: int, world: int, num_layers: int, ckpt: bool):
     """A StagedPlan over hand-made units (costs do not matter to the executor, only the schedule does)."""
-    from solver.pipeline_plan import Pipeline, PipelinePlan
-    from solver.pipeline_sim import simulate
-    from solver.staged_plan import StagedPlan
+    from flexorch.solver.pipeline.plan import Pipeline, PipelinePlan
+    from flexorch.solver.pipeline.sim import simulate
+    from flexorch.solver.pipeline.staged import StagedPlan
 
     layers = stage_layers(num_layers, stages)
     sched = one_f_one_b(units, stages)
@@ -134,10 +134,10 @@ def _staged(units, stages: int, degree: int, world: int, num_layers: int, ckpt: 
 def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
     import numpy as np
 
-    from workers.optim import OptimConfig, build_optimizer
-    from workers.pipeline_exec import run_pipeline_step
-    from workers.pipeline_task import pipeline_tasks
-    from workers.step_task import DocRef
+    from flexorch.tasks.pipeline import pipeline_tasks
+    from flexorch.tasks.step import DocRef
+    from flexorch.workers.optim import OptimConfig, build_optimizer
+    from flexorch.workers.pipeline.executor import run_pipeline_step
 
     torch.manual_seed(0)
     cfg = ModelConfig(**cfg_kwargs)
@@ -173,8 +173,8 @@ def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
 def test_pipelined_training_on_stage_workers_equals_the_reference(pool, stages, degree, kind, ckpt, tied):
     """The worker's executor (stage sharing the replica's modules, SP inside a stage, world all-reduce, clipped
     AdamW): per-step losses and parameters after 2 steps equal the single-process reference, every replica equal."""
-    from workers.optim import OptimConfig
-    from workers.reference import reference_train
+    from flexorch.workers.optim import OptimConfig
+    from flexorch.workers.reference import reference_train
 
     cfg_kwargs = {"num_layers": 4, "tie_embeddings": tied}
     cfg = ModelConfig(**cfg_kwargs)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from solver.chunking import chunk_batch
-from solver.pipeline_plan import packed_1f1b_units
-from solver.pipeline_schedule import one_f_one_b
-from solver.stage_model import stage_layers
-from workers.model import ModelConfig, init_model
-from workers.pipeline_local import build_stages, run_local_step, stage_grads_as_full
-from workers.reference import pack_documents, reference_loss_sum
+from flexorch.solver.pipeline.chunking import chunk_batch
+from flexorch.solver.pipeline.plan import packed_1f1b_units
+from flexorch.solver.pipeline.schedule import one_f_one_b
+from flexorch.solver.pipeline.stage_model import stage_layers
+from flexorch.workers.model import ModelConfig, init_model
+from flexorch.workers.pipeline.local import build_stages, run_local_step, stage_grads_as_full
+from flexorch.workers.reference import pack_documents, reference_loss_sum
 
 LENGTHS = [300, 17, 90, 5, 160, 41, 8, 220, 2, 64]
 
@@ -86,7 +86,7 @@ def test_segments_out_of_order_are_refused():
     model = init_model(cfg, seed=3)
     units = _units("segments", LENGTHS)
     j = next(i for i, u in enumerate(units) if u.prefix > 0)  # a later segment run before its predecessor
-    from workers.pipeline_stage import UnitInput
+    from flexorch.workers.pipeline.stage import UnitInput
 
     stage = build_stages(model, [2])[0]
     with pytest.raises(RuntimeError, match="needs the K/V of tokens"):
@@ -100,10 +100,10 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages, ki
     (segments also hold their K/V prefix, which the stage model counts)."""
     import dataclasses
 
-    from solver.checkpointing import checkpoint_plan
-    from solver.stage_model import StageModel
+    from flexorch.solver.pipeline.checkpointing import checkpoint_plan
+    from flexorch.solver.pipeline.stage_model import StageModel
+    from flexorch.workers.calibrate import activation_bytes_per_token, stage_activation_bytes
     from tests.train_helpers import model_profile
-    from workers.calibrate import activation_bytes_per_token, stage_activation_bytes
 
     cfg = ModelConfig(num_layers=4)
     seqs = _sequences(cfg)
@@ -134,6 +134,6 @@ def test_measured_peak_activation_memory_stays_within_the_plan_budget(stages, ki
 
 
 def _held(ops):
-    from solver.checkpointing import held_sets
+    from flexorch.solver.pipeline.checkpointing import held_sets
 
     return held_sets(ops)

@@ -7,10 +7,17 @@ import itertools
 import numpy as np
 import pytest
 
-from solver.chunking import Piece, Unit, chunk_batch
-from solver.pipeline_schedule import Op, ScheduleError, backward_order, check_schedule, one_f_one_b, warmup_count
-from solver.pipeline_sim import simulate
-from solver.segments import equal_flop_boundaries, equal_flop_segments, segment_cost
+from flexorch.solver.pipeline.chunking import Piece, Unit, chunk_batch
+from flexorch.solver.pipeline.schedule import (
+    Op,
+    ScheduleError,
+    backward_order,
+    check_schedule,
+    one_f_one_b,
+    warmup_count,
+)
+from flexorch.solver.pipeline.segments import equal_flop_boundaries, equal_flop_segments, segment_cost
+from flexorch.solver.pipeline.sim import simulate
 
 A1, A2 = 5.128e-6, 0.18396  # gpt-7b-a100 (DESIGN.md §2.1)
 
@@ -179,22 +186,22 @@ def test_simulated_1f1b_bubble_matches_the_formula():
 
 # ---------------------------------------------------------------- stage model, checkpointing ILP, the plan
 def _profile(budget_gib: float = 26.0, layers: int = 40):
-    from solver.profiles import get_profile
+    from flexorch.solver.profiles import get_profile
 
     p = get_profile("gpt-13b-a100")
     return p.with_overrides(memory_budget_bytes=budget_gib * 2**30, num_layers=layers)
 
 
 def test_more_stages_than_layers_is_a_clear_error():
-    from solver.pipeline_plan import plan_pipeline
+    from flexorch.solver.pipeline.plan import plan_pipeline
 
     with pytest.raises(ValueError, match="8 pipeline stages for a model of 4 layers.*at most 4 stages"):
         plan_pipeline([1000, 2000], 8, _profile(layers=4))
 
 
 def test_a_budget_no_checkpointing_can_meet_is_a_clear_error():
-    from solver.pipeline_plan import plan_units
-    from solver.stage_model import StageModel
+    from flexorch.solver.pipeline.plan import plan_units
+    from flexorch.solver.pipeline.stage_model import StageModel
 
     model = StageModel(_profile(budget_gib=26.0), 4, 1)
     units = chunk_batch([400_000], 1, A1, A2, 10**9)  # one unit of 400K tokens on one worker per stage
@@ -203,8 +210,8 @@ def test_a_budget_no_checkpointing_can_meet_is_a_clear_error():
 
 
 def test_checkpointing_fits_memory_with_variables_tied_along_diagonals():
-    from solver.checkpointing import checkpoint_plan, held_sets
-    from solver.stage_model import StageModel
+    from flexorch.solver.pipeline.checkpointing import checkpoint_plan, held_sets
+    from flexorch.solver.pipeline.stage_model import StageModel
 
     model = StageModel(_profile(budget_gib=26.0), 4, 8)
     units = chunk_batch(_long_tail(128, seed=1), 32, model.profile.a1_ms, model.profile.a2_ms, model.token_cap())
@@ -221,8 +228,8 @@ def test_checkpointing_fits_memory_with_variables_tied_along_diagonals():
 
 
 def test_plan_fits_memory_covers_every_token_and_beats_plain_1f1b():
-    from solver.pipeline_plan import packed_1f1b_units, plan_pipeline, plan_units
-    from solver.stage_model import StageModel
+    from flexorch.solver.pipeline.plan import packed_1f1b_units, plan_pipeline, plan_units
+    from flexorch.solver.pipeline.stage_model import StageModel
 
     profile = _profile()
     lengths = _long_tail(256, seed=0)
@@ -240,8 +247,8 @@ def test_plan_fits_memory_covers_every_token_and_beats_plain_1f1b():
 
 
 def test_back_to_back_pipelines_when_one_does_not_fit():
-    from solver.pipeline_plan import _fits_fully_checkpointed, _renumber, _split_between_chains, plan_units
-    from solver.stage_model import StageModel
+    from flexorch.solver.pipeline.plan import _fits_fully_checkpointed, _renumber, _split_between_chains, plan_units
+    from flexorch.solver.pipeline.stage_model import StageModel
 
     # 16 stages: stage 0 holds 16 units at once; at the token cap, even fully checkpointed (each layer keeps its
     # input and K/V, ~30 % of its activations) that is over the budget: the fewest back-to-back pipelines that fit
@@ -259,9 +266,9 @@ def test_back_to_back_pipelines_when_one_does_not_fit():
 def test_schedule_picture_has_one_box_per_op_and_a_shared_time_axis():
     import xml.etree.ElementTree as ET
 
-    from dashboards.pipeline_svg import render_pipelines_svg
-    from solver.pipeline_plan import plan_units, seq1f1b_units
-    from solver.stage_model import StageModel
+    from flexorch.dashboards.pipeline_svg import render_pipelines_svg
+    from flexorch.solver.pipeline.plan import plan_units, seq1f1b_units
+    from flexorch.solver.pipeline.stage_model import StageModel
 
     model = StageModel(_profile(), 4, 8)
     lengths = _long_tail(64, seed=2)
@@ -281,7 +288,7 @@ def test_schedule_picture_has_one_box_per_op_and_a_shared_time_axis():
 
 
 def test_auto_layout_picks_the_fastest_simulated_split():
-    from solver.pipeline_plan import pipeline_layouts, plan_best_layout, plan_pipeline
+    from flexorch.solver.pipeline.plan import pipeline_layouts, plan_best_layout, plan_pipeline
 
     assert pipeline_layouts(32, 40) == [(2, 16), (4, 8), (8, 4), (16, 2), (32, 1)]
     assert pipeline_layouts(8, 4) == [(2, 4), (4, 2)]

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from orchestrator.lengths import bundled_lengths_path, read_lengths
-from solver import (
+from flexorch.data.lengths import bundled_lengths_path, read_lengths
+from flexorch.solver import (
     Group,
     InvalidPlanError,
     MicroBatch,
@@ -15,7 +15,7 @@ from solver import (
     plan_step,
     step_time_ms,
 )
-from solver.baselines import baseline_times_ms
+from flexorch.solver.baselines import baseline_times_ms
 from tests.solver_helpers import TINY
 
 
@@ -125,7 +125,7 @@ def test_parallel_micro_batch_solves_in_worker_processes():
     lengths = np.random.default_rng(5).choice(read_lengths(bundled_lengths_path()), size=512)
     lengths = lengths[lengths <= 64 * profile.tokens_per_device]
     config = PlannerConfig(workers=2, time_limit_s=2.0)
-    from solver import Planner
+    from flexorch.solver import Planner
 
     with Planner(profile, config) as planner:
         first = planner.plan(lengths, 64)

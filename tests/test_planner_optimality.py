@@ -4,9 +4,9 @@ without per-degree collective latency."""
 import numpy as np
 import pytest
 
-from solver import PlannerConfig, min_degree, plan_step, step_time_ms
-from solver.bounds import area_and_min_time, step_bound_ms
-from solver.packing import group_types, time_table, type_overheads
+from flexorch.solver import PlannerConfig, min_degree, plan_step, step_time_ms
+from flexorch.solver.bounds import area_and_min_time, step_bound_ms
+from flexorch.solver.packing import group_types, time_table, type_overheads
 from tests.solver_helpers import TINY, TINY_LATENCY, TINY_PROFILES, brute_force_optimum
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flexorch.workers.process_groups import canonical_rank_sets
 from tests._dist_utils import DistPool
-from workers.process_groups import canonical_rank_sets
 
 OVERLAPPING = [(0, 1, 2, 3), (0, 1), (2, 3), (1, 3)]
 
@@ -148,7 +148,7 @@ def test_canonical_rank_sets_is_deterministic():
 
 
 def test_import_workers_is_light():
-    code = "import sys, workers; print('torch' in sys.modules, 'ray' in sys.modules)"
+    code = "import sys, flexorch.workers; print('torch' in sys.modules, 'ray' in sys.modules)"
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -138,7 +138,7 @@ def test_ray_job_submit_runs_flexorch_train_and_reports_status(ray_head, tmp_pat
     address, env = ray_head
     config = small_run_toml(tmp_path, steps=3)
     run_dir = tmp_path / "run"
-    entry = [sys.executable, "-m", "orchestrator.cli", "train", "--config", str(config), "--run-dir", str(run_dir)]
+    entry = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config), "--run-dir", str(run_dir)]
     job = _submit(address, env, entry, f"flexorch-ok-{os.getpid()}")
     status = _wait(address, env, job)
     logs = _logs(address, env, job)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import ray
-from orchestrator.train_command import ray_session
+from flexorch.cli.train import ray_session
 with ray_session(None, 1):
     print("cpus", int(ray.cluster_resources()["CPU"]))
 """

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from orchestrator.plan_command import PlanRunConfig, run_plan
-from orchestrator.record_schema import SCHEMA, RecordError, validate_record
-from orchestrator.records import StepRecords, read_records, skip_record
-from solver.planner import PlannerConfig
-from solver.profiles import get_profile
+from flexorch.cli.plan import PlanRunConfig, run_plan
+from flexorch.records.schema import SCHEMA, RecordError, validate_record
+from flexorch.records.writer import StepRecords, read_records, skip_record
+from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.profiles import get_profile
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,7 @@ def test_pipeline_damage_is_named(pipeline_records, which, change, message):
 
 
 def test_measured_bubble_share_is_the_time_stage_ranks_spent_outside_their_ops(pipeline_records):
-    from orchestrator.records import measured_bubble_share
+    from flexorch.records.writer import measured_bubble_share
 
     plan_rec, train_rec = pipeline_records
     assert measured_bubble_share(plan_rec) is None  # nothing measured

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from solver.segments import equal_flop_segments
-from workers.attention import varlen_attn_func
-from workers.segment_attn import segment_attn_func
+from flexorch.solver.pipeline.segments import equal_flop_segments
+from flexorch.workers.attention.api import varlen_attn_func
+from flexorch.workers.attention.segment import segment_attn_func
 
 TOL = {"rtol": 1e-5, "atol": 5e-6}  # the kernels compute in float32 (math) whatever the input dtype
 

@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from workers.kernels import Seqlens
-from workers.ring import zigzag_blocks
-from workers.sharding import (
+from flexorch.workers.attention.kernels import Seqlens
+from flexorch.workers.attention.ring import zigzag_blocks
+from flexorch.workers.attention.sharding import (
     check_cu_seqlens,
     contiguous_layout,
     shard_contiguous,

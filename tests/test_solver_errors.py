@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from solver import (
+from flexorch.solver import (
     InfeasibleBatchError,
     PlannerConfig,
     PlanningError,
@@ -17,7 +17,7 @@ from solver import (
     load_profile,
     plan_step,
 )
-from solver.baselines import baseline_times_ms
+from flexorch.solver.baselines import baseline_times_ms
 from tests.solver_helpers import TINY
 
 
@@ -165,8 +165,8 @@ def test_reference_constants_reproduce_flexsp_capacity():
 
 def test_solver_imports_neither_ray_nor_torch_distributed():
     code = (
-        "import sys, pkgutil, importlib, solver\n"
-        "for m in pkgutil.iter_modules(solver.__path__): importlib.import_module('solver.' + m.name)\n"
+        "import sys, pkgutil, importlib, flexorch.solver as s\n"
+        "for m in pkgutil.walk_packages(s.__path__, 'flexorch.solver.'): importlib.import_module(m.name)\n"
         "bad = [m for m in sys.modules if m == 'ray' or m.startswith('ray.') or m.startswith('torch')]\n"
         "print(bad); sys.exit(1 if bad else 0)\n"
     )

@@ -12,10 +12,10 @@ import random
 import pytest
 import torch
 
+from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
+from flexorch.workers.attention.kernels import Seqlens, attn_backward, attn_forward
+from flexorch.workers.attention.sharding import contiguous_layout, shard, zigzag_layout
 from tests._dist_utils import DistPool
-from workers.attention import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
-from workers.kernels import Seqlens, attn_backward, attn_forward
-from workers.sharding import contiguous_layout, shard, zigzag_layout
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 METHODS = {
@@ -300,7 +300,7 @@ def _fake_flash_attn(custom_op: bool):
     flash-attn 2.5/2.6 (plain function, ``window_size`` tuple) and >= 2.7 (torch custom op, split windows)."""
     import types
 
-    from workers import kernels
+    from flexorch.workers.attention import kernels
 
     def seqlens(cu):
         return Seqlens(tuple(cu.tolist()))
@@ -356,7 +356,7 @@ def _new_style_backward(impl):
 def test_flash_attn_adapter_passes_arguments_in_order(monkeypatch, custom_op):
     # No GPU needed: the flash-attn adapter runs against a fake module, with unequal q / k documents (as in
     # ring steps) so a swapped argument changes the result or trips an assertion in the fake.
-    from workers import kernels
+    from flexorch.workers.attention import kernels
 
     monkeypatch.setattr(kernels, "_flash_attn", lambda: _fake_flash_attn(custom_op))
     q, k, v, dout, _ = make_case(9, [24, 40], 4, 2)
@@ -396,7 +396,7 @@ def test_cuda_kernels_bf16(backend):
 
 
 def _nccl_job(ctx, method):
-    from workers.process_groups import ProcessGroupRegistry
+    from flexorch.workers.process_groups import ProcessGroupRegistry
 
     torch.cuda.set_device(ctx.rank)
     with ProcessGroupRegistry(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchestrator.planning import StepPlanner, planner_profile
-from solver.planner import PlannerConfig
-from solver.simulator import step_time_ms
+from flexorch.control.planner_client import StepPlanner, planner_profile
+from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.simulator import step_time_ms
 from tests.solver_helpers import TINY
 
 PROFILE = planner_profile(

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from solver.baselines import static_plan
-from solver.planner import plan_step
+from flexorch.solver.baselines import static_plan
+from flexorch.solver.planner import plan_step
+from flexorch.tasks.step import DocRef, step_tasks
 from tests.solver_helpers import TINY
-from workers.step_task import DocRef, step_tasks
 
 
 def _docs(lengths):
@@ -61,7 +61,7 @@ def test_static_plan_tasks_and_mismatch_errors():
 def test_pipeline_tasks_create_each_stage_group_and_each_gradient_channel():
     """Every rank creates the SP groups of the stages and one group per neighbour pair for the gradients (NCCL
     would deadlock with activations and gradients of one pair on one communicator)."""
-    from workers.pipeline_task import PipelineTask, gradient_channels
+    from flexorch.tasks.pipeline import PipelineTask, gradient_channels
 
     assert gradient_channels([(0, 1), (2, 3), (4, 5)]) == [(0, 2), (1, 3), (2, 4), (3, 5)]
     assert gradient_channels([(0,), (1,), (2,)]) == [(0, 1), (1, 2)]

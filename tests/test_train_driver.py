@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 import ray
 
-from orchestrator.corpus import CorpusConfig
-from orchestrator.driver import TrainingDriver
-from orchestrator.lengths import DataError
-from orchestrator.records import read_records
-from orchestrator.train_config import ConfigError, load_train_config
-from solver.errors import InfeasibleBatchError
+from flexorch.config import ConfigError, load_train_config
+from flexorch.control.driver import TrainingDriver
+from flexorch.data.corpus import CorpusConfig
+from flexorch.data.lengths import DataError
+from flexorch.records.writer import read_records
+from flexorch.solver.errors import InfeasibleBatchError
 from tests.train_helpers import train_config, training_env
 
 pytestmark = pytest.mark.slow
@@ -128,7 +128,7 @@ def test_flexorch_train_cli_smoke(env, tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "orchestrator.cli",
+        "flexorch.cli.main",
         "train",
         "--config",
         str(config),
@@ -162,9 +162,9 @@ def test_flexorch_train_cli_smoke(env, tmp_path):
 def test_flexorch_profile_calibrates_on_the_workers(env, tmp_path):
     import io
 
-    from orchestrator.calibration import calibration_probes
-    from orchestrator.train_command import run_profile
-    from solver.profiles import get_profile
+    from flexorch.cli.train import run_profile
+    from flexorch.control.calibration import calibration_probes
+    from flexorch.solver.profiles import get_profile
 
     root, corpus_dir, profile, _ = env
     compute, groups = calibration_probes(64, 2, ("ulysses", "ring"))
@@ -192,7 +192,7 @@ def test_a_worker_error_fails_the_run_fast_with_that_error(env):
     though its peers may be blocked in a collective with it (they get a short grace, then are killed)."""
     import time
 
-    from orchestrator.elastic import ElasticError
+    from flexorch.control.elastic import ElasticError
 
     root, corpus_dir, profile, corpus = env
     cfg = train_config(corpus_dir, root / "raises", profile)

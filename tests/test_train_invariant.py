@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.driver import TrainingDriver
-from orchestrator.record_schema import validate_record
+from flexorch.control.driver import TrainingDriver
+from flexorch.records.schema import validate_record
 from tests.train_helpers import (
     assert_params_close,
     reference_losses_and_params,

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from orchestrator.data_stream import DocumentStream
-from orchestrator.driver import TrainingDriver
-from orchestrator.records import read_records
+from flexorch.control.driver import TrainingDriver
+from flexorch.data.stream import DocumentStream
+from flexorch.records.writer import read_records
+from flexorch.workers.model import ModelConfig
 from tests.train_helpers import (
     assert_params_close,
     check_against_reference,
@@ -22,7 +23,6 @@ from tests.train_helpers import (
     train_config,
     training_env,
 )
-from workers.model import ModelConfig
 
 pytestmark = pytest.mark.slow
 
@@ -56,8 +56,8 @@ def _check(cfg, corpus, records, replicas):
 def _assert_stage_local(cfg, rec, replicas):
     """After the last step each rank holds exactly its stage's parts, and the bytes it reported for parameters,
     gradients and AdamW's two moments and step count are those parts' and no more."""
-    from workers.model import init_model
-    from workers.param_placement import part_of, placement
+    from flexorch.tasks.placement import part_of, placement
+    from flexorch.workers.model import init_model
 
     pipe = rec["pipeline"]
     shapes = {n: p.numel() for n, p in init_model(cfg.model, 0).named_parameters()}
@@ -116,7 +116,7 @@ def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker,
 
 
 def _expected_moves(records) -> list[int]:
-    from workers.param_placement import ALL, model_parts, placement, transfers
+    from flexorch.tasks.placement import ALL, model_parts, placement, transfers
 
     held, out = dict.fromkeys(range(4), ALL), []  # every worker starts with the whole model
     for r in records:
@@ -141,8 +141,8 @@ def test_worker_killed_mid_pipeline_is_remapped_and_the_step_reruns(env):
     # stage-local parameters: worker 1 (now stage 1 alone) got stage 1's layers and head from worker 2, the last
     # survivor that held them; worker 2, left over, dropped them
     assert [r["pipeline"]["params"]["moved_parts"] for r in records] == [0, 3, 0]
-    from workers.model import init_model
-    from workers.param_placement import part_of
+    from flexorch.tasks.placement import part_of
+    from flexorch.workers.model import init_model
 
     stage1 = [p for n, p in init_model(cfg.model, 0).named_parameters() if part_of(n) in ("layer:2", "layer:3", "head")]
     # each parameter with its two AdamW moments (float32) and step count
@@ -157,8 +157,8 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
     # stages for 2 more; together they equal the reference on the same batches
     import dataclasses
 
-    from orchestrator.checkpoint import latest_checkpoint, load_checkpoint
-    from workers.model import init_model
+    from flexorch.control.checkpoint import latest_checkpoint, load_checkpoint
+    from flexorch.workers.model import init_model
 
     first_cfg = _cfg(env, "pp-resume", 2, 128, steps=4)
     driver = TrainingDriver(first_cfg, corpus=env[3])
@@ -217,7 +217,7 @@ def test_a_stage_lost_with_its_only_holder_rolls_back_to_the_checkpoint(env):
 
 
 def test_a_lost_stage_without_a_checkpoint_is_a_clear_error(env):
-    from orchestrator.elastic import ElasticError
+    from flexorch.control.elastic import ElasticError
 
     cfg = _cfg(env, "pp-lost", 2, 128, steps=3, workers=2)
     with pytest.raises(

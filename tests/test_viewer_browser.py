@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from dashboards.viewer import ViewerServer
-from orchestrator.plan_command import PlanRunConfig, run_plan
-from orchestrator.records import measured_bubble_share
-from solver.planner import PlannerConfig
-from solver.profiles import get_profile
+from flexorch.cli.plan import PlanRunConfig, run_plan
+from flexorch.dashboards.viewer import ViewerServer
+from flexorch.records.writer import measured_bubble_share
+from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.profiles import get_profile
 from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
 
 RECORDED = Path(__file__).parent / "data" / "recorded_run"

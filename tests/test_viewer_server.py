@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from dashboards.viewer import ViewerServer
-from dashboards.viewer_data import read_run, step_view
-from orchestrator.cli import main
-from orchestrator.plan_command import PlanRunConfig, run_plan
-from orchestrator.record_schema import validate_record
-from orchestrator.records import measured_bubble_share
-from solver.planner import PlannerConfig
-from solver.profiles import get_profile
+from flexorch.cli.main import main
+from flexorch.cli.plan import PlanRunConfig, run_plan
+from flexorch.dashboards.viewer import ViewerServer
+from flexorch.dashboards.viewer_data import read_run, step_view
+from flexorch.records.schema import validate_record
+from flexorch.records.writer import measured_bubble_share
+from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.profiles import get_profile
 from tests.pipeline_helpers import (
     LATE_MS,
     RECORDED_PIPELINE,
@@ -147,7 +147,7 @@ def test_train_serves_the_viewer_while_it_runs(tmp_path, monkeypatch, capsys):
 
     `run_train` is replaced at its seam (the real one is tested end to end elsewhere) by a stand-in that writes a
     recorded step into the run directory and asks the running viewer for it."""
-    import orchestrator.train_command as train_command
+    import flexorch.cli.train as train_command
 
     seen = {}
 

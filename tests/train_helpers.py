@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from orchestrator.corpus import CorpusConfig
-from orchestrator.train_config import PlanSettings, TrainConfig
-from solver.profiles import Profile
-from workers.model import ModelConfig
-from workers.optim import OptimConfig
+from flexorch.config import PlanSettings, TrainConfig
+from flexorch.data.corpus import CorpusConfig
+from flexorch.solver.profiles import Profile
+from flexorch.workers.model import ModelConfig
+from flexorch.workers.optim import OptimConfig
 
 # Byte lengths of the test documents: long-tailed, the longest (255 B + BOS = 256 tokens) needs all 4 workers
 # at 64 tokens per worker, the shortest are a few bytes.
@@ -58,7 +58,7 @@ def cpu_profile(path: Path) -> Path:
 def model_profile(cfg: ModelConfig, act_bytes_per_token: float, **overrides) -> Profile:
     """gpt-7b-a100's timing constants with the shape of the model ``cfg`` (float32 activations), the given activation
     bytes per token and no model state; ``overrides`` set the rest (budget, LM head's share)."""
-    from solver.profiles import get_profile
+    from flexorch.solver.profiles import get_profile
 
     return dataclasses.replace(
         get_profile("gpt-7b-a100"),
@@ -77,7 +77,7 @@ def training_env(tmp_path_factory, name: str):
     """Module fixture body: a Ray with room for 4 workers (reused if running), a corpus, a fixed profile."""
     import ray
 
-    from orchestrator.corpus import load_corpus
+    from flexorch.data.corpus import load_corpus
 
     started = not ray.is_initialized()
     if started:
@@ -109,7 +109,7 @@ def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) ->
 
 
 def reference_losses_and_params(cfg: TrainConfig, corpus, records) -> tuple[list[float], dict]:
-    from workers.reference import reference_train
+    from flexorch.workers.reference import reference_train
 
     batches = [corpus.get_tokens(r["doc_ids"]) for r in records if not r["skipped"]]
     losses, state = reference_train(cfg.model, cfg.optim, batches, cfg.seed)
@@ -151,7 +151,7 @@ def small_run_toml(root: Path, steps: int, **keys) -> Path:
 def run_driver(cfg: TrainConfig, corpus, faults=()) -> tuple[list[dict], list]:
     """Set a driver up, inject ``faults`` ((worker id, point, step, nth, action), ...), step it to the end (a
     resumed run starts after its checkpoint's step); returns the records and every replica's parameters."""
-    from orchestrator.driver import TrainingDriver
+    from flexorch.control.driver import TrainingDriver
 
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
@@ -171,7 +171,7 @@ def check_against_reference(cfg: TrainConfig, corpus, records: list[dict], repli
     and the parameters against the single-process reference, and every replica identical."""
     import pytest
 
-    from orchestrator.data_stream import DocumentStream
+    from flexorch.data.stream import DocumentStream
 
     stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
     assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in records]

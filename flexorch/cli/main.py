@@ -1,0 +1,269 @@
+"""The `flexorch` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tomllib
+from pathlib import Path
+
+from flexorch.data.lengths import DataError, parse_tokens
+
+__all__ = ["main", "build_parser"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flexorch", description="Per-step adaptive sequence parallelism on Ray.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="show the per-step plans for real batches of a corpus")
+    plan.add_argument("--config", type=Path, help="TOML file whose keys are these flags (flags win)")
+    plan.add_argument(
+        "--lengths",
+        type=Path,
+        help="lengths file, .jsonl file or directory (default: bundled Wikipedia lengths)",
+    )
+    plan.add_argument("--text-field", help="JSONL field with the text (default: text)")
+    plan.add_argument("--devices", type=int, help="N devices (default 64)")
+    plan.add_argument("--profile", help="built-in profile name or profile JSON file (default gpt-7b-a100)")
+    plan.add_argument("--heads", type=int, help="override the profile's attention heads (Ulysses needs d | heads)")
+    plan.add_argument("--max-context", help="longest sequence in tokens, e.g. 384K (default: what N devices hold)")
+    plan.add_argument("--over-long", choices=["drop", "reject"], help="sequences over --max-context (default drop)")
+    plan.add_argument("--batch", type=int, help="sequences per global batch (default 512)")
+    plan.add_argument("--steps", type=int, help="steps to plan (default 10)")
+    plan.add_argument("--seed", type=int, help="batch shuffle seed (default 0)")
+    plan.add_argument("--time-limit", type=float, help="planner budget per step, seconds (default 1.0)")
+    plan.add_argument("--solver-workers", type=int, help="processes solving micro-batches in parallel (default 1)")
+    plan.add_argument("--json", action="store_true", default=None, help="one JSON object per step")
+    plan.add_argument("--svg", type=Path, help="write a picture of every step (devices x time) to this file")
+    plan.add_argument(
+        "--run-dir", type=Path, help="write every step's record to RUN_DIR/steps.jsonl (see: flexorch dashboard)"
+    )
+    plan.add_argument(
+        "--pipeline-stages",
+        metavar="P|auto",
+        help="plan each step as a pipeline of P stages (devices // P per stage, SP inside a stage) or 'auto' (the "
+        "best split per step), against 1F1B and Seq1F1B, instead of SP groups",
+    )
+
+    train = sub.add_parser("train", help="train a model with a new SP plan every step (Ray driver + worker actors)")
+    _train_flags(train)
+    calib = sub.add_parser("profile", help="calibrate the cost model on the workers and write a profile JSON")
+    _train_flags(calib)
+    calib.add_argument("--out", type=Path, default=Path("runs/profile.json"), help="profile file to write")
+
+    dash = sub.add_parser("dashboard", help="serve the plan viewer page for a run directory (live while it runs)")
+    dash.add_argument("run_dir", type=Path, help="run directory of `flexorch train` or `flexorch plan --run-dir`")
+    dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    dash.add_argument("--port", type=int, default=8266, help="port (default 8266; 0 picks a free one)")
+    dash.add_argument("--poll", type=float, default=2.0, help="seconds between the page's refreshes (default 2)")
+
+    prof = sub.add_parser("profiles", help="list the built-in cost-model profiles, or print one as JSON")
+    prof.add_argument("name", nargs="?", help="profile name or JSON file to print")
+    return p
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, help="TOML run file (see examples/train_laptop.toml); flags win")
+    p.add_argument("--steps", type=int, help="total steps of the run (default 20)")
+    p.add_argument("--workers", type=int, help="worker actors (default 4)")
+    p.add_argument("--data", help="directory of text/code files, .jsonl or .parquet (default: Python's stdlib)")
+    p.add_argument("--run-dir", help="records, profile and checkpoints go here (default runs/train)")
+    p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the run dir's checkpoint")
+    p.add_argument("--batch-size", type=int, help="documents per global batch (default 16)")
+    p.add_argument("--seed", type=int, help="model init and data order seed (default 0)")
+    p.add_argument("--mode", help="'adaptive' (default) or a static layout such as static-ulysses-2")
+    p.add_argument("--profile", help="'auto' (calibrate at start, default), a built-in name or a profile JSON")
+    p.add_argument("--max-context", help="longest document in tokens, e.g. 2K (default 2048)")
+    p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: only at the end)")
+    p.add_argument("--min-workers", type=int, help="elastic floor: below it, wait for capacity (default: auto)")
+    p.add_argument("--max-workers", type=int, help="elastic ceiling: grow onto joining nodes up to it")
+    p.add_argument(
+        "--pipeline-stages",
+        type=_stages_arg,
+        help="split the layers over P pipeline stages (workers // P per stage), or 'auto'; 1 (default): SP only",
+    )
+    p.add_argument(
+        "--pipeline-params",
+        choices=("stage", "replicated"),
+        help="with stages: each worker holds its stage's parameters ('stage', default) or the whole model",
+    )
+    p.add_argument(
+        "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
+    )
+
+
+def _train_config(args: argparse.Namespace):
+    from flexorch.config import load_train_config
+
+    overrides = {
+        "steps": args.steps,
+        "workers": args.workers,
+        "run_dir": args.run_dir,
+        "resume": args.resume,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "checkpoint_every": args.checkpoint_every,
+        "min_workers": args.min_workers,
+        "max_workers": args.max_workers,
+        "data.source": args.data,
+        "data.max_context": parse_tokens(args.max_context) if args.max_context else None,
+        "plan.mode": args.mode,
+        "plan.profile": args.profile,
+        "pipeline_stages": args.pipeline_stages,
+        "pipeline_params": getattr(args, "pipeline_params", None),
+    }
+    return load_train_config(args.config, overrides)
+
+
+def _stages_arg(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of stages or 'auto', got {value!r}") from None
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from flexorch.cli.train import run_train
+
+    cfg = _train_config(args)
+    viewer = None
+    if args.dashboard_port is not None:
+        from flexorch.dashboards.viewer import ViewerServer
+
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        viewer = ViewerServer(cfg.run_dir, port=args.dashboard_port).start()
+        print(f"plan viewer: {viewer.url} (while this run lasts; later: flexorch dashboard {cfg.run_dir})", flush=True)
+    try:
+        run_train(cfg, address=args.address)
+    finally:
+        if viewer is not None:
+            viewer.stop()
+    return 0
+
+
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    from flexorch.dashboards.viewer import ViewerServer
+
+    server = ViewerServer(args.run_dir, host=args.host, port=args.port, poll_s=args.poll)
+    print(f"flexorch dashboard: serving {args.run_dir} at {server.url} (Ctrl-C to stop)", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+    return 0
+
+
+def _cmd_profile(args: argparse.Namespace) -> int:
+    from flexorch.cli.train import run_profile
+
+    run_profile(_train_config(args), args.out, address=args.address)
+    return 0
+
+
+_PLAN_KEYS = {
+    "lengths",
+    "text_field",
+    "devices",
+    "profile",
+    "heads",
+    "max_context",
+    "over_long",
+    "batch",
+    "steps",
+    "seed",
+    "time_limit",
+    "solver_workers",
+    "json",
+    "svg",
+    "run_dir",
+    "pipeline_stages",
+}
+
+
+def _merged(args: argparse.Namespace) -> dict:
+    values: dict = {}
+    if args.config is not None:
+        try:
+            values = tomllib.loads(args.config.read_text())
+        except FileNotFoundError:
+            raise DataError(f"config file {args.config} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise DataError(f"config file {args.config} is not valid TOML: {e}") from None
+        values = {k.replace("-", "_"): v for k, v in values.items()}
+        unknown = sorted(set(values) - _PLAN_KEYS)
+        if unknown:
+            raise DataError(f"config file {args.config}: unknown keys {unknown}; known: {sorted(_PLAN_KEYS)}")
+    for k in _PLAN_KEYS:
+        v = getattr(args, k)
+        if v is not None:
+            values[k] = v
+    return values
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from flexorch.cli.plan import PlanRunConfig, parse_pipeline_stages, run_plan
+    from flexorch.solver.planner import PlannerConfig
+    from flexorch.solver.profiles import get_profile
+
+    v = _merged(args)
+    profile = get_profile(v.get("profile", "gpt-7b-a100"))
+    if v.get("heads") is not None:
+        profile = profile.with_overrides(num_heads=int(v["heads"]), num_kv_heads=int(v["heads"]))
+    planner = PlannerConfig(time_limit_s=float(v.get("time_limit", 1.0)), workers=int(v.get("solver_workers", 1)))
+    cfg = PlanRunConfig(
+        lengths=Path(v["lengths"]) if v.get("lengths") else None,
+        text_field=v.get("text_field", "text"),
+        devices=int(v.get("devices", 64)),
+        max_context=parse_tokens(v["max_context"]) if v.get("max_context") is not None else None,
+        over_long=v.get("over_long", "drop"),
+        batch=int(v.get("batch", 512)),
+        steps=int(v.get("steps", 10)),
+        seed=int(v.get("seed", 0)),
+        json=bool(v.get("json", False)),
+        svg=Path(v["svg"]) if v.get("svg") else None,
+        run_dir=Path(v["run_dir"]) if v.get("run_dir") else None,
+        planner=planner,
+        pipeline_stages=parse_pipeline_stages(v.get("pipeline_stages")),
+    )
+    run_plan(cfg, profile)
+    return 0
+
+
+def _cmd_profiles(args: argparse.Namespace) -> int:
+    from flexorch.solver.profiles import BUILTIN_PROFILES, get_profile
+
+    if args.name:
+        print(get_profile(args.name).to_json())
+        return 0
+    for name, p in sorted(BUILTIN_PROFILES.items()):
+        print(
+            f"{name:14s} a1={p.a1_ms:.4g} ms/tok^2  a2={p.a2_ms:.4g} ms/tok  b1={p.b1_ms:.5g} ms  "
+            f"{p.tokens_per_device} tokens/device  L={p.num_layers} h={p.hidden} heads={p.num_heads}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        commands = {
+            "plan": _cmd_plan,
+            "profiles": _cmd_profiles,
+            "train": _cmd_train,
+            "profile": _cmd_profile,
+            "dashboard": _cmd_dashboard,
+        }
+        return commands[args.command](args)
+    except (ValueError, OSError, RuntimeError) as e:  # PlanningError, DataError, ProfileError are ValueErrors
+        print(f"flexorch {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

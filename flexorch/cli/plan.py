@@ -1,0 +1,407 @@
+"""`flexorch plan`: the per-step plans flexorch would run on N devices, for real batches of a real corpus.
+
+Draws global batches from a length source (an epoch-style seeded shuffle: no sequence repeats before the data is
+used up), plans every step, and prints per step the plan's shape, the solve time, the predicted step time, the gap
+to a proven lower bound and the speedup against the static layouts in use today.
+
+With ``pipeline_stages`` (``--pipeline-stages P|auto``) every step is planned as a pipeline instead
+(``flexorch.solver.pipeline.staged.plan_staged``: P stages of ``devices // P`` devices, SP inside a stage, or the best split per
+step for ``auto``), and compared against plain 1F1B and Seq1F1B on the same stages.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from flexorch.data.lengths import DataError, bundled_lengths_path, read_lengths
+from flexorch.records.writer import StepRecords, plan_record
+from flexorch.solver.baselines import baseline_times_ms
+from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.pipeline.staged import StagedPlan, pipeline_baselines_ms, plan_staged
+from flexorch.solver.planner import Planner, PlannerConfig
+from flexorch.solver.profiles import Profile
+from flexorch.solver.validation import largest_degree
+
+__all__ = ["PlanRunConfig", "BatchStream", "run_plan", "parse_pipeline_stages"]
+
+
+def parse_pipeline_stages(value) -> int | str | None:
+    """``--pipeline-stages`` as given (a string from the command line, an int or a string from a file): a positive
+    int, ``"auto"``, or None (not given, or 1: SP planning, as ``pipeline_stages = 1`` means in `flexorch train`).
+    Anything else is a ValueError naming the flag."""
+    if value == 1 or value == "1":
+        return None
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "auto":
+            return "auto"
+        try:
+            return int(text)
+        except ValueError:
+            pass
+    raise ValueError(f"--pipeline-stages must be a positive integer or 'auto', got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRunConfig:
+    """What `flexorch plan` does."""
+
+    lengths: Path | None = None
+    """Lengths file, JSONL file or directory; None: the bundled Wikipedia lengths."""
+    text_field: str = "text"
+    """JSONL field holding the document text."""
+    devices: int = 64
+    """N: devices to plan for."""
+    max_context: int | None = None
+    """Longest sequence allowed, tokens; default: what the largest group of N devices holds."""
+    over_long: str = "drop"
+    """'drop' sequences over max_context (counted and reported) or 'reject' the data with an error."""
+    batch: int = 512
+    """Sequences per global batch."""
+    steps: int = 10
+    """Steps to plan."""
+    seed: int = 0
+    """Seed of the shuffle that forms batches."""
+    json: bool = False
+    """Print one JSON object per step instead of the table."""
+    svg: Path | None = None
+    """Write a picture of every planned step (devices x time) here."""
+    run_dir: Path | None = None
+    """Write every step's record (``flexorch.step/4``) to ``run_dir/steps.jsonl``, for `flexorch dashboard`."""
+    planner: PlannerConfig = PlannerConfig()
+    """Solver knobs."""
+    pipeline_stages: int | str | None = None
+    """None: plan SP groups. P >= 1 or 'auto': plan every step as a pipeline of P stages (``devices // P`` devices
+    each, SP inside a stage; the ``devices - P * (devices // P)`` left over sit out) or the best split per step."""
+
+    def __post_init__(self) -> None:
+        if self.devices < 1:
+            raise ValueError(f"--devices must be >= 1, got {self.devices}")
+        if self.batch < 1 or self.steps < 1:
+            raise ValueError(f"--batch and --steps must be >= 1, got {self.batch} and {self.steps}")
+        if self.over_long not in ("drop", "reject"):
+            raise ValueError(f"--over-long must be 'drop' or 'reject', got {self.over_long!r}")
+        p = self.pipeline_stages
+        if p is not None and p != "auto" and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
+            raise ValueError(f"--pipeline-stages must be a positive integer (>= 1) or 'auto', got {p!r}")
+
+
+class BatchStream:
+    """Seeded epoch-style batches of indices: a permutation consumed in order, reshuffled when used up."""
+
+    def __init__(self, size: int, batch: int, seed: int):
+        if batch > size:
+            raise DataError(f"a batch of {batch} sequences needs at least that many, the data has {size}")
+        self.size, self.batch = size, batch
+        self.rng = np.random.default_rng(seed)
+        self.epoch, self.pos = 0, 0
+        self.order = self.rng.permutation(size)
+
+    def next(self) -> np.ndarray:
+        if self.pos + self.batch > self.size:
+            self.epoch += 1
+            self.order, self.pos = self.rng.permutation(self.size), 0
+        out = self.order[self.pos : self.pos + self.batch]
+        self.pos += self.batch
+        return out
+
+
+def _filter(lengths: np.ndarray, max_context: int, policy: str, out) -> tuple[np.ndarray, dict]:
+    empty = int((lengths == 0).sum())
+    over = lengths > max_context
+    if over.any() and policy == "reject":
+        i = int(np.flatnonzero(over)[0])
+        raise DataError(
+            f"{int(over.sum())} sequence(s) exceed --max-context {max_context} tokens (the first is #{i} with "
+            f"{int(lengths[i])}); use --over-long drop to skip them, or raise --max-context/--devices"
+        )
+    keep = (lengths > 0) & ~over
+    report = {
+        "total": int(lengths.size),
+        "empty_dropped": empty,
+        "over_long_dropped": int(over.sum()),
+        "kept": int(keep.sum()),
+    }
+    return lengths[keep], report
+
+
+def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
+    """Plan `cfg.steps` steps; print a table (or JSON lines) to `out` (stdout); return the per-step records."""
+    out = out or sys.stdout
+    source = cfg.lengths or bundled_lengths_path()
+    raw = read_lengths(source, text_field=cfg.text_field)
+    limit = largest_degree(cfg.devices) * profile.tokens_per_device
+    max_context = cfg.max_context or limit
+    if max_context > limit:
+        raise DataError(
+            f"--max-context {max_context} tokens is more than {cfg.devices} devices hold in one SP group "
+            f"({largest_degree(cfg.devices)} x {profile.tokens_per_device} = {limit} tokens with profile "
+            f"{profile.name}); lower --max-context or raise --devices"
+        )
+    lengths, report = _filter(raw, max_context, cfg.over_long, out)
+    stream = BatchStream(lengths.size, cfg.batch, cfg.seed)
+    if cfg.pipeline_stages is not None:
+        _check_stages(cfg.pipeline_stages, cfg.devices, profile)
+        if not cfg.json:
+            print(
+                f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
+                f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
+                f"  profile {profile.name}, N={cfg.devices} devices, batch {cfg.batch}, {cfg.steps} steps, "
+                f"seed {cfg.seed}, pipeline stages {cfg.pipeline_stages} (SP inside a stage)",
+                file=out,
+            )
+        return _run_pipeline(cfg, profile, lengths, stream, out)
+    if not cfg.json:
+        print(
+            f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
+            f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
+            f"  profile {profile.name}, N={cfg.devices} devices, batch {cfg.batch}, {cfg.steps} steps, "
+            f"seed {cfg.seed}",
+            file=out,
+        )
+        head = (
+            f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bound_ms':>9} {'gap':>6} {'x batchada':>10} "
+            f"{'x best-ulysses':>16} {'x best-ring':>14} {'x ulysses-max':>15}  {'eta':>6}  plan"
+        )
+        print(head, file=out)
+    records, pictures = [], []
+    writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
+    t_start = time.perf_counter()
+    with Planner(profile, cfg.planner) as planner:
+        for step in range(cfg.steps):
+            idx = stream.next()
+            batch = lengths[idx]
+            sp = planner.plan(batch, cfg.devices)
+            base = baseline_times_ms(batch, cfg.devices, profile)
+            base_ms = {k: (None if v is None else round(v, 3)) for k, v in base.items()}
+            rec = plan_record(
+                _step_fields(step, stream, cfg, batch),
+                sp,
+                profile,
+                base_ms,
+            )
+            pictures.append((f"step {step}: {sp.plan.shape()}  {sp.makespan_ms / 1000:.2f} s", sp.plan))
+            eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
+            _emit(cfg, out, writer, records, rec, None if cfg.json else _row(rec, sp.makespan_ms, base, eta))
+    if not cfg.json:
+        _summary(records, out)
+
+    def picture() -> str:
+        from flexorch.dashboards.plan_svg import render_steps_svg
+
+        return render_steps_svg(pictures, profile)
+
+    _close(cfg, out, writer, picture, "picture of every step")
+    return records
+
+
+def _step_fields(step: int, stream: BatchStream, cfg: PlanRunConfig, batch) -> dict:
+    """The record keys of a planned step that say which batch it was (SP and pipelined paths alike)."""
+    return {
+        "step": step,
+        "epoch": stream.epoch,
+        "world_size": cfg.devices,
+        "seq_lengths": [int(x) for x in batch],
+        "mode": "adaptive",
+    }
+
+
+def _emit(cfg: PlanRunConfig, out, writer, records: list, rec: dict, row: str | None) -> None:
+    """Record one step: to ``steps.jsonl`` (with --run-dir), to ``records``, and printed (JSON, or the table row)."""
+    if writer is not None:
+        writer.append(rec)
+    records.append(rec)
+    print(json.dumps(rec) if cfg.json else row, file=out, flush=True)
+
+
+def _close(cfg: PlanRunConfig, out, writer, picture, what: str) -> None:
+    """After the summary: say where the records went, and write the picture (``picture()``) with --svg."""
+    if writer is not None and not cfg.json:
+        print(f"step records: {writer.path} (view them with: flexorch dashboard {cfg.run_dir})", file=out)
+    if cfg.svg is not None:
+        cfg.svg.parent.mkdir(parents=True, exist_ok=True)
+        cfg.svg.write_text(picture())
+        if not cfg.json:
+            print(f"{what}: {cfg.svg}", file=out)
+
+
+_PIPELINE_BASELINES = ("1f1b", "seq1f1b-4")
+"""The keys of ``pipeline_baselines_ms`` (its default k = 4), in the table's column order."""
+
+
+def _check_stages(stages: int | str, n: int, profile: Profile) -> None:
+    """Refuse a ``--pipeline-stages`` that no step could use, before planning any (and before writing records)."""
+    layers, heads = profile.num_layers, profile.num_heads
+    if stages == "auto":
+        splits, p = [], 2
+        while p <= min(n, layers):
+            if heads % (n // p) == 0:
+                splits.append(p)
+            p *= 2
+        if not splits:
+            raise ValueError(
+                f"--pipeline-stages auto: no split of {n} devices into 2 to {layers} stages (powers of two) puts a "
+                f"number of devices on each stage that divides profile {profile.name}'s {heads} heads; use at least "
+                "2 devices, change --heads, or give a fixed --pipeline-stages"
+            )
+        return
+    if stages > layers:
+        raise ValueError(
+            f"--pipeline-stages {stages} is more stages than profile {profile.name}'s {layers} layers: every stage "
+            f"needs at least one layer; use at most {layers} stages"
+        )
+    if stages > n:
+        raise ValueError(f"--pipeline-stages {stages} needs at least {stages} devices, --devices is {n}")
+    d = n // stages
+    if heads % d:
+        raise ValueError(
+            f"--pipeline-stages {stages} on {n} devices puts {d} devices on each stage (Ulysses SP inside a stage), "
+            f"but profile {profile.name}'s {heads} heads are not divisible by {d}; choose --pipeline-stages so that "
+            "devices // stages divides the heads (or change --heads), or use 'auto'"
+        )
+
+
+@dataclass(frozen=True)
+class _PipelineSolve:
+    """What :func:`plan_record` reads of a solve, for a pipelined step."""
+
+    plan: StagedPlan
+    makespan_ms: float
+    solve_s: float
+    status: str = "pipeline"
+    bound_ms: float = 0.0
+
+
+def _run_pipeline(cfg: PlanRunConfig, profile: Profile, lengths: np.ndarray, stream: BatchStream, out) -> list[dict]:
+    """`flexorch plan --pipeline-stages`: every step planned as a pipeline, against 1F1B and Seq1F1B on its stages."""
+    if not cfg.json:
+        cols = " ".join(f"{'x ' + name:>11}" for name in _PIPELINE_BASELINES)
+        print(f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bubble':>6} {'gran':>4} {cols}  {'eta':>6}  plan", file=out)
+    records, pictures = [], []
+    writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
+    limit = cfg.planner.time_limit_s
+    t_start = time.perf_counter()
+    for step in range(cfg.steps):
+        batch = lengths[stream.next()]
+        t0 = time.perf_counter()
+        try:
+            staged = plan_staged(batch, cfg.devices, profile, cfg.pipeline_stages, time_limit_s=limit)
+        except InfeasibleBatchError as e:  # as on the SP path: an error (exit 2); the steps before it stay written
+            raise InfeasibleBatchError(f"step {step} (--pipeline-stages {cfg.pipeline_stages}): {e}") from None
+        solved = _PipelineSolve(staged, staged.makespan_ms, time.perf_counter() - t0)
+        base = pipeline_baselines_ms(batch, staged, profile, time_limit_s=limit)
+        rec = plan_record(
+            _step_fields(step, stream, cfg, batch),
+            solved,
+            profile,
+            {k: (None if v is None else round(v, 3)) for k, v in base.items()},
+        )
+        pictures.append((f"step {step}: {staged.shape()}  {staged.makespan_ms / 1000:.2f} s", staged.plan))
+        eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
+        _emit(cfg, out, writer, records, rec, None if cfg.json else _pipeline_row(rec, base, eta))
+    if not cfg.json:
+        _pipeline_summary(records, out)
+
+    def picture() -> str:
+        from flexorch.dashboards.pipeline_svg import render_pipelines_svg
+
+        return render_pipelines_svg(pictures)
+
+    _close(cfg, out, writer, picture, "picture of every step (stages x time)")
+    return records
+
+
+def _pipeline_row(rec: dict, base: dict, eta: float) -> str:
+    mine, pipe = rec["predicted_ms"], rec["pipeline"]
+    cols = " ".join(f"{_x(base.get(name), mine):>11}" for name in _PIPELINE_BASELINES)
+    return (
+        f"{rec['step']:>4} {rec['solve_s']:>7.3f} {mine:>9.0f} {pipe['bubble_share'] * 100:>5.1f}% "
+        f"{pipe['granularity']:>4} {cols}  {eta:>5.0f}s  {rec['shape']}"
+    )
+
+
+def _pipeline_summary(records: list[dict], out) -> None:
+    solve = np.array([r["solve_s"] for r in records])
+    bubble = np.array([r["pipeline"]["bubble_share"] for r in records])
+    speedups = []
+    for name in _PIPELINE_BASELINES:
+        vals = [r["baselines_ms"][name] / r["predicted_ms"] for r in records if r["baselines_ms"].get(name) is not None]
+        text = f"vs {name} {np.median(vals):.2f}x" if vals else f"vs {name} n/a (it holds no step's batch)"
+        if vals and len(vals) < len(records):
+            text += f" (over the {len(vals)} steps it fits)"
+        speedups.append(text)
+    b2b = sum(1 for r in records if len({u["pipeline"] for u in r["pipeline"]["units"]}) > 1)
+    print(
+        f"summary over {len(records)} steps: solve median {np.median(solve):.3f} s (p95 "
+        f"{np.percentile(solve, 95):.3f} s), simulated bubble median {np.median(bubble) * 100:.1f} % (max "
+        f"{bubble.max() * 100:.1f} %)" + (f", {b2b} step(s) as back-to-back pipelines" if b2b else ""),
+        file=out,
+    )
+    print(f"  median speedup {', '.join(speedups)} (same stages, same batch)", file=out)
+
+
+def _best(base: dict, prefix: str) -> tuple[str | None, float | None]:
+    cands = {k: v for k, v in base.items() if k.startswith(prefix) and v is not None}
+    if not cands:
+        return None, None
+    k = min(cands, key=cands.get)
+    return k, cands[k]
+
+
+def _ulysses_max(base: dict) -> tuple[str | None, float | None]:
+    names = [k for k in base if k.startswith("static-ulysses-")]
+    k = max(names, key=lambda s: int(s.rsplit("-", 1)[1]))
+    return k, base[k]
+
+
+def _x(ref, mine) -> str:
+    return "n/a" if ref is None else f"{ref / mine:.2f}x"
+
+
+def _row(rec: dict, mine: float, base: dict, eta: float) -> str:
+    bu_name, bu = _best(base, "static-ulysses-")
+    br_name, br = _best(base, "static-ring-")
+    um_name, um = _ulysses_max(base)
+    bu_s = f"{_x(bu, mine)} ({bu_name.rsplit('-', 1)[1] if bu_name else '-'})"
+    br_s = f"{_x(br, mine)} ({br_name.rsplit('-', 1)[1] if br_name else '-'})"
+    um_s = f"{_x(um, mine)} ({um_name.rsplit('-', 1)[1]})"
+    return (
+        f"{rec['step']:>4} {rec['solve_s']:>7.3f} {rec['predicted_ms']:>9.0f} {rec['bound_ms']:>9.0f} "
+        f"{_gap(rec) * 100:>5.1f}% {_x(base['batchada'], mine):>10} {bu_s:>16} {br_s:>14} {um_s:>15}  "
+        f"{eta:>5.0f}s  {rec['shape']}"
+    )
+
+
+def _gap(rec: dict) -> float:
+    return rec["predicted_ms"] / rec["bound_ms"] - 1.0 if rec["bound_ms"] > 0 else 0.0
+
+
+def _summary(records: list[dict], out) -> None:
+    solve = np.array([r["solve_s"] for r in records])
+    gap = np.array([_gap(r) for r in records])
+    ratios = {}
+    for name in records[0]["baselines_ms"]:
+        vals = [r["baselines_ms"][name] / r["predicted_ms"] for r in records if r["baselines_ms"][name] is not None]
+        if len(vals) == len(records):
+            ratios[name] = float(np.median(vals))
+    print(
+        f"summary over {len(records)} steps: solve median {np.median(solve):.3f} s (p95 "
+        f"{np.percentile(solve, 95):.3f} s), gap to bound median {np.median(gap) * 100:.1f} % (max "
+        f"{gap.max() * 100:.1f} %)",
+        file=out,
+    )
+    best = sorted(ratios.items(), key=lambda kv: kv[1])[:3]
+    print(
+        "  median speedup vs batchada {:.2f}x; closest static layouts: {}".format(
+            ratios.get("batchada", float("nan")), ", ".join(f"{k} {v:.2f}x" for k, v in best)
+        ),
+        file=out,
+    )

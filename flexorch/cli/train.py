@@ -1,0 +1,163 @@
+"""`flexorch train` and `flexorch profile`: start (or join) Ray, start the TrainingDriver actor, stream progress.
+
+The CLI process does no training work: the driver actor owns the loop, the CLI polls its events and prints one
+line per step (plan shape, solve time, loss, tokens/s, predicted vs measured step time, ETA).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+
+import ray
+
+from flexorch.config import TrainConfig
+
+__all__ = ["run_train", "run_profile", "ray_session", "format_step", "format_membership"]
+
+
+@contextmanager
+def ray_session(address: str | None, workers: int):
+    """Connect to ``address`` (or RAY_ADDRESS, as set by ``ray job submit``), else start a local Ray."""
+    started = False
+    if not ray.is_initialized():
+        env = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+        if address or os.environ.get("RAY_ADDRESS"):
+            ray.init(address=address, runtime_env=env, log_to_driver=True)
+        else:
+            # "local": a stale /tmp/ray/ray_current_cluster (left by `ray start` or a crashed run) must not make
+            # a laptop run join, or fail to join, someone else's cluster
+            ray.init(
+                address="local",
+                num_cpus=max(os.cpu_count() or 1, workers),
+                include_dashboard=False,
+                runtime_env=env,
+                log_to_driver=True,
+            )
+            started = True
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _fmt_eta(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def format_step(ev: dict, total: int) -> str:
+    head = f"step {ev['step'] + 1:>4}/{total}"
+    if ev.get("skipped"):
+        return f"{head}  SKIPPED (no plan fits: {ev['reason']})  ETA {_fmt_eta(ev['eta_s'])}"
+    return (
+        f"{head}  plan {ev['shape']:<18s} solve {ev['solve_s']:5.2f}s  loss {ev['loss']:7.4f}  "
+        f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['compute_ms']:7.1f} ms  "
+        f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
+    )
+
+
+def format_membership(ev: dict) -> str:
+    """One line per membership change: workers lost (and what was done), joined, starting, waited for."""
+    kind = ev["event"]
+    if kind == "starting":
+        return f"membership: starting workers {ev['worker_ids']} on free slots (world of {ev['size']} now)"
+    if kind == "waiting":
+        return (
+            f"membership: {len(ev['alive'])} workers alive, below min_workers={ev['min_workers']}: waiting up to "
+            f"{ev['timeout_s']:g} s for {ev['need']} more"
+        )
+    before, after = len(ev["world_before"]), len(ev["world_after"])
+    if ev["what"] == "grow":
+        return f"membership: workers {ev['joined']} joined, world {before} -> {after} ({ev['recovery_ms']:.0f} ms)"
+    redo = "the step's update had finished, kept" if ev["step_completed"] else "re-running the step"
+    return (
+        f"membership: {ev['what']}: {ev['reason']}; {'/'.join(ev['decisions'])}, world {before} -> {after} "
+        f"workers {ev['world_after']} in {ev['recovery_ms']:.0f} ms; {redo}"
+    )
+
+
+def _describe_setup(ev: dict) -> str:
+    st = ev["corpus"]
+    parts = [f"{ev['num_docs']:,} documents", f"{st.get('tokens', 0):,} tokens"]
+    for key, label in (
+        ("split_docs", "split"),
+        ("dropped_over_long", "over-long dropped"),
+        ("skipped_binary", "binary skipped"),
+        ("skipped_empty", "empty skipped"),
+    ):
+        if st.get(key):
+            parts.append(f"{st[key]:,} {label}")
+    resumed = f", resumed after step {ev['resumed_from']}" if ev.get("resumed_from") is not None else ""
+    return (
+        f"flexorch train: {ev['workers']} workers (elastic {ev['min_workers']}..{ev['max_workers']}), "
+        f"model {ev['model_params'] / 1e6:.2f}M params, corpus "
+        f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
+        f"({ev['tokens_per_worker']} tokens per worker){resumed}"
+    )
+
+
+def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll_s: float = 0.2) -> dict:
+    """Run a training job to the end; returns the driver's summary (raises on failure)."""
+    from flexorch.control.driver import TrainingDriverActor
+
+    with ray_session(address, cfg.workers):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        # on this node (the head, under `ray job submit`): the driver must not die with a worker node
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        driver = TrainingDriverActor.options(scheduling_strategy=here).remote(cfg.to_dict())
+        run_ref = driver.run.remote()
+        seen, done = 0, False
+        try:
+            while not done:
+                events, done = ray.get(driver.poll.remote(seen))
+                seen += len(events)
+                for ev in events:
+                    kind = ev["event"]
+                    if kind == "setup":
+                        print(_describe_setup(ev), file=out, flush=True)
+                    elif kind in ("calibrated", "planner"):
+                        print(ev["message"], file=out, flush=True)
+                    elif kind == "step":
+                        print(format_step(ev, cfg.steps), file=out, flush=True)
+                    elif kind in ("membership", "waiting", "starting"):
+                        print(format_membership(ev), file=out, flush=True)
+                    elif kind == "checkpoint":
+                        print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)
+                if not done:
+                    time.sleep(poll_s)
+            summary = ray.get(run_ref)
+            print(
+                f"done: {summary['steps']} steps ({summary['skipped_batches']} skipped batches); records "
+                f"{summary['records']}; checkpoint {summary['checkpoint']}",
+                file=out,
+                flush=True,
+            )
+            return summary
+        except ray.exceptions.RayTaskError as e:
+            raise (e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))) from None
+        finally:
+            try:
+                ray.get(driver.shutdown.remote(), timeout=30)
+            except Exception:  # noqa: BLE001 - the driver may already be gone; kill it
+                pass
+            ray.kill(driver)
+
+
+def run_profile(cfg: TrainConfig, out_path, address: str | None = None, out=sys.stdout) -> dict:
+    """Calibrate the cost model on the workers and write the profile JSON to ``out_path``."""
+    from flexorch.control.calibration import calibrate_on_workers
+
+    with ray_session(address, cfg.workers):
+        profile, report = calibrate_on_workers(cfg)
+    from pathlib import Path
+
+    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+    Path(out_path).write_text(profile.to_json())
+    print(report["message"], file=out)
+    print(f"profile written to {out_path}; use it with `flexorch train --profile {out_path}`", file=out)
+    return report

@@ -1,0 +1,163 @@
+"""Calibrate the cost model on the real workers (``flexorch profile``, and ``plan.profile = "auto"`` at start).
+
+Every probe runs on all workers at once, exactly like a training micro-batch (same sharding, SP attention and
+kernels, all workers busy, so a shared machine is as loaded as during training):
+
+1. compute probes: every worker alone (SP degree 1) on single long documents and on many short ones packed;
+   fitted to ``b1 + a1 * sum s^2 + a2 * sum s`` (FlexSP §4.1.2);
+2. group probes for every degree d <= N and kind: one micro-batch per group; what the compute fit does not
+   explain (``group ms - b1 - compute / d``) is the communication, fitted to ``latency + bytes / bandwidth``
+   per (kind, d) (flexorch's latency extension, DESIGN.md §7);
+3. activation bytes per token from the tensors autograd saves (``flexorch.workers.activation_memory``).
+
+The fit lives in ``solver.calibration`` (pure); the report says how well the fitted profile predicts every
+probe.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flexorch.solver.calibration import (
+    CommSample,
+    ComputeSample,
+    GroupSample,
+    fit_group_comm,
+    fit_profile,
+    prediction_errors,
+)
+from flexorch.solver.errors import ProfileError
+from flexorch.solver.profiles import Profile, get_profile
+from flexorch.workers.calibrate import Probe
+
+__all__ = ["calibration_probes", "calibrate", "calibrate_on_workers", "resolve_profile"]
+
+
+# fit_profile needs an all-to-all table entry; where nothing was measured (the compute-only fit, one worker, ring
+# only) these stand in and are never used for a Ulysses group of the run
+_A2A_PLACEHOLDER = [CommSample(kind="ulysses", degree=2, tokens_per_rank=t, ms=1.0) for t in (1, 2)]
+
+
+def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int = 5) -> tuple[list, list]:
+    """(compute probes, group probes) sized to the per-worker token budget."""
+    cap = tokens_per_worker
+    singles = sorted({max(16, cap // k) for k in (16, 8, 4, 2, 1)})
+    packed = [(16,) * max(1, cap // 32), (32,) * max(1, cap // 64), (64,) * max(1, cap // 128)]
+    compute = [Probe(1, "ulysses", (s,), repeats) for s in singles] + [Probe(1, "ulysses", p, repeats) for p in packed]
+    groups = []
+    d = 2
+    while d <= workers:
+        for kind in kinds:
+            for per_rank in sorted({max(16, cap // 8), max(16, cap // 2), cap}):
+                groups.append(Probe(d, kind, (per_rank * d,), repeats))
+            groups.append(Probe(d, kind, (32,) * max(1, d * cap // 128), repeats))
+        d *= 2
+    return compute, groups
+
+
+def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
+    """Run the probes on a formed worker group and fit a profile; returns (profile, report)."""
+    t0 = time.perf_counter()
+    model = cfg.model
+    kinds = tuple(cfg.plan.kinds)
+    compute, groups = calibration_probes(cfg.plan.tokens_per_worker, group.size, kinds, repeats)
+    per_rank = group.call("probe", compute + groups)  # [rank][probe] median ms
+    ms = np.max(np.array(per_rank), axis=0)  # a group is as slow as its slowest member
+    comp_samples = [ComputeSample(seq_lengths=p.lengths, ms=float(m)) for p, m in zip(compute, ms, strict=False)]
+    act = float(np.median(group.call("activation_bytes_per_token")))
+    state_bytes = 16.0 * model.num_params()  # fp32 weights + grads + two AdamW moments
+    dims = dict(
+        num_layers=model.num_layers,
+        hidden=model.dim,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        bytes_per_element=4,
+        act_bytes_per_token=act,
+        memory_budget_bytes=state_bytes + (cfg.plan.tokens_per_worker + 0.5) * act,
+        model_state_bytes=state_bytes,
+    )
+    # the compute fit alone first: it says how much of a group's time is not compute
+    base, _ = fit_profile(
+        "compute-only",
+        **dims,
+        compute_samples=comp_samples,
+        comm_samples=_A2A_PLACEHOLDER,
+    )
+    comm_samples, group_samples = [], []
+    for p, m in zip(groups, ms[len(compute) :], strict=True):
+        s = np.asarray(p.lengths, dtype=np.float64)
+        compute_ms = base.b1_ms + float((base.a1_ms * s * s + base.a2_ms * s).sum()) / p.degree
+        comm_samples.append(
+            CommSample(
+                kind=p.kind, degree=p.degree, tokens_per_rank=int(s.sum()) // p.degree, ms=max(0.01, m - compute_ms)
+            )
+        )
+        group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m)))
+    if not any(c.kind == "ulysses" for c in comm_samples):  # one worker or ring only: a2a table needs an entry
+        comm_samples += _A2A_PLACEHOLDER
+    name = f"calibrated-{model.num_layers}x{model.dim}-{group.size}w"
+    profile, fit = fit_profile(name, **dims, compute_samples=comp_samples, comm_samples=comm_samples)
+    group_fit = {}
+    for kind, d in sorted({(p.kind, p.degree) for p in groups}):  # match the cost model's own group formula
+        profile, err = fit_group_comm(profile, group_samples, kind, d)
+        group_fit[f"{kind}-{d}"] = err.to_dict() if hasattr(err, "to_dict") else vars(err)
+    errors = np.abs(prediction_errors(profile, comp_samples + group_samples))
+    report = {
+        "profile": name,
+        "seconds": time.perf_counter() - t0,
+        "fit": fit.to_dict(),
+        "group_fit": group_fit,
+        "probes": [s.to_dict() for s in comp_samples + group_samples],
+        "median_rel_error": float(np.median(errors)),
+        "max_rel_error": float(np.max(errors)),
+        "act_bytes_per_token": act,
+    }
+    report["message"] = (
+        f"calibrated on {group.size} workers in {report['seconds']:.1f} s: a1={profile.a1_ms:.3g} ms/tok^2 "
+        f"a2={profile.a2_ms:.3g} ms/tok b1={profile.b1_ms:.3g} ms, latency a2a {_fmt(profile.a2a_latency_ms)} "
+        f"p2p {_fmt(profile.p2p_latency_ms)}; {act:,.0f} activation bytes/token; prediction error over "
+        f"{len(errors)} probes: median {100 * report['median_rel_error']:.1f} %, max "
+        f"{100 * report['max_rel_error']:.1f} %"
+    )
+    if fit.notes:
+        report["message"] += "".join(f"\nwarning: {n}" for n in fit.notes)
+    return profile, report
+
+
+def _fmt(table: dict) -> str:
+    return "{" + ", ".join(f"{d}: {v:.2f} ms" for d, v in sorted(table.items())) + "}"
+
+
+def calibrate_on_workers(cfg) -> tuple[Profile, dict]:
+    """Start the run's workers, calibrate, stop them (``flexorch profile``)."""
+    from flexorch.control.worker_group import RayWorkerGroup
+
+    group = RayWorkerGroup.from_config(cfg)
+    try:
+        group.form_world()
+        return calibrate(group, cfg)
+    finally:
+        group.shutdown()
+
+
+def resolve_profile(cfg, group, run_dir: Path, publish) -> Profile:
+    """The run's base profile: calibrated now ('auto'; reused on resume), built-in, or from a JSON file."""
+    spec = cfg.plan.profile
+    path = Path(run_dir) / "profile.json"
+    if spec != "auto":
+        try:
+            return get_profile(spec)
+        except ProfileError as e:
+            raise ProfileError(f"plan.profile: {e}") from None
+    if cfg.resume and path.is_file():
+        publish({"event": "calibrated", "message": f"profile: reusing {path} from the run being resumed"})
+        return get_profile(str(path))
+    profile, report = calibrate(group, cfg)
+    path.write_text(profile.to_json())
+    (Path(run_dir) / "calibration.json").write_text(json.dumps(report, indent=1))
+    publish({"event": "calibrated", "message": f"profile: {report['message']} -> {path}"})
+    return profile

@@ -1,0 +1,160 @@
+"""The driver's hands for membership changes: it executes the decisions ``ElasticPolicy`` returns.
+
+* :meth:`Elastic.recover` after a failed attempt: drop the lost workers, bring the survivors to one state (if some
+  finished the step's optimizer update before the failure, the others copy their state and the step counts as
+  done; otherwise every survivor still holds the state from before the step), wait for capacity when below
+  ``min_workers``, and form a new world (new epoch, new ranks, new rendezvous). A failure during any of this (a
+  second worker dying while the world forms, say) goes back to the policy. Returns what happened, as a record.
+  With stage-local parameters (``pipeline_params = "stage"``) a part whose every holder was lost raises
+  ``PartsLostError``: the driver rolls back to its last checkpoint.
+* :meth:`Elastic.at_boundary` between steps: admit workers that finished starting (new world, state copied to
+  them from a member), then start new ones where the cluster has free slots, up to ``max_workers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from flexorch.control.membership import ElasticPolicy, Fail, Failure, Grow, WaitForCapacity
+from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup, WorkerGroupError
+from flexorch.tasks.placement import PartsLostError
+
+__all__ = ["Elastic", "ElasticError"]
+
+
+class ElasticError(WorkerGroupError):
+    """The run cannot go on with the workers it has (the policy said Fail); the last checkpoint is intact."""
+
+
+class Elastic:
+    def __init__(self, workers: RayWorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint):
+        self.workers = workers
+        self.policy = policy
+        self.publish = publish
+        self.checkpoint_hint = checkpoint_hint  # () -> str: where the last checkpoint is and how to resume
+
+    def recover(self, failure: Failure, attempt: int, what: str, fresh=()) -> dict:
+        """Bring the run back to a formed world after ``failure``; raises :class:`ElasticError` when it cannot.
+
+        ``failure.completed`` are the workers that finished the failed step (their state is after it); ``fresh``
+        are members that hold no model state yet."""
+        w = self.workers
+        t0 = time.perf_counter()
+        before = list(w.worker_ids)
+        ahead = set(failure.completed)  # finished the attempt: hold the state after it
+        fresh = set(fresh)  # started to replace the lost: hold no state yet
+        decisions, lost_all = [], set()
+        while True:
+            decision = self.policy.on_failure(w.worker_ids, failure, attempt)
+            decisions.append(type(decision).__name__)
+            if isinstance(decision, Fail):
+                raise ElasticError(f"{what}: {decision.reason}. {self.checkpoint_hint()}")
+            lost = set(failure.lost) & set(w.worker_ids)
+            lost_all |= lost
+            if lost:
+                w.remove(lost)
+            ahead &= set(w.worker_ids)
+            fresh &= set(w.worker_ids)
+            if not set(w.worker_ids) - fresh:
+                raise ElasticError(f"{what}: every worker that held the model state was lost. {self.checkpoint_hint()}")
+            try:
+                if isinstance(decision, WaitForCapacity):
+                    fresh |= self._wait_for_capacity(decision)
+                source = min(ahead) if ahead else min(set(w.worker_ids) - fresh)
+                targets = set(w.worker_ids) - ahead if ahead else set(fresh)
+                w.sync_state(source, targets)
+                if ahead:
+                    ahead = set(w.worker_ids)
+                fresh.clear()
+                w.form_world()
+            except MembershipFailure as e:
+                failure = e.failure
+                attempt += 1
+                continue
+            missing = w.missing_parts()  # stage-local parameters: some part's every holder may be gone
+            if missing:
+                raise PartsLostError(missing, sorted(lost_all))
+            rec = {
+                "what": what,
+                "attempt": attempt,
+                "decisions": decisions,
+                "lost": sorted(lost_all),
+                "reason": _reason(failure),
+                "world_before": before,
+                "world_after": list(w.worker_ids),
+                "step_completed": bool(ahead),
+                "recovery_ms": (time.perf_counter() - t0) * 1e3,
+            }
+            self.publish({"event": "membership", **rec})
+            return rec
+
+    def _wait_for_capacity(self, decision: WaitForCapacity) -> set[int]:
+        """Start replacements and wait for ``decision.need`` of them; returns their ids (admitted, stateless)."""
+        w = self.workers
+        if len(w.joining) < decision.need:
+            w.start_workers(decision.need - len(w.joining))
+        self.publish(
+            {
+                "event": "waiting",
+                "alive": list(w.worker_ids),
+                "need": decision.need,
+                "min_workers": self.policy.min_workers,
+                "timeout_s": decision.timeout_s,
+            }
+        )
+        deadline = time.monotonic() + decision.timeout_s
+        admitted: set[int] = set()
+        while len(admitted) < decision.need:
+            left = deadline - time.monotonic()
+            ready = w.ready_joiners(wait_s=max(0.0, min(1.0, left)))
+            w.admit(ready)
+            admitted |= set(ready)
+            if len(admitted) < decision.need and left <= 0:
+                raise ElasticError(
+                    f"only {w.size} workers are alive (min_workers={self.policy.min_workers}) and no capacity for "
+                    f"{decision.need - len(admitted)} more appeared within elastic_wait_s={decision.timeout_s:g} s. "
+                    f"{self.checkpoint_hint()}"
+                )
+        return admitted
+
+    def at_boundary(self) -> dict | None:
+        """Between steps: admit ready joiners into a new world, start workers on free slots. Returns a record of
+        the workers that joined, or None."""
+        w = self.workers
+        ready = w.ready_joiners()
+        record = None
+        if ready:
+            t0 = time.perf_counter()
+            before = list(w.worker_ids)
+            source = min(before)
+            w.admit(ready)
+            try:
+                w.sync_state(source, ready)
+                w.form_world()
+            except MembershipFailure as e:
+                # the joiners hold no state unless the copy finished; let recovery sort the survivors out
+                failure = dataclasses.replace(e.failure, completed=frozenset())
+                return self.recover(failure, 0, "admit joining workers", fresh=set(ready))
+            record = {
+                "what": "grow",
+                "joined": ready,
+                "world_before": before,
+                "world_after": list(w.worker_ids),
+                "recovery_ms": (time.perf_counter() - t0) * 1e3,
+            }
+            self.publish({"event": "membership", **record})
+        grow = self.policy.at_boundary(w.size, len(w.joining), w.free_slots())
+        if isinstance(grow, Grow):
+            ids = w.start_workers(grow.count)
+            self.publish({"event": "starting", "worker_ids": ids, "size": w.size})
+        return record
+
+
+def _reason(failure: Failure) -> str:
+    parts = []
+    if failure.lost:
+        parts.append(f"workers {sorted(failure.lost)} died or hung")
+    if failure.peer_errors:
+        parts.append(f"workers {sorted(failure.peer_errors)} saw the world break")
+    return "; ".join(parts) or "a collective failed"

@@ -1,0 +1,162 @@
+"""Membership of a run and the elastic policy: pure values, no Ray, so every decision is unit-testable.
+
+A worker has a stable ``worker_id`` (never reused, kept in records and logs) and a ``rank`` (its position in the
+current torch.distributed world, which changes whenever the world is re-formed). :class:`Membership` keeps the
+two apart; the ranks of epoch ``e`` are the alive worker ids in ascending order.
+
+:class:`ElasticPolicy` turns what the driver observed into a decision value (DESIGN.md §4):
+
+* after a failed attempt at a step: :class:`Shrink` (re-form the world on the survivors and re-run the same batch,
+  re-planned for the new size), :class:`WaitForCapacity` (survivors are below ``min_workers``: wait, bounded, for
+  replacements), :class:`Retry` (a collective failed but every worker is alive) or :class:`Fail` (a deterministic
+  error, every worker lost, or too many attempts);
+* at a step boundary: :class:`Grow` (start this many workers; they join when ready) or ``None``.
+
+Only the driver executes decisions (``flexorch/control/elastic.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = [
+    "Membership",
+    "Failure",
+    "ElasticPolicy",
+    "Shrink",
+    "Grow",
+    "Retry",
+    "WaitForCapacity",
+    "Fail",
+    "Decision",
+]
+
+
+class Membership:
+    """Alive worker ids (rank = position in ascending id order) and the membership epoch."""
+
+    def __init__(self, worker_ids: Iterable[int] = ()):
+        self._alive: list[int] = sorted(set(worker_ids))
+        self._next_id = (max(self._alive) + 1) if self._alive else 0
+        self.epoch = 0
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        """Alive worker ids in rank order."""
+        return tuple(self._alive)
+
+    @property
+    def size(self) -> int:
+        return len(self._alive)
+
+    def rank_of(self, worker_id: int) -> int:
+        return self._alive.index(worker_id)
+
+    def new_ids(self, count: int) -> list[int]:
+        """Reserve ``count`` fresh worker ids (for workers about to start); they are not members yet."""
+        ids = list(range(self._next_id, self._next_id + count))
+        self._next_id += count
+        return ids
+
+    def add(self, worker_ids: Iterable[int]) -> None:
+        self._alive = sorted(set(self._alive) | set(worker_ids))
+
+    def remove(self, worker_ids: Iterable[int]) -> None:
+        gone = set(worker_ids)
+        unknown = gone - set(self._alive)
+        if unknown:
+            raise KeyError(f"workers {sorted(unknown)} are not members (alive: {self._alive})")
+        self._alive = [w for w in self._alive if w not in gone]
+
+    def next_epoch(self) -> int:
+        """Start a new world: ranks are re-assigned from the alive ids."""
+        self.epoch += 1
+        return self.epoch
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What the driver saw when an attempt (a step, a world formation, a state transfer) failed."""
+
+    lost: frozenset[int]
+    """Worker ids that died, or hung past the collective timeout and were killed."""
+    peer_errors: frozenset[int] = frozenset()
+    """Alive workers whose collective failed because a peer went away (they left the broken world)."""
+    errors: tuple[tuple[int, str], ...] = ()
+    """Alive workers that raised anything else: (worker id, message). Deterministic: never retried."""
+    completed: frozenset[int] = frozenset()
+    """Alive workers that finished the attempt (e.g. the step's optimizer update) before the failure."""
+
+
+@dataclass(frozen=True)
+class Shrink:
+    lost: tuple[int, ...]
+    survivors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Grow:
+    count: int
+
+
+@dataclass(frozen=True)
+class Retry:
+    reason: str
+
+
+@dataclass(frozen=True)
+class WaitForCapacity:
+    lost: tuple[int, ...]
+    survivors: tuple[int, ...]
+    need: int
+    """Workers to add before the run may go on (to reach ``min_workers``)."""
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Decision = Shrink | Grow | Retry | WaitForCapacity | Fail
+
+
+@dataclass(frozen=True)
+class ElasticPolicy:
+    """When to shrink, grow, retry, wait or give up."""
+
+    min_workers: int
+    max_workers: int
+    wait_s: float = 60.0
+    """How long to wait for capacity when fewer than ``min_workers`` survive."""
+    max_attempts: int = 5
+    """Attempts at one step (each failure that leaves a usable world costs one) before giving up."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(f"need 1 <= min_workers <= max_workers, got {self.min_workers}, {self.max_workers}")
+
+    def on_failure(self, alive: Iterable[int], failure: Failure, attempt: int) -> Decision:
+        """The decision after attempt number ``attempt`` (0-based) failed with ``failure``."""
+        alive = tuple(sorted(alive))
+        if failure.errors:
+            wid, msg = failure.errors[0]
+            return Fail(f"worker {wid} failed (not a membership problem, so not retried): {msg}")
+        survivors = tuple(w for w in alive if w not in failure.lost)
+        if not survivors:
+            return Fail(f"all {len(alive)} workers were lost (ids {list(alive)}); the model state lived only on them")
+        if attempt + 1 >= self.max_attempts:
+            return Fail(f"gave up after {attempt + 1} failed attempts at one step (elastic.max_attempts)")
+        if not failure.lost:
+            return Retry("a collective failed but every worker is alive: re-form the world and run again")
+        lost = tuple(sorted(failure.lost))
+        if len(survivors) < self.min_workers:
+            return WaitForCapacity(lost, survivors, self.min_workers - len(survivors), self.wait_s)
+        return Shrink(lost, survivors)
+
+    def at_boundary(self, size: int, joining: int, free_slots: int) -> Grow | None:
+        """Grow by what fits under ``max_workers`` and the free slots; ``joining`` workers are already starting."""
+        room = self.max_workers - size - joining
+        count = min(room, int(free_slots))
+        return Grow(count) if count > 0 else None

@@ -1,0 +1,341 @@
+"""The driver's handle on its worker actors: one WorkerActor per device, stable worker ids, one world per epoch.
+
+The driver talks to workers only through this class. Workers are plain actors (``num_cpus=1``, plus
+``num_gpus=1`` on GPU) rather than bundles of one fixed placement group, so the set can shrink when a node dies
+and grow when one joins. ``membership`` maps stable worker ids to ranks (rank = position in ascending id order).
+Every :meth:`form_world` starts a new membership epoch with a fresh rendezvous TCPStore hosted here; dropping the
+old store closes its connections, so workers stuck in an abandoned rendezvous fail at once.
+
+:meth:`settle` waits for a call on every worker and sorts what happened into a :class:`~flexorch.control.membership.
+Failure` (lost, peer errors, deterministic errors, completed) instead of failing on the first error: the elastic
+driver needs to know who survived and in which state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import ray
+import torch.distributed as dist
+
+from flexorch.control.membership import Failure, Membership
+from flexorch.tasks.placement import ALL, missing_parts, model_parts, transfers
+from flexorch.workers.actor import PeerLostError, WorkerActor
+from flexorch.workers.model import ModelConfig
+
+ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
+
+__all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
+
+
+class WorkerGroupError(RuntimeError):
+    """Workers could not be placed, or failed in a way the run cannot recover from."""
+
+
+class MembershipFailure(WorkerGroupError):
+    """A call on the workers failed; ``failure`` says who was lost and in which state the others are."""
+
+    def __init__(self, what: str, failure: Failure):
+        self.failure = failure
+        parts = []
+        if failure.lost:
+            parts.append(f"lost workers {sorted(failure.lost)}")
+        if failure.peer_errors:
+            parts.append(f"workers {sorted(failure.peer_errors)} left the broken world")
+        parts += [f"worker {w}: {m}" for w, m in failure.errors]
+        super().__init__(f"could not {what}: {'; '.join(parts)}")
+
+
+class RayWorkerGroup:
+    """Worker actors keyed by stable worker id; ``actors`` lists the members in rank order."""
+
+    def __init__(
+        self,
+        num_workers: int,
+        *,
+        model_cfg: dict,
+        optim_cfg: dict,
+        seed: int,
+        use_gpu: bool = False,
+        threads: int = 1,
+        collective_timeout_s: float = 120.0,
+        placement_timeout_s: float = 60.0,
+        min_workers: int | None = None,
+    ):
+        self.timeout_s = collective_timeout_s
+        self.placement_timeout_s = placement_timeout_s
+        self.use_gpu = use_gpu
+        self._args = (model_cfg, optim_cfg, seed, threads)
+        self.parts = model_parts(int(model_cfg.get("num_layers", ModelConfig().num_layers)))
+        self.held: dict[int, frozenset[str] | None] = {}
+        """Model parts each member holds (``flexorch.tasks.placement``; None: the whole model)."""
+        self.membership = Membership()
+        self._actors: dict[int, ray.actor.ActorHandle] = {}
+        self.joining: dict[int, tuple] = {}  # worker id -> (actor, ready ref, start time)
+        self.host = ray.util.get_node_ip_address()
+        self.store: dist.TCPStore | None = None
+        need = num_workers if min_workers is None else min_workers
+        self._check_capacity(need)
+        # no more than the cluster holds (a job on a smaller cluster starts with what fits; the elastic policy grows
+        # it up to max_workers when nodes join); slots other jobs hold are waited for up to placement_timeout_s
+        self.start_workers(max(need, min(num_workers, self._total_slots())))
+        deadline = time.monotonic() + placement_timeout_s
+        while self.joining and time.monotonic() < deadline:
+            self.admit(self.ready_joiners(wait_s=min(1.0, max(deadline - time.monotonic(), 0.0))))
+        if self.size < need:
+            have = ray.cluster_resources()
+            self.shutdown()
+            raise WorkerGroupError(
+                f"only {self.size} of {num_workers} workers started within {placement_timeout_s:.0f} s (at least "
+                f"{need} needed); the cluster has CPU={have.get('CPU', 0):g} GPU={have.get('GPU', 0):g}. Lower "
+                "`workers`/`min_workers`, or start Ray with more slots (e.g. `ray start --num-cpus N`)"
+            )
+
+    @classmethod
+    def from_config(cls, cfg) -> RayWorkerGroup:
+        """The workers a ``TrainConfig`` asks for (its model, optimizer, seed, device kind and timeouts)."""
+        return cls(
+            cfg.workers,
+            model_cfg=cfg.model.to_dict(),
+            optim_cfg=dataclasses.asdict(cfg.optim),
+            seed=cfg.seed,
+            use_gpu=cfg.use_gpu,
+            threads=cfg.worker_threads,
+            collective_timeout_s=cfg.collective_timeout_s,
+            min_workers=cfg.min_workers,
+        )
+
+    # ---------------------------------------------------------------- membership
+    @property
+    def size(self) -> int:
+        return self.membership.size
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        return self.membership.worker_ids
+
+    @property
+    def actors(self) -> list:
+        """Member actors in rank order."""
+        return [self._actors[w] for w in self.membership.worker_ids]
+
+    def actor(self, worker_id: int):
+        return self._actors[worker_id]
+
+    def _total_slots(self) -> int:
+        return int(ray.cluster_resources().get("GPU" if self.use_gpu else "CPU", 0))
+
+    def _check_capacity(self, need: int) -> None:
+        key = "GPU" if self.use_gpu else "CPU"
+        total = self._total_slots()
+        if total < need:
+            raise WorkerGroupError(
+                f"the Ray cluster has {total:g} {key} slots, the run needs at least {need} workers of 1 {key} each; "
+                "lower `workers`/`min_workers`, or add nodes or slots (e.g. `ray start --num-cpus N`)"
+            )
+
+    def free_slots(self) -> int:
+        """Unclaimed device slots in the cluster now (a joined node shows up here)."""
+        return int(ray.available_resources().get("GPU" if self.use_gpu else "CPU", 0))
+
+    def start_workers(self, count: int) -> list[int]:
+        """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
+        ids = self.membership.new_ids(count)
+        for wid in ids:
+            actor = WorkerActor.options(
+                num_cpus=1, num_gpus=1 if self.use_gpu else 0, name=None, max_restarts=0
+            ).remote(wid, *self._args)
+            self.joining[wid] = (actor, actor.info.remote(), time.monotonic())
+        return ids
+
+    def ready_joiners(self, wait_s: float = 0.0) -> list[int]:
+        """Joining workers whose actor is up; drops joiners that died or could not be placed in time."""
+        if not self.joining:
+            return []
+        by_ref = {j[1]: wid for wid, j in self.joining.items()}
+        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=wait_s)
+        out = []
+        for ref in ready:
+            wid = by_ref[ref]
+            try:
+                ray.get(ref)
+                out.append(wid)
+            except ray.exceptions.RayError:
+                self.joining.pop(wid)
+        now = time.monotonic()
+        for wid, (actor, _, t0) in list(self.joining.items()):
+            if wid not in out and now - t0 > self.placement_timeout_s:
+                ray.kill(actor, no_restart=True)
+                self.joining.pop(wid)
+        return sorted(out)
+
+    def admit(self, worker_ids) -> None:
+        """Make ready joiners members (the next :meth:`form_world` gives them ranks)."""
+        for wid in worker_ids:
+            self._actors[wid] = self.joining.pop(wid)[0]
+            self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
+        self.membership.add(worker_ids)
+
+    def remove(self, worker_ids) -> None:
+        """Drop members (dead, hung or unwanted); their actors are killed if still running."""
+        for wid in worker_ids:
+            ray.kill(self._actors.pop(wid), no_restart=True)
+            self.held.pop(wid, None)
+        self.membership.remove(worker_ids)
+
+    def form_world(self) -> float:
+        """Every member joins a fresh world (the next membership epoch); returns the seconds it took."""
+        epoch = self.membership.next_epoch()
+        t0 = time.perf_counter()
+        self.store = None  # close the last epoch's rendezvous: anyone still waiting on it fails now
+        self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+        ids = self.worker_ids
+        refs = {
+            w: self._actors[w].join_world.remote(self.host, self.store.port, r, len(ids), epoch, self.timeout_s)
+            for r, w in enumerate(ids)
+        }
+        self.call_all(refs, "form a torch.distributed world", self.timeout_s + 30.0)
+        return time.perf_counter() - t0
+
+    # ---------------------------------------------------------------- calls
+    def run_step(self, tasks, block_refs: list[dict]) -> dict:
+        """Start every rank's step; returns {worker id: outcome ref} (the caller settles them)."""
+        return {
+            w: self._actors[w].run_step.remote(t, refs)
+            for w, t, refs in zip(self.worker_ids, tasks, block_refs, strict=True)
+        }
+
+    def settle(self, refs: dict, timeout_s: float) -> tuple[dict, Failure | None]:
+        """Wait for every worker's call; returns ({worker id: result} of those that finished, failure or None).
+
+        After the first failure the rendezvous store is closed (a worker waiting in a rendezvous or ``new_group``
+        fails at once) and the others get ``collective_timeout_s`` plus a grace to settle (survivors whose
+        collective broke fail fast; one blocked on a silent peer fails at its collective timeout); a worker that
+        has not answered by then is hung: it is killed and counted as lost. A worker's own error (a bug, bad
+        input) is final, so then the others get only ``ERROR_GRACE_S`` before they are killed.
+        """
+        pending = {ref: wid for wid, ref in refs.items()}
+        results, lost, peer, errors = {}, set(), set(), []
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            for ref in ready:
+                wid = pending.pop(ref)
+                try:
+                    results[wid] = ray.get(ref)
+                    continue
+                except ray.exceptions.RayActorError:
+                    lost.add(wid)
+                except ray.exceptions.RayTaskError as e:
+                    cause = e.cause if e.cause is not None else e
+                    if isinstance(cause, PeerLostError) or isinstance(e, PeerLostError):
+                        peer.add(wid)
+                    else:
+                        errors.append((wid, f"{type(cause).__name__}: {str(cause).splitlines()[0][:500]}"))
+                if self.store is not None:  # the world is broken: workers blocked in its rendezvous fail now
+                    self.store = None
+                # a worker's own error ends the run (it is not retried), so peers get a short grace only
+                grace = ERROR_GRACE_S if errors else self.timeout_s + 5.0
+                deadline = min(deadline, time.monotonic() + grace)
+        for wid in pending.values():  # hung past the collective timeout
+            ray.kill(self._actors[wid], no_restart=True)
+            lost.add(wid)
+        if not (lost or peer or errors):
+            return results, None
+        return results, Failure(frozenset(lost), frozenset(peer), tuple(errors), frozenset(results))
+
+    def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
+        """:meth:`settle`, raising :class:`MembershipFailure` on any failure."""
+        results, failure = self.settle(refs, timeout_s)
+        if failure is not None:
+            raise MembershipFailure(what, failure)
+        return results
+
+    def sync_state(self, source: int, targets) -> None:
+        """Copy model, optimizer, schedule and RNG state from worker ``source`` to ``targets`` (object store): they
+        then hold what ``source`` holds (with stage-local parameters, its parts only)."""
+        targets = [t for t in targets if t != source]
+        if targets:
+            ref = self._actors[source].get_state.remote()
+            self.call_all(
+                {t: self._actors[t].set_state.remote(ref) for t in targets}, "copy the model state", self.timeout_s
+            )
+            for t in targets:
+                self.held[t] = self.held[source]
+
+    def missing_parts(self) -> list[str]:
+        """Model parts no member holds (their every holder was lost)."""
+        return missing_parts({w: self.held[w] for w in self.worker_ids}, self.parts)
+
+    def place_params(self, needed_by_rank) -> dict:
+        """Before a step with stage-local parameters: copy to each member the parts it will need and does not hold
+        (``needed_by_rank[r]``: the parts rank r holds during the step), each from a holder, through the object
+        store; the step itself drops what a member no longer needs. Returns what moved."""
+        t0 = time.perf_counter()
+        needed = {w: frozenset(needed_by_rank[r]) for r, w in enumerate(self.worker_ids)}
+        moves = transfers({w: self.held[w] for w in self.worker_ids}, needed, self.parts)
+        refs = {}
+        for dst, srcs in moves.items():
+            exported = [self._actors[src].export_parts.remote(list(parts)) for src, parts in srcs.items()]
+            refs[dst] = self._actors[dst].import_parts.remote(exported)
+        got = self.call_all(refs, "move parameters between stages", self.timeout_s) if refs else {}
+        self.held.update(needed)
+        return {
+            "moved_parts": sum(len(ps) for srcs in moves.values() for ps in srcs.values()),
+            "moved_bytes": int(sum(got.values())),
+            "move_ms": (time.perf_counter() - t0) * 1e3,
+        }
+
+    def get_state(self, rank: int = 0) -> dict:
+        """The whole model's state: from one member when it holds everything, else assembled from holders of
+        every part (model tensors and optimizer state by part; schedule and RNG from the first)."""
+        ids = self.worker_ids
+        first = ids[rank]
+        if self.held[first] is ALL:
+            return self.call_all(
+                {first: self._actors[first].get_state.remote()}, "fetch the model state", self.timeout_s
+            )[first]
+        missing = self.missing_parts()
+        if missing:
+            raise WorkerGroupError(f"no member holds {missing}: the model state cannot be assembled")
+        chosen, covered = [], set()
+        for w in [first, *[x for x in ids if x != first]]:  # fewest fetches: take holders in rank order
+            if self.held[w] is ALL or not self.held[w] <= covered:
+                chosen.append(w)
+                covered |= set(self.parts) if self.held[w] is ALL else self.held[w]
+            if covered >= set(self.parts):
+                break
+        got = self.call_all(
+            {w: self._actors[w].get_state.remote() for w in chosen}, "fetch the model state", self.timeout_s
+        )
+        state = dict(got[chosen[0]])
+        state["model"], state["optimizer"] = {}, dict(state["optimizer"], state={})
+        for w in chosen:
+            state["model"].update(got[w]["model"])
+            state["optimizer"]["state"].update(got[w]["optimizer"]["state"])
+        state["parts"] = None
+        return state
+
+    def set_state(self, state: dict) -> None:
+        ref = ray.put(state)
+        self.call_all({w: self._actors[w].set_state.remote(ref) for w in self.worker_ids}, "load state", self.timeout_s)
+        for w in self.worker_ids:
+            self.held[w] = ALL if state.get("parts") is None else frozenset(state["parts"])
+
+    def call(self, method: str, *args) -> list:
+        """Call a worker method on every rank and wait; results in rank order (e.g. 'parameters_digest')."""
+        out = self.call_all(
+            {w: getattr(self._actors[w], method).remote(*args) for w in self.worker_ids}, method, self.timeout_s + 30
+        )
+        return [out[w] for w in self.worker_ids]
+
+    def shutdown(self) -> None:
+        for actor in list(self._actors.values()) + [j[0] for j in self.joining.values()]:
+            ray.kill(actor, no_restart=True)
+        self._actors.clear()
+        self.joining.clear()
+        self.store = None

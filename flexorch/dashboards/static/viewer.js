@@ -1,0 +1,359 @@
+// flexorch plan viewer: polls /api/steps and draws the selected step (devices x time for SP steps, stages x time
+// for pipelined ones), its baselines, the run's step times and the step table with Plotly.js. Data shapes: see
+// flexorch/dashboards/viewer_data.py (step_view, pipeline_view).
+"use strict";
+
+const COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
+                 "#9c755f", "#bab0ac", "#86bcb6"];
+const state = { records: [], selected: -1, follow: true, pollS: 2 };
+const $ = (id) => document.getElementById(id);
+
+function colour(degree) {
+  const i = Math.round(Math.log2(Math.max(1, degree)));
+  return COLOURS[Math.min(i, COLOURS.length - 1)];
+}
+
+function fmt(v, digits = 0) {
+  if (v === null || v === undefined || Number.isNaN(v)) return "";
+  return Number(v).toLocaleString("en-US", { maximumFractionDigits: digits, minimumFractionDigits: digits });
+}
+
+function showError(msg) {
+  const el = $("error");
+  el.style.display = msg ? "block" : "none";
+  el.textContent = msg ? `Cannot show every step: ${msg}` : "";
+}
+
+// ---------------------------------------------------------------- devices x time, one bar per SP group
+function planTraces(view, which) {
+  const byDegree = new Map();
+  for (const g of view.groups) {
+    if (g[`${which}_ms`] === null) continue;
+    if (!byDegree.has(g.degree)) byDegree.set(g.degree, []);
+    byDegree.get(g.degree).push(g);
+  }
+  return [...byDegree.keys()].sort((a, b) => b - a).map((d) => {
+    const gs = byDegree.get(d);
+    return {
+      type: "bar",
+      orientation: "h",
+      name: `degree ${d}`,
+      y: gs.map((g) => g.first_rank + (g.degree - 1) / 2),
+      width: gs.map((g) => g.degree * 0.92),
+      base: gs.map((g) => g[`${which}_start_ms`] ?? 0),
+      x: gs.map((g) => Math.max(g[`${which}_ms`], 1e-3)),
+      marker: { color: colour(d), line: { color: "white", width: 0.5 } },
+      text: gs.map((g) => (g.degree > 1 ? `${g.degree} ${g.kind} · ${g.sequences} seq` : `${g.sequences} seq`)),
+      textposition: "inside",
+      insidetextanchor: "start",
+      textangle: 0,
+      customdata: gs.map((g) => [g.micro_batch, g.ranks.join(","), g.kind, g.sequences, g.tokens, g.longest,
+        g[`${which}_ms`]]),
+      hovertemplate:  // %{x} of a bar with a base is where it ends: the length comes from customdata
+        "micro-batch %{customdata[0]}, ranks %{customdata[1]}<br>degree " + d +
+        " %{customdata[2]}, %{customdata[3]} sequences, %{customdata[4]} tokens (longest %{customdata[5]})" +
+        "<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
+    };
+  });
+}
+
+function microBatchLines(view, which) {
+  const ends = new Map();
+  for (const g of view.groups) {
+    if (g[`${which}_ms`] === null) continue;
+    const end = (g[`${which}_start_ms`] ?? 0) + g[`${which}_ms`];
+    ends.set(g.micro_batch, Math.max(ends.get(g.micro_batch) ?? 0, end));
+  }
+  return [...ends.values()].map((x) => ({
+    type: "line", x0: x, x1: x, yref: "paper", y0: 0, y1: 1, line: { dash: "dash", color: "#555", width: 1 },
+  }));
+}
+
+function drawPlan(div, view, which, title) {
+  if (!div._fullLayout) div.textContent = "";  // a skipped step left a note there
+  const layout = {
+    title: { text: title, font: { size: 14 } },
+    barmode: "overlay",
+    bargap: 0,
+    uniformtext: { mode: "hide", minsize: 9 },  // a label that does not fit its bar is left to the hover
+    margin: { l: 60, r: 10, t: 40, b: 40 },
+    xaxis: { title: { text: "time (ms)" }, rangemode: "tozero" },
+    yaxis: { title: { text: "device (rank)" }, autorange: "reversed", range: [view.world_size - 0.5, -0.5],
+             dtick: view.world_size <= 16 ? 1 : undefined, zeroline: false },
+    shapes: microBatchLines(view, which),
+    legend: { orientation: "h", y: -0.18 },
+    showlegend: true,
+  };
+  return Plotly.react(div, planTraces(view, which), layout, { displayModeBar: false, responsive: true }).then(() => {
+    div.dataset.step = String(view.step);
+    div.dataset.layout = "sp";
+    div.dataset.ops = "0";
+    div.dataset.groups = String(view.groups.filter((g) => g[`${which}_ms`] !== null).length);
+  });
+}
+
+// ---------------------------------------------------------------- stages x time, one bar per pipeline op
+const HUES = [210, 30, 0, 175, 120, 50, 290, 340, 20, 260, 90, 190];  // as flexorch/dashboards/pipeline_svg.py
+
+function opColour(i, kind) {
+  return `hsl(${HUES[i % HUES.length]}, 55%, ${kind === "B" ? 38 : 72}%)`;
+}
+
+function rankSpan(ranks) {
+  if (!ranks.length) return "none";
+  const lo = Math.min(...ranks), hi = Math.max(...ranks);
+  return ranks.length === 1 ? `rank ${lo}` : hi - lo + 1 === ranks.length ? `ranks ${lo}-${hi}` : `ranks ${ranks.join(",")}`;
+}
+
+function stageLabel(pipe, r) {
+  return `stage ${r} (${rankSpan(pipe.stage_ranks[r])})`;
+}
+
+function pipelineTraces(view, which) {
+  const pipe = view.pipeline;
+  // chains are numbered inside each back-to-back pipeline: one colour per (pipeline, chain), in unit order
+  const hue = new Map();
+  for (const o of [...pipe.ops].sort((a, b) => a.unit - b.unit)) {
+    const key = `${o.pipeline}:${o.chain}`;
+    if (!hue.has(key)) hue.set(key, hue.size);
+  }
+  return [["F", "forward (light)"], ["B", "backward (dark); colour = sequence chain"]].map(([kind, name]) => {
+    const ops = pipe.ops.filter((o) => o.kind === kind && o[`${which}_ms`] !== null);
+    return {
+      type: "bar",
+      orientation: "h",
+      name,
+      y: ops.map((o) => o.stage),
+      width: ops.map(() => 0.84),
+      base: ops.map((o) => o[`${which}_start_ms`] ?? 0),
+      x: ops.map((o) => Math.max(o[`${which}_ms`], 1e-3)),
+      marker: { color: ops.map((o) => opColour(hue.get(`${o.pipeline}:${o.chain}`), kind)),
+                line: { color: "white", width: 0.5 } },
+      text: ops.map((o) => `${o.unit}`),
+      textposition: "inside",
+      insidetextanchor: "middle",
+      textangle: 0,
+      customdata: ops.map((o) => [stageLabel(pipe, o.stage), o.unit, kind === "F" ? "forward" : "backward", o.tokens,
+        o.pieces, o.sequences, o.checkpointed ?? "?", o.chain, o.pipeline, o[`${which}_ms`]]),
+      hovertemplate:
+        "%{customdata[0]}: unit %{customdata[1]} %{customdata[2]}<br>%{customdata[3]} tokens in %{customdata[4]} " +
+        "piece(s) of %{customdata[5]} sequence(s), chain %{customdata[7]}, pipeline %{customdata[8]}<br>" +
+        "%{customdata[6]} layer(s) checkpointed<br>%{base:.1f} ms + %{customdata[9]:.1f} ms<extra></extra>",
+    };
+  });
+}
+
+function pipelineBoundaries(view, which) {  // the end of each back-to-back pipeline but the last
+  const ends = new Map();
+  for (const o of view.pipeline.ops) {
+    if (o[`${which}_ms`] === null) continue;
+    const end = (o[`${which}_start_ms`] ?? 0) + o[`${which}_ms`];
+    ends.set(o.pipeline, Math.max(ends.get(o.pipeline) ?? 0, end));
+  }
+  const last = Math.max(...ends.keys());
+  return [...ends.entries()].filter(([p]) => p !== last).map(([, x]) => ({
+    type: "line", x0: x, x1: x, yref: "paper", y0: 0, y1: 1, line: { dash: "dash", color: "#000", width: 1 },
+  }));
+}
+
+function drawPipeline(div, view, which, title) {
+  if (!div._fullLayout) div.textContent = "";  // a skipped step left a note there
+  const pipe = view.pipeline;
+  const stages = [...Array(pipe.stages).keys()];
+  const layout = {
+    title: { text: title, font: { size: 14 } },
+    barmode: "overlay",
+    bargap: 0,
+    uniformtext: { mode: "hide", minsize: 8 },  // a unit number that does not fit its bar is left to the hover
+    margin: { l: 150, r: 10, t: 40, b: 76 },
+    xaxis: { title: { text: "time (ms)", standoff: 4 }, rangemode: "tozero" },
+    yaxis: { autorange: "reversed", range: [pipe.stages - 0.5, -0.5], tickvals: stages,
+             ticktext: stages.map((r) => stageLabel(pipe, r)), zeroline: false },
+    shapes: pipelineBoundaries(view, which),
+    legend: { orientation: "h", x: 0, y: -0.3 },
+    showlegend: true,
+  };
+  return Plotly.react(div, pipelineTraces(view, which), layout, { displayModeBar: false, responsive: true }).then(() => {
+    div.dataset.step = String(view.step);
+    div.dataset.layout = "pipeline";
+    div.dataset.groups = "0";
+    div.dataset.ops = String(pipe.ops.filter((o) => o[`${which}_ms`] !== null).length);
+  });
+}
+
+function pipelineNote(view) {
+  const p = view.pipeline;
+  const used = p.stage_ranks.flat();
+  const idle = view.world_size - used.length;
+  const b2b = p.pipelines > 1
+    ? ` in ${p.pipelines} back-to-back pipelines (memory: each drains before the next starts, black dashed lines)`
+    : " in one pipeline";
+  const ckpt = p.ops.filter((o) => o.kind === "B" && o.checkpointed > 0).length;
+  const baseline = (view.status || "").startsWith("pipeline-")  // the trainer ran a baseline's schedule instead
+    ? ` Schedule: ${view.status.slice("pipeline-".length)} (simulated faster than the elastic plan, so it ran).`
+    : "";
+  return `Pipelined step: ${p.stages} stages x ${p.degree} device(s) per stage (Ulysses SP inside a stage; ` +
+    `layers per stage ${p.layers.join(", ")})` + (idle > 0 ? `, ${idle} rank(s) sit this step out` : "") +
+    `. ${p.units} units (granularity ${p.granularity})${b2b}; simulated bubble ${fmt(p.bubble_share * 100, 1)} %; ` +
+    `${ckpt} of ${p.units * p.stages} backward(s) recompute checkpointed layers. One bar per forward (light) and ` +
+    "backward (dark) of a unit on a stage, labelled with the unit; one colour per sequence chain (the segments of " +
+    "a split sequence share it)." + baseline;
+}
+
+function drawBaselines(view) {
+  const rows = [];
+  if (view.measured_ms !== null) rows.push(["measured", view.measured_ms, "#2e7d32"]);
+  rows.push(["flexorch plan (predicted)", view.predicted_ms, "#1565c0"]);
+  if (view.bound_ms > 0) rows.push(["lower bound", view.bound_ms, "#90a4ae"]);
+  const base = Object.entries(view.baselines_ms || {}).filter(([, v]) => v !== null).sort((a, b) => a[1] - b[1]);
+  for (const [name, v] of base) rows.push([name, v, "#bdbdbd"]);
+  const missing = Object.entries(view.baselines_ms || {}).filter(([, v]) => v === null).map(([k]) => k);
+  $("baselines-note").textContent = missing.length ? `cannot hold the batch: ${missing.join(", ")}` : "";
+  const layout = {
+    title: { text: `step ${view.step}: step time (ms), solve ${fmt(view.solve_s * 1000, 0)} ms`, font: { size: 14 } },
+    margin: { l: 170, r: 10, t: 40, b: 36 },
+    yaxis: { autorange: "reversed" },
+  };
+  return Plotly.react($("baselines-chart"), [{
+    type: "bar", orientation: "h", y: rows.map((r) => r[0]), x: rows.map((r) => r[1]),
+    marker: { color: rows.map((r) => r[2]) }, hovertemplate: "%{y}: %{x:.1f} ms<extra></extra>",
+  }], layout, { displayModeBar: false });
+}
+
+function drawRun() {
+  const recs = state.records.filter((r) => !r.skipped);
+  const x = recs.map((r) => r.step);
+  const traces = [
+    { name: "predicted", x, y: recs.map((r) => r.predicted_ms), mode: "lines+markers", line: { color: "#1565c0" } },
+  ];
+  if (recs.some((r) => r.measured_ms !== null)) {
+    traces.push({ name: "measured", x, y: recs.map((r) => r.measured_ms), mode: "lines+markers",
+                  line: { color: "#2e7d32" } });
+    traces.push({ name: "compute (slowest rank)", x, y: recs.map((r) => r.compute_ms), mode: "lines",
+                  line: { color: "#66bb6a", dash: "dot" } });
+  }
+  const bestStatic = recs.map((r) => {
+    const v = Object.entries(r.baselines_ms || {}).filter(([k, b]) => k.startsWith("static-") && b !== null);
+    return v.length ? Math.min(...v.map(([, b]) => b)) : null;
+  });
+  if (bestStatic.some((v) => v !== null)) {
+    traces.push({ name: "best static layout (predicted)", x, y: bestStatic, mode: "lines",
+                  line: { color: "#9e9e9e", dash: "dash" } });
+  }
+  const shapes = state.selected >= 0 ? [{ type: "line", x0: state.records[state.selected].step,
+    x1: state.records[state.selected].step, yref: "paper", y0: 0, y1: 1, line: { color: "#e65100", width: 1 } }] : [];
+  Plotly.react($("run-chart"), traces, {
+    margin: { l: 60, r: 10, t: 10, b: 40 },
+    xaxis: { title: { text: "step" }, tickformat: "d",
+             dtick: x.length && Math.max(...x) - Math.min(...x) <= 20 ? 1 : undefined },  // no repeated ticks
+    yaxis: { title: { text: "ms" }, rangemode: "tozero" }, shapes, legend: { orientation: "h", y: 1.12 },
+  }, { displayModeBar: false });
+}
+
+// ---------------------------------------------------------------- step table and selection
+function addRows(views, offset) {
+  const body = $("step-table").querySelector("tbody");
+  views.forEach((v, i) => {
+    const tr = document.createElement("tr");
+    tr.dataset.index = String(offset + i);
+    if (v.skipped) tr.classList.add("skipped");
+    const recov = (v.recoveries || []).map((r) => r.what || "change").join(", ");
+    const cells = [v.step, v.source, v.world_size, v.shape ?? "(skipped)", v.status, v.sequences, fmt(v.longest),
+      fmt(v.solve_s * 1000), fmt(v.predicted_ms, 1), fmt(v.measured_ms, 1), fmt(v.loss, 4), fmt(v.tokens_per_s),
+      recov];
+    cells.forEach((c, j) => {
+      const td = document.createElement("td");
+      td.textContent = String(c ?? "");
+      if (j === 3) td.className = "shape";
+      if (j === 4) td.className = "status";
+      tr.appendChild(td);
+    });
+    tr.addEventListener("click", () => { state.follow = false; $("follow").checked = false; select(offset + i); });
+    body.appendChild(tr);
+  });
+}
+
+function select(i) {
+  if (!state.records.length) return;
+  i = Math.max(0, Math.min(i, state.records.length - 1));
+  state.selected = i;
+  const v = state.records[i];
+  $("step-slider").value = String(i);
+  document.querySelectorAll("#step-table tbody tr.selected").forEach((tr) => tr.classList.remove("selected"));
+  const row = document.querySelector(`#step-table tbody tr[data-index="${i}"]`);
+  if (row) row.classList.add("selected");
+  const piped = !v.skipped && v.pipeline !== null && v.pipeline !== undefined;
+  $("step-summary").textContent = v.skipped
+    ? `step ${v.step}: skipped (${v.reason})`
+    : `step ${v.step}: ${v.world_size} devices, ${v.sequences} sequences (longest ${fmt(v.longest)}), ` +
+      (piped ? `${v.pipeline.units} pipeline unit(s)` : `${v.micro_batches} micro-batch(es)`) + `, shape ${v.shape}`;
+  $("pipeline-note").style.display = piped ? "block" : "none";
+  $("pipeline-note").textContent = piped ? pipelineNote(v) : "";
+  const trained = v.source === "train";
+  if (v.skipped) {
+    Plotly.purge($("plan-predicted"));
+    $("plan-predicted").textContent = `step ${v.step} was skipped: ${v.reason}`;
+  } else if (piped) {
+    drawPipeline($("plan-predicted"), v, "predicted", `step ${v.step}: predicted (pipeline simulator), ` +
+      `${fmt(v.predicted_ms, 1)} ms · bubble ${fmt(v.pipeline.bubble_share * 100, 1)} %`);
+  } else {
+    drawPlan($("plan-predicted"), v, "predicted", `step ${v.step}: predicted (cost model), ${fmt(v.predicted_ms, 1)} ms`);
+  }
+  $("measured-card").style.display = trained && !v.skipped ? "block" : "none";
+  if (trained && !v.skipped) {
+    const mb = piped ? v.pipeline.measured_bubble_share : null;
+    const bubble = mb === null || mb === undefined ? "" : ` · bubble ${fmt(mb * 100, 1)} %`;
+    (piped ? drawPipeline : drawPlan)($("plan-measured"), v, "measured",
+      `step ${v.step}: measured, ${fmt(v.measured_ms, 1)} ms${bubble}`);
+  }
+  if (!v.skipped) drawBaselines(v);
+  drawRun();
+}
+
+function onNew(views, offset) {
+  addRows(views, offset);
+  $("step-slider").max = String(state.records.length - 1);
+  if (state.follow || state.selected < 0) select(state.records.length - 1);
+  else drawRun();
+}
+
+async function poll() {
+  let wait = state.pollS;
+  try {
+    const resp = await fetch(`/api/steps?since=${state.records.length}`, { cache: "no-store" });
+    const data = await resp.json();
+    if (!resp.ok) {
+      showError(data.error || `HTTP ${resp.status}`);
+    } else {
+      state.pollS = data.poll_s || state.pollS;
+      wait = state.pollS;
+      $("run-name").textContent = data.run;
+      if (data.total < state.records.length) {  // the file was rewritten (a resumed run drops later records)
+        state.records = [];
+        state.selected = -1;
+        $("step-table").querySelector("tbody").innerHTML = "";
+        wait = 0;
+      } else if (data.records.length) {
+        const offset = state.records.length;
+        state.records.push(...data.records);
+        onNew(data.records, offset);
+      }
+      $("waiting").style.display = data.waiting ? "block" : "none";
+      showError(data.error);
+      $("live").textContent = `${state.records.length} step(s); live, refreshed ${new Date().toLocaleTimeString()}`;
+    }
+  } catch (e) {
+    $("live").textContent = `the viewer server is not answering (${e.message}); retrying`;
+  }
+  setTimeout(poll, wait * 1000);
+}
+
+$("prev").addEventListener("click", () => { state.follow = false; $("follow").checked = false; select(state.selected - 1); });
+$("next").addEventListener("click", () => { select(state.selected + 1); });
+$("step-slider").addEventListener("input", (e) => { state.follow = false; $("follow").checked = false; select(Number(e.target.value)); });
+$("follow").addEventListener("change", (e) => { state.follow = e.target.checked; if (state.follow) select(state.records.length - 1); });
+document.addEventListener("keydown", (e) => {
+  if (e.key === "ArrowLeft") $("prev").click();
+  if (e.key === "ArrowRight") $("next").click();
+});
+poll();

@@ -1,0 +1,181 @@
+"""What the plan viewer shows, computed from a run's step records (pure Python; no Ray, no server).
+
+:func:`read_run` reads ``RUN_DIR/steps.jsonl`` and validates each record against ``flexorch.step/4``; it keeps the
+good records before a malformed line and reports that line's error, so the page shows both. :func:`step_view`
+turns one record into the picture's bars: one bar per SP group with its ranks, predicted start and length (the
+cost model's timeline) and, for trained steps, measured start and length (slowest member of the group, from
+each rank's per-micro-batch timings). A pipelined step (``pipeline`` set) has no groups; its ``pipeline`` view
+has one bar per forward and backward op of each stage and unit, predicted (the pipeline simulator's schedule) and,
+for trained steps, measured (from the ops its stage's ranks reported).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from flexorch.records.schema import RecordError, validate_record
+from flexorch.records.writer import measured_bubble_share
+
+__all__ = ["read_run", "step_view", "pipeline_view"]
+
+PARTIAL_LINE_GRACE_S = 10.0
+"""A last line without its newline is taken as being written for this long, then reported as malformed."""
+
+
+def read_run(run_dir: Path | str, since: int = 0) -> dict:
+    """Records ``since`` onwards as views: ``{"total", "records", "error", "waiting"}``.
+
+    ``error`` names the first malformed line (the records before it are returned); ``waiting`` is true while the
+    run has written no records file yet."""
+    path = Path(run_dir) / "steps.jsonl"
+    if not path.exists():
+        return {"total": 0, "records": [], "error": None, "waiting": True}
+    views, error = [], None
+    text = path.read_text()
+    lines = text.splitlines()
+    if not text.endswith("\n") and time.time() - path.stat().st_mtime < PARTIAL_LINE_GRACE_S:
+        lines = lines[:-1]  # the writer is still writing that line: it shows on the next poll
+    count = 0
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path.name} line {i}"
+        try:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RecordError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+            validate_record(rec, where)
+        except RecordError as e:
+            error = f"{e}. The records before it are shown; fix or remove that line (or re-run) to see the rest."
+            break
+        if count >= since:
+            views.append(step_view(rec))
+        count += 1
+    return {"total": count, "records": views, "error": error, "waiting": False}
+
+
+def _measured(rec: dict, mi: int, ranks: list[int]) -> tuple[float | None, float | None]:
+    """Start and length of a group's micro-batch as measured: its members' latest start and longest time."""
+    per_rank = rec.get("ranks") or []
+    starts, times = [], []
+    for r in ranks:
+        entry = per_rank[r] if r < len(per_rank) else None
+        if entry is None or entry["micro_batch_ms"][mi] is None:
+            continue
+        times.append(entry["micro_batch_ms"][mi])
+        start = (entry.get("micro_batch_start_ms") or [None] * (mi + 1))[mi]
+        if start is not None:
+            starts.append(start)
+    if not times:
+        return None, None
+    return (max(starts) if starts else None), max(times)
+
+
+_OP_TIMES = ("start_ms", "end_ms")
+
+
+def _measured_ops(rec: dict) -> dict[tuple[int, str, int], tuple[float, float]]:
+    """Measured (start, length) of each (stage, kind, unit): the latest start and the longest time over the stage's
+    ranks that reported the op (a lost rank's entry is null and counts for nothing)."""
+    per_rank = rec.get("ranks") or []
+    out: dict[tuple[int, str, int], tuple[float, float]] = {}
+    for stage, ranks in enumerate(rec["pipeline"]["stage_ranks"]):
+        for r in ranks:
+            entry = per_rank[r] if r < len(per_rank) else None
+            for op in (entry or {}).get("ops") or []:
+                if not isinstance(op, dict) or any(not isinstance(op.get(k), (int, float)) for k in _OP_TIMES):
+                    continue  # the schema checks how many ops a rank has, not each one: a broken entry draws nothing
+                key = (stage, op.get("kind"), op.get("unit"))
+                start, ms = op["start_ms"], op["end_ms"] - op["start_ms"]
+                if key in out:
+                    start, ms = max(start, out[key][0]), max(ms, out[key][1])
+                out[key] = (start, ms)
+    return out
+
+
+def pipeline_view(rec: dict) -> dict:
+    """The ``pipeline`` view of a pipelined record: its stages and one entry per op (stage, kind, unit) with the
+    unit's chain, tokens, pieces and checkpointed layers, the predicted start and length (``pipeline.ops``) and the
+    measured ones (train records; null for plan records and for ops no rank of the stage reported)."""
+    pipe = rec["pipeline"]
+    measured = _measured_ops(rec) if rec["source"] == "train" else {}
+    ops = []
+    for o in pipe["ops"]:
+        u = pipe["units"][o["unit"]]
+        pieces = u.get("pieces") or []
+        ckpt = pipe["checkpointed"][o["stage"]]
+        m_start, m_ms = measured.get((o["stage"], o["kind"], o["unit"]), (None, None))
+        ops.append(
+            {
+                "stage": o["stage"],
+                "kind": o["kind"],
+                "unit": o["unit"],
+                "chain": u.get("chain", 0),
+                "pipeline": u.get("pipeline", 0),
+                "tokens": u.get("tokens"),
+                "pieces": len(pieces),
+                "sequences": len({piece[0] for piece in pieces}),
+                "checkpointed": ckpt[o["unit"]] if o["unit"] < len(ckpt) else None,
+                "predicted_start_ms": o["start_ms"],
+                "predicted_ms": o["end_ms"] - o["start_ms"],
+                "measured_start_ms": m_start,
+                "measured_ms": m_ms,
+            }
+        )
+    return {
+        "stages": pipe["stages"],
+        "degree": pipe["degree"],
+        "layers": pipe["layers"],
+        "stage_ranks": pipe["stage_ranks"],
+        "granularity": pipe["granularity"],
+        "bubble_share": pipe["bubble_share"],
+        "measured_bubble_share": measured_bubble_share(rec),
+        "units": len(pipe["units"]),
+        "pipelines": len({u.get("pipeline", 0) for u in pipe["units"]}),
+        "ops": ops,
+    }
+
+
+def step_view(rec: dict) -> dict:
+    """One validated record as the page draws it (the record's summary fields plus ``groups`` for SP steps, or
+    ``pipeline`` (:func:`pipeline_view`; null for SP steps) for pipelined ones)."""
+    groups = []
+    if rec["plan"] is not None:
+        when = {(t["micro_batch"], t["group"]): t for t in rec["timeline"]}
+        trained = rec["source"] == "train"
+        for mi, mb in enumerate(rec["plan"]["micro_batches"]):
+            for gi, g in enumerate(mb):
+                t = when[(mi, gi)]
+                m_start, m_ms = _measured(rec, mi, g["ranks"]) if trained else (None, None)
+                groups.append(
+                    {
+                        "micro_batch": mi,
+                        "group": gi,
+                        "degree": g["degree"],
+                        "kind": g["kind"] if g["degree"] > 1 else "local",
+                        "ranks": g["ranks"],
+                        "first_rank": min(g["ranks"]),
+                        "contiguous": max(g["ranks"]) - min(g["ranks"]) + 1 == len(g["ranks"]),
+                        "sequences": len(g["seq_ids"]),
+                        "tokens": sum(g["seq_lengths"]),
+                        "longest": max(g["seq_lengths"], default=0),
+                        "predicted_start_ms": t["start_ms"],
+                        "predicted_ms": t["time_ms"],
+                        "measured_start_ms": m_start,
+                        "measured_ms": m_ms,
+                    }
+                )
+    keys = (
+        "source step epoch world_size status skipped reason shape solve_s predicted_ms bound_ms baselines_ms tokens "
+        "measured_ms compute_ms loss tokens_per_s worker_ids recoveries"
+    ).split()
+    view = {k: rec.get(k) for k in keys}
+    view["sequences"] = len(rec["seq_lengths"])
+    view["longest"] = max(rec["seq_lengths"], default=0)
+    view["micro_batches"] = len(rec["plan"]["micro_batches"]) if rec["plan"] else 0
+    view["groups"] = groups
+    view["pipeline"] = pipeline_view(rec) if rec.get("pipeline") is not None else None
+    return view

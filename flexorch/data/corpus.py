@@ -1,0 +1,183 @@
+"""A tokenized training corpus whose tokens live in the Ray object store; the driver keeps only the index.
+
+Sources: a directory of text/code files (one document per file), JSONL (one per record) or Parquet (one per row),
+read with Ray Data readers (`read_binary_files`, `read_json`, `read_parquet`). Default: the Python standard
+library's own `.py` files, real text on every machine, no download.
+
+Document keys: `relative/path.py` (a file), `file.jsonl:N` (N = 1-based record number; blank lines are not
+records), `file.parquet:N` (0-based row), and `<key>#pieceK` (K = 0, 1, ...) for the pieces of a document longer
+than `max_context` that was split (only piece 0 starts with BOS; the pieces concatenate back to the document).
+Document ids are 0..n-1 in key order (pieces in order). `Corpus.stats` counts everything that was not kept:
+`files`, `records`, `documents`, `tokens`, `blocks`, `skipped_binary` (NUL bytes or invalid UTF-8),
+`skipped_empty` (empty or fewer than `min_tokens` tokens), `skipped_no_text` (JSONL/Parquet null text),
+`dropped_over_long`, `split_docs`, `pieces_added` (pieces kept from split documents), `dropped_short_pieces`,
+`skipped_hidden` (names starting with "."), `skipped_extension`, and up to 5 example keys per reason
+(`examples`); `documents = records - skipped_* - dropped_over_long - split_docs + pieces_added`.
+
+Loading: `load_corpus` lists the source, reads it with Ray Data (quietly: no progress bars, execution banners
+or stats logs), tokenizes and packs it into `int32` blocks in the object store with one Ray task per Arrow
+block, and keeps only the index (keys, lengths, block and offset per document) on the driver; the steps and the
+reasons for them are in `flexorch.data.readers`.
+
+On a worker: a Ray task or actor that receives the dict from `Corpus.refs_for` gets the ObjectRefs themselves
+(Ray resolves only top-level arguments), so it calls `resolve_blocks(refs)` (one `ray.get`) and then
+`fetch_documents(blocks, locations)`. The returned arrays are read-only views of the shared blocks. The process
+that called `load_corpus` owns the blocks: they live while it holds the `Corpus` (and die with that process).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from flexorch.data import readers as corpus_io
+from flexorch.data.tokenizer import get_tokenizer
+
+__all__ = ["CorpusConfig", "Corpus", "DocLocation", "load_corpus", "fetch_documents", "resolve_blocks"]
+
+FORMATS = ("auto", "text", "jsonl", "parquet")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CorpusConfig:
+    """Where the training documents come from and how they become token sequences."""
+
+    source: str | None = None
+    """Directory of text/code files, JSONL file/directory, or Parquet file/directory; None: the stdlib's .py files."""
+    format: str = "auto"
+    """'auto' (by extension and contents), 'text' (one document per file), 'jsonl' or 'parquet' (one per record)."""
+    text_field: str = "text"
+    """JSONL/Parquet field that holds the document text."""
+    tokenizer: str = "byte"
+    """'byte' (ids 0..255 plus BOS 256, no download) or 'hf:<name_or_path>' (needs transformers)."""
+    max_context: int = 2048
+    """Longest document, in tokens; longer ones are handled by `over_long`."""
+    over_long: str = "split"
+    """'split' into consecutive pieces of at most max_context tokens, 'drop' (counted) or 'reject' (an error)."""
+    bad_files: str = "skip"
+    """Binary/undecodable files and records without text: 'skip' (counted in stats) or 'error'."""
+    min_tokens: int = 2
+    """Documents (and pieces) with fewer tokens than this, BOS included, are skipped and counted."""
+    extensions: tuple[str, ...] | None = None
+    """Only read directory files with these suffixes (e.g. ('.py', '.md')); None: every non-hidden file."""
+    block_tokens: int = 1 << 20
+    """Target tokens per object-store block (int32: 4 MiB by default); a longer document gets a block of its own."""
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+        if self.over_long not in ("split", "drop", "reject"):
+            raise ValueError(f"over_long must be 'split', 'drop' or 'reject', got {self.over_long!r}")
+        if self.bad_files not in ("skip", "error"):
+            raise ValueError(f"bad_files must be 'skip' or 'error', got {self.bad_files!r}")
+        if self.min_tokens < 1 or self.max_context < self.min_tokens:
+            raise ValueError(f"need 1 <= min_tokens <= max_context, got {self.min_tokens} and {self.max_context}")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens}")
+        if self.source is not None:
+            if not str(self.source).strip():
+                raise ValueError("source must be a path (or None for the default stdlib corpus), got ''")
+            object.__setattr__(self, "source", str(self.source))
+        if not self.text_field or self.text_field == "path":
+            raise ValueError(
+                f"text_field must name a field other than 'path' (Ray Data's file column), got {self.text_field!r}"
+            )
+        if not (self.tokenizer == "byte" or (self.tokenizer.startswith("hf:") and len(self.tokenizer) > 3)):
+            raise ValueError(f"tokenizer must be 'byte' or 'hf:<name_or_path>', got {self.tokenizer!r}")
+        if self.extensions is not None:
+            if isinstance(self.extensions, str) or not self.extensions:
+                raise ValueError(f"extensions must be a non-empty tuple like ('.py', '.md'), got {self.extensions!r}")
+            norm = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in self.extensions)
+            object.__setattr__(self, "extensions", norm)
+
+
+@dataclass(frozen=True)
+class DocLocation:
+    """Where one document's tokens live: `block_refs[block][offset : offset + length]`."""
+
+    doc_id: int
+    block: int
+    offset: int
+    length: int
+
+
+class Corpus:
+    """The index of a loaded corpus (keys, lengths, locations) plus refs to its token blocks in the object store."""
+
+    def __init__(self, *, keys, lengths, doc_blocks, doc_offsets, block_refs, stats, tokenizer_name, vocab_size):
+        self.keys: list[str] = keys
+        self.lengths: np.ndarray = lengths
+        self.doc_blocks: np.ndarray = doc_blocks
+        self.doc_offsets: np.ndarray = doc_offsets
+        self.block_refs: list[ray.ObjectRef] = block_refs
+        self.stats: dict = stats
+        self.tokenizer_name: str = tokenizer_name
+        self.vocab_size: int = vocab_size
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.keys)
+
+    def locate(self, doc_ids) -> list[DocLocation]:
+        """Block, offset and length of each document id."""
+        ids = np.asarray(doc_ids, dtype=np.int64).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_docs):
+            bad = int(ids[(ids < 0) | (ids >= self.num_docs)][0])
+            raise IndexError(f"document id {bad} is out of range: the corpus has ids 0..{self.num_docs - 1}")
+        b, o, n = self.doc_blocks[ids], self.doc_offsets[ids], self.lengths[ids]
+        return [DocLocation(int(i), int(bi), int(oi), int(ni)) for i, bi, oi, ni in zip(ids, b, o, n, strict=True)]
+
+    def refs_for(self, locations) -> dict[int, ray.ObjectRef]:
+        """The object refs of just the blocks these documents live in, by block index."""
+        return {blk: self.block_refs[blk] for blk in sorted({loc.block for loc in locations})}
+
+    def get_tokens(self, doc_ids) -> list[np.ndarray]:
+        """Driver-side convenience (tests, references): the token arrays of `doc_ids`, copied out of the store."""
+        locs = self.locate(doc_ids)
+        return [t.copy() for t in fetch_documents(resolve_blocks(self.refs_for(locs)), locs)]
+
+    def __repr__(self) -> str:
+        return (
+            f"Corpus({self.num_docs} docs, {int(self.lengths.sum())} tokens, {len(self.block_refs)} blocks, "
+            f"tokenizer {self.tokenizer_name!r}, source {self.stats.get('source')!r})"
+        )
+
+
+def resolve_blocks(refs: dict[int, ray.ObjectRef]) -> dict[int, np.ndarray]:
+    """`ray.get` the refs of a `refs_for` dict (Ray does not resolve refs nested in a dict argument)."""
+    keys = list(refs)
+    return dict(zip(keys, ray.get([refs[k] for k in keys]), strict=True))
+
+
+def fetch_documents(blocks: dict[int, np.ndarray], locations) -> list[np.ndarray]:
+    """Token arrays of `locations` from resolved blocks (read-only views; copy to keep them past the blocks)."""
+    out = []
+    for loc in locations:
+        if loc.block not in blocks:
+            raise KeyError(f"block {loc.block} of document {loc.doc_id} was not passed; use corpus.refs_for(locations)")
+        out.append(blocks[loc.block][loc.offset : loc.offset + loc.length])
+    return out
+
+
+def load_corpus(cfg: CorpusConfig) -> Corpus:
+    """Read, tokenize and index `cfg.source` with Ray Data and Ray tasks; needs `ray.init()` to have run.
+
+    The reads and packing tasks need free CPUs: load the corpus before starting actors that reserve every CPU.
+    Ray Data runs quietly (no progress bars, execution banners or stats logs; see `flexorch.data.readers`).
+    """
+    if not ray.is_initialized():
+        raise RuntimeError("load_corpus needs a Ray cluster: call ray.init() (or connect to one) first")
+    if not ray.cluster_resources().get("CPU"):
+        raise RuntimeError("the Ray cluster has no CPUs; load_corpus runs Ray Data reads and Ray tasks on CPUs")
+    t0 = time.perf_counter()
+    tok = get_tokenizer(cfg.tokenizer)
+    listing = corpus_io.list_source(cfg)
+    arrow_refs = corpus_io.read_source(listing, cfg)
+    block_refs, metas = corpus_io.pack_blocks(arrow_refs, listing, cfg)
+    del arrow_refs  # the packed blocks replace the raw Arrow blocks in the object store
+    index = corpus_io.assemble_index(cfg, listing, metas, block_refs, tok.name)
+    index["stats"]["load_s"] = round(time.perf_counter() - t0, 3)
+    return Corpus(**index, tokenizer_name=tok.name, vocab_size=tok.vocab_size)

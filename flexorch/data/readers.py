@@ -1,0 +1,359 @@
+"""Building a corpus: source files -> int32 token blocks in the Ray object store -> the driver's document index.
+
+`flexorch.data.corpus.load_corpus` runs four steps: `list_source` (which files, which format; we list directories
+ourselves because Ray Data's expansion skips names starting with "." or "_", such as `__init__.py`, and we count
+what the listing leaves out), `read_source` (Ray Data reads the records with their paths into Arrow blocks,
+`preserve_order` so a file's records arrive in file order), `pack_blocks` (one streaming Ray task per Arrow block
+tokenizes, splits and packs the documents into `int32` arrays of about `block_tokens` tokens, then yields a small
+metadata dict; the driver owns the blocks but `ray.get`s only the metadata) and `assemble_index` (document ids by
+sorting on (path, record, piece), independent of Ray Data's parallel order, plus the skip counts).
+
+Quiet reads: corpora are loaded inside Ray actors and by `flexorch train`, where Ray Data's execution banners,
+progress bars/logs and stats dumps are noise. `read_source` runs under a copy of the current `DataContext` with
+those off and holds the `ray.data` loggers at WARNING (so DEBUG/INFO records do not reach Ray Data's session log
+file either); the previous context and levels come back when the read returns or fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import sysconfig
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import numpy as np
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from flexorch.data.lengths import DataError
+from flexorch.data.tokenizer import get_tokenizer
+
+if TYPE_CHECKING:
+    from flexorch.data.corpus import CorpusConfig
+
+__all__ = ["Listing", "list_source", "read_source", "pack_blocks", "assemble_index", "quiet_ray_data"]
+
+JSONL_SUFFIXES = (".jsonl", ".ndjson")
+_OK, _SPLIT, _BINARY, _EMPTY, _OVER_LONG, _REJECT, _NO_TEXT = range(7)
+_REASONS = {_BINARY: "skipped_binary", _EMPTY: "skipped_empty", _NO_TEXT: "skipped_no_text"}
+_REASONS |= {_OVER_LONG: "dropped_over_long", _SPLIT: "split_docs"}
+# Logger -> the least level it is held at during a read. Turning progress bars off makes Ray Data warn once per
+# process that they are off (a WARNING from its progress module), hence ERROR there.
+_QUIET_LOGGERS = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
+
+
+class Listing(NamedTuple):
+    """What `list_source` found: the absolute `source`, the directory `base` the keys are relative to, the `files`
+    to read as `fmt` ('text', 'jsonl' or 'parquet'), and counts of the names it left out."""
+
+    source: str
+    base: str
+    files: list[str]
+    fmt: str
+    skipped_hidden: int
+    skipped_extension: int
+
+
+def list_source(cfg: CorpusConfig) -> Listing:
+    """The files of `cfg.source` to read, their format, and counts of the names left out."""
+    exclude, exts = set(), cfg.extensions
+    if cfg.source is None:  # the embedded default: the stdlib's own .py files
+        root, exclude, exts = sysconfig.get_paths()["stdlib"], {"site-packages", "dist-packages"}, exts or (".py",)
+    root = Path(os.path.abspath(Path(cfg.source or root).expanduser()))
+    if not root.exists():
+        raise DataError(f"{root} does not exist (give a directory of text files, a JSONL file or a Parquet file)")
+    if root.is_file():
+        fmt = cfg.format if cfg.format != "auto" else _sniff(root)
+        return Listing(str(root), str(root.parent), [str(root)], fmt, 0, 0)
+    files, hidden = [], 0
+    for dirpath, dirnames, filenames in os.walk(root):
+        hidden += sum(n.startswith(".") for n in dirnames + filenames)
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in exclude)
+        files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".")]
+    files = sorted(f for f in files if os.path.isfile(f))
+    suffix = {f: Path(f).suffix.lower() for f in files}
+    fmt = cfg.format
+    if fmt == "auto":
+        seen = {x for x in suffix.values() if exts is None or x in exts}
+        fmt = "jsonl" if seen and seen <= set(JSONL_SUFFIXES) else "parquet" if seen == {".parquet"} else "text"
+    if exts is None and fmt != "text":
+        exts = (*JSONL_SUFFIXES, ".json") if fmt == "jsonl" else (".parquet",)
+    chosen = [f for f in files if exts is None or suffix[f] in exts]
+    if not chosen:
+        what = f"no files with suffix {', '.join(exts)}" if exts else "no (non-hidden) files"
+        raise DataError(f"{root} has {what} ({len(files)} other files); point source at your data or set extensions")
+    return Listing(str(root), str(root), chosen, fmt, hidden, len(files) - len(chosen))
+
+
+def _sniff(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES or suffix == ".parquet":
+        return "parquet" if suffix == ".parquet" else "jsonl"
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+    if head.startswith(b"PAR1"):
+        return "parquet"
+    if suffix == ".json":
+        try:
+            return "jsonl" if isinstance(json.loads(head.split(b"\n", 1)[0]), dict) else "text"
+        except ValueError:
+            return "text"
+    return "text"
+
+
+@contextlib.contextmanager
+def quiet_ray_data():
+    """Within the block: a copy of the current `DataContext` without progress output or stats logs, and the
+    `ray.data` loggers at WARNING or above; yields that context. The previous context and levels come back after.
+    """
+    from ray.data import DataContext
+
+    ctx = DataContext.get_current().copy()
+    ctx.enable_progress_bars = False  # no tqdm bars, no progress log lines, no "new progress UI" hint
+    ctx.print_on_execution_start = False  # no "Starting execution of Dataset ..." / "Execution plan ..."
+    ctx.enable_auto_log_stats = False  # no per-operator stats summary after execution
+    ctx.verbose_stats_logs = False
+    loggers = {logging.getLogger(name): level for name, level in _QUIET_LOGGERS.items()}
+    saved = {lg: lg.level for lg in loggers}
+    with DataContext.current(ctx):
+        try:
+            for lg, level in loggers.items():
+                if lg.getEffectiveLevel() < level:
+                    lg.setLevel(level)
+            yield ctx
+        finally:
+            for lg, level in saved.items():
+                lg.setLevel(level)
+
+
+def read_source(listing: Listing, cfg: CorpusConfig) -> list[ray.ObjectRef]:
+    """Read the listed files with Ray Data (quietly); refs to the Arrow blocks, a file's records in file order."""
+    import ray.data
+
+    files, fmt = listing.files, listing.fmt
+    n_blocks = int(min(max(1, -(-sum(map(os.path.getsize, files)) // cfg.block_tokens)), 10_000))
+    if fmt == "parquet":
+        _check_parquet_field(files, cfg.text_field)
+    try:
+        with quiet_ray_data():
+            if fmt == "text":
+                n_blocks = min(n_blocks, len(files))
+                ds = ray.data.read_binary_files(files, include_paths=True, override_num_blocks=n_blocks)
+            elif fmt == "jsonl":
+                ds = ray.data.read_json(files, include_paths=True, file_extensions=None, override_num_blocks=n_blocks)
+            else:
+                ds = ray.data.read_parquet(files, include_paths=True, file_extensions=None)
+                ds = ds.select_columns([cfg.text_field, "path"])
+            ds.context.execution_options.preserve_order = True  # the dataset's own copy: record numbers
+            return ds.to_arrow_refs()
+    except Exception as e:  # noqa: BLE001 - a reader failure becomes one DataError naming the source
+        cause = getattr(e, "cause", None) or e
+        msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
+        raise DataError(
+            f"could not read {len(files)} file(s) under {os.path.dirname(files[0])} as {fmt}: "
+            f"{type(cause).__name__}: {msg} (fix or remove the file, or set format= to how the data is stored)"
+        ) from e
+
+
+def _check_parquet_field(files: list[str], field: str) -> None:
+    import pyarrow.parquet as pq
+
+    for f in files:
+        try:
+            names = pq.read_schema(f).names
+        except Exception as e:  # noqa: BLE001
+            raise DataError(f"{f} is not a readable Parquet file ({type(e).__name__}: {e})") from e
+        if field not in names:
+            raise DataError(f"{f} has no column {field!r} (columns: {', '.join(names)}); set text_field to the text")
+
+
+def pack_blocks(arrow_refs: list, listing: Listing, cfg: CorpusConfig) -> tuple[list[list], list[dict]]:
+    """One `_pack_block` task per Arrow block: (token block refs per task, which the caller now owns; metadata).
+
+    The tasks run on the caller's node (the driver's), so the token blocks live in its object store and survive
+    the loss of any worker node (an elastic run keeps reading them after a node is removed)."""
+    spec = (listing.base, listing.fmt, cfg.text_field, cfg.tokenizer, cfg.max_context, cfg.min_tokens, cfg.over_long)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    gens = [_pack_block.options(scheduling_strategy=here).remote(r, spec, cfg.block_tokens) for r in arrow_refs]
+    block_refs, metas = [], []
+    for g in gens:
+        out = list(g)
+        metas.append(out.pop())
+        block_refs.append(out)
+    return block_refs, ray.get(metas)
+
+
+@ray.remote(num_returns="streaming")
+def _pack_block(table, spec: tuple, block_tokens: int):
+    """Validate, tokenize and split one Arrow block's documents; yield int32 blocks, then the metadata dict."""
+    base, fmt, field, tok_spec, max_context, min_tokens, over_long = spec
+    tok, prefix = get_tokenizer(tok_spec), base.rstrip("/") + "/"
+    datas, bad_type = _texts(table, fmt, field)
+    paths: dict[str, int] = {}
+    rec = {"path": [], "status": [], "tokens": [], "short": []}
+    doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": []}
+    parts, fill, n_blocks = [], 0, 0
+    for r, (path, data) in enumerate(zip(table.column("path").to_pylist(), datas, strict=True)):
+        rel = path[len(prefix) :] if path.startswith(prefix) else path
+        status, n, pieces, short = _OK, 0, [], 0
+        if data is None:
+            status = _NO_TEXT
+        elif not data:
+            status = _EMPTY
+        elif b"\0" in data or not _is_utf8(data):
+            status = _BINARY
+        else:
+            ids = tok.encode(data)
+            n = len(ids)
+            if n < min_tokens:
+                status = _EMPTY
+            elif n <= max_context:
+                pieces = [ids]
+            elif over_long == "split":
+                status, cut = _SPLIT, [ids[i : i + max_context] for i in range(0, n, max_context)]
+                pieces = [p for p in cut if len(p) >= min_tokens]
+                short = len(cut) - len(pieces)
+            else:
+                status = _OVER_LONG if over_long == "drop" else _REJECT
+        for k, piece in enumerate(pieces):
+            if fill and fill + len(piece) > block_tokens:
+                yield np.concatenate(parts)
+                parts, fill, n_blocks = [], 0, n_blocks + 1
+            for key, v in zip(doc, (r, k, n_blocks, fill, len(piece)), strict=True):
+                doc[key].append(v)
+            parts.append(piece)
+            fill += len(piece)
+        for key, v in zip(rec, (paths.setdefault(rel, len(paths)), status, n, short), strict=True):
+            rec[key].append(v)
+    if fill:
+        yield np.concatenate(parts)
+    meta = {f"rec_{k}": np.asarray(v, dtype=np.int64) for k, v in rec.items()}
+    meta |= {f"doc_{k}": np.asarray(v, dtype=np.int64) for k, v in doc.items()}
+    yield meta | {"paths": list(paths), "bad_type": bad_type, "columns": table.column_names}
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _texts(table, fmt: str, field: str) -> tuple[list[bytes | None], str | None]:
+    import pyarrow as pa
+
+    n = table.num_rows
+    if fmt == "text":
+        return table.column("bytes").to_pylist(), None
+    if field not in table.column_names:
+        return [None] * n, None
+    col = table.column(field)
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+        return [None if s is None else s.encode("utf-8") for s in col.to_pylist()], None
+    if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_null(col.type):
+        return col.to_pylist(), None
+    return [None] * n, str(col.type)
+
+
+def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block_refs: list[list], tok_name: str):
+    """Driver side: merge the per-block metadata, check it, number the documents by sorted key.
+
+    Returns the `Corpus` fields other than the tokenizer's: keys, lengths, doc_blocks, doc_offsets, block_refs
+    (flattened) and stats (without `load_s`).
+    """
+    fmt = listing.fmt
+    paths: dict[str, int] = {}
+    recs = {k: [] for k in ("path", "status", "tokens", "short")}
+    docs = {k: [] for k in ("rec", "piece", "block", "offset", "length")}
+    n_rec, n_blk, columns = 0, 0, set()
+    for meta, blocks in zip(metas, block_refs, strict=True):
+        gid = np.asarray([paths.setdefault(p, len(paths)) for p in meta["paths"]] or [0], dtype=np.int64)
+        if meta["bad_type"]:
+            raise DataError(
+                f"field {cfg.text_field!r} holds {meta['bad_type']} values, not text (in {meta['paths'][0]}); "
+                "set text_field to the field that holds the document text"
+            )
+        columns |= set(meta["columns"]) - {"path"}
+        for k in recs:
+            recs[k].append(gid[meta["rec_path"]] if k == "path" else meta[f"rec_{k}"])
+        for k in docs:
+            docs[k].append(meta[f"doc_{k}"] + {"rec": n_rec, "block": n_blk}.get(k, 0))
+        n_rec, n_blk = n_rec + len(meta["rec_status"]), n_blk + len(blocks)
+    rec = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in recs.items()}
+    doc = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in docs.items()}
+    names = list(paths)
+    row = np.zeros(n_rec, dtype=np.int64)  # record number inside its file (records arrive in file order)
+    if fmt != "text" and n_rec:
+        order = np.argsort(rec["path"], kind="stable")
+        starts = np.searchsorted(rec["path"][order], rec["path"][order], side="left")
+        row[order] = np.arange(n_rec) - starts
+
+    def base_key(r: int) -> str:
+        p = names[rec["path"][r]]
+        return p if fmt == "text" else f"{p}:{row[r] + 1}" if fmt == "jsonl" else f"{p}:{row[r]}"
+
+    def examples(mask: np.ndarray, suffix=lambda r: "") -> list[str]:
+        return sorted(base_key(r) + suffix(r) for r in np.flatnonzero(mask))[:5]
+
+    status = rec["status"]
+    no_text = status == _NO_TEXT
+    if no_text.any():
+        per_path, missing = np.bincount(rec["path"], minlength=len(names)), np.bincount(rec["path"][no_text])
+        for p in np.flatnonzero(missing == per_path[: len(missing)]):
+            raise DataError(
+                f"{names[p]}: no record has a {cfg.text_field!r} field (fields seen: {', '.join(sorted(columns))}); "
+                "set text_field to the field that holds the document text"
+            )
+    bad = (status == _BINARY) | no_text
+    if cfg.bad_files == "error" and bad.any():
+        raise DataError(
+            f"{int(bad.sum())} document(s) are binary, not valid UTF-8, or have no text: {', '.join(examples(bad))}; "
+            "remove them, or set bad_files='skip' to skip them (they are counted in Corpus.stats)"
+        )
+    if (status == _REJECT).any():
+        r = int(np.flatnonzero(status == _REJECT)[0])
+        raise DataError(
+            f"{int((status == _REJECT).sum())} document(s) exceed max_context={cfg.max_context} tokens; the first is "
+            f"{base_key(r)} with {int(rec['tokens'][r])} tokens; set over_long='split' to cut them into pieces, "
+            "over_long='drop' to skip them, or raise max_context"
+        )
+    stats = {"source": listing.source, "format": fmt, "tokenizer": tok_name}
+    stats |= {"max_context": cfg.max_context, "over_long": cfg.over_long, "files": len(listing.files)}
+    stats |= {"skipped_hidden": listing.skipped_hidden, "skipped_extension": listing.skipped_extension}
+    stats["records"] = n_rec
+    stats |= {name: int((status == s).sum()) for s, name in _REASONS.items()}
+    stats |= {"pieces_added": int(np.isin(doc["rec"], np.flatnonzero(status == _SPLIT)).sum())}
+    stats |= {"dropped_short_pieces": int(rec["short"].sum())}
+    stats |= {"documents": len(doc["rec"]), "tokens": int(doc["length"].sum()), "blocks": n_blk}
+    stats["max_doc_tokens"] = int(doc["length"].max()) if len(doc["length"]) else 0
+    kept = np.bincount(doc["rec"], minlength=n_rec)
+    ex = {name: examples(status == s) for s, name in _REASONS.items()}
+    ex["dropped_short_pieces"] = examples(rec["short"] > 0, lambda r: f"#piece{kept[r]}")
+    stats["examples"] = {k: v for k, v in ex.items() if v}
+    if not len(doc["rec"]):
+        raise DataError(
+            f"no documents left in {stats['source']} after skipping: {n_rec} read, {stats['skipped_binary']} binary, "
+            f"{stats['skipped_empty']} empty or under min_tokens={cfg.min_tokens}, {stats['skipped_no_text']} "
+            f"without text, {stats['dropped_over_long']} over max_context={cfg.max_context}; point source at text "
+            "data, or relax min_tokens / over_long"
+        )
+    rank = np.empty(len(names), dtype=np.int64)
+    rank[np.argsort(np.asarray(names, dtype=object))] = np.arange(len(names))
+    drec = doc["rec"]
+    order = np.lexsort((doc["piece"], row[drec], rank[rec["path"][drec]]))
+    split = status == _SPLIT
+    keys = [
+        base_key(r) + (f"#piece{k}" if split[r] else "") for r, k in zip(drec[order], doc["piece"][order], strict=True)
+    ]
+    return {
+        "keys": keys,
+        "lengths": doc["length"][order],
+        "doc_blocks": doc["block"][order],
+        "doc_offsets": doc["offset"][order],
+        "block_refs": [ref for blocks in block_refs for ref in blocks],
+        "stats": stats,
+    }

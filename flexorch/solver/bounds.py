@@ -1,0 +1,157 @@
+"""Proven lower bounds on a step's (or a micro-batch's) makespan under the cost model.
+
+Fixed costs. A group of type t pays O_t = b1 + latency(t) once per micro-batch (`solver.cost_model`; the latency
+term is flexorch's extension of FlexSP §4.1.2). Let O = min_t O_t (b1: single devices have no collectives) and
+e_t = O_t - O >= 0 the extra fixed cost of type t. A group of type t with load L (its sequences' times) lasts
+O + e_t + L, so a micro-batch lasts X = O + max_g (e_g + L_g): every bound below is O per micro-batch plus a
+bound on that maximum. The extra e_t counts in the wall time of each sequence on type t, t'(s, t) = t(s, t) + e_t
+(its group lasts at least that). A group pays it once, not once per sequence, so in the area it is charged to the
+group's sequences in shares that add up to at most d*e_t: by tokens, s*e_t/cap each (a group holds <= d*cap
+tokens), or by time, d*t(s, t)*e_t/(tau - e_t) each when the group's load is at most tau - e_t.
+
+Area (LP-relaxation) bound. Let a(s) = min over feasible types of d * t(s, t) + s * e_t / cap: the least
+device-time sequence s can cost, and tmin(s) = min_t t'(s, t) the least wall time it can take beyond O. In any
+plan, a micro-batch m lasts at least O + max_g (e_g + L_g), and max_g (e_g + L_g) >= (sum_g d_g (e_g + L_g)) / N
+>= (sum_{s in m} a(s)) / N, and also >= tmin(s) for every s in m. Summing over micro-batches, and since memory forces
+at least M_min = ceil(total tokens / (N * tokens_per_device)) micro-batches,
+
+    step >= M_min * O + max( sum_s a(s) / N,  max_s tmin(s) ).
+
+Memory tightens it: the micro-batch m* holding the longest-running sequence s* holds at most N*cap tokens, so
+its area A* is at most K = a(s*) + the fractional-knapsack maximum of sum a(s) over the other sequences within
+N*cap - s* tokens. Its makespan is >= O + max(tmin(s*), A*/N) and the others together >= (A - A*)/N, hence
+
+    step >= M_min * O + max( A/N,  tmin(s*) + (A - min(K, N * tmin(s*))) / N ).
+
+Latency tightens it too (a parametric area bound): a sequence that must finish within tau can only use types
+with t'(s, t) <= tau, so its least area grows as tau shrinks, a(s, tau) = min{ d*t(s,t) * tau/(tau - e_t) :
+t'(s,t) <= tau } (the time share of e_t: a group with load L <= tau - e_t covers d*(e_t + L) >= d*L*tau/(tau - e_t)).
+Every sequence of a plan of step time T finishes within tau = T - M_min*O, and the micro-batches' X - O add up to
+at most tau, so T - M_min*O >= sum_s a(s, tau) / N;
+the smallest tau with tau >= sum_s a(s, tau)/N (found by bisection: the right side falls as tau grows) gives
+
+    step >= M_min * O + tau*.
+
+The reported bound is the larger of the two. It holds for every plan, whatever its micro-batching, so the
+reported gap (plan / bound - 1) is an honest over-estimate of the distance to the optimum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from flexorch.solver.packing import GroupType
+
+__all__ = [
+    "area_and_min_time",
+    "latency_area_bound_ms",
+    "micro_batch_bound_ms",
+    "step_bound_ms",
+    "min_micro_batches",
+]
+
+
+def _extra(overheads, nt: int) -> np.ndarray:
+    """e_t = O_t - min O: each type's fixed cost above the cheapest type's (zeros when `overheads` is None)."""
+    if overheads is None:
+        return np.zeros(nt)
+    o = np.asarray(overheads, dtype=np.float64)
+    return o - o.min()
+
+
+def area_and_min_time(
+    table: np.ndarray,
+    types: list[GroupType],
+    overheads: np.ndarray | None = None,
+    lengths=None,
+    tokens_per_device: int | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per sequence: least device-time a(s) and least wall time tmin(s) over the types it fits (inf if none).
+
+    With `overheads` (per type), tmin includes each type's fixed cost above the cheapest type's, and with `lengths`
+    and `tokens_per_device` too, a(s) includes its token share of that extra cost (see above).
+    """
+    degrees = np.array([t.degree for t in types], dtype=np.float64)
+    extra = _extra(overheads, len(types))
+    areas = table * degrees[None, :]
+    if lengths is not None and tokens_per_device is not None:
+        areas = areas + np.asarray(lengths, dtype=np.float64)[:, None] * extra[None, :] / tokens_per_device
+    return np.min(areas, axis=1), np.min(table + extra[None, :], axis=1)
+
+
+def min_micro_batches(lengths, num_devices: int, tokens_per_device: int) -> int:
+    return max(1, math.ceil(int(np.sum(lengths)) / (num_devices * tokens_per_device)))
+
+
+def latency_area_bound_ms(
+    table: np.ndarray,
+    degrees: np.ndarray,
+    num_devices: int,
+    extra: np.ndarray | None = None,
+    iters: int = 60,
+) -> float:
+    """Smallest tau with tau >= sum_s a(s, tau) / N (the parametric area bound, without the base overhead O).
+
+    `extra[t]` is type t's fixed cost above the cheapest type's: it counts in a sequence's wall time on t, and in
+    its area as the time share d*t*e_t/(tau - e_t).
+    """
+    areas = table * degrees[None, :]
+    e = np.zeros(table.shape[1]) if extra is None else np.asarray(extra, dtype=np.float64)
+    wall = table + e[None, :]
+    lo = float(np.min(wall, axis=1).max())  # below this some sequence fits no group
+
+    def need(tau: float) -> float:
+        room = tau - e
+        scale = np.divide(tau, room, out=np.ones_like(room), where=room > 0)  # tau/(tau - e_t); 1 where no room
+        return float(np.where(wall <= tau, areas * scale[None, :], np.inf).min(axis=1).sum()) / num_devices
+
+    if need(lo) <= lo:
+        return lo
+    hi = max(lo, need(lo))  # at tau = need(lo) areas are no larger than at lo, so need(hi) <= hi
+    for _ in range(iters):
+        mid = 0.5 * (lo + hi)
+        if need(mid) <= mid:
+            hi = mid
+        else:
+            lo = mid
+        if hi - lo <= 1e-6 * hi:
+            break
+    # need(lo) > lo, and need falls as tau grows, so every tau <= lo is infeasible: tau* > lo (hi may exceed tau*)
+    return lo
+
+
+def micro_batch_bound_ms(table: np.ndarray, degrees: np.ndarray, num_devices: int, overheads: np.ndarray) -> float:
+    """Bound for one micro-batch whose sequences have these rows of the time table (`overheads[t]`: O_t)."""
+    o = np.asarray(overheads, dtype=np.float64)
+    return float(o.min()) + latency_area_bound_ms(table, degrees, num_devices, o - o.min())
+
+
+def step_bound_ms(
+    table: np.ndarray, types, lengths, num_devices: int, tokens_per_device: int, overheads: np.ndarray
+) -> float:
+    """Bound for a whole step (any micro-batching): the larger of the memory and the latency bounds.
+
+    `overheads[t]` is the fixed cost O_t of a group of type t per micro-batch (`solver.packing.type_overheads`).
+    """
+    degrees = np.array([t.degree for t in types], dtype=np.float64)
+    o = np.asarray(overheads, dtype=np.float64)
+    base, extra = float(o.min()), o - o.min()
+    area, tmin = area_and_min_time(table, types, o, lengths, tokens_per_device)
+    lengths = np.asarray(lengths, dtype=np.float64)
+    n = num_devices
+    m_min = min_micro_batches(lengths, n, tokens_per_device)
+    total = float(area.sum())
+    star = int(np.argmax(tmin))
+    t_star = float(tmin[star])
+    room = n * tokens_per_device - lengths[star]
+    others = np.ones(lengths.size, dtype=bool)
+    others[star] = False
+    density = area[others] / lengths[others]  # device-ms per token
+    order = np.argsort(-density, kind="stable")
+    toks = lengths[others][order]
+    fill = np.clip(room - (np.cumsum(toks) - toks), 0.0, toks)  # tokens of each item that fit (fractional)
+    k = float(area[star]) + float((density[order] * fill).sum())
+    memory = max(total / n, t_star + (total - min(k, n * t_star)) / n)
+    return m_min * base + max(memory, latency_area_bound_ms(table, degrees, n, extra))

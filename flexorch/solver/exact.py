@@ -1,0 +1,103 @@
+"""Exact plan of a small micro-batch: one binary per (sequence, group slot), solved to optimality by CBC.
+
+This is FlexSP's virtual-group formulation (§4.1.1: binary assignment A[k,p], binary group use m[p], makespan C),
+with symmetry broken by using the slots of a type in order. It is too symmetric for big micro-batches (DESIGN.md
+§2.2) but exact and fast for a handful of sequences, which is what sorted Blaster splits often produce for the
+longest sequences: the planner uses it up to `MAX_EXACT_SEQUENCES` sequences per micro-batch.
+
+    min C   s.t.  sum_{t,j} y[i,t,j] = 1                        every sequence in one group slot
+                  y[i,t,j] <= u[t,j],  u[t,j] >= u[t,j+1]        slots used in order
+                  O_t*u[t,j] + sum_i time(i,t)*y[i,t,j] <= C    group time (O_t = b1 + latency of type t)
+                  sum_i s_i*y[i,t,j] <= d_t*cap*u[t,j]          group memory
+                  sum_{t,j} d_t*u[t,j] <= N                     devices
+"""
+
+from __future__ import annotations
+
+import mip
+import numpy as np
+
+from flexorch.solver.packing import Draft, GroupType
+
+__all__ = ["MAX_EXACT_SEQUENCES", "solve_exact"]
+
+MAX_EXACT_SEQUENCES = 8
+
+
+def solve_exact(
+    items,
+    types: list[GroupType],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    *,
+    num_devices: int,
+    caps_by_type: np.ndarray,
+    overheads: np.ndarray,
+    time_limit_s: float,
+    start: Draft | None = None,
+):
+    """(draft, proven_optimal) for the micro-batch `items`, or None when CBC found nothing in time.
+
+    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
+    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`).
+    """
+    items = list(items)
+    deg = [t.degree for t in types]
+    m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
+    m.verbose = 0
+    m.threads = 1
+    slots = {t: min(len(items), num_devices // deg[t]) for t in range(len(types))}
+    u = {(t, j): m.add_var(var_type=mip.BINARY) for t in slots for j in range(slots[t])}
+    y = {}
+    for i in items:
+        for t in slots:
+            if np.isfinite(table[i, t]):
+                for j in range(slots[t]):
+                    y[i, t, j] = m.add_var(var_type=mip.BINARY)
+    c = m.add_var(lb=0.0)
+    for i in items:
+        m += mip.xsum(v for (ii, _, _), v in y.items() if ii == i) == 1
+    for (t, j), uv in u.items():
+        mine = [(i, v) for (i, tt, jj), v in y.items() if tt == t and jj == j]
+        for _, v in mine:
+            m += v <= uv
+        if j + 1 < slots[t]:
+            m += uv >= u[t, j + 1]
+        m += float(overheads[t]) * uv + mip.xsum(float(table[i, t]) * v for i, v in mine) <= c
+        m += mip.xsum(float(lengths[i]) * v for i, v in mine) <= int(caps_by_type[t]) * uv
+    m += mip.xsum(deg[t] * uv for (t, _), uv in u.items()) <= num_devices
+    m.objective = c
+    if start is not None:
+        m.start = _start_values(start, u, y, c)
+    status = m.optimize(max_seconds=time_limit_s)
+    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+        return None
+    gtype, members = [], []
+    for (t, j), uv in u.items():
+        if uv.x >= 0.5:
+            gtype.append(t)
+            members.append([i for (i, tt, jj), v in y.items() if tt == t and jj == j and v.x >= 0.5])
+    loads = np.array(
+        [overheads[t] + sum(table[i, t] for i in mem) if mem else 0.0 for t, mem in zip(gtype, members, strict=True)]
+    )
+    tokens = np.array([int(sum(lengths[i] for i in mem)) for mem in members], dtype=np.int64)
+    return Draft(gtype, members, loads, tokens), status == mip.OptimizationStatus.OPTIMAL
+
+
+def _start_values(draft: Draft, u, y, c):
+    used: dict[int, int] = {}
+    vals = []
+    for t, mem in zip(draft.group_type, draft.members, strict=True):
+        if not mem:
+            continue
+        j = used.get(t, 0)
+        used[t] = j + 1
+        if (t, j) not in u:
+            return []
+        vals.append((u[t, j], 1.0))
+        for i in mem:
+            if (i, t, j) not in y:
+                return []
+            vals.append((y[i, t, j], 1.0))
+    vals.append((c, float(draft.makespan())))
+    return vals

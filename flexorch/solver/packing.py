@@ -1,0 +1,242 @@
+"""Packing sequences into a fixed set of SP groups, improving it by local moves, and laying groups out on ranks.
+
+These are the heuristics every planner shares: the static baselines (one degree for all groups) and the MILP
+planner (a mix of degrees chosen by the MILP) both call `lpt_pack` and `improve`, so their comparison measures the
+choice of groups, not different packers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexorch.solver.cost_model import KINDS, RING, ULYSSES, group_overhead_ms, kind_allowed, seq_times_ms
+from flexorch.solver.plan import Group
+from flexorch.solver.profiles import Profile
+
+__all__ = [
+    "GroupType",
+    "group_types",
+    "time_table",
+    "type_caps",
+    "type_overheads",
+    "Draft",
+    "lpt_pack",
+    "pack",
+    "improve",
+    "improve_step",
+    "layout_groups",
+]
+
+
+@dataclass(frozen=True)
+class GroupType:
+    degree: int
+    kind: str
+
+
+def group_types(num_devices: int, profile: Profile, kinds=KINDS) -> list[GroupType]:
+    """Every (degree, kind) a group can have on N devices: powers of two <= N; degree 1 needs no comm (ulysses)."""
+    out = []
+    d = 1
+    while d <= num_devices:
+        for kind in kinds:
+            if d == 1 and kind == RING:
+                continue
+            if d == 1 and ULYSSES not in kinds:
+                out.append(GroupType(1, ULYSSES))
+                continue
+            if kind_allowed(kind, d, profile):
+                out.append(GroupType(d, kind))
+        d *= 2
+    return out
+
+
+def type_caps(types: list[GroupType], profile: Profile) -> np.ndarray:
+    """C[t]: tokens a group of type t holds in one micro-batch (``Profile.group_token_cap``: a Ulysses group holds
+    a little less per device than a ring group of the same degree)."""
+    return np.array([profile.group_token_cap(t.kind, t.degree) for t in types], dtype=np.int64)
+
+
+def time_table(lengths: np.ndarray, types: list[GroupType], profile: Profile) -> np.ndarray:
+    """T[i, t]: ms of sequence i alone on a group of type t; inf where the group cannot hold it."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    table = np.empty((lengths.size, len(types)))
+    caps = type_caps(types, profile)
+    for j, t in enumerate(types):
+        col = seq_times_ms(lengths, t.degree, t.kind, profile)
+        table[:, j] = np.where(lengths <= caps[j], col, np.inf)
+    return table
+
+
+def type_overheads(types: list[GroupType], profile: Profile) -> np.ndarray:
+    """O[t]: fixed ms a group of type t pays once per micro-batch (b1 + its collective latency), like `table[:, t]`."""
+    return np.array([group_overhead_ms(t.degree, t.kind, profile) for t in types], dtype=np.float64)
+
+
+@dataclass
+class Draft:
+    """A mutable assignment of one micro-batch's sequences (local indices) to groups of given types."""
+
+    group_type: list[int]
+    members: list[list[int]]
+    loads: np.ndarray
+    tokens: np.ndarray
+
+    def makespan(self) -> float:
+        return float(self.loads.max()) if self.loads.size else 0.0
+
+
+def lpt_pack(
+    items,
+    group_type: list[int],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    caps: np.ndarray,
+    overheads: np.ndarray,
+    best_fit: bool = False,
+) -> Draft | None:
+    """Longest-processing-time first: each item to the group where it would finish earliest, memory permitting.
+
+    `caps[g]` is group g's token capacity; `overheads[t]` the fixed cost of a group of type t (`type_overheads`),
+    paid by a group once it holds a sequence. With `best_fit`, memory comes first (best-fit decreasing by tokens,
+    for batches that nearly fill the devices; `improve` then balances time). Returns None when an item fits no
+    group.
+    """
+    ng = len(group_type)
+    gt = np.asarray(group_type, dtype=np.int64)
+    loads = np.zeros(ng)
+    tokens = np.zeros(ng, dtype=np.int64)
+    members: list[list[int]] = [[] for _ in range(ng)]
+    fixed = np.asarray(overheads, dtype=np.float64)[gt]
+    items = list(items)
+    if not items:
+        return Draft(list(group_type), members, loads, tokens)
+    if best_fit:  # memory first: longest first into the fullest group that still has room
+        key = lengths[items].astype(np.float64)
+    else:
+        key = np.min(table[items][:, np.unique(gt)], axis=1)
+    for i in [items[j] for j in np.argsort(-key, kind="stable")]:
+        t = table[i, gt]
+        finish = loads + t + np.where(tokens == 0, fixed, 0.0)
+        fits = (tokens + lengths[i] <= caps) & np.isfinite(t)
+        if best_fit:
+            if not fits.any():
+                return None
+            room = (caps - tokens - lengths[i]).astype(np.float64)
+            tie = np.where(fits, finish, 0.0) / (1.0 + finish[fits].max())  # in [0, 1): least load breaks ties
+            score = np.where(fits, room + tie, np.inf)
+        else:
+            score = np.where(fits, finish, np.inf)
+        g = int(np.argmin(score))
+        if not np.isfinite(score[g]):
+            return None
+        loads[g] = finish[g]
+        tokens[g] += lengths[i]
+        members[g].append(i)
+    return Draft(list(group_type), members, loads, tokens)
+
+
+def pack(items, group_type, table, lengths, caps, overheads) -> Draft | None:
+    """LPT, or best-fit decreasing when LPT leaves some sequence without memory room."""
+    draft = lpt_pack(items, group_type, table, lengths, caps, overheads)
+    if draft is None:
+        draft = lpt_pack(items, group_type, table, lengths, caps, overheads, best_fit=True)
+    return draft
+
+
+def improve(
+    draft: Draft,
+    table: np.ndarray,
+    lengths: np.ndarray,
+    caps: np.ndarray,
+    overheads: np.ndarray,
+    max_moves: int = 200,
+) -> Draft:
+    """Move sequences off the slowest group while that lowers the pair's maximum (a 1-move local search)."""
+    improve_step([draft], [caps], table, lengths, overheads, max_moves)
+    return draft
+
+
+def improve_step(
+    drafts: list[Draft],
+    caps: list[np.ndarray],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    overheads: np.ndarray,
+    max_moves: int = 400,
+) -> list[Draft]:
+    """Local search over a whole step: the objective is the sum of the micro-batches' makespans.
+
+    A move takes one sequence off the slowest group of some micro-batch X and puts it in a group h (of X or of
+    another micro-batch Y) with memory room, when that strictly lowers the critical group's time and does not
+    raise any micro-batch's makespan (in X: h ends below X's old makespan; in Y: h ends within Y's makespan).
+    Each move lowers the sum or the critical load, so the search ends; drafts are changed in place. A group's
+    load includes its type's fixed cost `overheads[t]` while it holds a sequence.
+    """
+    mb_of = np.concatenate([np.full(len(d.group_type), m) for m, d in enumerate(drafts)])
+    gtype = np.concatenate([np.asarray(d.group_type, dtype=np.int64) for d in drafts])
+    loads = np.concatenate([d.loads for d in drafts])
+    tokens = np.concatenate([d.tokens for d in drafts])
+    cap = np.concatenate(caps)
+    fixed = np.asarray(overheads, dtype=np.float64)[gtype]
+    members = [m for d in drafts for m in d.members]
+    nmb = len(drafts)
+    stuck = np.zeros(nmb, dtype=bool)
+    for _ in range(max_moves):
+        span = np.array([loads[mb_of == m].max() for m in range(nmb)])
+        cands = np.flatnonzero(~stuck)
+        if cands.size == 0:
+            break
+        x = int(cands[np.argmax(span[cands])])
+        in_x = np.flatnonzero(mb_of == x)
+        g = int(in_x[np.argmax(loads[in_x])])
+        limit = span[mb_of]  # a target group may end at most at its micro-batch's makespan ...
+        limit = np.where(mb_of == x, span[x] - 1e-9, limit + 1e-9)  # ... strictly below it in X
+        best = None
+        for i in members[g]:
+            left = loads[g] - table[i, gtype[g]] - (fixed[g] if len(members[g]) == 1 else 0.0)
+            new = loads + table[i, gtype] + np.where(tokens == 0, fixed, 0.0)
+            ok = (tokens + lengths[i] <= cap) & (new <= limit)
+            ok[g] = False
+            # same micro-batch: the pair's max must drop below the old makespan
+            score = np.where(mb_of == x, np.maximum(new, left), new - span[mb_of] + left)
+            score = np.where(ok, score, np.inf)
+            h = int(np.argmin(score))
+            if np.isfinite(score[h]) and left < loads[g] - 1e-9 and (best is None or score[h] < best[0]):
+                best = (score[h], i, h, left, new[h])
+        if best is None:
+            stuck[x] = True
+            continue
+        stuck[:] = False
+        _, i, h, left, newh = best
+        members[g].remove(i)
+        members[h].append(i)
+        loads[g] = left if members[g] else 0.0
+        tokens[g] -= lengths[i]
+        loads[h] = newh
+        tokens[h] += lengths[i]
+    start = 0
+    for d in drafts:
+        k = len(d.group_type)
+        d.loads, d.tokens = loads[start : start + k].copy(), tokens[start : start + k].copy()
+        d.members = members[start : start + k]
+        start += k
+    return drafts
+
+
+def layout_groups(draft: Draft, types: list[GroupType], seq_ids) -> list[Group]:
+    """Aligned rank blocks: groups sorted by degree (largest first) take consecutive ranks from 0.
+
+    With power-of-two sizes in descending order every block starts at a multiple of its own size.
+    Empty groups are dropped (their devices idle this micro-batch).
+    """
+    seq_ids = list(seq_ids)
+    live = [(types[t], m) for t, m in zip(draft.group_type, draft.members, strict=True) if m]
+    live.sort(key=lambda x: -x[0].degree)
+    out, rank = [], 0
+    for t, m in live:
+        out.append(Group(t.degree, t.kind, tuple(range(rank, rank + t.degree)), tuple(seq_ids[i] for i in m)))
+        rank += t.degree
+    return out

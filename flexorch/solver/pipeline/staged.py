@@ -1,0 +1,208 @@
+"""A pipelined step for the workers alive now: which ranks form which stage, and the step's pipeline plan.
+
+``pipeline_stages = P`` puts ``d = n // P`` workers on each stage (SP inside a stage, Ulysses); stage r is ranks
+``[r*d, (r+1)*d)`` and the ``n - P*d`` ranks left over sit the step out (they still take part in the gradient
+all-reduce and keep a replica, so they are ready when the next membership change needs them).
+``pipeline_stages = "auto"`` tries every power-of-two split (``flexorch.solver.pipeline.plan.plan_best_layout``). Because
+this runs every step for the ranks alive now, a worker lost or joined changes the stage mapping at the next plan:
+nothing else is kept per stage.
+
+:meth:`StagedPlan.to_dict` is the ``pipeline`` section of a step record (``flexorch.records.schema``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.pipeline.plan import (
+    PipelinePlan,
+    packed_1f1b_units,
+    plan_best_layout,
+    plan_fully_checkpointed,
+    plan_pipeline,
+    plan_units,
+)
+from flexorch.solver.pipeline.plan import seq1f1b_units as _seq1f1b_units
+from flexorch.solver.pipeline.stage_model import StageModel, stage_layers
+from flexorch.solver.profiles import Profile
+
+__all__ = [
+    "StagedPlan",
+    "plan_staged",
+    "fallback_staged",
+    "pipeline_baselines",
+    "pipeline_baselines_ms",
+    "check_pipeline_stages",
+]
+
+
+@dataclass(frozen=True)
+class StagedPlan:
+    plan: PipelinePlan
+    degree: int
+    """Workers per stage."""
+    num_devices: int
+    """Ranks in the world (``stages * degree`` of them run stages)."""
+    layers: tuple[int, ...]
+    """Decoder layers of each stage."""
+
+    @property
+    def stages(self) -> int:
+        return self.plan.stages
+
+    @property
+    def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
+        d = self.degree
+        return tuple(tuple(range(r * d, (r + 1) * d)) for r in range(self.stages))
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.plan.makespan_ms
+
+    def shape(self) -> str:
+        b2b = f" · {len(self.plan.pipelines)} back-to-back" if len(self.plan.pipelines) > 1 else ""
+        return f"pp {self.stages}x{self.degree} · {len(self.plan.units)} units{b2b}"
+
+    def to_dict(self) -> dict:
+        units, ckpt, ops = [], [[] for _ in range(self.stages)], []
+        offset_ms, base = 0.0, 0
+        for pi, pipe in enumerate(self.plan.pipelines):
+            for u in pipe.units:
+                units.append(
+                    {
+                        "chain": u.chain,
+                        "pipeline": pi,
+                        "tokens": u.tokens,
+                        "pieces": [[p.seq, p.start, p.end] for p in u.pieces],
+                    }
+                )
+            for r in range(self.stages):
+                ckpt[r] += list(pipe.checkpointed[r])
+            for t in pipe.run.timings:
+                ops.append(
+                    {
+                        "stage": t.stage,
+                        "kind": t.op.kind,
+                        "unit": base + t.op.unit,
+                        "start_ms": offset_ms + t.start_ms,
+                        "end_ms": offset_ms + t.end_ms,
+                    }
+                )
+            offset_ms += pipe.run.makespan_ms
+            base += len(pipe.units)
+        return {
+            "stages": self.stages,
+            "degree": self.degree,
+            "layers": list(self.layers),
+            "stage_ranks": [list(rs) for rs in self.stage_ranks],
+            "granularity": self.plan.granularity,
+            "bubble_share": self.plan.bubble_share,
+            "peak_bytes": list(self.plan.peak_bytes),
+            "units": units,
+            "checkpointed": ckpt,
+            "ops": ops,
+        }
+
+
+def check_pipeline_stages(stages: int | str, num_devices: int, num_layers: int, num_heads: int) -> None:
+    """Refuse a stage count no world of ``num_devices`` can run, saying what to change."""
+    if stages == "auto":
+        return
+    stage_layers(num_layers, stages)  # more stages than layers: its own error
+    if num_devices < stages:
+        raise InfeasibleBatchError(
+            f"pipeline_stages = {stages} needs at least {stages} workers, {num_devices} are alive; add workers or "
+            "lower pipeline_stages (or set it to 'auto')"
+        )
+    d = num_devices // stages
+    if num_heads % d:
+        raise InfeasibleBatchError(
+            f"pipeline_stages = {stages} on {num_devices} workers puts {d} workers on a stage (Ulysses SP inside "
+            f"the stage), but the model's {num_heads} heads are not divisible by {d}; choose pipeline_stages so "
+            "that workers // stages divides the heads, or 'auto'"
+        )
+
+
+def plan_staged(
+    lengths, num_devices: int, profile: Profile, stages: int | str, *, time_limit_s: float = 1.0
+) -> StagedPlan:
+    """The step's pipeline plan on ``num_devices`` ranks: ``stages`` fixed (``d = n // stages`` per stage) or
+    ``"auto"`` (the fastest simulated split whose degree divides the heads). Raises InfeasibleBatchError when no
+    checkpointing lets the batch fit."""
+    check_pipeline_stages(stages, num_devices, profile.num_layers, profile.num_heads)
+    try:
+        if stages == "auto":
+            layouts = [
+                (p, num_devices // p)
+                for p in _powers_of_two(num_devices)
+                if 2 <= p <= profile.num_layers and profile.num_heads % (num_devices // p) == 0
+            ]
+            if not layouts:
+                raise InfeasibleBatchError(
+                    f"pipeline_stages = 'auto' found no split of {num_devices} workers into 2 to "
+                    f"{profile.num_layers} stages whose workers per stage divide the {profile.num_heads} heads"
+                )
+            plan, p, d = plan_best_layout(lengths, num_devices, profile, time_limit_s=time_limit_s, layouts=layouts)
+        else:
+            p, d = stages, num_devices // stages
+            plan = plan_pipeline(lengths, p, profile, degree=d, time_limit_s=time_limit_s)
+    except ValueError as e:
+        if isinstance(e, InfeasibleBatchError):
+            raise
+        raise InfeasibleBatchError(str(e)) from None
+    return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
+
+
+def fallback_staged(lengths, num_devices: int, profile: Profile, stages: int | str) -> StagedPlan:
+    """Without any MILP (the planner actor is stuck): ``stages`` (2 for 'auto') stages, granularity P, every layer
+    checkpointed (``flexorch.solver.pipeline.plan.plan_fully_checkpointed``)."""
+    p = 2 if stages == "auto" else stages
+    check_pipeline_stages(p, num_devices, profile.num_layers, profile.num_heads)
+    d = num_devices // p
+    try:
+        plan = plan_fully_checkpointed(lengths, p, profile, degree=d)
+    except ValueError as e:
+        raise InfeasibleBatchError(str(e)) from None
+    return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
+
+
+def _powers_of_two(n: int) -> list[int]:
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
+
+
+def pipeline_baselines(
+    lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
+) -> dict[str, PipelinePlan | None]:
+    """The step's baselines on the same stages: plain 1F1B (packed micro-batches, no splitting) and Seq1F1B (those
+    micro-batches in k equal-FLOP segments each), each with the fastest of P, 2P and 4P micro-batches and the same
+    checkpointing ILP; None where no micro-batch count fits."""
+    model = StageModel(profile, staged.stages, staged.degree)
+    p = staged.stages
+    out: dict[str, PipelinePlan | None] = {}
+    for name, make in (
+        ("1f1b", lambda m: packed_1f1b_units(lengths, m, profile.a1_ms, profile.a2_ms)),
+        (f"seq1f1b-{k}", lambda m: _seq1f1b_units(lengths, m, k, profile.a1_ms, profile.a2_ms)),
+    ):
+        best = None
+        for m in sorted({min(f * p, len(lengths)) for f in (1, 2, 4)}):
+            try:
+                plan = plan_units(model, make(m), m, time_limit_s)
+            except ValueError:
+                continue
+            if best is None or plan.makespan_ms < best.makespan_ms:
+                best = plan
+        out[name] = best
+    return out
+
+
+def pipeline_baselines_ms(
+    lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
+) -> dict[str, float | None]:
+    """Predicted step time of each of :func:`pipeline_baselines` (None where memory cannot fit)."""
+    plans = pipeline_baselines(lengths, staged, profile, k=k, time_limit_s=time_limit_s)
+    return {name: None if p is None else p.makespan_ms for name, p in plans.items()}

@@ -1,0 +1,173 @@
+"""The per-step plan: a frozen value that validates itself on construction and never touches a process group.
+
+A `Plan` splits one step's global batch into micro-batches; each micro-batch splits the N devices into SP groups
+(aligned blocks of consecutive ranks, power-of-two sizes) and assigns every sequence of the batch to exactly one
+group of one micro-batch. Workers and the driver only consume plans.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from flexorch.solver.cost_model import KINDS, ULYSSES, min_degree
+from flexorch.solver.errors import InvalidPlanError
+from flexorch.solver.profiles import Profile
+
+__all__ = ["Group", "MicroBatch", "Plan", "shape_string"]
+
+
+@dataclass(frozen=True)
+class Group:
+    """One SP group in one micro-batch."""
+
+    degree: int
+    """SP degree d: the number of devices that work on each of this group's sequences together."""
+    kind: str
+    """Attention method: 'ulysses' (all-to-all, heads sharded) or 'ring' (zigzag ring attention)."""
+    ranks: tuple[int, ...]
+    """The devices (ranks in the current world): an aligned block, ranks[0] % degree == 0, consecutive."""
+    seq_ids: tuple[int, ...]
+    """Indices into the step's batch of the sequences this group runs, in execution order."""
+
+    def __post_init__(self) -> None:
+        d = self.degree
+        if not isinstance(d, int) or d < 1 or d & (d - 1):
+            raise InvalidPlanError(f"group degree must be a power of two >= 1, got {d!r}")
+        if self.kind not in KINDS:
+            raise InvalidPlanError(f"group kind must be one of {KINDS}, got {self.kind!r}")
+        r = self.ranks
+        if len(r) != d or r[0] % d or any(r[i] != r[0] + i for i in range(d)):
+            raise InvalidPlanError(f"group ranks {r} are not an aligned block of {d} consecutive ranks")
+        if not self.seq_ids:
+            raise InvalidPlanError(f"group on ranks {r[0]}..{r[-1]} has no sequence (drop empty groups)")
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """The groups that run side by side in one micro-batch; each device is in at most one group."""
+
+    groups: tuple[Group, ...]
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise InvalidPlanError("a micro-batch needs at least one group")
+        seen: set[int] = set()
+        for g in self.groups:
+            clash = seen.intersection(g.ranks)
+            if clash:
+                raise InvalidPlanError(f"ranks {sorted(clash)} are in two groups of one micro-batch")
+            seen.update(g.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One step: micro-batches run one after another, gradients accumulate across them."""
+
+    num_devices: int
+    """N: the devices (workers) alive for this step; ranks are 0..N-1."""
+    seq_lengths: tuple[int, ...]
+    """Token count of every sequence of the step's batch; `seq_ids` index this tuple."""
+    micro_batches: tuple[MicroBatch, ...]
+    """Executed in order."""
+    tokens_per_device: int
+    """Memory limit: a group of degree d holds at most d * tokens_per_device tokens in one micro-batch (a Ulysses
+    group less: ``ulysses_tokens_per_device``)."""
+    num_heads: int
+    """Query heads of the model: a Ulysses group's degree must divide it."""
+    ulysses_tokens_per_device: dict[int, int] = field(default_factory=dict, compare=False, hash=False)
+    """Per-device limit of a Ulysses group by degree, where its all-to-all copies make it below
+    ``tokens_per_device`` (``Profile.local_token_cap``); degrees not listed use ``tokens_per_device``."""
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    """Free-form provenance (planner name, solver status); not validated, not compared."""
+
+    def __post_init__(self) -> None:
+        n = self.num_devices
+        if not isinstance(n, int) or n < 1:
+            raise InvalidPlanError(f"num_devices must be a positive integer, got {n!r}")
+        k = len(self.seq_lengths)
+        if k == 0:
+            raise InvalidPlanError("a plan needs at least one sequence")
+        counts = [0] * k
+        for mi, mb in enumerate(self.micro_batches):
+            for g in mb.groups:
+                if g.ranks[-1] >= n:
+                    raise InvalidPlanError(f"micro-batch {mi}: group ranks {g.ranks} exceed N={n} devices")
+                if g.kind == ULYSSES and self.num_heads % g.degree:
+                    raise InvalidPlanError(
+                        f"micro-batch {mi}: Ulysses group of degree {g.degree} does not divide "
+                        f"num_heads={self.num_heads} (use ring attention or a smaller degree)"
+                    )
+                tokens = 0
+                for sid in g.seq_ids:
+                    if not 0 <= sid < k:
+                        raise InvalidPlanError(f"micro-batch {mi}: seq_id {sid} outside the batch of {k}")
+                    counts[sid] += 1
+                    s = self.seq_lengths[sid]
+                    need = min_degree(s, self.tokens_per_device)
+                    if g.degree < need:
+                        raise InvalidPlanError(
+                            f"micro-batch {mi}: sequence {sid} of {s} tokens needs degree >= {need} "
+                            f"({self.tokens_per_device} tokens per device), got degree {g.degree}"
+                        )
+                    tokens += s
+                per_device = self.tokens_per_device
+                if g.kind == ULYSSES:
+                    per_device = self.ulysses_tokens_per_device.get(g.degree, per_device)
+                cap = g.degree * per_device
+                if tokens > cap:
+                    raise InvalidPlanError(
+                        f"micro-batch {mi}: group on ranks {g.ranks[0]}..{g.ranks[-1]} holds {tokens} tokens, "
+                        f"over its memory budget of {cap} ({g.degree} x {per_device})"
+                    )
+        missing = [i for i, c in enumerate(counts) if c == 0]
+        twice = [i for i, c in enumerate(counts) if c > 1]
+        if missing or twice:
+            raise InvalidPlanError(
+                f"every sequence must run exactly once: missing {missing[:10]}"
+                f"{'...' if len(missing) > 10 else ''}, more than once {twice[:10]}"
+            )
+
+    def shape(self) -> str:
+        """Compact shape such as '<32, 16, 8x2> | <1x64>' (group degrees per micro-batch)."""
+        return " | ".join(shape_string([g.degree for g in mb.groups]) for mb in self.micro_batches)
+
+    def to_dict(self) -> dict:
+        return {
+            "num_devices": self.num_devices,
+            "micro_batches": [
+                [
+                    {
+                        "degree": g.degree,
+                        "kind": g.kind,
+                        "ranks": list(g.ranks),
+                        "seq_lengths": [self.seq_lengths[i] for i in g.seq_ids],
+                        "seq_ids": list(g.seq_ids),
+                    }
+                    for g in mb.groups
+                ]
+                for mb in self.micro_batches
+            ],
+        }
+
+    @classmethod
+    def for_profile(cls, *, num_devices: int, seq_lengths, micro_batches, profile: Profile, meta=None) -> Plan:
+        return cls(
+            num_devices=num_devices,
+            seq_lengths=tuple(int(s) for s in seq_lengths),
+            micro_batches=tuple(micro_batches),
+            tokens_per_device=profile.tokens_per_device,
+            num_heads=profile.num_heads,
+            ulysses_tokens_per_device={
+                d: profile.local_token_cap(ULYSSES, d) for d in (2**i for i in range(1, num_devices.bit_length()))
+            },
+            meta=dict(meta or {}),
+        )
+
+
+def shape_string(degrees) -> str:
+    """'<32, 16, 8x2>' for degrees [32, 16, 8, 8]: descending, repeats folded."""
+    out: list[str] = []
+    for d in sorted(set(degrees), reverse=True):
+        c = list(degrees).count(d)
+        out.append(f"{d}x{c}" if c > 1 else f"{d}")
+    return "<" + ", ".join(out) + ">"

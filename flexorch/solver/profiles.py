@@ -1,0 +1,284 @@
+"""Cost-model profiles: the constants of FlexSP's time and memory model (arXiv 2412.01523, §4.1.2).
+
+A profile describes one model on one kind of hardware. The built-in profiles carry the constants published with
+FlexSP's release (A100-40GB, GPT-7B/13B/30B); a profile measured on other hardware is loaded from a JSON file
+with the same field names (see `examples/profiles/`), or fitted from timings by `solver.calibration`.
+
+The per-degree collective latency tables (`a2a_latency_ms`, `p2p_latency_ms`) are flexorch's extension of FlexSP's
+model: FlexSP folds every fixed cost into one b1, but on CPU workers over gloo each collective costs ~1-2 ms
+whatever its size (DESIGN.md §7), so a group's fixed cost depends on its degree and attention kind.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+from flexorch.solver.errors import ProfileError
+
+__all__ = ["Profile", "BUILTIN_PROFILES", "get_profile", "load_profile", "profile_names"]
+
+# FlexSP release, A100-40GB, NVLink inside a node of 8 and InfiniBand across nodes: all-to-all bandwidth (GB/s)
+# measured per group size d; it collapses once a group spans nodes (d >= 16).
+_A100_A2A_GBPS = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
+_DEGREE_TABLES = ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
+
+
+def _lookup(table: dict[int, float], d: int) -> float:
+    """table[d]; a degree not measured takes the nearest larger measured degree, beyond the table the largest."""
+    if d in table:
+        return table[d]
+    larger = [k for k in table if k >= d]
+    return table[min(larger)] if larger else table[max(table)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Profile:
+    """Constants of the time/memory model for one model on one hardware kind."""
+
+    name: str
+    """Identifier shown in reports."""
+    a1_ms: float
+    """Quadratic (causal attention) compute coefficient, ms per token^2 on one device, fwd+bwd, all layers."""
+    a2_ms: float
+    """Linear compute coefficient (everything but attention scores), ms per token on one device."""
+    b1_ms: float
+    """Fixed overhead once per SP group per micro-batch (launch, sync, optimizer share), ms."""
+    act_bytes_per_token: float
+    """Activation memory per token held on a device, bytes (all layers)."""
+    memory_budget_bytes: float
+    """Per-device memory available to the step (activations plus `model_state_bytes`), bytes."""
+    model_state_bytes: float = 0.0
+    """Per-device memory for parameters/gradients/optimizer that does not depend on the plan, bytes."""
+    num_layers: int
+    """Transformer layers L (communication volume scales with it)."""
+    hidden: int
+    """Hidden size h."""
+    num_heads: int
+    """Query heads; Ulysses at degree d needs num_heads % d == 0."""
+    num_kv_heads: int
+    """Key/value heads (GQA); ring attention moves only these."""
+    a2a_gbps: dict[int, float] = field(default_factory=dict)
+    """All-to-all bandwidth per device in GB/s for a group of d devices (keys: powers of two >= 2)."""
+    p2p_gbps: dict[int, float] = field(default_factory=dict)
+    """Point-to-point bandwidth for a ring of d devices in GB/s; defaults to `a2a_gbps` when empty."""
+    bytes_per_element: int = 2
+    """Activation element size on the wire (2 for bf16)."""
+    a2a_latency_ms: dict[int, float] = field(default_factory=dict)
+    """Fixed latency (ms) a Ulysses group of d devices pays once per micro-batch for all its all-to-alls (4 per layer
+    forward + 4 backward, all layers), whatever its tokens; keys: powers of two >= 2. Empty: 0 for every d."""
+    head_bytes_per_token: float = 0.0
+    """The part of ``act_bytes_per_token`` the LM head and the loss hold (the fp32 log-softmax of the logits,
+    ``vocab * 4`` bytes): in a pipeline only the last stage holds it, and checkpointing cannot drop it. 0: spread
+    over the layers like the rest."""
+    p2p_latency_ms: dict[int, float] = field(default_factory=dict)
+    """Fixed latency (ms) a ring group of d devices pays once per micro-batch for all its K/V exchanges (d-1 per
+    layer forward, ~d backward), whatever its tokens; defaults to `a2a_latency_ms` when empty (like `p2p_gbps`)."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in ("a1_ms", "a2_ms", "b1_ms", "act_bytes_per_token", "memory_budget_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+                problems.append(f"{f} must be a finite number >= 0, got {v!r}")
+        if not isinstance(self.head_bytes_per_token, int | float) or not (
+            0 <= self.head_bytes_per_token < self.act_bytes_per_token
+        ):
+            problems.append(
+                f"head_bytes_per_token must be >= 0 and below act_bytes_per_token, got {self.head_bytes_per_token!r}"
+            )
+        if self.act_bytes_per_token <= 0:
+            problems.append(f"act_bytes_per_token must be > 0, got {self.act_bytes_per_token!r}")
+        for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "bytes_per_element"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                problems.append(f"{f} must be a positive integer, got {v!r}")
+        if not problems and self.num_heads % self.num_kv_heads:
+            problems.append(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        if not problems and self.hidden % self.num_heads:
+            problems.append(f"hidden={self.hidden} must be a multiple of num_heads={self.num_heads}")
+        if self.memory_budget_bytes <= self.model_state_bytes:
+            problems.append(
+                f"memory_budget_bytes={self.memory_budget_bytes:.3g} leaves nothing for activations after "
+                f"model_state_bytes={self.model_state_bytes:.3g}"
+            )
+        for table in _DEGREE_TABLES:
+            values = getattr(self, table)
+            if not isinstance(values, dict):
+                problems.append(f"{table} must be a mapping {{group size: value}}, got {type(values).__name__}")
+                continue
+            for d, v in values.items():
+                if not isinstance(d, int) or isinstance(d, bool) or d < 2 or d & (d - 1):
+                    problems.append(f"{table} keys must be powers of two >= 2, got {d!r}")
+                elif table.endswith("_gbps") and (not isinstance(v, int | float) or not v > 0):
+                    problems.append(f"{table}[{d}] must be a bandwidth > 0 GB/s, got {v!r}")
+                elif table.endswith("_ms") and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
+                    problems.append(f"{table}[{d}] must be a latency >= 0 ms, got {v!r}")
+        if not self.a2a_gbps:
+            problems.append("a2a_gbps needs at least one entry (GB/s per group size d)")
+        if problems:
+            raise ProfileError(f"profile {self.name!r} is invalid: " + "; ".join(problems))
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.num_heads
+
+    @property
+    def tokens_per_device(self) -> int:
+        """Tokens of activations one device holds within its budget (the unit of SP memory): the most a device of
+        any group holds (one device, or a ring group); a Ulysses group of degree d > 1 holds
+        ``local_token_cap("ulysses", d)`` per device, a little less."""
+        return int((self.memory_budget_bytes - self.model_state_bytes) // self.act_bytes_per_token)
+
+    def ulysses_extra_bytes_per_token(self, degree: int) -> float:
+        """Bytes a device of a Ulysses group of ``degree`` holds per local token beyond ``act_bytes_per_token``
+        (measured on one device), in every layer: the attention output in head shards ``(s, h/d, hd)`` is saved
+        by the attention kernel and its all-to-all back ``(s/d, h, hd)`` by the output projection, two storages
+        where one device has one (``hidden`` elements); and K/V heads replicated to ``lcm(kv_heads, d)`` when d
+        does not divide them hold ``lcm(kv_heads, d) - kv_heads`` more heads each (``flexorch/workers/attention/ulysses.py``).
+        Measured on the default CPU model: +512 bytes/token at d = 2 and +1,024 at d = 4, exactly this."""
+        if degree <= 1:
+            return 0.0
+        replicated = math.lcm(self.num_kv_heads, degree) - self.num_kv_heads
+        per_layer = self.hidden + 2 * replicated * self.head_dim
+        return float(self.num_layers * per_layer * self.bytes_per_element)
+
+    def act_bytes_per_local_token(self, kind: str, degree: int) -> float:
+        """Activation bytes a device of a group of ``kind`` (``"ulysses"``/``"ring"``) and ``degree`` holds per token
+        of its shard (FlexSP's memory term ``s / d * act_per_token``, with Ulysses's all-to-all copies)."""
+        extra = self.ulysses_extra_bytes_per_token(degree) if kind == "ulysses" else 0.0
+        return self.act_bytes_per_token + extra
+
+    def local_token_cap(self, kind: str, degree: int) -> int:
+        """Tokens one device of a ``kind`` group of ``degree`` holds within its budget."""
+        room = self.memory_budget_bytes - self.model_state_bytes
+        return int(room // self.act_bytes_per_local_token(kind, degree))
+
+    def group_token_cap(self, kind: str, degree: int) -> int:
+        """Tokens a ``kind`` group of ``degree`` devices holds in one micro-batch: ``degree * local_token_cap``."""
+        return degree * self.local_token_cap(kind, degree)
+
+    def bandwidth_gbps(self, d: int, *, ring: bool = False) -> float:
+        """Bandwidth for a group of d devices; sizes not measured use the nearest larger (beyond: largest) size."""
+        table = (self.p2p_gbps or self.a2a_gbps) if ring else self.a2a_gbps
+        return _lookup(table, d)
+
+    def latency_ms(self, d: int, *, ring: bool = False) -> float:
+        """Collective latency per micro-batch of a group of d devices (0 for d == 1 or empty tables).
+
+        A degree not measured takes the nearest larger measured degree (latency grows with d, so this errs on the
+        slow side), beyond the table the largest measured one, as for the bandwidth tables.
+        """
+        table = (self.p2p_latency_ms or self.a2a_latency_ms) if ring else self.a2a_latency_ms
+        if d <= 1 or not table:
+            return 0.0
+        return _lookup(table, d)
+
+    def to_json(self) -> str:
+        data = asdict(self)
+        for table in _DEGREE_TABLES:
+            data[table] = {str(k): v for k, v in sorted(getattr(self, table).items())}
+        return json.dumps(data, indent=2)
+
+    def with_overrides(self, **changes) -> Profile:
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data.update(changes)
+        return Profile(**data)
+
+
+BUILTIN_PROFILES: dict[str, Profile] = {
+    p.name: p
+    for p in (
+        # FlexSP release constants (DESIGN.md §2.1). FlexSP's 28 GB budget (of 40 GB) is the activation budget:
+        # model states are sharded (ZeRO-3) into the rest, so model_state_bytes is 0 here.
+        Profile(
+            name="gpt-7b-a100",
+            a1_ms=5.128e-6,
+            a2_ms=0.18396,
+            b1_ms=629.36,
+            act_bytes_per_token=4.48e6,
+            memory_budget_bytes=28e9,
+            num_layers=32,
+            hidden=4096,
+            num_heads=32,
+            num_kv_heads=32,
+            a2a_gbps=_A100_A2A_GBPS,
+        ),
+        Profile(
+            name="gpt-13b-a100",
+            a1_ms=9.2852e-6,
+            a2_ms=0.30602,
+            b1_ms=1132.56,
+            act_bytes_per_token=4.22e6,
+            memory_budget_bytes=28e9,
+            num_layers=40,
+            hidden=5120,
+            num_heads=40,
+            num_kv_heads=40,
+            a2a_gbps=_A100_A2A_GBPS,
+        ),
+        Profile(
+            name="gpt-30b-a100",
+            a1_ms=15.4262e-6,
+            a2_ms=0.80357,
+            b1_ms=2789.36,
+            act_bytes_per_token=3.42e6,
+            memory_budget_bytes=28e9,
+            num_layers=60,
+            hidden=6656,
+            num_heads=52,
+            num_kv_heads=52,
+            a2a_gbps=_A100_A2A_GBPS,
+        ),
+    )
+}
+
+
+def profile_names() -> list[str]:
+    return sorted(BUILTIN_PROFILES)
+
+
+def get_profile(name_or_path: str | Path) -> Profile:
+    """A built-in profile by name, or a profile JSON file by path."""
+    key = str(name_or_path)
+    if key in BUILTIN_PROFILES:
+        return BUILTIN_PROFILES[key]
+    path = Path(key)
+    if path.suffix == ".json" or path.exists():
+        return load_profile(path)
+    raise ProfileError(
+        f"unknown profile {key!r}: use one of {', '.join(profile_names())} or the path of a profile JSON file"
+    )
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Load a profile from JSON (the fields of `Profile`; bandwidth and latency tables keyed by group size)."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"profile file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProfileError(f"profile file {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"profile file {path} must hold a JSON object, got {type(raw).__name__}")
+    known = {f.name for f in fields(Profile)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ProfileError(f"profile file {path} has unknown fields {unknown}; known fields: {sorted(known)}")
+    raw.setdefault("name", path.stem)
+    for table in _DEGREE_TABLES:
+        if table in raw:
+            if not isinstance(raw[table], dict):
+                unit = "GB/s" if table.endswith("_gbps") else "ms"
+                raise ProfileError(f"profile file {path}: {table} must be an object {{group size: {unit}}}")
+            try:
+                raw[table] = {int(k): v for k, v in raw[table].items()}
+            except ValueError:
+                raise ProfileError(f"profile file {path}: {table} keys must be integers") from None
+    try:
+        return Profile(**raw)
+    except TypeError as e:
+        raise ProfileError(f"profile file {path} is missing fields: {e}") from None

@@ -1,0 +1,72 @@
+"""Evaluate a plan's time under the cost model with the real (unbucketed) sequence lengths.
+
+Every comparison flexorch reports (planner vs baselines vs bound) goes through `step_time_ms`, so all of them are
+measured with one yardstick: a micro-batch takes as long as its slowest group (its fixed cost b1 + the collective
+latency of its degree and kind, plus the sum of its sequences' times: `solver.cost_model.group_time_ms`, DESIGN.md
+§2.1), and a step is its micro-batches one after another.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexorch.solver.cost_model import group_comm_ms, group_time_ms
+from flexorch.solver.plan import Plan
+from flexorch.solver.profiles import Profile
+
+__all__ = ["GroupTiming", "comm_share", "group_timings", "micro_batch_times_ms", "step_time_ms"]
+
+
+@dataclass(frozen=True)
+class GroupTiming:
+    micro_batch: int
+    group: int
+    degree: int
+    kind: str
+    first_rank: int
+    start_ms: float
+    time_ms: float
+
+
+def micro_batch_times_ms(plan: Plan, profile: Profile) -> list[float]:
+    """Makespan of each micro-batch: its slowest group."""
+    out = []
+    for mb in plan.micro_batches:
+        out.append(
+            max(group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile) for g in mb.groups)
+        )
+    return out
+
+
+def step_time_ms(plan: Plan, profile: Profile) -> float:
+    """The step's predicted time: micro-batch makespans summed."""
+    return float(sum(micro_batch_times_ms(plan, profile)))
+
+
+def group_timings(plan: Plan, profile: Profile) -> list[GroupTiming]:
+    """Start and duration of every group (for pictures of a step: devices x time)."""
+    out = []
+    start = 0.0
+    for mi, mb in enumerate(plan.micro_batches):
+        span = 0.0
+        for gi, g in enumerate(mb.groups):
+            t = group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile)
+            out.append(GroupTiming(mi, gi, g.degree, g.kind, g.ranks[0], start, t))
+            span = max(span, t)
+        start += span
+    return out
+
+
+def comm_share(plan: Plan, profile: Profile) -> float:
+    """Share of the predicted step time spent communicating (SP all-to-all / ring transfers and collective latency)
+    on each micro-batch's critical path, i.e. in its slowest group."""
+    total = comm = 0.0
+    for mb in plan.micro_batches:
+        times = []
+        for g in mb.groups:
+            lengths = [plan.seq_lengths[i] for i in g.seq_ids]
+            times.append((group_time_ms(lengths, g.degree, g.kind, profile), lengths, g))
+        t, lengths, g = max(times, key=lambda x: x[0])
+        total += t
+        comm += group_comm_ms(lengths, g.degree, g.kind, profile)
+    return comm / total if total > 0 else 0.0

@@ -1,0 +1,253 @@
+"""The worker actor: one per device (a GPU, or a CPU slot), holding a model replica and its optimizer.
+
+The driver creates N of these in a placement group, tells them the world to join (rendezvous on the driver's
+TCPStore, one world per membership epoch), and sends each one its :class:`~flexorch.tasks.step.StepTask` plus the
+object refs of the token blocks its documents live in. The actor builds the process groups the plan names
+(collectively, in the same order on every rank), runs its micro-batches and steps the optimizer. One thread
+per worker on CPU (DESIGN.md §7).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections import Counter
+
+import ray
+import torch
+import torch.distributed as dist
+
+from flexorch.tasks.pipeline import PipelineTask
+from flexorch.tasks.placement import ALL
+from flexorch.tasks.step import StepTask
+from flexorch.workers.model import ModelConfig, init_model
+from flexorch.workers.optim import OptimConfig, build_optimizer
+from flexorch.workers.pipeline.executor import run_pipeline_step
+from flexorch.workers.pipeline.held_params import HeldParams
+from flexorch.workers.process_groups import ProcessGroupRegistry
+from flexorch.workers.step_exec import StepOutcome, run_step
+
+__all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS"]
+
+FAULT_POINTS = ("join", "micro_batch", "before_sync", "after_sync")
+"""Where :meth:`Worker.inject_fault` can strike: joining a world, after a micro-batch's forward, before the
+gradient all-reduce, after it (before the optimizer step)."""
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because the world broke (a peer died, hung or left); this worker has left the world
+    and keeps its state from before the step, ready to join the next one."""
+
+
+def _is_world_error(e: BaseException) -> bool:
+    markers = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe")
+    return isinstance(e, dist.DistError) or any(m in str(e) for m in markers)
+
+
+class Worker:
+    """The worker's state and methods, usable in-process (tests) or as a Ray actor (:data:`WorkerActor`)."""
+
+    def __init__(self, worker_id: int, model_cfg: dict, optim_cfg: dict, seed: int, num_threads: int = 1):
+        if num_threads > 0:
+            torch.set_num_threads(num_threads)
+        self.worker_id = worker_id
+        self.model_cfg = ModelConfig.from_dict(model_cfg)
+        self.optim_cfg = OptimConfig(**optim_cfg)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        self.model = init_model(self.model_cfg, seed)
+        if self.device is not None:
+            self.model.to(self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
+        self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
+        self.registry: ProcessGroupRegistry | None = None
+        self._store: dist.Store | None = None
+        self._faults: list[tuple[str, int, int, str]] = []
+        self._calls: Counter = Counter()
+
+    def info(self) -> dict:
+        """Where this worker runs."""
+        return {
+            "worker_id": self.worker_id,
+            "pid": os.getpid(),
+            "hostname": socket.gethostname(),
+            "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+            "device": str(self.device or "cpu"),
+        }
+
+    def join_world(self, host: str, port: int, rank: int, world_size: int, epoch: int, timeout_s: float) -> float:
+        """Join the torch.distributed world of membership ``epoch`` (blocks until every rank joined)."""
+        t0 = time.perf_counter()
+        self.leave_world()
+        self._strike("join", epoch)
+        self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
+        return time.perf_counter() - t0
+
+    def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
+        self.registry = ProcessGroupRegistry(
+            store=self._store, rank=rank, world_size=world_size, epoch=epoch, timeout_s=timeout_s
+        )
+
+    def leave_world(self) -> None:
+        """Drop the current world (idempotent; safe after a failed collective)."""
+        if self.registry is not None:
+            try:
+                self.registry.close()
+            except Exception:  # noqa: BLE001 - a broken world may not close cleanly; it is dropped either way
+                pass
+            self.registry = None
+        if dist.is_initialized():  # a half-made world (a join that failed)
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+        self._store = None
+
+    def _guarded(self, fn, *args, **kwargs):
+        """Run ``fn``; on any error leave the world first (closing its connections, so peers blocked on this
+        worker fail at once instead of at their timeout), then raise :class:`PeerLostError` for a broken world
+        or the original error otherwise."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised below
+            err, text = e, traceback.format_exc()
+        err.__traceback__ = None  # release the failed collective's frames, so leaving the world closes sockets
+        self.leave_world()
+        if _is_world_error(err):
+            raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
+        err.add_note(text)
+        raise err
+
+    def inject_fault(self, point: str, step: int, nth: int = 1, action: str = "exit") -> None:
+        """Test seam: on the ``nth`` visit to ``point`` during ``step`` (for ``"join"``: membership epoch),
+        ``"exit"`` kills this process at once (as a node loss would), ``"hang"`` blocks it forever, ``"raise"``
+        raises an error (a bug in the step: not a membership problem)."""
+        if point not in FAULT_POINTS or action not in ("exit", "hang", "raise"):
+            raise ValueError(f"fault point must be one of {FAULT_POINTS} and action 'exit', 'hang' or 'raise'")
+        self._faults.append((point, step, nth, action))
+
+    def _strike(self, point: str, step: int) -> None:
+        if not self._faults:
+            return
+        self._calls[(point, step)] += 1
+        for p, s, nth, action in self._faults:
+            if p == point and s == step and nth == self._calls[(point, step)]:
+                if action == "exit":
+                    os._exit(1)
+                if action == "raise":
+                    raise RuntimeError(f"injected fault at {point} of step {step}")
+                time.sleep(10**6)
+
+    def run_step(self, task: StepTask | PipelineTask, block_refs: dict) -> StepOutcome:
+        """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
+        index -> ObjectRef of an int32 token array."""
+        if self.registry is None or self.registry.rank != task.rank or self.registry.world_size != task.world_size:
+            raise RuntimeError(f"worker {self.worker_id} is not rank {task.rank} of a world of {task.world_size}")
+        keys = sorted(block_refs)
+        values = ray.get([block_refs[k] for k in keys]) if keys else []  # refs nested in a dict arrive unresolved
+        blocks = dict(zip(keys, values, strict=True))
+        return self._guarded(self._run_step, task, blocks)
+
+    def _run_step(self, task: StepTask | PipelineTask, blocks: dict) -> StepOutcome:
+        self.registry.ensure(task.rank_sets)
+        world = self.registry.world if task.world_size > 1 else None
+        extra = {"held": self.held} if isinstance(task, PipelineTask) else {}
+        fn = run_pipeline_step if isinstance(task, PipelineTask) else run_step
+        return fn(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            task,
+            blocks,
+            self.registry.group,
+            world,
+            self.optim_cfg,
+            vocab_size=self.model_cfg.vocab_size,
+            hook=(lambda point: self._strike(point, task.step)) if self._faults else None,
+            **extra,
+        )
+
+    def probe(self, probes: list) -> list[float]:
+        """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms each."""
+        from flexorch.workers.calibrate import run_probes
+
+        reg = self.registry
+        if reg is None:
+            raise RuntimeError(f"worker {self.worker_id} has not joined a world")
+        n = reg.world_size
+        sets = [
+            tuple(range(f, f + p.degree)) for p in probes if p.degree > 1 for f in range(0, n - n % p.degree, p.degree)
+        ]
+        reg.ensure(sets)
+        world = reg.world if n > 1 else None
+        return run_probes(self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size)
+
+    def activation_bytes_per_token(self) -> float:
+        from flexorch.workers.calibrate import activation_bytes_per_token
+
+        return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
+
+    def stage_activation_bytes(self) -> tuple[float, float]:
+        """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold (``flexorch.workers.calibrate``)."""
+        from flexorch.workers.calibrate import stage_activation_bytes
+
+        return stage_activation_bytes(self.model, self.model_cfg.vocab_size)
+
+    def get_state(self) -> dict:
+        """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers. With stage-local
+        parameters only the parts held (``parts``; None: the whole model) and their optimizer state."""
+        held = set(self.held.held_names())
+        return {
+            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k in held},
+            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "parts": None if self.held.held is ALL else sorted(self.held.held),
+        }
+
+    def set_state(self, state: dict) -> None:
+        """Take ``state`` (whole or partial, from :meth:`get_state` or a checkpoint): hold exactly its parts."""
+        self.held.set_from(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"])
+
+    def export_parts(self, parts: list[str]) -> dict:
+        """The parameters and optimizer state of ``parts`` (``flexorch.tasks.placement``), for another worker."""
+        return self.held.export(set(parts))
+
+    def import_parts(self, exported: list) -> int:
+        """Hold the parts of ``exported`` (refs to :meth:`export_parts` results); returns the bytes received
+        (parameters and their optimizer state)."""
+        got = ray.get(list(exported))  # refs nested in a list arrive unresolved
+        for item in got:
+            self.held.load(item)
+        tensors = [t for item in got for v in item.values() for t in (v["data"], *v["state"].values())]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    def parameters_digest(self) -> list:
+        """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference)."""
+        held = set(self.held.held_names())
+        return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items() if k in held]
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _td(seconds: float):
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+WorkerActor = ray.remote(Worker)
+"""``Worker`` as a Ray actor class; the driver sets resources with ``.options(num_cpus=..., num_gpus=...)``."""

@@ -1,0 +1,40 @@
+"""Public sequence-parallel attention API; names mirror flash-attn's ``flash_attn_varlen_func``.
+
+All functions take a packed batch described by ``cu_seqlens`` (per-document causal attention, documents never
+attend to each other) and return ``out`` or ``(out, lse)`` with ``lse`` shaped ``(heads, local_tokens)``
+float32. The sequence-parallel ones take the process group as an argument (a group of size 1 runs the same
+code):
+
+* :func:`ulysses_attn_varlen_func`: contiguous shards (``flexorch.workers.attention.sharding.shard_contiguous``), all-to-all.
+* :func:`zigzag_ring_attn_varlen_func`: zigzag shards (``flexorch.workers.attention.sharding.shard_zigzag``), K/V ring.
+* :func:`varlen_attn_func`: the single-device reference path (same kernels, no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexorch.workers.attention.kernels import check_varlen_args, varlen_attn
+from flexorch.workers.attention.ring import zigzag_ring_attn_varlen_func
+from flexorch.workers.attention.ulysses import ulysses_attn_varlen_func
+
+__all__ = ["ulysses_attn_varlen_func", "varlen_attn_func", "zigzag_ring_attn_varlen_func"]
+
+
+def varlen_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Single-device varlen attention: ``q (t, h, hd)``, ``k, v (t, h_kv, hd)`` -> ``(t, h, hd)`` [, lse]."""
+    seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, 1, where="varlen_attn_func")
+    scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
+    out, lse = varlen_attn(q, k, v, seqlens, causal=causal, softmax_scale=scale, backend=backend)
+    return (out, lse) if return_lse else out

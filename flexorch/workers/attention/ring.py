@@ -1,0 +1,220 @@
+"""Zigzag ring attention over packed variable-length documents, forward and backward.
+
+Ring Self-Attention (Li et al., arXiv 2105.13120, Sec. 3.2) / Ring Attention (Liu et al., arXiv 2310.01889):
+each rank keeps its queries while key/value blocks travel once around the ring; partial outputs are merged
+exactly with their log-sum-exp. Zigzag layout and varlen handling follow zhuzilin/ring-flash-attention
+(``zigzag_ring_flash_attn_varlen.py``): rank ``r`` holds chunks ``r`` and ``2d-1-r`` of every document
+(``flexorch.workers.attention.sharding.zigzag_layout``), so at ring step ``i`` with K/V from ``src = r - i``:
+
+* ``i == 0``: local queries vs local keys, causal (the two chunks are in document order);
+* ``src < r``: all local queries vs the *front* chunk of src's keys (its back chunk lies in our future);
+* ``src > r``: only our *back* chunk's queries vs all of src's keys (our front chunk precedes both of src's).
+
+Every step after the first costs half a block on every rank: causal work is balanced. The backward runs the
+same ring; dK/dV accumulators travel with K/V and reach their owner after one more hop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from flexorch.workers.attention.kernels import Seqlens, attn_backward, attn_forward, check_varlen_args
+
+__all__ = ["ZigzagBlocks", "zigzag_blocks", "zigzag_ring_attn_varlen_func"]
+
+_KV_TAG, _DKV_TAG = 0, 1  # distinct tags so the K/V and dK/dV messages in flight never match each other
+
+
+@dataclass(frozen=True)
+class ZigzagBlocks:
+    """Local document boundaries and chunk indices of one rank's zigzag shard."""
+
+    full: Seqlens
+    """Local documents (two chunks each): global cu_seqlens // d."""
+    half: Seqlens
+    """One chunk per document: global cu_seqlens // (2d)."""
+    front: torch.Tensor | slice
+    """Local token indices of every document's first chunk (chunk r)."""
+    back: torch.Tensor | slice
+    """Local token indices of every document's second chunk (chunk 2d-1-r)."""
+
+
+def zigzag_blocks(seqlens: Seqlens, degree: int, device: torch.device | None = None) -> ZigzagBlocks:
+    """Pure: local block structure from the global padded boundaries; ValueError unless 2d-aligned."""
+    two_d = 2 * degree
+    for i, (a, b) in enumerate(zip(seqlens.offsets[:-1], seqlens.offsets[1:], strict=True)):
+        if (b - a) % two_d:
+            raise ValueError(
+                f"zigzag_ring_attn_varlen_func: document {i} has {b - a} tokens, not a multiple of 2 * degree"
+                f" = {two_d}; pad documents with flexorch.workers.attention.sharding.shard_zigzag"
+            )
+    full = Seqlens(tuple(x // degree for x in seqlens.offsets))
+    half = Seqlens(tuple(x // two_d for x in seqlens.offsets))
+    if len(full.offsets) == 2:  # one document: plain slices, no gather
+        return ZigzagBlocks(full, half, slice(0, half.total), slice(half.total, full.total))
+    chunk = torch.tensor(half.offsets[1:]) - torch.tensor(half.offsets[:-1])  # (n_docs,)
+    # Token j of chunk i sits at local position full.offsets[i] + j (front) or + chunk[i] + j (back).
+    inner = torch.arange(half.total) - torch.repeat_interleave(torch.tensor(half.offsets[:-1]), chunk)
+    front = torch.repeat_interleave(torch.tensor(full.offsets[:-1]), chunk) + inner
+    back = front + torch.repeat_interleave(chunk, chunk)
+    return ZigzagBlocks(full, half, front.to(device), back.to(device))
+
+
+class _Ring:
+    """Send to the next group rank, receive from the previous one (point-to-point, any backend)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    def start(self, x: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
+        recv = torch.empty_like(x)
+        ops = [
+            dist.P2POp(dist.isend, x, group=self.group, tag=tag, group_peer=(self.rank + 1) % self.size),
+            dist.P2POp(dist.irecv, recv, group=self.group, tag=tag, group_peer=(self.rank - 1) % self.size),
+        ]
+        return recv, dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs: list) -> None:
+    for req in reqs:
+        req.wait()
+
+
+def _merge(out, lse, blk_out, blk_lse):
+    # Exact merge of two partial softmax results (ring-flash-attn utils._update_out_and_lse; RSA arXiv
+    # 2105.13120): lse_new = lse + log1p(exp(lse_blk - lse)) = lse - logsigmoid(lse - lse_blk), and
+    # out_new = out * exp(lse - lse_new) + out_blk * exp(lse_blk - lse_new)
+    #         = out - sigmoid(lse_blk - lse) * (out - out_blk)
+    w = torch.sigmoid(blk_lse - lse).t().unsqueeze(-1)  # (h, t) -> (t, h, 1)
+    return out - w * (out - blk_out.float()), lse - F.logsigmoid(lse - blk_lse)
+
+
+def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, backend):
+    kw = {"softmax_scale": scale, "backend": backend}
+    full, half, front, back = blocks.full, blocks.half, blocks.front, blocks.back
+    kv = torch.stack([k, v])  # 2 x (t, h_kv, hd) -> (2, t, h_kv, hd): one message per step
+    out = lse = None
+    for step in range(ring.size):
+        if step + 1 < ring.size:
+            next_kv, reqs = ring.start(kv, _KV_TAG)
+        src = (ring.rank - step) % ring.size
+        if step == 0:
+            out, lse = attn_forward(q, kv[0], kv[1], full, full, causal=True, **kw)
+            out = out.float()
+        elif src < ring.rank:
+            blk = attn_forward(q, kv[0][front], kv[1][front], full, half, causal=False, **kw)
+            out, lse = _merge(out, lse, *blk)
+        else:
+            blk_out, blk_lse = attn_forward(q[back], kv[0], kv[1], half, full, causal=False, **kw)
+            out[back], lse[:, back] = _merge(out[back], lse[:, back], blk_out, blk_lse)
+        if step + 1 < ring.size:
+            _wait(reqs)
+            kv = next_kv
+    return out.to(q.dtype), lse
+
+
+def _ring_backward(dout, q, k, v, out, lse, blocks: ZigzagBlocks, ring: _Ring, scale: float, backend):
+    kw = {"softmax_scale": scale, "backend": backend}
+    full, half, front, back = blocks.full, blocks.half, blocks.front, blocks.back
+    dout_b, q_b, out_b, lse_b = dout[back], q[back], out[back], lse[:, back].contiguous()
+    kv = torch.stack([k, v])  # (2, t, h_kv, hd)
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    dkv = dreqs = next_dkv = None
+    for step in range(ring.size):
+        if step + 1 < ring.size:
+            next_kv, reqs = ring.start(kv, _KV_TAG)
+        src = (ring.rank - step) % ring.size
+        if step == 0:
+            dq_i, dk_i, dv_i = attn_backward(dout, q, kv[0], kv[1], out, lse, full, full, causal=True, **kw)
+            dq += dq_i
+            rows = slice(None)
+        elif src < ring.rank:
+            dq_i, dk_i, dv_i = attn_backward(
+                dout, q, kv[0][front], kv[1][front], out, lse, full, half, causal=False, **kw
+            )
+            dq += dq_i
+            rows = front
+        else:
+            dq_i, dk_i, dv_i = attn_backward(dout_b, q_b, kv[0], kv[1], out_b, lse_b, half, full, causal=False, **kw)
+            dq[back] += dq_i
+            rows = slice(None)
+        if step == 0:
+            dkv = torch.stack([dk_i, dv_i]).float()  # accumulator of our own K/V block
+        else:
+            _wait(dreqs)  # the accumulator of block src arrives from the previous rank
+            dkv = next_dkv
+            dkv[0][rows] += dk_i
+            dkv[1][rows] += dv_i
+        if step + 1 < ring.size:
+            _wait(reqs)
+            kv = next_kv
+        if ring.size > 1:
+            next_dkv, dreqs = ring.start(dkv, _DKV_TAG)  # pass it on; after d hops it is back home
+    if ring.size > 1:
+        _wait(dreqs)
+        dkv = next_dkv
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _ZigzagRingAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, blocks, group, scale, backend):
+        ring = _Ring(group)
+        out, lse = _ring_forward(q, k, v, blocks, ring, scale, backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (blocks, ring, scale, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None)
+
+
+def zigzag_ring_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None,
+    group: dist.ProcessGroup,
+    *,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    return_lse: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over a packed batch sharded in the zigzag layout over ``group``.
+
+    Args:
+        q: ``(t, h, hd)`` local queries (``flexorch.workers.attention.sharding.shard_zigzag`` layout, rank = group rank).
+        k, v: ``(t, h_kv, hd)`` local keys and values, ``h % h_kv == 0`` (GQA: K/V travel with h_kv heads).
+        cu_seqlens: ``(n + 1,)`` boundaries of the *global* padded batch (``Layout.cu_seqlens``), every
+            document a multiple of ``2 * d`` tokens, same on all ranks.
+        max_seqlen: longest global document (or None to derive it).
+        group: the ring, in group-rank order.
+        softmax_scale: defaults to ``hd ** -0.5``.
+        causal: must be True (causal within each document): the zigzag layout exists to balance causal work,
+            and its padding is invisible to real tokens only under a causal mask.
+        return_lse: also return the local log-sum-exp ``(h, t)`` float32.
+        backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
+
+    Returns:
+        ``(t, h, hd)`` output, or ``(out, lse)``.
+    """
+    d = dist.get_world_size(group)
+    seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, d, where="zigzag_ring_attn_varlen_func")
+    if not causal:
+        # Non-causal attention would let real queries see every document's padding (and needs no zigzag).
+        raise ValueError("zigzag_ring_attn_varlen_func supports causal=True only")
+    blocks = zigzag_blocks(seqlens, d, q.device)
+    scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
+    out, lse = _ZigzagRingAttn.apply(q, k, v, blocks, group, scale, backend)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,104 @@
+"""Attention of one pipeline unit whose pieces are segments of longer sequences (Seq1F1B, arXiv 2406.03488, §3.1).
+
+A unit holds pieces: tokens [start, end) of some sequences. A piece attends causally to its own tokens and fully to
+the K/V cache of its sequence's earlier tokens [0, start) (the *prefix*, computed by earlier segments). That is two
+blocks of one softmax, merged exactly with their log-sum-exps like ring attention (``flexorch.workers.attention.ring._merge``):
+
+    out, lse = causal(q, k, v)                         per piece, equal lengths (top-left = bottom-right)
+    out_p, lse_p = full(q[rows], k_prefix, v_prefix)    the rows of pieces with a prefix, against their prefix
+    out[rows], lse[rows] = merge(out[rows], lse[rows], out_p, lse_p)
+
+The backward (FlashAttention-2's, with the merged ``out``/``lse``) gives dq from both blocks, dk/dv of the piece,
+and dk/dv of the prefix: the gradient that flows back to the earlier segments that produced that cache. The
+pipeline runs segment j's backward before segment j-1's so that j-1 receives it (``flexorch.solver.pipeline.schedule``).
+
+Shapes (flash-attn varlen convention): q ``(t, h, hd)``, k/v ``(t, h_kv, hd)``, k_prefix/v_prefix
+``(t_prefix, h_kv, hd)`` = the prefixes of the pieces with ``prefix_len > 0``, concatenated in piece order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flexorch.workers.attention.kernels import Seqlens, attn_backward, attn_forward
+from flexorch.workers.attention.ring import _merge
+
+__all__ = ["segment_attn_func"]
+
+
+def _seqlens(lengths: list[int]) -> Seqlens:
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    return Seqlens(tuple(offsets))
+
+
+class _SegmentAttn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, k_pre, v_pre, cu, cu_rows, cu_pre, rows, scale, backend):
+        kw = {"softmax_scale": scale, "backend": backend}
+        out, lse = attn_forward(q, k, v, cu, cu, causal=True, **kw)
+        out, lse = out.float(), lse.clone()
+        if rows.numel():
+            blk_out, blk_lse = attn_forward(q[rows], k_pre, v_pre, cu_rows, cu_pre, causal=False, **kw)
+            out[rows], lse[:, rows] = _merge(out[rows], lse[:, rows], blk_out, blk_lse)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, k_pre, v_pre, out, lse, rows)
+        ctx.args = (cu, cu_rows, cu_pre, kw)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, k_pre, v_pre, out, lse, rows = ctx.saved_tensors
+        cu, cu_rows, cu_pre, kw = ctx.args
+        dout = dout.contiguous()
+        dq, dk, dv = attn_backward(dout, q, k, v, out, lse, cu, cu, causal=True, **kw)
+        dk_pre = torch.zeros_like(k_pre)
+        dv_pre = torch.zeros_like(v_pre)
+        if rows.numel():
+            lse_r = lse[:, rows].contiguous()
+            dq_r, dk_pre, dv_pre = attn_backward(
+                dout[rows], q[rows], k_pre, v_pre, out[rows], lse_r, cu_rows, cu_pre, causal=False, **kw
+            )
+            dq = dq.clone()
+            dq[rows] += dq_r.to(dq.dtype)
+        return dq, dk, dv, dk_pre, dv_pre, None, None, None, None, None, None
+
+
+def segment_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    piece_lens: list[int],
+    prefix_lens: list[int],
+    k_prefix: torch.Tensor,
+    v_prefix: torch.Tensor,
+    softmax_scale: float | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of the unit's pieces, each also attending to its prefix cache; returns ``(t, h, hd)``.
+
+    ``piece_lens[i]`` tokens of piece i are packed in q/k/v in order; ``prefix_lens[i]`` is its prefix length (0: a
+    whole sequence or a first segment). Gradients flow to q, k, v and to ``k_prefix``/``v_prefix``."""
+    if len(piece_lens) != len(prefix_lens):
+        raise ValueError(f"{len(piece_lens)} pieces but {len(prefix_lens)} prefix lengths")
+    if any(n < 1 for n in piece_lens) or any(p < 0 for p in prefix_lens):
+        raise ValueError(f"piece lengths must be >= 1 and prefix lengths >= 0, got {piece_lens}, {prefix_lens}")
+    if sum(piece_lens) != q.shape[0] or k.shape[0] != q.shape[0]:
+        raise ValueError(f"pieces hold {sum(piece_lens)} tokens, q has {q.shape[0]} and k {k.shape[0]}")
+    if sum(prefix_lens) != k_prefix.shape[0] or v_prefix.shape[0] != k_prefix.shape[0]:
+        raise ValueError(f"prefixes hold {sum(prefix_lens)} tokens, k_prefix has {k_prefix.shape[0]}")
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    starts = [0]
+    for n in piece_lens:
+        starts.append(starts[-1] + n)
+    with_prefix = [i for i, p in enumerate(prefix_lens) if p > 0]
+    rows = (
+        torch.cat([torch.arange(starts[i], starts[i + 1]) for i in with_prefix])
+        if with_prefix
+        else torch.empty(0, dtype=torch.long)
+    )
+    cu = _seqlens(piece_lens)
+    cu_rows = _seqlens([piece_lens[i] for i in with_prefix])
+    cu_pre = _seqlens([prefix_lens[i] for i in with_prefix])
+    return _SegmentAttn.apply(q, k, v, k_prefix, v_prefix, cu, cu_rows, cu_pre, rows, scale, backend)

@@ -1,0 +1,308 @@
+"""A LLaMA-style decoder whose attention call is the only sequence-parallel-aware point.
+
+The model sees a flat packed batch (no batch dimension): ``input_ids (t,)`` and ``position_ids (t,)``, where a
+position is the index of the token inside *its own document* (global, not local to a shard), so RoPE gives
+every token the same rotation whatever the sharding. Attention is a callable ``attn(q, k, v) -> out`` bound by
+the caller to the documents' ``cu_seqlens`` (and, for sequence parallelism, the group and method), e.g.
+``functools.partial(ulysses_attn_varlen_func, cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen,
+group=group)``. Everything else acts token by token, so a sharded forward equals the single-device one.
+
+Pieces: RMSNorm (Zhang & Sennrich, arXiv 1910.07467), rotary position embedding (Su et al., arXiv 2104.09864),
+grouped-query attention (Ainslie et al., arXiv 2305.13245), SwiGLU MLP (Shazeer, arXiv 2002.05202). Parameter
+names follow Meta's LLaMA / torchtitan (``tok_embeddings``, ``layers.i.attention.wq``, ``feed_forward.w1``...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexorch.workers.attention.sharding import check_cu_seqlens
+
+__all__ = [
+    "IGNORE_INDEX",
+    "MODEL_PRESETS",
+    "AttnFn",
+    "Decoder",
+    "ModelConfig",
+    "check_token_range",
+    "init_model",
+    "loss_sum",
+    "model_config",
+    "next_token_labels",
+]
+
+IGNORE_INDEX = -100
+"""Label of positions that predict nothing (last token of a document, padding)."""
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attn(q (t, h, hd), k (t, h_kv, hd), v (t, h_kv, hd)) -> (t, h, hd)``, causal within each document."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the decoder; validated on construction."""
+
+    vocab_size: int = 257
+    """Token ids are in [0, vocab_size); the byte tokenizer uses 256 bytes + BOS."""
+    dim: int = 64
+    """Hidden size."""
+    num_layers: int = 2
+    """Number of decoder blocks."""
+    num_heads: int = 4
+    """Query heads; ``dim`` must be divisible by it."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA); must divide ``num_heads``."""
+    ffn_dim: int = 172
+    """Hidden size of the SwiGLU MLP (LLaMA: about 8/3 * dim)."""
+    rope_theta: float = 10000.0
+    """RoPE base: frequencies theta^(-2i/head_dim)."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm's square root."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the LM head."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"ModelConfig: dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim={self.head_dim} (dim / num_heads) must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head: dim / num_heads."""
+        return self.dim // self.num_heads
+
+    def num_params(self) -> int:
+        """Parameter count computed from the shape (equals the built model's)."""
+        kv = self.num_kv_heads * self.head_dim
+        attn = 2 * self.dim * self.dim + 2 * self.dim * kv  # wq, wo + wk, wv
+        mlp = 3 * self.dim * self.ffn_dim  # w1, w2, w3
+        per_layer = attn + mlp + 2 * self.dim  # + attention_norm, ffn_norm
+        embed = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return embed + self.num_layers * per_layer + self.dim + head  # + final norm
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (JSON/TOML friendly)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
+        """Inverse of :meth:`to_dict`; missing keys take their defaults, unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),
+    "small": ModelConfig(dim=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_dim=688),
+    "llama-7b": ModelConfig(vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008),
+}
+
+
+def model_config(name_or_dict: str | Mapping[str, Any] | ModelConfig) -> ModelConfig:
+    """A preset by name, a config from a dict (optionally ``{"preset": name, **overrides}``), or the config."""
+    if isinstance(name_or_dict, ModelConfig):
+        return name_or_dict
+    if isinstance(name_or_dict, str):
+        if name_or_dict not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name_or_dict!r}; choose one of {sorted(MODEL_PRESETS)}")
+        return MODEL_PRESETS[name_or_dict]
+    values = dict(name_or_dict)
+    base = model_config(values.pop("preset")) if "preset" in values else ModelConfig()
+    return ModelConfig.from_dict({**base.to_dict(), **values})
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, in float32 (Zhang & Sennrich, arXiv 1910.07467, Sec. 4)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin ``(t, head_dim/2)`` float32 of the angles ``pos * theta^(-2i/head_dim)`` (RoPE, 2104.09864 Sec. 3.2).
+
+    Angles are formed in float64: at position 1e6 a float32 angle would be off by ~0.06 rad.
+    """
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=position_ids.device) / head_dim)
+    angles = position_ids.to(torch.float64)[:, None] * inv_freq[None, :]  # (t, 1) x (1, hd/2) -> (t, hd/2)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x (t, h, hd)`` pairwise by the angles of its token (rotate-half pairing (i, i + hd/2), GPT-NeoX)."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (t, h, hd) -> 2 x (t, h, hd/2)
+    c, s = cos[:, None, :], sin[:, None, :]  # (t, hd/2) -> (t, 1, hd/2), broadcast over heads
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)  # -> (t, h, hd)
+
+
+class Attention(nn.Module):
+    """q/k/v/o projections without bias, GQA (2305.13245), RoPE on q and k; the kernel is the ``attn`` argument."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.h, self.h_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, self.h * self.hd, bias=False)
+        self.wk = nn.Linear(cfg.dim, self.h_kv * self.hd, bias=False)
+        self.wv = nn.Linear(cfg.dim, self.h_kv * self.hd, bias=False)
+        self.wo = nn.Linear(self.h * self.hd, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.wq(x).view(t, self.h, self.hd)  # (t, dim) -> (t, h * hd) -> (t, h, hd)
+        k = self.wk(x).view(t, self.h_kv, self.hd)  # (t, dim) -> (t, h_kv * hd) -> (t, h_kv, hd)
+        v = self.wv(x).view(t, self.h_kv, self.hd)
+        out = attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+            got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"attn must return a (t, h, hd) = {tuple(q.shape)} tensor, got {got}")
+        return self.wo(out.reshape(t, self.h * self.hd))  # (t, h, hd) -> (t, h * hd) -> (t, dim)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x) (Shazeer, arXiv 2002.05202, Sec. 2)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, attn)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Decoder(nn.Module):
+    """Token embedding, ``num_layers`` blocks, final RMSNorm, LM head. Build it with :func:`init_model`."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        """``input_ids (t,)``, ``position_ids (t,)`` int64 (position inside each token's document) ->
+        logits ``(t, vocab_size)`` float32. ``attn`` is the only call that sees other tokens."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must both be (t,), got {tuple(input_ids.shape)} and "
+                f"{tuple(position_ids.shape)}"
+            )
+        check_token_range(input_ids, self.cfg.vocab_size)
+        cos, sin = rope_cos_sin(position_ids, self.cfg.head_dim, self.cfg.rope_theta)  # (t, hd/2) each
+        x = self.tok_embeddings(input_ids)  # (t,) -> (t, dim)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        x = self.norm(x)
+        weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        return F.linear(x, weight).float()  # (t, dim) x (vocab, dim)^T -> (t, vocab)
+
+
+def _is_residual_output(name: str) -> bool:
+    return name.endswith(("attention.wo.weight", "feed_forward.w2.weight"))
+
+
+def init_model(cfg: ModelConfig, seed: int, *, device: torch.device | str | None = None) -> Decoder:
+    """A decoder with deterministic parameters: the same ``(cfg, seed)`` gives bitwise-equal weights anywhere.
+
+    Weight matrices ~ N(0, init_std) drawn from ``torch.Generator().manual_seed(seed)`` on the CPU in parameter
+    order (never the global RNG); the outputs of residual branches (``wo``, ``w2``) are scaled by
+    ``1/sqrt(2 * num_layers)`` (GPT-2, Radford et al. 2019, Sec. 2.3: residual-layer weights scaled by
+    1/sqrt(N) for N residual layers); norm weights are ones.
+    """
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    model = model.to_empty(device=device or "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:  # RMSNorm weights
+                p.fill_(1.0)
+                continue
+            std = residual_std if _is_residual_output(name) else cfg.init_std
+            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
+    return model
+
+
+def next_token_labels(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Labels ``(T,)``: token i+1 of the same document, ``IGNORE_INDEX`` at the last token of every document."""
+    offsets = check_cu_seqlens(cu_seqlens, tokens.shape[0])
+    labels = torch.roll(tokens, shifts=-1, dims=0).to(torch.int64)
+    last = torch.tensor(offsets[1:], dtype=torch.int64, device=tokens.device) - 1
+    labels[last] = IGNORE_INDEX  # documents never predict across a boundary
+    return labels
+
+
+def loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy summed (not averaged) over positions whose label is not ``IGNORE_INDEX``; float32 scalar.
+
+    The trainer divides by the step's *global* number of predicted tokens, so every token weighs the same
+    whatever the packing or sharding. A shard with nothing to predict gives 0 (and zero gradients).
+    """
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def check_token_range(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError naming the first id outside [0, vocab_size), its position and the vocab size."""
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"token ids must be an integer tensor, got {tokens.dtype}")
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if tokens.numel() and bool(bad.any()):
+        pos = int(bad.flatten().nonzero()[0, 0])
+        tid = int(tokens.flatten()[pos])
+        raise ValueError(
+            f"token id {tid} at position {pos} is outside the vocabulary [0, {vocab_size}) "
+            f"({int(bad.sum())} of {tokens.numel()} ids out of range)"
+        )

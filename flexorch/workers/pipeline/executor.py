@@ -1,0 +1,139 @@
+"""Run one rank's part of a pipelined step inside a worker that keeps a whole model replica.
+
+The rank's stage is a :class:`~flexorch.workers.pipeline.stage.StageModule` *sharing* the replica's modules (layers
+``[first, last)``, plus the embedding on stage 0 and norm and head on the last stage), so the gradients of the
+stage's units land in the replica's ``.grad``. Ops run in the order of the plan's schedule for this stage
+(``flexorch.solver.pipeline.schedule``): ``F u`` receives the unit's hidden states from the same-position rank of the
+previous stage, runs the unit and sends its output on (non-blocking); ``B u`` receives the output's gradient,
+runs the unit backward and sends the input's gradient back. Message shapes come from the plan (``(t_pad/d, dim)``
+per unit), tags are ``2 * unit + (0 forward, 1 backward)`` with units numbered across back-to-back pipelines,
+gradients travel on a group per neighbour pair (``flexorch.tasks.pipeline.gradient_channels``), sends are
+asynchronous and receives block: the schedule ``flexorch.solver.pipeline.sim`` checked for deadlock is what runs.
+
+The last stage computes the units' summed cross-entropy (not divided), so the step ends exactly like an SP step
+(``flexorch.workers.step_exec.sync_and_step``): one all-reduce over the world sums every rank's gradients (each parameter
+has gradients only from its stage; a tied embedding from the first and the last stage), the loss and the
+predicted-token count, which must equal the batch's; then the same division, global-norm clipping and AdamW step
+on every rank, so replicas stay identical and checkpoints, resume and elastic shrink/grow work as without stages.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from flexorch.tasks.pipeline import PipelineTask
+from flexorch.tasks.placement import holder_sets
+from flexorch.workers.model import check_token_range
+from flexorch.workers.optim import OptimConfig
+from flexorch.workers.pipeline.held_params import HeldParams
+from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_ops
+from flexorch.workers.pipeline.stage import StageModule
+from flexorch.workers.step_exec import GradBucket, GroupGetter, StepOutcome, sync_and_step
+
+__all__ = ["run_pipeline_step"]
+
+
+def _sequences(task: PipelineTask, blocks: dict[int, np.ndarray], vocab_size: int) -> list[torch.Tensor]:
+    out = []
+    for d in task.docs:
+        seq = torch.from_numpy(blocks[d.block][d.offset : d.offset + d.length].astype(np.int64))
+        check_token_range(seq, vocab_size)
+        out.append(seq)
+    return out
+
+
+def run_pipeline_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    task: PipelineTask,
+    blocks: dict[int, np.ndarray],
+    group_of: GroupGetter,
+    world: dist.ProcessGroup | None,
+    optim_cfg: OptimConfig,
+    *,
+    vocab_size: int,
+    hook: Callable[[str], None] | None = None,
+    held: HeldParams | None = None,
+) -> StepOutcome:
+    """Run ``task`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer.
+    With ``task.stage_params`` this rank first drops the parts its stage does not run (``held``)."""
+    hook = hook or (lambda point: None)
+    t0 = time.perf_counter()
+    out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+    buckets = None
+    if task.stage_params:
+        buckets = _stage_buckets(task, held, group_of)
+        params = [p for b in buckets for p in b.params]
+    else:
+        params = [p for p in model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=False)
+    local_loss = torch.zeros((), dtype=torch.float64)
+    local_pred = 0
+    if task.stage is not None:
+        sequences = _sequences(task, blocks, vocab_size)
+        local_loss, local_pred = _run_stage(model, task, sequences, group_of, out, hook, t0)
+    out.compute_end_ms = (time.perf_counter() - t0) * 1e3
+    if held is not None:
+        out.param_bytes = held.nbytes()
+    return sync_and_step(
+        out,
+        params,
+        local_loss,
+        local_pred,
+        task,
+        world,
+        optimizer,
+        scheduler,
+        optim_cfg,
+        hook=hook,
+        t0=t0,
+        buckets=buckets,
+    )
+
+
+def _stage_buckets(task: PipelineTask, held: HeldParams, group_of) -> list[GradBucket]:
+    """Keep only this rank's parts; one gradient bucket per set of ranks holding the same parts (in the same order
+    on every rank: ``holder_sets``), summed over those ranks, counted in the norm by the first of them."""
+    placed = task.held_parts()
+    parts = placed[task.rank]
+    held.release(parts)
+    held.require(parts, f"rank {task.rank} (stage {task.stage})")
+    buckets = []
+    for ranks, bucket_parts in holder_sets(placed):
+        if task.rank in ranks:
+            ps = [p for n, p in held.params.items() if held.part[n] in bucket_parts and p.requires_grad]
+            group = group_of(ranks) if len(ranks) > 1 else None
+            buckets.append(GradBucket(group, ps, task.rank == ranks[0]))
+    return buckets
+
+
+def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome, hook, t0: float):
+    r, p = task.stage, len(task.stage_ranks)
+    ranks = task.stage_ranks[r]
+    d, j = len(ranks), ranks.index(task.rank)
+    first = sum(task.layers[:r])
+    stage = StageModule(
+        model.cfg, first, first + task.layers[r], r, p, model=model, sp_group=group_of(ranks) if d > 1 else None
+    )
+    pipes = [(pipe.units, pipe.ops, pipe.checkpointed) for pipe in task.pipelines]
+    prev = task.stage_ranks[r - 1][j] if r > 0 else None  # the same-position rank of the neighbouring stages
+    nxt = task.stage_ranks[r + 1][j] if r < p - 1 else None
+    res = run_stage_ops(
+        stage,
+        pipes,
+        sequences,
+        prev=prev,
+        nxt=nxt,
+        grad_groups=gradient_groups(group_of, task.rank, prev, nxt),
+        hook=hook,
+        t0=t0,
+    )  # the last stage's loss is the summed cross-entropy (n_predicted = 1): sync_and_step divides
+    out.local_tokens, out.peak_local_tokens, out.ops = res.local_tokens, res.peak_local_tokens, res.ops
+    out.peak_activation_bytes = int(stage.peak_held_bytes)
+    return res.loss, res.predicted

@@ -1,0 +1,117 @@
+"""The single-process reference that every sequence-parallel plan must reproduce (DESIGN.md §1, the invariant).
+
+One global batch of documents is packed into one sequence (``cu_seqlens``), run through the model with
+single-device varlen attention, and trained with the loss ``sum of token losses / number of predicted tokens``
+(every document predicts its own next tokens, never across a boundary). A distributed step that shards the
+same documents over any mix of SP groups, sums the per-rank loss sums, divides by the same global count and
+all-reduces the gradients must give the same loss and, up to float reordering, the same parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flexorch.workers.attention.api import varlen_attn_func
+from flexorch.workers.model import ModelConfig, check_token_range, init_model, loss_sum, next_token_labels
+from flexorch.workers.optim import OptimConfig, build_optimizer, clip_grad_norm_
+
+__all__ = ["PackedBatch", "pack_documents", "reference_loss_sum", "reference_step", "reference_train"]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Documents concatenated into one flat sequence, with what the model and the loss need."""
+
+    tokens: torch.Tensor
+    """(T,) int64 token ids, documents back to back."""
+    position_ids: torch.Tensor
+    """(T,) int64 position of each token inside its document."""
+    cu_seqlens: torch.Tensor
+    """(n_docs + 1,) int32 document boundaries."""
+    max_seqlen: int
+    """Longest document."""
+    labels: torch.Tensor
+    """(T,) int64 next token of the same document, -100 at each document's last token."""
+    n_predicted: int
+    """Number of positions with a label: sum(len(doc) - 1)."""
+
+
+def _as_tokens(doc: np.ndarray | torch.Tensor, i: int) -> torch.Tensor:
+    t = torch.as_tensor(doc)
+    if t.dim() != 1 or t.numel() == 0 or t.dtype.is_floating_point or t.dtype == torch.bool:
+        raise ValueError(f"document {i} must be a non-empty 1-D integer array, got {tuple(t.shape)} {t.dtype}")
+    return t.to(torch.int64)
+
+
+def pack_documents(docs: Sequence[np.ndarray | torch.Tensor]) -> PackedBatch:
+    """Pack documents (1-D integer arrays, each non-empty) into one :class:`PackedBatch`."""
+    if len(docs) == 0:
+        raise ValueError("a batch needs at least one document")
+    seqs = [_as_tokens(d, i) for i, d in enumerate(docs)]
+    lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.int64)
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
+    cu[1:] = torch.cumsum(lengths, 0)
+    tokens = torch.cat(seqs)
+    starts = torch.repeat_interleave(cu[:-1], lengths)  # (T,) start offset of each token's document
+    return PackedBatch(
+        tokens=tokens,
+        position_ids=torch.arange(tokens.numel(), dtype=torch.int64) - starts,
+        cu_seqlens=cu.to(torch.int32),
+        max_seqlen=int(lengths.max()),
+        labels=next_token_labels(tokens, cu),
+        n_predicted=int(lengths.sum()) - len(seqs),
+    )
+
+
+def reference_loss_sum(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """Summed next-token loss of the packed batch with single-device varlen attention (differentiable)."""
+    attn = functools.partial(varlen_attn_func, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+    logits = model(batch.tokens, batch.position_ids, attn)  # (T, vocab)
+    return loss_sum(logits, batch.labels)
+
+
+def reference_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    docs: Sequence[np.ndarray | torch.Tensor],
+    optim_cfg: OptimConfig,
+) -> float:
+    """One training step on one global batch; returns its mean loss over the predicted tokens."""
+    batch = pack_documents(docs)
+    if batch.n_predicted == 0:
+        raise ValueError(f"the batch's {len(docs)} documents all have length 1: no token to predict")
+    optimizer.zero_grad(set_to_none=True)
+    loss = reference_loss_sum(model, batch) / batch.n_predicted
+    loss.backward()
+    if optim_cfg.grad_clip is not None:
+        clip_grad_norm_(model.parameters(), optim_cfg.grad_clip)
+    optimizer.step()
+    scheduler.step()
+    return float(loss.detach())
+
+
+def reference_train(
+    model_cfg: ModelConfig,
+    optim_cfg: OptimConfig,
+    batches: Sequence[Sequence[np.ndarray | torch.Tensor]],
+    seed: int,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train ``init_model(model_cfg, seed)`` on ``batches`` (one global batch per step); returns the losses
+    and the final model state dict."""
+    model = init_model(model_cfg, seed)
+    optimizer, scheduler = build_optimizer(model, optim_cfg)
+    losses = []
+    for step, docs in enumerate(batches):
+        for i, doc in enumerate(docs):
+            try:
+                check_token_range(_as_tokens(doc, i), model_cfg.vocab_size)
+            except ValueError as e:
+                raise ValueError(f"step {step}, document {i}: {e}") from None
+        losses.append(reference_step(model, optimizer, scheduler, docs, optim_cfg))
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

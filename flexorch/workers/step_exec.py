@@ -1,0 +1,269 @@
+"""Run one rank's part of a planned step: micro-batches on their SP groups, token-weighted gradient sync, AdamW.
+
+The math equals one big batch on one device (DESIGN.md §1, the invariant): every rank sums the cross-entropy of
+its local tokens (padding and document ends masked), autograd through the SP attention routes each token's
+gradient to the rank that owns it, so the SUM over all ranks of the parameter gradients is the gradient of the
+summed loss of the whole global batch. One all-reduce over the world adds them up (with the loss sum and the
+token count riding in the same buffer), every rank divides by the global number of predicted tokens, clips and
+steps the same optimizer on the same numbers, so the replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from flexorch.tasks.step import GroupWork, StepTask
+from flexorch.workers.activation_memory import saved_tensor_meter
+from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
+from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
+from flexorch.workers.model import check_token_range, loss_sum, next_token_labels
+from flexorch.workers.optim import OptimConfig, clip_grad_norm_
+
+__all__ = ["StepOutcome", "run_step", "sync_and_step", "GradBucket", "micro_batch_inputs", "GroupGetter"]
+
+GroupGetter = Callable[[tuple[int, ...]], dist.ProcessGroup]
+
+
+@dataclass
+class StepOutcome:
+    """What a rank reports after a step (plain values, sent back to the driver)."""
+
+    step: int
+    rank: int
+    loss: float
+    """Mean cross-entropy per predicted token over the whole global batch (identical on every rank)."""
+    num_predicted: int
+    """Predicted tokens the world actually saw (all-reduced); must equal the task's count."""
+    local_tokens: int
+    """Tokens (padding included) this rank held over all its micro-batches."""
+    micro_batch_ms: list[float] = field(default_factory=list)
+    """Wall time of each of this rank's groups (forward + backward, communication and waits included)."""
+    micro_batches: list[int] = field(default_factory=list)
+    """The micro-batch index of each entry of ``micro_batch_ms`` (a rank may sit out a micro-batch)."""
+    micro_batch_start_ms: list[float] = field(default_factory=list)
+    """When each of those groups started, from the start of the step on this rank."""
+    compute_end_ms: float = 0.0
+    """From the start of the step to the end of this rank's last micro-batch."""
+    sync_ms: float = 0.0
+    """Gradient all-reduce."""
+    optim_ms: float = 0.0
+    """Clip + optimizer + schedule."""
+    total_ms: float = 0.0
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    peak_local_tokens: int = 0
+    """Most tokens this rank held in one micro-batch (the plan's memory unit)."""
+    peak_activation_bytes: int = 0
+    """Most bytes saved for backward in one micro-batch (``flexorch.workers.activation_memory``); pipelined: most bytes
+    the stage held at once for units run forward and not yet backward."""
+    ops: list[dict] = field(default_factory=list)
+    """Pipelined steps: this rank's ops as run, ``{"kind", "unit", "start_ms", "end_ms"}`` from its step start."""
+    param_bytes: int = 0
+    """Pipelined steps: bytes of parameters, gradients and optimizer state this rank held during the step."""
+
+
+def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Tensor, list[int]]:
+    parts = [blocks[d.block][d.offset : d.offset + d.length] for d in work.docs]
+    tokens = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    cu = [0]
+    for p in parts:
+        cu.append(cu[-1] + len(p))
+    return tokens, cu
+
+
+def micro_batch_inputs(
+    tokens: torch.Tensor, cu_seqlens: list[int], group_rank: int, degree: int, kind: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
+    """(input ids, position ids, labels, layout) of one group rank; padding and document ends get label -100."""
+    labels = next_token_labels(tokens, torch.tensor(cu_seqlens, dtype=torch.int64))
+    if kind == "ring" and degree > 1:
+        layout = zigzag_layout(cu_seqlens, group_rank, degree)
+    else:
+        layout = contiguous_layout(cu_seqlens, group_rank, degree)
+    ids = shard(tokens, layout)
+    lab = shard(labels, layout).masked_fill(~layout.loss_mask, -100)
+    return ids, layout.position_ids, lab, layout
+
+
+def _attention(layout: Layout, work: GroupWork, group: dist.ProcessGroup | None, backend: str | None):
+    if work.degree == 1:
+        return functools.partial(
+            varlen_attn_func, cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, backend=backend
+        )
+    fn = zigzag_ring_attn_varlen_func if work.kind == "ring" else ulysses_attn_varlen_func
+    return functools.partial(
+        fn, cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, group=group, backend=backend
+    )
+
+
+def run_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    task: StepTask,
+    blocks: dict[int, np.ndarray],
+    group_of: GroupGetter,
+    world: dist.ProcessGroup | None,
+    optim_cfg: OptimConfig,
+    *,
+    vocab_size: int,
+    backend: str | None = None,
+    hook: Callable[[str], None] | None = None,
+) -> StepOutcome:
+    """Run ``task`` on this rank and step the optimizer; every rank of the world must call it for the same step.
+
+    ``group_of(ranks)`` returns the process group of an SP group (already created for ``task.rank_sets``);
+    ``world`` is the whole world's group (None when the world has one rank). ``hook(point)`` is called at
+    ``"micro_batch"`` (after each forward), ``"before_sync"`` and ``"after_sync"`` (gradients all-reduced, the
+    optimizer not yet stepped): the worker's fault injection for the elasticity tests, None otherwise.
+    """
+    hook = hook or (lambda point: None)
+    t0 = time.perf_counter()
+    out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+    optimizer.zero_grad(set_to_none=False)
+    device = next(model.parameters()).device
+    local_loss = torch.zeros((), dtype=torch.float64)
+    local_pred = 0
+    params = [p for p in model.parameters() if p.requires_grad]
+    for work in task.work:
+        t_mb = time.perf_counter()
+        tokens, cu = _documents(work, blocks)
+        check_token_range(tokens, vocab_size)
+        group_rank = work.ranks.index(task.rank)
+        ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
+        group = group_of(work.ranks) if work.degree > 1 else None
+        attn = _attention(layout, work, group, backend)
+        with saved_tensor_meter(params) as meter:  # activation bytes held for backward: the plan's memory
+            logits = model(ids.to(device), pos.to(device), attn)
+            loss = loss_sum(logits, labels.to(device))
+        out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
+        del logits
+        hook("micro_batch")
+        loss.backward()
+        local_loss += loss.detach().double().cpu()
+        local_pred += int((labels != -100).sum())
+        out.local_tokens += int(ids.numel())
+        out.peak_local_tokens = max(out.peak_local_tokens, int(ids.numel()))
+        out.micro_batch_ms.append((time.perf_counter() - t_mb) * 1e3)
+        out.micro_batches.append(work.micro_batch)
+        out.micro_batch_start_ms.append((t_mb - t0) * 1e3)
+    out.compute_end_ms = (time.perf_counter() - t0) * 1e3
+
+    return sync_and_step(
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0
+    )
+
+
+@dataclass(frozen=True)
+class GradBucket:
+    """Parameters whose gradients are summed over one process group (with stage-local parameters: the ranks that
+    hold them, ``flexorch.tasks.placement.holder_sets``)."""
+
+    group: dist.ProcessGroup | None
+    """None: this rank is the only holder, nothing to sum."""
+    params: list
+    counts_in_norm: bool
+    """This rank adds these gradients to the global norm (the first holder only, so each counts once)."""
+
+
+def sync_and_step(
+    out: StepOutcome,
+    params: list[torch.nn.Parameter],
+    local_loss: torch.Tensor,
+    local_pred: int,
+    task,
+    world: dist.ProcessGroup | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    optim_cfg: OptimConfig,
+    *,
+    hook: Callable[[str], None],
+    t0: float,
+    buckets: list[GradBucket] | None = None,
+) -> StepOutcome:
+    """The end of every step (SP or pipelined): sum the gradients, loss and predicted-token count over the world,
+    check the count against the task's, divide, clip (global norm over every parameter) and step the optimizer.
+    ``local_loss``/``local_pred``: this rank's summed cross-entropy and predicted tokens; the gradients in
+    ``params`` are of that sum (not yet divided).
+
+    ``buckets`` (stage-local parameters): each bucket's gradients are summed over its holders only, and the global
+    norm is the world's sum of each bucket's squared norm counted once, riding with the loss and token count;
+    ``params`` are then the ones this rank holds (the optimizer skips the rest, whose gradient is None)."""
+    hook("before_sync")
+    t_sync = time.perf_counter()
+    sharded = buckets is not None
+    if buckets is None:  # whole replicas: one flat float32 buffer of every gradient, summed over the world
+        buckets = [GradBucket(world if task.world_size > 1 else None, params, True)]
+    device = _device(params, buckets)
+    reduced = []
+    norm_sq = 0.0
+    for b in buckets:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        flat = torch.cat([g.reshape(-1).float() for g in grads]) if grads else torch.zeros(0, device=device)
+        if b.group is not None:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=b.group)
+        if sharded and b.counts_in_norm:
+            norm_sq += float((flat.double() ** 2).sum())
+        reduced.append((b.params, flat))
+    # the loss sum and token count (and, sharded, the squared gradient norm) ride in a small float64 buffer
+    stats = torch.tensor([float(local_loss), float(local_pred), norm_sq], dtype=torch.float64, device=device)
+    if world is not None and task.world_size > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=world)
+    total_pred = int(round(float(stats[1])))
+    if total_pred != task.num_predicted:
+        raise RuntimeError(
+            f"step {task.step}: the world predicted {total_pred} tokens, the plan has {task.num_predicted}; "
+            "a document was lost or counted twice"
+        )
+    scale = 1.0 / max(total_pred, 1)
+    for ps, flat in reduced:
+        offset = 0
+        for p in ps:
+            n = p.numel()
+            p.grad = (flat[offset : offset + n] * scale).to(p.dtype).view_as(p)
+            offset += n
+    out.loss = float(stats[0]) * scale
+    out.num_predicted = total_pred
+    out.sync_ms = (time.perf_counter() - t_sync) * 1e3
+    hook("after_sync")
+
+    t_opt = time.perf_counter()
+    if sharded:
+        out.grad_norm = _clip_sharded(params, float(stats[2]) ** 0.5 * scale, optim_cfg.grad_clip)
+    else:
+        out.grad_norm = clip_grad_norm_(params, optim_cfg.grad_clip) if optim_cfg.grad_clip else _norm(params)
+    out.lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()
+    out.optim_ms = (time.perf_counter() - t_opt) * 1e3
+    out.total_ms = (time.perf_counter() - t0) * 1e3
+    return out
+
+
+def _device(params, buckets) -> torch.device:
+    """Where this rank's tensors live (a rank holding no parameter: the current GPU, else CPU)."""
+    for p in [*params, *(q for b in buckets for q in b.params)]:
+        return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _clip_sharded(params, norm: float, max_norm: float | None) -> float:
+    """``torch.nn.utils.clip_grad_norm_``'s scaling (coefficient ``max_norm / (norm + 1e-6)``, at most 1) with the
+    global norm computed across the holders."""
+    if max_norm:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+    return norm
+
+
+def _norm(params) -> float:
+    return float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in params)))
