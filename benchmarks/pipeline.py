@@ -242,8 +242,8 @@ def part2(steps: int) -> None:
     from flexorch.solver.pipeline.chunking import chunk_batch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the tests' process pool
-    from flexorch.control.planner_client import planner_profile
     from flexorch.solver.planner import PlannerConfig, plan_step
+    from flexorch.solver.step_planner import planner_profile
     from flexorch.workers.calibrate import activation_bytes_per_token
     from flexorch.workers.model import ModelConfig, init_model
     from tests._dist_utils import DistPool

@@ -285,10 +285,10 @@ def main(argv=None) -> int:
 
 
 def _picture(result: dict, profile_path: Path, out: Path) -> None:
-    from flexorch.control.planner_client import planner_profile
     from flexorch.dashboards.plan_svg import render_steps_svg
     from flexorch.solver.plan import Group, MicroBatch, Plan
     from flexorch.solver.profiles import get_profile
+    from flexorch.solver.step_planner import planner_profile
 
     recs = result["records"][:4]
     prof = get_profile(str(profile_path))

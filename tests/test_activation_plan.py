@@ -120,7 +120,7 @@ def test_ulysses_groups_get_their_own_smaller_token_cap():
 
 
 def test_train_budget_holds_tokens_per_worker_in_every_layout():
-    from flexorch.control.planner_client import planner_profile
+    from flexorch.solver.step_planner import planner_profile
 
     cfg = ModelConfig()
     base = _profile(cfg, 12_040.0, memory_budget_bytes=1e9)

@@ -7,12 +7,12 @@ import pytest
 
 from flexorch.cli.main import main
 from flexorch.config import ConfigError, TrainConfig, config_from_dict
-from flexorch.control.planner_client import StepPlanner, heuristic_plan
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.pipeline.schedule import check_schedule
 from flexorch.solver.pipeline.staged import fallback_staged, plan_staged
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import Profile
+from flexorch.solver.step_planner import StepPlanner, heuristic_plan
 
 LENGTHS = [256, 12, 90, 31, 200, 7, 150, 64]
 
@@ -126,7 +126,7 @@ def test_planner_never_slower_than_its_baselines_and_fallback_needs_no_milp():
 
 
 def test_planner_profile_takes_the_stage_bytes_measured_on_the_workers():
-    from flexorch.control.planner_client import planner_profile
+    from flexorch.solver.step_planner import planner_profile
 
     base = _profile()
     p = planner_profile(base, num_heads=4, num_kv_heads=2, tokens_per_worker=100, num_layers=4, stage_bytes=(2000, 900))

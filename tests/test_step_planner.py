@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flexorch.control.planner_client import StepPlanner, planner_profile
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.simulator import step_time_ms
+from flexorch.solver.step_planner import StepPlanner, planner_profile
 from tests.solver_helpers import TINY
 
 PROFILE = planner_profile(

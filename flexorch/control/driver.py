@@ -24,7 +24,7 @@ from flexorch.config import ConfigError, TrainConfig, config_from_dict
 from flexorch.control.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flexorch.control.elastic import Elastic, ElasticError
 from flexorch.control.membership import ElasticPolicy
-from flexorch.control.planner_client import PlannedStep, StepPlannerActor, heuristic_plan, planner_profile
+from flexorch.control.planner_client import StepPlannerActor
 from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
 from flexorch.data.corpus import load_corpus
 from flexorch.data.stream import DocumentStream
@@ -32,6 +32,7 @@ from flexorch.records.metrics import RunMetrics
 from flexorch.records.writer import StepRecords, skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.step_planner import PlannedStep, heuristic_plan, planner_profile
 from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
 from flexorch.tasks.placement import PartsLostError
 from flexorch.tasks.step import DocRef, step_tasks

@@ -1,0 +1,194 @@
+"""One batch in, one :class:`PlannedStep` out: the single planning path of ``flexorch plan`` and ``flexorch train``.
+
+:class:`StepPlanner` wraps :class:`~flexorch.solver.planner.Planner` (adaptive SP groups, never slower than the
+BatchAda floor), :func:`~flexorch.solver.baselines.static_plan` (a forced static layout, for comparisons and the
+invariant tests) or :func:`~flexorch.solver.pipeline.staged.plan_staged` (pipeline stages), and adds the baselines'
+predicted step times to every answer. :func:`heuristic_plan` is the MILP-free fallback. Pure: the control plane
+runs a :class:`StepPlanner` in its own Ray actor (:mod:`flexorch.control.planner_client`) so a solve overlaps a
+step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+from flexorch.solver.baselines import baseline_plans, baseline_times_ms, static_plan
+from flexorch.solver.cost_model import ULYSSES, kind_allowed
+from flexorch.solver.errors import InfeasibleBatchError, PlanningError
+from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipeline_baselines, plan_staged
+from flexorch.solver.plan import Plan
+from flexorch.solver.planner import Planner, PlannerConfig
+from flexorch.solver.profiles import Profile
+from flexorch.solver.simulator import step_time_ms
+
+__all__ = ["PlannedStep", "StepPlanner", "heuristic_plan", "planner_profile", "stage_memory_profile"]
+
+
+@dataclass(frozen=True)
+class PlannedStep:
+    """A plan and how it was found (or why there is none)."""
+
+    plan: Plan | StagedPlan | None
+    """SP groups per micro-batch, or a pipeline over stages (``pipeline_stages``)."""
+    predicted_ms: float = 0.0
+    """Step time the cost model predicts for the plan (solver.simulator)."""
+    bound_ms: float = 0.0
+    """Proven lower bound for this batch (0 for forced static plans)."""
+    solve_s: float = 0.0
+    status: str = ""
+    baselines_ms: dict = field(default_factory=dict)
+    """Predicted step time of each static layout and BatchAda (None where infeasible)."""
+    error: str | None = None
+    """Why no plan exists (an infeasible batch); ``plan`` is None then."""
+
+
+def planner_profile(
+    profile: Profile,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    tokens_per_worker: int,
+    num_layers: int | None = None,
+    vocab_size: int | None = None,
+    stage_bytes: tuple[float, float] | None = None,
+) -> Profile:
+    """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of
+    ``tokens_per_worker`` activation tokens on a worker of any group (a Ulysses group's all-to-all copies make its
+    tokens the costliest, ``Profile.act_bytes_per_local_token``: one device and ring groups then hold a few per cent
+    more), and (with ``vocab_size``) the LM head's share of the activations, held
+    by the last pipeline stage: the fp32 log-softmax the loss keeps (``vocab * 4`` bytes per token) and the final
+    norm's and the head's inputs (about 4 hidden-size vectors; measured 3.2 on the tiny model), at most half of
+    all. ``stage_bytes`` (per layer, head), measured on real stages (``flexorch.workers.calibrate.stage_activation_bytes``),
+    replace the activation bytes and the head's share (pipelined runs: the budget is then in stage-measured bytes)."""
+    extra: dict = {"num_layers": num_layers} if num_layers is not None else {}
+    if stage_bytes is not None:
+        per_layer, head = stage_bytes
+        layers = num_layers if num_layers is not None else profile.num_layers
+        profile = profile.with_overrides(act_bytes_per_token=per_layer * layers + head, head_bytes_per_token=head)
+    if stage_bytes is None and vocab_size is not None:
+        head = 4.0 * vocab_size + 4.0 * profile.hidden * profile.bytes_per_element
+        extra["head_bytes_per_token"] = min(head, 0.5 * profile.act_bytes_per_token)
+    profile = profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, **extra)
+    degrees = [d for d in (2**i for i in range(num_heads.bit_length())) if kind_allowed(ULYSSES, d, profile)]
+    costliest = max(profile.act_bytes_per_local_token(ULYSSES, d) for d in degrees)
+    budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * costliest
+    return profile.with_overrides(memory_budget_bytes=budget)
+
+
+class StepPlanner:
+    """Plans steps for one profile; ``static`` = (kind, degree) forces one layout; ``pipeline_stages`` other than 1
+    plans pipelines (``flexorch.solver.pipeline.staged``) instead of SP groups."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        config: PlannerConfig,
+        static: tuple[str, int] | None = None,
+        niceness: int = 0,
+        pipeline_stages: int | str = 1,
+        pipeline_params: str = "stage",
+    ):
+        if niceness:  # the solve overlaps the step: on shared CPUs it must not take cycles from the workers
+            os.nice(niceness)
+        self.profile = profile
+        self.pipeline_profile = stage_memory_profile(profile, pipeline_params)
+        self.static = static
+        self.config = config
+        self.pipeline_stages = pipeline_stages
+        self._planner = Planner(profile, config) if static is None and pipeline_stages == 1 else None
+        self._hangs = 0
+
+    def inject_fault(self, hangs: int = 1) -> None:
+        """Test seam: the next ``hangs`` plan calls block forever, as a stuck CBC solve does."""
+        self._hangs = hangs
+
+    def plan(self, lengths, num_devices: int, with_baselines: bool = True) -> PlannedStep:
+        if self._hangs > 0:
+            self._hangs -= 1
+            time.sleep(10**6)
+        t0 = time.perf_counter()
+        try:
+            if self.pipeline_stages != 1:
+                return self._plan_pipeline(lengths, num_devices, t0)
+            if self.static is None:
+                sp = self._planner.plan(lengths, num_devices)
+                plan, predicted, bound, status = sp.plan, sp.makespan_ms, sp.bound_ms, sp.status
+                statics = baseline_plans(lengths, num_devices, self.profile)
+                floor = statics["batchada"]
+                floor_ms = step_time_ms(floor, self.profile)
+                if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
+                    plan, predicted, status = floor, floor_ms, "batchada"
+                baselines = {k: (None if p is None else step_time_ms(p, self.profile)) for k, p in statics.items()}
+            else:
+                kind, d = self.static
+                plan = static_plan(lengths, num_devices, self.profile, d, kind)
+                if plan is None:
+                    raise InfeasibleBatchError(
+                        f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
+                        f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
+                    )
+                predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
+                baselines = baseline_times_ms(lengths, num_devices, self.profile) if with_baselines else {}
+        except PlanningError as e:
+            return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
+        return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
+
+    def _plan_pipeline(self, lengths, num_devices: int, t0: float) -> PlannedStep:
+        """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
+        baseline's schedule is faster it runs instead (status ``pipeline-1f1b`` / ``pipeline-seq1f1b-4``)."""
+        limit = self.config.time_limit_s
+        staged = plan_staged(lengths, num_devices, self.pipeline_profile, self.pipeline_stages, time_limit_s=limit)
+        bases = pipeline_baselines(lengths, staged, self.pipeline_profile, time_limit_s=limit)
+        status = "pipeline"
+        for name, p in bases.items():
+            if p is not None and p.makespan_ms < staged.makespan_ms:
+                staged, status = dataclasses.replace(staged, plan=p), f"pipeline-{name}"
+        baselines = {name: None if p is None else p.makespan_ms for name, p in bases.items()}
+        return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, status, baselines)
+
+    def close(self) -> None:
+        if self._planner is not None:
+            self._planner.close()
+
+
+def stage_memory_profile(profile: Profile, pipeline_params: str) -> Profile:
+    """The profile pipeline stages are planned with. 'stage' (stage-local parameters): as is, the stage model takes
+    each stage's share of ``model_state_bytes`` out of its budget. 'replicated': every worker keeps the whole model,
+    so each stage has the budget less the WHOLE model state."""
+    if pipeline_params == "stage":
+        return profile
+    return profile.with_overrides(
+        memory_budget_bytes=profile.memory_budget_bytes - profile.model_state_bytes, model_state_bytes=0.0
+    )
+
+
+def heuristic_plan(
+    profile: Profile,
+    lengths,
+    num_devices: int,
+    static: tuple[str, int] | None,
+    pipeline_stages: int | str = 1,
+    pipeline_params: str = "stage",
+) -> PlannedStep:
+    """Without a MILP: the BatchAda plan (or the forced static layout, or a fully checkpointed pipeline), for when
+    the planner actor is stuck."""
+    t0 = time.perf_counter()
+    if pipeline_stages != 1:
+        try:
+            staged = fallback_staged(
+                lengths, num_devices, stage_memory_profile(profile, pipeline_params), pipeline_stages
+            )
+        except PlanningError as e:
+            return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
+        return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, "fallback", {})
+    if static is None:
+        plan = baseline_plans(lengths, num_devices, profile)["batchada"]
+    else:
+        plan = static_plan(lengths, num_devices, profile, static[1], static[0])
+    if plan is None:
+        error = f"no heuristic plan fits this batch on {num_devices} workers (the planner timed out)"
+        return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error)
+    return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
