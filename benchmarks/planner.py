@@ -22,8 +22,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 
-from flexorch.cli.plan import BatchStream  # noqa: E402
 from flexorch.data.lengths import bundled_lengths_path, read_lengths  # noqa: E402
+from flexorch.data.stream import DocumentStream  # noqa: E402
 from flexorch.solver import Planner, PlannerConfig, baseline_times_ms, get_profile  # noqa: E402
 from flexorch.solver.validation import largest_degree  # noqa: E402
 
@@ -32,7 +32,7 @@ def part1(steps: int, time_limit: float) -> None:
     profile = get_profile("gpt-7b-a100").with_overrides(num_heads=64, num_kv_heads=64)
     data = read_lengths(bundled_lengths_path())
     data = data[(data > 0) & (data <= 384 * 1024)]
-    stream = BatchStream(data.size, 512, seed=0)
+    stream = DocumentStream(data.size, 512, seed=0)
     rows = []
     print(
         f"Part 1: Wikipedia lengths, {profile.name} (64 heads), N=64, 384K context, batch 512, {steps} steps, "
@@ -45,18 +45,18 @@ def part1(steps: int, time_limit: float) -> None:
     t0 = time.perf_counter()
     with Planner(profile, PlannerConfig(time_limit_s=time_limit)) as planner:
         for step in range(steps):
-            batch = data[stream.next()]
+            batch = data[list(stream.next_batch().doc_ids)]
             r = planner.plan(batch, 64)
             base = baseline_times_ms(batch, 64, profile)
             ring = min(v for k, v in base.items() if k.startswith("static-ring-") and v is not None)
             row = (
                 r.solve_s,
-                r.makespan_ms,
+                r.predicted_ms,
                 r.bound_ms,
                 r.gap,
-                base["static-ulysses-64"] / r.makespan_ms,
-                ring / r.makespan_ms,
-                base["batchada"] / r.makespan_ms,
+                base["static-ulysses-64"] / r.predicted_ms,
+                ring / r.predicted_ms,
+                base["batchada"] / r.predicted_ms,
             )
             rows.append(row)
             eta = (time.perf_counter() - t0) / (step + 1) * (steps - step - 1)
@@ -91,11 +91,11 @@ def part2(devices, batches, steps: int, time_limit: float) -> None:
         limit = min(384 * 1024, largest_degree(n) * profile.tokens_per_device)
         pool = data[data <= limit]
         for b in batches:
-            stream = BatchStream(pool.size, b, seed=1)
+            stream = DocumentStream(pool.size, b, seed=1)
             solve, gap, mbs = [], [], []
             with Planner(profile, PlannerConfig(time_limit_s=time_limit)) as planner:
                 for _ in range(steps):
-                    r = planner.plan(pool[stream.next()], n)
+                    r = planner.plan(pool[list(stream.next_batch().doc_ids)], n)
                     solve.append(r.solve_s)
                     gap.append(r.gap)
                     mbs.append(len(r.plan.micro_batches))

@@ -21,7 +21,7 @@ def _run(args, capsys):
 
 def test_json_lines_have_the_documented_fields(capsys):
     code, out, _ = _run(
-        ["plan", "--devices", "16", "--batch", "64", "--steps", "2", "--json", "--time-limit", "0.5"], capsys
+        ["plan", "--workers", "16", "--batch", "64", "--steps", "2", "--json", "--time-limit", "0.5"], capsys
     )
     assert code == 0
     recs = [json.loads(line) for line in out.strip().splitlines()]
@@ -45,7 +45,7 @@ def test_json_lines_have_the_documented_fields(capsys):
 
 def test_run_dir_gets_the_records_it_printed(tmp_path, capsys):
     run = tmp_path / "plan-run"
-    args = ["plan", "--devices", "8", "--batch", "32", "--steps", "3", "--time-limit", "0.3", "--run-dir", str(run)]
+    args = ["plan", "--workers", "8", "--batch", "32", "--steps", "3", "--time-limit", "0.3", "--run-dir", str(run)]
     code, out, _ = _run(args + ["--json"], capsys)
     assert code == 0
     printed = [json.loads(line) for line in out.splitlines()]
@@ -58,7 +58,7 @@ def test_run_dir_gets_the_records_it_printed(tmp_path, capsys):
 def test_table_and_picture(tmp_path, capsys):
     svg = tmp_path / "p.svg"
     code, out, err = _run(
-        ["plan", "--devices", "8", "--batch", "32", "--steps", "2", "--svg", str(svg), "--time-limit", "0.3"],
+        ["plan", "--workers", "8", "--batch", "32", "--steps", "2", "--svg", str(svg), "--time-limit", "0.3"],
         capsys,
     )
     assert code == 0, err
@@ -74,7 +74,7 @@ def test_batches_are_seeded_and_cover_the_data_once_per_epoch(tmp_path, capsys):
         "plan",
         "--lengths",
         str(f),
-        "--devices",
+        "--workers",
         "4",
         "--profile",
         "gpt-7b-a100",
@@ -109,7 +109,7 @@ def test_over_long_drop_is_counted_and_reject_fails(tmp_path, capsys):
             "plan",
             "--lengths",
             str(f),
-            "--devices",
+            "--workers",
             "8",
             "--batch",
             "3",
@@ -126,7 +126,7 @@ def test_over_long_drop_is_counted_and_reject_fails(tmp_path, capsys):
             "plan",
             "--lengths",
             str(f),
-            "--devices",
+            "--workers",
             "8",
             "--batch",
             "3",
@@ -168,7 +168,7 @@ def test_jsonl_and_directory_sources(tmp_path, capsys):
     (d / "pkg" / "b.md").write_text("é" * 10)
     (d / "image.png").write_bytes(b"\x89PNG")
     assert sorted(read_lengths(d).tolist()) == [12, 20]  # bytes: é is 2 bytes in UTF-8; png skipped
-    code, out, _ = _run(["plan", "--lengths", str(d), "--devices", "2", "--batch", "2", "--steps", "1"], capsys)
+    code, out, _ = _run(["plan", "--lengths", str(d), "--workers", "2", "--batch", "2", "--steps", "1"], capsys)
     assert code == 0
 
 
@@ -178,16 +178,16 @@ def test_missing_file_unknown_profile_bad_config(tmp_path, capsys):
     code, _, err = _run(["plan", "--profile", "gpt-9000"], capsys)
     assert code == 2 and "unknown profile 'gpt-9000'" in err
     cfg = tmp_path / "run.toml"
-    cfg.write_text("devices = 8\nbatchsize = 3\n")
+    cfg.write_text("workers = 8\nbatchsize = 3\n")
     code, _, err = _run(["plan", "--config", str(cfg)], capsys)
     assert code == 2 and "unknown keys ['batchsize']" in err
-    cfg.write_text("devices = = 8\n")
+    cfg.write_text("workers = = 8\n")
     code, _, err = _run(["plan", "--config", str(cfg)], capsys)
     assert code == 2 and "not valid TOML" in err
-    code, _, err = _run(["plan", "--devices", "0"], capsys)
-    assert code == 2 and "--devices must be >= 1" in err
-    code, _, err = _run(["plan", "--devices", "4", "--max-context", "1M"], capsys)
-    assert code == 2 and "more than 4 devices hold" in err
+    code, _, err = _run(["plan", "--workers", "0"], capsys)
+    assert code == 2 and "--workers must be >= 1" in err
+    code, _, err = _run(["plan", "--workers", "4", "--max-context", "1M"], capsys)
+    assert code == 2 and "more than 4 workers hold" in err
     code, _, err = _run(["plan", "--batch", "200000", "--steps", "1"], capsys)
     assert code == 2 and "needs at least that many" in err
 
@@ -211,7 +211,7 @@ def test_console_script_is_installed():
     assert r.returncode == 0 and "gpt-7b-a100" in r.stdout and "6250 tokens/device" in r.stdout
 
 
-PIPELINE = ["plan", "--devices", "8", "--batch", "32", "--steps", "2", "--pipeline-stages", "2", "--time-limit", "0.5"]
+PIPELINE = ["plan", "--workers", "8", "--batch", "32", "--steps", "2", "--pipeline-stages", "2", "--time-limit", "0.5"]
 
 
 def test_pipeline_json_lines_are_the_records_written(tmp_path, capsys):
@@ -222,7 +222,14 @@ def test_pipeline_json_lines_are_the_records_written(tmp_path, capsys):
     written = read_records(run / "steps.jsonl", validate=True)
     assert written == printed and [r["step"] for r in written] == [0, 1]
     for r in written:
-        assert validate_record(r) is r and r["source"] == "plan" and r["status"] == "pipeline"
+        assert validate_record(r) is r and r["source"] == "plan"
+        # the train driver's floor: never slower (simulated) than plain 1F1B or Seq1F1B on the same stages; where a
+        # baseline's schedule is faster, it is the plan (status names it) and its predicted time is the step's
+        fitting = {k: v for k, v in r["baselines_ms"].items() if v is not None}
+        assert r["predicted_ms"] <= min(fitting.values()) + 1e-9
+        assert r["status"] in ("pipeline", "pipeline-1f1b", "pipeline-seq1f1b-4")
+        if r["status"] != "pipeline":
+            assert r["predicted_ms"] == pytest.approx(fitting[r["status"].removeprefix("pipeline-")], rel=1e-12)
         assert r["plan"] is None and r["timeline"] is None and r["bound_ms"] == 0.0 and r["world_size"] == 8
         pipe = r["pipeline"]
         assert (pipe["stages"], pipe["degree"], pipe["layers"]) == (2, 4, [16, 16])
@@ -266,7 +273,7 @@ def test_pipeline_table_rows_summary_and_picture(tmp_path, capsys):
 
 def test_pipeline_stages_auto_picks_a_split(capsys):
     code, out, err = _run(
-        ["plan", "--devices", "8", "--batch", "16", "--steps", "1", "--pipeline-stages", "auto", "--json"], capsys
+        ["plan", "--workers", "8", "--batch", "16", "--steps", "1", "--pipeline-stages", "auto", "--json"], capsys
     )
     assert code == 0, err
     (rec,) = [validate_record(json.loads(line)) for line in out.splitlines()]
@@ -281,15 +288,15 @@ def test_pipeline_stages_auto_picks_a_split(capsys):
         ("-3", [], "--pipeline-stages must be a positive integer (>= 1) or 'auto', got -3"),
         ("two", [], "--pipeline-stages must be a positive integer or 'auto', got 'two'"),
         ("2.5", [], "--pipeline-stages must be a positive integer or 'auto', got '2.5'"),
-        ("33", ["--devices", "64"], "--pipeline-stages 33 is more stages than profile gpt-7b-a100's 32 layers"),
-        ("16", [], "--pipeline-stages 16 needs at least 16 devices, --devices is 8"),
-        ("2", ["--heads", "2"], "--pipeline-stages 2 on 8 devices puts 4 devices on each stage"),
-        ("auto", ["--devices", "64", "--heads", "1"], "--pipeline-stages auto: no split of 64 devices"),
+        ("33", ["--workers", "64"], "--pipeline-stages 33 is more stages than profile gpt-7b-a100's 32 layers"),
+        ("16", [], "--pipeline-stages 16 needs at least 16 workers, --workers is 8"),
+        ("2", ["--heads", "2"], "--pipeline-stages 2 on 8 workers puts 4 workers on each stage"),
+        ("auto", ["--workers", "64", "--heads", "1"], "--pipeline-stages auto: no split of 64 workers"),
     ],
 )
 def test_bad_pipeline_stages_exit_2_before_any_step(tmp_path, capsys, value, extra, msg):
     run = tmp_path / "run"
-    args = ["plan", "--devices", "8", "--batch", "8", "--steps", "1", "--run-dir", str(run)]
+    args = ["plan", "--workers", "8", "--batch", "8", "--steps", "1", "--run-dir", str(run)]
     code, out, err = _run(args + extra + ["--pipeline-stages", value], capsys)
     assert code == 2 and msg in err and err.startswith("flexorch plan: error: ")
     assert not (run / "steps.jsonl").exists()  # refused before planning (and writing) anything
@@ -303,7 +310,7 @@ def test_pipeline_batch_no_checkpointing_fits_is_an_error(tmp_path, capsys):
     profile.write_text(json.dumps(TIGHT_PROFILE))
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("6000\n100\n200\n")
-    args = ["plan", "--profile", str(profile), "--lengths", str(lengths), "--devices", "2", "--batch", "3"]
+    args = ["plan", "--profile", str(profile), "--lengths", str(lengths), "--workers", "2", "--batch", "3"]
     code, _, err = _run(args + ["--steps", "1"], capsys)
     assert code == 0, err  # SP groups hold it
     code, _, err = _run(args + ["--steps", "1", "--pipeline-stages", "2"], capsys)
@@ -320,7 +327,7 @@ def test_pipeline_batch_that_fits_only_back_to_back(tmp_path, capsys):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("3000\n3000\n2800\n2900\n")
     run = tmp_path / "run"
-    args = ["plan", "--profile", str(profile), "--lengths", str(lengths), "--devices", "2", "--batch", "4"]
+    args = ["plan", "--profile", str(profile), "--lengths", str(lengths), "--workers", "2", "--batch", "4"]
     code, out, err = _run(args + ["--steps", "1", "--pipeline-stages", "2", "--run-dir", str(run)], capsys)
     assert code == 0, err
     (rec,) = read_records(run / "steps.jsonl", validate=True)
@@ -333,7 +340,7 @@ def test_pipeline_batch_that_fits_only_back_to_back(tmp_path, capsys):
 
 def test_pipeline_stages_from_a_config_file_and_1_means_sp(tmp_path, capsys):
     conf = tmp_path / "plan.toml"
-    conf.write_text("devices = 8\nbatch = 8\nsteps = 1\ntime_limit = 0.5\npipeline_stages = 2\njson = true\n")
+    conf.write_text("workers = 8\nbatch = 8\nsteps = 1\ntime_limit = 0.5\npipeline_stages = 2\njson = true\n")
     code, out, err = _run(["plan", "--config", str(conf)], capsys)
     assert code == 0, err
     (rec,) = [validate_record(json.loads(line)) for line in out.splitlines()]

@@ -1,12 +1,14 @@
 """`flexorch plan`: the per-step plans flexorch would run on N devices, for real batches of a real corpus.
 
-Draws global batches from a length source (an epoch-style seeded shuffle: no sequence repeats before the data is
-used up), plans every step, and prints per step the plan's shape, the solve time, the predicted step time, the gap
-to a proven lower bound and the speedup against the static layouts in use today.
+Draws global batches from a length source through the train driver's stream (``flexorch.data.stream.DocumentStream``:
+seeded epochs, every sequence once per epoch), plans every step through the train driver's planner
+(``flexorch.solver.step_planner.StepPlanner``: the same plan, never slower than BatchAda, for the same batch), and
+prints per step the plan's shape, the solve time, the predicted step time, the gap to a proven lower bound and the
+speedup against the static layouts in use today.
 
-With ``pipeline_stages`` (``--pipeline-stages P|auto``) every step is planned as a pipeline instead
-(``flexorch.solver.pipeline.staged.plan_staged``: P stages of ``devices // P`` devices, SP inside a stage, or the best split per
-step for ``auto``), and compared against plain 1F1B and Seq1F1B on the same stages.
+With ``pipeline_stages`` (``--pipeline-stages P|auto``) every step is planned as a pipeline instead (P stages of
+``devices // P`` devices, SP inside a stage, or the best split per step for ``auto``), never slower than plain 1F1B
+and Seq1F1B on the same stages, and compared against them.
 """
 
 from __future__ import annotations
@@ -20,15 +22,15 @@ from pathlib import Path
 import numpy as np
 
 from flexorch.data.lengths import DataError, bundled_lengths_path, read_lengths
+from flexorch.data.stream import Batch, DocumentStream
 from flexorch.records.writer import StepRecords, plan_record
-from flexorch.solver.baselines import baseline_times_ms
 from flexorch.solver.errors import InfeasibleBatchError
-from flexorch.solver.pipeline.staged import StagedPlan, pipeline_baselines_ms, plan_staged
-from flexorch.solver.planner import Planner, PlannerConfig
+from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import Profile
+from flexorch.solver.step_planner import StepPlanner
 from flexorch.solver.validation import largest_degree
 
-__all__ = ["PlanRunConfig", "BatchStream", "run_plan", "parse_pipeline_stages"]
+__all__ = ["PlanRunConfig", "run_plan", "parse_pipeline_stages"]
 
 
 def parse_pipeline_stages(value) -> int | str | None:
@@ -94,27 +96,7 @@ class PlanRunConfig:
             raise ValueError(f"--pipeline-stages must be a positive integer (>= 1) or 'auto', got {p!r}")
 
 
-class BatchStream:
-    """Seeded epoch-style batches of indices: a permutation consumed in order, reshuffled when used up."""
-
-    def __init__(self, size: int, batch: int, seed: int):
-        if batch > size:
-            raise DataError(f"a batch of {batch} sequences needs at least that many, the data has {size}")
-        self.size, self.batch = size, batch
-        self.rng = np.random.default_rng(seed)
-        self.epoch, self.pos = 0, 0
-        self.order = self.rng.permutation(size)
-
-    def next(self) -> np.ndarray:
-        if self.pos + self.batch > self.size:
-            self.epoch += 1
-            self.order, self.pos = self.rng.permutation(self.size), 0
-        out = self.order[self.pos : self.pos + self.batch]
-        self.pos += self.batch
-        return out
-
-
-def _filter(lengths: np.ndarray, max_context: int, policy: str, out) -> tuple[np.ndarray, dict]:
+def _filter(lengths: np.ndarray, max_context: int, policy: str) -> tuple[np.ndarray, dict]:
     empty = int((lengths == 0).sum())
     over = lengths > max_context
     if over.any() and policy == "reject":
@@ -146,70 +128,63 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
             f"({largest_degree(cfg.devices)} x {profile.tokens_per_device} = {limit} tokens with profile "
             f"{profile.name}); lower --max-context or raise --devices"
         )
-    lengths, report = _filter(raw, max_context, cfg.over_long, out)
-    stream = BatchStream(lengths.size, cfg.batch, cfg.seed)
-    if cfg.pipeline_stages is not None:
+    lengths, report = _filter(raw, max_context, cfg.over_long)
+    if cfg.batch > lengths.size:
+        raise DataError(f"a batch of {cfg.batch} sequences needs at least that many, the data has {lengths.size}")
+    pipelined = cfg.pipeline_stages is not None
+    if pipelined:
         _check_stages(cfg.pipeline_stages, cfg.devices, profile)
-        if not cfg.json:
-            print(
-                f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
-                f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
-                f"  profile {profile.name}, N={cfg.devices} devices, batch {cfg.batch}, {cfg.steps} steps, "
-                f"seed {cfg.seed}, pipeline stages {cfg.pipeline_stages} (SP inside a stage)",
-                file=out,
-            )
-        return _run_pipeline(cfg, profile, lengths, stream, out)
     if not cfg.json:
         print(
             f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
             f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
             f"  profile {profile.name}, N={cfg.devices} devices, batch {cfg.batch}, {cfg.steps} steps, "
-            f"seed {cfg.seed}",
+            f"seed {cfg.seed}" + (f", pipeline stages {cfg.pipeline_stages} (SP inside a stage)" if pipelined else ""),
             file=out,
         )
-        head = (
-            f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bound_ms':>9} {'gap':>6} {'x batchada':>10} "
-            f"{'x best-ulysses':>16} {'x best-ring':>14} {'x ulysses-max':>15}  {'eta':>6}  plan"
-        )
-        print(head, file=out)
+        print(_pipeline_head() if pipelined else _head(), file=out)
+    stream = DocumentStream(lengths.size, cfg.batch, cfg.seed)  # the train driver's stream, over the kept lengths
     records, pictures = [], []
     writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
     t_start = time.perf_counter()
-    with Planner(profile, cfg.planner) as planner:
+    with StepPlanner(profile, cfg.planner, pipeline_stages=cfg.pipeline_stages or 1) as planner:
         for step in range(cfg.steps):
-            idx = stream.next()
-            batch = lengths[idx]
-            sp = planner.plan(batch, cfg.devices)
-            base = baseline_times_ms(batch, cfg.devices, profile)
-            base_ms = {k: (None if v is None else round(v, 3)) for k, v in base.items()}
-            rec = plan_record(
-                _step_fields(step, stream, cfg, batch),
-                sp,
-                profile,
-                base_ms,
-            )
-            pictures.append((f"step {step}: {sp.plan.shape()}  {sp.makespan_ms / 1000:.2f} s", sp.plan))
+            batch = stream.next_batch()
+            seqs = lengths[list(batch.doc_ids)]
+            planned = planner.plan(seqs, cfg.devices)
+            if planned.plan is None:  # an error (exit 2); the steps before it stay written
+                where = f" (--pipeline-stages {cfg.pipeline_stages})" if pipelined else ""
+                raise InfeasibleBatchError(f"step {step}{where}: {planned.error}")
+            rec = plan_record(_step_fields(step, batch, cfg, seqs), planned, profile)
+            drawn = planned.plan.plan if planned.pipelined else planned.plan
+            pictures.append((f"step {step}: {rec['shape']}  {planned.predicted_ms / 1000:.2f} s", drawn))
             eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
-            _emit(cfg, out, writer, records, rec, None if cfg.json else _row(rec, sp.makespan_ms, base, eta))
+            row = None if cfg.json else (_pipeline_row(rec, eta) if pipelined else _row(rec, eta))
+            _emit(cfg, out, writer, records, rec, row)
     if not cfg.json:
-        _summary(records, out)
+        (_pipeline_summary if pipelined else _summary)(records, out)
 
     def picture() -> str:
+        if pipelined:
+            from flexorch.dashboards.pipeline_svg import render_pipelines_svg
+
+            return render_pipelines_svg(pictures)
         from flexorch.dashboards.plan_svg import render_steps_svg
 
         return render_steps_svg(pictures, profile)
 
-    _close(cfg, out, writer, picture, "picture of every step")
+    what = "picture of every step (stages x time)" if pipelined else "picture of every step"
+    _close(cfg, out, writer, picture, what)
     return records
 
 
-def _step_fields(step: int, stream: BatchStream, cfg: PlanRunConfig, batch) -> dict:
+def _step_fields(step: int, batch: Batch, cfg: PlanRunConfig, seqs) -> dict:
     """The record keys of a planned step that say which batch it was (SP and pipelined paths alike)."""
     return {
         "step": step,
-        "epoch": stream.epoch,
+        "epoch": batch.epoch,
         "world_size": cfg.devices,
-        "seq_lengths": [int(x) for x in batch],
+        "seq_lengths": [int(x) for x in seqs],
         "mode": "adaptive",
     }
 
@@ -269,58 +244,13 @@ def _check_stages(stages: int | str, n: int, profile: Profile) -> None:
         )
 
 
-@dataclass(frozen=True)
-class _PipelineSolve:
-    """What :func:`plan_record` reads of a solve, for a pipelined step."""
-
-    plan: StagedPlan
-    makespan_ms: float
-    solve_s: float
-    status: str = "pipeline"
-    bound_ms: float = 0.0
+def _pipeline_head() -> str:
+    cols = " ".join(f"{'x ' + name:>11}" for name in _PIPELINE_BASELINES)
+    return f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bubble':>6} {'gran':>4} {cols}  {'eta':>6}  plan"
 
 
-def _run_pipeline(cfg: PlanRunConfig, profile: Profile, lengths: np.ndarray, stream: BatchStream, out) -> list[dict]:
-    """`flexorch plan --pipeline-stages`: every step planned as a pipeline, against 1F1B and Seq1F1B on its stages."""
-    if not cfg.json:
-        cols = " ".join(f"{'x ' + name:>11}" for name in _PIPELINE_BASELINES)
-        print(f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bubble':>6} {'gran':>4} {cols}  {'eta':>6}  plan", file=out)
-    records, pictures = [], []
-    writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
-    limit = cfg.planner.time_limit_s
-    t_start = time.perf_counter()
-    for step in range(cfg.steps):
-        batch = lengths[stream.next()]
-        t0 = time.perf_counter()
-        try:
-            staged = plan_staged(batch, cfg.devices, profile, cfg.pipeline_stages, time_limit_s=limit)
-        except InfeasibleBatchError as e:  # as on the SP path: an error (exit 2); the steps before it stay written
-            raise InfeasibleBatchError(f"step {step} (--pipeline-stages {cfg.pipeline_stages}): {e}") from None
-        solved = _PipelineSolve(staged, staged.makespan_ms, time.perf_counter() - t0)
-        base = pipeline_baselines_ms(batch, staged, profile, time_limit_s=limit)
-        rec = plan_record(
-            _step_fields(step, stream, cfg, batch),
-            solved,
-            profile,
-            {k: (None if v is None else round(v, 3)) for k, v in base.items()},
-        )
-        pictures.append((f"step {step}: {staged.shape()}  {staged.makespan_ms / 1000:.2f} s", staged.plan))
-        eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
-        _emit(cfg, out, writer, records, rec, None if cfg.json else _pipeline_row(rec, base, eta))
-    if not cfg.json:
-        _pipeline_summary(records, out)
-
-    def picture() -> str:
-        from flexorch.dashboards.pipeline_svg import render_pipelines_svg
-
-        return render_pipelines_svg(pictures)
-
-    _close(cfg, out, writer, picture, "picture of every step (stages x time)")
-    return records
-
-
-def _pipeline_row(rec: dict, base: dict, eta: float) -> str:
-    mine, pipe = rec["predicted_ms"], rec["pipeline"]
+def _pipeline_row(rec: dict, eta: float) -> str:
+    mine, pipe, base = rec["predicted_ms"], rec["pipeline"], rec["baselines_ms"]
     cols = " ".join(f"{_x(base.get(name), mine):>11}" for name in _PIPELINE_BASELINES)
     return (
         f"{rec['step']:>4} {rec['solve_s']:>7.3f} {mine:>9.0f} {pipe['bubble_share'] * 100:>5.1f}% "
@@ -366,7 +296,15 @@ def _x(ref, mine) -> str:
     return "n/a" if ref is None else f"{ref / mine:.2f}x"
 
 
-def _row(rec: dict, mine: float, base: dict, eta: float) -> str:
+def _head() -> str:
+    return (
+        f"{'step':>4} {'solve_s':>7} {'step_ms':>9} {'bound_ms':>9} {'gap':>6} {'x batchada':>10} "
+        f"{'x best-ulysses':>16} {'x best-ring':>14} {'x ulysses-max':>15}  {'eta':>6}  plan"
+    )
+
+
+def _row(rec: dict, eta: float) -> str:
+    mine, base = rec["predicted_ms"], rec["baselines_ms"]
     bu_name, bu = _best(base, "static-ulysses-")
     br_name, br = _best(base, "static-ring-")
     um_name, um = _ulysses_max(base)

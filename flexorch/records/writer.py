@@ -76,11 +76,20 @@ def pipeline_fields(staged) -> dict:
     return {"shape": staged.shape(), "plan": None, "timeline": None, "pipeline": staged.to_dict()}
 
 
-def plan_fields(plan, profile) -> dict:
+def plan_fields(planned, profile) -> dict:
     """``shape``, ``plan``, ``timeline`` (the cost model's schedule: when each group starts and how long it runs) and
-    ``pipeline`` (null), or :func:`pipeline_fields` for a pipelined step."""
-    if hasattr(plan, "stage_ranks"):
-        return pipeline_fields(plan)
+    ``pipeline`` (null) of a planned step (``flexorch.solver.step_planner.PlannedStep``), or :func:`pipeline_fields`
+    when it is pipelined; then how it was planned: ``status``, ``predicted_ms``, ``bound_ms``."""
+    solve = {
+        "status": planned.status,
+        "skipped": False,
+        "reason": None,
+        "predicted_ms": planned.predicted_ms,
+        "bound_ms": planned.bound_ms,
+    }
+    if planned.pipelined:
+        return {**pipeline_fields(planned.plan), **solve}
+    plan = planned.plan
     return {
         "shape": plan.shape(),
         "plan": plan.to_dict(),
@@ -89,25 +98,21 @@ def plan_fields(plan, profile) -> dict:
             for g in group_timings(plan, profile)
         ],
         "pipeline": None,
+        **solve,
     }
 
 
-def plan_record(base: dict, sp, profile, baselines_ms: dict) -> dict:
-    """A `flexorch plan` record: ``base`` (step, epoch, world_size, seq_lengths, mode) plus the solved plan."""
+def plan_record(base: dict, planned, profile) -> dict:
+    """A `flexorch plan` record: ``base`` (step, epoch, world_size, seq_lengths, mode) plus the planned step."""
     return {
         "schema": SCHEMA,
         "source": "plan",
         "time": time.time(),
         **base,
         "tokens": sum(int(s) - 1 for s in base["seq_lengths"]),
-        "status": sp.status,
-        "skipped": False,
-        "reason": None,
-        **plan_fields(sp.plan, profile),
-        "solve_s": sp.solve_s,
-        "predicted_ms": sp.makespan_ms,
-        "bound_ms": sp.bound_ms,
-        "baselines_ms": baselines_ms,
+        **plan_fields(planned, profile),
+        "solve_s": planned.solve_s,
+        "baselines_ms": planned.baselines_ms,
     }
 
 
@@ -170,18 +175,13 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
     had been applied (the step stands; its ``ranks`` entry is null)."""
     done = [o for o in outcomes if o is not None]
     tokens = done[0].num_predicted
-    pipelined = hasattr(planned.plan, "stage_ranks")
+    pipelined = planned.pipelined
     n_mb = 0 if pipelined else len(planned.plan.micro_batches)
     return {
         **base,
         "source": "train",
         "tokens": tokens,
-        "status": planned.status,
-        "skipped": False,
-        "reason": None,
-        **plan_fields(planned.plan, profile),
-        "predicted_ms": planned.predicted_ms,
-        "bound_ms": planned.bound_ms,
+        **plan_fields(planned, profile),
         "measured_ms": measured_ms,
         "compute_ms": max(o.compute_end_ms for o in done),
         "sync_ms": max(o.sync_ms for o in done),

@@ -63,10 +63,12 @@ class PlannerConfig:
 
 @dataclass(frozen=True)
 class StepPlan:
-    """A plan with how it was found."""
+    """A plan with how it was found: the inner :class:`Planner`'s answer, without the BatchAda floor. Callers
+    outside the solver get a :class:`flexorch.solver.step_planner.PlannedStep` (the one solve result) from
+    :class:`~flexorch.solver.step_planner.StepPlanner` instead."""
 
     plan: Plan
-    makespan_ms: float
+    predicted_ms: float
     """Predicted step time under the cost model (simulator, real lengths)."""
     bound_ms: float
     """Proven lower bound on any plan's step time for this batch (solver.bounds)."""
@@ -77,7 +79,7 @@ class StepPlan:
 
     @property
     def gap(self) -> float:
-        return self.makespan_ms / self.bound_ms - 1.0
+        return self.predicted_ms / self.bound_ms - 1.0
 
 
 class Planner:

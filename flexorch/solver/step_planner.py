@@ -11,6 +11,7 @@ step.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -29,20 +30,52 @@ __all__ = ["PlannedStep", "StepPlanner", "heuristic_plan", "planner_profile", "s
 
 @dataclass(frozen=True)
 class PlannedStep:
-    """A plan and how it was found (or why there is none)."""
+    """A plan and how it was found (or why there is none): the one solve result that `flexorch plan`, the train
+    driver and the step records read. Checks itself on construction (it crosses the planner actor's boundary)."""
 
     plan: Plan | StagedPlan | None
-    """SP groups per micro-batch, or a pipeline over stages (``pipeline_stages``)."""
+    """SP groups per micro-batch, or a pipeline over stages (``pipeline_stages``; see :attr:`pipelined`)."""
     predicted_ms: float = 0.0
-    """Step time the cost model predicts for the plan (solver.simulator)."""
+    """Step time the cost model predicts for the plan (``solver.simulator``; the pipeline simulator's makespan)."""
     bound_ms: float = 0.0
-    """Proven lower bound for this batch (0 for forced static plans)."""
+    """Proven lower bound for this batch (0 where none is computed: static, pipelined and fallback plans)."""
     solve_s: float = 0.0
     status: str = ""
+    """How the plan was found: 'milp', 'static', 'fallback' (the inner planner ran out of time), 'batchada' (the
+    floor won), 'static-<kind>-<d>', 'pipeline', 'pipeline-<baseline>' (a baseline schedule won), 'infeasible'."""
     baselines_ms: dict = field(default_factory=dict)
-    """Predicted step time of each static layout and BatchAda (None where infeasible)."""
+    """Predicted step time of each static layout and BatchAda, or of plain 1F1B and Seq1F1B on the same stages for a
+    pipelined step (None where infeasible)."""
     error: str | None = None
-    """Why no plan exists (an infeasible batch); ``plan`` is None then."""
+    """Why no plan exists (an infeasible batch); ``plan`` is None then, and only then."""
+
+    def __post_init__(self) -> None:
+        if self.plan is not None and not isinstance(self.plan, Plan | StagedPlan):
+            raise TypeError(f"PlannedStep.plan must be a Plan, a StagedPlan or None, got {type(self.plan).__name__}")
+        if (self.plan is None) != (self.error is not None):
+            raise ValueError(
+                f"PlannedStep needs exactly one of a plan and an error, got plan={self.plan is not None} and "
+                f"error={self.error!r}"
+            )
+        if not isinstance(self.status, str) or not self.status:
+            raise ValueError(f"PlannedStep.status must name how the plan was found, got {self.status!r}")
+        for name in ("predicted_ms", "bound_ms", "solve_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"PlannedStep.{name} must be a finite number >= 0, got {v!r}")
+        if self.plan is not None and self.bound_ms > self.predicted_ms * (1 + 1e-9) + 1e-9:
+            raise ValueError(
+                f"PlannedStep: the lower bound {self.bound_ms} ms exceeds the predicted step time "
+                f"{self.predicted_ms} ms ({self.status})"
+            )
+        for name, v in self.baselines_ms.items():
+            if v is not None and not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"PlannedStep.baselines_ms[{name!r}] must be None or a finite number >= 0, got {v!r}")
+
+    @property
+    def pipelined(self) -> bool:
+        """True when :attr:`plan` is a pipeline over stages (a :class:`StagedPlan`), False for SP groups (or none)."""
+        return isinstance(self.plan, StagedPlan)
 
 
 def planner_profile(
@@ -115,7 +148,7 @@ class StepPlanner:
                 return self._plan_pipeline(lengths, num_devices, t0)
             if self.static is None:
                 sp = self._planner.plan(lengths, num_devices)
-                plan, predicted, bound, status = sp.plan, sp.makespan_ms, sp.bound_ms, sp.status
+                plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
                 statics = baseline_plans(lengths, num_devices, self.profile)
                 floor = statics["batchada"]
                 floor_ms = step_time_ms(floor, self.profile)
@@ -152,6 +185,12 @@ class StepPlanner:
     def close(self) -> None:
         if self._planner is not None:
             self._planner.close()
+
+    def __enter__(self) -> StepPlanner:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def stage_memory_profile(profile: Profile, pipeline_params: str) -> Profile:
