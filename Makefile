@@ -22,7 +22,7 @@ demo: setup
 	$(VENV)/bin/flexorch train --config examples/train_laptop.toml
 
 plan-demo: setup
-	$(VENV)/bin/flexorch plan --devices 64 --profile gpt-7b-a100 --max-context 384K --batch 512 --steps 5 --svg runs/plan.svg
+	$(VENV)/bin/flexorch plan --workers 64 --profile gpt-7b-a100 --max-context 384K --batch 512 --steps 5 --svg runs/plan.svg
 
 test: setup-test
 	$(PY) -m pytest -q

@@ -177,8 +177,9 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
     import torch
     import torch.distributed as dist
 
-    from flexorch.workers.model import ModelConfig, init_model
-    from flexorch.workers.optim import OptimConfig, build_optimizer
+    from flexorch.config import ModelConfig, OptimConfig
+    from flexorch.workers.model import init_model
+    from flexorch.workers.optim import build_optimizer
 
     torch.manual_seed(0)
     cfg = ModelConfig(**cfg_dict)
@@ -242,10 +243,11 @@ def part2(steps: int) -> None:
     from flexorch.solver.pipeline.chunking import chunk_batch
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: the tests' process pool
+    from flexorch.config import ModelConfig
     from flexorch.solver.planner import PlannerConfig, plan_step
     from flexorch.solver.step_planner import planner_profile
     from flexorch.workers.calibrate import activation_bytes_per_token
-    from flexorch.workers.model import ModelConfig, init_model
+    from flexorch.workers.model import init_model
     from tests._dist_utils import DistPool
 
     cfg = ModelConfig(num_layers=CPU_LAYERS)

@@ -41,12 +41,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from train_cpu import write_workload  # noqa: E402
 
-from flexorch.config import PlanSettings, TrainConfig  # noqa: E402
+from flexorch.config import (  # noqa: E402
+    CorpusConfig,
+    ElasticSettings,
+    ModelConfig,
+    OptimConfig,
+    PlanSettings,
+    TrainConfig,
+)
 from flexorch.control.driver import TrainingDriver  # noqa: E402
-from flexorch.data.corpus import CorpusConfig, load_corpus  # noqa: E402
+from flexorch.data.corpus import load_corpus  # noqa: E402
 from flexorch.data.stream import DocumentStream  # noqa: E402
-from flexorch.workers.model import ModelConfig  # noqa: E402
-from flexorch.workers.optim import OptimConfig  # noqa: E402
 
 
 def _kill_during_step(driver: TrainingDriver, rank: int, delay_s: float) -> tuple[float, dict | None, BaseException]:
@@ -99,7 +104,7 @@ def trial_in_place(cfg: TrainConfig, corpus, warm: int, step_s: float) -> dict:
 
 def trial_restart(cfg: TrainConfig, corpus, warm: int, step_s: float) -> dict:
     # max_attempts=1: the step fails rather than recovers, as a restart-based trainer has no in-place path
-    driver = TrainingDriver(dataclasses.replace(cfg, max_attempts=1), corpus=corpus)
+    driver = TrainingDriver(cfg.replace(elastic=ElasticSettings(max_attempts=1)), corpus=corpus)
     driver.setup()
     records = [driver.step() for _ in range(warm)]
     killed_at, _, err = _kill_during_step(driver, 1, step_s / 2)
@@ -234,7 +239,7 @@ def main(argv=None) -> int:
     cfg = dataclasses.replace(
         base,
         workers=3,
-        max_workers=4,
+        elastic=ElasticSettings(max_workers=4),
         run_dir=str(args.out / "join"),
         plan=dataclasses.replace(base.plan, profile=profile),
     )

@@ -12,7 +12,7 @@ predicts) and the median prediction error, the speedup of adaptive over it, peak
 much of the solve was hidden behind the previous step. Writes ``plans.svg`` (the adaptive plans as devices x
 time) and ``results.json`` into ``--out``.
 
-With ``--pipeline 2,4,auto`` the same run also trains with ``pipeline_stages`` = 2, 4 and 'auto' (rows ``pp-2``,
+With ``--pipeline 2,4,auto`` the same run also trains with ``[pipeline] stages`` = 2, 4 and 'auto' (rows ``pp-2``,
 ``pp-4``, ``pp-auto``: the elastic pipeline planned per step against adaptive SP on the same batches); stages
 split the layers, so pass ``--layers 4`` (every layout then trains the same 4-layer model). Pipelined rows also
 print ``state MB``, the most bytes of parameters, gradients and AdamW state one worker held, and ``move ms``, the
@@ -40,14 +40,19 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from flexorch.config import PlanSettings, TrainConfig  # noqa: E402
+from flexorch.config import (  # noqa: E402
+    CorpusConfig,
+    ModelConfig,
+    OptimConfig,
+    PipelineSettings,
+    PlanSettings,
+    TrainConfig,
+)
 from flexorch.control.driver import TrainingDriver  # noqa: E402
-from flexorch.data.corpus import CorpusConfig, load_corpus  # noqa: E402
+from flexorch.data.corpus import load_corpus  # noqa: E402
 from flexorch.data.lengths import bundled_lengths_path, read_lengths  # noqa: E402
 from flexorch.records.writer import measured_bubble_share  # noqa: E402
 from flexorch.solver.errors import InfeasibleBatchError  # noqa: E402
-from flexorch.workers.model import ModelConfig  # noqa: E402
-from flexorch.workers.optim import OptimConfig  # noqa: E402
 
 
 def write_workload(out: Path, n_docs: int, scale: float, max_context: int, seed: int) -> list[int]:
@@ -73,17 +78,14 @@ def start_mode(mode: str, base: TrainConfig, corpus) -> TrainingDriver:
         cfg = dataclasses.replace(
             base,
             run_dir=str(Path(base.run_dir) / mode),
-            pipeline_stages=stages if stages == "auto" else int(stages),
-            pipeline_params=placement or "stage",
-            min_workers=None,
-        )
+            pipeline=PipelineSettings(stages=stages if stages == "auto" else int(stages), params=placement or "stage"),
+        )  # the elastic floor is derived for each layout (base sets none)
     else:
         cfg = dataclasses.replace(
             base,
             run_dir=str(Path(base.run_dir) / mode),
             plan=dataclasses.replace(base.plan, mode=mode),
-            min_workers=None,  # each layout's own floor (a static SP=4 needs 4)
-        )
+        )  # each layout's own elastic floor, derived (a static SP=4 needs 4)
     driver = TrainingDriver(cfg, corpus=corpus)
     driver.setup()
     return driver
@@ -164,11 +166,11 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens-per-worker", type=int, default=1024)
     ap.add_argument("--time-limit", type=float, default=0.1, help="planner budget per step, seconds")
     ap.add_argument("--static", default="all", help="comma-separated static layouts to compare, 'all' or 'none'")
-    ap.add_argument("--pipeline", default="", help="comma-separated pipeline_stages to compare too, e.g. 2,4,auto")
+    ap.add_argument("--pipeline", default="", help="comma-separated [pipeline] stages to compare too, e.g. 2,4,auto")
     ap.add_argument(
         "--pipeline-params",
         default="stage",
-        help="pipeline_params of the pipelined rows, comma-separated: stage (own layers only), replicated",
+        help="[pipeline] params of the pipelined rows, comma-separated: stage (own layers only), replicated",
     )
     ap.add_argument("--layers", type=int, default=2, help="model layers (pipeline stages split them)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_train")

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from flexorch.config import ModelConfig
 from flexorch.solver.cost_model import RING, ULYSSES
 from flexorch.solver.errors import InvalidPlanError
 from flexorch.solver.plan import Group, MicroBatch, Plan
 from flexorch.solver.planner import PlannerConfig, plan_step
-from flexorch.workers.model import ModelConfig
 from tests._dist_utils import DistPool
 from tests.train_helpers import model_profile
 

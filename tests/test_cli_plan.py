@@ -208,7 +208,7 @@ def test_console_script_is_installed():
     r = subprocess.run(
         [sys.executable, "-m", "flexorch.cli.main", "profiles"], capture_output=True, text=True, timeout=120
     )
-    assert r.returncode == 0 and "gpt-7b-a100" in r.stdout and "6250 tokens/device" in r.stdout
+    assert r.returncode == 0 and "gpt-7b-a100" in r.stdout and "6250 tokens/worker" in r.stdout
 
 
 PIPELINE = ["plan", "--workers", "8", "--batch", "32", "--steps", "2", "--pipeline-stages", "2", "--time-limit", "0.5"]

@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from flexorch.data.corpus import CorpusConfig, DocLocation, fetch_documents, load_corpus, resolve_blocks
+from flexorch.config import CorpusConfig
+from flexorch.data.corpus import DocLocation, fetch_documents, load_corpus, resolve_blocks
 from flexorch.data.lengths import DataError
 from flexorch.data.tokenizer import ByteTokenizer
 

@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import torch
 
-from flexorch.config import load_train_config
-from flexorch.data.corpus import CorpusConfig, load_corpus
+from flexorch.config import CorpusConfig, load_train_config
+from flexorch.data.corpus import load_corpus
 from flexorch.data.stream import DocumentStream
 from flexorch.records.writer import read_records
 from tests.train_helpers import reference_losses_and_params, small_run_toml

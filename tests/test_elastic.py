@@ -79,7 +79,7 @@ def test_two_failures_in_one_step_and_a_failure_while_the_world_forms(env):
 
 
 def test_a_hung_worker_is_declared_lost_after_the_collective_timeout(env):
-    cfg = _cfg(env, "hang", collective_timeout_s=4.0)
+    cfg = _cfg(env, "hang", elastic={"collective_timeout_s": 4.0})
     records, replicas = run_driver(cfg, env[3], faults=[(3, "before_sync", 1, 1, "hang")])
     rec = records[1]["recoveries"][0]
     assert rec["lost"] == [3] and records[1]["world_size"] == 3

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from flexorch.config import CorpusConfig
 from flexorch.control.driver import TrainingDriver
 from flexorch.control.elastic import ElasticError
-from flexorch.data.corpus import CorpusConfig
 from tests.train_helpers import check_against_reference, cpu_profile, train_config, write_corpus
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,12 @@ def test_node_removed_then_added_mid_run(cluster, stages):
     node_b = c.add_node(num_cpus=2)
     c.wait_for_nodes()
     cfg = _cfg(
-        cluster, f"remove-add-{stages}", steps=20, max_workers=4, pipeline_stages=stages, checkpoint_every=stages - 1
+        cluster,
+        f"remove-add-{stages}",
+        steps=20,
+        elastic={"max_workers": 4},
+        pipeline={"stages": stages},
+        checkpoint_every=stages - 1,
     )
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
@@ -106,7 +111,7 @@ def test_below_min_workers_waits_for_capacity(cluster, node_joins):
     c.wait_for_nodes()
     # a joining node needs its raylet up and its worker processes to import torch before it is capacity
     wait_s = 60.0 if node_joins else 8.0
-    cfg = _cfg(cluster, f"wait-{node_joins}", steps=3, min_workers=4, elastic_wait_s=wait_s, checkpoint_every=1)
+    cfg = _cfg(cluster, f"wait-{node_joins}", steps=3, elastic={"min_workers": 4, "wait_s": wait_s}, checkpoint_every=1)
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()
@@ -125,7 +130,7 @@ def test_below_min_workers_waits_for_capacity(cluster, node_joins):
             check_against_reference(cfg, corpus, records, driver.replica_parameters())
         else:
             t0 = time.monotonic()
-            with pytest.raises(ElasticError, match=r"min_workers=4.*elastic_wait_s=8.*checkpoint_000001.*--resume"):
+            with pytest.raises(ElasticError, match=r"min_workers=4.*elastic.wait_s=8.*checkpoint_000001.*--resume"):
                 driver.step()
             assert time.monotonic() - t0 < 60
             assert latest_checkpoint(cfg.run_dir).path.endswith("checkpoint_000001")

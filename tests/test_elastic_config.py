@@ -33,18 +33,25 @@ def test_flags_set_the_bounds():
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"min_workers": 2}, r"min_workers=2 is too few: a document of data.max_context=512.*min_workers >= 4"),
-        (  # the document's floor and the static layout's, each named for what it is
-            {"data.max_context": 128, "plan.mode": "static-ulysses-4", "min_workers": 2},
-            r"needs an SP group of 1 workers x plan.tokens_per_worker=.*\(and plan.mode='static-ulysses-4' needs 4\); "
-            r"set min_workers >= 4",
+        (
+            {"elastic.min_workers": 2},
+            r"elastic.min_workers=2 is too few: a document of data.max_context=512.*elastic.min_workers >= 4",
         ),
-        ({"min_workers": 0}, r"min_workers must be a positive integer, got 0"),
-        ({"max_workers": 3}, r"need min_workers <= workers <= max_workers, got 4 <= 4 <= 3"),
-        ({"workers": 2, "data.max_context": 128, "min_workers": 3}, r"got 3 <= 2 <= 2"),
-        ({"elastic_wait_s": -1.0}, r"elastic_wait_s must be >= 0"),
-        ({"max_attempts": 0}, r"max_attempts must be a positive integer"),
-        ({"collective_timeout_s": 0}, r"collective_timeout_s must be > 0"),
+        (  # the document's floor and the static layout's, each named for what it is
+            {"data.max_context": 128, "plan.mode": "static-ulysses-4", "elastic.min_workers": 2},
+            r"needs an SP group of 1 workers x plan.tokens_per_worker=.*\(and plan.mode='static-ulysses-4' needs 4\); "
+            r"set elastic.min_workers >= 4",
+        ),
+        ({"elastic.min_workers": 0}, r"elastic.min_workers must be a positive integer, got 0"),
+        ({"elastic.max_workers": 3}, r"need elastic.min_workers <= workers <= elastic.max_workers, got 4 <= 4 <= 3"),
+        ({"workers": 2, "data.max_context": 128, "elastic.min_workers": 3}, r"got 3 <= 2 <= 2"),
+        (
+            {"elastic.min_workers": 5, "elastic.max_workers": 4},
+            r"elastic.min_workers <= elastic.max_workers, got 5 > 4",
+        ),
+        ({"elastic.wait_s": -1.0}, r"elastic.wait_s must be >= 0, got -1.0"),
+        ({"elastic.max_attempts": 0}, r"elastic.max_attempts must be a positive integer, got 0"),
+        ({"elastic.collective_timeout_s": 0}, r"elastic.collective_timeout_s must be > 0, got 0"),
     ],
 )
 def test_bad_bounds_say_what_to_set(overrides, message):
@@ -61,6 +68,7 @@ def test_example_run_files_are_valid(name):
     cfg = load_train_config(Path(__file__).resolve().parents[1] / "examples" / name)
     assert cfg.min_workers <= cfg.workers <= cfg.max_workers
     if name == "train_pipeline.toml":
-        assert (cfg.pipeline_stages, cfg.model.num_layers, cfg.min_workers) == (2, 4, 2)
+        assert (cfg.pipeline.stages, cfg.model.num_layers, cfg.min_workers) == (2, 4, 2)
     if name == "train_cluster.toml":
-        assert (cfg.min_workers, cfg.max_workers, cfg.elastic_wait_s) == (2, 8, 120)
+        assert (cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s) == (2, 8, 120)
+        assert (cfg.elastic.max_attempts, cfg.elastic.collective_timeout_s) == (5, 120)

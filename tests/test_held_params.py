@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexorch.config import ModelConfig, OptimConfig
 from flexorch.tasks.placement import ALL
-from flexorch.workers.model import ModelConfig, init_model
-from flexorch.workers.optim import OptimConfig, build_optimizer
+from flexorch.workers.model import init_model
+from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.held_params import HeldParams
 
 CFG = ModelConfig(num_layers=3)

@@ -67,18 +67,25 @@ def test_growth_fills_free_slots_up_to_max_counting_joiners():
 
 
 def test_config_resolves_and_checks_elastic_bounds():
-    from flexorch.config import ConfigError, PlanSettings, TrainConfig
-    from flexorch.data.corpus import CorpusConfig
+    import dataclasses
+
+    from flexorch.config import ConfigError, CorpusConfig, ElasticSettings, PlanSettings, TrainConfig
 
     data = CorpusConfig(max_context=256)
+    plan = PlanSettings(tokens_per_worker=128)
     cfg = TrainConfig(workers=4, data=data, plan=PlanSettings(tokens_per_worker=64))
     assert (cfg.min_workers, cfg.max_workers) == (4, 4), "256 tokens need a 4-worker group of 64 each"
-    cfg = TrainConfig(workers=4, data=data, plan=PlanSettings(tokens_per_worker=128), max_workers=8)
+    cfg = TrainConfig(workers=4, data=data, plan=plan, elastic=ElasticSettings(max_workers=8))
     assert (cfg.min_workers, cfg.max_workers) == (2, 8)
-    assert cfg.to_dict()["min_workers"] == 2
-    with pytest.raises(ConfigError, match="min_workers=1 is too few.*set min_workers >= 2"):
-        TrainConfig(workers=4, data=data, plan=PlanSettings(tokens_per_worker=128), min_workers=1)
-    with pytest.raises(ConfigError, match="min_workers <= workers <= max_workers"):
-        TrainConfig(workers=4, data=data, plan=PlanSettings(tokens_per_worker=128), max_workers=3)
+    assert cfg.to_dict()["elastic"]["min_workers"] is None, "the file's value; the bound in force is derived"
+    # derived again for each config: halving the budget doubles the floor
+    assert dataclasses.replace(cfg, plan=PlanSettings(tokens_per_worker=64)).min_workers == 4
+    with pytest.raises(ConfigError, match="elastic.min_workers=1 is too few.*set elastic.min_workers >= 2"):
+        TrainConfig(workers=4, data=data, plan=plan, elastic=ElasticSettings(min_workers=1))
+    with pytest.raises(ConfigError, match="elastic.min_workers <= workers <= elastic.max_workers, got 2 <= 4 <= 3"):
+        TrainConfig(workers=4, data=data, plan=plan, elastic=ElasticSettings(max_workers=3))
     with pytest.raises(ConfigError, match="needs 4"):
-        TrainConfig(workers=4, data=data, plan=PlanSettings(tokens_per_worker=128, mode="static-ring-4"), min_workers=2)
+        TrainConfig(
+            workers=4, data=data, plan=PlanSettings(tokens_per_worker=128, mode="static-ring-4"),
+            elastic=ElasticSettings(min_workers=2),
+        )  # fmt: skip

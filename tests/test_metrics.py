@@ -76,11 +76,11 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
         finally:
             driver.shutdown()
         # a pipelined run beside it (2 steps): its schedule's bubble share is exported too
-        from flexorch.workers.model import ModelConfig
+        from flexorch.config import ModelConfig
 
         pp_cfg = train_config(
             corpus_dir, tmp_path / "metrics-pp", cfg.plan.profile, steps=2, model=ModelConfig(num_layers=4),
-            pipeline_stages=2,
+            pipeline={"stages": 2},
         )  # fmt: skip
         pp_driver = TrainingDriver(pp_cfg)
         try:

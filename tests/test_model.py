@@ -15,20 +15,12 @@ import numpy as np
 import pytest
 import torch
 
+from flexorch.config import MODEL_PRESETS, ModelConfig, OptimConfig, model_config
 from flexorch.workers.activation_memory import measure_activation_bytes, saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import shard, shard_contiguous, shard_zigzag
-from flexorch.workers.model import (
-    IGNORE_INDEX,
-    MODEL_PRESETS,
-    ModelConfig,
-    check_token_range,
-    init_model,
-    loss_sum,
-    model_config,
-    next_token_labels,
-)
-from flexorch.workers.optim import OptimConfig, build_optimizer, clip_grad_norm_, lr_at
+from flexorch.workers.model import IGNORE_INDEX, check_token_range, init_model, loss_sum, next_token_labels
+from flexorch.workers.optim import build_optimizer, clip_grad_norm_, lr_at
 from flexorch.workers.reference import pack_documents, reference_loss_sum, reference_step, reference_train
 from tests._dist_utils import DistPool
 

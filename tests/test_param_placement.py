@@ -22,7 +22,8 @@ PARTS = model_parts(4)
 
 
 def test_parts_of_the_decoder_parameters():
-    from flexorch.workers.model import ModelConfig, init_model
+    from flexorch.config import ModelConfig
+    from flexorch.workers.model import init_model
 
     model = init_model(ModelConfig(num_layers=3), seed=0)
     parts = {part_of(n) for n, _ in model.named_parameters()}

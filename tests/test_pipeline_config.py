@@ -1,12 +1,15 @@
-"""`pipeline_stages`: the config refuses what cannot run (saying what to change), the per-step planner maps the
-workers alive onto stages, never plans slower than its baselines, and has a MILP-free fallback."""
+"""`[pipeline] stages`: the config refuses what cannot run (saying what to change, by the one stage-count rule the
+plan command and the per-step planner apply too), the per-step planner maps the workers alive onto stages, never
+plans slower than its baselines, and has a MILP-free fallback."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from flexorch.cli.main import main
-from flexorch.config import ConfigError, TrainConfig, config_from_dict
+from flexorch.config import ConfigError, PipelineSettings, TrainConfig, config_from_dict
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.pipeline.schedule import check_schedule
 from flexorch.solver.pipeline.staged import fallback_staged, plan_staged
@@ -40,20 +43,35 @@ def _profile(**kw) -> Profile:
 @pytest.mark.parametrize(
     "values,message",
     [
-        ({"pipeline_stages": 5}, "the model has 4 layers: every stage needs at least one layer; use at most 4"),
-        ({"pipeline_stages": 0}, "pipeline_stages must be a positive integer or 'auto', got 0"),
-        ({"pipeline_stages": "two"}, "pipeline_stages must be a positive integer or 'auto', got 'two'"),
-        ({"pipeline_stages": 4, "workers": 3}, "pipeline_stages = 4 needs at least 4 workers, the run has 3"),
-        ({"pipeline_stages": 1, "workers": 3, "model": {"num_heads": 4}}, None),
         (
-            {"pipeline_stages": 2, "workers": 6, "model": {"num_heads": 4, "num_kv_heads": 2}},
-            "puts 3 workers on a stage (Ulysses inside the stage), which must divide model.num_heads=4",
+            {"pipeline": {"stages": 5}},
+            "pipeline.stages = 5 is more stages than the model's 4 layers: every stage needs at least one layer; use "
+            "at most 4",
+        ),
+        ({"pipeline": {"stages": 0}}, "pipeline.stages must be a positive integer or 'auto', got 0"),
+        ({"pipeline": {"stages": "two"}}, "pipeline.stages must be a positive integer or 'auto', got 'two'"),
+        ({"pipeline": {"params": "mine"}}, "pipeline.params must be 'stage' or 'replicated', got 'mine'"),
+        ({"pipeline": {"stages": 4}, "workers": 3}, "pipeline.stages = 4 needs at least 4 workers, the run has 3"),
+        ({"pipeline": {"stages": 1}, "workers": 3, "model": {"num_heads": 4}}, None),
+        (
+            {"pipeline": {"stages": 2}, "workers": 6, "model": {"num_heads": 4, "num_kv_heads": 2}},
+            "pipeline.stages = 2 on 6 workers puts 3 workers on each stage (Ulysses SP inside a stage), but the "
+            "model's 4 heads are not divisible by 3",
+        ),
+        (  # 'auto' needs one power-of-two split whose workers per stage divide the heads: 6 // 2 = 3 does not, and
+            # 4 stages would need 4 layers
+            {"pipeline": {"stages": "auto"}, "workers": 6, "model": {"num_layers": 2}},
+            "pipeline.stages = 'auto': no split of 6 workers into 2 to 2 stages",
+        ),
+        ({"pipeline": {"stages": "auto"}, "workers": 6}, None),  # 4 stages of 1 worker on the 4 layers
+        (
+            {"pipeline": {"stages": 2}, "plan": {"mode": "static-ulysses-2"}},
+            "cannot be combined with pipeline.stages = 2 (set plan.mode = 'adaptive')",
         ),
         (
-            {"pipeline_stages": 2, "plan": {"mode": "static-ulysses-2"}},
-            "cannot be combined with pipeline_stages = 2 (set plan.mode = 'adaptive')",
+            {"pipeline": {"stages": 2}, "elastic": {"min_workers": 1}},
+            "elastic.min_workers=1 is too few: pipeline.stages = 2 needs 2 workers",
         ),
-        ({"pipeline_stages": 2, "min_workers": 1}, "min_workers=1 is too few: pipeline_stages = 2 needs 2 workers"),
     ],
 )
 def test_config_refuses_what_cannot_run(values, message):
@@ -71,12 +89,13 @@ def test_config_refuses_what_cannot_run(values, message):
 def test_pipeline_lifts_the_single_group_context_limit():
     # 2048-token documents do not fit one SP group of 4 x 64 tokens, but a pipeline splits them into segments
     cfg = config_from_dict(
-        {"workers": 4, "pipeline_stages": 2, "model": {"num_layers": 4}, "data": {"max_context": 2048},
+        {"workers": 4, "pipeline": {"stages": 2}, "model": {"num_layers": 4}, "data": {"max_context": 2048},
          "plan": {"tokens_per_worker": 64}}
     )  # fmt: skip
     assert cfg.pipelined and cfg.min_workers == 2
     with pytest.raises(ConfigError, match="data.max_context=2048 tokens cannot fit"):
-        TrainConfig(**{**cfg.__dict__, "pipeline_stages": 1, "min_workers": None})
+        dataclasses.replace(cfg, pipeline=PipelineSettings(stages=1))
+    assert isinstance(cfg.replace(pipeline=PipelineSettings(stages=4)), TrainConfig)
 
 
 def test_cli_flag_parses_numbers_and_auto(capsys):
@@ -138,3 +157,40 @@ def test_planner_profile_takes_the_stage_bytes_measured_on_the_workers():
     q = planner_profile(base, num_heads=4, num_kv_heads=2, tokens_per_worker=100, vocab_size=257)
     assert q.act_bytes_per_token == base.act_bytes_per_token
     assert q.head_bytes_per_token == 4 * 257 + 4 * base.hidden * base.bytes_per_element  # the analytic estimate
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8, "auto"])
+def test_one_stage_count_rule_for_the_config_and_the_per_step_planner(stages):
+    """The config and the staged planner refuse exactly what ``check_stage_count`` refuses, with its message."""
+    from flexorch.solver.pipeline.stage_count import check_stage_count
+
+    refused = 0
+    for workers in range(1, 7):
+        for layers in (1, 2, 4):
+            for heads in (2, 4):
+                try:
+                    check_stage_count(
+                        stages, workers, layers, heads, key="pipeline.stages", have=f"the run has {workers}"
+                    )
+                    want = None
+                except ValueError as e:
+                    want = str(e)
+                values = {
+                    "workers": workers,
+                    "pipeline": {"stages": stages},
+                    "model": {"num_layers": layers, "num_heads": heads},
+                    "data": {"max_context": 64},
+                    "plan": {"tokens_per_worker": 64},
+                }
+                if want is None:
+                    assert config_from_dict(values).pipeline.stages == stages
+                    continue
+                refused += 1
+                with pytest.raises(ConfigError) as e:
+                    config_from_dict(values)
+                assert str(e.value) == want
+                with pytest.raises(InfeasibleBatchError) as e:
+                    plan_staged(LENGTHS, workers, _profile(num_layers=layers, num_heads=heads), stages)
+                alive = want.replace(f"the run has {workers}", f"{workers} are alive")
+                assert str(e.value) == alive.replace("pipeline.stages", "pipeline_stages")
+    assert refused > 0

@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from flexorch.config import ModelConfig
 from flexorch.solver.pipeline.schedule import one_f_one_b
 from flexorch.solver.pipeline.stage_model import stage_layers
 from flexorch.tasks.pipeline import gradient_channels
-from flexorch.workers.model import ModelConfig, init_model
+from flexorch.workers.model import init_model
 from tests._dist_utils import DistPool
 from tests.test_pipeline_local import LENGTHS, _reference, _sequences, _units
 
@@ -134,9 +135,10 @@ def _staged(units, stages: int, degree: int, world: int, num_layers: int, ckpt: 
 def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
     import numpy as np
 
+    from flexorch.config import OptimConfig
     from flexorch.tasks.pipeline import pipeline_tasks
     from flexorch.tasks.step import DocRef
-    from flexorch.workers.optim import OptimConfig, build_optimizer
+    from flexorch.workers.optim import build_optimizer
     from flexorch.workers.pipeline.executor import run_pipeline_step
 
     torch.manual_seed(0)
@@ -173,7 +175,7 @@ def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
 def test_pipelined_training_on_stage_workers_equals_the_reference(pool, stages, degree, kind, ckpt, tied):
     """The worker's executor (stage sharing the replica's modules, SP inside a stage, world all-reduce, clipped
     AdamW): per-step losses and parameters after 2 steps equal the single-process reference, every replica equal."""
-    from flexorch.workers.optim import OptimConfig
+    from flexorch.config import OptimConfig
     from flexorch.workers.reference import reference_train
 
     cfg_kwargs = {"num_layers": 4, "tie_embeddings": tied}

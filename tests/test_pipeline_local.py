@@ -10,11 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flexorch.config import ModelConfig
 from flexorch.solver.pipeline.chunking import chunk_batch
 from flexorch.solver.pipeline.plan import packed_1f1b_units
 from flexorch.solver.pipeline.schedule import one_f_one_b
 from flexorch.solver.pipeline.stage_model import stage_layers
-from flexorch.workers.model import ModelConfig, init_model
+from flexorch.workers.model import init_model
 from flexorch.workers.pipeline.local import build_stages, run_local_step, stage_grads_as_full
 from flexorch.workers.reference import pack_documents, reference_loss_sum
 

@@ -17,7 +17,7 @@ from flexorch.solver.profiles import get_profile
 
 @pytest.fixture(scope="module")
 def plan_records():
-    cfg = PlanRunConfig(devices=8, batch=24, steps=2, json=True, planner=PlannerConfig(time_limit_s=0.3))
+    cfg = PlanRunConfig(workers=8, batch=24, steps=2, json=True, planner=PlannerConfig(time_limit_s=0.3))
     return run_plan(cfg, get_profile("gpt-7b-a100"), out=io.StringIO())
 
 

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 import ray
 
-from flexorch.config import ConfigError, load_train_config
+from flexorch.config import ConfigError, CorpusConfig, load_train_config
 from flexorch.control.driver import TrainingDriver
-from flexorch.data.corpus import CorpusConfig
 from flexorch.data.lengths import DataError
 from flexorch.records.writer import read_records
 from flexorch.solver.errors import InfeasibleBatchError

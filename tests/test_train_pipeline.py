@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
+from flexorch.config import ModelConfig, PipelineSettings
 from flexorch.control.driver import TrainingDriver
 from flexorch.data.stream import DocumentStream
 from flexorch.records.writer import read_records
-from flexorch.workers.model import ModelConfig
 from tests.train_helpers import (
     assert_params_close,
     check_against_reference,
@@ -38,14 +38,14 @@ def _cfg(env, name, stages, tokens_per_worker, **kw):
         corpus_dir,
         root / name,
         profile,
-        pipeline_stages=stages,
+        pipeline={"stages": stages, **kw.pop("pipeline", {})},
         plan={"tokens_per_worker": tokens_per_worker},
         **{"model": ModelConfig(num_layers=4), **kw},
     )
 
 
 def _check(cfg, corpus, records, replicas):
-    stage_local = cfg.pipeline_params == "stage"
+    stage_local = cfg.pipeline.params == "stage"
     check_against_reference(cfg, corpus, records, replicas, whole=not stage_local)
     on_disk = read_records(cfg.run_dir + "/steps.jsonl", validate=True)  # the documented schema, flexorch.step/4
     assert [r["step"] for r in on_disk] == list(range(cfg.steps))
@@ -172,7 +172,7 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
     names = [n for n, _ in init_model(first_cfg.model, 0).named_parameters()]
     assert sorted(state["model"]) == sorted(names)
     assert len(state["optimizer"]["state"]) == len(names)  # every parameter's AdamW moments, from its stage
-    resumed_cfg = dataclasses.replace(first_cfg, resume=True, pipeline_stages=4, min_workers=None)
+    resumed_cfg = dataclasses.replace(first_cfg, resume=True, pipeline=PipelineSettings(stages=4))
     rest, replicas = run_driver(resumed_cfg, env[3])
     assert [r["step"] for r in first + rest] == [0, 1, 2, 3]
     assert [r["pipeline"]["stages"] for r in first + rest] == [2, 2, 4, 4]
@@ -190,7 +190,12 @@ def test_tied_embeddings_and_whole_replicas(env, params, tied):
     # stage-local with a tied embedding: the first and the last stage both hold it and sum its gradient over the
     # four ranks; 'replicated': every worker keeps the whole model, nothing moves
     cfg = _cfg(
-        env, f"pp-{params}-{tied}", 2, 128, pipeline_params=params, model=ModelConfig(num_layers=4, tie_embeddings=tied)
+        env,
+        f"pp-{params}-{tied}",
+        2,
+        128,
+        pipeline={"params": params},
+        model=ModelConfig(num_layers=4, tie_embeddings=tied),
     )
     records, replicas = run_driver(cfg, env[3])
     assert all(r["pipeline"]["stage_ranks"] == [[0, 1], [2, 3]] for r in records)

@@ -308,7 +308,7 @@ def test_back_to_back_pipelines_are_marked(browser, tmp_path):
     profile.write_text(json.dumps(TIGHT_PROFILE))
     lengths.write_text("3000\n3000\n2800\n2900\n")
     cfg = PlanRunConfig(
-        lengths=lengths, devices=2, batch=4, steps=1, pipeline_stages=2, run_dir=tmp_path, planner=PlannerConfig()
+        lengths=lengths, workers=2, batch=4, steps=1, pipeline_stages=2, run_dir=tmp_path, planner=PlannerConfig()
     )
     (rec,) = run_plan(cfg, get_profile(profile), out=io.StringIO())
     pipelines = len({u["pipeline"] for u in rec["pipeline"]["units"]})

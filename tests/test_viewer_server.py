@@ -36,7 +36,7 @@ RECORDED = Path(__file__).parent / "data" / "recorded_run"
 @pytest.fixture(scope="module")
 def plan_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("plan-run")
-    cfg = PlanRunConfig(devices=8, batch=24, steps=3, planner=PlannerConfig(time_limit_s=0.3), run_dir=run)
+    cfg = PlanRunConfig(workers=8, batch=24, steps=3, planner=PlannerConfig(time_limit_s=0.3), run_dir=run)
     run_plan(cfg, get_profile("gpt-7b-a100"), out=io.StringIO())
     return run
 

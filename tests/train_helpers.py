@@ -10,11 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
-from flexorch.config import PlanSettings, TrainConfig
-from flexorch.data.corpus import CorpusConfig
+from flexorch.config import (
+    CorpusConfig,
+    ElasticSettings,
+    ModelConfig,
+    OptimConfig,
+    PipelineSettings,
+    PlanSettings,
+    TrainConfig,
+)
 from flexorch.solver.profiles import Profile
-from flexorch.workers.model import ModelConfig
-from flexorch.workers.optim import OptimConfig
 
 # Byte lengths of the test documents: long-tailed, the longest (255 B + BOS = 256 tokens) needs all 4 workers
 # at 64 tokens per worker, the shortest are a few bytes.
@@ -92,6 +97,7 @@ def training_env(tmp_path_factory, name: str):
 
 
 def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) -> TrainConfig:
+    """A small run; ``plan``, ``elastic`` and ``pipeline`` overrides are dicts of their table's keys."""
     plan = {"profile": str(profile), "tokens_per_worker": 64, "time_limit_s": 0.3, **overrides.pop("plan", {})}
     values = {
         "steps": 3,
@@ -103,6 +109,8 @@ def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) ->
         "optim": OptimConfig(lr=1e-3, warmup_steps=1),
         "data": CorpusConfig(source=str(corpus_dir), max_context=256),
         "plan": PlanSettings(**plan),
+        "elastic": ElasticSettings(**overrides.pop("elastic", {})),
+        "pipeline": PipelineSettings(**overrides.pop("pipeline", {})),
         **overrides,
     }
     return TrainConfig(**values)

@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="lengths file, .jsonl file or directory (default: bundled Wikipedia lengths)",
     )
     plan.add_argument("--text-field", help="JSONL field with the text (default: text)")
-    plan.add_argument("--devices", type=int, help="N devices (default 64)")
+    plan.add_argument("--workers", type=int, help="N workers, one per device slot (a GPU) (default 64)")
+    plan.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # renamed --workers: refused, see _merged
     plan.add_argument("--profile", help="built-in profile name or profile JSON file (default gpt-7b-a100)")
     plan.add_argument("--heads", type=int, help="override the profile's attention heads (Ulysses needs d | heads)")
     plan.add_argument("--max-context", help="longest sequence in tokens, e.g. 384K (default: what N devices hold)")
@@ -35,14 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--time-limit", type=float, help="planner budget per step, seconds (default 1.0)")
     plan.add_argument("--solver-workers", type=int, help="processes solving micro-batches in parallel (default 1)")
     plan.add_argument("--json", action="store_true", default=None, help="one JSON object per step")
-    plan.add_argument("--svg", type=Path, help="write a picture of every step (devices x time) to this file")
+    plan.add_argument("--svg", type=Path, help="write a picture of every step (workers x time) to this file")
     plan.add_argument(
         "--run-dir", type=Path, help="write every step's record to RUN_DIR/steps.jsonl (see: flexorch dashboard)"
     )
     plan.add_argument(
         "--pipeline-stages",
         metavar="P|auto",
-        help="plan each step as a pipeline of P stages (devices // P per stage, SP inside a stage) or 'auto' (the "
+        help="plan each step as a pipeline of P stages (workers // P per stage, SP inside a stage) or 'auto' (the "
         "best split per step), against 1F1B and Seq1F1B, instead of SP groups",
     )
 
@@ -66,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, help="TOML run file (see examples/train_laptop.toml); flags win")
     p.add_argument("--steps", type=int, help="total steps of the run (default 20)")
-    p.add_argument("--workers", type=int, help="worker actors (default 4)")
+    p.add_argument("--workers", type=int, help="worker actors, one per device slot: a GPU or a CPU slot (default 4)")
     p.add_argument("--data", help="directory of text/code files, .jsonl or .parquet (default: Python's stdlib)")
     p.add_argument("--run-dir", help="records, profile and checkpoints go here (default runs/train)")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
@@ -77,17 +78,20 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", help="'auto' (calibrate at start, default), a built-in name or a profile JSON")
     p.add_argument("--max-context", help="longest document in tokens, e.g. 2K (default 2048)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: only at the end)")
-    p.add_argument("--min-workers", type=int, help="elastic floor: below it, wait for capacity (default: auto)")
-    p.add_argument("--max-workers", type=int, help="elastic ceiling: grow onto joining nodes up to it")
+    p.add_argument(
+        "--min-workers", type=int, help="[elastic] min_workers: below it, wait for capacity (default: derived)"
+    )
+    p.add_argument("--max-workers", type=int, help="[elastic] max_workers: grow onto joining nodes up to it")
     p.add_argument(
         "--pipeline-stages",
         type=_stages_arg,
-        help="split the layers over P pipeline stages (workers // P per stage), or 'auto'; 1 (default): SP only",
+        help="[pipeline] stages: split the layers over P stages (workers // P per stage), or 'auto'; 1 (default): "
+        "SP only",
     )
     p.add_argument(
         "--pipeline-params",
         choices=("stage", "replicated"),
-        help="with stages: each worker holds its stage's parameters ('stage', default) or the whole model",
+        help="[pipeline] params: each worker holds its stage's parameters ('stage', default) or the whole model",
     )
     p.add_argument(
         "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
@@ -105,14 +109,14 @@ def _train_config(args: argparse.Namespace):
         "batch_size": args.batch_size,
         "seed": args.seed,
         "checkpoint_every": args.checkpoint_every,
-        "min_workers": args.min_workers,
-        "max_workers": args.max_workers,
+        "elastic.min_workers": args.min_workers,
+        "elastic.max_workers": args.max_workers,
         "data.source": args.data,
         "data.max_context": parse_tokens(args.max_context) if args.max_context else None,
         "plan.mode": args.mode,
         "plan.profile": args.profile,
-        "pipeline_stages": args.pipeline_stages,
-        "pipeline_params": getattr(args, "pipeline_params", None),
+        "pipeline.stages": args.pipeline_stages,
+        "pipeline.params": getattr(args, "pipeline_params", None),
     }
     return load_train_config(args.config, overrides)
 
@@ -169,7 +173,7 @@ def _cmd_profile(args: argparse.Namespace) -> int:
 _PLAN_KEYS = {
     "lengths",
     "text_field",
-    "devices",
+    "workers",
     "profile",
     "heads",
     "max_context",
@@ -187,6 +191,11 @@ _PLAN_KEYS = {
 
 
 def _merged(args: argparse.Namespace) -> dict:
+    if args.devices is not None:
+        raise DataError(
+            "--devices was renamed --workers (one word for a device slot in every command): use --workers "
+            f"{args.devices}"
+        )
     values: dict = {}
     if args.config is not None:
         try:
@@ -196,6 +205,11 @@ def _merged(args: argparse.Namespace) -> dict:
         except tomllib.TOMLDecodeError as e:
             raise DataError(f"config file {args.config} is not valid TOML: {e}") from None
         values = {k.replace("-", "_"): v for k, v in values.items()}
+        if "devices" in values:
+            raise DataError(
+                f"config file {args.config}: 'devices' was renamed 'workers' (one word for a device slot in every "
+                f"command); write workers = {values['devices']!r}"
+            )
         unknown = sorted(set(values) - _PLAN_KEYS)
         if unknown:
             raise DataError(f"config file {args.config}: unknown keys {unknown}; known: {sorted(_PLAN_KEYS)}")
@@ -219,7 +233,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     cfg = PlanRunConfig(
         lengths=Path(v["lengths"]) if v.get("lengths") else None,
         text_field=v.get("text_field", "text"),
-        devices=int(v.get("devices", 64)),
+        workers=int(v.get("workers", 64)),
         max_context=parse_tokens(v["max_context"]) if v.get("max_context") is not None else None,
         over_long=v.get("over_long", "drop"),
         batch=int(v.get("batch", 512)),
@@ -244,7 +258,7 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
     for name, p in sorted(BUILTIN_PROFILES.items()):
         print(
             f"{name:14s} a1={p.a1_ms:.4g} ms/tok^2  a2={p.a2_ms:.4g} ms/tok  b1={p.b1_ms:.5g} ms  "
-            f"{p.tokens_per_device} tokens/device  L={p.num_layers} h={p.hidden} heads={p.num_heads}"
+            f"{p.tokens_per_device} tokens/worker  L={p.num_layers} h={p.hidden} heads={p.num_heads}"
         )
     return 0
 

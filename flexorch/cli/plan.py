@@ -1,4 +1,4 @@
-"""`flexorch plan`: the per-step plans flexorch would run on N devices, for real batches of a real corpus.
+"""`flexorch plan`: the per-step plans flexorch would run on N workers, for real batches of a real corpus.
 
 Draws global batches from a length source through the train driver's stream (``flexorch.data.stream.DocumentStream``:
 seeded epochs, every sequence once per epoch), plans every step through the train driver's planner
@@ -7,7 +7,7 @@ prints per step the plan's shape, the solve time, the predicted step time, the g
 speedup against the static layouts in use today.
 
 With ``pipeline_stages`` (``--pipeline-stages P|auto``) every step is planned as a pipeline instead (P stages of
-``devices // P`` devices, SP inside a stage, or the best split per step for ``auto``), never slower than plain 1F1B
+``workers // P`` workers, SP inside a stage, or the best split per step for ``auto``), never slower than plain 1F1B
 and Seq1F1B on the same stages, and compared against them.
 """
 
@@ -25,6 +25,7 @@ from flexorch.data.lengths import DataError, bundled_lengths_path, read_lengths
 from flexorch.data.stream import Batch, DocumentStream
 from flexorch.records.writer import StepRecords, plan_record
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.pipeline.stage_count import check_stage_count
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.step_planner import StepPlanner
@@ -60,10 +61,10 @@ class PlanRunConfig:
     """Lengths file, JSONL file or directory; None: the bundled Wikipedia lengths."""
     text_field: str = "text"
     """JSONL field holding the document text."""
-    devices: int = 64
-    """N: devices to plan for."""
+    workers: int = 64
+    """N: workers to plan for, one per device slot (a GPU); the solver calls them ``num_devices``."""
     max_context: int | None = None
-    """Longest sequence allowed, tokens; default: what the largest group of N devices holds."""
+    """Longest sequence allowed, tokens; default: what the largest group of N workers holds."""
     over_long: str = "drop"
     """'drop' sequences over max_context (counted and reported) or 'reject' the data with an error."""
     batch: int = 512
@@ -75,18 +76,18 @@ class PlanRunConfig:
     json: bool = False
     """Print one JSON object per step instead of the table."""
     svg: Path | None = None
-    """Write a picture of every planned step (devices x time) here."""
+    """Write a picture of every planned step (workers x time) here."""
     run_dir: Path | None = None
     """Write every step's record (``flexorch.step/4``) to ``run_dir/steps.jsonl``, for `flexorch dashboard`."""
     planner: PlannerConfig = PlannerConfig()
     """Solver knobs."""
     pipeline_stages: int | str | None = None
-    """None: plan SP groups. P >= 1 or 'auto': plan every step as a pipeline of P stages (``devices // P`` devices
-    each, SP inside a stage; the ``devices - P * (devices // P)`` left over sit out) or the best split per step."""
+    """None: plan SP groups. P >= 1 or 'auto': plan every step as a pipeline of P stages (``workers // P`` workers
+    each, SP inside a stage; the ``workers - P * (workers // P)`` left over sit out) or the best split per step."""
 
     def __post_init__(self) -> None:
-        if self.devices < 1:
-            raise ValueError(f"--devices must be >= 1, got {self.devices}")
+        if self.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {self.workers}")
         if self.batch < 1 or self.steps < 1:
             raise ValueError(f"--batch and --steps must be >= 1, got {self.batch} and {self.steps}")
         if self.over_long not in ("drop", "reject"):
@@ -103,7 +104,7 @@ def _filter(lengths: np.ndarray, max_context: int, policy: str) -> tuple[np.ndar
         i = int(np.flatnonzero(over)[0])
         raise DataError(
             f"{int(over.sum())} sequence(s) exceed --max-context {max_context} tokens (the first is #{i} with "
-            f"{int(lengths[i])}); use --over-long drop to skip them, or raise --max-context/--devices"
+            f"{int(lengths[i])}); use --over-long drop to skip them, or raise --max-context/--workers"
         )
     keep = (lengths > 0) & ~over
     report = {
@@ -120,25 +121,28 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
     out = out or sys.stdout
     source = cfg.lengths or bundled_lengths_path()
     raw = read_lengths(source, text_field=cfg.text_field)
-    limit = largest_degree(cfg.devices) * profile.tokens_per_device
+    limit = largest_degree(cfg.workers) * profile.tokens_per_device
     max_context = cfg.max_context or limit
     if max_context > limit:
         raise DataError(
-            f"--max-context {max_context} tokens is more than {cfg.devices} devices hold in one SP group "
-            f"({largest_degree(cfg.devices)} x {profile.tokens_per_device} = {limit} tokens with profile "
-            f"{profile.name}); lower --max-context or raise --devices"
+            f"--max-context {max_context} tokens is more than {cfg.workers} workers hold in one SP group "
+            f"({largest_degree(cfg.workers)} x {profile.tokens_per_device} = {limit} tokens with profile "
+            f"{profile.name}); lower --max-context or raise --workers"
         )
     lengths, report = _filter(raw, max_context, cfg.over_long)
     if cfg.batch > lengths.size:
         raise DataError(f"a batch of {cfg.batch} sequences needs at least that many, the data has {lengths.size}")
     pipelined = cfg.pipeline_stages is not None
     if pipelined:
-        _check_stages(cfg.pipeline_stages, cfg.devices, profile)
+        check_stage_count(
+            cfg.pipeline_stages, cfg.workers, profile.num_layers, profile.num_heads, key="--pipeline-stages",
+            model=f"profile {profile.name}", have=f"--workers is {cfg.workers}",
+        )  # fmt: skip
     if not cfg.json:
         print(
             f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
             f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
-            f"  profile {profile.name}, N={cfg.devices} devices, batch {cfg.batch}, {cfg.steps} steps, "
+            f"  profile {profile.name}, N={cfg.workers} workers, batch {cfg.batch}, {cfg.steps} steps, "
             f"seed {cfg.seed}" + (f", pipeline stages {cfg.pipeline_stages} (SP inside a stage)" if pipelined else ""),
             file=out,
         )
@@ -151,7 +155,7 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
         for step in range(cfg.steps):
             batch = stream.next_batch()
             seqs = lengths[list(batch.doc_ids)]
-            planned = planner.plan(seqs, cfg.devices)
+            planned = planner.plan(seqs, cfg.workers)
             if planned.plan is None:  # an error (exit 2); the steps before it stay written
                 where = f" (--pipeline-stages {cfg.pipeline_stages})" if pipelined else ""
                 raise InfeasibleBatchError(f"step {step}{where}: {planned.error}")
@@ -183,7 +187,7 @@ def _step_fields(step: int, batch: Batch, cfg: PlanRunConfig, seqs) -> dict:
     return {
         "step": step,
         "epoch": batch.epoch,
-        "world_size": cfg.devices,
+        "world_size": cfg.workers,
         "seq_lengths": [int(x) for x in seqs],
         "mode": "adaptive",
     }
@@ -210,38 +214,6 @@ def _close(cfg: PlanRunConfig, out, writer, picture, what: str) -> None:
 
 _PIPELINE_BASELINES = ("1f1b", "seq1f1b-4")
 """The keys of ``pipeline_baselines_ms`` (its default k = 4), in the table's column order."""
-
-
-def _check_stages(stages: int | str, n: int, profile: Profile) -> None:
-    """Refuse a ``--pipeline-stages`` that no step could use, before planning any (and before writing records)."""
-    layers, heads = profile.num_layers, profile.num_heads
-    if stages == "auto":
-        splits, p = [], 2
-        while p <= min(n, layers):
-            if heads % (n // p) == 0:
-                splits.append(p)
-            p *= 2
-        if not splits:
-            raise ValueError(
-                f"--pipeline-stages auto: no split of {n} devices into 2 to {layers} stages (powers of two) puts a "
-                f"number of devices on each stage that divides profile {profile.name}'s {heads} heads; use at least "
-                "2 devices, change --heads, or give a fixed --pipeline-stages"
-            )
-        return
-    if stages > layers:
-        raise ValueError(
-            f"--pipeline-stages {stages} is more stages than profile {profile.name}'s {layers} layers: every stage "
-            f"needs at least one layer; use at most {layers} stages"
-        )
-    if stages > n:
-        raise ValueError(f"--pipeline-stages {stages} needs at least {stages} devices, --devices is {n}")
-    d = n // stages
-    if heads % d:
-        raise ValueError(
-            f"--pipeline-stages {stages} on {n} devices puts {d} devices on each stage (Ulysses SP inside a stage), "
-            f"but profile {profile.name}'s {heads} heads are not divisible by {d}; choose --pipeline-stages so that "
-            "devices // stages divides the heads (or change --heads), or use 'auto'"
-        )
 
 
 def _pipeline_head() -> str:

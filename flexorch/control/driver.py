@@ -76,7 +76,7 @@ class TrainingDriver:
         if cfg.resume and ckpt is None:
             raise ConfigError(f"--resume: no checkpoint in {self.run_dir / 'checkpoints'}; run without --resume")
         self.workers = RayWorkerGroup.from_config(cfg)
-        policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic_wait_s, cfg.max_attempts)
+        policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
         self.elastic = Elastic(self.workers, policy, self._publish, self._checkpoint_hint)
         t_world = time.perf_counter()
         try:
@@ -103,8 +103,8 @@ class TrainingDriver:
             planner_cfg,
             cfg.plan.static,
             0 if cfg.use_gpu else 10,
-            cfg.pipeline_stages,
-            cfg.pipeline_params,
+            cfg.pipeline.stages,
+            cfg.pipeline.params,
         )
         self.planner = self._start_planner()
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if ckpt is not None else None)
@@ -124,7 +124,7 @@ class TrainingDriver:
             "resumed_from": self.resumed_from,
             "steps": cfg.steps,
             "model_params": cfg.model.num_params(),
-            "pipeline_stages": cfg.pipeline_stages,
+            "pipeline_stages": cfg.pipeline.stages,
         }
         self._publish(summary)
         return summary
@@ -200,7 +200,7 @@ class TrainingDriver:
             docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
             pipelined = self.cfg.pipelined
             if pipelined:
-                stage_params = self.cfg.pipeline_params == "stage"
+                stage_params = self.cfg.pipeline.params == "stage"
                 tasks = pipeline_tasks(
                     planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
                 )
@@ -228,7 +228,7 @@ class TrainingDriver:
         measured_ms = (t_done - t_dispatch) * 1e3
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
         if moved is not None:
-            record["pipeline"]["params"] = {"placement": self.cfg.pipeline_params, **moved}
+            record["pipeline"]["params"] = {"placement": self.cfg.pipeline.params, **moved}
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         return self._finish(record, t_start, planned.plan)
@@ -249,7 +249,7 @@ class TrainingDriver:
             self._plan_ahead(n)
         # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
         waits = 2 * len(planned.plan.plan.units) if self.cfg.pipelined else len(planned.plan.micro_batches)
-        results, failure = self.workers.settle(refs, self.cfg.collective_timeout_s * (waits + 2))
+        results, failure = self.workers.settle(refs, self.cfg.elastic.collective_timeout_s * (waits + 2))
         return results, failure, moved, dispatch_ms
 
     def _roll_back(self, err: PartsLostError, what: str) -> None:
@@ -260,8 +260,8 @@ class TrainingDriver:
         if ckpt is None:
             raise ElasticError(
                 f"{what}: {err}, and this run has written no checkpoint yet to roll back to. Set checkpoint_every (a "
-                "pipelined run with pipeline_params = 'stage' rolls back to its last checkpoint when every holder of "
-                "a stage's parameters is lost), or pipeline_params = 'replicated' (every worker keeps the whole model)"
+                "pipelined run with pipeline.params = 'stage' rolls back to its last checkpoint when every holder of "
+                "a stage's parameters is lost), or pipeline.params = 'replicated' (every worker keeps the whole model)"
             )
         t0 = time.perf_counter()
         state, dstate = load_checkpoint(ckpt)
@@ -314,7 +314,7 @@ class TrainingDriver:
                 }
             )
             return heuristic_plan(
-                self.profile, lengths, n, self.cfg.plan.static, self.cfg.pipeline_stages, self.cfg.pipeline_params
+                self.profile, lengths, n, self.cfg.plan.static, self.cfg.pipeline.stages, self.cfg.pipeline.params
             )
 
     def _plan_ahead(self, n: int) -> None:

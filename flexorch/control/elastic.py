@@ -113,7 +113,7 @@ class Elastic:
             if len(admitted) < decision.need and left <= 0:
                 raise ElasticError(
                     f"only {w.size} workers are alive (min_workers={self.policy.min_workers}) and no capacity for "
-                    f"{decision.need - len(admitted)} more appeared within elastic_wait_s={decision.timeout_s:g} s. "
+                    f"{decision.need - len(admitted)} more appeared within elastic.wait_s={decision.timeout_s:g} s. "
                     f"{self.checkpoint_hint()}"
                 )
         return admitted

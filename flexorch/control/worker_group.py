@@ -19,10 +19,10 @@ import time
 import ray
 import torch.distributed as dist
 
+from flexorch.config.model import ModelConfig
 from flexorch.control.membership import Failure, Membership
 from flexorch.tasks.placement import ALL, missing_parts, model_parts, transfers
 from flexorch.workers.actor import PeerLostError, WorkerActor
-from flexorch.workers.model import ModelConfig
 
 ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
 
@@ -102,7 +102,7 @@ class RayWorkerGroup:
             seed=cfg.seed,
             use_gpu=cfg.use_gpu,
             threads=cfg.worker_threads,
-            collective_timeout_s=cfg.collective_timeout_s,
+            collective_timeout_s=cfg.elastic.collective_timeout_s,
             min_workers=cfg.min_workers,
         )
 

@@ -32,7 +32,7 @@ from flexorch.data.lengths import DataError
 from flexorch.data.tokenizer import get_tokenizer
 
 if TYPE_CHECKING:
-    from flexorch.data.corpus import CorpusConfig
+    from flexorch.config.data import CorpusConfig
 
 __all__ = ["Listing", "list_source", "read_source", "pack_blocks", "assemble_index", "quiet_ray_data"]
 

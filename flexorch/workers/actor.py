@@ -19,11 +19,13 @@ import ray
 import torch
 import torch.distributed as dist
 
+from flexorch.config.model import ModelConfig
+from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
-from flexorch.workers.model import ModelConfig, init_model
-from flexorch.workers.optim import OptimConfig, build_optimizer
+from flexorch.workers.model import init_model
+from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from flexorch.config.model import ModelConfig
+from flexorch.config.optim import OptimConfig
 from flexorch.workers.attention.api import varlen_attn_func
-from flexorch.workers.model import ModelConfig, check_token_range, init_model, loss_sum, next_token_labels
-from flexorch.workers.optim import OptimConfig, build_optimizer, clip_grad_norm_
+from flexorch.workers.model import check_token_range, init_model, loss_sum, next_token_labels
+from flexorch.workers.optim import build_optimizer, clip_grad_norm_
 
 __all__ = ["PackedBatch", "pack_documents", "reference_loss_sum", "reference_step", "reference_train"]
 

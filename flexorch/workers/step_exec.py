@@ -19,12 +19,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flexorch.config.optim import OptimConfig
 from flexorch.tasks.step import GroupWork, StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
 from flexorch.workers.model import check_token_range, loss_sum, next_token_labels
-from flexorch.workers.optim import OptimConfig, clip_grad_norm_
+from flexorch.workers.optim import clip_grad_norm_
 
 __all__ = ["StepOutcome", "run_step", "sync_and_step", "GradBucket", "micro_batch_inputs", "GroupGetter"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.errors import InfeasibleBatchError, InvalidPlanError
 from flexorch.solver.pipeline.plan import (
     PipelinePlan,
     packed_1f1b_units,
@@ -24,6 +24,7 @@ from flexorch.solver.pipeline.plan import (
     plan_units,
 )
 from flexorch.solver.pipeline.plan import seq1f1b_units as _seq1f1b_units
+from flexorch.solver.pipeline.stage_count import auto_stage_layouts, check_stage_count
 from flexorch.solver.pipeline.stage_model import StageModel, stage_layers
 from flexorch.solver.profiles import Profile
 
@@ -33,12 +34,13 @@ __all__ = [
     "fallback_staged",
     "pipeline_baselines",
     "pipeline_baselines_ms",
-    "check_pipeline_stages",
 ]
 
 
 @dataclass(frozen=True)
 class StagedPlan:
+    """A pipeline plan mapped onto the ranks alive; checks its shape on construction, as ``Plan`` does."""
+
     plan: PipelinePlan
     degree: int
     """Workers per stage."""
@@ -46,6 +48,30 @@ class StagedPlan:
     """Ranks in the world (``stages * degree`` of them run stages)."""
     layers: tuple[int, ...]
     """Decoder layers of each stage."""
+
+    def __post_init__(self) -> None:
+        p, d, n = self.plan.stages, self.degree, self.num_devices
+        for name, v in (("stages", p), ("degree", d), ("num_devices", n)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidPlanError(f"staged plan: {name} must be an integer >= 1, got {v!r}")
+        if p * d > n:
+            raise InvalidPlanError(f"staged plan: {p} stages of {d} ranks need {p * d} ranks, the world has {n}")
+        if len(self.layers) != p or any(not isinstance(x, int) or x < 1 for x in self.layers):
+            raise InvalidPlanError(f"staged plan: layers {self.layers} must be {p} counts >= 1, one per stage")
+        if not self.plan.pipelines:
+            raise InvalidPlanError("staged plan: the pipeline plan holds no pipeline")
+        for i, pipe in enumerate(self.plan.pipelines):
+            if len(pipe.schedule) != p or len(pipe.checkpointed) != p:
+                raise InvalidPlanError(
+                    f"staged plan: pipeline {i} has {len(pipe.schedule)} op lists and {len(pipe.checkpointed)} "
+                    f"checkpointing rows for {p} stages"
+                )
+            for r, row in enumerate(pipe.checkpointed):
+                if len(row) != len(pipe.units) or any(not 0 <= c <= self.layers[r] for c in row):
+                    raise InvalidPlanError(
+                        f"staged plan: pipeline {i}, stage {r}: checkpointed {tuple(row)} must be {len(pipe.units)} "
+                        f"counts in 0..{self.layers[r]} (its layers), one per unit"
+                    )
 
     @property
     def stages(self) -> int:
@@ -105,44 +131,17 @@ class StagedPlan:
         }
 
 
-def check_pipeline_stages(stages: int | str, num_devices: int, num_layers: int, num_heads: int) -> None:
-    """Refuse a stage count no world of ``num_devices`` can run, saying what to change."""
-    if stages == "auto":
-        return
-    stage_layers(num_layers, stages)  # more stages than layers: its own error
-    if num_devices < stages:
-        raise InfeasibleBatchError(
-            f"pipeline_stages = {stages} needs at least {stages} workers, {num_devices} are alive; add workers or "
-            "lower pipeline_stages (or set it to 'auto')"
-        )
-    d = num_devices // stages
-    if num_heads % d:
-        raise InfeasibleBatchError(
-            f"pipeline_stages = {stages} on {num_devices} workers puts {d} workers on a stage (Ulysses SP inside "
-            f"the stage), but the model's {num_heads} heads are not divisible by {d}; choose pipeline_stages so "
-            "that workers // stages divides the heads, or 'auto'"
-        )
-
-
 def plan_staged(
     lengths, num_devices: int, profile: Profile, stages: int | str, *, time_limit_s: float = 1.0
 ) -> StagedPlan:
     """The step's pipeline plan on ``num_devices`` ranks: ``stages`` fixed (``d = n // stages`` per stage) or
     ``"auto"`` (the fastest simulated split whose degree divides the heads). Raises InfeasibleBatchError when no
     checkpointing lets the batch fit."""
-    check_pipeline_stages(stages, num_devices, profile.num_layers, profile.num_heads)
+    alive = f"{num_devices} are alive"
+    check_stage_count(stages, num_devices, profile.num_layers, profile.num_heads, have=alive)
     try:
         if stages == "auto":
-            layouts = [
-                (p, num_devices // p)
-                for p in _powers_of_two(num_devices)
-                if 2 <= p <= profile.num_layers and profile.num_heads % (num_devices // p) == 0
-            ]
-            if not layouts:
-                raise InfeasibleBatchError(
-                    f"pipeline_stages = 'auto' found no split of {num_devices} workers into 2 to "
-                    f"{profile.num_layers} stages whose workers per stage divide the {profile.num_heads} heads"
-                )
+            layouts = auto_stage_layouts(num_devices, profile.num_layers, profile.num_heads)
             plan, p, d = plan_best_layout(lengths, num_devices, profile, time_limit_s=time_limit_s, layouts=layouts)
         else:
             p, d = stages, num_devices // stages
@@ -158,21 +157,13 @@ def fallback_staged(lengths, num_devices: int, profile: Profile, stages: int | s
     """Without any MILP (the planner actor is stuck): ``stages`` (2 for 'auto') stages, granularity P, every layer
     checkpointed (``flexorch.solver.pipeline.plan.plan_fully_checkpointed``)."""
     p = 2 if stages == "auto" else stages
-    check_pipeline_stages(p, num_devices, profile.num_layers, profile.num_heads)
+    check_stage_count(p, num_devices, profile.num_layers, profile.num_heads, have=f"{num_devices} are alive")
     d = num_devices // p
     try:
         plan = plan_fully_checkpointed(lengths, p, profile, degree=d)
     except ValueError as e:
         raise InfeasibleBatchError(str(e)) from None
     return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
-
-
-def _powers_of_two(n: int) -> list[int]:
-    out, p = [], 1
-    while p <= n:
-        out.append(p)
-        p *= 2
-    return out
 
 
 def pipeline_baselines(

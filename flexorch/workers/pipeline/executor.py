@@ -26,10 +26,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import holder_sets
 from flexorch.workers.model import check_token_range
-from flexorch.workers.optim import OptimConfig
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_ops
 from flexorch.workers.pipeline.stage import StageModule

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from flexorch.config.model import ModelConfig
 from flexorch.solver.pipeline.sim import simulate
-from flexorch.workers.model import ModelConfig
 from flexorch.workers.pipeline.stage import StageModule, UnitInput
 
 __all__ = ["build_stages", "run_local_step", "stage_grads_as_full"]

@@ -37,10 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from flexorch.config.model import ModelConfig
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.segment import segment_attn_func
 from flexorch.workers.attention.ulysses import head_to_seq, seq_to_head
-from flexorch.workers.model import Block, Decoder, ModelConfig, RMSNorm, loss_sum, rope_cos_sin
+from flexorch.workers.model import Block, Decoder, RMSNorm, loss_sum, rope_cos_sin
 
 __all__ = ["StageModule", "UnitInput", "KVCache", "shard_tokens"]
 

@@ -1,0 +1,54 @@
+"""Elastic membership: the ``[elastic]`` table of a run file (how few and how many workers, how long to wait).
+
+``min_workers`` and ``max_workers`` may be left out: :class:`~flexorch.config.run.TrainConfig` derives them from
+the run (``TrainConfig.min_workers`` / ``max_workers`` are the bounds in force).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexorch.config.errors import ConfigError
+
+__all__ = ["ElasticSettings"]
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class ElasticSettings:
+    """Workers leaving and joining mid-run."""
+
+    min_workers: int | None = None
+    """Elastic floor: below this many live workers the run waits ``wait_s`` for capacity, then fails. None: the
+    fewest workers whose largest power-of-two SP group holds ``data.max_context`` (with pipeline stages, the
+    stages; and a forced static layout's degree)."""
+    max_workers: int | None = None
+    """Elastic ceiling: free slots in the cluster (a joined node) are used up to this many workers. None: the run's
+    ``workers`` (replace lost workers when capacity comes back, never grow past the start)."""
+    wait_s: float = 60.0
+    """How long to wait for capacity when fewer than ``min_workers`` are alive, before failing the run."""
+    max_attempts: int = 5
+    """Attempts at one step (each membership failure costs one) before the run gives up."""
+    collective_timeout_s: float = 120.0
+    """A collective (or a rendezvous) waiting longer than this fails instead of hanging: the bound on how long a
+    silent peer can stall the survivors before it is declared lost (hung, killed and replaced)."""
+
+    def __post_init__(self) -> None:
+        for name in ("min_workers", "max_workers"):
+            v = getattr(self, name)
+            if v is not None and not _positive_int(v):
+                raise ConfigError(f"elastic.{name} must be a positive integer, got {v!r}")
+        if self.min_workers is not None and self.max_workers is not None and self.min_workers > self.max_workers:
+            raise ConfigError(
+                f"need elastic.min_workers <= elastic.max_workers, got {self.min_workers} > {self.max_workers}"
+            )
+        if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, int | float) or not self.wait_s >= 0:
+            raise ConfigError(f"elastic.wait_s must be >= 0, got {self.wait_s!r}")
+        if not _positive_int(self.max_attempts):
+            raise ConfigError(f"elastic.max_attempts must be a positive integer, got {self.max_attempts!r}")
+        t = self.collective_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+            raise ConfigError(f"elastic.collective_timeout_s must be > 0, got {t!r}")

@@ -1,0 +1,120 @@
+"""Reading a run file: TOML (or a nested dict) to a :class:`~flexorch.config.run.TrainConfig`, flags applied.
+
+Every key must be known: an unknown key is an error listing the known ones, and a key that moved into a table
+(``min_workers`` is now ``[elastic] min_workers``) is an error naming its new place, never silently ignored.
+Reading a file imports neither Ray nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+from flexorch.config.data import CorpusConfig
+from flexorch.config.elastic import ElasticSettings
+from flexorch.config.errors import ConfigError
+from flexorch.config.model import ModelConfig, model_config
+from flexorch.config.optim import OptimConfig
+from flexorch.config.pipeline import PipelineSettings
+from flexorch.config.plan import PlanSettings
+from flexorch.config.run import TrainConfig
+
+__all__ = ["MOVED_KEYS", "config_from_dict", "load_train_config"]
+
+TABLES = {
+    "optim": OptimConfig,
+    "data": CorpusConfig,
+    "plan": PlanSettings,
+    "elastic": ElasticSettings,
+    "pipeline": PipelineSettings,
+}
+"""The tables built field by field (``[model]`` also takes ``preset``)."""
+
+MOVED_KEYS = {
+    "min_workers": ("elastic", "min_workers"),
+    "max_workers": ("elastic", "max_workers"),
+    "elastic_wait_s": ("elastic", "wait_s"),
+    "max_attempts": ("elastic", "max_attempts"),
+    "collective_timeout_s": ("elastic", "collective_timeout_s"),
+    "pipeline_stages": ("pipeline", "stages"),
+    "pipeline_params": ("pipeline", "params"),
+}
+"""Top-level keys of earlier versions and the (table, key) they moved to."""
+
+_RUN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"model", *TABLES}
+
+
+def _table(values: dict, name: str) -> dict:
+    table = values.pop(name, None) or {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"[{name}] must be a table of keys, got {name} = {table!r}")
+    return {k.replace("-", "_"): v for k, v in table.items()}
+
+
+def _build(cls, table: dict, where: str):
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise ConfigError(f"[{where}]: unknown keys {unknown}; known: {sorted(known)}")
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
+    try:
+        return cls(**values)
+    except ConfigError:  # its message names the table's key already ("plan.mode must be ...")
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"[{where}]: {e}") from None
+
+
+def config_from_dict(values: dict) -> TrainConfig:
+    """A :class:`TrainConfig` from a nested dict (a parsed TOML file, or ``TrainConfig.to_dict()``)."""
+    values = {k.replace("-", "_"): v for k, v in values.items()}
+    moved = sorted(k for k in values if k in MOVED_KEYS)
+    if moved:
+        where = "; ".join(f"{k} is now [{MOVED_KEYS[k][0]}] {MOVED_KEYS[k][1]}" for k in moved)
+        raise ConfigError(f"keys moved into tables: {where} (write them under that table)")
+    unknown = sorted(set(values) - _RUN_KEYS - {"model", *TABLES})
+    if unknown:
+        tables = " ".join(f"[{t}]" for t in ("model", *TABLES))
+        raise ConfigError(f"unknown keys {unknown}; run keys are {sorted(_RUN_KEYS)} plus {tables}")
+    model_table = _table(values, "model")
+    preset = model_table.pop("preset", "tiny")
+    try:
+        base = model_config(preset).to_dict()
+        base.update(model_table)
+        model = ModelConfig.from_dict(base)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"[model]: {e}") from None
+    tables = {name: _build(cls, _table(values, name), name) for name, cls in TABLES.items()}
+    try:
+        return TrainConfig(model=model, **tables, **values)
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_train_config(path: Path | str | None, overrides: dict | None = None) -> TrainConfig:
+    """Read a TOML run file (or defaults when ``path`` is None) and apply flag ``overrides`` (None values skipped;
+    ``"table.key"`` names a key of a table, e.g. ``"elastic.min_workers"``)."""
+    values: dict = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            values = tomllib.loads(path.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    for key, v in (overrides or {}).items():
+        if v is None:
+            continue
+        if "." in key:
+            table, sub = key.split(".", 1)
+            if not isinstance(values.setdefault(table, {}), dict):
+                raise ConfigError(f"{path}: [{table}] must be a table of keys, got {table} = {values[table]!r}")
+            values[table][sub] = v
+        else:
+            values[key] = v
+    try:
+        return config_from_dict(values)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None

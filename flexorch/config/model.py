@@ -1,0 +1,107 @@
+"""Shape of the LLaMA-style decoder (``flexorch.workers.model`` builds it), its presets and its parameter count.
+
+Pure data: no torch, so a run file can be read and checked without the data plane.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+__all__ = ["MODEL_PRESETS", "ModelConfig", "model_config"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Shape of the decoder; validated on construction."""
+
+    vocab_size: int = 257
+    """Token ids are in [0, vocab_size); the byte tokenizer uses 256 bytes + BOS."""
+    dim: int = 64
+    """Hidden size."""
+    num_layers: int = 2
+    """Number of decoder blocks."""
+    num_heads: int = 4
+    """Query heads; ``dim`` must be divisible by it."""
+    num_kv_heads: int = 2
+    """Key/value heads (GQA); must divide ``num_heads``."""
+    ffn_dim: int = 172
+    """Hidden size of the SwiGLU MLP (LLaMA: about 8/3 * dim)."""
+    rope_theta: float = 10000.0
+    """RoPE base: frequencies theta^(-2i/head_dim)."""
+    norm_eps: float = 1e-5
+    """Epsilon inside RMSNorm's square root."""
+    init_std: float = 0.02
+    """Standard deviation of the normal initialisation of weight matrices."""
+    tie_embeddings: bool = False
+    """Share the token embedding with the LM head."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ModelConfig.{name} must be an integer >= 1, got {value!r}")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
+                raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {value!r}")
+        if not isinstance(self.tie_embeddings, bool):
+            raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
+        if self.dim % self.num_heads:
+            raise ValueError(f"ModelConfig: dim={self.dim} is not divisible by num_heads={self.num_heads}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"ModelConfig: head_dim={self.head_dim} (dim / num_heads) must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head: dim / num_heads."""
+        return self.dim // self.num_heads
+
+    def num_params(self) -> int:
+        """Parameter count computed from the shape (equals the built model's)."""
+        kv = self.num_kv_heads * self.head_dim
+        attn = 2 * self.dim * self.dim + 2 * self.dim * kv  # wq, wo + wk, wv
+        mlp = 3 * self.dim * self.ffn_dim  # w1, w2, w3
+        per_layer = attn + mlp + 2 * self.dim  # + attention_norm, ffn_norm
+        embed = self.vocab_size * self.dim
+        head = 0 if self.tie_embeddings else self.vocab_size * self.dim
+        return embed + self.num_layers * per_layer + self.dim + head  # + final norm
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of every field (JSON/TOML friendly)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> ModelConfig:
+        """Inverse of :meth:`to_dict`; missing keys take their defaults, unknown keys raise ValueError."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown ModelConfig keys {unknown}; valid keys: {sorted(known)}")
+        return cls(**values)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(),
+    "small": ModelConfig(dim=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_dim=688),
+    "llama-7b": ModelConfig(vocab_size=32000, dim=4096, num_layers=32, num_heads=32, num_kv_heads=32, ffn_dim=11008),
+}
+
+
+def model_config(name_or_dict: str | Mapping[str, Any] | ModelConfig) -> ModelConfig:
+    """A preset by name, a config from a dict (optionally ``{"preset": name, **overrides}``), or the config."""
+    if isinstance(name_or_dict, ModelConfig):
+        return name_or_dict
+    if isinstance(name_or_dict, str):
+        if name_or_dict not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name_or_dict!r}; choose one of {sorted(MODEL_PRESETS)}")
+        return MODEL_PRESETS[name_or_dict]
+    values = dict(name_or_dict)
+    base = model_config(values.pop("preset")) if "preset" in values else ModelConfig()
+    return ModelConfig.from_dict({**base.to_dict(), **values})

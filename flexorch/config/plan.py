@@ -1,0 +1,65 @@
+"""How each step is planned: the ``[plan]`` table of a run file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flexorch.config.errors import ConfigError
+
+__all__ = ["STATIC_MODES", "PlanSettings"]
+
+STATIC_MODES = ("static-ulysses", "static-ring")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """How each step is planned."""
+
+    mode: str = "adaptive"
+    """'adaptive' (the per-step MILP planner) or a forced static layout 'static-ulysses-<d>' / 'static-ring-<d>'."""
+    profile: str = "auto"
+    """Cost-model profile: 'auto' (calibrate on the workers at start), a built-in name, or a profile JSON file."""
+    tokens_per_worker: int = 1024
+    """Activation budget of one worker (one device slot) in tokens: a document longer than this must be
+    sequence-parallel. The solver's ``Profile.tokens_per_device`` is the same budget in its own words."""
+    time_limit_s: float = 0.5
+    """Planner budget per step (the solve overlaps the previous step). A pipelined step gives it to each
+    checkpointing ILP it solves (one per candidate unit count and per baseline schedule, for every layout with
+    'auto'), so its solve can take several times this (0.2-1.3 s at 0.2 in examples/train_pipeline.toml);
+    ``timeout_s`` still bounds it."""
+    kinds: tuple[str, ...] = ("ulysses", "ring")
+    """Attention methods the planner may use."""
+    on_infeasible: str = "error"
+    """A batch no plan can run: 'error' (stop with the reason) or 'skip' (record and count it, train on)."""
+    timeout_s: float = 15.0
+    """A plan not back after this long (a stuck solver) is abandoned: the planner is restarted and the step runs
+    the BatchAda heuristic plan, or with pipeline stages a fully checkpointed one (recorded with status
+    'fallback')."""
+
+    def __post_init__(self) -> None:
+        if self.mode != "adaptive":
+            kind, _, deg = self.mode.rpartition("-")
+            if kind not in STATIC_MODES or not deg.isdigit() or int(deg) < 1 or int(deg) & (int(deg) - 1):
+                raise ConfigError(
+                    f"plan.mode must be 'adaptive' or 'static-ulysses-<d>' / 'static-ring-<d>' with d a power of "
+                    f"two, got {self.mode!r}"
+                )
+        if not isinstance(self.tokens_per_worker, int) or self.tokens_per_worker < 16:
+            raise ConfigError(f"plan.tokens_per_worker must be an integer >= 16, got {self.tokens_per_worker!r}")
+        if not self.time_limit_s > 0:
+            raise ConfigError(f"plan.time_limit_s must be > 0, got {self.time_limit_s!r}")
+        if not self.timeout_s > self.time_limit_s:
+            raise ConfigError(f"plan.timeout_s must exceed plan.time_limit_s, got {self.timeout_s!r}")
+        bad = [k for k in self.kinds if k not in ("ulysses", "ring")]
+        if not self.kinds or bad:
+            raise ConfigError(f"plan.kinds must be a non-empty subset of ['ulysses', 'ring'], got {list(self.kinds)}")
+        if self.on_infeasible not in ("error", "skip"):
+            raise ConfigError(f"plan.on_infeasible must be 'error' or 'skip', got {self.on_infeasible!r}")
+
+    @property
+    def static(self) -> tuple[str, int] | None:
+        """(kind, degree) of a forced static layout, None when adaptive."""
+        if self.mode == "adaptive":
+            return None
+        kind, _, deg = self.mode.rpartition("-")
+        return kind.removeprefix("static-"), int(deg)
