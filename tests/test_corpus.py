@@ -15,9 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from flexorch.config import CorpusConfig
-from flexorch.data.corpus import DocLocation, fetch_documents, load_corpus, resolve_blocks
+from flexorch.data.corpus import fetch_documents, load_corpus, resolve_blocks
 from flexorch.data.lengths import DataError
 from flexorch.data.tokenizer import ByteTokenizer
+from flexorch.tasks.step import DocRef
 
 BOS = ByteTokenizer.BOS
 TEXTS = {
@@ -83,7 +84,7 @@ def test_fetch_documents_on_a_worker_after_ray_get(ray_cluster, text_dir):
     c = load_corpus(_cfg(text_dir, block_tokens=16))
     ids = [c.keys.index("sub/b.py"), c.keys.index("a.txt")]
     locs = c.locate(ids)
-    assert all(isinstance(loc, DocLocation) for loc in locs) and pickle.loads(pickle.dumps(locs)) == locs
+    assert all(isinstance(loc, DocRef) for loc in locs) and pickle.loads(pickle.dumps(locs)) == locs
     refs = c.refs_for(locs)
     assert set(refs) == {loc.block for loc in locs} and len(refs) < len(c.block_refs)
 

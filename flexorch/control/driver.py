@@ -35,7 +35,7 @@ from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.step_planner import PlannedStep, heuristic_plan, planner_profile
 from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
 from flexorch.tasks.placement import PartsLostError
-from flexorch.tasks.step import DocRef, step_tasks
+from flexorch.tasks.step import step_tasks
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
 
@@ -196,10 +196,8 @@ class TrainingDriver:
                 self.stream.next_batch()
                 return self._skip(base, planned)
             t_dispatch = time.perf_counter()
-            locs = self.corpus.locate(list(batch.doc_ids))
-            docs = [DocRef(loc.doc_id, loc.block, loc.offset, loc.length) for loc in locs]
-            pipelined = self.cfg.pipelined
-            if pipelined:
+            docs = self.corpus.locate(list(batch.doc_ids))
+            if planned.pipelined:
                 stage_params = self.cfg.pipeline.params == "stage"
                 tasks = pipeline_tasks(
                     planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
@@ -248,7 +246,7 @@ class TrainingDriver:
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
             self._plan_ahead(n)
         # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
-        waits = 2 * len(planned.plan.plan.units) if self.cfg.pipelined else len(planned.plan.micro_batches)
+        waits = 2 * len(planned.plan.plan.units) if planned.pipelined else len(planned.plan.micro_batches)
         results, failure = self.workers.settle(refs, self.cfg.elastic.collective_timeout_s * (waits + 2))
         return results, failure, moved, dispatch_ms
 

@@ -28,7 +28,6 @@ that called `load_corpus` owns the blocks: they live while it holds the `Corpus`
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import ray
@@ -36,17 +35,9 @@ import ray
 from flexorch.config.data import CorpusConfig
 from flexorch.data import readers as corpus_io
 from flexorch.data.tokenizer import get_tokenizer
+from flexorch.tasks.step import DocRef
 
-__all__ = ["Corpus", "DocLocation", "load_corpus", "fetch_documents", "resolve_blocks"]
-
-@dataclass(frozen=True)
-class DocLocation:
-    """Where one document's tokens live: `block_refs[block][offset : offset + length]`."""
-
-    doc_id: int
-    block: int
-    offset: int
-    length: int
+__all__ = ["Corpus", "load_corpus", "fetch_documents", "resolve_blocks"]
 
 
 class Corpus:
@@ -66,14 +57,14 @@ class Corpus:
     def num_docs(self) -> int:
         return len(self.keys)
 
-    def locate(self, doc_ids) -> list[DocLocation]:
-        """Block, offset and length of each document id."""
+    def locate(self, doc_ids) -> list[DocRef]:
+        """Block, offset and length of each document id (``block_refs[block][offset : offset + length]``)."""
         ids = np.asarray(doc_ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_docs):
             bad = int(ids[(ids < 0) | (ids >= self.num_docs)][0])
             raise IndexError(f"document id {bad} is out of range: the corpus has ids 0..{self.num_docs - 1}")
         b, o, n = self.doc_blocks[ids], self.doc_offsets[ids], self.lengths[ids]
-        return [DocLocation(int(i), int(bi), int(oi), int(ni)) for i, bi, oi, ni in zip(ids, b, o, n, strict=True)]
+        return [DocRef(int(i), int(bi), int(oi), int(ni)) for i, bi, oi, ni in zip(ids, b, o, n, strict=True)]
 
     def refs_for(self, locations) -> dict[int, ray.ObjectRef]:
         """The object refs of just the blocks these documents live in, by block index."""

@@ -4,6 +4,7 @@
 stage (or none: ranks left over when the workers do not divide into the stages sit the step out but take part in
 the gradient all-reduce), the layers of that stage, and for every back-to-back pipeline the units and this stage's
 op order and checkpointing. Pure (no torch, no Ray), so tests build the tasks of every rank in one process.
+Both values check themselves on construction, naming the numbers.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from flexorch.tasks.placement import holder_sets, placement
-from flexorch.tasks.step import DocRef
+from flexorch.tasks.step import DocRef, check_count, check_ranks
 
 __all__ = ["PipelineTask", "StagePipeline", "gradient_channels", "pipeline_tasks"]
 
@@ -27,6 +28,25 @@ class StagePipeline:
     """This stage's ops in order: ("F" | "B", unit)."""
     checkpointed: tuple[int, ...]
     """Layers of this stage run under activation checkpointing, per unit."""
+
+    def __post_init__(self) -> None:
+        n = len(self.units)
+        if len(self.checkpointed) != n:
+            raise ValueError(f"StagePipeline: {len(self.checkpointed)} checkpointing entries for {n} units")
+        for c in self.checkpointed:
+            check_count("StagePipeline: checkpointed layers of a unit", c)
+        seen: dict[tuple[str, int], int] = {}
+        for kind, unit in self.ops:
+            if kind not in ("F", "B") or isinstance(unit, bool) or not isinstance(unit, int) or not 0 <= unit < n:
+                raise ValueError(f"StagePipeline: op ({kind!r}, {unit!r}) is not ('F' | 'B', a unit in 0..{n - 1})")
+            if (kind, unit) in seen:
+                raise ValueError(f"StagePipeline: op ({kind!r}, {unit}) appears twice")
+            if kind == "B" and ("F", unit) not in seen:
+                raise ValueError(f"StagePipeline: the backward of unit {unit} comes before its forward")
+            seen[(kind, unit)] = len(seen)
+        if len(seen) != 2 * n:
+            missing = sorted({(k, u) for k in "FB" for u in range(n)} - set(seen))
+            raise ValueError(f"StagePipeline: {n} units need {2 * n} ops, got {len(seen)} (missing {missing[:4]})")
 
 
 @dataclass(frozen=True)
@@ -48,6 +68,54 @@ class PipelineTask:
     """Each rank holds only its stage's parameters (``flexorch.tasks.placement``); False: whole replicas."""
     tied: bool = False
     """The model ties its embedding and LM head (the first and the last stage both hold the embedding)."""
+
+    def __post_init__(self) -> None:
+        check_count("PipelineTask.step", self.step)
+        check_count(f"PipelineTask (step {self.step}) world_size", self.world_size, 1)
+        check_count(f"PipelineTask (step {self.step}) rank", self.rank)
+        where = f"PipelineTask (step {self.step}, rank {self.rank})"
+        if self.rank >= self.world_size:
+            raise ValueError(f"{where}: rank {self.rank} is outside the world of {self.world_size}")
+        if not self.stage_ranks:
+            raise ValueError(f"{where}: stage_ranks names no stage")
+        for r, ranks in enumerate(self.stage_ranks):
+            check_ranks(f"{where}: stage {r} ranks", ranks, self.world_size)
+        sizes = sorted({len(rs) for rs in self.stage_ranks})
+        if len(sizes) > 1:
+            raise ValueError(f"{where}: stages of {sizes} ranks; every stage needs the same number of ranks")
+        flat = [r for rs in self.stage_ranks for r in rs]
+        if len(set(flat)) != len(flat):
+            raise ValueError(f"{where}: stage_ranks {self.stage_ranks} put a rank on two stages")
+        p = len(self.stage_ranks)
+        if len(self.layers) != p:
+            raise ValueError(f"{where}: {len(self.layers)} layer counts for {p} stages")
+        for r, n in enumerate(self.layers):
+            check_count(f"{where}: layers of stage {r}", n, 1)
+        if self.stage is None:
+            if self.rank in flat:
+                raise ValueError(f"{where}: rank {self.rank} is on a stage, but stage is None")
+            if self.pipelines:
+                raise ValueError(f"{where}: a rank on no stage runs no pipeline, got {len(self.pipelines)}")
+        else:
+            check_count(f"{where}: stage", self.stage)
+            if self.stage >= p:
+                raise ValueError(f"{where}: stage {self.stage} of {p} stages")
+            if self.rank not in self.stage_ranks[self.stage]:
+                raise ValueError(
+                    f"{where}: rank {self.rank} is not on stage {self.stage} {self.stage_ranks[self.stage]}"
+                )
+            most = self.layers[self.stage]
+            for pipe in self.pipelines:
+                over = [c for c in pipe.checkpointed if c > most]
+                if over:
+                    raise ValueError(f"{where}: {over[0]} checkpointed layers on stage {self.stage} of {most} layers")
+        if not all(isinstance(d, DocRef) for d in self.docs):
+            raise ValueError(f"{where}: docs must be DocRef values")
+        want = sum(d.length - 1 for d in self.docs)
+        if self.num_predicted != want:
+            raise ValueError(
+                f"{where}: num_predicted is {self.num_predicted}, the {len(self.docs)} documents predict {want} tokens"
+            )
 
     def held_parts(self) -> list[frozenset[str]]:
         """The model parts each rank holds during this step (``stage_params``)."""

@@ -2,7 +2,8 @@
 
 The driver turns the step's plan into one :class:`StepTask` per rank with :func:`step_tasks`; a worker only sees
 its own groups and the token locations of their documents (object-store blocks), never the whole batch. The
-function is pure, so tests call it for every rank of a plan in one process.
+function is pure, so tests call it for every rank of a plan in one process. Every value checks itself on
+construction (a malformed task fails in the driver, naming the numbers, not on a worker inside a collective).
 """
 
 from __future__ import annotations
@@ -10,7 +11,29 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DocRef", "GroupWork", "StepTask", "step_tasks"]
+__all__ = ["DocRef", "GroupWork", "StepTask", "step_tasks", "check_count", "check_ranks"]
+
+KINDS = ("ulysses", "ring")
+"""SP attention kinds a group runs (``flexorch.solver.cost_model.KINDS``)."""
+
+
+def check_count(what: str, value, minimum: int = 0) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) >= ``minimum``, naming ``what`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
+
+
+def check_ranks(what: str, ranks, world_size: int | None = None) -> None:
+    """Raise ValueError unless ``ranks`` is a non-empty tuple of distinct ranks (in ``0 .. world_size - 1``)."""
+    if not isinstance(ranks, tuple) or not ranks:
+        raise ValueError(f"{what} must be a non-empty tuple of ranks, got {ranks!r}")
+    for r in ranks:
+        check_count(f"{what}: rank", r)
+    bad = [r for r in ranks if world_size is not None and r >= world_size]
+    if bad:
+        raise ValueError(f"{what} {ranks}: rank {bad[0]} is outside the world of {world_size} ranks")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"{what} {ranks} names a rank twice")
 
 
 @dataclass(frozen=True)
@@ -26,6 +49,11 @@ class DocRef:
     length: int
     """Tokens of the document."""
 
+    def __post_init__(self) -> None:
+        for name in ("doc_id", "block", "offset"):
+            check_count(f"DocRef.{name} (document {self.doc_id!r})", getattr(self, name))
+        check_count(f"DocRef.length (document {self.doc_id})", self.length, 1)
+
 
 @dataclass(frozen=True)
 class GroupWork:
@@ -39,6 +67,21 @@ class GroupWork:
     """'ulysses' or 'ring' (irrelevant for degree 1)."""
     docs: tuple[DocRef, ...]
     """The group's documents in plan order (every member holds the same list and shards it)."""
+
+    def __post_init__(self) -> None:
+        check_count("GroupWork.micro_batch", self.micro_batch)
+        check_ranks(f"GroupWork (micro-batch {self.micro_batch}) ranks", self.ranks)
+        d = len(self.ranks)
+        if d & (d - 1):
+            raise ValueError(
+                f"GroupWork (micro-batch {self.micro_batch}) ranks {self.ranks}: degree {d} is not a power of two"
+            )
+        if self.kind not in KINDS:
+            raise ValueError(
+                f"GroupWork (micro-batch {self.micro_batch}) kind must be one of {KINDS}, got {self.kind!r}"
+            )
+        if not isinstance(self.docs, tuple) or not all(isinstance(doc, DocRef) for doc in self.docs):
+            raise ValueError(f"GroupWork (micro-batch {self.micro_batch}) docs must be a tuple of DocRef")
 
     @property
     def degree(self) -> int:
@@ -61,6 +104,41 @@ class StepTask:
     """This rank's groups, in micro-batch order (empty when the plan leaves it idle)."""
     num_predicted: int
     """Predicted tokens of the whole global batch: the loss denominator, identical on every rank."""
+
+    def __post_init__(self) -> None:
+        check_count("StepTask.step", self.step)
+        check_count(f"StepTask (step {self.step}) world_size", self.world_size, 1)
+        check_count(f"StepTask (step {self.step}) rank", self.rank)
+        if self.rank >= self.world_size:
+            raise ValueError(f"StepTask (step {self.step}): rank {self.rank} is outside the world of {self.world_size}")
+        check_count(f"StepTask (step {self.step}) num_predicted", self.num_predicted)
+        where = f"StepTask (step {self.step}, rank {self.rank})"
+        for rs in self.rank_sets:
+            check_ranks(f"{where}: rank set", rs, self.world_size)
+        sets = set(self.rank_sets)
+        last = -1
+        for w in self.work:
+            if not isinstance(w, GroupWork):
+                raise ValueError(f"{where}: work must hold GroupWork values, got {type(w).__name__}")
+            check_ranks(f"{where}: micro-batch {w.micro_batch} group", w.ranks, self.world_size)
+            if self.rank not in w.ranks:
+                raise ValueError(
+                    f"{where}: micro-batch {w.micro_batch} group {w.ranks} does not include rank {self.rank}"
+                )
+            if w.micro_batch <= last:
+                raise ValueError(
+                    f"{where}: work must be in micro-batch order, one group each; micro-batch {w.micro_batch} "
+                    f"follows {last}"
+                )
+            if w.degree > 1 and w.ranks not in sets:
+                raise ValueError(f"{where}: micro-batch {w.micro_batch} group {w.ranks} is not in rank_sets")
+            predicted = sum(d.length - 1 for d in w.docs)
+            if predicted > self.num_predicted:
+                raise ValueError(
+                    f"{where}: micro-batch {w.micro_batch} alone predicts {predicted} tokens, more than the batch's "
+                    f"num_predicted {self.num_predicted}"
+                )
+            last = w.micro_batch
 
     def blocks(self) -> set[int]:
         """Object-store blocks this rank reads."""
