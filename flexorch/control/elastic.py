@@ -5,7 +5,7 @@
   done; otherwise every survivor still holds the state from before the step), wait for capacity when below
   ``min_workers``, and form a new world (new epoch, new ranks, new rendezvous). A failure during any of this (a
   second worker dying while the world forms, say) goes back to the policy. Returns what happened, as a record.
-  With stage-local parameters (``pipeline_params = "stage"``) a part whose every holder was lost raises
+  With stage-local parameters (``[pipeline] params = "stage"``) a part whose every holder was lost raises
   ``PartsLostError``: the driver rolls back to its last checkpoint.
 * :meth:`Elastic.at_boundary` between steps: admit workers that finished starting (new world, state copied to
   them from a member), then start new ones where the cluster has free slots, up to ``max_workers``.

@@ -18,7 +18,7 @@ tag ``run`` (the run directory's name). Names, kinds and units:
 ``flexorch_workers_alive``              gauge      workers in the world that ran the last step
 ``flexorch_plan_groups``                gauge      SP groups in the last step's plan, tags ``degree`` and ``kind``
 ``flexorch_pipeline_bubble_share``      gauge      simulated bubble share of the last pipelined step's schedule
-                                                   (0..1; ``pipeline_stages`` runs only)
+                                                   (0..1; ``[pipeline] stages`` runs only)
 ``flexorch_pipeline_measured_bubble_share``  gauge  the same, measured: time the stage ranks spent outside their
                                                    ops (``flexorch.records.writer.measured_bubble_share``)
 ``flexorch_steps_total``                counter    steps trained

@@ -20,7 +20,7 @@ Keys of every record (``source`` is ``"plan"`` or ``"train"``):
   ``baselines_ms`` (predicted step time of each static layout and BatchAda for the same batch, null where a layout
   cannot hold it), ``pipeline`` (null unless the step ran on pipeline stages, see below).
 
-A pipelined step (``pipeline_stages`` set) has ``plan`` and ``timeline`` null and ``shape`` like ``"pp 2x2 ·
+A pipelined step (``[pipeline] stages`` set) has ``plan`` and ``timeline`` null and ``shape`` like ``"pp 2x2 ·
 12 units"``; its ``pipeline`` holds ``stages``, ``degree`` (workers per stage, SP inside a stage), ``layers``
 (decoder layers per stage), ``stage_ranks`` (the world ranks of each stage), ``granularity``, ``bubble_share``
 (simulated), ``peak_bytes`` (predicted activation bytes per stage), ``units`` (``[{"chain", "pipeline",
@@ -28,7 +28,7 @@ A pipelined step (``pipeline_stages`` set) has ``plan`` and ``timeline`` null an
 every sequence is in exactly one piece), ``checkpointed`` (``[stage][unit]`` layers run under activation
 checkpointing) and ``ops`` (the simulated schedule: ``[{"stage", "kind": "F"|"B", "unit", "start_ms",
 "end_ms"}, ...]``, one forward and one backward per unit and stage). A trained pipelined step with
-``pipeline_params = "stage"`` also has ``params`` (``placement``, ``moved_parts``, ``moved_bytes`` (parameters
+``[pipeline] params = "stage"`` also has ``params`` (``placement``, ``moved_parts``, ``moved_bytes`` (parameters
 and their optimizer state), ``move_ms``: the model parts copied between workers before the step because the stage
 map changed) and each rank's entry
 ``param_bytes`` (parameters, gradients and optimizer state it held).

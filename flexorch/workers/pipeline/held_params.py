@@ -1,6 +1,6 @@
 """The parameters (and their AdamW state) one worker holds, by model part (``flexorch.tasks.placement``).
 
-A worker starts with the whole model. A pipelined step with ``pipeline_params = "stage"`` keeps only the parts its
+A worker starts with the whole model. A pipelined step with ``[pipeline] params = "stage"`` keeps only the parts its
 stage runs: the others are *released* (their storage replaced by an empty tensor, gradient and optimizer state
 dropped), so a worker's memory for parameters, gradients and the two Adam moments is its stage's share. Parts a
 worker needs and does not hold are copied in from a holder through the object store (:meth:`HeldParams.export`,
