@@ -213,7 +213,7 @@ def _close(cfg: PlanRunConfig, out, writer, picture, what: str) -> None:
 
 
 _PIPELINE_BASELINES = ("1f1b", "seq1f1b-4")
-"""The keys of ``pipeline_baselines_ms`` (its default k = 4), in the table's column order."""
+"""The keys of a pipelined step's ``baselines_ms`` (``pipeline_baselines``, its default k = 4), in column order."""
 
 
 def _pipeline_head() -> str:

@@ -33,7 +33,6 @@ __all__ = [
     "plan_staged",
     "fallback_staged",
     "pipeline_baselines",
-    "pipeline_baselines_ms",
 ]
 
 
@@ -189,11 +188,3 @@ def pipeline_baselines(
                 best = plan
         out[name] = best
     return out
-
-
-def pipeline_baselines_ms(
-    lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
-) -> dict[str, float | None]:
-    """Predicted step time of each of :func:`pipeline_baselines` (None where memory cannot fit)."""
-    plans = pipeline_baselines(lengths, staged, profile, k=k, time_limit_s=time_limit_s)
-    return {name: None if p is None else p.makespan_ms for name, p in plans.items()}
