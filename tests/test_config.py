@@ -14,8 +14,12 @@ from flexorch.cli.main import _train_config, build_parser, main
 from flexorch.config import (
     MOVED_KEYS,
     ConfigError,
+    CorpusConfig,
     ElasticSettings,
+    ModelConfig,
+    OptimConfig,
     PipelineSettings,
+    PlanSettings,
     TrainConfig,
     config_from_dict,
     load_train_config,
@@ -85,7 +89,14 @@ def test_tables_check_their_own_keys_with_the_numbers():
         PipelineSettings(stages=True)
     with pytest.raises(TypeError):
         ElasticSettings(2)  # keyword-only, like every table
-    for cls in (TrainConfig, ElasticSettings, PipelineSettings):  # every field documented in place
+    with pytest.raises(ConfigError, match=r"elastic must be ElasticSettings .*got \{'min_workers': 2\}"):
+        TrainConfig(elastic={"min_workers": 2})
+    with pytest.raises(ConfigError, match=r"worker_threads must be a positive integer, got 0"):
+        config_from_dict({"worker_threads": 0})
+    with pytest.raises(ConfigError, match=r"use_gpu must be true or false, got 'yes'"):
+        config_from_dict({"use_gpu": "yes"})
+    classes = (TrainConfig, ElasticSettings, PipelineSettings, PlanSettings, ModelConfig, OptimConfig, CorpusConfig)
+    for cls in classes:  # every field documented in place
         src = Path(sys.modules[cls.__module__].__file__).read_text()
         for f in dataclasses.fields(cls):
             after = src.split(f"\n    {f.name}: ", 1)[1].split("\n", 2)[1]

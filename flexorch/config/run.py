@@ -32,6 +32,15 @@ from flexorch.solver.pipeline.stage_count import check_stage_count
 
 __all__ = ["TrainConfig"]
 
+_TABLES = {
+    "model": ModelConfig,
+    "optim": OptimConfig,
+    "data": CorpusConfig,
+    "plan": PlanSettings,
+    "elastic": ElasticSettings,
+    "pipeline": PipelineSettings,
+}
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -73,12 +82,25 @@ class TrainConfig:
     """The ``[pipeline]`` table: pipeline stages and where their parameters live."""
 
     def __post_init__(self) -> None:
-        for name in ("steps", "workers", "batch_size", "keep_checkpoints"):
+        for f in dataclasses.fields(self):
+            if f.name in _TABLES and not isinstance(getattr(self, f.name), _TABLES[f.name]):
+                raise ConfigError(
+                    f"{f.name} must be {_TABLES[f.name].__name__} (the [{f.name}] table of a run file: "
+                    f"flexorch.config.config_from_dict reads tables from dicts), got {getattr(self, f.name)!r}"
+                )
+        for name in ("steps", "workers", "batch_size", "keep_checkpoints", "worker_threads"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ConfigError(f"checkpoint_every must be an integer >= 0, got {self.checkpoint_every!r}")
+        for name in ("checkpoint_every", "seed"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        for name in ("resume", "use_gpu"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.run_dir, str) or not self.run_dir.strip():
+            raise ConfigError(f"run_dir must be a directory path, got {self.run_dir!r}")
         self._check_pipeline()
         need = self.data.max_context
         have = self.workers * self.plan.tokens_per_worker
