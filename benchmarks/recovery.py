@@ -61,7 +61,7 @@ def _kill_during_step(driver: TrainingDriver, rank: int, delay_s: float) -> tupl
 
     def run():
         try:
-            out["record"] = driver.step()
+            out["record"] = driver.step().record
         except BaseException as e:  # noqa: BLE001 - reported to the caller
             out["error"] = e
 
@@ -78,7 +78,7 @@ def trial_in_place(cfg: TrainConfig, corpus, warm: int, step_s: float) -> dict:
     driver = TrainingDriver(cfg, corpus=corpus)
     driver.setup()
     try:
-        records = [driver.step() for _ in range(warm)]
+        records = [driver.step().record for _ in range(warm)]
         killed_at, rec, err = _kill_during_step(driver, 1, step_s / 2)
         if err is not None:
             raise err
@@ -86,7 +86,7 @@ def trial_in_place(cfg: TrainConfig, corpus, warm: int, step_s: float) -> dict:
         records.append(rec)
         joined, deadline = None, time.monotonic() + 60
         while time.monotonic() < deadline:  # the freed slot gets a new worker; it joins at a boundary once up
-            records.append(driver.step())
+            records.append(driver.step().record)
             grow = [r for r in records[-1]["recoveries"] if r.get("what") == "grow"]
             if grow:
                 joined, joined_at = grow[0], time.perf_counter()
@@ -106,14 +106,14 @@ def trial_restart(cfg: TrainConfig, corpus, warm: int, step_s: float) -> dict:
     # max_attempts=1: the step fails rather than recovers, as a restart-based trainer has no in-place path
     driver = TrainingDriver(cfg.replace(elastic=ElasticSettings(max_attempts=1)), corpus=corpus)
     driver.setup()
-    records = [driver.step() for _ in range(warm)]
+    records = [driver.step().record for _ in range(warm)]
     killed_at, _, err = _kill_during_step(driver, 1, step_s / 2)
     assert err is not None, "the step should have failed"
     driver.shutdown()
     again = TrainingDriver(dataclasses.replace(cfg, resume=True), corpus=corpus)
     try:
         again.setup()
-        records.append(again.step())
+        records.append(again.step().record)
         done_at = time.perf_counter()
         return {"recovery_s": done_at - killed_at, "redone_steps": 1, "records": records}
     finally:
@@ -125,12 +125,12 @@ def trial_join(cfg: TrainConfig, corpus, cluster) -> dict:
     driver = TrainingDriver(cfg, corpus=corpus)
     driver.setup()
     try:
-        records = [driver.step() for _ in range(2)]
+        records = [driver.step().record for _ in range(2)]
         cluster.add_node(num_cpus=1)
         added_at = time.perf_counter()
         deadline = time.monotonic() + 120
         while records[-1]["world_size"] < 4 and time.monotonic() < deadline:
-            records.append(driver.step())
+            records.append(driver.step().record)
         if records[-1]["world_size"] < 4:
             raise RuntimeError("the joining node was not absorbed within 120 s")
         grow = [r for r in records[-1]["recoveries"] if r.get("what") == "grow"][0]
@@ -212,7 +212,7 @@ def main(argv=None) -> int:
     print(f"workload: {corpus.num_docs} documents, {int(corpus.lengths.sum()):,} tokens; 4 workers; batch {args.batch}")
     cal = TrainingDriver(base, corpus=corpus)  # calibrate once; every trial plans with this profile
     cal.setup()
-    step_s = statistics.median(cal.step()["measured_ms"] / 1e3 for _ in range(3))
+    step_s = statistics.median(cal.step().record["measured_ms"] / 1e3 for _ in range(3))
     cal.shutdown()
     profile = str(Path(base.run_dir) / "profile.json")
     print(f"a normal step takes {step_s:.2f} s; killing a worker {step_s / 2:.2f} s into step {args.warm + 1}")

@@ -94,7 +94,7 @@ def start_mode(mode: str, base: TrainConfig, corpus) -> TrainingDriver:
 def step_mode(driver: TrainingDriver, result: dict) -> None:
     """One step of one layout; a layout that cannot run a batch is marked infeasible and stopped."""
     try:
-        rec = driver.step()
+        rec = driver.step().record
     except InfeasibleBatchError as e:
         result["infeasible"] = str(e).split(": ", 2)[-1].split(". Set")[0]
         driver.shutdown()

@@ -15,7 +15,7 @@ import pytest
 from flexorch.config import CorpusConfig
 from flexorch.control.driver import TrainingDriver
 from flexorch.control.elastic import ElasticError
-from tests.train_helpers import check_against_reference, cpu_profile, train_config, write_corpus
+from tests.train_helpers import check_against_reference, cpu_profile, next_record, train_config, write_corpus
 
 pytestmark = pytest.mark.slow
 
@@ -75,9 +75,9 @@ def test_node_removed_then_added_mid_run(cluster, stages):
         driver.setup()
         on_b = sorted(w for w, n in _nodes_of(driver).items() if n == node_b.node_id)
         assert len(on_b) == 2, "the head holds two workers, node B the other two"
-        records = [driver.step()]
+        records = [next_record(driver)]
         c.remove_node(node_b)
-        records.append(driver.step())
+        records.append(next_record(driver))
         rec = records[1]["recoveries"][0]
         assert sorted(rec["lost"]) == on_b and records[1]["world_size"] == 2
         assert bool(rec.get("rollback")) == (stages == 2 and on_b in ([0, 1], [2, 3]))  # node B held a whole stage
@@ -85,7 +85,7 @@ def test_node_removed_then_added_mid_run(cluster, stages):
         c.add_node(num_cpus=2)
         deadline = time.monotonic() + 90
         while records[-1]["world_size"] < 4 and time.monotonic() < deadline:
-            records.append(driver.step())
+            records.append(next_record(driver))
         grown = records[-1]
         assert grown["world_size"] == 4, "the run grew onto the new node"
         assert any(r.get("what") == "grow" for r in grown["recoveries"])
@@ -95,7 +95,7 @@ def test_node_removed_then_added_mid_run(cluster, stages):
             assert records[1]["pipeline"]["stage_ranks"] == [[0], [1]]
             assert grown["pipeline"]["stage_ranks"] == [[0, 1], [2, 3]]
         assert len(set(grown["worker_ids"]) - {0, 1, 2, 3}) == 2, "newcomers have fresh worker ids"
-        records.append(driver.step())
+        records.append(next_record(driver))
         replicas = driver.replica_parameters()
     finally:
         driver.shutdown()
@@ -115,16 +115,16 @@ def test_below_min_workers_waits_for_capacity(cluster, node_joins):
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()
-        records = [driver.step()]
+        records = [next_record(driver)]
         c.remove_node(node_b)
         if node_joins:
             # the step waits for capacity in a thread; the node joins from this (main) thread, as Ray requires
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(driver.step)
+                waiting = pool.submit(next_record, driver)
                 time.sleep(2.0)
                 c.add_node(num_cpus=2)
                 records.append(waiting.result(timeout=120))
-            records.append(driver.step())
+            records.append(next_record(driver))
             rec = records[1]["recoveries"][0]
             assert rec["decisions"][0] == "WaitForCapacity" and records[1]["world_size"] == 4
             check_against_reference(cfg, corpus, records, driver.replica_parameters())

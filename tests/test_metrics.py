@@ -72,7 +72,7 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
         driver = TrainingDriver(cfg)
         try:
             driver.setup()
-            records = [driver.step() for _ in range(cfg.steps)]
+            records = [driver.step().record for _ in range(cfg.steps)]
         finally:
             driver.shutdown()
         # a pipelined run beside it (2 steps): its schedule's bubble share is exported too
@@ -85,7 +85,7 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
         pp_driver = TrainingDriver(pp_cfg)
         try:
             pp_driver.setup()
-            pp_records = [pp_driver.step() for _ in range(pp_cfg.steps)]
+            pp_records = [pp_driver.step().record for _ in range(pp_cfg.steps)]
         finally:
             pp_driver.shutdown()
         # the export is flushed every second, metric by metric: wait until it shows each run's last step (a

@@ -29,7 +29,7 @@ def _train(cfg, corpus):
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()
-        records = [driver.step() for _ in range(cfg.steps)]
+        records = [driver.step().record for _ in range(cfg.steps)]
         return records, driver.replica_parameters()
     finally:
         driver.shutdown()

@@ -164,7 +164,7 @@ def test_checkpoint_of_a_pipelined_run_resumes_on_other_stages(env):
     driver = TrainingDriver(first_cfg, corpus=env[3])
     try:
         driver.setup()
-        first = [driver.step() for _ in range(2)]
+        first = [driver.step().record for _ in range(2)]
         driver.checkpoint()
     finally:
         driver.shutdown()

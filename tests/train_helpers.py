@@ -168,7 +168,11 @@ def run_driver(cfg: TrainConfig, corpus, faults=()) -> tuple[list[dict], list]:
             driver.workers.actor(wid).inject_fault.remote(point, step, nth, action)
         records = []
         while not driver.finished:
-            records.append(driver.step())
+            t = driver.step()
+            if t.record is None:  # rolled back to a checkpoint: the steps after it are trained again
+                records = [r for r in records if r["step"] < t.next_step]
+            else:
+                records.append(t.record)
         return records, driver.replica_parameters()
     finally:
         driver.shutdown()
@@ -186,3 +190,11 @@ def check_against_reference(cfg: TrainConfig, corpus, records: list[dict], repli
     ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
     assert_params_close(replicas, ref_params, whole=whole)
+
+
+def next_record(driver) -> dict:
+    """Step ``driver`` until a step is trained or skipped (a roll-back's transition has no record); its record."""
+    while True:
+        t = driver.step()
+        if t.record is not None:
+            return t.record

@@ -32,9 +32,10 @@ from flexorch.solver.calibration import (
 )
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile, get_profile
+from flexorch.solver.step_planner import planner_profile
 from flexorch.workers.calibrate import Probe
 
-__all__ = ["calibration_probes", "calibrate", "calibrate_on_workers", "resolve_profile"]
+__all__ = ["calibration_probes", "calibrate", "calibrate_on_workers", "resolve_profile", "run_profile"]
 
 
 # fit_profile needs an all-to-all table entry; where nothing was measured (the compute-only fit, one worker, ring
@@ -161,3 +162,20 @@ def resolve_profile(cfg, group, run_dir: Path, publish) -> Profile:
     (Path(run_dir) / "calibration.json").write_text(json.dumps(report, indent=1))
     publish({"event": "calibrated", "message": f"profile: {report['message']} -> {path}"})
     return profile
+
+
+def run_profile(cfg, group, run_dir: Path, publish) -> Profile:
+    """The profile a run plans with: :func:`resolve_profile` fitted to the model's heads, layers and per-worker
+    token budget; a pipelined run also measures what a stage holds on a worker's own model (a fraction of a
+    second, ``flexorch.workers.calibrate.stage_activation_bytes``)."""
+    base = resolve_profile(cfg, group, run_dir, publish)
+    stage_bytes = tuple(group.call("stage_activation_bytes")[0]) if cfg.pipelined else None
+    return planner_profile(
+        base,
+        num_heads=cfg.model.num_heads,
+        num_kv_heads=cfg.model.num_kv_heads,
+        tokens_per_worker=cfg.plan.tokens_per_worker,
+        num_layers=cfg.model.num_layers,
+        vocab_size=cfg.model.vocab_size,
+        stage_bytes=stage_bytes,
+    )

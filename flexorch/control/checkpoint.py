@@ -22,7 +22,16 @@ from pathlib import Path
 import torch
 from ray.train import Checkpoint
 
-__all__ = ["save_checkpoint", "latest_checkpoint", "load_checkpoint", "CheckpointError"]
+from flexorch.config import ConfigError
+
+__all__ = [
+    "CheckpointError",
+    "RunCheckpoints",
+    "corpus_fingerprint",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 _PREFIX = "checkpoint_"
 
@@ -79,3 +88,46 @@ def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict, dict]:
         train = torch.load(d / "train_state.pt", weights_only=True, map_location="cpu")
         driver = json.loads((d / "driver_state.json").read_text())
     return {"model": model, **train}, driver
+
+
+def corpus_fingerprint(corpus) -> dict:
+    """What a checkpoint records of the corpus it was taken on (a resume on another corpus is refused)."""
+    c = corpus
+    return {"num_docs": c.num_docs, "tokens": int(c.lengths.sum()), "first": c.keys[0], "last": c.keys[-1]}
+
+
+class RunCheckpoints:
+    """The checkpoints one run writes and goes back to: it resumes from, or rolls back to, only its own newest
+    checkpoint (never an older run's in the same directory)."""
+
+    def __init__(self, run_dir: Path | str, corpus, keep: int):
+        self.run_dir, self.corpus, self.keep = Path(run_dir), corpus, keep
+        self.own: Checkpoint | None = None
+
+    def resume(self) -> tuple[dict, dict]:
+        """(worker state, driver state) of the run directory's newest checkpoint, taken on this corpus (else a
+        :class:`~flexorch.config.ConfigError` saying why)."""
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            raise ConfigError(f"--resume: no checkpoint in {_root(self.run_dir)}; run without --resume")
+        state, dstate = load_checkpoint(ckpt)
+        if dstate["corpus"] != corpus_fingerprint(self.corpus):
+            raise ConfigError(
+                f"--resume: the checkpoint was taken on another corpus ({dstate['corpus']}); this run reads "
+                f"{corpus_fingerprint(self.corpus)}"
+            )
+        self.own = ckpt
+        return state, dstate
+
+    def save(self, step: int, worker_state: dict, driver_state: dict) -> str:
+        """Write this run's checkpoint after ``step`` steps (``driver_state`` plus the corpus fingerprint)."""
+        driver_state = {**driver_state, "corpus": corpus_fingerprint(self.corpus)}
+        self.own = save_checkpoint(self.run_dir, step, worker_state, driver_state, keep=self.keep)
+        return self.own.path
+
+    def hint(self) -> str:
+        """Where the last checkpoint is and how to go on from it (for errors that stop the run)."""
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is None:
+            return "No checkpoint was written yet (set checkpoint_every to keep one)"
+        return f"The last checkpoint, {ckpt.path}, is intact: run again with --resume when capacity is back"

@@ -1,10 +1,14 @@
-"""The driver's hands for membership changes: it executes the decisions ``ElasticPolicy`` returns.
+"""The driver's hands for membership changes: it executes the decisions ``ElasticPolicy`` returns, as they say.
 
-* :meth:`Elastic.recover` after a failed attempt: drop the lost workers, bring the survivors to one state (if some
-  finished the step's optimizer update before the failure, the others copy their state and the step counts as
-  done; otherwise every survivor still holds the state from before the step), wait for capacity when below
-  ``min_workers``, and form a new world (new epoch, new ranks, new rendezvous). A failure during any of this (a
-  second worker dying while the world forms, say) goes back to the policy. Returns what happened, as a record.
+* :meth:`Elastic.recover` after a failed attempt asks the policy and executes its decision's fields:
+  :class:`~flexorch.control.membership.Shrink` keeps exactly its ``survivors`` (its ``lost`` are dropped);
+  :class:`~flexorch.control.membership.WaitForCapacity` drops its ``lost`` and waits up to its ``timeout_s`` for
+  its ``need`` replacements; :class:`~flexorch.control.membership.Retry` drops nobody (every worker is alive) and
+  re-forms the world; :class:`~flexorch.control.membership.Fail` stops the run with its ``reason``. In every case
+  the members are then brought to one state (if some finished the step's optimizer update before the failure, the
+  others copy their state and the step counts as done; otherwise every survivor still holds the state from before
+  the step) and form a new world (new epoch, new ranks, new rendezvous). A failure during any of this (a second
+  worker dying while the world forms, say) goes back to the policy. Returns what happened, as a record.
   With stage-local parameters (``[pipeline] params = "stage"``) a part whose every holder was lost raises
   ``PartsLostError``: the driver rolls back to its last checkpoint.
 * :meth:`Elastic.at_boundary` between steps: admit workers that finished starting (new world, state copied to
@@ -16,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from flexorch.control.membership import ElasticPolicy, Fail, Failure, Grow, WaitForCapacity
-from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup, WorkerGroupError
+from flexorch.control.group import WorkerGroup
+from flexorch.control.membership import Decision, ElasticPolicy, Fail, Failure, Grow, Retry, Shrink, WaitForCapacity
+from flexorch.control.worker_group import MembershipFailure, WorkerGroupError
 from flexorch.tasks.placement import PartsLostError
 
 __all__ = ["Elastic", "ElasticError"]
@@ -28,7 +33,7 @@ class ElasticError(WorkerGroupError):
 
 
 class Elastic:
-    def __init__(self, workers: RayWorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint):
+    def __init__(self, workers: WorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint):
         self.workers = workers
         self.policy = policy
         self.publish = publish
@@ -44,16 +49,13 @@ class Elastic:
         before = list(w.worker_ids)
         ahead = set(failure.completed)  # finished the attempt: hold the state after it
         fresh = set(fresh)  # started to replace the lost: hold no state yet
-        decisions, lost_all = [], set()
+        decisions, reasons, lost_all = [], [], set()
         while True:
             decision = self.policy.on_failure(w.worker_ids, failure, attempt)
             decisions.append(type(decision).__name__)
-            if isinstance(decision, Fail):
-                raise ElasticError(f"{what}: {decision.reason}. {self.checkpoint_hint()}")
-            lost = set(failure.lost) & set(w.worker_ids)
+            reasons.append(_reason(failure, decision))
+            lost = self._drop(decision, what)
             lost_all |= lost
-            if lost:
-                w.remove(lost)
             ahead &= set(w.worker_ids)
             fresh &= set(w.worker_ids)
             if not set(w.worker_ids) - fresh:
@@ -80,7 +82,7 @@ class Elastic:
                 "attempt": attempt,
                 "decisions": decisions,
                 "lost": sorted(lost_all),
-                "reason": _reason(failure),
+                "reason": "; then ".join(reasons),
                 "world_before": before,
                 "world_after": list(w.worker_ids),
                 "step_completed": bool(ahead),
@@ -88,6 +90,24 @@ class Elastic:
             }
             self.publish({"event": "membership", **rec})
             return rec
+
+    def _drop(self, decision: Decision, what: str) -> set[int]:
+        """The members a decision drops, dropped: a Shrink keeps exactly its survivors, a WaitForCapacity drops its
+        lost (and waits after), a Retry drops nobody; a Fail raises :class:`ElasticError` with its reason."""
+        w = self.workers
+        if isinstance(decision, Fail):
+            raise ElasticError(f"{what}: {decision.reason}. {self.checkpoint_hint()}")
+        if isinstance(decision, Shrink):
+            gone = set(w.worker_ids) - set(decision.survivors)
+        elif isinstance(decision, WaitForCapacity):
+            gone = set(decision.lost) & set(w.worker_ids)
+        elif isinstance(decision, Retry):
+            gone = set()
+        else:
+            raise TypeError(f"{what}: {type(decision).__name__} is not a decision after a failure")
+        if gone:
+            w.remove(gone)
+        return gone
 
     def _wait_for_capacity(self, decision: WaitForCapacity) -> set[int]:
         """Start replacements and wait for ``decision.need`` of them; returns their ids (admitted, stateless)."""
@@ -151,10 +171,12 @@ class Elastic:
         return record
 
 
-def _reason(failure: Failure) -> str:
+def _reason(failure: Failure, decision: Decision) -> str:
     parts = []
     if failure.lost:
         parts.append(f"workers {sorted(failure.lost)} died or hung")
     if failure.peer_errors:
         parts.append(f"workers {sorted(failure.peer_errors)} saw the world break")
-    return "; ".join(parts) or "a collective failed"
+    if isinstance(decision, Retry):
+        parts.append(decision.reason)
+    return ", ".join(parts) or "a collective failed"

@@ -1,14 +1,204 @@
-"""The planner actor the driver talks to: a :class:`~flexorch.solver.step_planner.StepPlanner` in its own process,
-so the next batch's solve overlaps the current step."""
+"""The driver's planner: a :class:`~flexorch.solver.step_planner.StepPlanner` behind a small client that solves the
+next batch while the current step runs, bounds the wait for a plan and falls back to a MILP-free plan.
+
+* :class:`PlannerClient` is the seam the driver plans through (``TrainingDriver(cfg, planner=...)`` takes a factory
+  ``(PlannerSpec, publish) -> PlannerClient``).
+* :class:`RayPlannerClient` (the default) runs the planner in :data:`StepPlannerActor`, beside the driver, so a
+  solve overlaps the step on another process; :class:`LocalPlannerClient` runs the same planner in a daemon thread
+  of this process (real MILP solves, no Ray: tests and benchmarks that step the driver in-process).
+
+Both share :class:`_PrefetchingClient`: a plan solved ahead is used only when it was solved for the same stream step
+and the same number of workers (a membership change in between makes it stale); a plan not back within
+``timeout_s`` (CBC can get stuck on rare models, coin-or/Cbc#687) is abandoned, the planner is replaced and the step
+runs :func:`~flexorch.solver.step_planner.heuristic_plan` (status 'fallback').
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
 import ray
 
-from flexorch.solver.step_planner import StepPlanner
+from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.profiles import Profile
+from flexorch.solver.step_planner import PlannedStep, StepPlanner, heuristic_plan
 
-__all__ = ["StepPlannerActor"]
+__all__ = [
+    "LocalPlannerClient",
+    "PlannerClient",
+    "PlannerSpec",
+    "RayPlannerClient",
+    "StepPlannerActor",
+]
 
 StepPlannerActor = ray.remote(num_cpus=0, max_restarts=5, max_task_retries=2)(StepPlanner)
 """``StepPlanner`` in its own worker process (no CPU reserved: it sleeps while the step runs). CBC can crash on
 rare models (coin-or/Cbc#687, python-mip#139); Ray then restarts the actor and retries the plan call."""
+
+
+@dataclass(frozen=True)
+class PlannerSpec:
+    """What a planner client needs to build its :class:`StepPlanner` and its fallback."""
+
+    profile: Profile
+    config: PlannerConfig
+    static: tuple[str, int] | None
+    """(kind, degree) of a forced static layout (``plan.mode``), None when adaptive."""
+    pipeline_stages: int | str
+    pipeline_params: str
+    timeout_s: float
+    """How long a step waits for its plan before the fallback (``plan.timeout_s``)."""
+    niceness: int = 0
+    """Added to the planner process's niceness (a separate process only: on shared CPUs the overlapped solve must
+    not take cycles from the workers)."""
+
+    @classmethod
+    def for_run(cls, cfg, profile: Profile) -> PlannerSpec:
+        """The spec of a ``TrainConfig``'s run planned with ``profile`` (niceness 10 on CPU workers)."""
+        config = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
+        stages, params = cfg.pipeline.stages, cfg.pipeline.params
+        niceness = 0 if cfg.use_gpu else 10
+        return cls(profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, niceness)
+
+    def planner_args(self, niceness: int) -> tuple:
+        return (self.profile, self.config, self.static, niceness, self.pipeline_stages, self.pipeline_params)
+
+    def fallback(self, lengths: list[int], n: int) -> PlannedStep:
+        return heuristic_plan(self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params)
+
+
+class PlannerClient(Protocol):
+    """How the driver gets plans: ``plan_ahead`` while a step runs, ``plan`` when the next step starts."""
+
+    def plan(self, stream_step: int, lengths: list[int], n: int) -> PlannedStep:
+        """The plan of stream step ``stream_step`` (its documents' ``lengths``) for ``n`` workers."""
+        ...
+
+    def plan_ahead(self, stream_step: int, lengths: list[int], n: int) -> None:
+        """Start solving that plan now; a later :meth:`plan` with the same step and ``n`` takes it."""
+        ...
+
+    def forget(self) -> None:
+        """Drop a plan solved ahead (the stream went back: a roll-back)."""
+        ...
+
+    def inject_fault(self, hangs: int = 1) -> None:
+        """Test seam: the planner's next ``hangs`` solves never return (a stuck CBC solve)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+PlannerFactory = Callable[[PlannerSpec, Callable[[dict], None]], PlannerClient]
+"""Builds the run's planner client once the profile is known (``RayPlannerClient`` or ``LocalPlannerClient``)."""
+
+
+class _PrefetchingClient:
+    """Prefetch, timeout and fallback over a planner handle; subclasses say how a solve is started and awaited."""
+
+    def __init__(self, spec: PlannerSpec, publish: Callable[[dict], None]):
+        self.spec = spec
+        self.publish = publish
+        self._pending: tuple[int, int, object] | None = None  # (stream step, workers, solve handle)
+        self._start()
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _submit(self, lengths: list[int], n: int):
+        raise NotImplementedError
+
+    def _wait(self, handle, timeout_s: float) -> PlannedStep:
+        """The solve's result; raises TimeoutError when it is not back in time."""
+        raise NotImplementedError
+
+    def _abandon(self) -> None:
+        """Drop the stuck planner (a fresh one is started after)."""
+
+    def plan(self, stream_step: int, lengths: list[int], n: int) -> PlannedStep:
+        pending, self._pending = self._pending, None
+        handle = pending[2] if pending is not None and pending[:2] == (stream_step, n) else self._submit(lengths, n)
+        try:
+            return self._wait(handle, self.spec.timeout_s)
+        except TimeoutError:
+            self._abandon()
+            self._start()
+            self.publish(
+                {
+                    "event": "planner",
+                    "message": f"stream step {stream_step}: the planner gave no plan within plan.timeout_s="
+                    f"{self.spec.timeout_s:g} s; restarted it, this step runs the heuristic plan",
+                }
+            )
+            return self.spec.fallback(lengths, n)
+
+    def plan_ahead(self, stream_step: int, lengths: list[int], n: int) -> None:
+        self._pending = (stream_step, n, self._submit(lengths, n))
+
+    def forget(self) -> None:
+        self._pending = None
+
+
+class RayPlannerClient(_PrefetchingClient):
+    """The planner in :data:`StepPlannerActor` on the driver's node (it survives the loss of a worker node)."""
+
+    def _start(self) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        args = self.spec.planner_args(self.spec.niceness)
+        self.actor = StepPlannerActor.options(scheduling_strategy=here).remote(*args)
+
+    def _submit(self, lengths, n):
+        return self.actor.plan.remote(lengths, n)
+
+    def _wait(self, handle, timeout_s):
+        try:
+            return ray.get(handle, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError from None
+
+    def _abandon(self) -> None:
+        ray.kill(self.actor, no_restart=True)
+
+    def inject_fault(self, hangs: int = 1) -> None:
+        ray.get(self.actor.inject_fault.remote(hangs))
+
+    def close(self) -> None:
+        ray.kill(self.actor)
+
+
+class LocalPlannerClient(_PrefetchingClient):
+    """The planner in this process: each solve runs in a daemon thread, one at a time (as the actor runs its calls),
+    so a solve ahead overlaps the step and a stuck one is abandoned without blocking the process's exit."""
+
+    def _start(self) -> None:
+        self.planner = StepPlanner(*self.spec.planner_args(0))  # never renice the caller's own process
+        self._lock = threading.Lock()
+
+    def _submit(self, lengths, n):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        planner, lock = self.planner, self._lock
+
+        def solve() -> None:
+            with lock:
+                try:
+                    future.set_result(planner.plan(lengths, n))
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting step
+                    future.set_exception(e)
+
+        threading.Thread(target=solve, name="flexorch-plan", daemon=True).start()
+        return future
+
+    def _wait(self, handle, timeout_s):
+        return handle.result(timeout=timeout_s)  # concurrent.futures.TimeoutError is TimeoutError (3.11)
+
+    def inject_fault(self, hangs: int = 1) -> None:
+        self.planner.inject_fault(hangs)
+
+    def close(self) -> None:
+        self.planner.close()

@@ -71,6 +71,14 @@ class DocumentStream:
             doc_ids=tuple(int(i) for i in ids),
         )
 
+    def peek_after(self) -> Batch:
+        """The batch after the next one, without advancing the stream (the driver plans it while a step runs)."""
+        state = self.state_dict()
+        self.next_batch()
+        after = self.peek()
+        self.load_state_dict(state)
+        return after
+
     def next_batch(self) -> Batch:
         """Take the next batch and advance; a finished epoch rolls over to the next permutation."""
         batch = self.peek()

@@ -1,0 +1,351 @@
+"""An in-process stand-in for a Ray cluster of workers, for stepping the real ``TrainingDriver`` without Ray.
+
+* :func:`memory_corpus`: a :class:`~flexorch.data.corpus.Corpus` whose blocks are numpy arrays in this process
+  (the driver hands ``block_refs`` to the worker group as they are).
+* :class:`FakeWorkerGroup`: the :class:`~flexorch.control.group.WorkerGroup` seam over :class:`FakeWorker` objects,
+  each a real model replica with its AdamW state (``flexorch.workers.model`` / ``flexorch.workers.optim``). A step
+  trains the step's documents with the single-process reference step (``flexorch.workers.reference``), so the
+  parameters after a step are the real ones a distributed step reaches (the invariant: a plan changes where work
+  runs, never what is computed); every rank that completes a step gets the same new state, as the gradient
+  all-reduce gives real workers. It keeps the real group's bookkeeping: stable worker ids, membership epochs, joiners
+  and cluster slots, stage-local parameter holdings (``flexorch.tasks.placement``).
+* Failure injection, as :class:`Fault` values: a worker dies or hangs during a step, dies while a world forms, or
+  raises (a bug); capacity is a number of slots the test changes (:meth:`FakeWorkerGroup.add_slots`), optionally
+  after some polls of the joiners (capacity that appears late).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from flexorch.control.membership import Failure, Membership
+from flexorch.control.worker_group import MembershipFailure, WorkerGroupError
+from flexorch.data.corpus import Corpus
+from flexorch.tasks.pipeline import PipelineTask
+from flexorch.tasks.placement import ALL, missing_parts, model_parts, transfers
+from flexorch.workers.model import init_model
+from flexorch.workers.optim import build_optimizer
+from flexorch.workers.reference import reference_step
+from flexorch.workers.step_exec import StepOutcome
+
+__all__ = ["Fault", "FakeWorker", "FakeWorkerGroup", "memory_corpus"]
+
+
+def memory_corpus(docs: list[np.ndarray], vocab_size: int, block_docs: int = 4) -> Corpus:
+    """A corpus of the given token arrays, ``block_docs`` documents per block, blocks held as numpy arrays."""
+    blocks, doc_blocks, doc_offsets = [], [], []
+    for b in range(0, len(docs), block_docs):
+        part = docs[b : b + block_docs]
+        offsets = np.cumsum([0] + [len(d) for d in part[:-1]])
+        blocks.append(np.concatenate(part).astype(np.int32))
+        doc_blocks += [len(blocks) - 1] * len(part)
+        doc_offsets += [int(o) for o in offsets]
+    return Corpus(
+        keys=[f"doc_{i:03d}" for i in range(len(docs))],
+        lengths=np.array([len(d) for d in docs], dtype=np.int64),
+        doc_blocks=np.array(doc_blocks, dtype=np.int64),
+        doc_offsets=np.array(doc_offsets, dtype=np.int64),
+        block_refs=blocks,
+        stats={"source": "memory", "docs": len(docs)},
+        tokenizer_name="memory",
+        vocab_size=vocab_size,
+    )
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure: worker ``worker_id`` does ``action`` at ``point``.
+
+    ``point``: "step" (during the step numbered ``at``, before its optimizer update) or "join" (while the world of
+    membership epoch ``at`` forms). ``action``: "die" (its node is gone, and the node's slot with it), "hang" (it
+    never answers: killed at the collective timeout and counted lost; its slot is free again), "break" (the world
+    breaks, every worker alive: a network blip) or "raise" (a deterministic error, a bug)."""
+
+    worker_id: int
+    point: str
+    at: int
+    action: str = "die"
+
+    def __post_init__(self) -> None:
+        if self.point not in ("step", "join") or self.action not in ("die", "hang", "break", "raise"):
+            raise ValueError(f"bad fault {self}")
+
+
+class FakeWorker:
+    """One worker's training state: the model replica, its AdamW and schedule (the real constructors)."""
+
+    def __init__(self, worker_id: int, cfg):
+        self.worker_id = worker_id
+        self.optim_cfg = cfg.optim
+        self.model = init_model(cfg.model, cfg.seed)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
+
+    def get_state(self) -> dict:
+        return {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": torch.get_rng_state(),
+            "parts": None,
+        }
+
+    def set_state(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def train(self, docs: list[np.ndarray]) -> float:
+        """The reference step on the whole global batch; returns its loss."""
+        return reference_step(self.model, self.optimizer, self.scheduler, docs, self.optim_cfg)
+
+    def parameters_digest(self) -> list:
+        return [(k, v.detach().numpy().copy()) for k, v in self.model.state_dict().items()]
+
+    def stage_activation_bytes(self) -> tuple[float, float]:
+        from flexorch.workers.calibrate import stage_activation_bytes
+
+        return stage_activation_bytes(self.model, self.model.tok_embeddings.num_embeddings)
+
+
+@dataclass
+class _Handle:
+    """What one rank's ``run_step`` came to (settled at once: the fake computes during ``run_step``)."""
+
+    outcome: StepOutcome | None = None
+    lost: bool = False
+    peer: bool = False
+    error: str | None = None
+
+
+class FakeWorkerGroup:
+    """The :class:`~flexorch.control.group.WorkerGroup` seam in one process, with failure injection.
+
+    ``slots``: device slots of the fake cluster (members and joiners each take one); ``faults``: :class:`Fault`
+    values, each fires once."""
+
+    def __init__(self, cfg, slots: int | None = None, faults=()):
+        self.cfg = cfg
+        self.slots = cfg.workers if slots is None else slots
+        self.faults: list[Fault] = list(faults)
+        self.fired: list[Fault] = []
+        self.membership = Membership()
+        self.workers: dict[int, FakeWorker] = {}
+        self.joining: dict[int, int] = {}  # worker id -> polls until it is up
+        self.parts = model_parts(cfg.model.num_layers)
+        self.held: dict[int, frozenset[str] | None] = {}
+        self.worlds: list[tuple[int, ...]] = []  # every world formed, in order
+        self._late: list[tuple[int, int]] = []  # (polls left, slots) capacity that appears after that many polls
+        self._template = FakeWorker(-1, cfg)  # the initial state every new worker builds (same seed)
+        first = self.start_workers(min(cfg.workers, self.slots))
+        self.admit(first)
+        if self.size < cfg.min_workers:
+            raise WorkerGroupError(f"only {self.size} slots for min_workers={cfg.min_workers}")
+
+    # ---------------------------------------------------------------- the test's levers
+    def add_slots(self, count: int, after_polls: int = 0) -> None:
+        """Capacity joins the cluster: now, or after ``after_polls`` calls of :meth:`ready_joiners`."""
+        if after_polls:
+            self._late.append((after_polls, count))
+        else:
+            self.slots += count
+
+    def inject(self, *faults: Fault) -> None:
+        self.faults += faults
+
+    def _take_fault(self, point: str, at: int, members) -> dict[int, str]:
+        """The faults due now, by worker (each fires once); a dead worker's node takes its slot away."""
+        due = [f for f in self.faults if f.point == point and f.at == at and f.worker_id in members]
+        for f in due:
+            self.faults.remove(f)
+            self.fired.append(f)
+            self.slots -= f.action == "die"
+        return {f.worker_id: f.action for f in due}
+
+    def _failure_of(self, hit: dict[int, str]) -> dict[int, str]:
+        """Who is lost, who left the broken world, who raised: {worker id: 'lost' | 'peer' | 'error'}."""
+        if any(a == "raise" for a in hit.values()):
+            return {w: "error" if hit.get(w) == "raise" else "peer" for w in self.worker_ids}
+        return {w: "lost" if hit.get(w) in ("die", "hang") else "peer" for w in self.worker_ids}
+
+    # ---------------------------------------------------------------- membership
+    @property
+    def size(self) -> int:
+        return self.membership.size
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        return self.membership.worker_ids
+
+    def free_slots(self) -> int:
+        return max(0, self.slots - self.size - len(self.joining))
+
+    def start_workers(self, count: int) -> list[int]:
+        ids = self.membership.new_ids(count)
+        for wid in ids:
+            self.joining[wid] = 1  # up at the next poll, if a slot is free for it
+        return ids
+
+    def ready_joiners(self, wait_s: float = 0.0) -> list[int]:
+        self._late = [(n - 1, k) for n, k in self._late]
+        self.slots += sum(k for n, k in self._late if n <= 0)
+        self._late = [(n, k) for n, k in self._late if n > 0]
+        room = self.slots - self.size
+        ready = []
+        for wid in sorted(self.joining):
+            self.joining[wid] -= 1
+            if self.joining[wid] <= 0 and len(ready) < room:
+                ready.append(wid)
+        if not ready and wait_s > 0:
+            time.sleep(min(wait_s, 0.05))  # a real group waits on the actors' start; the fake polls on
+        return ready
+
+    def admit(self, worker_ids) -> None:
+        for wid in worker_ids:
+            self.joining.pop(wid, None)
+            worker = FakeWorker(wid, self.cfg)
+            worker.set_state(self._template.get_state())
+            self.workers[wid] = worker
+            self.held[wid] = ALL
+        self.membership.add(worker_ids)
+
+    def remove(self, worker_ids) -> None:
+        for wid in worker_ids:
+            self.workers.pop(wid)
+            self.held.pop(wid, None)
+        self.membership.remove(worker_ids)
+
+    def form_world(self) -> float:
+        epoch = self.membership.next_epoch()
+        hit = self._take_fault("join", epoch, self.worker_ids)
+        if hit:
+            fate = self._failure_of(hit)
+            lost = frozenset(w for w, f in fate.items() if f == "lost")
+            peer = frozenset(w for w, f in fate.items() if f == "peer")
+            errors = tuple((w, "RuntimeError: injected fault at join") for w, f in fate.items() if f == "error")
+            raise MembershipFailure("form a torch.distributed world", Failure(lost, peer, errors))
+        self.worlds.append(self.worker_ids)
+        return 0.0
+
+    def sync_state(self, source: int, targets) -> None:
+        state = self.workers[source].get_state()
+        for t in targets:
+            if t != source:
+                self.workers[t].set_state(state)
+                self.held[t] = self.held[source]
+
+    def missing_parts(self) -> list[str]:
+        return missing_parts({w: self.held[w] for w in self.worker_ids}, self.parts)
+
+    # ---------------------------------------------------------------- steps
+    def place_params(self, needed_by_rank) -> dict:
+        needed = {w: frozenset(needed_by_rank[r]) for r, w in enumerate(self.worker_ids)}
+        moves = transfers({w: self.held[w] for w in self.worker_ids}, needed, self.parts)
+        self.held.update(needed)
+        return {
+            "moved_parts": sum(len(ps) for s in moves.values() for ps in s.values()),
+            "moved_bytes": 0,
+            "move_ms": 0.0,
+        }
+
+    def run_step(self, tasks, block_refs: list[dict]) -> dict:
+        """Run the step: every rank's documents are the batch (the union over the ranks' tasks, in doc-id order of
+        first appearance); the faults of this step decide who completes it."""
+        ids = self.worker_ids
+        step = tasks[0].step
+        blocks = {b: a for refs in block_refs for b, a in refs.items()}
+        docs = _batch_docs(tasks)
+        hit = self._take_fault("step", step, ids)
+        handles = {w: _Handle() for w in ids}
+        if hit:  # before the gradient all-reduce: nobody updates; the survivors leave the broken world
+            for w, fate in self._failure_of(hit).items():
+                handles[w].lost, handles[w].peer = fate == "lost", fate == "peer"
+                handles[w].error = f"RuntimeError: injected fault at step {step}" if fate == "error" else None
+            return handles
+        tokens = [blocks[d.block][d.offset : d.offset + d.length] for d in docs]
+        t0 = time.perf_counter()
+        lead = self.workers[ids[0]]
+        loss = lead.train(tokens)
+        ms = (time.perf_counter() - t0) * 1e3
+        state = lead.get_state()
+        for w in ids[1:]:
+            self.workers[w].set_state(state)
+        lr = self.workers[ids[0]].scheduler.get_last_lr()[0]
+        for r, (w, task) in enumerate(zip(ids, tasks, strict=True)):
+            handles[w].outcome = _outcome(task, r, loss, ms, lr)
+        return handles
+
+    def settle(self, handles: dict, timeout_s: float) -> tuple[dict, Failure | None]:
+        results = {w: h.outcome for w, h in handles.items() if h.outcome is not None}
+        lost = frozenset(w for w, h in handles.items() if h.lost)
+        peer = frozenset(w for w, h in handles.items() if h.peer)
+        errors = tuple((w, h.error) for w, h in handles.items() if h.error)
+        if not (lost or peer or errors):
+            return results, None
+        return results, Failure(lost, peer, errors, frozenset(results))
+
+    # ---------------------------------------------------------------- state
+    def get_state(self, rank: int = 0) -> dict:
+        missing = self.missing_parts()
+        if missing:
+            raise WorkerGroupError(f"no member holds {missing}: the model state cannot be assembled")
+        return self.workers[self.worker_ids[rank]].get_state()
+
+    def set_state(self, state: dict) -> None:
+        for w in self.worker_ids:
+            self.workers[w].set_state(state)
+            self.held[w] = ALL
+
+    def call(self, method: str, *args) -> list:
+        return [getattr(self.workers[w], method)(*args) for w in self.worker_ids]
+
+    def shutdown(self) -> None:
+        self.workers.clear()
+        self.joining.clear()
+
+
+def _batch_docs(tasks) -> list:
+    """The step's documents, each once, in the order of the batch (a pipelined task lists them all)."""
+    if isinstance(tasks[0], PipelineTask):
+        return list(tasks[0].docs)
+    seen = {}
+    for t in tasks:
+        for work in t.work:
+            for d in work.docs:
+                seen.setdefault(d.doc_id, d)
+    return list(seen.values())
+
+
+def _outcome(task, rank: int, loss: float, ms: float, lr: float) -> StepOutcome:
+    """Rank ``rank``'s report: the real loss, the task's own micro-batches or ops, the step's time on each."""
+    if isinstance(task, PipelineTask):
+        ops = [
+            {"kind": k, "unit": u, "start_ms": i * ms, "end_ms": (i + 1) * ms}
+            for pipe in task.pipelines
+            for i, (k, u) in enumerate(pipe.ops)
+        ]
+        local = sum(d.length for d in task.docs) if task.stage is not None else 0
+        return StepOutcome(task.step, rank, loss, task.num_predicted, local, compute_end_ms=ms, total_ms=ms, lr=lr,
+                           ops=ops, peak_local_tokens=local)  # fmt: skip
+    mbs = [w.micro_batch for w in task.work]
+    local = [sum(d.length for d in w.docs) // w.degree for w in task.work]
+    return StepOutcome(
+        task.step, rank, loss, task.num_predicted, sum(local), micro_batch_ms=[ms] * len(mbs), micro_batches=mbs,
+        micro_batch_start_ms=[i * ms for i in range(len(mbs))], compute_end_ms=ms * len(mbs), total_ms=ms * len(mbs),
+        lr=lr, peak_local_tokens=max(local, default=0),
+    )  # fmt: skip
+
+
+def fake_driver(cfg, corpus, slots: int | None = None, faults=()):
+    """The real ``TrainingDriver`` over a :class:`FakeWorkerGroup` and the in-process planner; set up."""
+    from flexorch.control.driver import TrainingDriver
+    from flexorch.control.planner_client import LocalPlannerClient
+
+    group = FakeWorkerGroup(cfg, slots, faults)
+    driver = TrainingDriver(cfg, worker_group=group, planner=LocalPlannerClient, corpus=corpus)
+    driver.setup()
+    return driver, group
