@@ -309,15 +309,13 @@ class FakeWorkerGroup:
 
 
 def _batch_docs(tasks) -> list:
-    """The step's documents, each once, in the order of the batch (a pipelined task lists them all)."""
+    """The step's documents, each once, in doc-id order (a canonical order: the batch's loss and gradients are the
+    same in any order up to float rounding, and the tests' reference packs them the same way)."""
     if isinstance(tasks[0], PipelineTask):
-        return list(tasks[0].docs)
-    seen = {}
-    for t in tasks:
-        for work in t.work:
-            for d in work.docs:
-                seen.setdefault(d.doc_id, d)
-    return list(seen.values())
+        docs = {d.doc_id: d for d in tasks[0].docs}
+    else:
+        docs = {d.doc_id: d for t in tasks for work in t.work for d in work.docs}
+    return [docs[i] for i in sorted(docs)]
 
 
 def _outcome(task, rank: int, loss: float, ms: float, lr: float) -> StepOutcome:
