@@ -12,22 +12,56 @@ result.baselines_ms   # the static layouts' and BatchAda's predicted step times
 planning path of `flexorch plan` and `flexorch train`; :func:`plan_step` is the inner MILP planner alone.
 """
 
-from flexorch.solver.baselines import baseline_plans, baseline_times_ms, static_plan
-from flexorch.solver.calibration import (
-    CommSample,
-    ComputeSample,
-    FitReport,
-    GroupSample,
-    fit_profile,
-    prediction_errors,
-)
-from flexorch.solver.cost_model import RING, ULYSSES, min_degree, seq_time_ms
-from flexorch.solver.errors import InfeasibleBatchError, InvalidPlanError, PlanningError, ProfileError
-from flexorch.solver.plan import Group, MicroBatch, Plan
-from flexorch.solver.planner import Planner, PlannerConfig, plan_step
-from flexorch.solver.profiles import BUILTIN_PROFILES, Profile, get_profile, load_profile
-from flexorch.solver.simulator import micro_batch_times_ms, step_time_ms
-from flexorch.solver.step_planner import PlannedStep, StepPlanner
+# Names load on first use (PEP 562), so importing one module of the solver (say the stage-count rule, which the
+# config checks with) does not pull in the MILP planner and python-mip.
+import importlib
+
+_WHERE = {
+    "BUILTIN_PROFILES": "flexorch.solver.profiles",
+    "CommSample": "flexorch.solver.calibration",
+    "ComputeSample": "flexorch.solver.calibration",
+    "FitReport": "flexorch.solver.calibration",
+    "Group": "flexorch.solver.plan",
+    "GroupSample": "flexorch.solver.calibration",
+    "InfeasibleBatchError": "flexorch.solver.errors",
+    "InvalidPlanError": "flexorch.solver.errors",
+    "MicroBatch": "flexorch.solver.plan",
+    "Plan": "flexorch.solver.plan",
+    "PlannedStep": "flexorch.solver.step_planner",
+    "Planner": "flexorch.solver.planner",
+    "PlannerConfig": "flexorch.solver.planner",
+    "PlanningError": "flexorch.solver.errors",
+    "Profile": "flexorch.solver.profiles",
+    "ProfileError": "flexorch.solver.errors",
+    "RING": "flexorch.solver.cost_model",
+    "StepPlanner": "flexorch.solver.step_planner",
+    "ULYSSES": "flexorch.solver.cost_model",
+    "baseline_plans": "flexorch.solver.baselines",
+    "baseline_times_ms": "flexorch.solver.baselines",
+    "fit_profile": "flexorch.solver.calibration",
+    "get_profile": "flexorch.solver.profiles",
+    "load_profile": "flexorch.solver.profiles",
+    "micro_batch_times_ms": "flexorch.solver.simulator",
+    "min_degree": "flexorch.solver.cost_model",
+    "plan_step": "flexorch.solver.planner",
+    "prediction_errors": "flexorch.solver.calibration",
+    "seq_time_ms": "flexorch.solver.cost_model",
+    "static_plan": "flexorch.solver.baselines",
+    "step_time_ms": "flexorch.solver.simulator",
+}
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "BUILTIN_PROFILES",
