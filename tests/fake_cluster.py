@@ -77,12 +77,13 @@ class Fault:
 
 
 class FakeWorker:
-    """One worker's training state: the model replica, its AdamW and schedule (the real constructors)."""
+    """One worker's training state: the model replica, its AdamW and schedule (the real constructors). ``model``: a
+    copy of ``init_model(cfg.model, cfg.seed)`` to start from (what a new worker builds, without building it again)."""
 
-    def __init__(self, worker_id: int, cfg):
+    def __init__(self, worker_id: int, cfg, model: torch.nn.Module | None = None):
         self.worker_id = worker_id
         self.optim_cfg = cfg.optim
-        self.model = init_model(cfg.model, cfg.seed)
+        self.model = init_model(cfg.model, cfg.seed) if model is None else model
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
 
     def get_state(self) -> dict:
@@ -207,9 +208,7 @@ class FakeWorkerGroup:
     def admit(self, worker_ids) -> None:
         for wid in worker_ids:
             self.joining.pop(wid, None)
-            worker = FakeWorker(wid, self.cfg)
-            worker.set_state(self._template.get_state())
-            self.workers[wid] = worker
+            self.workers[wid] = FakeWorker(wid, self.cfg, copy.deepcopy(self._template.model))
             self.held[wid] = ALL
         self.membership.add(worker_ids)
 

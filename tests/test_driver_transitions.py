@@ -50,7 +50,7 @@ def _cfg(tmp_path, profile, **kw) -> TrainConfig:
     plan = {
         "profile": str(profile),
         "tokens_per_worker": 64,
-        "time_limit_s": 0.1,
+        "time_limit_s": 0.03,
         "timeout_s": 5.0,
         **kw.pop("plan", {}),
     }
@@ -199,12 +199,12 @@ def test_below_min_workers_waits_for_capacity_that_appears_late(tmp_path, profil
 
 
 def test_no_capacity_within_wait_s_is_a_clear_error_and_the_state_stays(tmp_path, profile, corpus):
-    cfg = _cfg(tmp_path, profile, steps=3, checkpoint_every=1, elastic={"min_workers": 4, "wait_s": 0.3})
+    cfg = _cfg(tmp_path, profile, steps=3, checkpoint_every=1, elastic={"min_workers": 4, "wait_s": 0.1})
     batches = _batches(cfg, 3)
     driver, group = fake_driver(cfg, corpus, faults=[Fault(3, "step", 1)])
     try:
         driver.step()
-        with pytest.raises(ElasticError, match=r"min_workers=4.*elastic\.wait_s=0\.3 s.*checkpoint_000001.*--resume"):
+        with pytest.raises(ElasticError, match=r"min_workers=4.*elastic\.wait_s=0\.1 s.*checkpoint_000001.*--resume"):
             driver.step()
         assert driver.step_no == 1 and driver.stream.peek().doc_ids == tuple(batches[1]), "nothing was consumed"
         assert _on_disk(cfg) == [0]
@@ -272,14 +272,14 @@ def test_stage_parts_lost_without_a_checkpoint_is_a_clear_error(tmp_path, profil
 
 
 def test_a_stuck_planner_costs_timeout_s_once_and_the_step_runs_the_fallback_plan(tmp_path, profile, corpus):
-    cfg = _cfg(tmp_path, profile, steps=2, plan={"timeout_s": 0.3})
+    cfg = _cfg(tmp_path, profile, steps=2, plan={"timeout_s": 0.2})
     batches = _batches(cfg, 2)
     driver, group = fake_driver(cfg, corpus)
     try:
         driver.planner.inject_fault(1)
         t = driver.step()
         assert t.record["status"] == "fallback" and t.record["doc_ids"] == batches[0]
-        assert any(e["event"] == "planner" and "plan.timeout_s=0.3" in e["message"] for e in driver.poll(0)[0])
+        assert any(e["event"] == "planner" and "plan.timeout_s=0.2" in e["message"] for e in driver.poll(0)[0])
         assert driver.step().record["status"] != "fallback", "the replacement planner plans the next step"
         _check_params(driver, corpus, cfg, batches)
     finally:
@@ -291,7 +291,7 @@ def test_a_stuck_planner_costs_timeout_s_once_and_the_step_runs_the_fallback_pla
     [
         (Shrink(lost=(3,), survivors=(0, 1)), (0, 1), None),  # keeps exactly the survivors named
         (Retry("the world broke"), (0, 1, 2, 3), None),  # drops nobody, re-forms the world
-        (WaitForCapacity(lost=(3,), survivors=(0, 1, 2), need=2, timeout_s=0.2), None, r"for 1 more.*wait_s=0\.2 s"),
+        (WaitForCapacity(lost=(3,), survivors=(0, 1, 2), need=2, timeout_s=0.05), None, r"for 1 more.*wait_s=0\.05 s"),
         (Fail("told to"), None, r"recover: told to\. hint"),
     ],
 )

@@ -9,7 +9,9 @@
   fingerprint and the run config.
 
 A checkpoint is written to a hidden temporary directory and renamed into place, so a crash never leaves a
-half-written one that looks complete. Everything is loaded with ``torch.load(weights_only=True)``.
+half-written one that looks complete. Everything is loaded with ``torch.load(weights_only=True)``. Ray Train is
+imported when a checkpoint is first written or found (importing it takes a second or more; a driver stepped in
+tests without Ray and without checkpoints never pays it).
 """
 
 from __future__ import annotations
@@ -18,11 +20,14 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from ray.train import Checkpoint
 
 from flexorch.config import ConfigError
+
+if TYPE_CHECKING:
+    from ray.train import Checkpoint
 
 __all__ = [
     "CheckpointError",
@@ -65,6 +70,8 @@ def save_checkpoint(
     os.replace(tmp, final)
     for old in sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
+    from ray.train import Checkpoint
+
     return Checkpoint.from_directory(str(final))
 
 
@@ -74,7 +81,11 @@ def latest_checkpoint(run_dir: Path | str) -> Checkpoint | None:
     if not root.is_dir():
         return None
     done = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / "driver_state.json").is_file())
-    return Checkpoint.from_directory(str(done[-1])) if done else None
+    if not done:
+        return None
+    from ray.train import Checkpoint
+
+    return Checkpoint.from_directory(str(done[-1]))
 
 
 def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict, dict]:
