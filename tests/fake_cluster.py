@@ -3,12 +3,14 @@
 * :func:`memory_corpus`: a :class:`~flexorch.data.corpus.Corpus` whose blocks are numpy arrays in this process
   (the driver hands ``block_refs`` to the worker group as they are).
 * :class:`FakeWorkerGroup`: the :class:`~flexorch.control.group.WorkerGroup` seam over :class:`FakeWorker` objects,
-  each a real model replica with its AdamW state (``flexorch.workers.model`` / ``flexorch.workers.optim``). A step
-  trains the step's documents with the single-process reference step (``flexorch.workers.reference``), so the
-  parameters after a step are the real ones a distributed step reaches (the invariant: a plan changes where work
-  runs, never what is computed); every rank that completes a step gets the same new state, as the gradient
-  all-reduce gives real workers. It keeps the real group's bookkeeping: stable worker ids, membership epochs, joiners
-  and cluster slots, stage-local parameter holdings (``flexorch.tasks.placement``).
+  each holding its own training state (model, AdamW, schedule of the real ``flexorch.workers.model`` /
+  ``flexorch.workers.optim``). A step trains the step's documents with the single-process reference step
+  (``flexorch.workers.reference``), so the parameters after a step are the real ones a distributed step reaches (the
+  invariant: a plan changes where work runs, never what is computed); every rank that completes a step gets the
+  same new state, as the gradient all-reduce gives real workers, and a rank that does not keeps its old one. States
+  are immutable snapshots shared by reference (a step makes a new one), so a step costs one training step whatever
+  the world's size. It keeps the real group's bookkeeping: stable worker ids, membership epochs, joiners and cluster
+  slots, stage-local parameter holdings (``flexorch.tasks.placement``).
 * Failure injection, as :class:`Fault` values: a worker dies or hangs during a step, dies while a world forms, or
   raises (a bug); capacity is a number of slots the test changes (:meth:`FakeWorkerGroup.add_slots`), optionally
   after some polls of the joiners (capacity that appears late).
@@ -77,16 +79,36 @@ class Fault:
 
 
 class FakeWorker:
-    """One worker's training state: the model replica, its AdamW and schedule (the real constructors). ``model``: a
-    copy of ``init_model(cfg.model, cfg.seed)`` to start from (what a new worker builds, without building it again)."""
+    """One worker: the training state it holds, a snapshot (``get_state``'s dict) never changed in place."""
 
-    def __init__(self, worker_id: int, cfg, model: torch.nn.Module | None = None):
-        self.worker_id = worker_id
-        self.optim_cfg = cfg.optim
-        self.model = init_model(cfg.model, cfg.seed) if model is None else model
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
+    def __init__(self, worker_id: int, state: dict, trainer: _Trainer):
+        self.worker_id, self.state, self.trainer = worker_id, state, trainer
 
     def get_state(self) -> dict:
+        return self.state
+
+    def set_state(self, state: dict) -> None:
+        self.state = state
+
+    def parameters_digest(self) -> list:
+        return [(k, v.numpy().copy()) for k, v in self.state["model"].items()]
+
+    def stage_activation_bytes(self) -> tuple[float, float]:
+        from flexorch.workers.calibrate import stage_activation_bytes
+
+        return stage_activation_bytes(self.trainer.model, self.trainer.model.tok_embeddings.num_embeddings)
+
+
+class _Trainer:
+    """The math of a step: ``init_model`` / ``build_optimizer`` as a worker builds them, and the reference step."""
+
+    def __init__(self, cfg):
+        self.optim_cfg = cfg.optim
+        self.model = init_model(cfg.model, cfg.seed)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim)
+        self.initial = self.snapshot()
+
+    def snapshot(self) -> dict:
         return {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -95,22 +117,13 @@ class FakeWorker:
             "parts": None,
         }
 
-    def set_state(self, state: dict) -> None:
+    def step(self, state: dict, docs: list[np.ndarray]) -> tuple[dict, float, float]:
+        """From ``state``, the reference step on the whole global batch: (new state, loss, learning rate)."""
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))
+        self.optimizer.load_state_dict(copy.deepcopy(state["optimizer"]))  # it would alias the snapshot's tensors
         self.scheduler.load_state_dict(state["scheduler"])
-
-    def train(self, docs: list[np.ndarray]) -> float:
-        """The reference step on the whole global batch; returns its loss."""
-        return reference_step(self.model, self.optimizer, self.scheduler, docs, self.optim_cfg)
-
-    def parameters_digest(self) -> list:
-        return [(k, v.detach().numpy().copy()) for k, v in self.model.state_dict().items()]
-
-    def stage_activation_bytes(self) -> tuple[float, float]:
-        from flexorch.workers.calibrate import stage_activation_bytes
-
-        return stage_activation_bytes(self.model, self.model.tok_embeddings.num_embeddings)
+        loss = reference_step(self.model, self.optimizer, self.scheduler, docs, self.optim_cfg)
+        return self.snapshot(), loss, self.scheduler.get_last_lr()[0]
 
 
 @dataclass
@@ -141,7 +154,7 @@ class FakeWorkerGroup:
         self.held: dict[int, frozenset[str] | None] = {}
         self.worlds: list[tuple[int, ...]] = []  # every world formed, in order
         self._late: list[tuple[int, int]] = []  # (polls left, slots) capacity that appears after that many polls
-        self._template = FakeWorker(-1, cfg)  # the initial state every new worker builds (same seed)
+        self.trainer = _Trainer(cfg)  # its initial state is what every new worker builds (same seed)
         first = self.start_workers(min(cfg.workers, self.slots))
         self.admit(first)
         if self.size < cfg.min_workers:
@@ -208,7 +221,7 @@ class FakeWorkerGroup:
     def admit(self, worker_ids) -> None:
         for wid in worker_ids:
             self.joining.pop(wid, None)
-            self.workers[wid] = FakeWorker(wid, self.cfg, copy.deepcopy(self._template.model))
+            self.workers[wid] = FakeWorker(wid, self.trainer.initial, self.trainer)
             self.held[wid] = ALL
         self.membership.add(worker_ids)
 
@@ -252,8 +265,8 @@ class FakeWorkerGroup:
         }
 
     def run_step(self, tasks, block_refs: list[dict]) -> dict:
-        """Run the step: every rank's documents are the batch (the union over the ranks' tasks, in doc-id order of
-        first appearance); the faults of this step decide who completes it."""
+        """Run the step: every rank's documents are the batch (the union over the ranks' tasks, in doc-id order);
+        the faults of this step decide who completes it."""
         ids = self.worker_ids
         step = tasks[0].step
         blocks = {b: a for refs in block_refs for b, a in refs.items()}
@@ -267,13 +280,13 @@ class FakeWorkerGroup:
             return handles
         tokens = [blocks[d.block][d.offset : d.offset + d.length] for d in docs]
         t0 = time.perf_counter()
-        lead = self.workers[ids[0]]
-        loss = lead.train(tokens)
+        before = {id(self.workers[w].state) for w in ids}
+        if len(before) != 1:
+            raise RuntimeError(f"step {step}: the members hold {len(before)} different states (a missed state copy)")
+        state, loss, lr = self.trainer.step(self.workers[ids[0]].state, tokens)
         ms = (time.perf_counter() - t0) * 1e3
-        state = lead.get_state()
-        for w in ids[1:]:
+        for w in ids:
             self.workers[w].set_state(state)
-        lr = self.workers[ids[0]].scheduler.get_last_lr()[0]
         for r, (w, task) in enumerate(zip(ids, tasks, strict=True)):
             handles[w].outcome = _outcome(task, r, loss, ms, lr)
         return handles
