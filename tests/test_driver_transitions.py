@@ -10,6 +10,8 @@ started (checked at the end of the module). The whole file runs in a few seconds
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -78,12 +80,18 @@ def _batches(cfg, n: int) -> list[list[int]]:
 def _check_params(driver, corpus, cfg, trained: list[list[int]]) -> None:
     """Every member's parameters equal the single-process reference trained on ``trained`` (doc ids per step, steps
     in order; within a batch in doc-id order, as the fake packs them, so the two compute the same floats)."""
-    batches = [[corpus.block_refs[b][o : o + n] for b, o, n in _where(corpus, sorted(ids))] for ids in trained]
-    _, ref = reference_train(cfg.model, cfg.optim, batches, cfg.seed)
+    ref = _reference(corpus, cfg.model, cfg.optim, cfg.seed, tuple(tuple(sorted(ids)) for ids in trained))
     for params in driver.replica_parameters():
         assert [name for name, _ in params] == list(ref)
         for name, value in params:
             np.testing.assert_allclose(value, ref[name].numpy(), rtol=1e-6, atol=1e-8, err_msg=name)
+
+
+@functools.cache
+def _reference(corpus, model_cfg, optim_cfg, seed: int, trained: tuple[tuple[int, ...], ...]) -> dict:
+    """``reference_train``'s parameters after ``trained`` (computed once per distinct run: tests share prefixes)."""
+    batches = [[corpus.block_refs[b][o : o + n] for b, o, n in _where(corpus, ids)] for ids in trained]
+    return reference_train(model_cfg, optim_cfg, batches, seed)[1]
 
 
 def _where(corpus, ids):
