@@ -37,6 +37,11 @@ from tests.train_helpers import cpu_profile
 LENGTHS = [5, 40, 120, 17, 90, 64, 127, 60, 8, 33, 128, 71, 12, 50, 99, 3, 110, 45, 64, 22, 100, 7, 30, 55]
 
 
+STATIC = {"mode": "static-ulysses-2"}
+"""Tests whose story does not depend on the plan use a forced layout (planned in milliseconds, no MILP); the
+others plan with the real adaptive planner (MILP solves, a few tens of milliseconds each)."""
+
+
 @pytest.fixture(scope="module")
 def corpus():
     rng = np.random.default_rng(0)
@@ -130,7 +135,7 @@ def test_shrink_after_a_death_then_again_when_a_second_worker_dies_while_the_wor
 
 
 def test_retry_when_the_world_breaks_with_every_worker_alive(tmp_path, profile, corpus):
-    cfg = _cfg(tmp_path, profile, steps=3)
+    cfg = _cfg(tmp_path, profile, steps=3, plan=STATIC)
     batches = _batches(cfg, 3)
     driver, group = fake_driver(cfg, corpus, faults=[Fault(1, "step", 1, "break")])
     try:
@@ -207,7 +212,8 @@ def test_below_min_workers_waits_for_capacity_that_appears_late(tmp_path, profil
 
 
 def test_no_capacity_within_wait_s_is_a_clear_error_and_the_state_stays(tmp_path, profile, corpus):
-    cfg = _cfg(tmp_path, profile, steps=3, checkpoint_every=1, elastic={"min_workers": 4, "wait_s": 0.1})
+    elastic = {"min_workers": 4, "wait_s": 0.1}
+    cfg = _cfg(tmp_path, profile, steps=3, checkpoint_every=1, elastic=elastic, plan=STATIC)
     batches = _batches(cfg, 3)
     driver, group = fake_driver(cfg, corpus, faults=[Fault(3, "step", 1)])
     try:
@@ -280,7 +286,7 @@ def test_stage_parts_lost_without_a_checkpoint_is_a_clear_error(tmp_path, profil
 
 
 def test_a_stuck_planner_costs_timeout_s_once_and_the_step_runs_the_fallback_plan(tmp_path, profile, corpus):
-    cfg = _cfg(tmp_path, profile, steps=2, plan={"timeout_s": 0.2})
+    cfg = _cfg(tmp_path, profile, steps=2, plan={**STATIC, "timeout_s": 0.2})
     batches = _batches(cfg, 2)
     driver, group = fake_driver(cfg, corpus)
     try:
