@@ -191,6 +191,7 @@ class TrainingDriver:
             try:
                 rec = self.elastic.recover(failure, attempt, f"run step {self.step_no}")
             except PartsLostError as e:  # stage-local parameters whose every holder died: back to the checkpoint
+                self._rolled_back = carried  # an earlier roll-back is still recorded with the next trained step
                 return self._roll_back(e, f"run step {self.step_no}", recoveries[len(carried) :])
             recoveries.append(rec)
             attempt = rec["attempt"] + 1
