@@ -18,7 +18,7 @@ import torch.distributed as dist
 from flexorch.tasks.step import GroupWork
 from flexorch.workers.activation_memory import measure_activation_bytes
 from flexorch.workers.model import loss_sum
-from flexorch.workers.step_exec import _attention, micro_batch_inputs
+from flexorch.workers.step_exec import group_attention, micro_batch_inputs
 
 __all__ = ["Probe", "run_probes", "activation_bytes_per_token"]
 
@@ -58,7 +58,7 @@ def run_probes(model, probes, rank: int, world_size: int, group_of, world, vocab
             tokens, cu = _synthetic(probe.lengths, vocab_size, seed=i)
             t0 = time.perf_counter()
             ids, pos, labels, layout = micro_batch_inputs(tokens, cu, rank - first, d, probe.kind)
-            attn = _attention(layout, work, group_of(work.ranks) if d > 1 else None, None)
+            attn = group_attention(layout, work, group_of(work.ranks) if d > 1 else None, None)
             loss_sum(model(ids, pos, attn), labels).backward()
             if rep:
                 times.append((time.perf_counter() - t0) * 1e3)
@@ -74,7 +74,7 @@ def activation_bytes_per_token(model, vocab_size: int, tokens: int = 512) -> flo
     copies) is added by the profile (``Profile.act_bytes_per_local_token``)."""
     ids, cu = _synthetic([tokens], vocab_size, seed=0)
     ids, pos, labels, layout = micro_batch_inputs(ids, cu, 0, 1, "ulysses")
-    attn = _attention(layout, GroupWork(0, (0,), "ulysses", ()), None, None)
+    attn = group_attention(layout, GroupWork(0, (0,), "ulysses", ()), None, None)
     dev = next(model.parameters()).device
     return measure_activation_bytes(model, ids.to(dev), pos.to(dev), attn, labels.to(dev)) / tokens
 

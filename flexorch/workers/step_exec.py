@@ -93,7 +93,7 @@ def micro_batch_inputs(
     return ids, layout.position_ids, lab, layout
 
 
-def _attention(layout: Layout, work: GroupWork, group: dist.ProcessGroup | None, backend: str | None):
+def group_attention(layout: Layout, work: GroupWork, group: dist.ProcessGroup | None, backend: str | None):
     if work.degree == 1:
         return functools.partial(
             varlen_attn_func, cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, backend=backend
@@ -140,7 +140,7 @@ def run_step(
         group_rank = work.ranks.index(task.rank)
         ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
         group = group_of(work.ranks) if work.degree > 1 else None
-        attn = _attention(layout, work, group, backend)
+        attn = group_attention(layout, work, group, backend)
         with saved_tensor_meter(params) as meter:  # activation bytes held for backward: the plan's memory
             logits = model(ids.to(device), pos.to(device), attn)
             loss = loss_sum(logits, labels.to(device))

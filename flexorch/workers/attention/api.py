@@ -5,8 +5,8 @@ attend to each other) and return ``out`` or ``(out, lse)`` with ``lse`` shaped `
 float32. The sequence-parallel ones take the process group as an argument (a group of size 1 runs the same
 code):
 
-* :func:`ulysses_attn_varlen_func`: contiguous shards (``flexorch.workers.attention.sharding.shard_contiguous``), all-to-all.
-* :func:`zigzag_ring_attn_varlen_func`: zigzag shards (``flexorch.workers.attention.sharding.shard_zigzag``), K/V ring.
+* :func:`ulysses_attn_varlen_func`: contiguous shards (``sharding.shard_contiguous``), all-to-all.
+* :func:`zigzag_ring_attn_varlen_func`: zigzag shards (``sharding.shard_zigzag``), K/V ring.
 * :func:`varlen_attn_func`: the single-device reference path (same kernels, no communication).
 """
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from flexorch.workers.attention.kernels import Seqlens, attn_backward, attn_forward, check_varlen_args
+from flexorch.workers.attention.merge import merge_attn_outputs
 
 __all__ = ["ZigzagBlocks", "zigzag_blocks", "zigzag_ring_attn_varlen_func"]
 
@@ -86,15 +86,6 @@ def _wait(reqs: list) -> None:
         req.wait()
 
 
-def _merge(out, lse, blk_out, blk_lse):
-    # Exact merge of two partial softmax results (ring-flash-attn utils._update_out_and_lse; RSA arXiv
-    # 2105.13120): lse_new = lse + log1p(exp(lse_blk - lse)) = lse - logsigmoid(lse - lse_blk), and
-    # out_new = out * exp(lse - lse_new) + out_blk * exp(lse_blk - lse_new)
-    #         = out - sigmoid(lse_blk - lse) * (out - out_blk)
-    w = torch.sigmoid(blk_lse - lse).t().unsqueeze(-1)  # (h, t) -> (t, h, 1)
-    return out - w * (out - blk_out.float()), lse - F.logsigmoid(lse - blk_lse)
-
-
 def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, backend):
     kw = {"softmax_scale": scale, "backend": backend}
     full, half, front, back = blocks.full, blocks.half, blocks.front, blocks.back
@@ -109,10 +100,10 @@ def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, back
             out = out.float()
         elif src < ring.rank:
             blk = attn_forward(q, kv[0][front], kv[1][front], full, half, causal=False, **kw)
-            out, lse = _merge(out, lse, *blk)
+            out, lse = merge_attn_outputs(out, lse, *blk)
         else:
             blk_out, blk_lse = attn_forward(q[back], kv[0], kv[1], half, full, causal=False, **kw)
-            out[back], lse[:, back] = _merge(out[back], lse[:, back], blk_out, blk_lse)
+            out[back], lse[:, back] = merge_attn_outputs(out[back], lse[:, back], blk_out, blk_lse)
         if step + 1 < ring.size:
             _wait(reqs)
             kv = next_kv
@@ -194,7 +185,7 @@ def zigzag_ring_attn_varlen_func(
     """Exact attention over a packed batch sharded in the zigzag layout over ``group``.
 
     Args:
-        q: ``(t, h, hd)`` local queries (``flexorch.workers.attention.sharding.shard_zigzag`` layout, rank = group rank).
+        q: ``(t, h, hd)`` local queries (``sharding.shard_zigzag`` layout, rank = group rank).
         k, v: ``(t, h_kv, hd)`` local keys and values, ``h % h_kv == 0`` (GQA: K/V travel with h_kv heads).
         cu_seqlens: ``(n + 1,)`` boundaries of the *global* padded batch (``Layout.cu_seqlens``), every
             document a multiple of ``2 * d`` tokens, same on all ranks.

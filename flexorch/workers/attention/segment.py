@@ -2,7 +2,8 @@
 
 A unit holds pieces: tokens [start, end) of some sequences. A piece attends causally to its own tokens and fully to
 the K/V cache of its sequence's earlier tokens [0, start) (the *prefix*, computed by earlier segments). That is two
-blocks of one softmax, merged exactly with their log-sum-exps like ring attention (``flexorch.workers.attention.ring._merge``):
+blocks of one softmax, merged exactly with their log-sum-exps
+(``flexorch.workers.attention.merge.merge_attn_outputs``, as in ring attention):
 
     out, lse = causal(q, k, v)                         per piece, equal lengths (top-left = bottom-right)
     out_p, lse_p = full(q[rows], k_prefix, v_prefix)    the rows of pieces with a prefix, against their prefix
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from flexorch.workers.attention.kernels import Seqlens, attn_backward, attn_forward
-from flexorch.workers.attention.ring import _merge
+from flexorch.workers.attention.merge import merge_attn_outputs
 
 __all__ = ["segment_attn_func"]
 
@@ -41,7 +42,7 @@ class _SegmentAttn(torch.autograd.Function):
         out, lse = out.float(), lse.clone()
         if rows.numel():
             blk_out, blk_lse = attn_forward(q[rows], k_pre, v_pre, cu_rows, cu_pre, causal=False, **kw)
-            out[rows], lse[:, rows] = _merge(out[rows], lse[:, rows], blk_out, blk_lse)
+            out[rows], lse[:, rows] = merge_attn_outputs(out[rows], lse[:, rows], blk_out, blk_lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, k_pre, v_pre, out, lse, rows)
         ctx.args = (cu, cu_rows, cu_pre, kw)

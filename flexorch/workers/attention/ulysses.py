@@ -92,7 +92,7 @@ def ulysses_attn_varlen_func(
     """Exact attention over a packed batch whose tokens are sharded contiguously over ``group``.
 
     Args:
-        q: ``(s/d, h, hd)`` local queries (``flexorch.workers.attention.sharding.shard_contiguous`` layout, rank = group rank).
+        q: ``(s/d, h, hd)`` local queries (``sharding.shard_contiguous`` layout, rank = group rank).
         k, v: ``(s/d, h_kv, hd)`` local keys and values, ``h % h_kv == 0`` (GQA).
         cu_seqlens: ``(n + 1,)`` boundaries of the *global* padded batch (``Layout.cu_seqlens``), same on
             all ranks.
