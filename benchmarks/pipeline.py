@@ -8,8 +8,8 @@ longer ones truncated to the context. Per batch and strategy, the predicted step
 simulator):
 
 * adaptive SP alone (FlexSP): ``solver.planner`` on all 32 devices;
-* elastic pipeline (InfiniPipe-style): ``flexorch.solver.pipeline.plan.plan_pipeline`` (chunking granularity chosen per step,
-  checkpointing ILP), best of P x d in {2x16, 4x8, 8x4} (P stages of d-way Ulysses SP);
+* elastic pipeline (InfiniPipe-style): ``flexorch.solver.pipeline.plan.plan_pipeline`` (chunking granularity chosen per
+  step, checkpointing ILP), best of P x d in {2x16, 4x8, 8x4} (P stages of d-way Ulysses SP);
 * Seq1F1B: packed micro-batches (2P of them) each split into k=4 equal-work segments, same P x d choices;
 * plain 1F1B: packed micro-batches (2P), no splitting, same P x d choices.
 

@@ -1,9 +1,9 @@
 """A picture of pipeline schedules: stages down, time across, one box per forward or backward op.
 
-Pure Python (SVG text, like ``flexorch.dashboards.plan_svg``). A forward is a light box, a backward a dark one, both in the
-colour of the op's sequence chain (a split sequence's segments share a colour, so Seq1F1B's reversed backward order
-shows); a hatched band marks a backward that recomputes checkpointed layers; white is a bubble. Several schedules
-(e.g. the elastic plan and the baselines for the same batch) share one time scale so their widths compare.
+Pure Python (SVG text, like ``flexorch.dashboards.plan_svg``). A forward is a light box, a backward a dark one, both in
+the colour of the op's sequence chain (a split sequence's segments share a colour, so Seq1F1B's reversed backward order
+shows); a hatched band marks a backward that recomputes checkpointed layers; white is a bubble. Several schedules (e.g.
+the elastic plan and the baselines for the same batch) share one time scale so their widths compare.
 """
 
 from __future__ import annotations

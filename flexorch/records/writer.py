@@ -71,8 +71,9 @@ def read_records(path: Path | str, validate: bool = False) -> list[dict]:
 
 
 def pipeline_fields(staged) -> dict:
-    """``shape``, ``plan``/``timeline`` (null) and ``pipeline`` of a pipelined step (``flexorch.solver.pipeline.staged.StagedPlan``):
-    stages, their ranks, units, checkpointing and the simulated schedule."""
+    """``shape``, ``plan``/``timeline`` (null) and ``pipeline`` of a pipelined step
+    (``flexorch.solver.pipeline.staged.StagedPlan``): stages, their ranks, units, checkpointing and the simulated
+    schedule."""
     return {"shape": staged.shape(), "plan": None, "timeline": None, "pipeline": staged.to_dict()}
 
 
@@ -171,8 +172,8 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
 def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float, dispatch_ms: float) -> dict:
     """The record of a trained step: ``base`` (batch, world, recoveries) plus the plan and every rank's outcome.
 
-    ``outcomes[r]`` is rank r's :class:`flexorch.workers.step_exec.StepOutcome`, or None for a rank lost after the update
-    had been applied (the step stands; its ``ranks`` entry is null)."""
+    ``outcomes[r]`` is rank r's :class:`flexorch.workers.step_exec.StepOutcome`, or None for a rank lost after the
+    update had been applied (the step stands; its ``ranks`` entry is null)."""
     done = [o for o in outcomes if o is not None]
     tokens = done[0].num_predicted
     pipelined = planned.pipelined

@@ -94,8 +94,9 @@ def planner_profile(
     more), and (with ``vocab_size``) the LM head's share of the activations, held
     by the last pipeline stage: the fp32 log-softmax the loss keeps (``vocab * 4`` bytes per token) and the final
     norm's and the head's inputs (about 4 hidden-size vectors; measured 3.2 on the tiny model), at most half of
-    all. ``stage_bytes`` (per layer, head), measured on real stages (``flexorch.workers.calibrate.stage_activation_bytes``),
-    replace the activation bytes and the head's share (pipelined runs: the budget is then in stage-measured bytes)."""
+    all. ``stage_bytes`` (per layer, head), measured on real stages
+    (``flexorch.workers.calibrate.stage_activation_bytes``), replace the activation bytes and the head's share
+    (pipelined runs: the budget is then in stage-measured bytes)."""
     extra: dict = {"num_layers": num_layers} if num_layers is not None else {}
     if stage_bytes is not None:
         per_layer, head = stage_bytes

@@ -1,10 +1,10 @@
 """What one worker runs in a pipelined step: plain, picklable values the driver builds from a staged plan.
 
-:func:`pipeline_tasks` turns a ``flexorch.solver.pipeline.staged.StagedPlan`` into one :class:`PipelineTask` per rank: its
-stage (or none: ranks left over when the workers do not divide into the stages sit the step out but take part in
-the gradient all-reduce), the layers of that stage, and for every back-to-back pipeline the units and this stage's
-op order and checkpointing. Pure (no torch, no Ray), so tests build the tasks of every rank in one process.
-Both values check themselves on construction, naming the numbers.
+:func:`pipeline_tasks` turns a ``flexorch.solver.pipeline.staged.StagedPlan`` into one :class:`PipelineTask` per rank:
+its stage (or none: ranks left over when the workers do not divide into the stages sit the step out but take part in the
+gradient all-reduce), the layers of that stage, and for every back-to-back pipeline the units and this stage's op order
+and checkpointing. Pure (no torch, no Ray), so tests build the tasks of every rank in one process. Both values check
+themselves on construction, naming the numbers.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ class StagePipeline:
     """One of the step's back-to-back pipelines as one stage runs it."""
 
     units: tuple
-    """``flexorch.solver.pipeline.chunking.Unit`` of the pipeline (pieces of sequences; index = the unit number in ``ops``)."""
+    """``flexorch.solver.pipeline.chunking.Unit`` of the pipeline (pieces of sequences; index = the unit number in
+    ``ops``)."""
     ops: tuple[tuple[str, int], ...]
     """This stage's ops in order: ("F" | "B", unit)."""
     checkpointed: tuple[int, ...]
@@ -124,8 +125,8 @@ class PipelineTask:
     @property
     def rank_sets(self) -> tuple[tuple[int, ...], ...]:
         """Process groups every rank must create: the stages with more than one worker (SP inside a stage) and the
-        neighbour pairs whose gradients travel on a group of their own (``flexorch.workers.pipeline.p2p``); with stage-local
-        parameters also every other set of ranks holding one part."""
+        neighbour pairs whose gradients travel on a group of their own (``flexorch.workers.pipeline.p2p``); with
+        stage-local parameters also every other set of ranks holding one part."""
         sets = tuple(rs for rs in self.stage_ranks if len(rs) > 1) + tuple(gradient_channels(self.stage_ranks))
         if self.stage_params:  # parts held by more than a stage (a tied embedding) are summed over their holders
             sets += tuple(rs for rs, _ in holder_sets(self.held_parts()) if len(rs) > 1 and rs not in sets)

@@ -172,7 +172,8 @@ class Worker:
         )
 
     def probe(self, probes: list) -> list[float]:
-        """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms each."""
+        """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms
+        each."""
         from flexorch.workers.calibrate import run_probes
 
         reg = self.registry
@@ -192,7 +193,8 @@ class Worker:
         return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
 
     def stage_activation_bytes(self) -> tuple[float, float]:
-        """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold (``flexorch.workers.calibrate``)."""
+        """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold
+        (``flexorch.workers.calibrate``)."""
         from flexorch.workers.calibrate import stage_activation_bytes
 
         return stage_activation_bytes(self.model, self.model_cfg.vocab_size)

@@ -1,7 +1,8 @@
 """InfiniPipe's workload-balanced chunking of one step's batch into pipeline units (arXiv 2509.21275, §4).
 
 A *unit* is what a pipeline stage runs forward (and later backward) in one go: either one Seq1F1B segment of a long
-sequence (``flexorch.solver.pipeline.segments``: equal work, later segments attend to the K/V of earlier ones) or several whole short
+sequence (``flexorch.solver.pipeline.segments``: equal work, later segments attend to the K/V of earlier ones) or
+several whole short
 sequences packed together. Per step:
 
 1. the time target ``T = total work / K`` for a chosen granularity K (the number of units aimed at);
@@ -12,8 +13,8 @@ sequences packed together. Per step:
 4. units are ordered longest sequence first: a split sequence's segments stay consecutive and in order (its
    backward runs them in reverse), then packed units by decreasing work.
 
-Work is the cost model's a1*s^2 + a2*s (DESIGN.md §2.1); :func:`choose_chunking` in ``flexorch.solver.pipeline.plan`` picks K
-per step by simulating the schedule.
+Work is the cost model's a1*s^2 + a2*s (DESIGN.md §2.1); :func:`choose_chunking` in ``flexorch.solver.pipeline.plan``
+picks K per step by simulating the schedule.
 """
 
 from __future__ import annotations

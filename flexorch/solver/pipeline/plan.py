@@ -1,9 +1,10 @@
 """The per-step pipeline plan: chunk, order, checkpoint, simulate; choose the granularity (InfiniPipe, Seq1F1B).
 
 For each candidate granularity K (default P, 2P, 4P, 8P units), :func:`plan_pipeline` chunks the batch
-(``flexorch.solver.pipeline.chunking``), orders it 1F1B (``flexorch.solver.pipeline.schedule``), picks the checkpointed layers that fit memory
-(``flexorch.solver.pipeline.checkpointing``), and simulates it (``flexorch.solver.pipeline.sim``); it keeps the fastest. When no checkpointing
-fits one pipeline, the units are run as back-to-back pipelines (split between sequences, each pipeline drains
+(``flexorch.solver.pipeline.chunking``), orders it 1F1B (``flexorch.solver.pipeline.schedule``), picks the checkpointed
+layers that fit memory (``flexorch.solver.pipeline.checkpointing``), and simulates it
+(``flexorch.solver.pipeline.sim``); it keeps the fastest. When no checkpointing fits one pipeline, the units are run as
+back-to-back pipelines (split between sequences, each pipeline drains
 before the next starts), as InfiniPipe does. The baselines of the benchmark go through the same code:
 :func:`packed_1f1b_units` (plain 1F1B over packed micro-batches, no splitting) and :func:`seq1f1b_units` (every
 sequence split into a fixed k segments).

@@ -9,8 +9,8 @@ before theirs). Stage r (0-based, of P) first runs
 
 then alternates one forward and one backward, and drains the remaining backwards. A backward whose forward has
 not run yet on that stage is not taken early: the stage runs its next forward instead. :func:`check_schedule`
-verifies the orders; ``flexorch.solver.pipeline.sim`` runs a schedule with dependencies across stages and reports a deadlock
-rather than hanging, so an executor that follows a checked, simulated schedule cannot deadlock.
+verifies the orders; ``flexorch.solver.pipeline.sim`` runs a schedule with dependencies across stages and reports a
+deadlock rather than hanging, so an executor that follows a checked, simulated schedule cannot deadlock.
 """
 
 from __future__ import annotations

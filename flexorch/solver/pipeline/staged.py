@@ -3,7 +3,8 @@
 ``pipeline_stages = P`` puts ``d = n // P`` workers on each stage (SP inside a stage, Ulysses); stage r is ranks
 ``[r*d, (r+1)*d)`` and the ``n - P*d`` ranks left over sit the step out (they still take part in the gradient
 all-reduce and keep a replica, so they are ready when the next membership change needs them).
-``pipeline_stages = "auto"`` tries every power-of-two split (``flexorch.solver.pipeline.plan.plan_best_layout``). Because
+``pipeline_stages = "auto"`` tries every power-of-two split (``flexorch.solver.pipeline.plan.plan_best_layout``).
+Because
 this runs every step for the ranks alive now, a worker lost or joined changes the stage mapping at the next plan:
 nothing else is kept per stage.
 

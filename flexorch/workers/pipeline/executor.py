@@ -11,10 +11,10 @@ gradients travel on a group per neighbour pair (``flexorch.tasks.pipeline.gradie
 asynchronous and receives block: the schedule ``flexorch.solver.pipeline.sim`` checked for deadlock is what runs.
 
 The last stage computes the units' summed cross-entropy (not divided), so the step ends exactly like an SP step
-(``flexorch.workers.step_exec.sync_and_step``): one all-reduce over the world sums every rank's gradients (each parameter
-has gradients only from its stage; a tied embedding from the first and the last stage), the loss and the
-predicted-token count, which must equal the batch's; then the same division, global-norm clipping and AdamW step
-on every rank, so replicas stay identical and checkpoints, resume and elastic shrink/grow work as without stages.
+(``flexorch.workers.step_exec.sync_and_step``): one all-reduce over the world sums every rank's gradients (each
+parameter has gradients only from its stage; a tied embedding from the first and the last stage), the loss and the
+predicted-token count, which must equal the batch's; then the same division, global-norm clipping and AdamW step on
+every rank, so replicas stay identical and checkpoints, resume and elastic shrink/grow work as without stages.
 """
 
 from __future__ import annotations

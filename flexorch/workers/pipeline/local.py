@@ -1,9 +1,9 @@
 """Run a planned pipeline step with every stage in this process (the stages' math, no transport).
 
 The ops of all stages run in one global order that respects every dependency: the simulator's start times
-(``flexorch.solver.pipeline.sim``), where an op starts only after what it needs has ended. Activations and their gradients
-pass between stages as tensors in a dict (the distributed executor sends the same tensors point to point). Used
-by the invariant tests (pipelined == single-process reference) and as the reference of the distributed executor.
+(``flexorch.solver.pipeline.sim``), where an op starts only after what it needs has ended. Activations and their
+gradients pass between stages as tensors in a dict (the distributed executor sends the same tensors point to point).
+Used by the invariant tests (pipelined == single-process reference) and as the reference of the distributed executor.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Every stage process runs its own op list of the planned schedule (``flexorch.solver.pipeline.schedule``), in order:
 
-:func:`run_stage_ops` is the op loop every pipelined step uses (the training workers' ``flexorch.workers.pipeline.executor`` and
+:func:`run_stage_ops` is the op loop every pipelined step uses (the training workers'
+``flexorch.workers.pipeline.executor`` and
 :func:`run_stage_step` here, one process per stage with its own parameter copies):
 
 * ``F u``: stage r > 0 receives unit u's hidden states ``(tokens_u, dim)`` from stage r-1 (the shape comes from the

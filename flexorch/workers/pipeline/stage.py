@@ -6,9 +6,9 @@ embeddings, its own copy of the embedding weight: the two copies' gradients are 
 does). Running unit u (pieces of sequences, ``flexorch.solver.pipeline.chunking.Unit``):
 
 * forward: stage 0 embeds the unit's tokens; other stages take the previous stage's hidden states ``(t, dim)`` as a
-  leaf that will receive their gradient. Each layer's attention is ``flexorch.workers.attention.segment``: pieces attend to their
-  own tokens causally and to the cached K/V of their sequence's earlier segments. The layer's own K/V (after RoPE)
-  go into the cache as detached leaves, so the gradient later segments produce for them lands in ``.grad``. The
+  leaf that will receive their gradient. Each layer's attention is ``flexorch.workers.attention.segment``: pieces attend
+  to their own tokens causally and to the cached K/V of their sequence's earlier segments. The layer's own K/V (after
+  RoPE) go into the cache as detached leaves, so the gradient later segments produce for them lands in ``.grad``. The
   last stage computes the unit's summed next-token loss divided by the step's predicted tokens (labels come from the
   whole sequence: a segment's last token predicts the next segment's first token).
 * backward: one ``torch.autograd.backward`` over the stage output (with the next stage's gradient, or the loss) and
@@ -50,7 +50,8 @@ class UnitInput:
     """A unit's tokens as the stages need them: ids, positions and labels of its pieces, back to back."""
 
     def __init__(self, pieces, sequences: list[torch.Tensor]):
-        """``pieces``: ``flexorch.solver.pipeline.chunking.Piece`` list; ``sequences[i]``: the token ids (int64) of sequence i."""
+        """``pieces``: ``flexorch.solver.pipeline.chunking.Piece`` list; ``sequences[i]``: the token ids (int64) of
+        sequence i."""
         self.pieces = [(p.seq, p.start, p.end) for p in pieces]
         ids, pos, labels = [], [], []
         for seq, a, b in self.pieces:
