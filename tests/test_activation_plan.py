@@ -37,7 +37,7 @@ def _held_bytes_job(ctx, cfg: ModelConfig, layouts):
     from flexorch.workers.activation_memory import saved_tensor_meter
     from flexorch.workers.calibrate import _synthetic
     from flexorch.workers.model import init_model, loss_sum
-    from flexorch.workers.step_exec import _attention, micro_batch_inputs
+    from flexorch.workers.step_exec import group_attention, micro_batch_inputs
 
     registry = ctx.registry()
     registry.ensure([tuple(range(d)) for _, d in layouts if d > 1])
@@ -51,7 +51,7 @@ def _held_bytes_job(ctx, cfg: ModelConfig, layouts):
             continue
         group = registry.group(ranks) if d > 1 else None
         ids, pos, labels, layout = micro_batch_inputs(tokens, cu, ctx.rank, d, kind)
-        attn = _attention(layout, GroupWork(0, ranks, kind, ()), group, None)
+        attn = group_attention(layout, GroupWork(0, ranks, kind, ()), group, None)
         with saved_tensor_meter(list(model.parameters())) as meter:
             loss = loss_sum(model(ids, pos, attn), labels)
         out.append((meter.bytes, int(ids.numel())))

@@ -1,14 +1,9 @@
-"""Data plane: worker actors, process groups, sequence-parallel attention kernels and the model.
-
-Sequence-parallel attention (DESIGN.md §3) lives in small modules, imported explicitly so that
-``import flexorch.workers`` stays light (no ``torch.distributed`` or ``ray`` at package import):
-
-* ``flexorch.workers.process_groups``: ``ProcessGroupRegistry``, one torch.distributed world per membership epoch.
-* ``flexorch.workers.attention.sharding``: pure per-rank layouts (contiguous for Ulysses, zigzag for ring) and their
-  inverses.
-* ``flexorch.workers.attention.kernels``: varlen attention kernels returning the log-sum-exp (flash-attn, torch CPU,
-  math).
-* ``flexorch.workers.attention.ulysses`` / ``flexorch.workers.attention.ring``: the two exact sequence-parallel
-  attention methods.
-* ``flexorch.workers.attention.api``: the public ``*_varlen_func`` API.
+"""Data plane: what runs on a device. The worker actor (:mod:`~.actor`, one per device slot, holding the model or
+its stage's part of it and the optimizer), the step on SP groups (:mod:`~.step_exec`), the torch.distributed world
+and the sub-groups a plan names (:mod:`~.process_groups`), the LLaMA-style model (:mod:`~.model`), AdamW and its
+schedule (:mod:`~.optim`), the single-process reference every plan must reproduce (:mod:`~.reference`), calibration
+probes (:mod:`~.calibrate`) and activation-memory measurement (:mod:`~.activation_memory`). Exact sequence-parallel
+attention is in :mod:`~.attention`, pipeline execution in :mod:`~.pipeline`. Modules are imported explicitly, so
+``import flexorch.workers`` stays light (no torch, ``torch.distributed`` or Ray at package import). Workers read the
+plain task values of :mod:`flexorch.tasks` and never import the control plane.
 """

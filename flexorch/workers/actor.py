@@ -1,10 +1,11 @@
-"""The worker actor: one per device (a GPU, or a CPU slot), holding a model replica and its optimizer.
+"""The worker actor: one per device (a GPU, or a CPU slot), holding the model and its optimizer.
 
 The driver creates N of these in a placement group, tells them the world to join (rendezvous on the driver's
 TCPStore, one world per membership epoch), and sends each one its :class:`~flexorch.tasks.step.StepTask` plus the
 object refs of the token blocks its documents live in. The actor builds the process groups the plan names
-(collectively, in the same order on every rank), runs its micro-batches and steps the optimizer. One thread
-per worker on CPU (DESIGN.md §7).
+(collectively, in the same order on every rank), runs its micro-batches and steps the optimizer. With pipeline
+stages and ``[pipeline] params = "stage"`` it holds only its stage's parts (``flexorch.workers.pipeline.held_params``).
+One thread per worker on CPU (DESIGN.md §7).
 """
 
 from __future__ import annotations

@@ -1,20 +1,25 @@
-"""Run one rank's part of a pipelined step inside a worker that keeps a whole model replica.
+"""Run one rank's part of a pipelined step inside a worker.
 
-The rank's stage is a :class:`~flexorch.workers.pipeline.stage.StageModule` *sharing* the replica's modules (layers
-``[first, last)``, plus the embedding on stage 0 and norm and head on the last stage), so the gradients of the
-stage's units land in the replica's ``.grad``. Ops run in the order of the plan's schedule for this stage
-(``flexorch.solver.pipeline.schedule``): ``F u`` receives the unit's hidden states from the same-position rank of the
-previous stage, runs the unit and sends its output on (non-blocking); ``B u`` receives the output's gradient,
-runs the unit backward and sends the input's gradient back. Message shapes come from the plan (``(t_pad/d, dim)``
-per unit), tags are ``2 * unit + (0 forward, 1 backward)`` with units numbered across back-to-back pipelines,
-gradients travel on a group per neighbour pair (``flexorch.tasks.pipeline.gradient_channels``), sends are
-asynchronous and receives block: the schedule ``flexorch.solver.pipeline.sim`` checked for deadlock is what runs.
+The rank's stage is a :class:`~flexorch.workers.pipeline.stage.StageModule` *sharing* the worker's model modules
+(layers ``[first, last)``, plus the embedding on stage 0 and norm and head on the last stage), so the gradients of
+the stage's units land in those parameters' ``.grad``. With ``[pipeline] params = "stage"`` (the default,
+``task.stage_params``) the worker first keeps only the parts its stage runs and releases the rest
+(:class:`~flexorch.workers.pipeline.held_params.HeldParams`), so it holds its stage's layers, their gradients and
+AdamW state; with ``"replicated"`` it keeps a whole replica. Ops run in the order of the plan's schedule for this
+stage (``flexorch.solver.pipeline.schedule``): ``F u`` receives the unit's hidden states from the same-position rank
+of the previous stage, runs the unit and sends its output on (non-blocking); ``B u`` receives the output's
+gradient, runs the unit backward and sends the input's gradient back. Message shapes come from the plan
+(``(t_pad/d, dim)`` per unit), tags are ``2 * unit + (0 forward, 1 backward)`` with units numbered across
+back-to-back pipelines, gradients travel on a group per neighbour pair
+(``flexorch.tasks.pipeline.gradient_channels``), sends are asynchronous and receives block: the schedule
+``flexorch.solver.pipeline.sim`` checked for deadlock is what runs.
 
-The last stage computes the units' summed cross-entropy (not divided), so the step ends exactly like an SP step
-(``flexorch.workers.step_exec.sync_and_step``): one all-reduce over the world sums every rank's gradients (each
-parameter has gradients only from its stage; a tied embedding from the first and the last stage), the loss and the
-predicted-token count, which must equal the batch's; then the same division, global-norm clipping and AdamW step on
-every rank, so replicas stay identical and checkpoints, resume and elastic shrink/grow work as without stages.
+The last stage computes the units' summed cross-entropy (not divided), so the step ends like an SP step
+(``flexorch.workers.step_exec.sync_and_step``): gradients are summed over the ranks that hold each part (one bucket
+per set of holders; with replicas, one all-reduce over the world: each parameter has gradients only from its stage,
+a tied embedding from the first and the last stage), with the loss and the predicted-token count, which must equal
+the batch's; then the same division, global-norm clipping (each part counted once) and AdamW step, so the holders of
+a part stay identical and checkpoints, resume and elastic shrink/grow work as without stages.
 """
 
 from __future__ import annotations
