@@ -1,0 +1,129 @@
+"""The layer order of the ``flexorch`` package, read from the real import graph (every ``import`` statement of every
+module, including those inside functions), so that no arrow runs up a layer and no two sub-packages import each
+other. The same graph is what ``docs/make_structure.py`` draws."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent / "flexorch"
+
+# Sub-package -> the other sub-packages it may import, top layer first. Ray and torch are listed as "<ray>",
+# "<torch>" and "<torch.distributed>"; a sub-package missing here may import none of them.
+ALLOWED: dict[str, set[str]] = {
+    "__main__": {"cli"},
+    "cli": {"control", "dashboards", "records", "data", "config", "solver", "tasks", "<ray>"},
+    "control": {"workers", "records", "data", "config", "tasks", "solver", "<ray>", "<torch>", "<torch.distributed>"},
+    "dashboards": {"records", "solver"},
+    "records": {"solver", "tasks", "config", "<ray>"},
+    "workers": {"tasks", "config", "solver", "<ray>", "<torch>", "<torch.distributed>"},
+    "data": {"tasks", "config", "solver", "<ray>"},
+    "config": {"solver"},
+    "tasks": {"solver"},
+    "solver": set(),
+}
+EXTERNAL = ("ray", "torch")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _sub_package(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _target(name: str) -> str | None:
+    if name.startswith("flexorch."):
+        return name.split(".")[1]
+    if name == "torch.distributed" or name.startswith("torch.distributed."):
+        return "<torch.distributed>"
+    if name.split(".")[0] in EXTERNAL:
+        return f"<{name.split('.')[0]}>"
+    return None
+
+
+def _imports(path: pathlib.Path, *, top_level_only: bool = False) -> list[tuple[str, int]]:
+    """(imported module, line) for every import in ``path``; relative imports resolved against its package."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    module = _module_name(path) if path.is_relative_to(ROOT) else path.stem
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            out += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[: len(anchor) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            out.append((base, node.lineno))
+            out += [(f"{base}.{alias.name}", node.lineno) for alias in node.names]
+    return out
+
+
+def import_graph() -> dict[str, dict[str, list[str]]]:
+    """Sub-package -> {imported sub-package or <external>: ["file:line", ...]}."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        src = _sub_package(_module_name(path))
+        for name, line in _imports(path):
+            dst = _target(name)
+            if dst is not None and dst != src:
+                graph.setdefault(src, {}).setdefault(dst, []).append(f"{path.relative_to(ROOT.parent)}:{line}")
+    return graph
+
+
+def test_every_sub_package_is_in_the_layer_table():
+    subs = {_sub_package(_module_name(p)) for p in ROOT.rglob("*.py")} - {"__init__"}
+    assert subs <= set(ALLOWED), f"add {sorted(subs - set(ALLOWED))} to ALLOWED with the edges it may have"
+
+
+def test_no_import_runs_up_a_layer():
+    bad = [
+        f"{src} -> {dst} ({', '.join(where[:3])})"
+        for src, targets in import_graph().items()
+        for dst, where in targets.items()
+        if src != "__init__" and dst not in ALLOWED.get(src, set())
+    ]
+    assert not bad, "imports against the layer order:\n" + "\n".join(bad)
+
+
+def test_no_cycle_between_sub_packages():
+    graph = {src: {d for d in targets if not d.startswith("<")} for src, targets in import_graph().items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
+            if nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_config_imports_neither_ray_nor_torch_at_module_level():
+    paths = [ROOT / "config.py"] if (ROOT / "config.py").exists() else sorted((ROOT / "config").rglob("*.py"))
+    bad = [f"{p.name}:{line} {name}" for p in paths for name, line in _imports(p, top_level_only=True)]
+    bad = [b for b in bad if b.split()[-1].split(".")[0] in EXTERNAL]
+    assert not bad, bad
+
+
+def test_the_graph_sees_imports_inside_functions(tmp_path):
+    # the test above is only as good as the walker: an import inside a function must count
+    mod = tmp_path / "m.py"
+    mod.write_text("def f():\n    import flexorch.control.driver\n    from torch import distributed\n")
+    names = [n for n, _ in _imports(mod)]
+    assert "flexorch.control.driver" in names and "torch.distributed" in names
