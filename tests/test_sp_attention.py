@@ -356,17 +356,17 @@ def _new_style_backward(impl):
 def test_flash_attn_adapter_passes_arguments_in_order(monkeypatch, custom_op):
     # No GPU needed: the flash-attn adapter runs against a fake module, with unequal q / k documents (as in
     # ring steps) so a swapped argument changes the result or trips an assertion in the fake.
-    from flexorch.workers.attention import kernels
+    from flexorch.workers.attention import flash, kernels
 
-    monkeypatch.setattr(kernels, "_flash_attn", lambda: _fake_flash_attn(custom_op))
+    monkeypatch.setattr(flash, "flash_attn_module", lambda: _fake_flash_attn(custom_op))
     q, k, v, dout, _ = make_case(9, [24, 40], 4, 2)
     q, k, v, dout = (x.float() for x in (q, k, v, dout))
     cu_q, cu_k = Seqlens((0, 24, 64)), Seqlens((0, 10, 64))
-    got = kernels._flash_forward(q, k, v, cu_q, cu_k, False, 0.3)
+    got = flash.flash_forward(q, k, v, cu_q, cu_k, False, 0.3)
     want = kernels._cpu_forward(q, k, v, cu_q, cu_k, False, 0.3)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TOL)
-    got = kernels._flash_backward(dout, q, k, v, *want, cu_q, cu_k, False, 0.3)
+    got = flash.flash_backward(dout, q, k, v, *want, cu_q, cu_k, False, 0.3)
     want = kernels._cpu_backward(dout, q, k, v, *want, cu_q, cu_k, False, 0.3)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TOL)

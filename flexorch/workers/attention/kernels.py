@@ -20,11 +20,11 @@ Backends:
 from __future__ import annotations
 
 import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
 
+from flexorch.workers.attention.flash import flash_attn_module, flash_backward, flash_forward
 from flexorch.workers.attention.sharding import check_cu_seqlens
 
 __all__ = [
@@ -106,19 +106,10 @@ def _shapes(*ts: torch.Tensor) -> str:
     return ", ".join(str(tuple(t.shape)) for t in ts)
 
 
-@functools.cache
-def _flash_attn():
-    try:
-        import flash_attn.flash_attn_interface as fai
-    except ImportError:
-        return None
-    return fai
-
-
 def default_backend(device: torch.device) -> str:
     """flash_attn on CUDA when installed, math on CUDA otherwise, torch_cpu on CPU."""
     if device.type == "cuda":
-        return "flash_attn" if _flash_attn() is not None else "math"
+        return "flash_attn" if flash_attn_module() is not None else "math"
     return "torch_cpu" if device.type == "cpu" else "math"
 
 
@@ -247,67 +238,15 @@ def _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
     return dq, dk, dv
 
 
-def _flash_forward(q, k, v, cu_q, cu_k, causal, scale):
-    fai = _flash_attn()
-    out, lse, _ = fai.flash_attn_varlen_func(
-        q,
-        k,
-        v,
-        cu_q.tensor(q.device),
-        cu_k.tensor(q.device),
-        cu_q.max_seqlen,
-        cu_k.max_seqlen,
-        dropout_p=0.0,
-        softmax_scale=scale,
-        causal=causal,
-        return_attn_probs=True,
-    )
-    return out, lse  # lse: (h, t_q) float32 in flash-attn >= 2.4's varlen API
-
-
-def _flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
-    fai = _flash_attn()
-    fn = fai._flash_attn_varlen_backward
-    # flash-attn >= 2.7 wraps it in torch.library.custom_op, whose own signature is (*args, **kwargs).
-    params = inspect.signature(getattr(fn, "_init_fn", fn)).parameters
-    # Keyword names after `causal` changed across flash-attn 2.x releases; pass only those this build has.
-    extra = {"alibi_slopes": None, "deterministic": False, "rng_state": None, "softcap": 0.0}
-    if "window_size_left" in params:
-        extra |= {"window_size_left": -1, "window_size_right": -1}
-    else:
-        extra["window_size"] = (-1, -1)
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    fn(
-        dout.contiguous(),
-        q,
-        k,
-        v,
-        out,
-        lse,
-        dq,
-        dk,
-        dv,
-        cu_q.tensor(q.device),
-        cu_k.tensor(q.device),
-        cu_q.max_seqlen,
-        cu_k.max_seqlen,
-        0.0,
-        scale,
-        causal,
-        **{n: x for n, x in extra.items() if n in params},
-    )
-    return dq, dk, dv
-
-
-_FORWARD = {"torch_cpu": _cpu_forward, "math": _math_forward, "flash_attn": _flash_forward}
-_BACKWARD = {"torch_cpu": _cpu_backward, "math": _math_backward, "flash_attn": _flash_backward}
+_FORWARD = {"torch_cpu": _cpu_forward, "math": _math_forward, "flash_attn": flash_forward}
+_BACKWARD = {"torch_cpu": _cpu_backward, "math": _math_backward, "flash_attn": flash_backward}
 
 
 def _pick(backend: str | None, q: torch.Tensor) -> str:
     name = backend or default_backend(q.device)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    if name == "flash_attn" and (q.device.type != "cuda" or _flash_attn() is None):
+    if name == "flash_attn" and (q.device.type != "cuda" or flash_attn_module() is None):
         raise ValueError("backend 'flash_attn' needs CUDA tensors and the flash-attn package")
     if name == "torch_cpu" and q.device.type != "cpu":
         raise ValueError(f"backend 'torch_cpu' needs CPU tensors, got {q.device}")
