@@ -44,7 +44,7 @@ class DataError(ValueError):
 
 
 def bundled_lengths_path() -> Path:
-    """The 100k Wikipedia lengths shipped with flexorch (FlexSP's public release; see orchestrator/data)."""
+    """The 100k Wikipedia lengths shipped with flexorch (FlexSP's public release; see flexorch/data/bundled)."""
     return Path(str(resources.files("flexorch.data") / "bundled" / "wikipedia_lengths_100k.txt"))
 
 
