@@ -1,6 +1,6 @@
 """Pipeline benchmark (not a test): elastic pipeline vs plain 1F1B vs Seq1F1B vs adaptive SP alone, side by side.
 
-Part 1, paper scale, simulated with the reference constants (DESIGN.md §2.1, profile gpt-13b-a100: 40 layers,
+Part 1, paper scale, simulated with the reference constants (docs/design.md §2.1, profile gpt-13b-a100: 40 layers,
 h=5120): 32 devices, contexts 48K and 96K, two length distributions: the shipped Wikipedia lengths and a
 GitHub-like heavier tail (synthetic: lognormal, mu=8.5, sigma=1.9 tokens, seeded; InfiniPipe's CommonCrawl/GitHub
 batches are long-tailed like this, we have no real file). A global batch is sequences drawn until 1M tokens,

@@ -1,6 +1,6 @@
 """Planner benchmark (not a test): plan quality and solve time on real lengths, side by side in one run.
 
-Part 1, FlexSP's setting (DESIGN.md §2.4): shipped Wikipedia lengths, profile gpt-7b-a100, N=64, 384K context,
+Part 1, FlexSP's setting (docs/design.md §2.4): shipped Wikipedia lengths, profile gpt-7b-a100, N=64, 384K context,
 global batch 512, 20 steps. Per step: solve time, predicted step time, gap to the proven bound, and speedups vs
 static Ulysses SP=64 (DeepSpeed's setting at 384K; GPT-7B's 32 heads of 128 taken as 64 heads of 64 so that
 Ulysses-64 exists, same hidden size, so the same FLOPs and bytes), the best static ring degree, and BatchAda.

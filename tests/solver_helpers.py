@@ -30,7 +30,7 @@ TINY = Profile(
 # degree 4 (4 heads), ring beyond
 
 # TINY with per-degree collective latency (Profile.a2a_latency_ms / p2p_latency_ms), as gloo on CPU has it
-# (DESIGN.md §7). "small": latency next to b1 (ring falls back to the Ulysses table); "large": SP over short
+# (docs/design.md §7). "small": latency next to b1 (ring falls back to the Ulysses table); "large": SP over short
 # sequences never pays, ring-4 takes the ring-8 latency (the next larger measured degree); "ring": ring cheaper
 # than Ulysses at degree 2, dearer at 4 (Ulysses-2 takes the Ulysses-4 latency).
 TINY_LATENCY = {

@@ -22,7 +22,7 @@ from flexorch.solver.calibration import (
 from flexorch.solver.cost_model import group_time_ms
 from flexorch.solver.profiles import Profile
 
-# a CPU-like profile (DESIGN.md §7): float32 on the wire, gloo latencies of ~1-2 ms per collective
+# a CPU-like profile (docs/design.md §7): float32 on the wire, gloo latencies of ~1-2 ms per collective
 TRUTH = Profile(
     name="cpu-truth",
     a1_ms=2e-6,

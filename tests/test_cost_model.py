@@ -1,4 +1,4 @@
-"""The cost model against hand-computed FlexSP formulas (DESIGN.md §2.1) with the published 7B constants, and the
+"""The cost model against hand-computed FlexSP formulas (docs/design.md §2.1) with the published 7B constants, and the
 per-degree collective latency flexorch adds."""
 
 import pytest
@@ -47,7 +47,7 @@ def test_memory_and_degrees():
         kind_allowed("star", 2, P)
 
 
-# per-degree collective latency (flexorch's extension, DESIGN.md §7): a fixed cost per group per micro-batch
+# per-degree collective latency (flexorch's extension, docs/design.md §7): a fixed cost per group per micro-batch
 LAT = P.with_overrides(a2a_latency_ms={2: 7.0, 8: 20.0}, p2p_latency_ms={4: 3.0})
 
 

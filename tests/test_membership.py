@@ -1,4 +1,4 @@
-"""The elastic policy and membership bookkeeping: pure values, no Ray (DESIGN.md §4)."""
+"""The elastic policy and membership bookkeeping: pure values, no Ray (docs/design.md §4)."""
 
 from __future__ import annotations
 

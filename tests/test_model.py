@@ -1,6 +1,6 @@
 """The model, optimizer and single-process reference; sharded forward/backward parity over real gloo processes.
 
-The parity tests are the invariant of DESIGN.md §1 at the model level: sharding a packed batch over a Ulysses
+The parity tests are the invariant of docs/design.md §1 at the model level: sharding a packed batch over a Ulysses
 or zigzag-ring group of degree 1, 2 or 4 changes where the work runs, not the loss sum or the gradients
 (summed over the group's ranks). Float32 against a float32 single-process reference; observed differences are
 float reordering, tolerance ``PARITY_TOL``.

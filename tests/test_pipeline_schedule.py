@@ -19,7 +19,7 @@ from flexorch.solver.pipeline.schedule import (
 from flexorch.solver.pipeline.segments import equal_flop_boundaries, equal_flop_segments, segment_cost
 from flexorch.solver.pipeline.sim import simulate
 
-A1, A2 = 5.128e-6, 0.18396  # gpt-7b-a100 (DESIGN.md §2.1)
+A1, A2 = 5.128e-6, 0.18396  # gpt-7b-a100 (docs/design.md §2.1)
 
 
 # ---------------------------------------------------------------- segments
@@ -28,7 +28,7 @@ def test_attention_only_boundaries_are_the_square_root_rule():
 
 
 def test_reference_split_of_a_32k_sequence():
-    # DESIGN.md §2.5: 32K, k=4, 7B-like model -> [11554, 8342, 6880, 5992]; that split is equal work for a linear
+    # docs/design.md §2.5: 32K, k=4, 7B-like model -> [11554, 8342, 6880, 5992]; that split is equal work for a linear
     # to quadratic ratio a2/a1 of about 40137 tokens
     got = equal_flop_segments(32768, 4, 1.0, 40137.0)
     assert sum(got) == 32768

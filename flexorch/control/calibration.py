@@ -7,7 +7,7 @@ kernels, all workers busy, so a shared machine is as loaded as during training):
    fitted to ``b1 + a1 * sum s^2 + a2 * sum s`` (FlexSP §4.1.2);
 2. group probes for every degree d <= N and kind: one micro-batch per group; what the compute fit does not
    explain (``group ms - b1 - compute / d``) is the communication, fitted to ``latency + bytes / bandwidth``
-   per (kind, d) (flexorch's latency extension, DESIGN.md §7);
+   per (kind, d) (flexorch's latency extension, docs/design.md §7);
 3. activation bytes per token from the tensors autograd saves (``flexorch.workers.activation_memory``).
 
 The fit lives in ``solver.calibration`` (pure); the report says how well the fitted profile predicts every

@@ -1,4 +1,4 @@
-"""The TrainingDriver: owns the data stream, the step loop, the planner and the workers (DESIGN.md §1).
+"""The TrainingDriver: owns the data stream, the step loop, the planner and the workers (docs/design.md §1).
 
 Every step: (1) take the next global batch from the stream (lengths are known before any token moves); (2) get
 its plan, which the planner actor computed while the previous step ran; (3) send each worker its
@@ -137,7 +137,7 @@ class TrainingDriver:
 
         Membership changes between steps (workers that finished starting join here). When an attempt fails
         because workers died or hung, the elastic policy decides; on a shrink or a retry the same batch is
-        re-planned for the world left and re-run, so no document is lost or trained twice (DESIGN.md §4). When
+        re-planned for the world left and re-run, so no document is lost or trained twice (docs/design.md §4). When
         stage-local parameters lost their every holder the run goes back to its last checkpoint: a ROLLED_BACK
         transition, and the next call trains the checkpoint's next batch (``step`` never calls itself)."""
         if self.workers is None:

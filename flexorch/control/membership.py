@@ -4,7 +4,7 @@ A worker has a stable ``worker_id`` (never reused, kept in records and logs) and
 current torch.distributed world, which changes whenever the world is re-formed). :class:`Membership` keeps the
 two apart; the ranks of epoch ``e`` are the alive worker ids in ascending order.
 
-:class:`ElasticPolicy` turns what the driver observed into a decision value (DESIGN.md §4):
+:class:`ElasticPolicy` turns what the driver observed into a decision value (docs/design.md §4):
 
 * after a failed attempt at a step: :class:`Shrink` (re-form the world on the survivors and re-run the same batch,
   re-planned for the new size), :class:`WaitForCapacity` (survivors are below ``min_workers``: wait, bounded, for

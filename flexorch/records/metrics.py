@@ -1,4 +1,4 @@
-"""flexorch's per-step figures as Ray metrics (``ray.util.metrics``, DESIGN.md §5).
+"""flexorch's per-step figures as Ray metrics (``ray.util.metrics``, docs/design.md §5).
 
 Each node's Ray metrics agent exports them in Prometheus format (Ray adds the prefix ``ray_``, and ``_total`` to
 counters), so the Ray dashboard's Grafana and any Prometheus that scrapes Ray see them. Every metric carries the

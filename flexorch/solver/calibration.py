@@ -1,7 +1,7 @@
-"""Calibration: timings measured on the real workers in, a `Profile` out (DESIGN.md §2.1: constants are profiled).
+"""Calibration: timings measured on the real workers in, a `Profile` out (docs/design.md §2.1: constants are profiled).
 
 The model fitted is FlexSP's (arXiv 2412.01523, §4.1.2) with flexorch's per-degree latency extension (measured
-per DESIGN.md §7; see `solver.cost_model`):
+per docs/design.md §7; see `solver.cost_model`):
 
 * compute, one packed micro-batch of sequences s_i on ONE device, forward+backward, all layers:
       ms = b1 + a1 * sum_i s_i^2 + a2 * sum_i s_i

@@ -7,13 +7,13 @@ For a sequence of s tokens on an SP group of degree d (all d devices work on it 
                                                       (q, o carry h; k, v carry h_kv*head_dim under GQA)
 * ring:     the attention term becomes d ring steps that overlap a block of compute with one K/V exchange,
             c = a1*s^2/d^2 per step (zigzag layout balances causal work), m = one step's bytes / bw_p2p[d]:
-            attention = c + (d-1) * max(c, m)        (first block is local; DESIGN.md §2.1 "max(compute, comm)")
+            attention = c + (d-1) * max(c, m)        (first block is local; docs/design.md §2.1 "max(compute, comm)")
             one step's bytes = 3 (K/V fwd, K/V + dK/dV bwd, counted as K,V + 2x) * 2 * (s/d) * h_kv*hd * 2 B * L
 * overhead: a group pays a fixed cost once per micro-batch, b1 + latency(kind, d) (`group_overhead_ms`), and a
             group's time is that plus the sum of its sequences' times.
             latency(kind, d) is flexorch's extension of FlexSP's model (FlexSP has b1 alone): the per-collective
             latency a group of d > 1 pays for its all-to-alls (Ulysses: 4 per layer forward + 4 backward) or ring
-            steps (d-1 K/V exchanges per layer forward, ~d backward) whatever its tokens, measured per DESIGN.md §7
+            steps (d-1 K/V exchanges per layer forward, ~d backward) whatever its tokens, measured per docs/design.md §7
             (gloo on CPU: ~0.9 ms per collective for 2 ranks, ~1.9 ms for 4) and stored per degree in the profile
             (`Profile.a2a_latency_ms`, `Profile.p2p_latency_ms`; 0 when not measured, and 0 for d == 1).
 * memory:   a group of degree d holds at most d * tokens_per_device tokens (s/d * act_per_token per device); a
@@ -119,7 +119,7 @@ def group_overhead_ms(d: int, kind: str, profile: Profile) -> float:
     """Fixed cost (ms) of one group of degree d with `kind` attention per micro-batch: b1 + collective latency.
 
     b1 is FlexSP's per-group overhead (§4.1.2); the latency term (0 for d == 1) is flexorch's extension, measured
-    per DESIGN.md §7: all the collectives of one micro-batch cost at least this much, however few tokens they move.
+    per docs/design.md §7: all the collectives of one micro-batch cost at least this much, however few tokens they move.
     """
     if kind not in KINDS:
         raise ValueError(f"unknown attention kind {kind!r}; expected one of {KINDS}")

@@ -1,7 +1,7 @@
 """Exact plan of a small micro-batch: one binary per (sequence, group slot), solved to optimality by CBC.
 
 This is FlexSP's virtual-group formulation (§4.1.1: binary assignment A[k,p], binary group use m[p], makespan C),
-with symmetry broken by using the slots of a type in order. It is too symmetric for big micro-batches (DESIGN.md
+with symmetry broken by using the slots of a type in order. It is too symmetric for big micro-batches (docs/design.md
 §2.2) but exact and fast for a handful of sequences, which is what sorted Blaster splits often produce for the
 longest sequences: the planner uses it up to `MAX_EXACT_SEQUENCES` sequences per micro-batch.
 

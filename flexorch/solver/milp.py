@@ -1,6 +1,6 @@
 """The per-micro-batch MILP: how many SP groups of each (degree, kind), and which lengths go to which kind.
 
-Formulation (flexorch's; FlexSP §4.1.1 poses the problem, DESIGN.md §2.2 records why its virtual-group MILP is
+Formulation (flexorch's; FlexSP §4.1.1 poses the problem, docs/design.md §2.2 records why its virtual-group MILP is
 too symmetric for CBC). The groups of one type are interchangeable, so instead of one binary per (sequence, group)
 we decide, for a target makespan C (C'_t = C - O_t of sequence time per group of type t, where O_t = b1 +
 latency(t) is the type's fixed cost per micro-batch, `solver.cost_model.group_overhead_ms`):

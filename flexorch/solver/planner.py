@@ -1,6 +1,6 @@
 """The per-step planner: lengths + N devices + profile in, a frozen `Plan` out.
 
-Per step (DESIGN.md §2): candidate micro-batch splits (Sequence Blaster), ordered by their proven lower bound;
+Per step (docs/design.md §2): candidate micro-batch splits (Sequence Blaster), ordered by their proven lower bound;
 each candidate's micro-batches are planned by the bisection MILP (`solver.milp`), in parallel processes when
 `workers > 1`; candidates whose bound cannot beat the best plan so far are skipped. A step never waits on the
 solver: every MILP has a time limit, the step has a deadline, and the best static layout is always in hand as

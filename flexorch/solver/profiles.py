@@ -6,7 +6,7 @@ with the same field names (see `examples/profiles/`), or fitted from timings by 
 
 The per-degree collective latency tables (`a2a_latency_ms`, `p2p_latency_ms`) are flexorch's extension of FlexSP's
 model: FlexSP folds every fixed cost into one b1, but on CPU workers over gloo each collective costs ~1-2 ms
-whatever its size (DESIGN.md §7), so a group's fixed cost depends on its degree and attention kind.
+whatever its size (docs/design.md §7), so a group's fixed cost depends on its degree and attention kind.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class Profile:
 BUILTIN_PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
-        # FlexSP release constants (DESIGN.md §2.1). FlexSP's 28 GB budget (of 40 GB) is the activation budget:
+        # FlexSP release constants (docs/design.md §2.1). FlexSP's 28 GB budget (of 40 GB) is the activation budget:
         # model states are sharded (ZeRO-3) into the rest, so model_state_bytes is 0 here.
         Profile(
             name="gpt-7b-a100",

@@ -2,8 +2,8 @@
 
 Every comparison flexorch reports (planner vs baselines vs bound) goes through `step_time_ms`, so all of them are
 measured with one yardstick: a micro-batch takes as long as its slowest group (its fixed cost b1 + the collective
-latency of its degree and kind, plus the sum of its sequences' times: `solver.cost_model.group_time_ms`, DESIGN.md
-§2.1), and a step is its micro-batches one after another.
+latency of its degree and kind, plus the sum of its sequences' times: `solver.cost_model.group_time_ms`,
+docs/design.md §2.1), and a step is its micro-batches one after another.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ often share one storage (views, the same input saved by two ops), so bytes are s
 (deduplicated by the storage's data pointer). Storages of parameters and buffers are not activations and can
 be excluded. What the meter cannot see: tensors an ``autograd.Function`` stashes on ``ctx`` by attribute,
 and the allocator's transient peak inside a kernel. The result is what the planner's ``act_per_token`` models
-(DESIGN.md §2.1): ``measure_activation_bytes(...) / tokens``.
+(docs/design.md §2.1): ``measure_activation_bytes(...) / tokens``.
 """
 
 from __future__ import annotations

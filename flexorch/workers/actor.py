@@ -5,7 +5,7 @@ TCPStore, one world per membership epoch), and sends each one its :class:`~flexo
 object refs of the token blocks its documents live in. The actor builds the process groups the plan names
 (collectively, in the same order on every rank), runs its micro-batches and steps the optimizer. With pipeline
 stages and ``[pipeline] params = "stage"`` it holds only its stage's parts (``flexorch.workers.pipeline.held_params``).
-One thread per worker on CPU (DESIGN.md §7).
+One thread per worker on CPU (docs/design.md §7).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Contract (``torch.distributed.new_group`` must be entered by every rank of the w
 * :meth:`ProcessGroupRegistry.group` is local: it returns a group already created by ``ensure``.
 
 Overlapping groups ({0,1,2,3}, {0,1}, {2,3}, {1,3}) are ordinary torch sub-groups of one world, each with its
-own gloo/NCCL communicator, so collectives on them stay correct (unlike ``ray.util.collective``, see DESIGN.md
-§3). Nothing here is global state: callers pass the groups on as arguments.
+own gloo/NCCL communicator, so collectives on them stay correct (unlike ``ray.util.collective``, see
+docs/design.md §3). Nothing here is global state: callers pass the groups on as arguments.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The single-process reference that every sequence-parallel plan must reproduce (DESIGN.md §1, the invariant).
+"""The single-process reference that every sequence-parallel plan must reproduce (docs/design.md §1, the invariant).
 
 One global batch of documents is packed into one sequence (``cu_seqlens``), run through the model with
 single-device varlen attention, and trained with the loss ``sum of token losses / number of predicted tokens``

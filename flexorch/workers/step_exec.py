@@ -1,6 +1,6 @@
 """Run one rank's part of a planned step: micro-batches on their SP groups, token-weighted gradient sync, AdamW.
 
-The math equals one big batch on one device (DESIGN.md §1, the invariant): every rank sums the cross-entropy of
+The math equals one big batch on one device (docs/design.md §1, the invariant): every rank sums the cross-entropy of
 its local tokens (padding and document ends masked), autograd through the SP attention routes each token's
 gradient to the rank that owns it, so the SUM over all ranks of the parameter gradients is the gradient of the
 summed loss of the whole global batch. One all-reduce over the world adds them up (with the loss sum and the

@@ -13,8 +13,8 @@ sequences packed together. Per step:
 4. units are ordered longest sequence first: a split sequence's segments stay consecutive and in order (its
    backward runs them in reverse), then packed units by decreasing work.
 
-Work is the cost model's a1*s^2 + a2*s (DESIGN.md §2.1); :func:`choose_chunking` in ``flexorch.solver.pipeline.plan``
-picks K per step by simulating the schedule.
+Work is the cost model's a1*s^2 + a2*s (docs/design.md §2.1); :func:`choose_chunking` in
+``flexorch.solver.pipeline.plan`` picks K per step by simulating the schedule.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 With causal attention, token t attends to t+1 tokens, so the work of tokens [0, x) is
 
-    F(x) = a1 * x^2 + a2 * x                      (the cost model's sequence time, DESIGN.md §2.1)
+    F(x) = a1 * x^2 + a2 * x                      (the cost model's sequence time, docs/design.md §2.1)
 
 and segment [x_{i-1}, x_i) costs F(x_i) - F(x_{i-1}). Equal work means F(x_i) = i/k * F(S), i.e. the positive root
 

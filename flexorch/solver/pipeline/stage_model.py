@@ -1,4 +1,4 @@
-"""Time and memory of pipeline units on pipeline stages (the FlexSP cost model of DESIGN.md §2.1, per stage).
+"""Time and memory of pipeline units on pipeline stages (the FlexSP cost model of docs/design.md §2.1, per stage).
 
 The model's L layers are split over P stages as evenly as possible (the first ``L % P`` stages get one more). A
 stage is a group of ``degree`` workers that shares each unit's tokens (sequence parallel inside the stage). For a
