@@ -12,6 +12,9 @@ Quiet reads: corpora are loaded inside Ray actors and by `flexorch train`, where
 progress bars/logs and stats dumps are noise. `read_source` runs under a copy of the current `DataContext` with
 those off and holds the `ray.data` loggers at WARNING (so DEBUG/INFO records do not reach Ray Data's session log
 file either); the previous context and levels come back when the read returns or fails.
+
+Why one module of ~360 lines: the four steps share the listing's record layout and the skip counters, and each is
+read against the next; splitting them would spread one pipeline over files that all import each other's types.
 """
 
 from __future__ import annotations
