@@ -94,6 +94,19 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
         help="[pipeline] params: each worker holds its stage's parameters ('stage', default) or the whole model",
     )
     p.add_argument(
+        "--sharding",
+        choices=("replicate", "fsdp", "hsdp"),
+        help="[sharding] mode: whole replicas, FSDP2 over the world, or sharded within --shard-size groups "
+        "(default: fsdp on GPU, replicate on CPU)",
+    )
+    p.add_argument("--shard-size", type=int, help="[sharding] shard_size: workers per shard group (hsdp)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), help="[sharding] precision (default: bf16 on GPU)")
+    p.add_argument(
+        "--activation-checkpointing",
+        choices=("none", "full", "selective"),
+        help="[sharding] activation_checkpointing: recompute each decoder layer (full) or its MLP (selective)",
+    )
+    p.add_argument(
         "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
     )
 
@@ -117,6 +130,10 @@ def _train_config(args: argparse.Namespace):
         "plan.profile": args.profile,
         "pipeline.stages": args.pipeline_stages,
         "pipeline.params": getattr(args, "pipeline_params", None),
+        "sharding.mode": getattr(args, "sharding", None),
+        "sharding.shard_size": getattr(args, "shard_size", None),
+        "sharding.precision": getattr(args, "precision", None),
+        "sharding.activation_checkpointing": getattr(args, "activation_checkpointing", None),
     }
     return load_train_config(args.config, overrides)
 

@@ -19,6 +19,7 @@ from flexorch.config.optim import OptimConfig
 from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import PlanSettings
 from flexorch.config.run import TrainConfig
+from flexorch.config.sharding import ShardingSettings
 
 __all__ = ["MOVED_KEYS", "config_from_dict", "load_train_config"]
 
@@ -28,6 +29,7 @@ TABLES = {
     "plan": PlanSettings,
     "elastic": ElasticSettings,
     "pipeline": PipelineSettings,
+    "sharding": ShardingSettings,
 }
 """The tables built field by field (``[model]`` also takes ``preset``)."""
 

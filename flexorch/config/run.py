@@ -1,6 +1,6 @@
 """One training run: the run keys of a run file and its tables, checked against each other on construction.
 
-A run file (see ``examples/train_laptop.toml``) has top-level run keys and six tables, each a keyword-only
+A run file (see ``examples/train_laptop.toml``) has top-level run keys and seven tables, each a keyword-only
 dataclass that checks its own keys (``flexorch.config.<module>``)::
 
     steps = 20            # run keys (TrainConfig): steps, workers, batch_size, seed, run_dir, checkpoint_every, ...
@@ -10,6 +10,7 @@ dataclass that checks its own keys (``flexorch.config.<module>``)::
     [plan]                # plan.PlanSettings: mode, profile, tokens_per_worker, time_limit_s, ...
     [elastic]             # elastic.ElasticSettings: min_workers, max_workers, wait_s, max_attempts, ...
     [pipeline]            # pipeline.PipelineSettings: stages, params
+    [sharding]            # sharding.ShardingSettings: mode, shard_size, precision, activation_checkpointing
 
 :class:`TrainConfig` checks what spans tables (``data.max_context`` against ``workers x plan.tokens_per_worker``, a
 static layout or pipeline stages against the model and the workers) and derives the elastic bounds in force.
@@ -28,6 +29,7 @@ from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
 from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import PlanSettings
+from flexorch.config.sharding import ShardingSettings
 from flexorch.solver.pipeline.stage_count import check_stage_count
 
 __all__ = ["TrainConfig"]
@@ -39,6 +41,7 @@ _TABLES = {
     "plan": PlanSettings,
     "elastic": ElasticSettings,
     "pipeline": PipelineSettings,
+    "sharding": ShardingSettings,
 }
 
 
@@ -80,6 +83,8 @@ class TrainConfig:
     """The ``[elastic]`` table: workers leaving and joining mid-run."""
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
     """The ``[pipeline]`` table: pipeline stages and where their parameters live."""
+    sharding: ShardingSettings = field(default_factory=ShardingSettings)
+    """The ``[sharding]`` table: model-state sharding (FSDP2), mixed precision, activation checkpointing."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -102,6 +107,7 @@ class TrainConfig:
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():
             raise ConfigError(f"run_dir must be a directory path, got {self.run_dir!r}")
         self._check_pipeline()
+        self._check_sharding()
         need = self.data.max_context
         have = self.workers * self.plan.tokens_per_worker
         if not self.pipelined and need > have:
@@ -137,6 +143,37 @@ class TrainConfig:
                 f"plan.mode={self.plan.mode!r} forces an SP layout; it cannot be combined with pipeline.stages = "
                 f"{p!r} (set plan.mode = 'adaptive')"
             )
+
+    def _check_sharding(self) -> None:
+        mode, precision = self.sharding.resolved(self.use_gpu)
+        s = self.sharding.shard_size
+        if mode == "hsdp" and self.workers % s:
+            raise ConfigError(
+                f"sharding.shard_size={s} does not divide workers={self.workers}: hsdp needs whole shard groups; "
+                f"use a shard_size among {[d for d in range(1, self.workers + 1) if self.workers % d == 0]}"
+            )
+        if precision == "bf16" and mode == "replicate":
+            raise ConfigError(
+                "sharding.precision = 'bf16' needs sharding.mode 'fsdp' or 'hsdp' (FSDP2 keeps the fp32 master "
+                "weights and casts for compute); set mode = 'fsdp', or 'hsdp' with shard_size = 1 to keep whole "
+                "replicas"
+            )
+        if mode != "replicate" and self.pipelined:
+            raise ConfigError(
+                f"sharding.mode = {mode!r} with pipeline.stages = {self.pipeline.stages!r} is not supported yet: "
+                "pipeline stages keep stage-local or replicated parameters (pipeline.params); set sharding.mode = "
+                "'replicate' for a pipelined run"
+            )
+
+    @property
+    def sharding_mode(self) -> str:
+        """'replicate', 'fsdp' or 'hsdp': ``sharding.mode`` with 'auto' resolved for the device kind."""
+        return self.sharding.resolved(self.use_gpu)[0]
+
+    @property
+    def precision(self) -> str:
+        """'fp32' or 'bf16': ``sharding.precision`` with 'auto' resolved."""
+        return self.sharding.resolved(self.use_gpu)[1]
 
     @property
     def pipelined(self) -> bool:

@@ -4,9 +4,10 @@
 custom ``autograd.Function``'s ``save_for_backward``, e.g. the SP attention kernels). Several saved tensors
 often share one storage (views, the same input saved by two ops), so bytes are summed over *distinct storages*
 (deduplicated by the storage's data pointer). Storages of parameters and buffers are not activations and can
-be excluded. What the meter cannot see: tensors an ``autograd.Function`` stashes on ``ctx`` by attribute,
-and the allocator's transient peak inside a kernel. The result is what the planner's ``act_per_token`` models
-(docs/design.md §2.1): ``measure_activation_bytes(...) / tokens``.
+be excluded. Tensors an activation checkpoint keeps alive for its recompute are reported to the active meter by
+``flexorch.workers.recompute.note_kept``. What the meter cannot see: tensors an ``autograd.Function`` stashes on
+``ctx`` by attribute, and the allocator's transient peak inside a kernel. The result is what the planner's
+``act_per_token`` models (docs/design.md §2.1): ``measure_activation_bytes(...) / tokens``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from flexorch.workers.model import AttnFn, loss_sum
+from flexorch.workers.recompute import kept_tensor_sink
 
 __all__ = ["SavedTensorMeter", "measure_activation_bytes", "saved_tensor_meter"]
 
@@ -41,6 +43,8 @@ class SavedTensorMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.saved_tensors += 1
+        if isinstance(t, nn.Parameter):  # FSDP2's gathered parameters during forward: model state, not activations
+            return t
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self.exclude and storage.nbytes() > 0:
@@ -61,8 +65,12 @@ def saved_tensor_meter(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedTe
     later one and be counted once.
     """
     meter = SavedTensorMeter(exclude=_storage_ptrs(exclude))
-    with torch.autograd.graph.saved_tensors_hooks(meter._pack, lambda t: t):
-        yield meter
+    token = kept_tensor_sink.set(meter._pack)  # inputs an activation checkpoint keeps (flexorch.workers.recompute)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(meter._pack, lambda t: t):
+            yield meter
+    finally:
+        kept_tensor_sink.reset(token)
 
 
 def measure_activation_bytes(

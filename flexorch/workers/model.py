@@ -14,6 +14,7 @@ names follow Meta's LLaMA / torchtitan (``tok_embeddings``, ``layers.i.attention
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -23,6 +24,8 @@ from torch import nn
 
 from flexorch.config.model import ModelConfig
 from flexorch.workers.attention.sharding import check_cu_seqlens
+from flexorch.workers.recompute import MODES as RECOMPUTE_MODES
+from flexorch.workers.recompute import checkpointed
 
 __all__ = [
     "IGNORE_INDEX",
@@ -30,8 +33,10 @@ __all__ = [
     "Decoder",
     "check_token_range",
     "init_model",
+    "initial_parameters",
     "loss_sum",
     "next_token_labels",
+    "set_activation_checkpointing",
 ]
 
 IGNORE_INDEX = -100
@@ -108,7 +113,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)).
+
+    ``recompute`` (``flexorch.workers.recompute``): 'full' runs the block again in the backward, 'selective' its
+    MLP half only; set it with :func:`set_activation_checkpointing`."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -116,10 +124,30 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.feed_forward = FeedForward(cfg)
+        self.recompute = "none"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+        if self.recompute == "full":
+            return checkpointed(functools.partial(self._forward, attn=attn), x, cos, sin)
+        return self._forward(x, cos, sin, attn)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttnFn) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin, attn)
-        return x + self.feed_forward(self.ffn_norm(x))
+        if self.recompute == "selective":
+            return x + checkpointed(self._mlp, x)
+        return x + self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        return self.feed_forward(self.ffn_norm(x))
+
+
+def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Set every decoder block's recompute mode: 'none', 'full' or 'selective' (``flexorch.workers.recompute``)."""
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"activation checkpointing must be one of {RECOMPUTE_MODES}, got {mode!r}")
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.recompute = mode
 
 
 class Decoder(nn.Module):
@@ -166,16 +194,26 @@ def init_model(cfg: ModelConfig, seed: int, *, device: torch.device | str | None
     with torch.device("meta"):
         model = Decoder(cfg)
     model = model.to_empty(device=device or "cpu")
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, value in initial_parameters(cfg, seed, [(n, p.shape) for n, p in params.items()]):
+            params[name].copy_(value)
+    return model
+
+
+def initial_parameters(cfg: ModelConfig, seed: int, shapes):
+    """Yield ``(name, float32 CPU tensor)`` of each parameter's initial value, one at a time, in the order of
+    ``shapes`` (``(name, shape)`` in ``named_parameters`` order): what :func:`init_model` copies in. A sharded
+    worker keeps its rows of each and drops the rest, so no process ever holds the whole initial model, and the
+    values are the same whatever the sharding."""
     gen = torch.Generator().manual_seed(seed)
     residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:  # RMSNorm weights
-                p.fill_(1.0)
-                continue
-            std = residual_std if _is_residual_output(name) else cfg.init_std
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=gen))
-    return model
+    for name, shape in shapes:
+        if len(shape) == 1:  # RMSNorm weights
+            yield name, torch.ones(shape, dtype=torch.float32)
+            continue
+        std = residual_std if _is_residual_output(name) else cfg.init_std
+        yield name, torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
 def next_token_labels(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
