@@ -73,6 +73,28 @@ class ModelConfig:
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return embed + self.num_layers * per_layer + self.dim + head  # + final norm
 
+    def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, shape)`` of every parameter in the built model's ``named_parameters`` order."""
+        kv = self.num_kv_heads * self.head_dim
+        out: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (self.vocab_size, self.dim))]
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            out += [
+                (p + "attention_norm.weight", (self.dim,)),
+                (p + "attention.wq.weight", (self.num_heads * self.head_dim, self.dim)),
+                (p + "attention.wk.weight", (kv, self.dim)),
+                (p + "attention.wv.weight", (kv, self.dim)),
+                (p + "attention.wo.weight", (self.dim, self.num_heads * self.head_dim)),
+                (p + "ffn_norm.weight", (self.dim,)),
+                (p + "feed_forward.w1.weight", (self.ffn_dim, self.dim)),
+                (p + "feed_forward.w2.weight", (self.dim, self.ffn_dim)),
+                (p + "feed_forward.w3.weight", (self.ffn_dim, self.dim)),
+            ]
+        out.append(("norm.weight", (self.dim,)))
+        if not self.tie_embeddings:
+            out.append(("output.weight", (self.vocab_size, self.dim)))
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of every field (JSON/TOML friendly)."""
         return asdict(self)

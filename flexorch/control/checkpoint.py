@@ -6,7 +6,14 @@
 * ``model.pt``: the model's state dict (tensors only);
 * ``train_state.pt``: optimizer, LR schedule and torch RNG state (tensors and plain values);
 * ``driver_state.json``: the step count, the data stream position (the exact next document), the corpus
-  fingerprint and the run config.
+  fingerprint and the run config;
+* ``manifest.json``: the size and SHA-256 of every other file, checked before anything is loaded (a truncated or
+  corrupted file is an error naming it, and nothing is loaded).
+
+With sharded model state (``[sharding] mode = "fsdp"/"hsdp"``) ``model.pt`` and ``train_state.pt`` are replaced by
+``torch.distributed.checkpoint`` files that the workers write themselves, one per worker
+(``flexorch.workers.sharded_checkpoint``), loadable on any number of workers; ``flexorch checkpoint export``
+consolidates them into one ``model.pt``.
 
 A checkpoint is written to a hidden temporary directory and renamed into place, so a crash never leaves a
 half-written one that looks complete. Everything is loaded with ``torch.load(weights_only=True)``. Ray Train is
@@ -16,9 +23,11 @@ tests without Ray and without checkpoints never pays it).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,12 +42,15 @@ __all__ = [
     "CheckpointError",
     "RunCheckpoints",
     "corpus_fingerprint",
+    "export_model",
+    "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
 ]
 
 _PREFIX = "checkpoint_"
+_MANIFEST = "manifest.json"
 
 
 class CheckpointError(ValueError):
@@ -50,21 +62,37 @@ def _root(run_dir: Path | str) -> Path:
 
 
 def save_checkpoint(
-    run_dir: Path | str, step: int, worker_state: dict, driver_state: dict, keep: int = 2
+    run_dir: Path | str,
+    step: int,
+    worker_state: dict | None,
+    driver_state: dict,
+    keep: int = 2,
+    write_shards: Callable[[str], None] | None = None,
 ) -> Checkpoint:
-    """Write the checkpoint taken after ``step`` steps; keep the newest ``keep`` checkpoints."""
+    """Write the checkpoint taken after ``step`` steps; keep the newest ``keep`` checkpoints. ``worker_state``:
+    the whole model state (replicas); or ``write_shards(directory)``: the workers write their shards there."""
     root = _root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_PREFIX}{step:06d}"
     tmp = root / f".tmp-{_PREFIX}{step:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    torch.save(worker_state["model"], tmp / "model.pt")
-    torch.save(
-        {"optimizer": worker_state["optimizer"], "scheduler": worker_state["scheduler"], "rng": worker_state["rng"]},
-        tmp / "train_state.pt",
-    )
+    if write_shards is not None:
+        write_shards(str(tmp))
+    else:
+        torch.save(worker_state["model"], tmp / "model.pt")
+        torch.save(
+            {
+                "optimizer": worker_state["optimizer"],
+                "scheduler": worker_state["scheduler"],
+                "rng": worker_state["rng"],
+            },
+            tmp / "train_state.pt",
+        )
     (tmp / "driver_state.json").write_text(json.dumps({**driver_state, "step": step}, indent=1, sort_keys=True))
+    files = sorted(f for f in tmp.iterdir() if f.is_file())
+    manifest = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
+    (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -73,6 +101,37 @@ def save_checkpoint(
     from ray.train import Checkpoint
 
     return Checkpoint.from_directory(str(final))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_files(directory: Path) -> None:
+    """Check every file of a checkpoint against its manifest; raise :class:`CheckpointError` naming the first
+    missing, truncated or altered one (checkpoints written before manifests existed are not checked)."""
+    path = directory / _MANIFEST
+    if not path.is_file():
+        return
+    for name, want in json.loads(path.read_text()).items():
+        f = directory / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
+        if f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
+            raise CheckpointError(
+                f"checkpoint file {f} is corrupted ({f.stat().st_size} bytes, the manifest says {want['bytes']} "
+                "bytes and another SHA-256); nothing was loaded. Resume from an older checkpoint (delete this one) "
+                "or start the run again"
+            )
+
+
+def is_sharded(directory: Path | str) -> bool:
+    """Whether a checkpoint directory holds sharded (``torch.distributed.checkpoint``) model state."""
+    return (Path(directory) / ".metadata").is_file()
 
 
 def latest_checkpoint(run_dir: Path | str) -> Checkpoint | None:
@@ -89,9 +148,16 @@ def latest_checkpoint(run_dir: Path | str) -> Checkpoint | None:
 
 
 def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict, dict]:
-    """(worker_state, driver_state) of a checkpoint; tensors are loaded with ``weights_only=True``."""
+    """(worker_state, driver_state) of a checkpoint, every file checked against its manifest first; tensors are
+    loaded with ``weights_only=True``. Sharded: worker_state is ``{"sharded_dir": path}``, which the workers read
+    themselves (each its own rows)."""
     with checkpoint.as_directory() as d:
         d = Path(d)
+        verify_files(d)
+        if is_sharded(d):
+            if not (d / "driver_state.json").is_file():
+                raise CheckpointError(f"checkpoint {d} is incomplete: missing driver_state.json")
+            return {"sharded_dir": str(d)}, json.loads((d / "driver_state.json").read_text())
         missing = [f for f in ("model.pt", "train_state.pt", "driver_state.json") if not (d / f).is_file()]
         if missing:
             raise CheckpointError(f"checkpoint {d} is incomplete: missing {missing}")
@@ -99,6 +165,31 @@ def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict, dict]:
         train = torch.load(d / "train_state.pt", weights_only=True, map_location="cpu")
         driver = json.loads((d / "driver_state.json").read_text())
     return {"model": model, **train}, driver
+
+
+def export_model(directory: Path | str, out: Path | str) -> dict:
+    """Consolidate a checkpoint's model into one ``torch.save`` file of the whole state dict (parameter name ->
+    tensor), from a sharded checkpoint's per-worker files or a replicated one's ``model.pt``; returns
+    ``{"parameters", "tensors", "bytes"}``. Runs in one process, without a world."""
+    d = Path(directory)
+    verify_files(d)
+    if is_sharded(d):
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        tmp = Path(out).with_suffix(".all.tmp")
+        dcp_to_torch_save(d, tmp)
+        model = torch.load(tmp, weights_only=True, map_location="cpu")["model"]
+        tmp.unlink()
+    elif (d / "model.pt").is_file():
+        model = torch.load(d / "model.pt", weights_only=True, map_location="cpu")
+    else:
+        raise CheckpointError(f"{d} is not a flexorch checkpoint (no model.pt and no .metadata)")
+    torch.save(model, out)
+    return {
+        "parameters": int(sum(t.numel() for t in model.values())),
+        "tensors": len(model),
+        "bytes": Path(out).stat().st_size,
+    }
 
 
 def corpus_fingerprint(corpus) -> dict:
@@ -111,8 +202,8 @@ class RunCheckpoints:
     """The checkpoints one run writes and goes back to: it resumes from, or rolls back to, only its own newest
     checkpoint (never an older run's in the same directory)."""
 
-    def __init__(self, run_dir: Path | str, corpus, keep: int):
-        self.run_dir, self.corpus, self.keep = Path(run_dir), corpus, keep
+    def __init__(self, run_dir: Path | str, corpus, keep: int, sharded: bool = False):
+        self.run_dir, self.corpus, self.keep, self.sharded = Path(run_dir), corpus, keep, sharded
         self.own: Checkpoint | None = None
 
     def resume(self) -> tuple[dict, dict]:
@@ -127,13 +218,23 @@ class RunCheckpoints:
                 f"--resume: the checkpoint was taken on another corpus ({dstate['corpus']}); this run reads "
                 f"{corpus_fingerprint(self.corpus)}"
             )
+        if ("sharded_dir" in state) != self.sharded:
+            was = "sharded (fsdp/hsdp)" if "sharded_dir" in state else "whole replicas (replicate)"
+            raise ConfigError(
+                f"--resume: the checkpoint {ckpt.path} holds {was} model state and this run's sharding.mode "
+                f"{'is sharded' if self.sharded else 'is replicate'}; resume with the sharding it was written with "
+                "(any world size works within the sharded modes)"
+            )
         self.own = ckpt
         return state, dstate
 
-    def save(self, step: int, worker_state: dict, driver_state: dict) -> str:
-        """Write this run's checkpoint after ``step`` steps (``driver_state`` plus the corpus fingerprint)."""
+    def save(self, step: int, worker_state: dict | None, driver_state: dict, write_shards=None) -> str:
+        """Write this run's checkpoint after ``step`` steps (``driver_state`` plus the corpus fingerprint); the
+        whole ``worker_state``, or shards the workers write with ``write_shards(directory)``."""
         driver_state = {**driver_state, "corpus": corpus_fingerprint(self.corpus)}
-        self.own = save_checkpoint(self.run_dir, step, worker_state, driver_state, keep=self.keep)
+        self.own = save_checkpoint(
+            self.run_dir, step, worker_state, driver_state, keep=self.keep, write_shards=write_shards
+        )
         return self.own.path
 
     def hint(self) -> str:

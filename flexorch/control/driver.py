@@ -86,7 +86,8 @@ class TrainingDriver:
                 f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.corpus.vocab_size}"
             )
         self.stream = DocumentStream(self.corpus.num_docs, cfg.batch_size, cfg.seed)
-        self.checkpoints = RunCheckpoints(self.run_dir, self.corpus, cfg.keep_checkpoints)
+        sharded = cfg.sharding_mode != "replicate"
+        self.checkpoints = RunCheckpoints(self.run_dir, self.corpus, cfg.keep_checkpoints, sharded=sharded)
         resumed = self.checkpoints.resume() if cfg.resume else None  # checked before any worker starts
         self.workers = self._given_workers or RayWorkerGroup.from_config(cfg)
         policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
@@ -296,7 +297,10 @@ class TrainingDriver:
             "skipped_batches": self.skipped_batches,
             "config": self.cfg.to_dict(),
         }
-        path = self.checkpoints.save(self.step_no, self.workers.get_state(0), driver_state)
+        if getattr(self.workers, "sharded", False):  # every worker writes its own shard
+            path = self.checkpoints.save(self.step_no, None, driver_state, write_shards=self.workers.save_sharded)
+        else:
+            path = self.checkpoints.save(self.step_no, self.workers.get_state(0), driver_state)
         self._publish({"event": "checkpoint", "step": self.step_no, "path": path})
         return path
 

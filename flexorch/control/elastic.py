@@ -10,7 +10,9 @@
   the step) and form a new world (new epoch, new ranks, new rendezvous). A failure during any of this (a second
   worker dying while the world forms, say) goes back to the policy. Returns what happened, as a record.
   With stage-local parameters (``[pipeline] params = "stage"``) a part whose every holder was lost raises
-  ``PartsLostError``: the driver rolls back to its last checkpoint.
+  ``PartsLostError``: the driver rolls back to its last checkpoint. With sharded model state the new world
+  re-shards it from the survivors as it forms (``hsdp``: in place; ``fsdp``: a lost shard had no copy, so
+  ``PartsLostError`` and the roll-back).
 * :meth:`Elastic.at_boundary` between steps: admit workers that finished starting (new world, state copied to
   them from a member), then start new ones where the cluster has free slots, up to ``max_workers``.
 """
@@ -74,6 +76,9 @@ class Elastic:
                 failure = e.failure
                 attempt += 1
                 continue
+            restored = getattr(w, "restored", None)  # sharded state: the version the new world re-sharded
+            if ahead and restored is not None and restored["version"] != restored["newest"]:
+                ahead = set()  # the update survived only on workers that lost shards: the step runs again
             missing = w.missing_parts()  # stage-local parameters: some part's every holder may be gone
             if missing:
                 raise PartsLostError(missing, sorted(lost_all))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
 from flexorch.control.membership import Failure, Membership
-from flexorch.tasks.placement import ALL, missing_parts, model_parts, transfers
+from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_parts, transfers
 from flexorch.workers.actor import PeerLostError, WorkerActor
 
 ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
@@ -62,11 +62,18 @@ class RayWorkerGroup:
         collective_timeout_s: float = 120.0,
         placement_timeout_s: float = 60.0,
         min_workers: int | None = None,
+        sharding: dict | None = None,
     ):
         self.timeout_s = collective_timeout_s
         self.placement_timeout_s = placement_timeout_s
         self.use_gpu = use_gpu
-        self._args = (model_cfg, optim_cfg, seed, threads)
+        self._args = (model_cfg, optim_cfg, seed, threads, sharding)
+        self.sharded = bool(sharding) and sharding.get("mode", "replicate") != "replicate"
+        """Model state sharded over the workers (FSDP2): it moves when the world re-forms, never through
+        :meth:`sync_state`."""
+        self._initialised = False  # the first world fills the initial parameters
+        self.restored: dict | None = None
+        """Sharded: what the last :meth:`form_world` restored (``{"version", "newest"}``, per worker.join_world)."""
         self.parts = model_parts(int(model_cfg.get("num_layers", ModelConfig().num_layers)))
         self.held: dict[int, frozenset[str] | None] = {}
         """Model parts each member holds (``flexorch.tasks.placement``; None: the whole model)."""
@@ -104,6 +111,12 @@ class RayWorkerGroup:
             threads=cfg.worker_threads,
             collective_timeout_s=cfg.elastic.collective_timeout_s,
             min_workers=cfg.min_workers,
+            sharding={
+                "mode": cfg.sharding_mode,
+                "shard_size": cfg.sharding.shard_size,
+                "precision": cfg.precision,
+                "recompute": cfg.sharding.activation_checkpointing,
+            },
         )
 
     # ---------------------------------------------------------------- membership
@@ -179,23 +192,36 @@ class RayWorkerGroup:
 
     def remove(self, worker_ids) -> None:
         """Drop members (dead, hung or unwanted); their actors are killed if still running."""
+        self._lost_since_state = [*getattr(self, "_lost_since_state", []), *worker_ids]
         for wid in worker_ids:
             ray.kill(self._actors.pop(wid), no_restart=True)
             self.held.pop(wid, None)
         self.membership.remove(worker_ids)
 
     def form_world(self) -> float:
-        """Every member joins a fresh world (the next membership epoch); returns the seconds it took."""
+        """Every member joins a fresh world (the next membership epoch); returns the seconds it took. Sharded
+        state is re-sharded for the new world as it forms; when the members no longer hold every shard of it
+        (``fsdp``: a lost worker's shard had no copy) this raises :class:`~flexorch.tasks.placement.PartsLostError`
+        with the world formed, and the driver loads its last checkpoint."""
         epoch = self.membership.next_epoch()
         t0 = time.perf_counter()
         self.store = None  # close the last epoch's rendezvous: anyone still waiting on it fails now
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         ids = self.worker_ids
+        initial = self.sharded and not self._initialised
         refs = {
-            w: self._actors[w].join_world.remote(self.host, self.store.port, r, len(ids), epoch, self.timeout_s)
+            w: self._actors[w].join_world.remote(
+                self.host, self.store.port, r, len(ids), epoch, self.timeout_s, initial
+            )
             for r, w in enumerate(ids)
         }
-        self.call_all(refs, "form a torch.distributed world", self.timeout_s + 30.0)
+        got = self.call_all(refs, "form a torch.distributed world", self.timeout_s + 30.0)
+        self._initialised = True
+        if self.sharded:
+            self.restored = got[ids[0]]
+            if self.restored["version"] is None:
+                raise PartsLostError(["model-state shards"], self._lost_since_state)
+        self._lost_since_state = []
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- calls
@@ -259,6 +285,8 @@ class RayWorkerGroup:
         """Copy model, optimizer, schedule and RNG state from worker ``source`` to ``targets`` (object store): they
         then hold what ``source`` holds (with stage-local parameters, its parts only)."""
         targets = [t for t in targets if t != source]
+        if self.sharded:  # sharded state moves as the next world forms (flexorch.workers.reshard)
+            return
         if targets:
             ref = self._actors[source].get_state.remote()
             self.call_all(
@@ -320,7 +348,17 @@ class RayWorkerGroup:
         state["parts"] = None
         return state
 
+    def save_sharded(self, directory: str) -> None:
+        """Every member writes its shard of the model state into ``directory`` (sharded model state)."""
+        self.call_all(
+            {w: self._actors[w].save_sharded.remote(directory) for w in self.worker_ids}, "save", self.timeout_s
+        )
+
     def set_state(self, state: dict) -> None:
+        if "sharded_dir" in state:  # a sharded checkpoint: each member reads its own rows, on any world size
+            d = state["sharded_dir"]
+            self.call_all({w: self._actors[w].load_sharded.remote(d) for w in self.worker_ids}, "load", self.timeout_s)
+            return
         ref = ray.put(state)
         self.call_all({w: self._actors[w].set_state.remote(ref) for w in self.worker_ids}, "load state", self.timeout_s)
         for w in self.worker_ids:

@@ -104,9 +104,13 @@ class StepTask:
     """This rank's groups, in micro-batch order (empty when the plan leaves it idle)."""
     num_predicted: int
     """Predicted tokens of the whole global batch: the loss denominator, identical on every rank."""
+    micro_batches: int = 0
+    """Micro-batches of the whole step; with sharded model state every rank runs each one (an empty one where it
+    has no group), since FSDP's gathers span the world. 0: not given (whole replicas only need their own)."""
 
     def __post_init__(self) -> None:
         check_count("StepTask.step", self.step)
+        check_count(f"StepTask (step {self.step}) micro_batches", self.micro_batches)
         check_count(f"StepTask (step {self.step}) world_size", self.world_size, 1)
         check_count(f"StepTask (step {self.step}) rank", self.rank)
         if self.rank >= self.world_size:
@@ -139,6 +143,8 @@ class StepTask:
                     f"num_predicted {self.num_predicted}"
                 )
             last = w.micro_batch
+        if self.micro_batches and last >= self.micro_batches:
+            raise ValueError(f"{where}: micro-batch {last} is outside the step's {self.micro_batches} micro-batches")
 
     def blocks(self) -> set[int]:
         """Object-store blocks this rank reads."""
@@ -166,4 +172,5 @@ def step_tasks(plan, docs: Sequence[DocRef], step: int) -> list[StepTask]:
             for r in g.ranks:
                 per_rank[r].append(work)
     num_predicted = sum(d.length - 1 for d in docs)
-    return [StepTask(step, r, n, tuple(rank_sets), tuple(per_rank[r]), num_predicted) for r in range(n)]
+    m = len(plan.micro_batches)
+    return [StepTask(step, r, n, tuple(rank_sets), tuple(per_rank[r]), num_predicted, m) for r in range(n)]

@@ -54,7 +54,8 @@ class SavedTensorMeter:
 
 
 def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
-    return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+    # a DTensor (FSDP2's sharded parameter) has no storage of its own: its local shard has
+    return frozenset((t.to_local() if hasattr(t, "to_local") else t).untyped_storage().data_ptr() for t in tensors)
 
 
 @contextlib.contextmanager

@@ -25,11 +25,12 @@ from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
-from flexorch.workers.model import init_model
+from flexorch.workers.model import init_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry
+from flexorch.workers.sharded_step import run_sharded_step
 from flexorch.workers.step_exec import StepOutcome, run_step
 
 __all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS"]
@@ -52,18 +53,35 @@ def _is_world_error(e: BaseException) -> bool:
 class Worker:
     """The worker's state and methods, usable in-process (tests) or as a Ray actor (:data:`WorkerActor`)."""
 
-    def __init__(self, worker_id: int, model_cfg: dict, optim_cfg: dict, seed: int, num_threads: int = 1):
+    def __init__(
+        self,
+        worker_id: int,
+        model_cfg: dict,
+        optim_cfg: dict,
+        seed: int,
+        num_threads: int = 1,
+        sharding: dict | None = None,
+    ):
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.worker_id = worker_id
+        self.seed = seed
         self.model_cfg = ModelConfig.from_dict(model_cfg)
         self.optim_cfg = OptimConfig(**optim_cfg)
+        self.sharding = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
+        self.sharding.update(sharding or {})
+        self.sharded = self.sharding["mode"] != "replicate"
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        self.model = init_model(self.model_cfg, seed)
-        if self.device is not None:
-            self.model.to(self.device)
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
-        self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
+        self.version = 0
+        """Optimizer steps applied to the state this worker holds."""
+        self.model = None  # sharded: built for each world at join (flexorch.workers.fsdp)
+        if not self.sharded:
+            self.model = init_model(self.model_cfg, seed)
+            set_activation_checkpointing(self.model, self.sharding["recompute"])
+            if self.device is not None:
+                self.model.to(self.device)
+            self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
+            self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
         self._faults: list[tuple[str, int, int, str]] = []
@@ -79,13 +97,52 @@ class Worker:
             "device": str(self.device or "cpu"),
         }
 
-    def join_world(self, host: str, port: int, rank: int, world_size: int, epoch: int, timeout_s: float) -> float:
-        """Join the torch.distributed world of membership ``epoch`` (blocks until every rank joined)."""
+    def join_world(
+        self, host: str, port: int, rank: int, world_size: int, epoch: int, timeout_s: float, initial: bool = False
+    ) -> dict:
+        """Join the torch.distributed world of membership ``epoch`` (blocks until every rank joined). Sharded
+        state is then re-sharded for the new world (a collective, ``flexorch.workers.reshard``): from the initial
+        values when ``initial`` (the run's first world), else from what the members hold. Returns ``{"seconds",
+        "version"}``: the state version now held (None: the members no longer hold every shard of any version,
+        nothing was restored) and ``"newest"``, the newest version any member held."""
         t0 = time.perf_counter()
+        holding = self._holding()
         self.leave_world()
         self._strike("join", epoch)
         self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
-        return time.perf_counter() - t0
+        out = {"version": self.version, "newest": self.version}
+        if self.sharded:
+            out = self._guarded(self._reshard, holding, initial)
+        return {"seconds": time.perf_counter() - t0, **out}
+
+    def _holding(self):
+        if not self.sharded or self.model is None:
+            return None
+        from flexorch.workers.reshard import holding_of
+
+        return holding_of(self.model, self.optimizer, self.scheduler, self.version)
+
+    def _reshard(self, holding, initial: bool) -> dict:
+        from flexorch.workers.fsdp import build_mesh, fill_initial, sharded_decoder
+        from flexorch.workers.reshard import exchange
+
+        reg = self.registry
+        sh = self.sharding
+        mesh = build_mesh(sh["mode"], reg.world_size, sh["shard_size"], "cuda" if self.device else "cpu")
+        self.model = sharded_decoder(
+            self.model_cfg, mesh, precision=sh["precision"], recompute=sh["recompute"], device=self.device
+        )
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
+        if initial:
+            fill_initial(self.model, self.model_cfg, self.seed)
+            self.version = 0
+            return {"version": 0, "newest": 0}
+        newest = [None] * reg.world_size
+        dist.all_gather_object(newest, None if holding is None else holding.version, group=reg.world)
+        version = exchange(holding, self.model, self.optimizer, self.scheduler, reg.world)
+        if version is not None:
+            self.version = version
+        return {"version": version, "newest": max((v for v in newest if v is not None), default=None)}
 
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
         self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
@@ -157,8 +214,9 @@ class Worker:
         self.registry.ensure(task.rank_sets)
         world = self.registry.world if task.world_size > 1 else None
         extra = {"held": self.held} if isinstance(task, PipelineTask) else {}
-        fn = run_pipeline_step if isinstance(task, PipelineTask) else run_step
-        return fn(
+        sp_step = run_sharded_step if self.sharded else run_step
+        fn = run_pipeline_step if isinstance(task, PipelineTask) else sp_step
+        out = fn(
             self.model,
             self.optimizer,
             self.scheduler,
@@ -171,6 +229,8 @@ class Worker:
             hook=(lambda point: self._strike(point, task.step)) if self._faults else None,
             **extra,
         )
+        self.version += 1
+        return out
 
     def probe(self, probes: list) -> list[float]:
         """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms
@@ -186,7 +246,9 @@ class Worker:
         ]
         reg.ensure(sets)
         world = reg.world if n > 1 else None
-        return run_probes(self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size)
+        return run_probes(
+            self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
+        )
 
     def activation_bytes_per_token(self) -> float:
         from flexorch.workers.calibrate import activation_bytes_per_token
@@ -199,6 +261,27 @@ class Worker:
         from flexorch.workers.calibrate import stage_activation_bytes
 
         return stage_activation_bytes(self.model, self.model_cfg.vocab_size)
+
+    def state_bytes(self) -> int:
+        """Bytes of model state this worker keeps between steps (parameters, gradients, optimizer state)."""
+        from flexorch.workers.fsdp import resident_bytes
+
+        return resident_bytes(self.model, self.optimizer)
+
+    def save_sharded(self, directory: str) -> None:
+        """Write this worker's shard of the model and optimizer state into ``directory`` (a collective over the
+        world: ``torch.distributed.checkpoint``, one file per worker; ``flexorch.workers.sharded_checkpoint``)."""
+        from flexorch.workers.sharded_checkpoint import save_sharded
+
+        self._guarded(save_sharded, directory, self.model, self.optimizer, self.scheduler, self.version)
+
+    def load_sharded(self, directory: str) -> int:
+        """Load a sharded checkpoint written on any number of workers (a collective: each worker reads the rows
+        of its shard); returns the state version loaded."""
+        from flexorch.workers.sharded_checkpoint import load_sharded
+
+        self.version = self._guarded(load_sharded, directory, self.model, self.optimizer, self.scheduler)
+        return self.version
 
     def get_state(self) -> dict:
         """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers. With stage-local
@@ -218,6 +301,7 @@ class Worker:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["rng"])
+        self.version = int(self.scheduler.last_epoch)
 
     def export_parts(self, parts: list[str]) -> dict:
         """The parameters and optimizer state of ``parts`` (``flexorch.tasks.placement``), for another worker."""
@@ -233,7 +317,12 @@ class Worker:
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
     def parameters_digest(self) -> list:
-        """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference)."""
+        """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference); sharded:
+        the whole parameters gathered from the shards (a collective)."""
+        if self.sharded:
+            from flexorch.workers.fsdp import gathered_parameters
+
+            return self._guarded(gathered_parameters, self.model)
         held = set(self.held.held_names())
         return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items() if k in held]
 

@@ -40,8 +40,11 @@ def _synthetic(lengths, vocab_size: int, seed: int) -> tuple[torch.Tensor, list[
     return tokens, [0, *np.cumsum(lengths).tolist()]
 
 
-def run_probes(model, probes, rank: int, world_size: int, group_of, world, vocab_size: int) -> list[float]:
-    """Median ms of every probe on this rank (ranks beyond the last full group idle); grads are discarded."""
+def run_probes(
+    model, probes, rank: int, world_size: int, group_of, world, vocab_size: int, *, every_rank: bool = False
+) -> list[float]:
+    """Median ms of every probe on this rank (ranks beyond the last full group idle); grads are discarded.
+    ``every_rank`` (sharded model state, whose gathers span the world): idle ranks run an empty micro-batch."""
     out = []
     for i, probe in enumerate(probes):
         d = probe.degree
@@ -51,6 +54,10 @@ def run_probes(model, probes, rank: int, world_size: int, group_of, world, vocab
             if world is not None:
                 dist.barrier(group=world)
             if rank >= groups * d:
+                if every_rank:
+                    empty = torch.zeros(0, dtype=torch.int64)
+                    loss_sum(model(empty, empty, lambda q, k, v: q), empty).backward()
+                    model.zero_grad(set_to_none=True)
                 times.append(0.0)
                 continue
             first = rank - rank % d

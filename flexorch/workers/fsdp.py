@@ -1,0 +1,127 @@
+"""The decoder with its model state sharded by PyTorch FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+``fsdp`` shards every parameter over the whole world (ZeRO-3, Rajbhandari et al., arXiv 1910.02054); ``hsdp``
+shards within groups of ``shard_size`` and replicates across them, on a 2-D device mesh ``(replicate, shard)``
+(the layout torchtitan builds for HSDP). One FSDP unit per decoder layer plus the root (embedding, final norm, LM
+head), as in torchtitan's ``apply_fsdp``. Gradients are *summed* over the mesh, not averaged
+(``set_gradient_divide_factor(1.0)`` with plain SUM collectives, which gloo supports): the trainer divides by the
+step's global count of predicted tokens, so every token weighs the same (docs/design.md §1). Parameters no rank
+used in a micro-batch still take part in the reduce-scatter (``set_reduce_scatter_unused_params``), so every rank
+issues the same collectives.
+
+Mixed precision (``bf16``): FSDP2's ``MixedPrecisionPolicy`` gathers the fp32 master weights cast to bf16 for
+compute and reduces gradients in fp32; AdamW's moments stay fp32 on the shards.
+
+No worker materialises the whole model: the decoder is built on the meta device, sharded, then only the local
+shard is allocated and filled from the same generator stream as :func:`~flexorch.workers.model.init_model`
+(one parameter at a time), so the parameters are the same whatever the world size.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from flexorch.config.model import ModelConfig
+from flexorch.config.sharding import effective_shard_size
+from flexorch.solver.model_state import shard_rows
+from flexorch.workers.model import Decoder, initial_parameters, set_activation_checkpointing
+
+__all__ = [
+    "build_mesh",
+    "fill_initial",
+    "gathered_parameters",
+    "local_rows",
+    "resident_bytes",
+    "sharded_decoder",
+    "shard_position",
+]
+
+
+def build_mesh(mode: str, world_size: int, shard_size: int | None, device_type: str) -> DeviceMesh:
+    """The device mesh of the world now open (a collective: every rank calls it): 1-D ``(shard,)`` for fsdp,
+    2-D ``(replicate, shard)`` for hsdp with :func:`~flexorch.config.sharding.effective_shard_size`."""
+    s = effective_shard_size(mode, world_size, shard_size)
+    if mode == "fsdp":
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (world_size // s, s), mesh_dim_names=("replicate", "shard"))
+
+
+def sharded_decoder(
+    cfg: ModelConfig, mesh: DeviceMesh, *, precision: str = "fp32", recompute: str = "none", device=None
+) -> Decoder:
+    """A decoder sharded on ``mesh`` with its local shards allocated (uninitialised: fill them with
+    :func:`fill_initial` or a checkpoint)."""
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    set_activation_checkpointing(model, recompute)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
+    kw = {"mesh": mesh, "mp_policy": mp} if mp is not None else {"mesh": mesh}
+    for layer in model.layers:
+        fully_shard(layer, **kw)
+    fully_shard(model, **kw)
+    model.to_empty(device=device or "cpu")
+    for unit in (*model.layers, model):  # these two setters act on one unit each (not recursive)
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    model.set_reduce_scatter_unused_params(True)
+    return model
+
+
+def shard_position(p: DTensor) -> tuple[int, int]:
+    """(index, count) of the dim-0 shard ``p``'s local tensor is, on the mesh dimension that shards it."""
+    for dim, placement in enumerate(p.placements):
+        if isinstance(placement, Shard):
+            if placement.dim != 0:
+                raise ValueError(f"expected parameters sharded on dim 0, got {p.placements}")
+            return p.device_mesh.get_local_rank(mesh_dim=dim), p.device_mesh.size(mesh_dim=dim)
+    return 0, 1
+
+
+def local_rows(p: DTensor) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of the full parameter that ``p.to_local()`` holds."""
+    index, count = shard_position(p)
+    return shard_rows(p.shape[0], count, index)
+
+
+def fill_initial(model: Decoder, cfg: ModelConfig, seed: int) -> None:
+    """Copy this rank's rows of every initial parameter (:func:`~flexorch.workers.model.initial_parameters`)."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, full in initial_parameters(cfg, seed, [(n, tuple(p.shape)) for n, p in params.items()]):
+            p = params[name]
+            start, stop = local_rows(p)
+            p.to_local().copy_(full[start:stop])
+
+
+def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes this worker keeps between steps: its (local) parameters, gradients and optimizer state tensors."""
+
+    def local(t) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    total = 0
+    for p in model.parameters():
+        total += local(p) + local(p.grad)
+    for state in optimizer.state.values():
+        total += sum(local(v) for v in state.values())
+    return total
+
+
+def gathered_parameters(model: torch.nn.Module) -> list:
+    """``(name, numpy array)`` of every whole parameter, gathered from the shards (a collective)."""
+    out = []
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        out.append((name, full.detach().float().cpu().numpy().copy()))
+    return out
+
+
+def world_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"
