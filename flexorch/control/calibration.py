@@ -43,6 +43,35 @@ __all__ = ["calibration_probes", "calibrate", "calibrate_on_workers", "resolve_p
 _A2A_PLACEHOLDER = [CommSample(kind="ulysses", degree=2, tokens_per_rank=t, ms=1.0) for t in (1, 2)]
 
 
+def model_state_plan(cfg, world_size: int):
+    """The model-state bytes a worker holds in a world of ``world_size`` under the run's sharding
+    (``flexorch.solver.model_state``): whole replicas, 1/world (fsdp) or 1/shard_size (hsdp) of the resident state,
+    plus what FSDP gathers in flight."""
+    from flexorch.config.sharding import effective_shard_size
+    from flexorch.solver.model_state import model_state_bytes
+
+    mode = cfg.sharding_mode
+    shards = effective_shard_size(mode, world_size, cfg.sharding.shard_size)
+    param_bytes = 2 if cfg.precision == "bf16" else 4
+    return model_state_bytes(cfg.model.param_shapes(), shards, sharded=mode != "replicate", param_bytes=param_bytes)
+
+
+def model_state_fields(cfg, world_size: int) -> dict:
+    """The ``model_state`` of a step record: the sharding in force and the plan's bytes per worker (each rank's
+    measured ``state_bytes`` is beside it in ``ranks``)."""
+    from flexorch.config.sharding import effective_shard_size
+
+    plan = model_state_plan(cfg, world_size)
+    return {
+        "mode": cfg.sharding_mode,
+        "shards": effective_shard_size(cfg.sharding_mode, world_size, cfg.sharding.shard_size),
+        "precision": cfg.precision,
+        "activation_checkpointing": cfg.sharding.activation_checkpointing,
+        "plan_resident_bytes": plan.resident,
+        "plan_in_flight_bytes": plan.in_flight,
+    }
+
+
 def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int = 5) -> tuple[list, list]:
     """(compute probes, group probes) sized to the per-worker token budget."""
     cap = tokens_per_worker
@@ -70,7 +99,8 @@ def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
     ms = np.max(np.array(per_rank), axis=0)  # a group is as slow as its slowest member
     comp_samples = [ComputeSample(seq_lengths=p.lengths, ms=float(m)) for p, m in zip(compute, ms, strict=False)]
     act = float(np.median(group.call("activation_bytes_per_token")))
-    state_bytes = 16.0 * model.num_params()  # fp32 weights + grads + two AdamW moments
+    # what the executor holds per worker in the run's sharding mode, at the elastic floor (the largest share)
+    state_bytes = model_state_plan(cfg, cfg.min_workers).total
     dims = dict(
         num_layers=model.num_layers,
         hidden=model.dim,

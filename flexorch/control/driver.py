@@ -21,7 +21,7 @@ from pathlib import Path
 import ray
 
 from flexorch.config import ConfigError, TrainConfig, config_from_dict
-from flexorch.control.calibration import run_profile
+from flexorch.control.calibration import model_state_fields, run_profile
 from flexorch.control.checkpoint import RunCheckpoints, load_checkpoint
 from flexorch.control.elastic import Elastic, ElasticError
 from flexorch.control.group import WorkerGroup
@@ -206,6 +206,8 @@ class TrainingDriver:
             raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")
         measured_ms = (t_done - t_dispatch) * 1e3
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
+        if not planned.pipelined:
+            record["model_state"] = model_state_fields(self.cfg, n)
         if moved is not None:
             record["pipeline"]["params"] = {"placement": self.cfg.pipeline.params, **moved}
         self.step_no += 1

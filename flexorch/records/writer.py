@@ -166,6 +166,7 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
         "local_tokens": o.local_tokens,
         "peak_local_tokens": o.peak_local_tokens,
         "peak_activation_bytes": o.peak_activation_bytes,
+        "state_bytes": o.param_bytes,
     }
 
 

@@ -264,7 +264,7 @@ class Worker:
 
     def state_bytes(self) -> int:
         """Bytes of model state this worker keeps between steps (parameters, gradients, optimizer state)."""
-        from flexorch.workers.fsdp import resident_bytes
+        from flexorch.workers.optim import resident_bytes
 
         return resident_bytes(self.model, self.optimizer)
 

@@ -20,7 +20,6 @@ shard is allocated and filled from the same generator stream as :func:`~flexorch
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -29,6 +28,7 @@ from flexorch.config.model import ModelConfig
 from flexorch.config.sharding import effective_shard_size
 from flexorch.solver.model_state import shard_rows
 from flexorch.workers.model import Decoder, initial_parameters, set_activation_checkpointing
+from flexorch.workers.optim import resident_bytes
 
 __all__ = [
     "build_mesh",
@@ -97,23 +97,6 @@ def fill_initial(model: Decoder, cfg: ModelConfig, seed: int) -> None:
             p.to_local().copy_(full[start:stop])
 
 
-def resident_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes this worker keeps between steps: its (local) parameters, gradients and optimizer state tensors."""
-
-    def local(t) -> int:
-        if not isinstance(t, torch.Tensor):
-            return 0
-        t = t.to_local() if isinstance(t, DTensor) else t
-        return t.numel() * t.element_size()
-
-    total = 0
-    for p in model.parameters():
-        total += local(p) + local(p.grad)
-    for state in optimizer.state.values():
-        total += sum(local(v) for v in state.values())
-    return total
-
-
 def gathered_parameters(model: torch.nn.Module) -> list:
     """``(name, numpy array)`` of every whole parameter, gathered from the shards (a collective)."""
     out = []
@@ -121,7 +104,3 @@ def gathered_parameters(model: torch.nn.Module) -> list:
         full = p.full_tensor() if isinstance(p, DTensor) else p
         out.append((name, full.detach().float().cpu().numpy().copy()))
     return out
-
-
-def world_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() and dist.get_backend() != "gloo" else "cpu"

@@ -19,7 +19,7 @@ from torch import nn
 
 from flexorch.config.optim import OptimConfig
 
-__all__ = ["build_optimizer", "clip_grad_norm_", "lr_at", "lr_factor"]
+__all__ = ["build_optimizer", "clip_grad_norm_", "lr_at", "lr_factor", "resident_bytes"]
 
 
 def lr_factor(step: int, cfg: OptimConfig) -> float:
@@ -58,3 +58,19 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> float:
     """Scale gradients in place so their global 2-norm is at most ``max_norm``; returns the norm before."""
     norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm, foreach=False)
     return float(norm)
+
+
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of model state this worker keeps between steps: its parameters, their gradients and the optimizer's
+    state tensors (with FSDP2, the local shards of each: ``DTensor.to_local()``)."""
+
+    def local(t) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    total = sum(local(p) + local(p.grad) for p in model.parameters())
+    for state in optimizer.state.values():
+        total += sum(local(v) for v in state.values())
+    return total

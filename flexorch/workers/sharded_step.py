@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 from flexorch.config.optim import OptimConfig
 from flexorch.tasks.step import StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
-from flexorch.workers.fsdp import resident_bytes
 from flexorch.workers.model import check_token_range, loss_sum
+from flexorch.workers.optim import resident_bytes
 from flexorch.workers.step_exec import GroupGetter, StepOutcome, _documents, group_attention, micro_batch_inputs
 
 __all__ = ["run_sharded_step"]

@@ -25,7 +25,7 @@ from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
 from flexorch.workers.model import check_token_range, loss_sum, next_token_labels
-from flexorch.workers.optim import clip_grad_norm_
+from flexorch.workers.optim import clip_grad_norm_, resident_bytes
 
 __all__ = ["StepOutcome", "run_step", "sync_and_step", "GradBucket", "micro_batch_inputs", "GroupGetter"]
 
@@ -67,7 +67,8 @@ class StepOutcome:
     ops: list[dict] = field(default_factory=list)
     """Pipelined steps: this rank's ops as run, ``{"kind", "unit", "start_ms", "end_ms"}`` from its step start."""
     param_bytes: int = 0
-    """Pipelined steps: bytes of parameters, gradients and optimizer state this rank held during the step."""
+    """Bytes of parameters, gradients and optimizer state this rank held (``flexorch.workers.optim.resident_bytes``;
+    sharded: its shards; pipelined: during the step)."""
 
 
 def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Tensor, list[int]]:
@@ -157,9 +158,11 @@ def run_step(
         out.micro_batch_start_ms.append((t_mb - t0) * 1e3)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
 
-    return sync_and_step(
+    out = sync_and_step(
         out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0
     )
+    out.param_bytes = resident_bytes(model, optimizer)
+    return out
 
 
 @dataclass(frozen=True)
