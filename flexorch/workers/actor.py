@@ -120,10 +120,10 @@ class Worker:
             return None
         from flexorch.workers.reshard import holding_of
 
-        return holding_of(self.model, self.optimizer, self.scheduler, self.version)
+        return holding_of(self.model, self.optimizer, self.scheduler, self.version, self._shard_position)
 
     def _reshard(self, holding, initial: bool) -> dict:
-        from flexorch.workers.fsdp import build_mesh, fill_initial, sharded_decoder
+        from flexorch.workers.fsdp import build_mesh, fill_initial, shard_position, sharded_decoder
         from flexorch.workers.reshard import exchange
 
         reg = self.registry
@@ -133,6 +133,7 @@ class Worker:
             self.model_cfg, mesh, precision=sh["precision"], recompute=sh["recompute"], device=self.device
         )
         self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
+        self._shard_position = shard_position(next(self.model.parameters()))
         if initial:
             fill_initial(self.model, self.model_cfg, self.seed)
             self.version = 0

@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from flexorch.solver.model_state import shard_rows
-from flexorch.workers.fsdp import local_rows, shard_position
+from flexorch.workers.fsdp import local_rows
 
 __all__ = ["Holding", "exchange", "holding_of"]
 
@@ -49,12 +50,18 @@ class Holding:
     scheduler: dict | None = None
 
 
-def holding_of(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, version: int) -> Holding:
-    """The local state of a sharded ``model`` (plain tensors, kept after its world is gone)."""
-    index, count = 0, 1
+def holding_of(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, version: int, position: tuple[int, int]
+) -> Holding:
+    """The local state of a sharded ``model`` (plain tensors, kept after its world is gone), which is shard
+    ``position`` = (index, count) of its mesh (recorded while the mesh lived: its groups may be gone). A step that broke
+    mid-forward leaves layers gathered: they are resharded first (local: it drops the gathered copies)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    index, count = position
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in model.named_parameters():
-        index, count = shard_position(p)
         entry = {"param": p.to_local().detach()}
         st = optimizer.state.get(p, {})
         for k in _MOMENTS:
