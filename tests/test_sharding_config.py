@@ -1,0 +1,78 @@
+"""The [sharding] table's checks, the shard-size rule, the planner's model-state bytes and the re-shard choice (pure,
+fast): bad input is a clear error before any worker starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexorch.config import ConfigError, ModelConfig, config_from_dict
+from flexorch.config.sharding import effective_shard_size
+from flexorch.solver.model_state import model_state_bytes, shard_rows
+
+
+@pytest.mark.parametrize(
+    "table,match",
+    [
+        ({"mode": "zero3"}, r"sharding.mode must be one of \['auto', 'replicate', 'fsdp', 'hsdp'\], got 'zero3'"),
+        ({"mode": "hsdp", "shard_size": 3}, r"shard_size=3 does not divide workers=4.*\[1, 2, 4\]"),
+        ({"mode": "hsdp"}, "needs sharding.shard_size"),
+        ({"mode": "fsdp", "shard_size": 2}, "for mode 'hsdp' only"),
+        ({"mode": "replicate", "precision": "bf16"}, "bf16' needs sharding.mode 'fsdp' or 'hsdp'"),
+        ({"activation_checkpointing": "some"}, "activation_checkpointing must be one of"),
+        ({"mode": "hsdp", "shard_size": 0}, "positive integer"),
+    ],
+)
+def test_bad_sharding_is_a_clear_error(table, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"sharding": table})
+
+
+def test_pipeline_stages_with_sharded_state_are_refused_with_what_to_do():
+    with pytest.raises(ConfigError, match="not supported yet.*set sharding.mode = 'replicate'"):
+        config_from_dict({"sharding": {"mode": "fsdp"}, "pipeline": {"stages": 2}, "model": {"num_layers": 4}})
+
+
+def test_auto_is_fsdp_and_bf16_on_gpu_replicate_and_fp32_on_cpu():
+    cpu, gpu = config_from_dict({}), config_from_dict({"use_gpu": True})
+    assert (cpu.sharding_mode, cpu.precision) == ("replicate", "fp32")
+    assert (gpu.sharding_mode, gpu.precision) == ("fsdp", "bf16")
+    assert config_from_dict({"use_gpu": True, "sharding": {"precision": "fp32"}}).precision == "fp32"
+
+
+def test_effective_shard_size_never_grows_a_workers_share():
+    assert [effective_shard_size("hsdp", w, 2) for w in (1, 2, 3, 4, 5, 6)] == [1, 2, 3, 2, 5, 2]
+    assert effective_shard_size("fsdp", 6, None) == 6 and effective_shard_size("replicate", 6, None) == 1
+
+
+def test_shard_rows_follow_torch_chunk():
+    import torch
+
+    for rows, shards in [(257, 4), (10, 3), (2, 4), (64, 6)]:
+        chunks = torch.arange(rows).chunk(shards)
+        for i in range(shards):
+            a, b = shard_rows(rows, shards, i)
+            want = chunks[i].tolist() if i < len(chunks) else []
+            assert list(range(a, b)) == want
+
+
+def test_model_state_bytes_per_mode():
+    cfg = ModelConfig()
+    shapes, n = cfg.param_shapes(), cfg.num_params()
+    assert model_state_bytes(shapes, 1, sharded=False).resident == 16 * n
+    four = model_state_bytes(shapes, 4, sharded=True)
+    assert 16 * n / 4 <= four.resident <= 16 * n / 4 * 1.05
+    assert four.in_flight > 0 and four.resident <= 0.30 * 16 * n
+    deep = ModelConfig(num_layers=32, dim=256, num_heads=4, num_kv_heads=4, ffn_dim=1024)  # one layer in flight of 32
+    total = model_state_bytes(deep.param_shapes(), 4, sharded=True).total
+    assert total <= 0.30 * 16 * deep.num_params()
+    assert model_state_bytes(shapes, 4, sharded=True, param_bytes=2).in_flight < four.in_flight
+
+
+def test_reshard_takes_the_newest_version_that_still_covers_every_shard():
+    from flexorch.workers.reshard import _choose
+
+    # version 5 lost shard 1 (its only holder is gone); version 4 is whole on ranks 1 and 2
+    assert _choose([(5, 0, 2), (4, 0, 2), (4, 1, 2), None]) == (4, 2, {0: 1, 1: 2})
+    assert _choose([(5, 0, 2), (5, 1, 2), (5, 0, 2), None]) == (5, 2, {0: 0, 1: 1})
+    assert _choose([(3, 0, 4), (3, 1, 4), None]) is None
+    assert _choose([None, None]) is None
