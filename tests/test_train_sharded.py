@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
+from flexorch.cli.main import main
 from flexorch.config import ConfigError
 from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
@@ -103,6 +106,14 @@ def test_a_sharded_checkpoint_resumes_on_fewer_workers_like_the_uninterrupted_ru
     tail, gathered = run_driver(more, env[3])
     assert [r["step"] for r in tail] == [2, 3] and {r["world_size"] for r in tail} == {resume_workers}
     check_against_reference(more, env[3], head + tail, gathered)
+    # `flexorch export` consolidates the 4 shards into one state dict: the reference's parameters after 2 steps
+    out = Path(more.run_dir) / "model-step2.pt"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    exported = torch.load(out, weights_only=True)
+    _, ref_params = reference_losses_and_params(first, env[3], head)
+    assert set(exported) == set(ref_params)
+    for name, value in exported.items():
+        np.testing.assert_allclose(value.numpy(), ref_params[name], rtol=1e-4, atol=2e-5, err_msg=name)
 
 
 def _one_step_and_checkpoint(cfg, corpus) -> Path:

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     prof = sub.add_parser("profiles", help="list the built-in cost-model profiles, or print one as JSON")
     prof.add_argument("name", nargs="?", help="profile name or JSON file to print")
+
+    export = sub.add_parser(
+        "export", help="consolidate a checkpoint (sharded or not) into one model file: parameter name -> tensor"
+    )
+    export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its newest)")
+    export.add_argument("out", type=Path, help="the file to write (torch.save of the whole model's state dict)")
     return p
 
 
@@ -280,6 +286,23 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from flexorch.control.checkpoint import export_model, latest_checkpoint
+
+    src = args.checkpoint
+    if (src / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
+        newest = latest_checkpoint(src)
+        if newest is None:
+            raise ValueError(f"{src} has no complete checkpoint")
+        src = Path(newest.path)
+    got = export_model(src, args.out)
+    print(
+        f"exported {src} -> {args.out}: {got['tensors']} tensors, {got['parameters']:,} parameters, "
+        f"{got['bytes'] / 2**20:.1f} MiB"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -289,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "train": _cmd_train,
             "profile": _cmd_profile,
             "dashboard": _cmd_dashboard,
+            "export": _cmd_export,
         }
         return commands[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:  # PlanningError, DataError, ProfileError are ValueErrors

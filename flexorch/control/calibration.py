@@ -196,8 +196,9 @@ def resolve_profile(cfg, group, run_dir: Path, publish) -> Profile:
 
 def run_profile(cfg, group, run_dir: Path, publish) -> Profile:
     """The profile a run plans with: :func:`resolve_profile` fitted to the model's heads, layers and per-worker
-    token budget; a pipelined run also measures what a stage holds on a worker's own model (a fraction of a
-    second, ``flexorch.workers.calibrate.stage_activation_bytes``)."""
+    token budget, with the model-state bytes the executor holds in the run's sharding mode (SP runs); a pipelined
+    run also measures what a stage holds on a worker's own model (a fraction of a second,
+    ``flexorch.workers.calibrate.stage_activation_bytes``)."""
     base = resolve_profile(cfg, group, run_dir, publish)
     stage_bytes = tuple(group.call("stage_activation_bytes")[0]) if cfg.pipelined else None
     return planner_profile(
@@ -208,4 +209,5 @@ def run_profile(cfg, group, run_dir: Path, publish) -> Profile:
         num_layers=cfg.model.num_layers,
         vocab_size=cfg.model.vocab_size,
         stage_bytes=stage_bytes,
+        model_state_bytes=None if cfg.pipelined else model_state_plan(cfg, cfg.min_workers).total,
     )

@@ -87,6 +87,7 @@ def planner_profile(
     num_layers: int | None = None,
     vocab_size: int | None = None,
     stage_bytes: tuple[float, float] | None = None,
+    model_state_bytes: float | None = None,
 ) -> Profile:
     """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of
     ``tokens_per_worker`` activation tokens on a worker of any group (a Ulysses group's all-to-all copies make its
@@ -96,8 +97,11 @@ def planner_profile(
     norm's and the head's inputs (about 4 hidden-size vectors; measured 3.2 on the tiny model), at most half of
     all. ``stage_bytes`` (per layer, head), measured on real stages
     (``flexorch.workers.calibrate.stage_activation_bytes``), replace the activation bytes and the head's share
-    (pipelined runs: the budget is then in stage-measured bytes)."""
+    (pipelined runs: the budget is then in stage-measured bytes). ``model_state_bytes``: what the executor holds
+    per worker in the run's sharding mode (``flexorch.solver.model_state``), replacing the profile's assumption."""
     extra: dict = {"num_layers": num_layers} if num_layers is not None else {}
+    if model_state_bytes is not None:
+        profile = profile.with_overrides(model_state_bytes=model_state_bytes)
     if stage_bytes is not None:
         per_layer, head = stage_bytes
         layers = num_layers if num_layers is not None else profile.num_layers
