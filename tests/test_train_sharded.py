@@ -167,3 +167,23 @@ def test_fsdp_worker_killed_mid_step_rolls_back_to_the_checkpoint(env):
     assert back and back[0]["to_step"] == 2 and 2 in back[0]["lost"], recs
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     check_against_reference(cfg, env[3], records, gathered)
+
+
+def test_a_worker_joining_receives_its_shards_from_the_holders(env):
+    # 3 workers (fsdp over 3: a world size that is not a power of two), room for a 4th: the run grows at a step
+    # boundary and the newcomer's rows come from the current holders as the world of 4 forms
+    cfg = _cfg(env, "grow", "fsdp", steps=30, workers=3, elastic={"max_workers": 4}, plan={"tokens_per_worker": 128})
+    driver = TrainingDriver(cfg, corpus=env[3])
+    records = []
+    try:
+        driver.setup()
+        while len(records) < 3 or records[-1]["world_size"] < 4 or records[-2]["world_size"] < 4:
+            assert not driver.finished, "the 4th worker never joined"
+            records.append(driver.step().record)  # a new worker starts in seconds; steps go on meanwhile
+        gathered = driver.replica_parameters()
+    finally:
+        driver.shutdown()
+    assert records[0]["world_size"] == 3
+    grew = next(r for r in records if any(x.get("what") == "grow" for x in r["recoveries"]))
+    assert grew["model_state"]["shards"] == 4 and records[0]["model_state"]["shards"] == 3
+    check_against_reference(cfg, env[3], records, gathered)
