@@ -76,3 +76,26 @@ def test_reshard_takes_the_newest_version_that_still_covers_every_shard():
     assert _choose([(5, 0, 2), (5, 1, 2), (5, 0, 2), None]) == (5, 2, {0: 0, 1: 1})
     assert _choose([(3, 0, 4), (3, 1, 4), None]) is None
     assert _choose([None, None]) is None
+
+
+def test_activation_checkpointing_keeps_less_and_computes_the_same_gradients():
+    import torch
+
+    from flexorch.tasks.step import GroupWork
+    from flexorch.workers.calibrate import activation_bytes_per_token
+    from flexorch.workers.model import init_model, loss_sum, set_activation_checkpointing
+    from flexorch.workers.step_exec import group_attention, micro_batch_inputs
+
+    cfg = ModelConfig(num_layers=3)
+    tokens = torch.randint(0, cfg.vocab_size, (200,), generator=torch.Generator().manual_seed(0))
+    ids, pos, labels, layout = micro_batch_inputs(tokens, [0, 120, 200], 0, 1, "ulysses")
+    per_token, grads = {}, {}
+    for mode in ("none", "selective", "full"):
+        model = init_model(cfg, 0)
+        set_activation_checkpointing(model, mode)
+        per_token[mode] = activation_bytes_per_token(model, cfg.vocab_size)
+        attn = group_attention(layout, GroupWork(0, (0,), "ulysses", ()), None, None)
+        loss_sum(model(ids, pos, attn), labels).backward()
+        grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert per_token["none"] > per_token["selective"] > per_token["full"] > 0
+    assert torch.equal(grads["none"], grads["full"]) and torch.equal(grads["none"], grads["selective"])
