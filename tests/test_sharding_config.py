@@ -27,9 +27,18 @@ def test_bad_sharding_is_a_clear_error(table, match):
         config_from_dict({"sharding": table})
 
 
-def test_pipeline_stages_with_sharded_state_are_refused_with_what_to_do():
-    with pytest.raises(ConfigError, match="not supported yet.*set sharding.mode = 'replicate'"):
-        config_from_dict({"sharding": {"mode": "fsdp"}, "pipeline": {"stages": 2}, "model": {"num_layers": 4}})
+@pytest.mark.parametrize(
+    "sharding,stages,model,match",
+    [
+        ({"mode": "fsdp"}, "auto", {}, "can change the stage map every step"),
+        ({"mode": "hsdp", "shard_size": 2}, 2, {}, "fsdp inside each stage"),
+        ({"mode": "fsdp"}, 2, {"tie_embeddings": True}, "tied embedding"),
+    ],
+)
+def test_sharded_pipelines_that_cannot_run_are_refused_with_what_to_do(sharding, stages, model, match):
+    with pytest.raises(ConfigError, match=match):
+        config_from_dict({"sharding": sharding, "pipeline": {"stages": stages}, "model": {"num_layers": 4, **model}})
+    config_from_dict({"sharding": {"mode": "fsdp"}, "pipeline": {"stages": 2}, "model": {"num_layers": 4}})
 
 
 def test_auto_is_fsdp_and_bf16_on_gpu_replicate_and_fp32_on_cpu():
@@ -71,11 +80,21 @@ def test_model_state_bytes_per_mode():
 def test_reshard_takes_the_newest_version_that_still_covers_every_shard():
     from flexorch.workers.reshard import _choose
 
+    def held(version, index, count, names=("a", "b")):
+        return (version, {n: (index, count) for n in names}, True)
+
     # version 5 lost shard 1 (its only holder is gone); version 4 is whole on ranks 1 and 2
-    assert _choose([(5, 0, 2), (4, 0, 2), (4, 1, 2), None]) == (4, 2, {0: 1, 1: 2})
-    assert _choose([(5, 0, 2), (5, 1, 2), (5, 0, 2), None]) == (5, 2, {0: 0, 1: 1})
-    assert _choose([(3, 0, 4), (3, 1, 4), None]) is None
-    assert _choose([None, None]) is None
+    assert _choose([held(5, 0, 2), held(4, 0, 2), held(4, 1, 2), None], ["a", "b"]) == (
+        4,
+        {"a": {0: (1, 2), 1: (2, 2)}, "b": {0: (1, 2), 1: (2, 2)}},
+    )
+    assert _choose([held(5, 0, 2), held(5, 1, 2), held(5, 0, 2), None], ["a"])[1] == {"a": {0: (0, 2), 1: (1, 2)}}
+    assert _choose([held(3, 0, 4), held(3, 1, 4), None], ["a"]) is None
+    assert _choose([None, None], ["a"]) is None
+    # pipeline stages: each rank holds its stage's parameters; a stage whose every holder is gone loses them
+    stages = [held(2, 0, 2, ["a"]), held(2, 1, 2, ["a"]), held(2, 0, 1, ["b"])]
+    assert _choose(stages, ["a", "b"])[1]["b"] == {0: (2, 1)}
+    assert _choose(stages[:2], ["a", "b"]) is None
 
 
 def test_activation_checkpointing_keeps_less_and_computes_the_same_gradients():

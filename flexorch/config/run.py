@@ -159,11 +159,18 @@ class TrainConfig:
                 "replicas"
             )
         if mode != "replicate" and self.pipelined:
-            raise ConfigError(
-                f"sharding.mode = {mode!r} with pipeline.stages = {self.pipeline.stages!r} is not supported yet: "
-                "pipeline stages keep stage-local or replicated parameters (pipeline.params); set sharding.mode = "
-                "'replicate' for a pipelined run"
-            )
+            why = None
+            if self.pipeline.stages == "auto":
+                why = "pipeline.stages = 'auto' can change the stage map every step; give a fixed stage count"
+            elif mode == "hsdp":
+                why = "a stage's parameters are sharded over the stage's workers (fsdp inside each stage)"
+            elif self.model.tie_embeddings:
+                why = "the first and last stage would share the tied embedding; set model.tie_embeddings = false"
+            if why:
+                raise ConfigError(
+                    f"sharding.mode = {mode!r} with pipeline.stages = {self.pipeline.stages!r}: {why} (or use "
+                    "sharding.mode = 'fsdp' with a fixed stage count, or 'replicate')"
+                )
 
     @property
     def sharding_mode(self) -> str:

@@ -179,7 +179,8 @@ class TrainingDriver:
             t_dispatch = time.perf_counter()
             docs = self.corpus.locate(list(batch.doc_ids))
             if planned.pipelined:
-                stage_params = self.cfg.pipeline.params == "stage"
+                # sharded state: each stage's parts are FSDP units over its workers, never moved as whole parts
+                stage_params = self.cfg.pipeline.params == "stage" and self.cfg.sharding_mode == "replicate"
                 tasks = pipeline_tasks(
                     planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
                 )

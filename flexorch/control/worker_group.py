@@ -116,6 +116,7 @@ class RayWorkerGroup:
                 "shard_size": cfg.sharding.shard_size,
                 "precision": cfg.precision,
                 "recompute": cfg.sharding.activation_checkpointing,
+                "stages": cfg.pipeline.stages,
             },
         )
 

@@ -10,6 +10,7 @@ One thread per worker on CPU (docs/design.md §7).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -120,30 +121,59 @@ class Worker:
             return None
         from flexorch.workers.reshard import holding_of
 
-        return holding_of(self.model, self.optimizer, self.scheduler, self.version, self._shard_position)
+        return holding_of(self.model, self.optimizer, self.scheduler, self.version, self._positions)
 
     def _reshard(self, holding, initial: bool) -> dict:
-        from flexorch.workers.fsdp import build_mesh, fill_initial, shard_position, sharded_decoder
+        from flexorch.workers.fsdp import fill_initial, shard_position
         from flexorch.workers.reshard import exchange
 
         reg = self.registry
-        sh = self.sharding
-        mesh = build_mesh(sh["mode"], reg.world_size, sh["shard_size"], "cuda" if self.device else "cpu")
-        self.model = sharded_decoder(
-            self.model_cfg, mesh, precision=sh["precision"], recompute=sh["recompute"], device=self.device
-        )
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
-        self._shard_position = shard_position(next(self.model.parameters()))
+        self.model = self._build_sharded()
+        params = list(self.model.parameters())
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg) if params else (None, None)
+        self._positions = {n: shard_position(p) for n, p in self.model.named_parameters()}
         if initial:
             fill_initial(self.model, self.model_cfg, self.seed)
             self.version = 0
             return {"version": 0, "newest": 0}
         newest = [None] * reg.world_size
         dist.all_gather_object(newest, None if holding is None else holding.version, group=reg.world)
-        version = exchange(holding, self.model, self.optimizer, self.scheduler, reg.world)
+        shapes = self.model_cfg.param_shapes()
+        version = exchange(holding, self.model, self.optimizer, self.scheduler, reg.world, shapes)
         if version is not None:
             self.version = version
         return {"version": version, "newest": max((v for v in newest if v is not None), default=None)}
+
+    def _build_sharded(self):
+        """This world's sharded decoder: over the whole mesh, or (pipeline stages) this rank's stage's parts over
+        the stage's workers (stage r is ranks ``[r*d, (r+1)*d)``, ``d = world // stages``, as the planner maps
+        them; ranks left over hold nothing)."""
+        from flexorch.solver.pipeline.stage_model import stage_layers
+        from flexorch.workers.fsdp import build_mesh, sharded_decoder, stage_sharded_decoder
+
+        reg, sh = self.registry, self.sharding
+        device_type = "cuda" if self.device else "cpu"
+        stages = sh.get("stages", 1)
+        if stages == 1:
+            mesh = build_mesh(sh["mode"], reg.world_size, sh["shard_size"], device_type)
+            return sharded_decoder(
+                self.model_cfg, mesh, precision=sh["precision"], recompute=sh["recompute"], device=self.device
+            )
+        from torch.distributed.device_mesh import DeviceMesh
+
+        d = reg.world_size // stages
+        sets = [tuple(range(r * d, (r + 1) * d)) for r in range(stages)]
+        reg.ensure(sets)  # every rank, the same sets (a collective)
+        stage = reg.rank // d if reg.rank < stages * d else None
+        if stage is None:
+            return _NoParams()
+        layers = stage_layers(self.model_cfg.num_layers, stages)
+        first = sum(layers[:stage])
+        mesh = DeviceMesh.from_group(reg.group(sets[stage]), device_type, mesh_dim_names=("shard",))
+        return stage_sharded_decoder(
+            self.model_cfg, mesh, first, first + layers[stage], is_first=stage == 0, is_last=stage == stages - 1,
+            precision=sh["precision"], device=self.device,
+        )  # fmt: skip
 
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
         self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
@@ -214,7 +244,9 @@ class Worker:
     def _run_step(self, task: StepTask | PipelineTask, blocks: dict) -> StepOutcome:
         self.registry.ensure(task.rank_sets)
         world = self.registry.world if task.world_size > 1 else None
-        extra = {"held": self.held} if isinstance(task, PipelineTask) else {}
+        extra = {}
+        if isinstance(task, PipelineTask):
+            extra = {"sharded": True} if self.sharded else {"held": self.held}
         sp_step = run_sharded_step if self.sharded else run_step
         fn = run_pipeline_step if isinstance(task, PipelineTask) else sp_step
         out = fn(
@@ -261,7 +293,10 @@ class Worker:
         (``flexorch.workers.calibrate``)."""
         from flexorch.workers.calibrate import stage_activation_bytes
 
-        return stage_activation_bytes(self.model, self.model_cfg.vocab_size)
+        model = self.model
+        if self.sharded:  # a stage's shard cannot run alone: measure on a 2-layer model (bytes per layer and head)
+            model = init_model(dataclasses.replace(self.model_cfg, num_layers=2), self.seed)
+        return stage_activation_bytes(model, self.model_cfg.vocab_size)
 
     def state_bytes(self) -> int:
         """Bytes of model state this worker keeps between steps (parameters, gradients, optimizer state)."""
@@ -326,6 +361,10 @@ class Worker:
             return self._guarded(gathered_parameters, self.model)
         held = set(self.held.held_names())
         return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items() if k in held]
+
+
+class _NoParams(torch.nn.Module):
+    """What a rank on no pipeline stage holds of a sharded model: nothing."""
 
 
 def _to_cpu(obj):

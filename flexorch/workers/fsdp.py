@@ -20,6 +20,7 @@ shard is allocated and filled from the same generator stream as :func:`~flexorch
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -37,6 +38,7 @@ __all__ = [
     "local_rows",
     "resident_bytes",
     "sharded_decoder",
+    "stage_sharded_decoder",
     "shard_position",
 ]
 
@@ -71,6 +73,53 @@ def sharded_decoder(
     return model
 
 
+class _Absent(nn.Module):
+    """Stands in for a decoder layer another pipeline stage holds (no parameters)."""
+
+
+def stage_sharded_decoder(
+    cfg: ModelConfig,
+    mesh: DeviceMesh,
+    first: int,
+    last: int,
+    *,
+    is_first: bool,
+    is_last: bool,
+    precision: str = "fp32",
+    device=None,
+) -> Decoder:
+    """The parts of a decoder one pipeline stage runs (layers ``[first, last)``, the embedding on the first stage,
+    the final norm and LM head on the last), each an FSDP2 unit sharded over the stage's workers (``mesh``); the
+    other parts are absent, so ``named_parameters`` names this stage's parameters as the whole model does. Local
+    shards are allocated uninitialised (fill them with :func:`fill_initial`)."""
+    if cfg.tie_embeddings:
+        raise ValueError("sharded pipeline stages need untied embeddings (the first and last stage share it)")
+    with torch.device("meta"):
+        model = Decoder(cfg)
+    for i in range(cfg.num_layers):
+        if not first <= i < last:
+            model.layers[i] = _Absent()
+    units = [model.layers[i] for i in range(first, last)]
+    if is_first:
+        units.append(model.tok_embeddings)
+    else:
+        model.tok_embeddings = None
+    if is_last:
+        units += [model.norm, model.output]
+    else:
+        model.norm = model.output = None
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
+    kw = {"mesh": mesh, "mp_policy": mp} if mp is not None else {"mesh": mesh}
+    for unit in units:
+        fully_shard(unit, **kw)
+    model.to_empty(device=device or "cpu")
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_reduce_scatter_unused_params(True)
+    return model
+
+
 def shard_position(p: DTensor) -> tuple[int, int]:
     """(index, count) of the dim-0 shard ``p``'s local tensor is, on the mesh dimension that shards it."""
     for dim, placement in enumerate(p.placements):
@@ -88,13 +137,15 @@ def local_rows(p: DTensor) -> tuple[int, int]:
 
 
 def fill_initial(model: Decoder, cfg: ModelConfig, seed: int) -> None:
-    """Copy this rank's rows of every initial parameter (:func:`~flexorch.workers.model.initial_parameters`)."""
+    """Copy this rank's rows of every initial parameter it holds (:func:`~flexorch.workers.model.
+    initial_parameters`, drawn for the whole model in order so the values do not depend on what a rank holds)."""
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, full in initial_parameters(cfg, seed, [(n, tuple(p.shape)) for n, p in params.items()]):
-            p = params[name]
-            start, stop = local_rows(p)
-            p.to_local().copy_(full[start:stop])
+        for name, full in initial_parameters(cfg, seed, cfg.param_shapes()):
+            p = params.get(name)
+            if p is not None:
+                start, stop = local_rows(p)
+                p.to_local().copy_(full[start:stop])
 
 
 def gathered_parameters(model: torch.nn.Module) -> list:

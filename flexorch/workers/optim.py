@@ -60,7 +60,7 @@ def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> float:
     return float(norm)
 
 
-def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
+def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> int:
     """Bytes of model state this worker keeps between steps: its parameters, their gradients and the optimizer's
     state tensors (with FSDP2, the local shards of each: ``DTensor.to_local()``)."""
 
@@ -71,6 +71,6 @@ def resident_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
         return t.numel() * t.element_size()
 
     total = sum(local(p) + local(p.grad) for p in model.parameters())
-    for state in optimizer.state.values():
+    for state in optimizer.state.values() if optimizer is not None else ():
         total += sum(local(v) for v in state.values())
     return total

@@ -42,65 +42,82 @@ class Holding:
 
     version: int
     """Optimizer steps applied to this state."""
-    index: int
-    """Which dim-0 shard (of ``count``) every parameter's local rows are."""
-    count: int
+    positions: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """name -> (index, count): which dim-0 shard of how many the local rows of each parameter held are (with
+    pipeline stages a worker holds its stage's parameters only)."""
     tensors: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
     """name -> {"param": rows, "exp_avg": rows, "exp_avg_sq": rows} (moments absent before the first step)."""
     scheduler: dict | None = None
 
 
 def holding_of(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, version: int, position: tuple[int, int]
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler,
+    version: int,
+    positions: dict[str, tuple[int, int]],
 ) -> Holding:
-    """The local state of a sharded ``model`` (plain tensors, kept after its world is gone), which is shard
-    ``position`` = (index, count) of its mesh (recorded while the mesh lived: its groups may be gone). A step that broke
-    mid-forward leaves layers gathered: they are resharded first (local: it drops the gathered copies)."""
+    """The local state of a sharded ``model`` (plain tensors, kept after its world is gone); ``positions`` of its
+    parameters were recorded while the mesh lived (its groups may be gone now). A step that broke mid-forward
+    leaves layers gathered: they are resharded first (local: it drops the gathered copies)."""
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-    index, count = position
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in model.named_parameters():
+        if name not in positions:
+            continue
         entry = {"param": p.to_local().detach()}
-        st = optimizer.state.get(p, {})
+        st = optimizer.state.get(p, {}) if optimizer is not None else {}
         for k in _MOMENTS:
             if k in st:
                 entry[k] = st[k].to_local() if isinstance(st[k], DTensor) else st[k]
         tensors[name] = entry
-    return Holding(version, index, count, tensors, scheduler.state_dict())
+    sched = scheduler.state_dict() if scheduler is not None else None
+    return Holding(version, dict(positions), tensors, sched)
 
 
 def exchange(
-    held: Holding | None, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler, world
+    held: Holding | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler,
+    world,
+    shapes: list[tuple[str, tuple[int, ...]]],
 ) -> int | None:
     """Fill the freshly sharded ``model``'s local shards and ``optimizer``/``scheduler`` from the holdings of every
-    rank of the new world (a collective; ``held`` None: this rank holds nothing). Returns the version restored, or
-    None when no version covers every shard (nothing was changed)."""
+    rank of the new world (a collective; ``held`` None: this rank holds nothing). ``shapes``: every parameter of
+    the whole model, ``(name, shape)`` in one order on every rank (``ModelConfig.param_shapes``); this rank fills
+    the ones its ``model`` has. Returns the version restored, or None when no version covers every shard of every
+    parameter (nothing was changed)."""
     rank = dist.get_rank(world)
-    desc = None if held is None else (held.version, held.index, held.count)
+    desc = None if held is None else (held.version, held.positions, held.scheduler is not None)
     descs: list = [None] * dist.get_world_size(world)
     dist.all_gather_object(descs, desc, group=world)
-    chosen = _choose(descs)
+    chosen = _choose(descs, [n for n, _ in shapes])
     if chosen is None:
         return None
-    version, count, contributor = chosen
+    version, contributors = chosen
     sched_states: list = [None] * len(descs)
-    mine = held.scheduler if held is not None and contributor.get(held.index) == rank else None
-    dist.all_gather_object(sched_states, mine, group=world)
-    params = dict(model.named_parameters())
-    device = next(iter(params.values())).to_local().device
+    first = min(r for r, d in enumerate(descs) if d is not None and d[0] == version and d[2])
+    dist.all_gather_object(sched_states, held.scheduler if rank == first else None, group=world)
+    mine = dict(model.named_parameters())
+    device = _device(mine)
     has_moments = version > 0
     with torch.no_grad():
-        for name, p in params.items():
-            start, stop = local_rows(p)
+        for name, shape in shapes:
+            p = mine.get(name)
             kinds = ("param", *_MOMENTS) if has_moments else ("param",)
             for kind in kinds:
-                full = torch.zeros(p.shape, dtype=torch.float32, device=device)
-                if held is not None and desc[0] == version and contributor.get(held.index) == rank:
-                    a, b = shard_rows(p.shape[0], count, held.index)
-                    full[a:b] = held.tensors[name][kind].to(device=device, dtype=torch.float32)
+                full = torch.zeros(shape, dtype=torch.float32, device=device)
+                for index, (r, count) in contributors[name].items():
+                    if r == rank:
+                        a, b = shard_rows(shape[0], count, index)
+                        full[a:b] = held.tensors[name][kind].to(device=device, dtype=torch.float32)
                 dist.all_reduce(full, op=dist.ReduceOp.SUM, group=world)
+                if p is None:
+                    continue
+                start, stop = local_rows(p)
                 rows = full[start:stop]
                 if kind == "param":
                     p.to_local().copy_(rows)
@@ -108,27 +125,43 @@ def exchange(
                     optimizer.state[p][kind] = DTensor.from_local(
                         rows.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
                     )
-            if has_moments:
+            if has_moments and p is not None:
                 optimizer.state[p]["step"] = torch.tensor(float(version))
-    sched = next(s for s in sched_states if s is not None)
-    scheduler.load_state_dict(sched)
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
-        group["lr"] = lr
+    if scheduler is not None:
+        scheduler.load_state_dict(sched_states[first])
+        for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
+            group["lr"] = lr
     return version
 
 
-def _choose(descs: list) -> tuple[int, int, dict[int, int]] | None:
-    """(version, shard count, {old shard index: contributing rank}) of the newest version whose holders cover
-    every old shard, or None."""
+def _device(params: dict) -> torch.device:
+    for p in params.values():
+        return p.to_local().device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _choose(descs: list, names: list[str]) -> tuple[int, dict[str, dict[int, tuple[int, int]]]] | None:
+    """(version, {parameter: {old shard index: (contributing rank, shard count)}}) of the newest version whose
+    holders cover every shard of every parameter in ``names``, or None."""
     versions = sorted({d[0] for d in descs if d is not None}, reverse=True)
     for v in versions:
-        holders = [(r, d) for r, d in enumerate(descs) if d is not None and d[0] == v]
-        count = holders[0][1][2]
-        contributor: dict[int, int] = {}
-        for r, (_, index, c) in holders:
-            if c != count:
-                raise RuntimeError(f"holders of state version {v} disagree on the shard count: {descs}")
-            contributor.setdefault(index, r)
-        if len(contributor) == count:
-            return v, count, contributor
+        holders = [(r, d[1]) for r, d in enumerate(descs) if d is not None and d[0] == v]
+        contributors: dict[str, dict[int, tuple[int, int]]] = {}
+        whole = True
+        for name in names:
+            got: dict[int, tuple[int, int]] = {}
+            counts = set()
+            for r, positions in holders:
+                if name in positions:
+                    index, count = positions[name]
+                    counts.add(count)
+                    got.setdefault(index, (r, count))
+            if len(counts) > 1:
+                raise RuntimeError(f"holders of {name} at state version {v} disagree on its shard count: {counts}")
+            if not counts or len(got) != counts.pop():
+                whole = False
+                break
+            contributors[name] = got
+        if whole:
+            return v, contributors
     return None

@@ -95,9 +95,41 @@ def run_sharded_step(
             out.micro_batch_start_ms.append((t_mb - t0) * 1e3)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
 
+    return finish_sharded_step(
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook, t0, model=model
+    )
+
+
+def finish_sharded_step(
+    out: StepOutcome,
+    params: list,
+    local_loss: torch.Tensor,
+    local_pred: int,
+    task,
+    world: dist.ProcessGroup | None,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler,
+    optim_cfg: OptimConfig,
+    hook: Callable[[str], None],
+    t0: float,
+    *,
+    model: torch.nn.Module,
+    counts_norm: bool | None = None,
+) -> StepOutcome:
+    """The end of a sharded step (SP, or a pipeline stage's shard): sum the loss and predicted-token count over the
+    world, check the count, divide the (reduce-scattered, summed) gradient shards by it, clip by the global norm and
+    step AdamW on the shards. The norm of the shards is a DTensor reduced over this rank's mesh; with pipeline
+    stages each stage's squared norm is added over the world once (``counts_norm``: this rank is its stage's first;
+    None: the mesh is the world and rank 0 counts it). A rank holding no parameters (on no stage) only takes part."""
     hook("before_sync")
     t_sync = time.perf_counter()
-    stats = torch.tensor([float(local_loss), float(local_pred)], dtype=torch.float64, device=device)
+    device = params[0].device if params else _default_device()
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.zeros(())
+    norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # this mesh's gradient norm (unscaled)
+    counts = task.rank == 0 if counts_norm is None else counts_norm
+    stats = [float(local_loss), float(local_pred), norm**2 if counts else 0.0]
+    stats = torch.tensor(stats, dtype=torch.float64, device=device)
     if world is not None and task.world_size > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=world)
     total_pred = int(round(float(stats[1])))
@@ -107,23 +139,27 @@ def run_sharded_step(
             "a document was lost or counted twice"
         )
     scale = 1.0 / max(total_pred, 1)
-    grads = [p.grad for p in params if p.grad is not None]
-    for g in grads:
-        g.mul_(scale)
     out.loss = float(stats[0]) * scale
     out.num_predicted = total_pred
     out.sync_ms = (time.perf_counter() - t_sync) * 1e3
     hook("after_sync")
 
     t_opt = time.perf_counter()
-    norm = torch.nn.utils.get_total_norm(grads, foreach=False)  # over the shards: a DTensor reduced on the mesh
-    if optim_cfg.grad_clip:
-        torch.nn.utils.clip_grads_with_norm_(params, optim_cfg.grad_clip, norm, foreach=False)
-    out.grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    out.lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    scheduler.step()
+    out.grad_norm = float(stats[2]) ** 0.5 * scale  # the global norm of the divided gradient
+    coef = scale
+    if optim_cfg.grad_clip:  # torch.nn.utils.clip_grad_norm_'s coefficient, on the global norm
+        coef *= min(1.0, optim_cfg.grad_clip / (out.grad_norm + 1e-6))
+    for g in grads:
+        g.mul_(coef)
+    if optimizer is not None:
+        out.lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
     out.optim_ms = (time.perf_counter() - t_opt) * 1e3
     out.param_bytes = resident_bytes(model, optimizer)
     out.total_ms = (time.perf_counter() - t0) * 1e3
     return out
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

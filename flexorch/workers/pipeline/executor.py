@@ -65,12 +65,33 @@ def run_pipeline_step(
     vocab_size: int,
     hook: Callable[[str], None] | None = None,
     held: HeldParams | None = None,
+    sharded: bool = False,
 ) -> StepOutcome:
     """Run ``task`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer.
-    With ``task.stage_params`` this rank first drops the parts its stage does not run (``held``)."""
+    With ``task.stage_params`` this rank first drops the parts its stage does not run (``held``). ``sharded``:
+    ``model`` holds this stage's parts as FSDP2 units sharded over the stage's workers
+    (``flexorch.workers.fsdp.stage_sharded_decoder``): their gradients are reduce-scattered over the stage as each
+    unit's backward runs, and the step ends as a sharded SP step does."""
     hook = hook or (lambda point: None)
     t0 = time.perf_counter()
     out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+    if sharded:
+        from flexorch.workers.sharded_step import finish_sharded_step
+
+        params = [p for p in model.parameters() if p.requires_grad]
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        local_loss, local_pred = torch.zeros((), dtype=torch.float64), 0
+        if task.stage is not None:
+            local_loss, local_pred = _run_stage(
+                model, task, _sequences(task, blocks, vocab_size), group_of, out, hook, t0
+            )
+        out.compute_end_ms = (time.perf_counter() - t0) * 1e3
+        first = task.stage is not None and task.rank == task.stage_ranks[task.stage][0]
+        return finish_sharded_step(
+            out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook, t0,
+            model=model, counts_norm=first,
+        )  # fmt: skip
     buckets = None
     if task.stage_params:
         buckets = _stage_buckets(task, held, group_of)
@@ -118,6 +139,14 @@ def _stage_buckets(task: PipelineTask, held: HeldParams, group_of) -> list[GradB
     return buckets
 
 
+def _is_fsdp(model) -> bool:
+    """The stage's parts are FSDP2 units: they recompute inside their forward (``Block.recompute``), since
+    recomputing an FSDP unit's call from outside would gather it again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome, hook, t0: float):
     r, p = task.stage, len(task.stage_ranks)
     ranks = task.stage_ranks[r]
@@ -126,6 +155,7 @@ def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome,
     stage = StageModule(
         model.cfg, first, first + task.layers[r], r, p, model=model, sp_group=group_of(ranks) if d > 1 else None
     )
+    stage.inner_checkpoint = _is_fsdp(model)
     pipes = [(pipe.units, pipe.ops, pipe.checkpointed) for pipe in task.pipelines]
     prev = task.stage_ranks[r - 1][j] if r > 0 else None  # the same-position rank of the neighbouring stages
     nxt = task.stage_ranks[r + 1][j] if r < p - 1 else None

@@ -166,6 +166,9 @@ class StageModule(torch.nn.Module):
                 )
             else:
                 self.output = model.output if model else torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.inner_checkpoint = False
+        """Checkpointed layers recompute inside their own forward (``Block.recompute = "full"``; FSDP2 units, whose
+        call must not run twice) instead of under a ``checkpoint`` around the call."""
         self._units: dict[int, dict] = {}
         self.cache = KVCache()
         self.held_bytes = 0
@@ -262,15 +265,19 @@ class StageModule(torch.nn.Module):
             for i in range(self.first, self.last):
                 block = self.layers[str(i)]
                 attn = self._attn(i, unit, own)
-                if i - self.first < checkpointed:
+                if i - self.first < checkpointed and self.inner_checkpoint:
+                    block.recompute = "full"  # its inputs are reported to the meter (flexorch.workers.recompute)
+                    x = block(x, cos, sin, attn)
+                    block.recompute = "none"
+                elif i - self.first < checkpointed:
                     kept += x.numel() * x.element_size()
                     x = checkpoint(block, x, cos, sin, attn, use_reentrant=False)
                 else:
                     x = block(x, cos, sin, attn)
             if self.is_last:
                 h = self.norm(x)
-                weight = self.head_weight if self.cfg.tie_embeddings else self.output.weight
-                logits = F.linear(h, weight).float()  # (t, dim) x (vocab, dim)^T -> (t, vocab)
+                # (t, dim) x (vocab, dim)^T -> (t, vocab); untied through the head's call (its FSDP unit gathers)
+                logits = (F.linear(h, self.head_weight) if self.cfg.tie_embeddings else self.output(h)).float()
                 out = loss_sum(logits, labels) / n_predicted
                 del logits
             else:
