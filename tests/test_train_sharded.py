@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from flexorch.cli.main import main
-from flexorch.config import ConfigError
+from flexorch.config import ConfigError, ModelConfig
 from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
 from flexorch.records.schema import validate_record
@@ -187,3 +187,40 @@ def test_a_worker_joining_receives_its_shards_from_the_holders(env):
     grew = next(r for r in records if any(x.get("what") == "grow" for x in r["recoveries"]))
     assert grew["model_state"]["shards"] == 4 and records[0]["model_state"]["shards"] == 3
     check_against_reference(cfg, env[3], records, gathered)
+
+
+def _pp_cfg(env, name, stages, tpw, **kw):
+    return _cfg(
+        env, name, "fsdp", pipeline={"stages": stages}, plan={"tokens_per_worker": tpw},
+        model=ModelConfig(num_layers=4), **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("stages,tpw", [(2, 256), (4, 64)])
+def test_pipeline_stages_with_their_parameters_sharded_within_the_stage(env, stages, tpw):
+    # 2 stages x 2 workers: each stage's layers sharded over its 2 workers; 4 x 1 with segments and checkpointing
+    cfg = _pp_cfg(env, f"pp-{stages}", stages, tpw)
+    records, gathered = run_driver(cfg, env[3])
+    check_against_reference(cfg, env[3], records, gathered, whole=False)  # each stage's ranks gathered its parts
+    whole = 16 * cfg.model.num_params()
+    for r in records:
+        assert (r["pipeline"]["stages"], r["pipeline"]["degree"]) == (stages, 4 // stages)
+        held = [e["param_bytes"] for e in r["ranks"]]
+        assert max(held) < 0.3 * whole and sum(held) == pytest.approx(whole, rel=0.01), held
+    if stages == 4:
+        assert any(sum(map(sum, r["pipeline"]["checkpointed"])) for r in records), "some layers recomputed"
+
+
+def test_a_sharded_pipeline_checkpoint_resumes_on_another_stage_map(env):
+    first = _pp_cfg(env, "pp-resume", 2, 256, steps=2)
+    driver = TrainingDriver(first, corpus=env[3])
+    try:
+        driver.setup()
+        head = [driver.step().record for _ in range(2)]
+        driver.checkpoint()
+    finally:
+        driver.shutdown()
+    more = _pp_cfg(env, "pp-resume", 4, 256, steps=4, resume=True)  # 4 stages x 1 worker now
+    tail, gathered = run_driver(more, env[3])
+    assert [r["pipeline"]["stages"] for r in tail] == [4, 4]
+    check_against_reference(more, env[3], head + tail, gathered, whole=False)

@@ -18,16 +18,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 __all__ = ["TRAIN_STATE", "load_sharded", "save_sharded"]
 
 TRAIN_STATE = "train_state.json"
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+"""Optimizer state and hyper-parameters keyed by parameter name (``param_groups.<fqn>.lr``), not by group index,
+so ranks holding different parameters (pipeline stages, another stage map on resume) save and load the same keys
+(torchtitan checkpoints the same way)."""
 
 
 def save_sharded(directory: str, model, optimizer, scheduler, version: int) -> None:
     """Write this rank's shard of ``model`` and ``optimizer`` into ``directory`` (every rank calls it)."""
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS) if optimizer is not None else ({}, {})
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
     if dist.get_rank() == 0:
         state = {"scheduler": scheduler.state_dict(), "version": version}
@@ -39,10 +43,14 @@ def load_sharded(directory: str, model, optimizer, scheduler) -> int:
     """Fill ``model`` and ``optimizer`` (sharded for this world) from a checkpoint written on any world size;
     returns the state version (optimizer steps) it holds."""
     train = json.loads((Path(directory) / TRAIN_STATE).read_text())
-    msd, osd = get_state_dict(model, optimizer)  # templates: this world's shards (optimizer state initialised)
+    if optimizer is None:  # a rank on no pipeline stage holds nothing, but takes part in the collective
+        dcp.load({}, checkpoint_id=directory)
+        return int(train["version"])
+    # templates: this world's shards (optimizer state initialised)
+    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=_OPTIONS)
     scheduler.load_state_dict(train["scheduler"])
     for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
         group["lr"] = lr
