@@ -224,3 +224,14 @@ def test_a_sharded_pipeline_checkpoint_resumes_on_another_stage_map(env):
     tail, gathered = run_driver(more, env[3])
     assert [r["pipeline"]["stages"] for r in tail] == [4, 4]
     check_against_reference(more, env[3], head + tail, gathered, whole=False)
+
+
+def test_a_worker_lost_from_a_sharded_pipeline_rolls_back_and_the_stages_are_remapped(env):
+    # 2 stages x 2 workers; worker 1 dies: stage 0's second shard has no copy, so the run goes back to its
+    # checkpoint and loads it on 3 workers: 2 stages x 1 worker, the third on no stage (it holds nothing)
+    cfg = _pp_cfg(env, "pp-kill", 2, 256, steps=4, checkpoint_every=1, elastic=_FAST)
+    records, gathered = run_driver(cfg, env[3], faults=[(1, "before_sync", 2, 1, "exit")])
+    back = [rec for r in records for rec in r["recoveries"] if rec.get("rollback")]
+    assert back and back[0]["to_step"] == 2, [r["recoveries"] for r in records]
+    assert [r["world_size"] for r in records][-1] in (3, 4)  # a replacement may join once capacity is back
+    check_against_reference(cfg, env[3], records, gathered, whole=False)

@@ -52,6 +52,8 @@ def model_state_plan(cfg, world_size: int):
 
     mode = cfg.sharding_mode
     shards = effective_shard_size(mode, world_size, cfg.sharding.shard_size)
+    if cfg.pipelined and mode != "replicate":  # a stage's parts over its workers; the stage model takes its share
+        shards = max(1, world_size // cfg.pipeline.stages)
     param_bytes = 2 if cfg.precision == "bf16" else 4
     return model_state_bytes(cfg.model.param_shapes(), shards, sharded=mode != "replicate", param_bytes=param_bytes)
 
