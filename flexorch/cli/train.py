@@ -94,10 +94,20 @@ def _describe_setup(ev: dict) -> str:
     resumed = f", resumed after step {ev['resumed_from']}" if ev.get("resumed_from") is not None else ""
     return (
         f"flexorch train: {ev['workers']} workers (elastic {ev['min_workers']}..{ev['max_workers']}), "
-        f"model {ev['model_params'] / 1e6:.2f}M params, corpus "
+        f"model {ev['model_params'] / 1e6:.2f}M params{_sharding(ev)}, corpus "
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
         f"({ev['tokens_per_worker']} tokens per worker){resumed}"
     )
+
+
+def _sharding(ev: dict) -> str:
+    sh = ev.get("sharding")
+    if not sh:
+        return ""
+    ac = f", recompute {sh['activation_checkpointing']}" if sh["activation_checkpointing"] != "none" else ""
+    over = f" over {sh['shards']}" if sh["mode"] != "replicate" else ""
+    mib = sh["plan_resident_bytes"] / 2**20
+    return f" ({sh['mode']}{over}, {sh['precision']}{ac}, {mib:.2f} MiB model state per worker)"
 
 
 def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll_s: float = 0.2) -> dict:

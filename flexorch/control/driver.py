@@ -124,6 +124,7 @@ class TrainingDriver:
             "steps": cfg.steps,
             "model_params": cfg.model.num_params(),
             "pipeline_stages": cfg.pipeline.stages,
+            "sharding": model_state_fields(cfg, self.workers.size),
         }
         self._publish(summary)
         return summary
