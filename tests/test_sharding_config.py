@@ -20,6 +20,8 @@ from flexorch.solver.model_state import model_state_bytes, shard_rows
         ({"mode": "replicate", "precision": "bf16"}, "bf16' needs sharding.mode 'fsdp' or 'hsdp'"),
         ({"activation_checkpointing": "some"}, "activation_checkpointing must be one of"),
         ({"mode": "hsdp", "shard_size": 0}, "positive integer"),
+        ({"mode": "replicate", "gather": "step"}, "is for SP steps with sharding.mode 'fsdp' or 'hsdp'"),
+        ({"mode": "fsdp", "gather": "model"}, "sharding.gather must be one of"),
     ],
 )
 def test_bad_sharding_is_a_clear_error(table, match):
@@ -75,6 +77,8 @@ def test_model_state_bytes_per_mode():
     total = model_state_bytes(deep.param_shapes(), 4, sharded=True).total
     assert total <= 0.30 * 16 * deep.num_params()
     assert model_state_bytes(shapes, 4, sharded=True, param_bytes=2).in_flight < four.in_flight
+    whole_step = model_state_bytes(shapes, 4, sharded=True, gather="step")  # every layer gathered with its gradient
+    assert whole_step.resident == four.resident and whole_step.in_flight == 8 * n
 
 
 def test_reshard_takes_the_newest_version_that_still_covers_every_shard():

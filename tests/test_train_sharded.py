@@ -47,12 +47,13 @@ def _cfg(env, name, mode, shard_size=None, **kw):
 
 
 @pytest.mark.parametrize(
-    "mode,shard_size,recompute",
-    [("replicate", None, "none"), ("fsdp", None, "none"), ("hsdp", 2, "none"), ("fsdp", None, "full"),
-     ("hsdp", 2, "selective")],
+    "mode,shard_size,recompute,gather",
+    [("replicate", None, "none", "layer"), ("fsdp", None, "none", "layer"), ("hsdp", 2, "none", "layer"),
+     ("fsdp", None, "full", "layer"), ("hsdp", 2, "selective", "layer"), ("fsdp", None, "none", "step")],
 )  # fmt: skip
-def test_sharded_steps_equal_the_reference_and_hold_the_planned_bytes(env, mode, shard_size, recompute):
-    cfg = _cfg(env, f"inv-{mode}-{recompute}", mode, shard_size, sharding={"activation_checkpointing": recompute})
+def test_sharded_steps_equal_the_reference_and_hold_the_planned_bytes(env, mode, shard_size, recompute, gather):
+    sharding = {"activation_checkpointing": recompute, "gather": gather}
+    cfg = _cfg(env, f"inv-{mode}-{recompute}-{gather}", mode, shard_size, sharding=sharding)
     records, gathered = run_driver(cfg, env[3])
     check_against_reference(cfg, env[3], records, gathered)  # every rank gathered the same whole parameters
     idle = 0

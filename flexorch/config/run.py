@@ -158,6 +158,11 @@ class TrainConfig:
                 "weights and casts for compute); set mode = 'fsdp', or 'hsdp' with shard_size = 1 to keep whole "
                 "replicas"
             )
+        if self.sharding.gather != "layer" and (mode == "replicate" or self.pipelined):
+            raise ConfigError(
+                f"sharding.gather = {self.sharding.gather!r} is for SP steps with sharding.mode 'fsdp' or 'hsdp' "
+                f"(this run: mode {mode!r}, pipeline.stages = {self.pipeline.stages!r}); remove it"
+            )
         if mode != "replicate" and self.pipelined:
             why = None
             if self.pipeline.stages == "auto":

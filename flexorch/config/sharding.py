@@ -22,11 +22,12 @@ from dataclasses import dataclass
 
 from flexorch.config.errors import ConfigError
 
-__all__ = ["MODES", "PRECISIONS", "RECOMPUTE", "ShardingSettings", "effective_shard_size"]
+__all__ = ["GATHERS", "MODES", "PRECISIONS", "RECOMPUTE", "ShardingSettings", "effective_shard_size"]
 
 MODES = ("auto", "replicate", "fsdp", "hsdp")
 PRECISIONS = ("auto", "fp32", "bf16")
 RECOMPUTE = ("none", "full", "selective")
+GATHERS = ("layer", "step")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,12 @@ class ShardingSettings:
     """hsdp only: workers per shard group (it must divide ``workers``)."""
     precision: str = "auto"
     """'fp32', or 'bf16' (needs 'fsdp' or 'hsdp'); 'auto': 'bf16' with ``use_gpu`` and a sharded mode, else 'fp32'."""
+    gather: str = "layer"
+    """fsdp/hsdp: 'layer' gathers each layer before its use and reduce-scatters its gradient after every
+    micro-batch (ZeRO-3: only one layer whole at a time); 'step' gathers each layer once per step and keeps it,
+    accumulates whole gradients and reduce-scatters once at the end (FSDP2's ``set_reshard_after_forward`` /
+    ``set_requires_gradient_sync``): the communication of whole replicas, with the whole model's parameters and
+    gradients in memory during the step and only the shards between steps."""
     activation_checkpointing: str = "none"
     """'none', 'full' (recompute every decoder layer in the backward) or 'selective' (recompute each layer's MLP
     and its norm, keep attention's outputs: attention's collectives are not run again)."""
@@ -53,6 +60,8 @@ class ShardingSettings:
                 f"sharding.activation_checkpointing must be one of {list(RECOMPUTE)}, got "
                 f"{self.activation_checkpointing!r}"
             )
+        if self.gather not in GATHERS:
+            raise ConfigError(f"sharding.gather must be one of {list(GATHERS)}, got {self.gather!r}")
         s = self.shard_size
         if s is not None and (not isinstance(s, int) or isinstance(s, bool) or s < 1):
             raise ConfigError(f"sharding.shard_size must be a positive integer, got {s!r}")

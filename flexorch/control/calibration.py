@@ -55,7 +55,10 @@ def model_state_plan(cfg, world_size: int):
     if cfg.pipelined and mode != "replicate":  # a stage's parts over its workers; the stage model takes its share
         shards = max(1, world_size // cfg.pipeline.stages)
     param_bytes = 2 if cfg.precision == "bf16" else 4
-    return model_state_bytes(cfg.model.param_shapes(), shards, sharded=mode != "replicate", param_bytes=param_bytes)
+    return model_state_bytes(
+        cfg.model.param_shapes(), shards, sharded=mode != "replicate", param_bytes=param_bytes,
+        gather=cfg.sharding.gather,
+    )  # fmt: skip
 
 
 def model_state_fields(cfg, world_size: int) -> dict:

@@ -117,6 +117,7 @@ class RayWorkerGroup:
                 "precision": cfg.precision,
                 "recompute": cfg.sharding.activation_checkpointing,
                 "stages": cfg.pipeline.stages,
+                "gather": cfg.sharding.gather,
             },
         )
 

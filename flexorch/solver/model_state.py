@@ -50,10 +50,16 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def model_state_bytes(
-    shapes: Sequence[tuple[str, Sequence[int]]], shards: int, *, sharded: bool, param_bytes: int = 4
+    shapes: Sequence[tuple[str, Sequence[int]]],
+    shards: int,
+    *,
+    sharded: bool,
+    param_bytes: int = 4,
+    gather: str = "layer",
 ) -> ModelStateBytes:
     """Model-state bytes of the worker holding the most, for parameters ``shapes`` (``(name, shape)``; decoder
-    layers named ``layers.<i>.``) split over ``shards`` workers; ``sharded`` False: whole replicas."""
+    layers named ``layers.<i>.``) split over ``shards`` workers; ``sharded`` False: whole replicas. ``gather``
+    'step': every layer stays gathered, with its whole gradient, for the whole step."""
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     if not sharded:
@@ -66,6 +72,6 @@ def model_state_bytes(
         unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else "root"
         units[unit] = units.get(unit, 0) + _numel(shape)
     root = units.pop("root", 0)
-    layer = max(units.values(), default=0)
+    layer = max(units.values(), default=0) if gather == "layer" else sum(units.values())
     per_param = param_bytes + 4  # the gathered weight and its unsharded fp32 gradient
     return ModelStateBytes(float(resident), float((root + layer) * per_param))

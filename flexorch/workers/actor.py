@@ -247,6 +247,8 @@ class Worker:
         extra = {}
         if isinstance(task, PipelineTask):
             extra = {"sharded": True} if self.sharded else {"held": self.held}
+        elif self.sharded:
+            extra = {"gather": self.sharding.get("gather", "layer")}
         sp_step = run_sharded_step if self.sharded else run_step
         fn = run_pipeline_step if isinstance(task, PipelineTask) else sp_step
         out = fn(

@@ -51,9 +51,11 @@ def run_sharded_step(
     vocab_size: int,
     backend: str | None = None,
     hook: Callable[[str], None] | None = None,
+    gather: str = "layer",
 ) -> StepOutcome:
     """Run ``task`` on this rank and step the optimizer on its shards; every rank of the world runs it for the same
-    step. ``hook`` as in :func:`~flexorch.workers.step_exec.run_step`."""
+    step. ``hook`` as in :func:`~flexorch.workers.step_exec.run_step`. ``gather`` ('layer' or 'step',
+    ``flexorch.config.sharding``): when FSDP gathers and reduces."""
     if task.work and not task.micro_batches:
         raise ValueError(f"step {task.step}: a sharded step needs the task's micro_batches count")
     hook = hook or (lambda point: None)
@@ -66,6 +68,11 @@ def run_sharded_step(
     local_pred = 0
     by_mb = {w.micro_batch: w for w in task.work}
     for mb in range(task.micro_batches):
+        if gather == "step":  # gathered once, kept to the step's end; one reduce-scatter after the last backward
+            last = mb == task.micro_batches - 1
+            model.set_reshard_after_forward(False)
+            model.set_reshard_after_backward(last)
+            model.set_requires_gradient_sync(last)
         t_mb = time.perf_counter()
         work = by_mb.get(mb)
         if work is None:
