@@ -130,7 +130,8 @@ class Worker:
         reg = self.registry
         self.model = self._build_sharded()
         params = list(self.model.parameters())
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg) if params else (None, None)
+        opt = build_optimizer(self.model, self.optim_cfg, foreach=True) if params else (None, None)
+        self.optimizer, self.scheduler = opt
         self._positions = {n: shard_position(p) for n, p in self.model.named_parameters()}
         if initial:
             fill_initial(self.model, self.model_cfg, self.seed)

@@ -39,16 +39,19 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
     return cfg.lr * lr_factor(step, cfg)
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+def build_optimizer(
+    model: nn.Module, cfg: OptimConfig, *, foreach: bool = False
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (weight decay only on >= 2-D parameters) and its LambdaLR; call ``scheduler.step()`` after each
-    ``optimizer.step()``."""
+    ``optimizer.step()``. ``foreach``: the multi-tensor implementation (sharded state: one DTensor dispatch per op
+    for all shards instead of one per parameter; the same math up to float reordering)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False, fused=False
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=foreach, fused=False
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))
     return optimizer, scheduler
