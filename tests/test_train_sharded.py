@@ -46,6 +46,17 @@ def _cfg(env, name, mode, shard_size=None, **kw):
     return train_config(corpus_dir, root / name, profile, sharding=sharding, **kw)
 
 
+def _train_and_checkpoint(cfg, corpus, steps: int = 1) -> tuple[list[dict], Path]:
+    """Train ``steps`` steps, write a checkpoint: (their records, the checkpoint's directory)."""
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        records = [driver.step().record for _ in range(steps)]
+        return records, Path(driver.checkpoint())
+    finally:
+        driver.shutdown()
+
+
 @pytest.mark.parametrize(
     "mode,shard_size,recompute,gather",
     [("replicate", None, "none", "layer"), ("fsdp", None, "none", "layer"), ("hsdp", 2, "none", "layer"),
@@ -93,14 +104,7 @@ def test_a_sharded_checkpoint_resumes_on_fewer_workers_like_the_uninterrupted_ru
     name = f"resume-{resume_workers}"
     tpw = {"tokens_per_worker": 128}  # 2 workers hold a 256-token document
     first = _cfg(env, name, "fsdp", steps=2, checkpoint_every=1, plan=tpw)
-    driver = TrainingDriver(first, corpus=env[3])
-    try:
-        driver.setup()
-        head = [driver.step().record for _ in range(2)]
-        driver.checkpoint()
-    finally:
-        driver.shutdown()
-    ckpt = sorted((Path(first.run_dir) / "checkpoints").glob("checkpoint_*"))[-1]
+    head, ckpt = _train_and_checkpoint(first, env[3], steps=2)
     assert len(list(ckpt.glob("__*_0.distcp"))) == 4, "one shard file per worker"
     assert not (ckpt / "model.pt").exists(), "no process wrote the whole model"
     more = _cfg(env, name, "fsdp", steps=4, workers=resume_workers, resume=True, plan=tpw)
@@ -117,19 +121,9 @@ def test_a_sharded_checkpoint_resumes_on_fewer_workers_like_the_uninterrupted_ru
         np.testing.assert_allclose(value.numpy(), ref_params[name], rtol=1e-4, atol=2e-5, err_msg=name)
 
 
-def _one_step_and_checkpoint(cfg, corpus) -> Path:
-    driver = TrainingDriver(cfg, corpus=corpus)
-    try:
-        driver.setup()
-        driver.step()
-        return Path(driver.checkpoint())
-    finally:
-        driver.shutdown()
-
-
 def test_a_corrupted_shard_is_a_clear_error_before_any_worker_starts(env):
     cfg = _cfg(env, "corrupt", "hsdp", 2, steps=2)
-    shard = _one_step_and_checkpoint(cfg, env[3]) / "__1_0.distcp"
+    shard = _train_and_checkpoint(cfg, env[3])[1] / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -141,7 +135,7 @@ def test_a_corrupted_shard_is_a_clear_error_before_any_worker_starts(env):
 
 def test_resuming_a_sharded_checkpoint_with_replicate_is_refused(env):
     cfg = _cfg(env, "mixed", "fsdp", steps=2)
-    _one_step_and_checkpoint(cfg, env[3])
+    _train_and_checkpoint(cfg, env[3])
     other = TrainingDriver(cfg.replace(resume=True, sharding=ShardingSettings(mode="replicate")), corpus=env[3])
     with pytest.raises(ConfigError, match="holds sharded"):
         other.setup()
@@ -214,13 +208,7 @@ def test_pipeline_stages_with_their_parameters_sharded_within_the_stage(env, sta
 
 def test_a_sharded_pipeline_checkpoint_resumes_on_another_stage_map(env):
     first = _pp_cfg(env, "pp-resume", 2, 256, steps=2)
-    driver = TrainingDriver(first, corpus=env[3])
-    try:
-        driver.setup()
-        head = [driver.step().record for _ in range(2)]
-        driver.checkpoint()
-    finally:
-        driver.shutdown()
+    head, _ = _train_and_checkpoint(first, env[3], steps=2)
     more = _pp_cfg(env, "pp-resume", 4, 256, steps=4, resume=True)  # 4 stages x 1 worker now
     tail, gathered = run_driver(more, env[3])
     assert [r["pipeline"]["stages"] for r in tail] == [4, 4]

@@ -60,17 +60,22 @@ def sharded_decoder(
     with torch.device("meta"):
         model = Decoder(cfg)
     set_activation_checkpointing(model, recompute)
+    _shard_units(model, [*model.layers, model], mesh, precision, device)  # the root last: it wraps the layers
+    return model
+
+
+def _shard_units(model: nn.Module, units: list, mesh: DeviceMesh, precision: str, device) -> None:
+    """``fully_shard`` each of ``units`` (in order) on ``mesh``, allocate ``model``'s local shards, and make every
+    unit's gradient reduction a plain SUM (these setters act on one unit each, not recursively)."""
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
     kw = {"mesh": mesh, "mp_policy": mp} if mp is not None else {"mesh": mesh}
-    for layer in model.layers:
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
+    for unit in units:
+        fully_shard(unit, **kw)
     model.to_empty(device=device or "cpu")
-    for unit in (*model.layers, model):  # these two setters act on one unit each (not recursive)
+    for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
-    model.set_reduce_scatter_unused_params(True)
-    return model
+        unit.set_reduce_scatter_unused_params(True)
 
 
 class _Absent(nn.Module):
@@ -108,15 +113,7 @@ def stage_sharded_decoder(
         units += [model.norm, model.output]
     else:
         model.norm = model.output = None
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
-    kw = {"mesh": mesh, "mp_policy": mp} if mp is not None else {"mesh": mesh}
-    for unit in units:
-        fully_shard(unit, **kw)
-    model.to_empty(device=device or "cpu")
-    for unit in units:
-        unit.set_gradient_divide_factor(1.0)
-        unit.set_force_sum_reduction_for_comms(True)
-        unit.set_reduce_scatter_unused_params(True)
+    _shard_units(model, units, mesh, precision, device)
     return model
 
 

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from flexorch.solver.model_state import shard_rows
 from flexorch.workers.fsdp import local_rows
+from flexorch.workers.step_exec import default_device
 
 __all__ = ["Holding", "exchange", "holding_of"]
 
@@ -137,7 +138,7 @@ def exchange(
 def _device(params: dict) -> torch.device:
     for p in params.values():
         return p.to_local().device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return default_device()
 
 
 def _choose(descs: list, names: list[str]) -> tuple[int, dict[str, dict[int, tuple[int, int]]]] | None:

@@ -28,7 +28,14 @@ from flexorch.tasks.step import StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.model import check_token_range, loss_sum
 from flexorch.workers.optim import resident_bytes
-from flexorch.workers.step_exec import GroupGetter, StepOutcome, _documents, group_attention, micro_batch_inputs
+from flexorch.workers.step_exec import (
+    GroupGetter,
+    StepOutcome,
+    _documents,
+    default_device,
+    group_attention,
+    micro_batch_inputs,
+)
 
 __all__ = ["run_sharded_step"]
 
@@ -130,7 +137,7 @@ def finish_sharded_step(
     None: the mesh is the world and rank 0 counts it). A rank holding no parameters (on no stage) only takes part."""
     hook("before_sync")
     t_sync = time.perf_counter()
-    device = params[0].device if params else _default_device()
+    device = params[0].device if params else default_device()
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.zeros(())
     norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # this mesh's gradient norm (unscaled)
@@ -166,7 +173,3 @@ def finish_sharded_step(
     out.param_bytes = resident_bytes(model, optimizer)
     out.total_ms = (time.perf_counter() - t0) * 1e3
     return out
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

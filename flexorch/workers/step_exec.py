@@ -252,9 +252,14 @@ def sync_and_step(
 
 
 def _device(params, buckets) -> torch.device:
-    """Where this rank's tensors live (a rank holding no parameter: the current GPU, else CPU)."""
+    """Where this rank's tensors live (a rank holding no parameter: :func:`default_device`)."""
     for p in [*params, *(q for b in buckets for q in b.params)]:
         return p.device
+    return default_device()
+
+
+def default_device() -> torch.device:
+    """The current GPU when there is one, else the CPU."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
