@@ -14,6 +14,7 @@ from pathlib import Path
 from flexorch.config.data import CorpusConfig
 from flexorch.config.elastic import ElasticSettings
 from flexorch.config.errors import ConfigError
+from flexorch.config.hf import hf_model_config
 from flexorch.config.model import ModelConfig, model_config
 from flexorch.config.optim import OptimConfig
 from flexorch.config.pipeline import PipelineSettings
@@ -80,11 +81,10 @@ def config_from_dict(values: dict) -> TrainConfig:
         tables = " ".join(f"[{t}]" for t in ("model", *TABLES))
         raise ConfigError(f"unknown keys {unknown}; run keys are {sorted(_RUN_KEYS)} plus {tables}")
     model_table = _table(values, "model")
-    preset = model_table.pop("preset", "tiny")
     try:
-        base = model_config(preset).to_dict()
-        base.update(model_table)
-        model = ModelConfig.from_dict(base)
+        model = _model(model_table)
+    except ConfigError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"[model]: {e}") from None
     tables = {name: _build(cls, _table(values, name), name) for name, cls in TABLES.items()}
@@ -92,6 +92,20 @@ def config_from_dict(values: dict) -> TrainConfig:
         return TrainConfig(model=model, **tables, **values)
     except TypeError as e:
         raise ConfigError(str(e)) from None
+
+
+def _model(table: dict) -> ModelConfig:
+    """``[model]``: a preset with overrides, or ``hf = "DIR"`` alone (a Hugging Face model directory; a table
+    that also has ``family`` is a saved config read back, whose fields are already the directory's)."""
+    if table.get("hf") is not None and "family" not in table:
+        others = sorted(set(table) - {"hf"})
+        if others:
+            raise ConfigError(
+                f"[model]: with hf = {table['hf']!r} the model's shape comes from its config.json; remove {others}"
+            )
+        return ModelConfig.from_dict(hf_model_config(table["hf"]))
+    preset = table.pop("preset", "tiny")
+    return ModelConfig.from_dict({**model_config(preset).to_dict(), **table})
 
 
 def load_train_config(path: Path | str | None, overrides: dict | None = None) -> TrainConfig:

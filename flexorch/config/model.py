@@ -37,6 +37,15 @@ class ModelConfig:
     """Standard deviation of the normal initialisation of weight matrices."""
     tie_embeddings: bool = False
     """Share the token embedding with the LM head."""
+    hf: str | None = None
+    """A Hugging Face model directory (absolute; ``[model] hf = "DIR"``, read by :func:`~flexorch.config.hf.
+    hf_model_config`): the model is that directory's Transformers model, and the fields above are its shape."""
+    family: str = "flexorch"
+    """'flexorch' (our decoder, ``flexorch.workers.model``) or a Transformers ``model_type`` in ``HF_FAMILIES``."""
+    qkv_bias: bool = False
+    """The q/k/v projections have biases (Qwen2)."""
+    hf_weights: bool = False
+    """``hf``'s directory holds safetensors weights (else the model starts from a random initialisation)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
@@ -55,6 +64,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if (self.family == "flexorch") != (self.hf is None) or (self.family == "flexorch" and self.qkv_bias):
+            raise ValueError(
+                f"ModelConfig: family {self.family!r} with hf={self.hf!r}, qkv_bias={self.qkv_bias}: a Hugging Face "
+                "model comes from [model] hf = DIR alone"
+            )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} (dim / num_heads) must be even for RoPE")
 
@@ -65,6 +79,8 @@ class ModelConfig:
 
     def num_params(self) -> int:
         """Parameter count computed from the shape (equals the built model's)."""
+        if self.hf is not None:
+            return sum(math.prod(shape) for _, shape in self.param_shapes())
         kv = self.num_kv_heads * self.head_dim
         attn = 2 * self.dim * self.dim + 2 * self.dim * kv  # wq, wo + wk, wv
         mlp = 3 * self.dim * self.ffn_dim  # w1, w2, w3
@@ -75,6 +91,11 @@ class ModelConfig:
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, shape)`` of every parameter in the built model's ``named_parameters`` order."""
+        if self.hf is not None:
+            from flexorch.config.hf import hf_param_shapes
+
+            keys = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "qkv_bias")
+            return hf_param_shapes(**{k: getattr(self, k) for k in keys}, tie_embeddings=self.tie_embeddings)
         kv = self.num_kv_heads * self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (self.vocab_size, self.dim))]
         for i in range(self.num_layers):

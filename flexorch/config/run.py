@@ -108,6 +108,7 @@ class TrainConfig:
             raise ConfigError(f"run_dir must be a directory path, got {self.run_dir!r}")
         self._check_pipeline()
         self._check_sharding()
+        self._check_hf_model()
         need = self.data.max_context
         have = self.workers * self.plan.tokens_per_worker
         if not self.pipelined and need > have:
@@ -142,6 +143,23 @@ class TrainConfig:
             raise ConfigError(
                 f"plan.mode={self.plan.mode!r} forces an SP layout; it cannot be combined with pipeline.stages = "
                 f"{p!r} (set plan.mode = 'adaptive')"
+            )
+
+    def _check_hf_model(self) -> None:
+        """What a Hugging Face model ([model] hf) does not run with, said before any worker starts."""
+        if self.model.hf is None:
+            return
+        if self.pipelined:
+            raise ConfigError(
+                f"pipeline.stages = {self.pipeline.stages!r} with a Hugging Face model ([model] hf): flexorch's "
+                "pipeline stages cut its own decoder into layer ranges with a K/V prefix cache inside attention, "
+                "which a Transformers model does not expose without forking its code; use SP steps (remove "
+                "pipeline.stages), with sharding.mode = 'fsdp' for the model state"
+            )
+        if self.sharding.activation_checkpointing == "selective":
+            raise ConfigError(
+                "sharding.activation_checkpointing = 'selective' recomputes our decoder's MLP halves; a Hugging "
+                "Face model takes 'none' or 'full' (Transformers' own per-layer gradient checkpointing)"
             )
 
     def _check_sharding(self) -> None:

@@ -52,12 +52,13 @@ def model_parts(num_layers: int) -> tuple[str, ...]:
 
 
 def part_of(param_name: str) -> str:
-    """The part a parameter of ``flexorch.workers.model.Decoder`` belongs to (by its state-dict name)."""
-    if param_name.startswith("tok_embeddings."):
+    """The part a parameter of ``flexorch.workers.model.Decoder`` (or, by Transformers' names, of a Hugging Face
+    causal LM: ``model.embed_tokens``, ``model.layers.i``, ``model.norm``, ``lm_head``) belongs to."""
+    if param_name.startswith(("tok_embeddings.", "model.embed_tokens.")):
         return "embed"
-    if param_name.startswith("layers."):
-        return f"layer:{int(param_name.split('.')[1])}"
-    if param_name.startswith(("norm.", "output.")):
+    if param_name.startswith(("layers.", "model.layers.")):
+        return f"layer:{int(param_name.removeprefix('model.').split('.')[1])}"
+    if param_name.startswith(("norm.", "output.", "model.norm.", "lm_head.")):
         return "head"
     raise ValueError(f"parameter {param_name!r} belongs to no model part (embed, layer:i, head)")
 

@@ -26,7 +26,8 @@ from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
-from flexorch.workers.model import init_model, set_activation_checkpointing
+from flexorch.workers.model import init_model
+from flexorch.workers.model_source import build_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.pipeline.held_params import HeldParams
@@ -77,7 +78,7 @@ class Worker:
         """Optimizer steps applied to the state this worker holds."""
         self.model = None  # sharded: built for each world at join (flexorch.workers.fsdp)
         if not self.sharded:
-            self.model = init_model(self.model_cfg, seed)
+            self.model = build_model(self.model_cfg, seed)
             set_activation_checkpointing(self.model, self.sharding["recompute"])
             if self.device is not None:
                 self.model.to(self.device)

@@ -28,7 +28,8 @@ from torch.distributed.tensor import DTensor, Shard
 from flexorch.config.model import ModelConfig
 from flexorch.config.sharding import effective_shard_size
 from flexorch.solver.model_state import shard_rows
-from flexorch.workers.model import Decoder, initial_parameters, set_activation_checkpointing
+from flexorch.workers.model import Decoder
+from flexorch.workers.model_source import initial_parameters, meta_model, set_activation_checkpointing
 from flexorch.workers.optim import resident_bytes
 
 __all__ = [
@@ -57,8 +58,7 @@ def sharded_decoder(
 ) -> Decoder:
     """A decoder sharded on ``mesh`` with its local shards allocated (uninitialised: fill them with
     :func:`fill_initial` or a checkpoint)."""
-    with torch.device("meta"):
-        model = Decoder(cfg)
+    model = meta_model(cfg)
     set_activation_checkpointing(model, recompute)
     _shard_units(model, [*model.layers, model], mesh, precision, device)  # the root last: it wraps the layers
     return model

@@ -19,7 +19,8 @@ import torch
 from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
 from flexorch.workers.attention.api import varlen_attn_func
-from flexorch.workers.model import check_token_range, init_model, loss_sum, next_token_labels
+from flexorch.workers.model import check_token_range, loss_sum, next_token_labels
+from flexorch.workers.model_source import build_model
 from flexorch.workers.optim import build_optimizer, clip_grad_norm_
 
 __all__ = ["PackedBatch", "pack_documents", "reference_loss_sum", "reference_step", "reference_train"]
@@ -104,9 +105,9 @@ def reference_train(
     batches: Sequence[Sequence[np.ndarray | torch.Tensor]],
     seed: int,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train ``init_model(model_cfg, seed)`` on ``batches`` (one global batch per step); returns the losses
+    """Train ``build_model(model_cfg, seed)`` on ``batches`` (one global batch per step); returns the losses
     and the final model state dict."""
-    model = init_model(model_cfg, seed)
+    model = build_model(model_cfg, seed)
     optimizer, scheduler = build_optimizer(model, optim_cfg)
     losses = []
     for step, docs in enumerate(batches):

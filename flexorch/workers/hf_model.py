@@ -1,0 +1,201 @@
+"""Hugging Face causal LMs (Llama, Mistral, Qwen2) trained with flexorch's sequence-parallel attention.
+
+Transformers' modeling code runs as shipped; the one thing replaced is the attention kernel, through its
+``AttentionInterface`` (the way DeepSpeed ALST and verl put Ulysses SP into Hugging Face models): the model is built
+with ``attn_implementation="flexorch"``, and :func:`flexorch_attention` receives each layer's q/k/v as
+``(1, heads, tokens, head_dim)`` after the model's own projections and rotary embedding, and calls the attention
+callable the step bound to this micro-batch (single device, Ulysses or zigzag ring over its SP group, causal within
+each packed document; ``flexorch.workers.step_exec.group_attention``). That callable travels as the keyword
+``flexorch_attn`` of the model's forward, which Transformers passes through every decoder layer to the attention
+function. The model is fed ``position_ids`` holding each token's position in its *own document* (global, not local
+to a shard), so the model's rotary embedding rotates every token the same whatever the plan.
+
+:class:`HFDecoder` gives the model flexorch's decoder interface, ``forward(input_ids (t,), position_ids (t,), attn)
+-> logits (t, vocab)``, and keeps Transformers' parameter names (``model.layers.0.self_attn.q_proj.weight``...), so
+its state dict is the checkpoint's.
+
+Initial values (:func:`hf_initial_parameters`) come from the directory's safetensors weights, read one tensor at a
+time, or, with no weights, from Transformers' initialisation scheme (normal(0, initializer_range) weight matrices and
+embeddings, zero biases, unit norms) drawn in parameter order from a seeded generator, so every worker and every
+world size gets the same values. Transformers is imported only here, and only when a run uses an HF model.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexorch.config.model import ModelConfig
+from flexorch.workers.model import check_token_range
+
+__all__ = ["ATTN_IMPLEMENTATION", "HFDecoder", "flexorch_attention", "hf_initial_parameters", "meta_hf_decoder"]
+
+ATTN_IMPLEMENTATION = "flexorch"
+"""The name flexorch's attention is registered under in Transformers' ``AttentionInterface``."""
+
+_registered = False
+
+
+def transformers_module():
+    """``import transformers``, or an ImportError that says how to install it."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError(
+            "[model] hf needs the transformers package: pip install 'flexorch[hf]' (or pip install transformers)"
+        ) from None
+    return transformers
+
+
+def flexorch_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Transformers' attention-function signature around flexorch's varlen SP attention: ``query (1, h, t, hd)``,
+    ``key``/``value (1, h_kv, t, hd)`` -> ``(1, t, h, hd)``, no attention weights. The packed documents' boundaries
+    and the SP group come with ``kwargs["flexorch_attn"]``; ``attention_mask`` is ignored (documents are separated by
+    ``cu_seqlens``, and Transformers builds no mask for this implementation)."""
+    attn = kwargs.get("flexorch_attn")
+    if attn is None:
+        raise RuntimeError(
+            "a model built with attn_implementation='flexorch' ran without flexorch's attention: call it through "
+            "HFDecoder.forward (input_ids, position_ids, attn)"
+        )
+    if dropout:
+        raise ValueError(f"flexorch attention has no dropout, got dropout={dropout}")
+    if query.shape[0] != 1:
+        raise ValueError(f"flexorch attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
+    q = query[0].transpose(0, 1)  # (1, h, t, hd) -> (t, h, hd)
+    k = key[0].transpose(0, 1)  # (1, h_kv, t, hd) -> (t, h_kv, hd)
+    v = value[0].transpose(0, 1)
+    default = q.shape[-1] ** -0.5
+    out = attn(q, k, v) if scaling is None or scaling == default else attn(q, k, v, softmax_scale=scaling)
+    return out.unsqueeze(0), None  # (t, h, hd) -> (1, t, h, hd)
+
+
+def _self_only(q, k, v, **kwargs):
+    """Attention of a lone token to itself: its value (``q (1, h, hd)``, ``v (1, h_kv, hd)`` -> ``(1, h, hd)``)."""
+    return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # GQA: each kv head serves h / h_kv query heads
+
+
+def register_attention() -> None:
+    """Register :func:`flexorch_attention` as ``attn_implementation="flexorch"`` (idempotent)."""
+    global _registered
+    if not _registered:
+        transformers_module().AttentionInterface.register(ATTN_IMPLEMENTATION, flexorch_attention)
+        _registered = True
+
+
+class HFDecoder(nn.Module):
+    """A Transformers ``...ForCausalLM``'s decoder (``model``) and LM head (``lm_head``) behind flexorch's decoder
+    interface; parameter names are the checkpoint's. ``layers`` are the decoder layers (the FSDP units)."""
+
+    def __init__(self, lm: nn.Module, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.model = lm.model
+        # tied embeddings: the head is the embedding matrix itself (one parameter, which to_empty and FSDP keep one)
+        self.lm_head = None if cfg.tie_embeddings else lm.lm_head
+        self.cfg = cfg
+        self.hf_config = lm.config
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
+        """``input_ids (t,)``, ``position_ids (t,)`` (position inside each token's document) -> logits
+        ``(t, vocab_size)`` float32; ``attn`` (q, k, v (t, heads, hd)) is the only call that sees other tokens."""
+        if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"input_ids and position_ids must both be (t,), got {tuple(input_ids.shape)} and "
+                f"{tuple(position_ids.shape)}"
+            )
+        check_token_range(input_ids, self.cfg.vocab_size)
+        if input_ids.numel() == 0:  # an idle rank's empty micro-batch (FSDP): Transformers cannot run 0 tokens
+            return self._empty_logits(input_ids.device)
+        out = self.model(
+            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, flexorch_attn=attn
+        )  # (t,) -> (1, t) in, (1, t, dim) out
+        return self._head(out.last_hidden_state[0])
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """``(t, dim)`` -> logits ``(t, vocab)`` float32."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    def _empty_logits(self, device) -> torch.Tensor:
+        """``(0, vocab)`` logits still tied to every parameter: one dummy token runs through every layer (attending
+        to itself only) and is sliced away, so the backward reaches each FSDP unit (zero gradients) and the rank
+        takes part in every gather and reduce-scatter as ranks with tokens do."""
+        one = torch.zeros(1, dtype=torch.int64, device=device)
+        out = self.model(input_ids=one[None], position_ids=one[None], use_cache=False, flexorch_attn=_self_only)
+        return self._head(out.last_hidden_state[0])[:0]  # (1, vocab) -> (0, vocab)
+
+    def to_empty(self, *, device, recurse: bool = True) -> HFDecoder:
+        """``nn.Module.to_empty``, then the rotary embedding's buffers (computed from the config, not parameters,
+        so left as uninitialised memory by ``to_empty``) built again on ``device``."""
+        super().to_empty(device=device, recurse=recurse)
+        rotary = self.model.rotary_emb
+        with torch.device("cpu"):
+            fresh = type(rotary)(config=self.hf_config)
+        for name, buf in fresh.named_buffers():
+            rotary.get_buffer(name).copy_(buf)
+        return self
+
+    def set_recompute(self, mode: str) -> None:
+        """'none', or 'full': Transformers' own gradient checkpointing of each decoder layer (non-reentrant)."""
+        if mode == "full":
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif mode == "none":
+            self.model.gradient_checkpointing_disable()
+        else:
+            raise ValueError(f"activation checkpointing of a Hugging Face model is 'none' or 'full', got {mode!r}")
+
+
+def hf_config(cfg: ModelConfig):
+    """The directory's Transformers config (local files only), set to flexorch's attention and fp32 weights."""
+    tf = transformers_module()
+    register_attention()
+    conf = tf.AutoConfig.from_pretrained(cfg.hf, local_files_only=True)
+    conf._attn_implementation = ATTN_IMPLEMENTATION
+    return conf
+
+
+def meta_hf_decoder(cfg: ModelConfig) -> HFDecoder:
+    """The model on the meta device (no memory): allocate it with ``to_empty`` and fill it, or shard it first."""
+    tf = transformers_module()
+    conf = hf_config(cfg)
+    with torch.device("meta"):
+        lm = tf.AutoModelForCausalLM.from_config(conf, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
+    model = HFDecoder(lm, cfg)
+    names = [n for n, _ in model.named_parameters()]
+    expected = [n for n, _ in cfg.param_shapes()]
+    if names != expected:  # the config layer's shapes drive checks, init and re-sharding: they must be the model's
+        raise RuntimeError(f"Transformers built parameters {names[:4]}..., flexorch expected {expected[:4]}...")
+    return model
+
+
+def hf_initial_parameters(cfg: ModelConfig, seed: int, shapes):
+    """Yield ``(name, float32 CPU tensor)`` of each parameter's initial value, in the order of ``shapes``: the
+    directory's weights (one safetensors tensor at a time), or a seeded Transformers-style initialisation."""
+    if cfg.hf_weights:
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        from flexorch.config.hf import hf_weight_files
+
+        files = hf_weight_files(Path(cfg.hf))
+        for name, shape in shapes:
+            with safe_open(str(files[name]), framework="pt") as f:
+                value = f.get_tensor(name).to(torch.float32)
+            if tuple(value.shape) != tuple(shape):
+                raise ValueError(f"{name}: the checkpoint holds {tuple(value.shape)}, the model {tuple(shape)}")
+            yield name, value
+        return
+    gen = torch.Generator().manual_seed(seed)
+    for name, shape in shapes:
+        if name.endswith(".bias"):
+            yield name, torch.zeros(shape, dtype=torch.float32)
+        elif len(shape) == 1:  # RMSNorm weights
+            yield name, torch.ones(shape, dtype=torch.float32)
+        else:
+            yield name, torch.empty(shape, dtype=torch.float32).normal_(0.0, cfg.init_std, generator=gen)

@@ -1,0 +1,131 @@
+"""Hugging Face models trained by `flexorch train` match Transformers' own attention in one process.
+
+Tiny random Llama and Qwen2 configs (grouped-query attention; Qwen2 with q/k/v biases and tied embeddings) are
+trained 3 steps on 4 real Ray workers with adaptive plans (Ulysses and zigzag-ring groups, a 256-token document
+four times one worker's 64-token budget). The oracle is not flexorch code: the same Transformers class built with
+``attn_implementation="sdpa"`` (Llama) or ``"eager"`` (Qwen2), run in ONE process on each step's documents packed
+into one sequence with a block-diagonal causal mask, its loss summed over the predicted tokens, then the same
+AdamW. Per-step losses and the final parameters must agree at fp32 tolerances, under replicated and FSDP2-sharded
+model state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from flexorch.config import ConfigError, CorpusConfig, ModelConfig, config_from_dict
+from flexorch.config.hf import hf_model_config
+from flexorch.config.sharding import ShardingSettings
+from tests.train_helpers import assert_params_close, run_driver, train_config, training_env
+
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+SHAPE = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 320}  # fmt: skip
+
+
+def write_model_dir(path, family: str, **extra):
+    """A random-init model directory as ``save_pretrained`` writes it (config.json only)."""
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
+    cls(**{**SHAPE, **extra}).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    yield from training_env(tmp_path_factory, "hf")
+
+
+def _cfg(env, name, model_dir, **kw):
+    root, corpus_dir, profile, _ = env
+    model = ModelConfig.from_dict(hf_model_config(str(model_dir)))
+    data = CorpusConfig(source=str(corpus_dir), max_context=256, tokenizer="byte")
+    return train_config(corpus_dir, root / name, profile, model=model, data=data, **kw)
+
+
+def oracle_train(cfg, batches, impl: str) -> tuple[list[float], dict]:
+    """Transformers' own model and attention (``impl``) in one process, on each step's documents packed with a
+    block-diagonal causal mask; starts from flexorch's initial parameters, trains with the run's AdamW."""
+    from flexorch.workers.model_source import build_model
+    from flexorch.workers.optim import build_optimizer
+    from flexorch.workers.reference import pack_documents
+
+    conf = transformers.AutoConfig.from_pretrained(cfg.model.hf, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation=impl, dtype=torch.float32)
+    start = build_model(cfg.model, cfg.seed).state_dict()
+    missing, unexpected = model.load_state_dict(start, strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.model.tie_embeddings else set())
+    optimizer, scheduler = build_optimizer(model, cfg.optim)
+    losses = []
+    for docs in batches:
+        b = pack_documents(docs)
+        doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.diff(b.cu_seqlens.long()))
+        t = b.tokens.numel()
+        allowed = (doc_of[:, None] == doc_of[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.zeros(1, 1, t, t).masked_fill(~allowed, torch.finfo(torch.float32).min)  # (1, 1, T, T)
+        optimizer.zero_grad(set_to_none=True)
+        logits = model(input_ids=b.tokens[None], position_ids=b.position_ids[None], attention_mask=mask).logits[0]
+        loss = torch.nn.functional.cross_entropy(logits.float(), b.labels, reduction="sum") / b.n_predicted
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(loss.detach()))
+    state = {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+    return losses, state
+
+
+@pytest.mark.parametrize(
+    "family,mode,impl",
+    [("llama", "replicate", "sdpa"), ("qwen2", "replicate", "eager"), ("llama", "fsdp", "sdpa"),
+     ("qwen2", "fsdp", "sdpa")],
+)  # fmt: skip
+def test_hf_model_steps_equal_transformers_own_attention_in_one_process(env, tmp_path, family, mode, impl):
+    tied = family == "qwen2"
+    model_dir = write_model_dir(tmp_path / family, family, tie_word_embeddings=tied)
+    cfg = _cfg(env, f"{family}-{mode}", model_dir, sharding=ShardingSettings(mode=mode))
+    assert (cfg.model.family, cfg.model.qkv_bias, cfg.model.tie_embeddings) == (family, family == "qwen2", tied)
+    corpus = env[3]
+    records, replicas = run_driver(cfg, corpus)
+    assert len(records) == 3
+    groups = [(g["kind"], g["degree"]) for r in records for mb in r["plan"]["micro_batches"] for g in mb]
+    assert any(k == "ring" and d > 1 for k, d in groups) or any(k == "ulysses" and d > 1 for k, d in groups)
+    assert max(d for _, d in groups) == 4, "the 256-token document needs all 4 workers"
+    batches = [corpus.get_tokens(r["doc_ids"]) for r in records]
+    losses, params = oracle_train(cfg, batches, impl)
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert_params_close(replicas, params)
+
+
+def test_ring_and_ulysses_groups_both_run_an_hf_model(env, tmp_path):
+    """Static layouts force each SP method over all 4 workers for the same steps: both equal the oracle."""
+    model_dir = write_model_dir(tmp_path / "llama", "llama")
+    corpus = env[3]
+    for mode in ("static-ulysses-4", "static-ring-4"):
+        cfg = _cfg(env, mode, model_dir, plan={"mode": mode}, steps=2)
+        records, replicas = run_driver(cfg, corpus)
+        kinds = {(g["kind"], g["degree"]) for r in records for mb in r["plan"]["micro_batches"] for g in mb}
+        assert kinds == {(mode.split("-")[1], 4)}
+        losses, params = oracle_train(cfg, [corpus.get_tokens(r["doc_ids"]) for r in records], "sdpa")
+        assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+        assert_params_close(replicas, params)
+
+
+def test_hf_models_refuse_pipeline_stages_and_selective_recompute(tmp_path):
+    model_dir = write_model_dir(tmp_path / "llama", "llama")
+    base = {"model": {"hf": str(model_dir)}, "data": {"tokenizer": "byte"}, "workers": 4}
+    with pytest.raises(ConfigError, match="pipeline stages cut its own decoder"):
+        config_from_dict({**base, "pipeline": {"stages": 2}})
+    with pytest.raises(ConfigError, match="'none' or 'full'"):
+        config_from_dict({**base, "sharding": {"mode": "fsdp", "activation_checkpointing": "selective"}})
+    with pytest.raises(ConfigError, match="remove \\['dim'\\]"):
+        config_from_dict({**base, "model": {"hf": str(model_dir), "dim": 32}})
+    cfg = config_from_dict(base)
+    assert config_from_dict(cfg.to_dict()).model == cfg.model  # a saved config reads back without the directory
+    assert dataclasses.replace(cfg.model).num_params() == sum(np.prod(s) for _, s in cfg.model.param_shapes())
