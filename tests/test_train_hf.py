@@ -49,16 +49,20 @@ def _cfg(env, name, model_dir, **kw):
     return train_config(corpus_dir, root / name, profile, model=model, data=data, **kw)
 
 
-def oracle_train(cfg, batches, impl: str) -> tuple[list[float], dict]:
+def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[list[float], dict]:
     """Transformers' own model and attention (``impl``) in one process, on each step's documents packed with a
-    block-diagonal causal mask; starts from flexorch's initial parameters, trains with the run's AdamW."""
+    block-diagonal causal mask; starts from ``start`` (default: flexorch's initial parameters, which the test of
+    weight loading checks on their own), trains with the run's AdamW."""
     from flexorch.workers.model_source import build_model
     from flexorch.workers.optim import build_optimizer
     from flexorch.workers.reference import pack_documents
 
     conf = transformers.AutoConfig.from_pretrained(cfg.model.hf, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation=impl, dtype=torch.float32)
-    start = build_model(cfg.model, cfg.seed).state_dict()
+    if start is None:
+        start = build_model(cfg.model, cfg.seed).state_dict()
+    else:
+        start = {n: torch.as_tensor(v) for n, v in start.items()}
     missing, unexpected = model.load_state_dict(start, strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.model.tie_embeddings else set())
     optimizer, scheduler = build_optimizer(model, cfg.optim)
@@ -82,14 +86,15 @@ def oracle_train(cfg, batches, impl: str) -> tuple[list[float], dict]:
 
 
 @pytest.mark.parametrize(
-    "family,mode,impl",
-    [("llama", "replicate", "sdpa"), ("qwen2", "replicate", "eager"), ("llama", "fsdp", "sdpa"),
-     ("qwen2", "fsdp", "sdpa")],
+    "family,mode,impl,recompute",
+    [("llama", "replicate", "sdpa", "none"), ("qwen2", "replicate", "eager", "none"),
+     ("llama", "fsdp", "sdpa", "full"), ("qwen2", "fsdp", "sdpa", "none")],
 )  # fmt: skip
-def test_hf_model_steps_equal_transformers_own_attention_in_one_process(env, tmp_path, family, mode, impl):
+def test_hf_model_steps_equal_transformers_own_attention_in_one_process(env, tmp_path, family, mode, impl, recompute):
     tied = family == "qwen2"
     model_dir = write_model_dir(tmp_path / family, family, tie_word_embeddings=tied)
-    cfg = _cfg(env, f"{family}-{mode}", model_dir, sharding=ShardingSettings(mode=mode))
+    sharding = ShardingSettings(mode=mode, activation_checkpointing=recompute)
+    cfg = _cfg(env, f"{family}-{mode}", model_dir, sharding=sharding)
     assert (cfg.model.family, cfg.model.qkv_bias, cfg.model.tie_embeddings) == (family, family == "qwen2", tied)
     corpus = env[3]
     records, replicas = run_driver(cfg, corpus)
@@ -129,3 +134,70 @@ def test_hf_models_refuse_pipeline_stages_and_selective_recompute(tmp_path):
     cfg = config_from_dict(base)
     assert config_from_dict(cfg.to_dict()).model == cfg.model  # a saved config reads back without the directory
     assert dataclasses.replace(cfg.model).num_params() == sum(np.prod(s) for _, s in cfg.model.param_shapes())
+
+
+def _train_and_checkpoint(cfg, corpus, steps: int = 2):
+    from flexorch.control.driver import TrainingDriver
+
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        records = [driver.step().record for _ in range(steps)]
+        return records, driver.checkpoint()
+    finally:
+        driver.shutdown()
+
+
+def _flexorch_logits(model_cfg, state, docs):
+    """Logits of flexorch's HFDecoder (single-device varlen attention) holding ``state`` on the packed ``docs``."""
+    import functools
+
+    from flexorch.workers.attention.api import varlen_attn_func
+    from flexorch.workers.model_source import build_model
+    from flexorch.workers.reference import pack_documents
+
+    model = build_model(model_cfg, 0)
+    model.load_state_dict(state)
+    b = pack_documents(docs)
+    attn = functools.partial(varlen_attn_func, cu_seqlens=b.cu_seqlens, max_seqlen=b.max_seqlen)
+    with torch.no_grad():
+        return model(b.tokens, b.position_ids, attn)
+
+
+@pytest.mark.parametrize("family,mode", [("llama", "fsdp"), ("qwen2", "replicate")])
+def test_export_loads_with_from_pretrained_and_training_continues_from_it(env, tmp_path, family, mode):
+    """`flexorch export` writes a directory Transformers loads (same logits as flexorch's model), and that directory
+    is a model source with weights: a run from it starts at exactly the exported parameters, loaded shard by
+    shard under FSDP."""
+    from flexorch.cli.main import main
+    from flexorch.control.checkpoint import consolidated_state
+
+    model_dir = write_model_dir(tmp_path / family, family, tie_word_embeddings=family == "qwen2")
+    cfg = _cfg(env, f"export-{family}", model_dir, sharding=ShardingSettings(mode=mode))
+    corpus = env[3]
+    _, ckpt = _train_and_checkpoint(cfg, corpus)
+    out = tmp_path / "exported"
+    assert main(["export", str(ckpt), str(out)]) == 0
+    assert {"config.json", "model.safetensors"} <= {p.name for p in out.iterdir()}
+    trained = consolidated_state(ckpt)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa", local_files_only=True)
+    docs = corpus.get_tokens(list(range(6)))
+    with torch.no_grad():
+        theirs = torch.cat([loaded(input_ids=torch.as_tensor(d, dtype=torch.long)[None]).logits[0] for d in docs])
+    ours = _flexorch_logits(cfg.model, trained, docs)
+    torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+    assert not any(torch.equal(trained[n], t) for n, t in _flexorch_start(cfg).items() if t.dim() == 2)
+
+    again = _cfg(env, f"from-export-{family}", out, sharding=ShardingSettings(mode=mode), steps=1)
+    assert again.model.hf_weights and again.model.hf == str(out.resolve())
+    records, replicas = run_driver(again, corpus)
+    start = {n: t.numpy() for n, t in trained.items()}
+    losses, params = oracle_train(again, [corpus.get_tokens(r["doc_ids"]) for r in records], "sdpa", start=start)
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert_params_close(replicas, params)
+
+
+def _flexorch_start(cfg) -> dict:
+    from flexorch.workers.model_source import build_model
+
+    return build_model(cfg.model, cfg.seed).state_dict()

@@ -63,10 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("name", nargs="?", help="profile name or JSON file to print")
 
     export = sub.add_parser(
-        "export", help="consolidate a checkpoint (sharded or not) into one model file: parameter name -> tensor"
+        "export",
+        help="consolidate a checkpoint (sharded or not): one model file, or for a Hugging Face model ([model] hf) a "
+        "directory that AutoModelForCausalLM.from_pretrained loads",
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its newest)")
-    export.add_argument("out", type=Path, help="the file to write (torch.save of the whole model's state dict)")
+    export.add_argument(
+        "out", type=Path, help="the file to write (torch.save of the state dict), or the directory (HF model)"
+    )
     return p
 
 
@@ -287,7 +291,7 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from flexorch.control.checkpoint import export_model, latest_checkpoint
+    from flexorch.control.checkpoint import checkpoint_config, export_model, latest_checkpoint
 
     src = args.checkpoint
     if (src / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
@@ -295,6 +299,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if newest is None:
             raise ValueError(f"{src} has no complete checkpoint")
         src = Path(newest.path)
+    if checkpoint_config(src)["model"].get("hf") is not None:
+        from flexorch.control.hf_export import export_hf
+
+        got = export_hf(src, args.out)
+        tok = f"tokenizer from {got['tokenizer']}" if got["tokenizer"] else "no tokenizer files (byte tokenizer)"
+        print(
+            f"exported {src} -> {args.out}/ (Hugging Face format: config.json, model.safetensors, {tok}): "
+            f"{got['tensors']} tensors, {got['parameters']:,} parameters, {got['bytes'] / 2**20:.1f} MiB"
+        )
+        return 0
     got = export_model(src, args.out)
     print(
         f"exported {src} -> {args.out}: {got['tensors']} tensors, {got['parameters']:,} parameters, "

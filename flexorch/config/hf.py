@@ -10,8 +10,8 @@ is 8 bytes of little-endian length, then JSON naming each tensor's dtype and sha
 - a model that is not a causal LM of a family flexorch runs (``llama``, ``mistral``, ``qwen2``: pre-norm RMSNorm
   decoders with rotary embeddings, grouped-query attention and a SwiGLU MLP, whose attention Transformers lets us
   replace through its ``AttentionInterface``);
-- an option flexorch's attention does not compute (sliding windows, attention dropout, a head size other than
-  hidden / heads, biases Transformers' config adds);
+- an option flexorch's attention does not compute (attention dropout, a head size other than hidden / heads,
+  biases Transformers' config adds; a sliding window shorter than the run's longest document, checked by the run);
 - weights missing from the checkpoint or of another shape than the config implies.
 """
 
@@ -115,6 +115,18 @@ def _int(cfg: dict, key: str, d: Path, default=None) -> int:
     return v
 
 
+def _window(cfg: dict, family: str, d: Path) -> int | None:
+    """The sliding attention window (tokens) the model uses, or None. flexorch's attention is full causal attention
+    within each document, the same as a window no shorter than the longest document: the run checks
+    ``[data] max_context`` against it (``TrainConfig``)."""
+    window = cfg.get("sliding_window")
+    if window is None or (family == "qwen2" and not cfg.get("use_sliding_window")):
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ConfigError(f"[model] hf: {d}/config.json: sliding_window must be an integer or null, got {window!r}")
+    return window
+
+
 def _check_unsupported(cfg: dict, family: str, d: Path, dim: int, heads: int) -> None:
     where = f"[model] hf: {d}/config.json"
     if cfg.get("hidden_act", "silu") != "silu":
@@ -127,12 +139,6 @@ def _check_unsupported(cfg: dict, family: str, d: Path, dim: int, heads: int) ->
         raise ConfigError(
             f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = {dim // heads}; "
             "flexorch's cost model and sharding assume head_dim = hidden / heads"
-        )
-    window = cfg.get("sliding_window")
-    if window is not None and (family == "mistral" or cfg.get("use_sliding_window")):
-        raise ConfigError(
-            f"{where}: sliding_window {window}; flexorch's attention is full causal attention within each "
-            "document: set sliding_window to null (and use_sliding_window to false)"
         )
     if family != "qwen2" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
         raise ConfigError(f"{where}: attention_bias / mlp_bias are not supported; set them to false")
@@ -227,6 +233,7 @@ def hf_model_config(path: str) -> dict:
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "hf": str(d),
         "family": family,
+        "attention_window": _window(cfg, family, d),
         "qkv_bias": family == "qwen2",
     }
     files = hf_weight_files(d)

@@ -44,6 +44,9 @@ class ModelConfig:
     """'flexorch' (our decoder, ``flexorch.workers.model``) or a Transformers ``model_type`` in ``HF_FAMILIES``."""
     qkv_bias: bool = False
     """The q/k/v projections have biases (Qwen2)."""
+    attention_window: int | None = None
+    """A sliding attention window (Mistral's ``sliding_window``): documents may not be longer (flexorch's attention
+    is full causal attention within each document)."""
     hf_weights: bool = False
     """``hf``'s directory holds safetensors weights (else the model starts from a random initialisation)."""
 

@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointError",
     "RunCheckpoints",
+    "checkpoint_config",
+    "consolidated_state",
     "corpus_fingerprint",
     "export_model",
     "is_sharded",
@@ -167,23 +169,37 @@ def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict, dict]:
     return {"model": model, **train}, driver
 
 
-def export_model(directory: Path | str, out: Path | str) -> dict:
-    """Consolidate a checkpoint's model into one ``torch.save`` file of the whole state dict (parameter name ->
-    tensor), from a sharded checkpoint's per-worker files or a replicated one's ``model.pt``; returns
-    ``{"parameters", "tensors", "bytes"}``. Runs in one process, without a world."""
+def consolidated_state(directory: Path | str) -> dict:
+    """The whole model's state dict (parameter name -> CPU tensor) of a checkpoint, gathered from a sharded
+    checkpoint's per-worker files or read from a replicated one's ``model.pt``; every file is checked against the
+    manifest first. Runs in one process, without a world."""
     d = Path(directory)
     verify_files(d)
     if is_sharded(d):
+        import tempfile
+
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        tmp = Path(out).with_suffix(".all.tmp")
-        dcp_to_torch_save(d, tmp)
-        model = torch.load(tmp, weights_only=True, map_location="cpu")["model"]
-        tmp.unlink()
-    elif (d / "model.pt").is_file():
-        model = torch.load(d / "model.pt", weights_only=True, map_location="cpu")
-    else:
-        raise CheckpointError(f"{d} is not a flexorch checkpoint (no model.pt and no .metadata)")
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(d, Path(tmp) / "all.pt")
+            return torch.load(Path(tmp) / "all.pt", weights_only=True, map_location="cpu")["model"]
+    if (d / "model.pt").is_file():
+        return torch.load(d / "model.pt", weights_only=True, map_location="cpu")
+    raise CheckpointError(f"{d} is not a flexorch checkpoint (no model.pt and no .metadata)")
+
+
+def checkpoint_config(directory: Path | str) -> dict:
+    """The run configuration a checkpoint was written with (``TrainConfig.to_dict()``)."""
+    f = Path(directory) / "driver_state.json"
+    if not f.is_file():
+        raise CheckpointError(f"{directory} is not a complete flexorch checkpoint: missing driver_state.json")
+    return json.loads(f.read_text())["config"]
+
+
+def export_model(directory: Path | str, out: Path | str) -> dict:
+    """Consolidate a checkpoint's model into one ``torch.save`` file of the whole state dict (parameter name ->
+    tensor); returns ``{"parameters", "tensors", "bytes"}``."""
+    model = consolidated_state(directory)
     torch.save(model, out)
     return {
         "parameters": int(sum(t.numel() for t in model.values())),

@@ -72,8 +72,12 @@ def flexorch_attention(module, query, key, value, attention_mask, scaling=None, 
 
 
 def _self_only(q, k, v, **kwargs):
-    """Attention of a lone token to itself: its value (``q (1, h, hd)``, ``v (1, h_kv, hd)`` -> ``(1, h, hd)``)."""
-    return v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)  # GQA: each kv head serves h / h_kv query heads
+    """Attention of a lone token to itself, computed as attention (``q (1, h, hd)``, ``k``/``v (1, h_kv, hd)`` ->
+    ``(1, h, hd)``): a softmax over one key is 1, so the output is ``v`` and q and k get (zero) gradients too."""
+    rep = q.shape[1] // k.shape[1]  # GQA: each kv head serves h / h_kv query heads
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (1, h_kv, hd) -> (1, h, hd)
+    weight = torch.softmax((q * k).sum(-1, keepdim=True) * q.shape[-1] ** -0.5, dim=-1)  # (1, h, 1): ones
+    return weight * v
 
 
 def register_attention() -> None:
@@ -143,9 +147,9 @@ class HFDecoder(nn.Module):
     def set_recompute(self, mode: str) -> None:
         """'none', or 'full': Transformers' own gradient checkpointing of each decoder layer (non-reentrant)."""
         if mode == "full":
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         elif mode == "none":
-            self.model.gradient_checkpointing_disable()
+            self.model.activation_checkpointing_disable()
         else:
             raise ValueError(f"activation checkpointing of a Hugging Face model is 'none' or 'full', got {mode!r}")
 

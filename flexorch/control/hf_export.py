@@ -1,0 +1,65 @@
+"""Export a checkpoint of a Hugging Face model run as a directory ``AutoModelForCausalLM.from_pretrained`` loads.
+
+The directory gets the trained weights as safetensors (Transformers' parameter names, which the run kept
+throughout: ``flexorch.workers.hf_model``), the source directory's ``config.json`` (with ``architectures`` filled
+in when the source had none) and the run's tokenizer files: those of the model directory, or of the BPE tokenizer
+the run trained on its corpus (``[data] tokenizer``). A run that used the byte tokenizer has no tokenizer files to
+give; the export says so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from flexorch.control.checkpoint import CheckpointError, checkpoint_config, consolidated_state
+
+__all__ = ["export_hf"]
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+TOKENIZER_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
+    "merges.txt", "added_tokens.json", "chat_template.jinja",
+)  # fmt: skip
+
+
+def export_hf(checkpoint: Path | str, out: Path | str) -> dict:
+    """Write ``out`` (a new or empty directory) from ``checkpoint``; returns ``{"parameters", "tensors", "bytes",
+    "tokenizer"}`` (``tokenizer``: where its files came from, or None)."""
+    from safetensors.torch import save_file
+
+    cfg = checkpoint_config(checkpoint)
+    model, data = cfg["model"], cfg["data"]
+    if model.get("hf") is None:
+        raise CheckpointError(
+            f"{checkpoint} is a checkpoint of flexorch's own decoder, not a Hugging Face model; export it as one "
+            "file with `flexorch export CHECKPOINT model.pt`"
+        )
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(f"{out} exists and is not an empty directory; give a new directory to export into")
+    source = Path(model["hf"])
+    if not (source / "config.json").is_file():
+        raise CheckpointError(f"the run's model directory {source} is gone (no config.json): it holds the config")
+    state = {name: t.contiguous() for name, t in consolidated_state(checkpoint).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    conf = json.loads((source / "config.json").read_text())
+    conf.setdefault("architectures", [ARCHITECTURES[model["family"]]])
+    conf["dtype"] = "float32"
+    (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+    tokenizer = None
+    spec = data.get("tokenizer", "byte")
+    if spec.startswith("hf:"):
+        tok_dir = Path(spec[3:])
+        copied = [f for f in TOKENIZER_FILES if (tok_dir / f).is_file()]
+        for f in copied:
+            shutil.copy2(tok_dir / f, out / f)
+        tokenizer = str(tok_dir) if copied else None
+    return {
+        "parameters": int(sum(t.numel() for t in state.values())),
+        "tensors": len(state),
+        "bytes": (out / "model.safetensors").stat().st_size,
+        "tokenizer": tokenizer,
+    }

@@ -1,0 +1,185 @@
+"""Hugging Face models in one process: the model directory's checks, and flexorch's attention inside Transformers'
+layers against Transformers' own ``sdpa`` attention (an oracle we did not write) on packed documents."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+from flexorch.config import ConfigError, ModelConfig, config_from_dict
+from flexorch.config.hf import hf_model_config
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402  (a dependency of transformers)
+
+SHAPE = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 96}  # fmt: skip
+FAMILIES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+
+
+def _dir(tmp_path, family="llama", weights=False, **extra):
+    conf = getattr(transformers, FAMILIES[family])(**{**SHAPE, **extra})
+    d = tmp_path / f"{family}{'-w' if weights else ''}"
+    if weights:
+        torch.manual_seed(1)
+        transformers.AutoModelForCausalLM.from_config(conf).save_pretrained(d)
+    else:
+        conf.save_pretrained(d)
+    return d
+
+
+def _model_cfg(d) -> ModelConfig:
+    return ModelConfig.from_dict(hf_model_config(str(d)))
+
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("mistral", False), ("qwen2", True), ("qwen2", False)])
+def test_param_shapes_are_the_transformers_models(tmp_path, family, tied):
+    from flexorch.workers.model_source import build_model
+
+    d = _dir(tmp_path, family, tie_word_embeddings=tied)
+    cfg = _model_cfg(d)
+    conf = transformers.AutoConfig.from_pretrained(d)
+    with torch.device("meta"):
+        lm = transformers.AutoModelForCausalLM.from_config(conf)
+    theirs = [(n, tuple(p.shape)) for n, p in lm.named_parameters()]
+    assert cfg.param_shapes() == theirs
+    assert cfg.num_params() == sum(p.numel() for p in lm.parameters())
+    model = build_model(cfg, 3)
+    assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == theirs
+    again = build_model(cfg, 3)
+    assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
+    # the rotary buffers are rebuilt after to_empty, not left as uninitialised memory
+    expected = transformers.AutoModelForCausalLM.from_config(conf).model.rotary_emb.inv_freq
+    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)
+
+
+def _packed(docs):
+    from flexorch.workers.reference import pack_documents
+
+    b = pack_documents(docs)
+    seg = torch.repeat_interleave(torch.arange(len(docs)), torch.diff(b.cu_seqlens.long()))
+    t = b.tokens.numel()
+    allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    return b, torch.zeros(1, 1, t, t).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_documents(tmp_path, family, recompute):
+    from flexorch.workers.attention.api import varlen_attn_func
+    from flexorch.workers.model import loss_sum
+    from flexorch.workers.model_source import build_model, set_activation_checkpointing
+
+    cfg = _model_cfg(_dir(tmp_path, family))
+    ours = build_model(cfg, 0)
+    set_activation_checkpointing(ours, recompute)
+    ours.train()
+    conf = transformers.AutoConfig.from_pretrained(cfg.hf)
+    ref = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa")
+    ref.load_state_dict(ours.state_dict())
+    gen = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 30, 1, 12)]
+    b, mask = _packed(docs)
+    attn = functools.partial(varlen_attn_func, cu_seqlens=b.cu_seqlens, max_seqlen=b.max_seqlen)
+    loss_sum(ours(b.tokens, b.position_ids, attn), b.labels).backward()
+    logits = ref(input_ids=b.tokens[None], position_ids=b.position_ids[None], attention_mask=mask).logits[0]
+    loss_sum(logits, b.labels).backward()
+    torch.testing.assert_close(ours(b.tokens, b.position_ids, attn), logits, rtol=1e-5, atol=1e-5)
+    theirs = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_an_empty_micro_batch_reaches_every_parameter_with_zero_gradients(tmp_path):
+    """An idle rank under FSDP runs an empty micro-batch: (0, vocab) logits whose backward touches every layer."""
+    from flexorch.workers.model import loss_sum
+    from flexorch.workers.model_source import build_model
+
+    model = build_model(_model_cfg(_dir(tmp_path, "qwen2", tie_word_embeddings=True)), 0)
+    empty = torch.zeros(0, dtype=torch.int64)
+    logits = model(empty, empty, attn=None)
+    assert logits.shape == (0, 96)
+    loss_sum(logits, empty).backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_weights_are_read_from_the_directory(tmp_path):
+    from flexorch.workers.model_source import build_model
+
+    d = _dir(tmp_path, "llama", weights=True)
+    cfg = _model_cfg(d)
+    assert cfg.hf_weights
+    saved = load_file(d / "model.safetensors")
+    model = build_model(cfg, seed=123)  # the seed does not matter: the weights are the checkpoint's
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), saved[name].float()), name
+
+
+# ------------------------------------------------------------------ bad input, before any worker starts
+
+
+def test_a_missing_directory_and_a_hub_id_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        hf_model_config(str(tmp_path / "nope"))
+    with pytest.raises(ConfigError, match="Hub id.*never downloads.*hf download meta-llama/Llama-3.2-1B"):
+        hf_model_config("meta-llama/Llama-3.2-1B")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="no config.json"):
+        hf_model_config(str(tmp_path / "empty"))
+
+
+def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
+    d = tmp_path / "bert"
+    transformers.BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(d)
+    with pytest.raises(ConfigError, match="model_type 'bert'"):
+        hf_model_config(str(d))
+    conf = json.loads((d / "config.json").read_text())
+    conf["architectures"] = ["BertForMaskedLM"]
+    (d / "config.json").write_text(json.dumps(conf))
+    with pytest.raises(ConfigError, match="BertForMaskedLM, not a causal language model"):
+        hf_model_config(str(d))
+
+
+@pytest.mark.parametrize(
+    "family,extra,match",
+    [("llama", {"attention_dropout": 0.1}, "dropout"),
+     ("llama", {"head_dim": 16}, "head_dim"), ("llama", {"attention_bias": True}, "attention_bias"),
+     ("llama", {"hidden_act": "gelu"}, "hidden_act")],
+)  # fmt: skip
+def test_options_flexorch_does_not_compute_are_refused(tmp_path, family, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        hf_model_config(str(_dir(tmp_path, family, **extra)))
+
+
+def test_missing_and_misshaped_weights_are_named(tmp_path):
+    d = _dir(tmp_path, "llama", weights=True)
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    tensors["model.norm.weight"] = torch.ones(31)
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"1 missing \(first: model.layers.1.mlp.up_proj.weight\).*model.norm.weight"):
+        hf_model_config(str(d))
+    (d / "model.safetensors").write_bytes(b"\x01\x02")
+    with pytest.raises(ConfigError, match="not a readable safetensors file"):
+        hf_model_config(str(d))
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(b"pickle")
+    with pytest.raises(ConfigError, match="safetensors only"):
+        hf_model_config(str(d))
+
+
+def test_a_run_with_an_hf_model_fails_before_any_worker_on_a_bad_directory(tmp_path):
+    with pytest.raises(ConfigError, match=r"\[model\] hf: directory"):
+        config_from_dict({"model": {"hf": str(tmp_path / "missing")}, "data": {"tokenizer": "byte"}})
+
+
+def test_a_sliding_window_must_cover_the_longest_document(tmp_path):
+    d = _dir(tmp_path, "mistral", sliding_window=512)
+    assert _model_cfg(d).attention_window == 512
+    base = {"model": {"hf": str(d)}, "data": {"tokenizer": "byte", "max_context": 512}, "workers": 4}
+    assert config_from_dict(base).model.family == "mistral"  # documents of at most 512 tokens: full = windowed
+    with pytest.raises(ConfigError, match="sliding attention window of 512 tokens.*max_context <= 512"):
+        config_from_dict({**base, "data": {"tokenizer": "byte", "max_context": 1024}})
