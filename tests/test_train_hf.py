@@ -201,3 +201,22 @@ def _flexorch_start(cfg) -> dict:
     from flexorch.workers.model_source import build_model
 
     return build_model(cfg.model, cfg.seed).state_dict()
+
+
+def test_the_planner_offers_only_ulysses_degrees_that_divide_the_models_heads(env, tmp_path):
+    """6 query heads: Ulysses of degree 4 cannot split them, so the 256-token document that needs all 4 workers
+    runs on a zigzag ring; Ulysses pairs (6 % 2 == 0) stay allowed. The run still equals the oracle."""
+    import json
+
+    model_dir = write_model_dir(tmp_path / "llama6", "llama", hidden_size=96, num_attention_heads=6)
+    profile = json.loads(env[2].read_text())
+    (tmp_path / "profile.json").write_text(json.dumps({**profile, "hidden": 96, "num_heads": 6}))
+    cfg = _cfg(env, "six-heads", model_dir, steps=2, plan={"profile": str(tmp_path / "profile.json")})
+    assert (cfg.model.num_heads, cfg.model.num_kv_heads) == (6, 2)
+    corpus = env[3]
+    records, replicas = run_driver(cfg, corpus)
+    groups = {(g["kind"], g["degree"]) for r in records for mb in r["plan"]["micro_batches"] for g in mb}
+    assert ("ring", 4) in groups and ("ulysses", 4) not in groups, groups
+    losses, params = oracle_train(cfg, [corpus.get_tokens(r["doc_ids"]) for r in records], "sdpa")
+    assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert_params_close(replicas, params)
