@@ -7,9 +7,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["FORMATS", "CorpusConfig"]
+__all__ = ["BPE_VOCAB_RANGE", "FORMATS", "CorpusConfig", "bpe_vocab"]
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
+BPE_VOCAB_RANGE = (260, 1_000_000)
+"""The vocabulary sizes ``'bpe:<N>'`` takes: the 256 bytes, ``<s>`` and a few merges, up to a million ids."""
+TOKENIZER_SPECS = "'auto' (the default), 'byte', 'hf:<local tokenizer dir>' or 'bpe:<N>' (e.g. 'bpe:2048')"
+
+
+def bpe_vocab(spec: str) -> int | None:
+    """N of a ``'bpe:<N>'`` tokenizer spec, None for any other spec (a malformed 'bpe:' spec raises ValueError)."""
+    if not isinstance(spec, str) or not spec.startswith("bpe:"):
+        return None
+    n = spec[4:]
+    lo, hi = BPE_VOCAB_RANGE
+    if not (n.isascii() and n.isdigit()) or not lo <= int(n) <= hi:
+        raise ValueError(
+            f"tokenizer {spec!r}: 'bpe:<N>' needs an integer vocabulary size N with {lo} <= N <= {hi:_} "
+            "(e.g. 'bpe:2048'), no larger than model.vocab_size"
+        )
+    return int(n)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,8 +39,19 @@ class CorpusConfig:
     """'auto' (by extension and contents), 'text' (one document per file), 'jsonl' or 'parquet' (one per record)."""
     text_field: str = "text"
     """JSONL/Parquet field that holds the document text."""
-    tokenizer: str = "byte"
-    """'byte' (ids 0..255 plus BOS 256, no download) or 'hf:<name_or_path>' (needs transformers)."""
+    tokenizer: str = "auto"
+    """How documents become token ids; nothing is ever downloaded:
+
+    - 'auto' (the default): 'byte' for flexorch's own decoder; for a Hugging Face model (``[model] hf = DIR``) the
+      model directory's own tokenizer ('hf:DIR'), an error when DIR has none (``TrainConfig`` resolves it; outside
+      a run, e.g. ``load_corpus`` on this table alone, it is 'byte');
+    - 'byte': ids 0..255 are the UTF-8 bytes, BOS is 256 (257 ids);
+    - 'hf:<dir>': a local tokenizer directory (``save_pretrained``), loaded with Transformers'
+      ``AutoTokenizer.from_pretrained(dir, local_files_only=True)``; a Hub id must be fetched first
+      (``hf download org/name --local-dir DIR``);
+    - 'bpe:<N>': a byte-level BPE of N ids (``<s>`` = 0 is the BOS) trained in seconds on the first ~8 MB of this
+      corpus at the start of the run and saved in ``<run_dir>/tokenizer`` (a resumed run reuses it); the run
+      then records 'hf:<run_dir>/tokenizer' (``flexorch.data.bpe``)."""
     max_context: int = 2048
     """Longest document, in tokens; longer ones are handled by `over_long`."""
     over_long: str = "split"
@@ -56,8 +84,11 @@ class CorpusConfig:
             raise ValueError(
                 f"text_field must name a field other than 'path' (Ray Data's file column), got {self.text_field!r}"
             )
-        if not (self.tokenizer == "byte" or (self.tokenizer.startswith("hf:") and len(self.tokenizer) > 3)):
-            raise ValueError(f"tokenizer must be 'byte' or 'hf:<name_or_path>', got {self.tokenizer!r}")
+        tok = self.tokenizer
+        if not isinstance(tok, str) or not (
+            tok in ("auto", "byte") or (tok.startswith("hf:") and tok[3:].strip()) or bpe_vocab(tok) is not None
+        ):
+            raise ValueError(f"tokenizer must be {TOKENIZER_SPECS}, got {tok!r}")
         if self.extensions is not None:
             if isinstance(self.extensions, str) or not self.extensions:
                 raise ValueError(f"extensions must be a non-empty tuple like ('.py', '.md'), got {self.extensions!r}")

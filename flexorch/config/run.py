@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flexorch.config.data import CorpusConfig
 from flexorch.config.elastic import ElasticSettings
@@ -106,6 +107,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():
             raise ConfigError(f"run_dir must be a directory path, got {self.run_dir!r}")
+        self._resolve_tokenizer()
         self._check_pipeline()
         self._check_sharding()
         self._check_hf_model()
@@ -144,6 +146,25 @@ class TrainConfig:
                 f"plan.mode={self.plan.mode!r} forces an SP layout; it cannot be combined with pipeline.stages = "
                 f"{p!r} (set plan.mode = 'adaptive')"
             )
+
+    def _resolve_tokenizer(self) -> None:
+        """``[data] tokenizer = 'auto'``: 'byte' for flexorch's decoder, the model directory's own tokenizer
+        ('hf:DIR') for a Hugging Face model; a model directory without tokenizer files is an error."""
+        if self.data.tokenizer != "auto":
+            return
+        d = self.model.hf
+        if d is None:
+            spec = "byte"
+        elif any((Path(d) / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+            spec = f"hf:{d}"
+        else:
+            raise ConfigError(
+                f"[data] tokenizer = 'auto' uses the model's own tokenizer, but the model directory {d} has none "
+                "(no tokenizer.json or tokenizer_config.json); set [data] tokenizer = 'bpe:N' (a byte-level BPE "
+                f"of N ids trained on the corpus at the start of the run, N <= model.vocab_size = "
+                f"{self.model.vocab_size}) or 'byte' (257 ids), or put the model's tokenizer files in {d}"
+            )
+        object.__setattr__(self, "data", dataclasses.replace(self.data, tokenizer=spec))
 
     def _check_hf_model(self) -> None:
         """What a Hugging Face model ([model] hf) does not run with, said before any worker starts."""

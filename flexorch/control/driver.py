@@ -29,6 +29,7 @@ from flexorch.control.membership import ElasticPolicy
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
 from flexorch.control.transitions import EventLog, Ran, Transition
 from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
+from flexorch.data.bpe import prepare_tokenizer
 from flexorch.data.corpus import load_corpus
 from flexorch.data.stream import DocumentStream
 from flexorch.records.metrics import RunMetrics
@@ -78,7 +79,8 @@ class TrainingDriver:
     def setup(self) -> dict:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        if self.corpus is None:
+        if self.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
+            self.cfg = cfg = cfg.replace(data=prepare_tokenizer(cfg.data, self.run_dir))
             self.corpus = load_corpus(cfg.data)
         if self.corpus.vocab_size > cfg.model.vocab_size:
             raise ConfigError(

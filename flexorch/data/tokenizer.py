@@ -1,14 +1,17 @@
-"""Tokenizers for the training data stream: byte-level by default, Hugging Face optional.
+"""Tokenizers for the training data stream: byte-level by default, Hugging Face tokenizer directories optional.
 
 `ByteTokenizer` needs nothing: ids 0..255 are the UTF-8 bytes and `BOS = 256` starts every document, so any text
-or code trains without a download. `get_tokenizer("hf:<name_or_path>")` wraps `transformers.AutoTokenizer`
-(imported only then; it may download the tokenizer files the first time, which is the caller's choice).
+or code trains without a download. `get_tokenizer("hf:<dir>")` wraps `transformers.AutoTokenizer` (imported only
+then) on a local tokenizer directory, never downloading: a model's own tokenizer, or the byte-level BPE a run
+trained on its corpus (`'bpe:<N>'` specs become `'hf:<run_dir>/tokenizer'` in `flexorch.data.bpe`).
 Every tokenizer exposes `name`, `vocab_size` and `encode(data: bytes) -> np.ndarray[int32]` (BOS first).
 """
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -16,6 +19,8 @@ import numpy as np
 from flexorch.data.lengths import DataError
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class Tokenizer(Protocol):
@@ -54,24 +59,40 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer (`transformers.AutoTokenizer`); BOS is prepended when the tokenizer has one."""
+    """A local Hugging Face tokenizer directory (`transformers.AutoTokenizer`, never downloading); BOS is
+    prepended when the tokenizer has one."""
 
-    def __init__(self, name_or_path: str):
+    def __init__(self, path: str):
         try:
             from transformers import AutoTokenizer
         except ImportError:
             raise DataError(
-                f"tokenizer 'hf:{name_or_path}' needs the transformers package: pip install transformers "
-                "(or use the default tokenizer 'byte', which needs nothing)"
+                f"tokenizer 'hf:{path}' needs the transformers package: pip install transformers "
+                "(or use the tokenizer 'byte', which needs nothing)"
             ) from None
+        local = Path(path).expanduser()
+        if not local.exists():
+            if _HUB_ID.match(path) and not path.startswith((".", "~")):
+                raise DataError(
+                    f"tokenizer 'hf:{path}': no such local directory, and flexorch never downloads; {path!r} looks "
+                    f"like a Hugging Face Hub id: fetch it first (`hf download {path} --local-dir "
+                    f"tokenizers/{path.split('/')[-1]}`) and set tokenizer = 'hf:<that directory>'"
+                )
+            raise DataError(
+                f"tokenizer 'hf:{path}': directory {path!r} does not exist (relative paths are from {Path.cwd()}); "
+                "give a local tokenizer directory (as save_pretrained writes it), or 'byte' or 'bpe:<N>'"
+            )
+        if not local.is_dir():
+            raise DataError(f"tokenizer 'hf:{path}' is a file; give the directory that holds the tokenizer files")
         try:
-            self._tok = AutoTokenizer.from_pretrained(name_or_path)
+            self._tok = AutoTokenizer.from_pretrained(str(local), local_files_only=True)
         except Exception as e:  # noqa: BLE001 - any loading failure becomes one clear message
             raise DataError(
-                f"could not load Hugging Face tokenizer {name_or_path!r}: {type(e).__name__}: {e} "
-                "(give a local tokenizer directory or a model name on the Hub, or use tokenizer 'byte')"
+                f"could not load Hugging Face tokenizer {path!r}: {type(e).__name__}: {e} "
+                "(give a local directory with tokenizer.json or tokenizer_config.json, or use tokenizer 'byte' or "
+                "'bpe:<N>')"
             ) from e
-        self.name = f"hf:{name_or_path}"
+        self.name = f"hf:{path}"
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
 
@@ -81,15 +102,28 @@ class HFTokenizer:
             ids = [self.bos_id, *ids]
         return np.asarray(ids, dtype=np.int32)
 
+    def decode(self, ids: np.ndarray) -> bytes:
+        """The UTF-8 bytes of `ids`, special tokens (BOS) removed (the inverse of `encode` for a lossless
+        tokenizer such as the byte-level BPE)."""
+        text = self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)], skip_special_tokens=True)
+        return text.encode("utf-8")
+
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r})"
 
 
 @lru_cache(maxsize=8)
 def get_tokenizer(spec: str) -> Tokenizer:
-    """`"byte"` -> ByteTokenizer; `"hf:<name_or_path>"` -> HFTokenizer (cached per process)."""
-    if spec == "byte":
+    """`"byte"` -> ByteTokenizer; `"hf:<dir>"` -> HFTokenizer (cached per process). `"auto"` outside a run, where
+    no model says otherwise, is "byte" (a run resolves it first: `TrainConfig`); `"bpe:<N>"` must be trained on
+    the corpus first (`flexorch.data.bpe.prepare_tokenizer`, which `TrainingDriver.setup` calls)."""
+    if spec in ("byte", "auto"):
         return ByteTokenizer()
     if spec.startswith("hf:") and len(spec) > 3:
         return HFTokenizer(spec[3:])
-    raise ValueError(f"unknown tokenizer {spec!r}: use 'byte' (the default) or 'hf:<name_or_path>'")
+    if spec.startswith("bpe:"):
+        raise ValueError(
+            f"tokenizer {spec!r} is trained on the corpus before loading it: call flexorch.data.bpe."
+            "prepare_tokenizer(cfg, run_dir), which gives the config tokenizer 'hf:<run_dir>/tokenizer'"
+        )
+    raise ValueError(f"unknown tokenizer {spec!r}: use 'byte' (the default), 'hf:<local dir>' or 'bpe:<N>'")
