@@ -5,15 +5,13 @@ from __future__ import annotations
 import importlib.util
 import itertools
 import json
-import sys
-import types
 
 import numpy as np
 import pytest
 
 from flexorch.data.lengths import DataError
 from flexorch.data.stream import Batch, DocumentStream
-from flexorch.data.tokenizer import ByteTokenizer, HFTokenizer, get_tokenizer
+from flexorch.data.tokenizer import ByteTokenizer, get_tokenizer
 
 
 def test_byte_tokenizer_round_trip_and_range():
@@ -36,32 +34,6 @@ def test_tokenizer_specs():
     if importlib.util.find_spec("transformers") is None:
         with pytest.raises(DataError, match="pip install transformers"):
             get_tokenizer("hf:gpt2")
-
-
-def test_hf_tokenizer_wrapper_with_a_fake_transformers(monkeypatch):
-    class FakeAutoTokenizer:
-        bos_token_id = 1
-
-        @classmethod
-        def from_pretrained(cls, name):
-            if name == "missing":
-                raise OSError("not found")
-            return cls()
-
-        def __len__(self) -> int:
-            return 300
-
-        def __call__(self, text, add_special_tokens=True):
-            assert add_special_tokens is False
-            return {"input_ids": [ord(c) for c in text]}
-
-    monkeypatch.setitem(sys.modules, "transformers", types.SimpleNamespace(AutoTokenizer=FakeAutoTokenizer))
-    tok = HFTokenizer("fake-model")
-    assert tok.name == "hf:fake-model" and tok.vocab_size == 300
-    ids = tok.encode("h\u00e9".encode())
-    assert ids.dtype == np.int32 and ids.tolist() == [1, ord("h"), ord("\u00e9")]
-    with pytest.raises(DataError, match="could not load Hugging Face tokenizer 'missing'"):
-        HFTokenizer("missing")
 
 
 def _ledger(stream: DocumentStream, epochs: int) -> list[list[int]]:

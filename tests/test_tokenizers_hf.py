@@ -82,7 +82,8 @@ def test_auto_is_byte_for_flexorch_decoder():
     assert TrainConfig().data.tokenizer == "byte"
     cfg = config_from_dict({})
     assert cfg.data.tokenizer == "byte" and cfg.to_dict()["data"]["tokenizer"] == "byte"
-    assert config_from_dict({"data": {"tokenizer": "bpe:300"}}).data.tokenizer == "bpe:300"
+    bpe = {"model": {"vocab_size": 300}, "data": {"tokenizer": "bpe:300"}}
+    assert config_from_dict(bpe).data.tokenizer == "bpe:300"
     assert get_tokenizer("auto").name == "byte"  # outside a run, with no model to ask
     # a saved config read back keeps its resolved spec
     assert config_from_dict(cfg.to_dict()).data.tokenizer == "byte"
@@ -227,18 +228,20 @@ def test_sample_is_bounded_and_in_listing_order(corpus_dir, tmp_path):
 
 def test_driver_trains_before_loading_and_checks_vocab(corpus_dir, tmp_path, monkeypatch):
     """setup() trains 'bpe:N', loads the corpus with 'hf:<run_dir>/tokenizer', and refuses a vocabulary larger than
-    the model's before any worker starts (no Ray: load_corpus is replaced by one that only builds the tokenizer)."""
+    the model's before any worker starts (no Ray: load_corpus is replaced by one that builds the tokenizer and
+    reports one id more than it has, as a tokenizer directory larger than the model would)."""
     seen = []
 
     def fake_load_corpus(data):
         tok = get_tokenizer(data.tokenizer)
         seen.append(data.tokenizer)
-        return types.SimpleNamespace(vocab_size=tok.vocab_size, tokenizer_name=tok.name)
+        return types.SimpleNamespace(vocab_size=tok.vocab_size + 1, tokenizer_name=tok.name)
 
     monkeypatch.setattr(driver_mod, "load_corpus", fake_load_corpus)
     run_dir = tmp_path / "run"
-    d = TrainingDriver({"run_dir": str(run_dir), "data": {"source": str(corpus_dir), "tokenizer": f"bpe:{N}"}})
-    with pytest.raises(ConfigError, match=rf"has {N} ids but model.vocab_size=257; raise model.vocab_size"):
+    data = {"source": str(corpus_dir), "tokenizer": f"bpe:{N}"}
+    d = TrainingDriver({"run_dir": str(run_dir), "model": {"vocab_size": N}, "data": data})
+    with pytest.raises(ConfigError, match=rf"has {N + 1} ids but model.vocab_size={N}; raise model.vocab_size"):
         d.setup()
     assert seen == [f"hf:{os.path.abspath(run_dir)}/tokenizer"] and d.cfg.data.tokenizer == seen[0]
     assert (run_dir / "tokenizer" / META_FILE).is_file()
@@ -246,8 +249,22 @@ def test_driver_trains_before_loading_and_checks_vocab(corpus_dir, tmp_path, mon
 
 @pytest.mark.slow
 def test_driver_vocab_check_with_a_real_corpus(corpus_dir, tmp_path, ray_cluster):
-    d = TrainingDriver({"run_dir": str(tmp_path / "run"), "data": {"source": str(corpus_dir), "tokenizer": "bpe:300"}})
+    """A tokenizer directory larger than the model's embedding (here a BPE of 300 ids for the 257-id default model)
+    is refused after the corpus is tokenized, before any worker starts."""
+    spec = prepare_tokenizer(CorpusConfig(source=str(corpus_dir), tokenizer="bpe:300"), tmp_path / "tok").tokenizer
+    d = TrainingDriver({"run_dir": str(tmp_path / "run"), "data": {"source": str(corpus_dir), "tokenizer": spec}})
     with pytest.raises(ConfigError, match=r"has 300 ids but model.vocab_size=257"):
         d.setup()
-    assert d.corpus.tokenizer_name == d.cfg.data.tokenizer == f"hf:{os.path.abspath(tmp_path / 'run')}/tokenizer"
+    assert d.corpus.tokenizer_name == d.cfg.data.tokenizer == f"hf:{os.path.abspath(tmp_path / 'tok')}/tokenizer"
     assert d.corpus.stats["files"] == 12 and d.corpus.get_tokens([0])[0][0] == 0  # BOS <s> = 0
+
+
+def test_a_bpe_vocabulary_larger_than_the_model_and_relative_hf_paths(tmp_path, monkeypatch):
+    from flexorch.config import ConfigError, config_from_dict
+
+    with pytest.raises(ConfigError, match=r"'bpe:4096' trains 4096 ids but the model's embedding has vocab_size = 257"):
+        config_from_dict({"data": {"tokenizer": "bpe:4096"}})
+    (tmp_path / "tok").mkdir()
+    monkeypatch.chdir(tmp_path)
+    cfg = config_from_dict({"data": {"tokenizer": "hf:tok"}})
+    assert cfg.data.tokenizer == f"hf:{(tmp_path / 'tok').resolve()}"

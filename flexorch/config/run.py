@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from flexorch.config.data import CorpusConfig
+from flexorch.config.data import CorpusConfig, bpe_vocab
 from flexorch.config.elastic import ElasticSettings
 from flexorch.config.errors import ConfigError
 from flexorch.config.model import ModelConfig
@@ -149,8 +149,19 @@ class TrainConfig:
 
     def _resolve_tokenizer(self) -> None:
         """``[data] tokenizer = 'auto'``: 'byte' for flexorch's decoder, the model directory's own tokenizer
-        ('hf:DIR') for a Hugging Face model; a model directory without tokenizer files is an error."""
-        if self.data.tokenizer != "auto":
+        ('hf:DIR') for a Hugging Face model; a model directory without tokenizer files is an error. 'hf:DIR' is
+        made absolute (Ray tasks tokenize elsewhere); a 'bpe:N' larger than the model's vocabulary is an error."""
+        spec = self.data.tokenizer
+        n = bpe_vocab(spec)
+        if n is not None and n > self.model.vocab_size:
+            raise ConfigError(
+                f"[data] tokenizer = {spec!r} trains {n} ids but the model's embedding has vocab_size = "
+                f"{self.model.vocab_size}; use 'bpe:N' with N <= {self.model.vocab_size}"
+            )
+        if spec.startswith("hf:") and Path(spec[3:]).expanduser().is_dir():
+            spec = f"hf:{Path(spec[3:]).expanduser().resolve()}"
+            object.__setattr__(self, "data", dataclasses.replace(self.data, tokenizer=spec))
+        if spec != "auto":
             return
         d = self.model.hf
         if d is None:
@@ -176,6 +187,13 @@ class TrainConfig:
                 "pipeline stages cut its own decoder into layer ranges with a K/V prefix cache inside attention, "
                 "which a Transformers model does not expose without forking its code; use SP steps (remove "
                 "pipeline.stages), with sharding.mode = 'fsdp' for the model state"
+            )
+        window = self.model.attention_window
+        if window is not None and self.data.max_context > window:
+            raise ConfigError(
+                f"data.max_context={self.data.max_context} is longer than the model's sliding attention window of "
+                f"{window} tokens; flexorch computes full causal attention within each document, which equals the "
+                f"window's only for documents of at most {window} tokens: set data.max_context <= {window}"
             )
         if self.sharding.activation_checkpointing == "selective":
             raise ConfigError(
