@@ -133,16 +133,18 @@ def local_rows(p: DTensor) -> tuple[int, int]:
     return shard_rows(p.shape[0], count, index)
 
 
-def fill_initial(model: Decoder, cfg: ModelConfig, seed: int) -> None:
-    """Copy this rank's rows of every initial parameter it holds (:func:`~flexorch.workers.model.
-    initial_parameters`, drawn for the whole model in order so the values do not depend on what a rank holds)."""
+def fill_initial(model: nn.Module, cfg: ModelConfig, seed: int) -> None:
+    """Copy this rank's rows of every initial parameter it holds (``flexorch.workers.model_source.
+    initial_parameters``: generated values drawn for the whole model in order, so they do not depend on what a rank
+    holds; checkpoint weights read for this rank's rows only)."""
     params = dict(model.named_parameters())
+
+    def rows(name):
+        return local_rows(params[name]) if name in params else None
+
     with torch.no_grad():
-        for name, full in initial_parameters(cfg, seed, cfg.param_shapes()):
-            p = params.get(name)
-            if p is not None:
-                start, stop = local_rows(p)
-                p.to_local().copy_(full[start:stop])
+        for name, value in initial_parameters(cfg, seed, cfg.param_shapes(), rows):
+            params[name].to_local().copy_(value)
 
 
 def gathered_parameters(model: torch.nn.Module) -> list:

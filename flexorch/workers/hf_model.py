@@ -14,10 +14,11 @@ to a shard), so the model's rotary embedding rotates every token the same whatev
 -> logits (t, vocab)``, and keeps Transformers' parameter names (``model.layers.0.self_attn.q_proj.weight``...), so
 its state dict is the checkpoint's.
 
-Initial values (:func:`hf_initial_parameters`) come from the directory's safetensors weights, read one tensor at a
-time, or, with no weights, from Transformers' initialisation scheme (normal(0, initializer_range) weight matrices and
-embeddings, zero biases, unit norms) drawn in parameter order from a seeded generator, so every worker and every
-world size gets the same values. Transformers is imported only here, and only when a run uses an HF model.
+Initial values come from the directory's safetensors weights (:func:`hf_weights`: one tensor at a time, and a
+sharded worker reads only its rows), or, with no weights, from Transformers' initialisation scheme
+(:func:`hf_random_init`: normal(0, initializer_range) weight matrices and embeddings, zero biases, unit norms) drawn
+in parameter order from a seeded generator, so every worker and every world size gets the same values.
+Transformers is imported only here, and only when a run uses an HF model.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch import nn
 from flexorch.config.model import ModelConfig
 from flexorch.workers.model import check_token_range
 
-__all__ = ["ATTN_IMPLEMENTATION", "HFDecoder", "flexorch_attention", "hf_initial_parameters", "meta_hf_decoder"]
+__all__ = ["ATTN_IMPLEMENTATION", "HFDecoder", "flexorch_attention", "hf_random_init", "hf_weights", "meta_hf_decoder"]
 
 ATTN_IMPLEMENTATION = "flexorch"
 """The name flexorch's attention is registered under in Transformers' ``AttentionInterface``."""
@@ -177,24 +178,33 @@ def meta_hf_decoder(cfg: ModelConfig) -> HFDecoder:
     return model
 
 
-def hf_initial_parameters(cfg: ModelConfig, seed: int, shapes):
-    """Yield ``(name, float32 CPU tensor)`` of each parameter's initial value, in the order of ``shapes``: the
-    directory's weights (one safetensors tensor at a time), or a seeded Transformers-style initialisation."""
-    if cfg.hf_weights:
-        from pathlib import Path
+def hf_weights(cfg: ModelConfig, shapes, rows=None):
+    """Yield ``(name, float32 CPU tensor)`` of each parameter in ``shapes`` from the directory's safetensors files,
+    one tensor at a time; with ``rows(name) -> (start, stop) | None`` only those rows are read from disk (a sharded
+    worker's), and parameters mapped to None are skipped."""
+    from pathlib import Path
 
-        from safetensors import safe_open
+    from safetensors import safe_open
 
-        from flexorch.config.hf import hf_weight_files
+    from flexorch.config.hf import hf_weight_files
 
-        files = hf_weight_files(Path(cfg.hf))
-        for name, shape in shapes:
-            with safe_open(str(files[name]), framework="pt") as f:
-                value = f.get_tensor(name).to(torch.float32)
-            if tuple(value.shape) != tuple(shape):
-                raise ValueError(f"{name}: the checkpoint holds {tuple(value.shape)}, the model {tuple(shape)}")
-            yield name, value
-        return
+    files = hf_weight_files(Path(cfg.hf))
+    for name, shape in shapes:
+        span = rows(name) if rows is not None else (0, shape[0])
+        if span is None:
+            continue
+        with safe_open(str(files[name]), framework="pt") as f:
+            stored = f.get_slice(name)
+            if tuple(stored.get_shape()) != tuple(shape):
+                raise ValueError(f"{name}: the checkpoint holds {tuple(stored.get_shape())}, the model {tuple(shape)}")
+            value = stored[span[0] : span[1]].to(torch.float32)
+        yield name, value
+
+
+def hf_random_init(cfg: ModelConfig, seed: int, shapes):
+    """Yield ``(name, float32 CPU tensor)`` of each whole parameter in ``shapes``, Transformers' initialisation
+    scheme (normal(0, initializer_range) matrices and embeddings, zero biases, unit norms) drawn in order from a
+    generator seeded with ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     for name, shape in shapes:
         if name.endswith(".bias"):

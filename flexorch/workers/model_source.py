@@ -25,13 +25,27 @@ def meta_model(cfg: ModelConfig) -> nn.Module:
     return meta_hf_decoder(cfg)
 
 
-def initial_parameters(cfg: ModelConfig, seed: int, shapes):
-    """Yield ``(name, float32 CPU tensor)`` of each parameter's initial value, in the order of ``shapes``."""
-    if cfg.hf is None:
-        return own.initial_parameters(cfg, seed, shapes)
-    from flexorch.workers.hf_model import hf_initial_parameters
+def initial_parameters(cfg: ModelConfig, seed: int, shapes, rows=None):
+    """Yield ``(name, float32 CPU tensor)`` of each parameter's initial value, in the order of ``shapes``.
 
-    return hf_initial_parameters(cfg, seed, shapes)
+    ``rows(name) -> (start, stop) | None`` (a sharded worker): yield only those rows of each parameter, and skip
+    the parameters it maps to None. Weights from a checkpoint are then read only for those rows; generated values
+    are still drawn whole (the generator's stream), so they do not depend on the sharding."""
+    if cfg.hf is not None and cfg.hf_weights:
+        from flexorch.workers.hf_model import hf_weights
+
+        yield from hf_weights(cfg, shapes, rows)
+        return
+    if cfg.hf is None:
+        values = own.initial_parameters(cfg, seed, shapes)
+    else:
+        from flexorch.workers.hf_model import hf_random_init
+
+        values = hf_random_init(cfg, seed, shapes)
+    for name, full in values:
+        span = rows(name) if rows is not None else (0, full.shape[0])
+        if span is not None:
+            yield name, full[span[0] : span[1]]
 
 
 def build_model(cfg: ModelConfig, seed: int, *, device: torch.device | str | None = None) -> nn.Module:
