@@ -44,9 +44,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.fixed_profile import write_fixed_profile  # noqa: E402
 from flexorch.config import CorpusConfig, ModelConfig, OptimConfig, PlanSettings, TrainConfig  # noqa: E402
 from flexorch.config.sharding import ShardingSettings  # noqa: E402
-from flexorch.solver.profiles import Profile  # noqa: E402
 
 TARGET = 1.1
 SHAPE_KEYS = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "rope_theta", "norm_eps")
@@ -218,27 +218,8 @@ def write_corpus(root: Path, lengths: list[int]) -> Path:
 
 
 def write_profile(path: Path, model: ModelConfig) -> Path:
-    """A fixed CPU profile with the model's shape (as ``tests/train_helpers.cpu_profile``): no calibration, so the
-    planner gets the same inputs for both models."""
-    p = Profile(
-        name="bench-hf-cpu",
-        a1_ms=2e-5,
-        a2_ms=0.02,
-        b1_ms=1.0,
-        act_bytes_per_token=11_000.0,
-        memory_budget_bytes=1e12,
-        model_state_bytes=0.0,
-        num_layers=model.num_layers,
-        hidden=model.dim,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        a2a_gbps={2: 1.0, 4: 1.0},
-        bytes_per_element=4,
-    )
-    data = json.loads(p.to_json())
-    data.update({"a2a_latency_ms": {"2": 4.0, "4": 8.0}, "p2p_latency_ms": {"2": 3.0, "4": 9.0}})
-    path.write_text(json.dumps(data))
-    return path
+    """A fixed CPU profile with the model's shape (no calibration: the planner gets the same inputs every run)."""
+    return write_fixed_profile(path, model, "bench-hf-cpu")
 
 
 def make_driver(args, model: ModelConfig, mode: str, data: CorpusConfig, corpus, profile: Path, steps: int):

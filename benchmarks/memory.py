@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
-import json
 import os
 import sys
 import textwrap
@@ -39,6 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.fixed_profile import write_fixed_profile  # noqa: E402
 from flexorch.config import (  # noqa: E402
     CorpusConfig,
     ModelConfig,
@@ -117,26 +117,8 @@ def write_corpus(root: Path) -> Path:
 
 
 def write_profile(path: Path, model: ModelConfig) -> Path:
-    """A fixed CPU profile with the model's shape (no calibration: the planner only needs a valid plan here)."""
-    p = Profile(
-        name="bench-memory-cpu",
-        a1_ms=2e-5,
-        a2_ms=0.02,
-        b1_ms=1.0,
-        act_bytes_per_token=11_000.0 * model.dim / 64 * model.num_layers / 2,
-        memory_budget_bytes=1e12,
-        model_state_bytes=0.0,
-        num_layers=model.num_layers,
-        hidden=model.dim,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        a2a_gbps={2: 1.0, 4: 1.0},
-        bytes_per_element=4,
-    )
-    data = json.loads(p.to_json())
-    data.update({"a2a_latency_ms": {"2": 4.0, "4": 8.0}, "p2p_latency_ms": {"2": 3.0, "4": 9.0}})
-    path.write_text(json.dumps(data))
-    return path
+    """A fixed CPU profile with the model's shape (no calibration: the planner gets the same inputs every run)."""
+    return write_fixed_profile(path, model, "bench-memory-cpu", 11_000.0 * model.dim / 64 * model.num_layers / 2)
 
 
 def model_label(m: ModelConfig) -> str:
