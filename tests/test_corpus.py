@@ -157,7 +157,7 @@ def test_jsonl_missing_field_and_malformed(ray_cluster, tmp_path):
     with pytest.raises(DataError, match="holds int64 values"):
         load_corpus(_cfg(tmp_path, text_field="id"))
     (tmp_path / "b.jsonl").write_text('{"text": "fine"}\n{not json\n')
-    with pytest.raises(DataError, match="could not read .* as jsonl"):
+    with pytest.raises(DataError, match=r"b.jsonl:2: malformed JSONL record \(line 2\): not valid JSON"):
         load_corpus(_cfg(tmp_path / "b.jsonl"))
 
 
@@ -234,7 +234,10 @@ def test_load_is_quiet_and_restores_ray_data_settings(ray_data_console_at_debug,
     ctx = ray.data.DataContext.get_current()
     before = (ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.execution_options.preserve_order)
     (tmp_path / "d.jsonl").write_text('{"text": "alpha"}\n{"text": "beta"}\n')
-    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{not json\n')
+    pq.write_table(pa.table({"text": ["fine"] * 50}), tmp_path / "bad.parquet")
+    body = bytearray((tmp_path / "bad.parquet").read_bytes())
+    body[4:24] = b"\xff" * 20  # a corrupt page header: the schema (footer) reads, the data does not
+    (tmp_path / "bad.parquet").write_bytes(bytes(body))
     capfd.readouterr()
     assert load_corpus(_cfg(text_dir)).num_docs == 8
     assert load_corpus(_cfg(tmp_path / "d.jsonl")).keys == ["d.jsonl:1", "d.jsonl:2"]
@@ -243,7 +246,7 @@ def test_load_is_quiet_and_restores_ray_data_settings(ray_data_console_at_debug,
     assert not noisy, "\n".join(noisy)
     assert data_log.level == logging.DEBUG and logging.getLogger("ray.data._internal.progress").level == 0
     with pytest.raises(DataError, match="could not read"):  # a failed read restores the settings too
-        load_corpus(_cfg(tmp_path / "bad.jsonl"))
+        load_corpus(_cfg(tmp_path / "bad.parquet"))
     assert data_log.level == logging.DEBUG and ray.data.DataContext.get_current() is ctx
     assert (ctx.enable_progress_bars, ctx.print_on_execution_start, ctx.execution_options.preserve_order) == before
 

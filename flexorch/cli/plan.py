@@ -138,6 +138,12 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
             cfg.pipeline_stages, cfg.workers, profile.num_layers, profile.num_heads, key="--pipeline-stages",
             model=f"profile {profile.name}", have=f"--workers is {cfg.workers}",
         )  # fmt: skip
+    if report["empty_dropped"]:  # with --json on stderr: stdout stays one JSON object per line
+        print(
+            f"flexorch plan: dropped {report['empty_dropped']} zero-length document(s) of {source} "
+            "(length 0: nothing to train on)",
+            file=sys.stderr if cfg.json else out,
+        )
     if not cfg.json:
         print(
             f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "

@@ -88,6 +88,7 @@ def _describe_setup(ev: dict) -> str:
         ("dropped_over_long", "over-long dropped"),
         ("skipped_binary", "binary skipped"),
         ("skipped_empty", "empty skipped"),
+        ("bad_records", "bad records skipped"),
     ):
         if st.get(key):
             parts.append(f"{st[key]:,} {label}")

@@ -57,7 +57,11 @@ class CorpusConfig:
     over_long: str = "split"
     """'split' into consecutive pieces of at most max_context tokens, 'drop' (counted) or 'reject' (an error)."""
     bad_files: str = "skip"
-    """Binary/undecodable files and records without text: 'skip' (counted in stats) or 'error'."""
+    """Binary/undecodable files and records without text (a null or missing text field): 'skip' (counted in
+    stats) or 'error'."""
+    on_bad_record: str = "error"
+    """Malformed JSONL lines (not valid JSON, not a JSON object, or a text field that is not a string): 'error'
+    (a DataError naming the file and line) or 'skip' (skipped and counted in stats as ``bad_records``)."""
     min_tokens: int = 2
     """Documents (and pieces) with fewer tokens than this, BOS included, are skipped and counted."""
     extensions: tuple[str, ...] | None = None
@@ -72,6 +76,11 @@ class CorpusConfig:
             raise ValueError(f"over_long must be 'split', 'drop' or 'reject', got {self.over_long!r}")
         if self.bad_files not in ("skip", "error"):
             raise ValueError(f"bad_files must be 'skip' or 'error', got {self.bad_files!r}")
+        if self.on_bad_record not in ("error", "skip"):
+            raise ValueError(
+                f"on_bad_record must be 'error' (stop at the first malformed JSONL record) or 'skip' (skip and "
+                f"count malformed records), got {self.on_bad_record!r}"
+            )
         if self.min_tokens < 1 or self.max_context < self.min_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_context, got {self.min_tokens} and {self.max_context}")
         if self.block_tokens < 1:

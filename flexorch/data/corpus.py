@@ -1,18 +1,22 @@
 """A tokenized training corpus whose tokens live in the Ray object store; the driver keeps only the index.
 
-Sources: a directory of text/code files (one document per file), JSONL (one per record) or Parquet (one per row),
-read with Ray Data readers (`read_binary_files`, `read_json`, `read_parquet`). Default: the Python standard
-library's own `.py` files, real text on every machine, no download.
+Sources: a directory of text/code files (one document per file), JSONL (one per non-blank line) or Parquet (one
+per row), read with Ray Data readers (`read_binary_files` for text and JSONL files, whose lines `flexorch` parses
+itself so a malformed line is named by file and line, or skipped with ``on_bad_record = "skip"``; `read_parquet`).
+Default: the Python standard library's own `.py` files, real text on every machine, no download. An empty file or
+a source without records is a `DataError`; `flexorch.data.readers.check_source` checks a source without Ray.
 
 Document keys: `relative/path.py` (a file), `file.jsonl:N` (N = 1-based record number; blank lines are not
 records), `file.parquet:N` (0-based row), and `<key>#pieceK` (K = 0, 1, ...) for the pieces of a document longer
 than `max_context` that was split (only piece 0 starts with BOS; the pieces concatenate back to the document).
 Document ids are 0..n-1 in key order (pieces in order). `Corpus.stats` counts everything that was not kept:
 `files`, `records`, `documents`, `tokens`, `blocks`, `skipped_binary` (NUL bytes or invalid UTF-8),
-`skipped_empty` (empty or fewer than `min_tokens` tokens), `skipped_no_text` (JSONL/Parquet null text),
-`dropped_over_long`, `split_docs`, `pieces_added` (pieces kept from split documents), `dropped_short_pieces`,
-`skipped_hidden` (names starting with "."), `skipped_extension`, and up to 5 example keys per reason
-(`examples`); `documents = records - skipped_* - dropped_over_long - split_docs + pieces_added`.
+`skipped_empty` (empty, a zero-length JSONL/Parquet text, or fewer than `min_tokens` tokens), `skipped_no_text`
+(JSONL/Parquet null or missing text), `bad_records` (malformed JSONL lines skipped with ``on_bad_record =
+"skip"``), `dropped_over_long`, `split_docs`, `pieces_added` (pieces kept from split documents),
+`dropped_short_pieces`, `skipped_hidden` (names starting with "."), `skipped_extension`, and up to 5 example keys
+per reason (`examples`); `documents = records - skipped_* - bad_records - dropped_over_long - split_docs +
+pieces_added`.
 
 Loading: `load_corpus` lists the source, reads it with Ray Data (quietly: no progress bars, execution banners
 or stats logs), tokenizes and packs it into `int32` blocks in the object store with one Ray task per Arrow

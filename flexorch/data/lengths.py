@@ -63,7 +63,10 @@ def parse_tokens(text: str) -> int:
 
 
 def read_lengths(source: str | Path, *, text_field: str = "text") -> np.ndarray:
-    """Lengths (int64 array) from a lengths file, a JSONL file (byte length of `text_field`), or a directory."""
+    """Lengths (int64 array) from a lengths file, a JSONL file (byte length of `text_field`), or a directory.
+
+    Zero lengths (a ``0`` line, an empty text, an empty file) are kept here; callers drop and count them
+    (`flexorch plan` says how many). A negative or non-integer line is a DataError naming the line."""
     path = Path(source)
     if not path.exists():
         raise DataError(f"{path} does not exist (give a lengths file, a .jsonl file or a directory of text files)")
@@ -85,9 +88,11 @@ def _lengths_file(path: Path) -> np.ndarray:
                 try:
                     v = int(s)
                 except ValueError:
-                    raise DataError(f"{path}:{lineno}: expected one integer length per line, got {s[:40]!r}") from None
+                    raise DataError(
+                        f"{path}:{lineno}: expected one integer length per line, got {s[:40]!r} (line {lineno})"
+                    ) from None
                 if v < 0:
-                    raise DataError(f"{path}:{lineno}: a length cannot be negative, got {v}")
+                    raise DataError(f"{path}:{lineno}: a length cannot be negative, got {v} (line {lineno})")
                 out.append(v)
     except UnicodeDecodeError:
         raise DataError(f"{path} is not a text file of lengths (one integer per line)") from None

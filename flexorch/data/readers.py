@@ -8,6 +8,15 @@ tokenizes, splits and packs the documents into `int32` arrays of about `block_to
 metadata dict; the driver owns the blocks but `ray.get`s only the metadata) and `assemble_index` (document ids by
 sorting on (path, record, piece), independent of Ray Data's parallel order, plus the skip counts).
 
+JSONL is read as whole files (`read_binary_files`, one row per file) and split into lines in `_pack_block`: Ray
+Data's JSON reader refuses a whole file for one malformed line and cannot say which line. Each non-blank line is
+one record; a malformed one (not valid JSON, not an object, a non-string text field) stops the load with a
+DataError naming the file and line (`on_bad_record = "error"`, the default) or is skipped and counted as
+`bad_records` (`"skip"`). A null or missing text field is `skipped_no_text`, governed by `bad_files` as before.
+
+`check_source` is the pre-flight: plain file reads, no Ray, stops at the first usable document, so `flexorch`
+can refuse a missing, empty or malformed source in well under a second, before starting Ray.
+
 Quiet reads: corpora are loaded inside Ray actors and by `flexorch train`, where Ray Data's execution banners,
 progress bars/logs and stats dumps are noise. `read_source` runs under a copy of the current `DataContext` with
 those off and holds the `ray.data` loggers at WARNING (so DEBUG/INFO records do not reach Ray Data's session log
@@ -37,11 +46,19 @@ from flexorch.data.tokenizer import get_tokenizer
 if TYPE_CHECKING:
     from flexorch.config.data import CorpusConfig
 
-__all__ = ["Listing", "list_source", "read_source", "pack_blocks", "assemble_index", "quiet_ray_data"]
+__all__ = [
+    "Listing",
+    "list_source",
+    "check_source",
+    "read_source",
+    "pack_blocks",
+    "assemble_index",
+    "quiet_ray_data",
+]
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
-_OK, _SPLIT, _BINARY, _EMPTY, _OVER_LONG, _REJECT, _NO_TEXT = range(7)
-_REASONS = {_BINARY: "skipped_binary", _EMPTY: "skipped_empty", _NO_TEXT: "skipped_no_text"}
+_OK, _SPLIT, _BINARY, _EMPTY, _OVER_LONG, _REJECT, _NO_TEXT, _BAD = range(8)
+_REASONS = {_BINARY: "skipped_binary", _EMPTY: "skipped_empty", _NO_TEXT: "skipped_no_text", _BAD: "bad_records"}
 _REASONS |= {_OVER_LONG: "dropped_over_long", _SPLIT: "split_docs"}
 # Logger -> the least level it is held at during a read. Turning progress bars off makes Ray Data warn once per
 # process that they are off (a WARNING from its progress module), hence ERROR there.
@@ -69,6 +86,8 @@ def list_source(cfg: CorpusConfig) -> Listing:
     if not root.exists():
         raise DataError(f"{root} does not exist (give a directory of text files, a JSONL file or a Parquet file)")
     if root.is_file():
+        if root.stat().st_size == 0:
+            raise DataError(f"{root} is empty (0 bytes): no documents to read; point source at your data")
         fmt = cfg.format if cfg.format != "auto" else _sniff(root)
         return Listing(str(root), str(root.parent), [str(root)], fmt, 0, 0)
     files, hidden = [], 0
@@ -107,6 +126,86 @@ def _sniff(path: Path) -> str:
     return "text"
 
 
+CHECK_FILES = 64
+"""`check_source` looks at no more than this many files for a usable document ..."""
+CHECK_BYTES = 64 << 20
+"""... and reads no more than this many bytes; past either it stops without a verdict (the load decides)."""
+
+
+def check_source(cfg: CorpusConfig) -> None:
+    """Pre-flight check of `cfg.source` with plain file reads (no Ray): raise `DataError` if it cannot give a run
+    one document; return None as soon as it finds one.
+
+    Checks: the source exists and is not an empty file or a directory without data files (`list_source`'s errors);
+    every file looked at is readable; and there is a usable document: for text, a non-empty file without NUL bytes
+    whose start is UTF-8; for JSONL, a record with a non-empty string text field (with ``on_bad_record='error'``
+    a malformed line met first raises the same file:line error as `load_corpus`; a file none of whose records has
+    the text field raises the same error too); for Parquet, every file's schema has the text column
+    (`_check_parquet_field`) and some file has rows. It stops at the first usable document and gives up without a
+    verdict after `CHECK_FILES` files or `CHECK_BYTES` bytes, so it takes milliseconds on large corpora; documents
+    over ``max_context``, under ``min_tokens`` or the tokenizer's view of them are left to the load.
+    """
+    listing = list_source(cfg)
+    files = listing.files
+    if listing.fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        _check_parquet_field(files, cfg.text_field)
+        if not any(pq.read_metadata(f).num_rows for f in files):
+            raise DataError(f"{listing.source} is empty: its {len(files)} Parquet file(s) have no rows")
+        return
+    budget, looked = CHECK_BYTES, files[:CHECK_FILES]
+    for f in looked:
+        try:
+            with open(f, "rb") as fh:
+                found, used = _check_text(fh, budget) if listing.fmt == "text" else _check_jsonl(fh, f, cfg, budget)
+        except OSError as e:
+            raise DataError(f"cannot read {f}: {e.strerror or e}") from None
+        budget -= used
+        if found or budget <= 0:
+            return
+    if len(looked) == len(files):
+        what = "records with text" if listing.fmt == "jsonl" else "non-empty UTF-8 text files"
+        raise DataError(
+            f"no documents in {listing.source}: none of its {len(files)} {listing.fmt} file(s) holds {what} (they are "
+            "empty, binary or without the text field); point source at your data"
+        )
+
+
+def _check_text(fh, budget: int) -> tuple[bool, int]:
+    head = fh.read(min(budget, 1 << 16))
+    if not head or b"\0" in head:
+        return False, len(head)
+    try:
+        head.decode("utf-8")
+    except UnicodeDecodeError as e:  # a character cut at the end of the head is fine
+        return e.start >= len(head) - 3 and e.reason == "unexpected end of data", len(head)
+    return True, len(head)
+
+
+def _check_jsonl(fh, path: str, cfg: CorpusConfig, budget: int) -> tuple[bool | None, int]:
+    used, records, with_field, columns = 0, 0, 0, set()
+    for lineno, raw in enumerate(fh, 1):
+        used += len(raw)
+        if raw.strip():
+            records += 1
+            text, reason, keys, vtype = _parse_line(raw, cfg.text_field)
+            columns.update(keys)
+            with_field += text is not None or vtype is not None
+            if reason is not None and cfg.on_bad_record == "error":
+                raise _bad_record_error(path, lineno, reason)
+            if text:
+                return True, used
+        if used >= budget:
+            return None, used
+    if records and not with_field:
+        raise DataError(
+            f"{path}: no record has a {cfg.text_field!r} field (fields seen: {', '.join(sorted(columns))}); "
+            "set text_field to the field that holds the document text"
+        )
+    return False, used
+
+
 @contextlib.contextmanager
 def quiet_ray_data():
     """Within the block: a copy of the current `DataContext` without progress output or stats logs, and the
@@ -142,11 +241,9 @@ def read_source(listing: Listing, cfg: CorpusConfig) -> list[ray.ObjectRef]:
         _check_parquet_field(files, cfg.text_field)
     try:
         with quiet_ray_data():
-            if fmt == "text":
+            if fmt in ("text", "jsonl"):  # JSONL: whole files, split into lines (records) by _pack_block
                 n_blocks = min(n_blocks, len(files))
                 ds = ray.data.read_binary_files(files, include_paths=True, override_num_blocks=n_blocks)
-            elif fmt == "jsonl":
-                ds = ray.data.read_json(files, include_paths=True, file_extensions=None, override_num_blocks=n_blocks)
             else:
                 ds = ray.data.read_parquet(files, include_paths=True, file_extensions=None)
                 ds = ds.select_columns([cfg.text_field, "path"])
@@ -179,6 +276,7 @@ def pack_blocks(arrow_refs: list, listing: Listing, cfg: CorpusConfig) -> tuple[
     The tasks run on the caller's node (the driver's), so the token blocks live in its object store and survive
     the loss of any worker node (an elastic run keeps reading them after a node is removed)."""
     spec = (listing.base, listing.fmt, cfg.text_field, cfg.tokenizer, cfg.max_context, cfg.min_tokens, cfg.over_long)
+    spec += (cfg.on_bad_record,)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     gens = [_pack_block.options(scheduling_strategy=here).remote(r, spec, cfg.block_tokens) for r in arrow_refs]
     block_refs, metas = [], []
@@ -191,23 +289,31 @@ def pack_blocks(arrow_refs: list, listing: Listing, cfg: CorpusConfig) -> tuple[
 
 @ray.remote(num_returns="streaming")
 def _pack_block(table, spec: tuple, block_tokens: int):
-    """Validate, tokenize and split one Arrow block's documents; yield int32 blocks, then the metadata dict."""
-    base, fmt, field, tok_spec, max_context, min_tokens, over_long = spec
+    """Validate, tokenize and split one Arrow block's documents; yield int32 blocks, then the metadata dict.
+
+    JSONL rows are whole files: their lines are parsed here. With on_bad_record='error' the task stops tokenizing
+    at the first malformed record and returns after that file (the driver raises the error)."""
+    base, fmt, field, tok_spec, max_context, min_tokens, over_long, on_bad = spec
     tok, prefix = get_tokenizer(tok_spec), base.rstrip("/") + "/"
-    datas, bad_type = _texts(table, fmt, field)
+    info = {"bad_type": None, "bad_type_in": None, "columns": set(), "bad": []}
     paths: dict[str, int] = {}
-    rec = {"path": [], "status": [], "tokens": [], "short": []}
+    rec = {"path": [], "row": [], "status": [], "tokens": [], "short": []}
     doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": []}
     parts, fill, n_blocks = [], 0, 0
-    for r, (path, data) in enumerate(zip(table.column("path").to_pylist(), datas, strict=True)):
-        rel = path[len(prefix) :] if path.startswith(prefix) else path
+    rel_of = lambda path: path[len(prefix) :] if path.startswith(prefix) else path  # noqa: E731
+    for r, (path, row, data, malformed) in enumerate(_records(table, fmt, field, info, rel_of, on_bad == "error")):
+        rel = rel_of(path)
         status, n, pieces, short = _OK, 0, [], 0
-        if data is None:
+        if malformed:
+            status = _BAD
+        elif data is None:
             status = _NO_TEXT
         elif not data:
             status = _EMPTY
         elif b"\0" in data or not _is_utf8(data):
             status = _BINARY
+        elif on_bad == "error" and info["bad"]:
+            pass  # the load fails: no need to tokenize the rest of this file
         else:
             ids = tok.encode(data)
             n = len(ids)
@@ -229,13 +335,85 @@ def _pack_block(table, spec: tuple, block_tokens: int):
                 doc[key].append(v)
             parts.append(piece)
             fill += len(piece)
-        for key, v in zip(rec, (paths.setdefault(rel, len(paths)), status, n, short), strict=True):
+        for key, v in zip(rec, (paths.setdefault(rel, len(paths)), row, status, n, short), strict=True):
             rec[key].append(v)
     if fill:
         yield np.concatenate(parts)
     meta = {f"rec_{k}": np.asarray(v, dtype=np.int64) for k, v in rec.items()}
     meta |= {f"doc_{k}": np.asarray(v, dtype=np.int64) for k, v in doc.items()}
-    yield meta | {"paths": list(paths), "bad_type": bad_type, "columns": table.column_names}
+    columns = sorted(info["columns"]) if fmt == "jsonl" else table.column_names
+    yield (
+        meta
+        | {"paths": list(paths), "columns": columns, "bad": info["bad"][:5]}
+        | {k: info[k] for k in ("bad_type", "bad_type_in")}
+    )
+
+
+_ARROW_NAMES = {"int": "int64", "float": "double", "bool": "bool", "list": "list", "dict": "struct"}
+"""Python JSON value types as Arrow names them (the names the Parquet path reports)."""
+
+
+def _records(table, fmt: str, field: str, info: dict, rel_of, stop: bool):
+    """(path, record number in its file or -1, text bytes or None, malformed?) per record of an Arrow block.
+
+    Malformed: a JSONL record that is not valid JSON, not an object, or whose text field is not a string.
+
+    JSONL rows are whole files, split here into lines; `info` collects the fields seen, the malformed records
+    ((relative path, line, reason), all of them) and a file whose text field never holds a string (`bad_type`).
+    `stop`: return after the file in which the first malformed record was found."""
+    if "path" not in table.column_names:  # an empty block (an empty file can give one): no records
+        return
+    paths = table.column("path").to_pylist()
+    if fmt != "jsonl":
+        datas, info["bad_type"] = _texts(table, fmt, field)
+        yield from ((p, -1, d, False) for p, d in zip(paths, datas, strict=True))
+        return
+    for path, data in zip(paths, table.column("bytes").to_pylist(), strict=True):
+        row, n_str, first_type = 0, 0, None
+        for lineno, raw in enumerate((data or b"").split(b"\n"), 1):
+            if not raw.strip():
+                continue  # blank lines are not records
+            text, reason, keys, vtype = _parse_line(raw, field)
+            info["columns"].update(keys)
+            if reason is not None:
+                info["bad"].append((rel_of(path), lineno, reason))
+            first_type = first_type or vtype
+            n_str += text is not None
+            yield path, row, text, reason is not None
+            row += 1
+        if first_type and not n_str and info["bad_type"] is None:  # the text field is never a string: wrong field
+            info["bad_type"], info["bad_type_in"] = _ARROW_NAMES.get(first_type, first_type), rel_of(path)
+        if stop and info["bad"]:
+            return
+
+
+def _parse_line(raw: bytes, field: str) -> tuple[bytes | None, str | None, tuple, str | None]:
+    """One JSONL line -> (text as UTF-8 bytes, or None for a null/missing field; why it is malformed, or None;
+    the record's field names; the JSON type of a text field that is not a string, or None)."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
+        if isinstance(e, json.JSONDecodeError):
+            return None, f"not valid JSON ({e.msg} at column {e.colno})", (), None
+        return None, "not valid UTF-8", (), None
+    except RecursionError:
+        return None, "not valid JSON (nested too deeply)", (), None
+    if not isinstance(obj, dict):
+        return None, f"a JSON {type(obj).__name__}, not an object", (), None
+    value = obj.get(field)
+    if value is None:
+        return None, None, tuple(obj), None
+    if not isinstance(value, str):
+        kind = type(value).__name__
+        return None, f"field {field!r} holds a JSON {kind}, not a string (is text_field right?)", tuple(obj), kind
+    return value.encode("utf-8", "surrogatepass"), None, tuple(obj), None
+
+
+def _bad_record_error(path: str, line: int, reason: str) -> DataError:
+    return DataError(
+        f"{path}:{line}: malformed JSONL record (line {line}): {reason}; fix or remove that line, or set "
+        '[data] on_bad_record = "skip" to skip malformed records (they are counted in the corpus stats)'
+    )
 
 
 def _is_utf8(data: bytes) -> bool:
@@ -270,14 +448,15 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     """
     fmt = listing.fmt
     paths: dict[str, int] = {}
-    recs = {k: [] for k in ("path", "status", "tokens", "short")}
+    recs = {k: [] for k in ("path", "row", "status", "tokens", "short")}
     docs = {k: [] for k in ("rec", "piece", "block", "offset", "length")}
     n_rec, n_blk, columns = 0, 0, set()
     for meta, blocks in zip(metas, block_refs, strict=True):
         gid = np.asarray([paths.setdefault(p, len(paths)) for p in meta["paths"]] or [0], dtype=np.int64)
         if meta["bad_type"]:
             raise DataError(
-                f"field {cfg.text_field!r} holds {meta['bad_type']} values, not text (in {meta['paths'][0]}); "
+                f"field {cfg.text_field!r} holds {meta['bad_type']} values, not text "
+                f"(in {meta.get('bad_type_in') or meta['paths'][0]}); "
                 "set text_field to the field that holds the document text"
             )
         columns |= set(meta["columns"]) - {"path"}
@@ -290,7 +469,9 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     doc = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in docs.items()}
     names = list(paths)
     row = np.zeros(n_rec, dtype=np.int64)  # record number inside its file (records arrive in file order)
-    if fmt != "text" and n_rec:
+    if fmt == "jsonl":  # numbered by _pack_block, which sees whole files
+        row = rec["row"]
+    elif fmt != "text" and n_rec:
         order = np.argsort(rec["path"], kind="stable")
         starts = np.searchsorted(rec["path"][order], rec["path"][order], side="left")
         row[order] = np.arange(n_rec) - starts
@@ -311,6 +492,9 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
                 f"{names[p]}: no record has a {cfg.text_field!r} field (fields seen: {', '.join(sorted(columns))}); "
                 "set text_field to the field that holds the document text"
             )
+    if cfg.on_bad_record == "error" and (status == _BAD).any():
+        rel, line, reason = min(b for meta in metas for b in meta["bad"])
+        raise _bad_record_error(os.path.join(listing.base, rel), line, reason)
     bad = (status == _BINARY) | no_text
     if cfg.bad_files == "error" and bad.any():
         raise DataError(
@@ -337,12 +521,17 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     ex = {name: examples(status == s) for s, name in _REASONS.items()}
     ex["dropped_short_pieces"] = examples(rec["short"] > 0, lambda r: f"#piece{kept[r]}")
     stats["examples"] = {k: v for k, v in ex.items() if v}
+    if not n_rec:
+        raise DataError(
+            f"{listing.source} is empty: its {len(listing.files)} file(s) hold no records (0 bytes or blank lines "
+            "only); point source at your data"
+        )
     if not len(doc["rec"]):
         raise DataError(
             f"no documents left in {stats['source']} after skipping: {n_rec} read, {stats['skipped_binary']} binary, "
             f"{stats['skipped_empty']} empty or under min_tokens={cfg.min_tokens}, {stats['skipped_no_text']} "
-            f"without text, {stats['dropped_over_long']} over max_context={cfg.max_context}; point source at text "
-            "data, or relax min_tokens / over_long"
+            f"without text, {stats['bad_records']} malformed, {stats['dropped_over_long']} over "
+            f"max_context={cfg.max_context}; point source at text data, or relax min_tokens / over_long"
         )
     rank = np.empty(len(names), dtype=np.int64)
     rank[np.argsort(np.asarray(names, dtype=object))] = np.arange(len(names))
