@@ -133,6 +133,8 @@ def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll
                         print(_describe_setup(ev), file=out, flush=True)
                     elif kind in ("calibrated", "planner"):
                         print(ev["message"], file=out, flush=True)
+                    elif kind == "checkpoint_skipped":
+                        print(f"--resume: {ev['message']}", file=out, flush=True)
                     elif kind == "step":
                         print(format_step(ev, cfg.steps), file=out, flush=True)
                     elif kind in ("membership", "waiting", "starting"):

@@ -10,6 +10,11 @@
 * ``manifest.json``: the size and SHA-256 of every other file, checked before anything is loaded (a truncated or
   corrupted file is an error naming it, and nothing is loaded).
 
+``--resume`` goes on from the newest checkpoint that verifies against its manifest
+(:func:`newest_good_checkpoint`): a newer one that is damaged (a file truncated or altered) or partial (no
+``manifest.json`` or no ``driver_state.json``) is skipped with a message naming the file and why, so a damaged
+checkpoint never ends a run that has a good one. :func:`check_resume` runs the same checks before Ray starts.
+
 With sharded model state (``[sharding] mode = "fsdp"/"hsdp"``) ``model.pt`` and ``train_state.pt`` are replaced by
 ``torch.distributed.checkpoint`` files that the workers write themselves, one per worker
 (``flexorch.workers.sharded_checkpoint``), loadable on any number of workers; ``flexorch checkpoint export``
@@ -41,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointError",
     "RunCheckpoints",
+    "check_resume",
     "checkpoint_config",
     "consolidated_state",
     "corpus_fingerprint",
@@ -48,7 +54,10 @@ __all__ = [
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",
+    "newest_good_checkpoint",
+    "newest_good_directory",
     "save_checkpoint",
+    "verify_files",
 ]
 
 _PREFIX = "checkpoint_"
@@ -113,22 +122,145 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _file_problem(directory: Path) -> tuple[str, str] | None:
+    """The first file of a checkpoint that does not match its manifest: (file name, why), or None when every file
+    matches (or there is no manifest: checkpoints written before manifests existed are not checked)."""
+    path = directory / _MANIFEST
+    if not path.is_file():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        return _MANIFEST, f"is unreadable ({e})"
+    if not isinstance(manifest, dict) or not all(
+        isinstance(w, dict) and {"bytes", "sha256"} <= w.keys() for w in manifest.values()
+    ):
+        return _MANIFEST, "is unreadable (not a map of file name -> bytes and sha256)"
+    for name, want in manifest.items():
+        f = directory / name
+        if not f.is_file():
+            return name, "is missing"
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            return name, f"is corrupted ({size} bytes, the manifest says {want['bytes']} bytes)"
+        if _sha256(f) != want["sha256"]:
+            return name, f"is corrupted ({size} bytes as the manifest says, but another SHA-256)"
+    return None
+
+
 def verify_files(directory: Path) -> None:
     """Check every file of a checkpoint against its manifest; raise :class:`CheckpointError` naming the first
     missing, truncated or altered one (checkpoints written before manifests existed are not checked)."""
-    path = directory / _MANIFEST
-    if not path.is_file():
+    problem = _file_problem(directory)
+    if problem is None:
         return
-    for name, want in json.loads(path.read_text()).items():
-        f = directory / name
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
-        if f.stat().st_size != want["bytes"] or _sha256(f) != want["sha256"]:
-            raise CheckpointError(
-                f"checkpoint file {f} is corrupted ({f.stat().st_size} bytes, the manifest says {want['bytes']} "
-                "bytes and another SHA-256); nothing was loaded. Resume from an older checkpoint (delete this one) "
-                "or start the run again"
-            )
+    name, why = problem
+    if why == "is missing":
+        raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
+    raise CheckpointError(
+        f"checkpoint file {directory / name} {why}; nothing was loaded. Resume from an older checkpoint (delete "
+        "this one) or start the run again"
+    )
+
+
+def _checkpoint_dirs(run_dir: Path | str) -> list[Path]:
+    """Every ``checkpoint_<step>`` directory of a run, newest (highest step) first."""
+    root = _root(run_dir)
+    if not root.is_dir():
+        return []
+
+    def step(p: Path) -> tuple[int, str]:
+        tail = p.name[len(_PREFIX) :]
+        return (int(tail) if tail.isdigit() else -1, p.name)
+
+    return sorted((p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()), key=step, reverse=True)
+
+
+def _skip_reason(directory: Path) -> str | None:
+    """Why a checkpoint directory cannot be resumed from (partial or damaged), or None when it verifies."""
+    missing = [f for f in (_MANIFEST, "driver_state.json") if not (directory / f).is_file()]
+    if missing:
+        return f"partial checkpoint, {' and '.join(missing)} missing (written by a crash before it was complete)"
+    problem = _file_problem(directory)
+    if problem is not None:
+        return f"{problem[0]} {problem[1]}"
+    return None
+
+
+def newest_good_directory(run_dir: Path | str) -> tuple[Path | None, list[str]]:
+    """Like :func:`newest_good_checkpoint`, as a plain directory path (needs neither Ray nor torch)."""
+    skipped = []
+    for d in _checkpoint_dirs(run_dir):
+        why = _skip_reason(d)
+        if why is None:
+            return d, skipped
+        skipped.append(f"skipped {d.name}: {why}")
+    return None, skipped
+
+
+def newest_good_checkpoint(run_dir: Path | str) -> tuple[Checkpoint | None, list[str]]:
+    """The newest checkpoint of a run directory whose files all verify against its manifest (None when none
+    does), and one message per newer checkpoint skipped, naming the file and why, e.g. ``"skipped
+    checkpoint_000004: model.pt is corrupted (1234 bytes, the manifest says 5678 bytes)"``. A directory without
+    ``manifest.json`` or ``driver_state.json`` is partial and skipped, never loaded."""
+    d, skipped = newest_good_directory(run_dir)
+    if d is None:
+        return None, skipped
+    from ray.train import Checkpoint
+
+    return Checkpoint.from_directory(str(d)), skipped
+
+
+def _no_good_checkpoint(run_dir: Path | str, skipped: list[str]) -> ConfigError:
+    root = _root(run_dir)
+    if not skipped:
+        return ConfigError(f"--resume: no checkpoint in {root}; run without --resume")
+    return ConfigError(
+        f"--resume: no checkpoint in {root} is intact ({'; '.join(skipped)}); nothing was loaded. Run without "
+        "--resume to start again (or put back an intact checkpoint)"
+    )
+
+
+_MISSING = object()
+
+
+def _plain(value):
+    """A config value as JSON has it (tuples become lists), so saved and live configs compare equal."""
+    return json.loads(json.dumps(value, default=list))
+
+
+def check_resume(run_dir: Path | str, model_config: dict) -> str:
+    """Preflight of ``--resume``, before Ray starts and without loading any tensor: the checkpoint the run will
+    resume from (the newest that verifies against its manifest, by size and SHA-256) must exist and describe the
+    same model as ``model_config`` (the run's ``ModelConfig.to_dict()``).
+
+    Returns its description, ``"--resume: from checkpoint_000002 (step 2) in RUN/checkpoints"``, then one line
+    per newer checkpoint skipped and why. Raises :class:`~flexorch.config.ConfigError` saying what to do when
+    there is no checkpoint, when none verifies (listing each and why), or when the checkpoint's model differs
+    (naming the differing keys)."""
+    d, skipped = newest_good_directory(run_dir)
+    if d is None:
+        raise _no_good_checkpoint(run_dir, skipped)
+    try:
+        state = json.loads((d / "driver_state.json").read_text())
+        saved = state["config"]["model"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(
+            f"--resume: {d / 'driver_state.json'} holds no run config ({type(e).__name__}: {e}); run without "
+            "--resume, or resume a run written by flexorch"
+        ) from None
+    saved, live = _plain(saved), _plain(dict(model_config))
+    differ = sorted(k for k in set(saved) | set(live) if saved.get(k, _MISSING) != live.get(k, _MISSING))
+    if differ:
+        what = ", ".join(
+            f"{k}: checkpoint {saved.get(k, '(absent)')!r}, this run {live.get(k, '(absent)')!r}" for k in differ
+        )
+        raise ConfigError(
+            f"--resume: the checkpoint {d} was written for another model ({what}); set [model] as the checkpoint "
+            "has it, or run without --resume (or with another run_dir) to train this model from scratch"
+        )
+    line = f"--resume: from {d.name} (step {state.get('step', '?')}) in {d.parent}"
+    return "\n".join([line, *skipped])
 
 
 def is_sharded(directory: Path | str) -> bool:
@@ -221,13 +353,15 @@ class RunCheckpoints:
     def __init__(self, run_dir: Path | str, corpus, keep: int, sharded: bool = False):
         self.run_dir, self.corpus, self.keep, self.sharded = Path(run_dir), corpus, keep, sharded
         self.own: Checkpoint | None = None
+        self.skipped: list[str] = []  # newer checkpoints the resume skipped, one message each (file and why)
 
     def resume(self) -> tuple[dict, dict]:
-        """(worker state, driver state) of the run directory's newest checkpoint, taken on this corpus (else a
-        :class:`~flexorch.config.ConfigError` saying why)."""
-        ckpt = latest_checkpoint(self.run_dir)
+        """(worker state, driver state) of the run directory's newest checkpoint that verifies against its
+        manifest, taken on this corpus (else a :class:`~flexorch.config.ConfigError` saying why). Newer damaged or
+        partial checkpoints are skipped; :attr:`skipped` says which and why."""
+        ckpt, self.skipped = newest_good_checkpoint(self.run_dir)
         if ckpt is None:
-            raise ConfigError(f"--resume: no checkpoint in {_root(self.run_dir)}; run without --resume")
+            raise _no_good_checkpoint(self.run_dir, self.skipped)
         state, dstate = load_checkpoint(ckpt)
         if dstate["corpus"] != corpus_fingerprint(self.corpus):
             raise ConfigError(

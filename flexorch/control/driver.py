@@ -91,6 +91,8 @@ class TrainingDriver:
         sharded = cfg.sharding_mode != "replicate"
         self.checkpoints = RunCheckpoints(self.run_dir, self.corpus, cfg.keep_checkpoints, sharded=sharded)
         resumed = self.checkpoints.resume() if cfg.resume else None  # checked before any worker starts
+        for message in self.checkpoints.skipped:  # newer damaged or partial checkpoints the resume passed over
+            self._publish({"event": "checkpoint_skipped", "message": message})
         self.workers = self._given_workers or RayWorkerGroup.from_config(cfg)
         policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
         self.elastic = Elastic(self.workers, policy, self._publish, self.checkpoints.hint)
