@@ -157,10 +157,19 @@ def _stages_arg(value: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected a number of stages or 'auto', got {value!r}") from None
 
 
+def _preflight(cfg) -> None:
+    """The run's checks that need no worker, before Ray starts (``flexorch.cli.preflight``)."""
+    from flexorch.cli.preflight import preflight
+
+    for line in preflight(cfg):
+        print(line, flush=True)
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     from flexorch.cli.train import run_train
 
     cfg = _train_config(args)
+    _preflight(cfg)
     viewer = None
     if args.dashboard_port is not None:
         from flexorch.dashboards.viewer import ViewerServer
@@ -193,7 +202,9 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
 def _cmd_profile(args: argparse.Namespace) -> int:
     from flexorch.cli.train import run_profile
 
-    run_profile(_train_config(args), args.out, address=args.address)
+    cfg = _train_config(args)
+    _preflight(cfg)
+    run_profile(cfg, args.out, address=args.address)
     return 0
 
 

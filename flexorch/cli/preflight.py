@@ -1,0 +1,60 @@
+"""Checks of a training run that need no worker, run by ``flexorch train`` and ``flexorch profile`` before Ray starts.
+
+Everything that can be wrong without a worker is found here, within seconds of the command, with what was wrong and
+what to do: the configuration itself (already checked when it was built: ``flexorch.config``), the data source
+(exists, readable, holds at least one document: ``flexorch.data.readers.check_source``, plain file reads), a local
+tokenizer directory, the checkpoint a ``--resume`` continues from (present, every file matching its manifest, written
+for this model: ``flexorch.control.checkpoint.check_resume``), and a fixed cost-model profile (readable, and
+consistent with the model's shape). What needs the corpus loaded (its fingerprint against the checkpoint's) or the
+workers (calibration) is checked by the driver after the corpus is read, still before any worker starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from flexorch.config import ConfigError, TrainConfig
+
+__all__ = ["preflight"]
+
+
+def preflight(cfg: TrainConfig) -> list[str]:
+    """Raise ``ConfigError``, ``DataError`` or ``ProfileError`` (all ValueErrors: the CLI prints them and exits 2)
+    for the first problem found; returns lines worth telling the user (e.g. the checkpoint ``--resume`` takes)."""
+    from flexorch.data.readers import check_source
+
+    notes: list[str] = []
+    check_source(cfg.data)
+    spec = cfg.data.tokenizer
+    if spec.startswith("hf:") and not Path(spec[3:]).expanduser().is_dir():
+        raise ConfigError(f"[data] tokenizer = {spec!r}: directory {spec[3:]!r} does not exist")
+    if cfg.resume:
+        from flexorch.control.checkpoint import check_resume
+
+        notes.append(check_resume(cfg.run_dir, cfg.model.to_dict()))
+    if cfg.plan.profile != "auto":
+        _check_profile(cfg)
+    return notes
+
+
+def _check_profile(cfg: TrainConfig) -> None:
+    """A fixed profile loads and fits the model (heads, layers, per-worker budget), as the run will fit it."""
+    from flexorch.solver.profiles import ProfileError, get_profile
+    from flexorch.solver.step_planner import planner_profile
+
+    try:
+        base = get_profile(cfg.plan.profile)
+        planner_profile(
+            base,
+            num_heads=cfg.model.num_heads,
+            num_kv_heads=cfg.model.num_kv_heads,
+            tokens_per_worker=cfg.plan.tokens_per_worker,
+            num_layers=cfg.model.num_layers,
+            vocab_size=cfg.model.vocab_size,
+        )
+    except ProfileError as e:
+        m = cfg.model
+        raise ProfileError(
+            f"plan.profile = {cfg.plan.profile!r}: {e}. A fixed profile must fit this model (hidden {m.dim}, "
+            f"{m.num_heads} heads, {m.num_kv_heads} KV heads); use profile = 'auto' to calibrate on the workers"
+        ) from None
