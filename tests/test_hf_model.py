@@ -183,3 +183,35 @@ def test_a_sliding_window_must_cover_the_longest_document(tmp_path):
     assert config_from_dict(base).model.family == "mistral"  # documents of at most 512 tokens: full = windowed
     with pytest.raises(ConfigError, match="sliding attention window of 512 tokens.*max_context <= 512"):
         config_from_dict({**base, "data": {"tokenizer": "byte", "max_context": 1024}})
+
+
+def test_a_large_export_is_split_into_safetensors_shards_that_both_transformers_and_flexorch_load(tmp_path):
+    """`export_hf` splits the weights as save_pretrained does (an index and files of at most max_shard_bytes);
+    Transformers loads the directory, and flexorch reads it back through the index, tensor for tensor."""
+    from flexorch.control.checkpoint import save_checkpoint
+    from flexorch.control.hf_export import export_hf
+    from flexorch.workers.model_source import build_model
+
+    cfg = _model_cfg(_dir(tmp_path, "qwen2", tie_word_embeddings=True))
+    state = build_model(cfg, 7).state_dict()
+    worker = {"model": state, "optimizer": {}, "scheduler": {}, "rng": {}}
+    ckpt = save_checkpoint(tmp_path / "run", 1, worker, {"config": {"model": cfg.to_dict(), "data": {}}}).path
+    got = export_hf(ckpt, tmp_path / "out", max_shard_bytes=20_000)
+    assert len(got["files"]) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", local_files_only=True)
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+    ours = build_model(cfg, 7)
+    with torch.no_grad():
+        theirs = loaded(input_ids=ids).logits[0]
+        mine = ours(ids[0], torch.arange(9), functools.partial(_causal, n=9))
+    torch.testing.assert_close(theirs, mine, rtol=1e-5, atol=1e-5)
+    again = _model_cfg(tmp_path / "out")
+    assert again.hf_weights
+    back = build_model(again, seed=123)
+    assert all(torch.equal(back.state_dict()[n], t) for n, t in state.items())
+
+
+def _causal(q, k, v, n):
+    from flexorch.workers.attention.api import varlen_attn_func
+
+    return varlen_attn_func(q, k, v, torch.tensor([0, n], dtype=torch.int32), n)

@@ -316,7 +316,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         got = export_hf(src, args.out)
         tok = f"tokenizer from {got['tokenizer']}" if got["tokenizer"] else "no tokenizer files (byte tokenizer)"
         print(
-            f"exported {src} -> {args.out}/ (Hugging Face format: config.json, model.safetensors, {tok}): "
+            f"exported {src} -> {args.out}/ (Hugging Face format: config.json, {len(got['files'])} safetensors "
+            f"file(s), {tok}): "
             f"{got['tensors']} tensors, {got['parameters']:,} parameters, {got['bytes'] / 2**20:.1f} MiB"
         )
         return 0

@@ -39,19 +39,11 @@ def preflight(cfg: TrainConfig) -> list[str]:
 
 def _check_profile(cfg: TrainConfig) -> None:
     """A fixed profile loads and fits the model (heads, layers, per-worker budget), as the run will fit it."""
+    from flexorch.control.calibration import fitted_profile
     from flexorch.solver.profiles import ProfileError, get_profile
-    from flexorch.solver.step_planner import planner_profile
 
     try:
-        base = get_profile(cfg.plan.profile)
-        planner_profile(
-            base,
-            num_heads=cfg.model.num_heads,
-            num_kv_heads=cfg.model.num_kv_heads,
-            tokens_per_worker=cfg.plan.tokens_per_worker,
-            num_layers=cfg.model.num_layers,
-            vocab_size=cfg.model.vocab_size,
-        )
+        fitted_profile(get_profile(cfg.plan.profile), cfg)
     except ProfileError as e:
         m = cfg.model
         raise ProfileError(

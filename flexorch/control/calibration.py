@@ -206,6 +206,13 @@ def run_profile(cfg, group, run_dir: Path, publish) -> Profile:
     ``flexorch.workers.calibrate.stage_activation_bytes``)."""
     base = resolve_profile(cfg, group, run_dir, publish)
     stage_bytes = tuple(group.call("stage_activation_bytes")[0]) if cfg.pipelined else None
+    return fitted_profile(base, cfg, stage_bytes)
+
+
+def fitted_profile(base: Profile, cfg, stage_bytes: tuple[float, float] | None = None) -> Profile:
+    """``base`` fitted to the run (``flexorch.solver.step_planner.planner_profile``): the model's heads, layers and
+    vocabulary, the per-worker token budget, and (SP runs) the model-state bytes the executor holds. No worker: the CLI
+    also calls it before Ray starts, to refuse a fixed profile that does not fit the model."""
     return planner_profile(
         base,
         num_heads=cfg.model.num_heads,

@@ -1,10 +1,11 @@
 """Export a checkpoint of a Hugging Face model run as a directory ``AutoModelForCausalLM.from_pretrained`` loads.
 
 The directory gets the trained weights as safetensors (Transformers' parameter names, which the run kept
-throughout: ``flexorch.workers.hf_model``), the source directory's ``config.json`` (with ``architectures`` filled
-in when the source had none) and the run's tokenizer files: those of the model directory, or of the BPE tokenizer
-the run trained on its corpus (``[data] tokenizer``). A run that used the byte tokenizer has no tokenizer files to
-give; the export says so.
+throughout: ``flexorch.workers.hf_model``; one ``model.safetensors``, or files of at most ``max_shard_bytes`` listed
+in ``model.safetensors.index.json`` as ``save_pretrained`` splits them), the source directory's ``config.json``
+(with ``architectures`` filled in when the source had none) and the run's tokenizer files: those of the model
+directory, or of the BPE tokenizer the run trained on its corpus (``[data] tokenizer``). A run that used the byte
+tokenizer has no tokenizer files to give; the export says so.
 """
 
 from __future__ import annotations
@@ -24,9 +25,15 @@ TOKENIZER_FILES = (
 )  # fmt: skip
 
 
-def export_hf(checkpoint: Path | str, out: Path | str) -> dict:
+MAX_SHARD_BYTES = 5 * 10**9
+"""The largest safetensors file an export writes (Transformers' ``save_pretrained`` default, 5 GB)."""
+
+
+def export_hf(checkpoint: Path | str, out: Path | str, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
     """Write ``out`` (a new or empty directory) from ``checkpoint``; returns ``{"parameters", "tensors", "bytes",
-    "tokenizer"}`` (``tokenizer``: where its files came from, or None)."""
+    "files", "tokenizer"}`` (``files``: the safetensors files written; ``tokenizer``: where its files came from, or
+    None)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     cfg = checkpoint_config(checkpoint)
@@ -44,7 +51,13 @@ def export_hf(checkpoint: Path | str, out: Path | str) -> dict:
         raise CheckpointError(f"the run's model directory {source} is gone (no config.json): it holds the config")
     state = {name: t.contiguous() for name, t in consolidated_state(checkpoint).items()}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
+    for file, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, str(out / file), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+        index["weight_map"] = split.tensor_to_filename
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     conf = json.loads((source / "config.json").read_text())
     conf.setdefault("architectures", [ARCHITECTURES[model["family"]]])
     conf["dtype"] = "float32"
@@ -60,6 +73,7 @@ def export_hf(checkpoint: Path | str, out: Path | str) -> dict:
     return {
         "parameters": int(sum(t.numel() for t in state.values())),
         "tensors": len(state),
-        "bytes": (out / "model.safetensors").stat().st_size,
+        "bytes": sum((out / f).stat().st_size for f in split.filename_to_tensors),
+        "files": sorted(split.filename_to_tensors),
         "tokenizer": tokenizer,
     }
