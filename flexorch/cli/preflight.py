@@ -2,7 +2,7 @@
 
 Everything that can be wrong without a worker is found here, within seconds of the command, with what was wrong and
 what to do: the configuration itself (already checked when it was built: ``flexorch.config``), the data source
-(exists, readable, holds at least one document: ``flexorch.data.readers.check_source``, plain file reads), a local
+(exists, readable, holds at least one document: ``flexorch.data.source_check.check_source``, plain file reads), a local
 tokenizer directory, the checkpoint a ``--resume`` continues from (present, every file matching its manifest, written
 for this model: ``flexorch.control.checkpoint.check_resume``), and a fixed cost-model profile (readable, and
 consistent with the model's shape). What needs the corpus loaded (its fingerprint against the checkpoint's) or the
@@ -21,7 +21,7 @@ __all__ = ["preflight"]
 def preflight(cfg: TrainConfig) -> list[str]:
     """Raise ``ConfigError``, ``DataError`` or ``ProfileError`` (all ValueErrors: the CLI prints them and exits 2)
     for the first problem found; returns lines worth telling the user (e.g. the checkpoint ``--resume`` takes)."""
-    from flexorch.data.readers import check_source
+    from flexorch.data.source_check import check_source
 
     notes: list[str] = []
     check_source(cfg.data)

@@ -4,7 +4,7 @@ Sources: a directory of text/code files (one document per file), JSONL (one per 
 per row), read with Ray Data readers (`read_binary_files` for text and JSONL files, whose lines `flexorch` parses
 itself so a malformed line is named by file and line, or skipped with ``on_bad_record = "skip"``; `read_parquet`).
 Default: the Python standard library's own `.py` files, real text on every machine, no download. An empty file or
-a source without records is a `DataError`; `flexorch.data.readers.check_source` checks a source without Ray.
+a source without records is a `DataError`; `flexorch.data.source_check.check_source` checks a source without Ray.
 
 Document keys: `relative/path.py` (a file), `file.jsonl:N` (N = 1-based record number; blank lines are not
 records), `file.parquet:N` (0-based row), and `<key>#pieceK` (K = 0, 1, ...) for the pieces of a document longer
