@@ -29,6 +29,8 @@ class PlanSettings:
     ``timeout_s`` still bounds it."""
     kinds: tuple[str, ...] = ("ulysses", "ring")
     """Attention methods the planner may use."""
+    solver: str = "highs"
+    """MILP backend: 'highs' (default, chosen by ``benchmarks/solver_backends.py``) or 'cbc'."""
     on_infeasible: str = "error"
     """A batch no plan can run: 'error' (stop with the reason) or 'skip' (record and count it, train on)."""
     timeout_s: float = 15.0
@@ -53,6 +55,8 @@ class PlanSettings:
         bad = [k for k in self.kinds if k not in ("ulysses", "ring")]
         if not self.kinds or bad:
             raise ConfigError(f"plan.kinds must be a non-empty subset of ['ulysses', 'ring'], got {list(self.kinds)}")
+        if self.solver not in ("highs", "cbc"):
+            raise ConfigError(f"plan.solver must be 'highs' or 'cbc', got {self.solver!r}")
         if self.on_infeasible not in ("error", "skip"):
             raise ConfigError(f"plan.on_infeasible must be 'error' or 'skip', got {self.on_infeasible!r}")
 

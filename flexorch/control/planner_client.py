@@ -59,7 +59,7 @@ class PlannerSpec:
     @classmethod
     def for_run(cls, cfg, profile: Profile) -> PlannerSpec:
         """The spec of a ``TrainConfig``'s run planned with ``profile`` (niceness 10 on CPU workers)."""
-        config = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds))
+        config = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds), solver=cfg.plan.solver)
         stages, params = cfg.pipeline.stages, cfg.pipeline.params
         niceness = 0 if cfg.use_gpu else 10
         return cls(profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, niceness)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flexorch.solver.backend import DEFAULT_SOLVER, SOLVERS
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.cost_model import KINDS
 from flexorch.solver.errors import InfeasibleBatchError
@@ -49,6 +50,8 @@ class PlannerConfig:
     """Attention methods groups may use ('ulysses', 'ring')."""
     workers: int = 1
     """Processes solving micro-batches in parallel (1: in this process)."""
+    solver: str = DEFAULT_SOLVER
+    """MILP backend python-mip drives: 'highs' or 'cbc' (``solver.backend``)."""
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0 or not self.ilp_time_limit_s > 0:
@@ -59,6 +62,8 @@ class PlannerConfig:
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.solver not in SOLVERS:
+            raise ValueError(f"solver must be one of {list(SOLVERS)}, got {self.solver!r}")
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,14 @@ class PlannedStep:
     pipelined step (None where infeasible)."""
     error: str | None = None
     """Why no plan exists (an infeasible batch); ``plan`` is None then, and only then."""
+    fallback_reason: str | None = None
+    """Why this step did not get the planner's own plan, or None when it did: 'timeout' (no plan within
+    ``plan.timeout_s``, or the planner's budget ran out before any MILP plan), 'crash' (the planner process died),
+    'error' (the planner raised), 'infeasible' (no plan fits the batch)."""
+    fallback_message: str = ""
+    """The reason in words (what happened, what to do), shown in the progress line and the viewer."""
+    solver_crashes: int = 0
+    """MILP solves that died natively in this plan (each cost that solve, not the plan: ``solver.planner``)."""
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, Plan | StagedPlan):
