@@ -131,7 +131,7 @@ def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll
                     kind = ev["event"]
                     if kind == "setup":
                         print(_describe_setup(ev), file=out, flush=True)
-                    elif kind in ("calibrated", "planner"):
+                    elif kind in ("calibrated", "planner", "progress"):
                         print(ev["message"], file=out, flush=True)
                     elif kind == "checkpoint_skipped":
                         print(f"--resume: {ev['message']}", file=out, flush=True)
