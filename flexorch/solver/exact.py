@@ -1,4 +1,5 @@
-"""Exact plan of a small micro-batch: one binary per (sequence, group slot), solved to optimality by CBC.
+"""Exact plan of a small micro-batch: one binary per (sequence, group slot), solved to optimality by the MILP backend
+(``solver.backend``: HiGHS or CBC).
 
 This is FlexSP's virtual-group formulation (§4.1.1: binary assignment A[k,p], binary group use m[p], makespan C),
 with symmetry broken by using the slots of a type in order. It is too symmetric for big micro-batches (docs/design.md
@@ -14,9 +15,13 @@ longest sequences: the planner uses it up to `MAX_EXACT_SEQUENCES` sequences per
 
 from __future__ import annotations
 
+import time
+
 import mip
 import numpy as np
 
+from flexorch.solver import backend
+from flexorch.solver.backend import DEFAULT_SOLVER
 from flexorch.solver.packing import Draft, GroupType
 
 __all__ = ["MAX_EXACT_SEQUENCES", "solve_exact"]
@@ -35,17 +40,18 @@ def solve_exact(
     overheads: np.ndarray,
     time_limit_s: float,
     start: Draft | None = None,
+    solver: str = DEFAULT_SOLVER,
 ):
-    """(draft, proven_optimal) for the micro-batch `items`, or None when CBC found nothing in time.
+    """(draft, proven_optimal) for the micro-batch `items`, or None when the solver found nothing in time.
 
     `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
-    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`).
+    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`). `time_limit_s` counts from the call (building
+    the model included); `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`).
     """
+    deadline = time.perf_counter() + time_limit_s
     items = list(items)
     deg = [t.degree for t in types]
-    m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
-    m.verbose = 0
-    m.threads = 1
+    m = backend.new_model(solver)
     slots = {t: min(len(items), num_devices // deg[t]) for t in range(len(types))}
     u = {(t, j): m.add_var(var_type=mip.BINARY) for t in slots for j in range(slots[t])}
     y = {}
@@ -67,10 +73,10 @@ def solve_exact(
         m += mip.xsum(float(lengths[i]) * v for i, v in mine) <= int(caps_by_type[t]) * uv
     m += mip.xsum(deg[t] * uv for (t, _), uv in u.items()) <= num_devices
     m.objective = c
-    if start is not None:
-        m.start = _start_values(start, u, y, c)
-    status = m.optimize(max_seconds=time_limit_s)
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+    if start is not None and (values := _start_values(start, u, y, c)):
+        m.start = values  # HiGHS completes a start with zeros: exactly the slots and pairs the draft leaves unused
+    status = backend.optimize(m, deadline)
+    if status not in backend.SOLVED:
         return None
     gtype, members = [], []
     for (t, j), uv in u.items():

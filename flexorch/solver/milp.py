@@ -18,7 +18,7 @@ latency(t) is the type's fixed cost per micro-batch, `solver.cost_model.group_ov
 
 For fixed C every constraint is linear; C itself is found by bisection between the area bound and the best
 static plan (`solve_micro_batch`). Each MILP starts from a greedy cover (every bucket on its least-area type,
-n_t rounded up), so CBC always holds an incumbent and a time-limited answer is still usable. A C is feasible when
+n_t rounded up), so the solver always holds an incumbent and a time-limited answer is still usable. A C is feasible when
 the devices needed are <= N; the chosen groups are then packed with real lengths (`lpt_pack`), spare devices
 become extra groups, and a local search polishes the result. The plan kept is the best one actually packed.
 """
@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import mip
 import numpy as np
 
+from flexorch.solver import backend
+from flexorch.solver.backend import DEFAULT_SOLVER
 from flexorch.solver.bucketing import optimal_buckets
 from flexorch.solver.exact import MAX_EXACT_SEQUENCES, solve_exact
 from flexorch.solver.packing import Draft, GroupType, improve, pack
@@ -84,11 +86,14 @@ def solve_micro_batch(
     max_bisection_steps: int = 8,
     ilp_time_limit_s: float = 0.25,
     start: Draft | None = None,
+    solver: str = DEFAULT_SOLVER,
 ) -> MicroBatchSolution | None:
     """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits.
 
     `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
-    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`).
+    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`). Every MILP it solves gets the time left of
+    `time_budget_s` (a bisection step at most `ilp_time_limit_s`), never more (`solver.backend.time_left`).
+    `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`).
     """
     deadline = time.perf_counter() + time_budget_s
     items = list(items)
@@ -107,8 +112,9 @@ def solve_micro_batch(
             num_devices=num_devices,
             caps_by_type=caps_by_type,
             overheads=overheads,
-            time_limit_s=max(0.05, deadline - time.perf_counter()),
+            time_limit_s=backend.time_left(deadline),
             start=start,
+            solver=solver,
         )
         if exact is not None and (best is None or exact[0].makespan() <= best.makespan_ms):
             return MicroBatchSolution(exact[0], exact[0].makespan(), "exact" if exact[1] else "milp", 1, 0)
@@ -125,9 +131,9 @@ def solve_micro_batch(
     while steps < max_bisection_steps and hi > lo * (1 + tolerance) and time.perf_counter() < deadline:
         steps += 1
         c = 0.5 * (lo + hi)
-        limit = min(ilp_time_limit_s, max(0.02, deadline - time.perf_counter()))
+        limit = backend.time_left(deadline, cap=ilp_time_limit_s)
         cp = c - np.asarray(overheads, dtype=np.float64)  # per-type room for sequence time
-        counts = _devices_needed(cp, types, b_time, b_len, b_cnt, num_devices, caps_by_type, limit)
+        counts = _devices_needed(cp, types, b_time, b_len, b_cnt, num_devices, caps_by_type, limit, solver=solver)
         solves += 1
         if counts is None:
             lo = c
@@ -142,8 +148,10 @@ def solve_micro_batch(
     return best
 
 
-def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_limit_s):
-    """Solve the MILP at C'_t = cp[t]. Returns (n_t, x_bt) when it fits on n_dev devices, else None."""
+def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_limit_s, *, solver=DEFAULT_SOLVER):
+    """Solve the MILP at C'_t = cp[t] within `time_limit_s` of the call, on backend `solver`. Returns (n_t, x_bt)
+    when it fits on n_dev devices, else None."""
+    deadline = time.perf_counter() + time_limit_s
     if not (cp > 0).any():
         return None
     nb, nt = b_time.shape
@@ -165,9 +173,7 @@ def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_l
     if int((n0 * deg).sum()) <= n_dev:
         return n0, x0  # the greedy cover already fits: no solve needed at this C
 
-    m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)
-    m.verbose = 0
-    m.threads = 1
+    m = backend.new_model(solver)
     n = [m.add_var(var_type=mip.INTEGER, lb=0, ub=max(int(n0[t]), n_dev // deg[t])) for t in range(nt)]
     x = {}
     for b in range(nb):
@@ -190,8 +196,8 @@ def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_l
     m.objective = mip.xsum(int(deg[t]) * n[t] for t in range(nt))
     m.max_mip_gap_abs = 0.999  # the objective is an integer: within 1 is optimal
     m.start = [(n[t], float(n0[t])) for t in range(nt)] + [(v, float(x0[b, t])) for (b, t), v in x.items()]
-    status = m.optimize(max_seconds=time_limit_s)
-    if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+    status = backend.optimize(m, deadline)
+    if status not in backend.SOLVED:
         return None
     nv = np.array([round(v.x) for v in n], dtype=np.int64)
     if int((nv * deg).sum()) > n_dev:
