@@ -151,7 +151,7 @@ def test_train_serves_the_viewer_while_it_runs(tmp_path, monkeypatch, capsys):
 
     seen = {}
 
-    def fake_run_train(cfg, address=None):
+    def fake_run_train(cfg, address=None, resume_command=None):
         url = capsys.readouterr().out.split("plan viewer: ")[1].split()[0]
         shutil.copy(RECORDED / "steps.jsonl", Path(cfg.run_dir) / "steps.jsonl")
         seen["url"], seen["data"] = url, json.loads(_get(url + "api/steps")[2])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import tomllib
 from pathlib import Path
@@ -177,8 +178,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         viewer = ViewerServer(cfg.run_dir, port=args.dashboard_port).start()
         print(f"plan viewer: {viewer.url} (while this run lasts; later: flexorch dashboard {cfg.run_dir})", flush=True)
+    raw = [a for a in (args.argv or []) if a != "--resume"]
+    again = shlex.join(["flexorch", *raw, "--resume"]) if raw else None
     try:
-        run_train(cfg, address=args.address)
+        run_train(cfg, address=args.address, resume_command=again)
     finally:
         if viewer is not None:
             viewer.stop()
@@ -331,6 +334,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # to print the --resume command after a stop
     try:
         commands = {
             "plan": _cmd_plan,
@@ -344,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, RuntimeError) as e:  # PlanningError, DataError, ProfileError are ValueErrors
         print(f"flexorch {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # Ctrl-C outside a run, or a second signal during one (flexorch.cli.train)
+        print(f"flexorch {args.command}: interrupted{': ' + str(e) if str(e) else ''}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

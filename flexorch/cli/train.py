@@ -7,7 +7,9 @@ line per step (plan shape, solve time, loss, tokens/s, predicted vs measured ste
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -53,8 +55,10 @@ def format_step(ev: dict, total: int) -> str:
     head = f"step {ev['step'] + 1:>4}/{total}"
     if ev.get("skipped"):
         return f"{head}  SKIPPED (no plan fits: {ev['reason']})  ETA {_fmt_eta(ev['eta_s'])}"
+    fb = ev.get("fallback")
+    plan = f"{ev['shape']} [fallback: {fb['reason']}]" if fb else ev["shape"]
     return (
-        f"{head}  plan {ev['shape']:<18s} solve {ev['solve_s']:5.2f}s  loss {ev['loss']:7.4f}  "
+        f"{head}  plan {plan:<18s} solve {ev['solve_s']:5.2f}s  loss {ev['loss']:7.4f}  "
         f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['compute_ms']:7.1f} ms  "
         f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
     )
@@ -111,13 +115,69 @@ def _sharding(ev: dict) -> str:
     return f" ({sh['mode']}{over}, {sh['precision']}{ac}, {mib:.2f} MiB model state per worker)"
 
 
-def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll_s: float = 0.2) -> dict:
-    """Run a training job to the end; returns the driver's summary (raises on failure)."""
+class StopSignals:
+    """SIGINT (Ctrl-C) and SIGTERM (``ray job stop``, a scheduler's preemption) while a run is going: the first asks
+    for a stop after the step in flight (the poll loop passes it to the driver, which checkpoints); a second one
+    stops at once (KeyboardInterrupt). The handler only records the signal: Ray calls are made by the poll loop."""
+
+    def __init__(self):
+        self.received: str | None = None
+        self.forwarded = False
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            raise KeyboardInterrupt(f"second {name}: stopping at once, without a checkpoint")
+        self.received = name
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_grace_note() -> str | None:
+    """Under ``ray job submit``: a warning when ``ray job stop`` would SIGKILL the job before it can checkpoint
+    (Ray waits ``RAY_JOB_STOP_WAIT_TIME_S``, default 3 s, after its SIGTERM)."""
+    if not os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):  # set by Ray's job supervisor for a job's entrypoint
+        return None
+    wait = os.environ.get("RAY_JOB_STOP_WAIT_TIME_S", "3")
+    try:
+        if float(wait) >= 60:
+            return None
+    except ValueError:
+        pass
+    return (
+        f"note: `ray job stop` kills this job {wait} s after its SIGTERM (RAY_JOB_STOP_WAIT_TIME_S), which may be too "
+        "short to finish the step in flight and write a checkpoint; submit with --runtime-env-json "
+        '\'{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}\' (examples/submit_cluster.sh does)'
+    )
+
+
+def run_train(
+    cfg: TrainConfig,
+    address: str | None = None,
+    out=sys.stdout,
+    poll_s: float = 0.2,
+    resume_command: str | None = None,
+) -> dict:
+    """Run a training job to the end, or until SIGINT/SIGTERM (then the step in flight finishes, a checkpoint is
+    written and the summary has ``stopped``); returns the driver's summary (raises on failure).
+    ``resume_command``: what to print to continue after a stop."""
     from flexorch.control.driver import TrainingDriverActor
 
-    with ray_session(address, cfg.workers):
+    with ray_session(address, cfg.workers), StopSignals() as stops:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        note = stop_grace_note()
+        if note:
+            print(note, file=out, flush=True)
         # on this node (the head, under `ray job submit`): the driver must not die with a worker node
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
         driver = TrainingDriverActor.options(scheduling_strategy=here).remote(cfg.to_dict())
@@ -125,6 +185,15 @@ def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll
         seen, done = 0, False
         try:
             while not done:
+                if stops.received and not stops.forwarded:
+                    stops.forwarded = True
+                    print(
+                        f"flexorch train: {stops.received} received: finishing the step in flight, then writing a "
+                        "checkpoint (send it again to stop at once, without one)",
+                        file=out,
+                        flush=True,
+                    )
+                    driver.request_stop.remote(stops.received)
                 events, done = ray.get(driver.poll.remote(seen))
                 seen += len(events)
                 for ev in events:
@@ -144,6 +213,16 @@ def run_train(cfg: TrainConfig, address: str | None = None, out=sys.stdout, poll
                 if not done:
                     time.sleep(poll_s)
             summary = ray.get(run_ref)
+            if summary.get("stopped"):
+                again = resume_command or f"flexorch train --config {cfg.run_dir}/config.json --resume"
+                print(
+                    f"stopped by {summary['stopped']} after step {summary['steps']} of {cfg.steps} "
+                    f"({summary['skipped_batches']} skipped batches); checkpoint {summary['checkpoint']}; records "
+                    f"{summary['records']}. Continue with: {again}",
+                    file=out,
+                    flush=True,
+                )
+                return summary
             print(
                 f"done: {summary['steps']} steps ({summary['skipped_batches']} skipped batches); records "
                 f"{summary['records']}; checkpoint {summary['checkpoint']}",

@@ -13,6 +13,7 @@ due. :meth:`TrainingDriver.step` is one transition, returned as a value (``contr
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import time
@@ -41,6 +42,11 @@ from flexorch.tasks.placement import PartsLostError
 from flexorch.tasks.step import step_tasks
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
+
+FALLBACK_WINDOW = 20
+"""The recent steps the fallback warning looks at: more than a tenth of them without the planner's plan (at least
+:data:`FALLBACK_MIN_STEPS` seen) and the run says so, once."""
+FALLBACK_MIN_STEPS = 10
 
 
 class TrainingDriver:
@@ -74,6 +80,12 @@ class TrainingDriver:
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
         self.workers: WorkerGroup | None = None
         self.planner = None
+        self._stop_reason: str | None = None  # set by request_stop: the loop ends after the step in flight
+        self._closing = False  # shutdown() came while run() was still going: its failures are not the run's
+        self._fallbacks: collections.deque = collections.deque(maxlen=FALLBACK_WINDOW)
+        self._fallback_warned = False
+        self._checkpointed_at: int | None = None  # the step of the newest checkpoint this run has on disk
+        self._last_checkpoint: str | None = None
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> dict:
@@ -105,7 +117,8 @@ class TrainingDriver:
         if resumed is not None:
             state, dstate = resumed
             self.stream.load_state_dict(dstate["stream"])
-            self.step_no = self.resumed_from = int(dstate["step"])
+            self.step_no = self.resumed_from = self._checkpointed_at = int(dstate["step"])
+            self._last_checkpoint = str(self.checkpoints.own.path)
             self.skipped_batches = int(dstate.get("skipped_batches", 0))
             self.workers.set_state(state)
         self.profile = run_profile(cfg, self.workers, self.run_dir, self._publish)
@@ -160,6 +173,8 @@ class TrainingDriver:
         attempt = 0
         while True:
             n = self.workers.size
+            if n < 1:  # the elastic policy fails before this; never ask for a plan for no worker
+                raise ElasticError(f"step {self.step_no}: no worker is left to run it")
             t_wait = time.perf_counter()
             planned = self.planner.plan(batch.step, lengths, n)
             plan_wait_ms = (time.perf_counter() - t_wait) * 1e3
@@ -287,6 +302,7 @@ class TrainingDriver:
         """Write the record (as the file has it: schema and time added), export metrics, checkpoint, report."""
         record = self.records.append(record)
         self.metrics.on_step(record, plan, self.profile)
+        self._watch_fallbacks(record)
         for rec in record["recoveries"]:
             self.metrics.on_recovery(rec)
         self._step_wall.append(time.perf_counter() - t_start)
@@ -297,7 +313,46 @@ class TrainingDriver:
         self._publish({"event": "step", **record, "eta_s": remaining * sum(recent) / len(recent)})
         return record
 
+    def _watch_fallbacks(self, record: dict) -> None:
+        """Say once, loudly, when more than a tenth of the recent steps did not get the planner's plan."""
+        self._fallbacks.append((record.get("fallback") or {}).get("reason"))
+        seen = [r for r in self._fallbacks if r is not None]
+        if self._fallback_warned or len(self._fallbacks) < FALLBACK_MIN_STEPS or len(seen) * 10 <= len(self._fallbacks):
+            return
+        self._fallback_warned = True
+        counts = collections.Counter(seen)
+        why = ", ".join(f"{k} {v}" for k, v in counts.most_common())
+        todo = {
+            "timeout": "give the planner more time (plan.time_limit_s, plan.timeout_s) or the driver's node more "
+            "idle CPU (a busy head node starves it)",
+            "crash": "try the other MILP backend (plan.solver = 'highs' or 'cbc') and report the crash",
+            "error": "this is a bug: report it with the step records (steps.jsonl)",
+            "infeasible": "lower data.max_context or raise plan.tokens_per_worker so every batch fits",
+        }
+        advice = "; ".join(todo[k] for k in counts)
+        self._publish(
+            {
+                "event": "planner",
+                "message": f"WARNING: {len(seen)} of the last {len(self._fallbacks)} steps ran without the planner's "
+                f"plan ({why}): the run is slower than planned. What to do: {advice}. Each step's record says why "
+                "(steps.jsonl 'fallback'; metric flexorch_plan_fallbacks_total by reason).",
+            }
+        )
+
     # ---------------------------------------------------------------- checkpoints, loop, events
+    def request_stop(self, reason: str) -> None:
+        """Stop after the step in flight (a signal: SIGTERM from ``ray job stop`` or a preemption, SIGINT from
+        Ctrl-C): :meth:`run` then writes a checkpoint and returns with ``stopped`` set."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+            self._publish(
+                {
+                    "event": "progress",
+                    "message": f"{reason}: stopping after step {self.step_no + 1} (the one in "
+                    "flight), then writing a checkpoint",
+                }
+            )
+
     def checkpoint(self) -> str:
         """Write this run's checkpoint after :attr:`step_no` steps (model state assembled from the workers)."""
         driver_state = {
@@ -309,6 +364,8 @@ class TrainingDriver:
             path = self.checkpoints.save(self.step_no, None, driver_state, write_shards=self.workers.save_sharded)
         else:
             path = self.checkpoints.save(self.step_no, self.workers.get_state(0), driver_state)
+        self._checkpointed_at = self.step_no
+        self._last_checkpoint = path
         self._publish({"event": "checkpoint", "step": self.step_no, "path": path})
         return path
 
@@ -317,19 +374,24 @@ class TrainingDriver:
         try:
             if self.workers is None:
                 self.setup()
-            while not self.finished:
+            while not self.finished and self._stop_reason is None:
                 self.step()  # a roll-back goes back to the checkpoint's step: the loop trains it again
-            path = self.checkpoint()
+            # a stop right after a periodic checkpoint keeps that one
+            path = self._last_checkpoint if self._checkpointed_at == self.step_no else self.checkpoint()
             summary = {
                 "event": "done",
                 "steps": self.step_no,
                 "skipped_batches": self.skipped_batches,
                 "checkpoint": path,
                 "records": str(self.records.path),
+                "stopped": self._stop_reason,
             }
             self._publish(summary)
             return summary
         except Exception as e:
+            if self._closing:  # shutdown() took the workers away under the loop: that is not the run's error
+                self._publish({"event": "stopped", "step": self.step_no})
+                return {"event": "stopped", "steps": self.step_no, "stopped": self._stop_reason or "shutdown"}
             self._error = f"{type(e).__name__}: {e}"
             self._publish({"event": "error", "error": self._error})
             raise
@@ -345,6 +407,11 @@ class TrainingDriver:
         return self.workers.call("parameters_digest")
 
     def shutdown(self) -> None:
+        """Stop the workers and the planner. Called while :meth:`run` is still going (a second Ctrl-C, the CLI
+        failing), the loop is told to stop and whatever then fails in it is not reported as the run's error."""
+        if not self.events.done:
+            self._closing = True
+            self._stop_reason = self._stop_reason or "shutdown"
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None

@@ -8,14 +8,20 @@ next batch while the current step runs, bounds the wait for a plan and falls bac
   of this process (real MILP solves, no Ray: tests and benchmarks that step the driver in-process).
 
 Both share :class:`_PrefetchingClient`: a plan solved ahead is used only when it was solved for the same stream step
-and the same number of workers (a membership change in between makes it stale); a plan not back within
-``timeout_s`` (CBC can get stuck on rare models, coin-or/Cbc#687) is abandoned, the planner is replaced and the step
-runs :func:`~flexorch.solver.step_planner.heuristic_plan` (status 'fallback').
+and the same number of workers (a membership change in between makes it stale). A step that cannot get the planner's
+plan runs :func:`~flexorch.solver.step_planner.heuristic_plan` (status 'fallback') and says why in
+``PlannedStep.fallback_reason``: 'timeout' (not back within ``timeout_s``: the planner is abandoned and replaced),
+'crash' (the planner process died: replaced) or 'error' (the planner raised: the message is kept). The planner's own
+solves run in a solver process of its own (``solver.planner``), so a native MILP crash normally costs one solve and
+never reaches this client.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import os
+import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,9 +41,18 @@ __all__ = [
     "StepPlannerActor",
 ]
 
-StepPlannerActor = ray.remote(num_cpus=0, max_restarts=5, max_task_retries=2)(StepPlanner)
-"""``StepPlanner`` in its own worker process (no CPU reserved: it sleeps while the step runs). CBC can crash on
-rare models (coin-or/Cbc#687, python-mip#139); Ray then restarts the actor and retries the plan call."""
+
+class _PlannerProcess(StepPlanner):
+    """:class:`StepPlanner` as the planner actor runs it, plus its process id (a test kills it)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+StepPlannerActor = ray.remote(num_cpus=0, max_restarts=0)(_PlannerProcess)
+"""``StepPlanner`` in its own worker process (no CPU reserved: it sleeps while the step runs). Not restarted by Ray:
+when it dies the client sees it at once, counts a 'crash' fallback and starts a new one (a Ray restart and retry
+would spend the step's wait in silence)."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +134,13 @@ class _PrefetchingClient:
     def _abandon(self) -> None:
         """Drop the stuck planner (a fresh one is started after)."""
 
+    def _died(self, error: BaseException) -> bool:
+        """True when ``error`` means the planner process is gone (it crashed or was killed)."""
+        return False
+
     def plan(self, stream_step: int, lengths: list[int], n: int) -> PlannedStep:
+        if n < 1:
+            raise ValueError(f"stream step {stream_step}: no worker is left to plan for (n={n})")
         pending, self._pending = self._pending, None
         handle = pending[2] if pending is not None and pending[:2] == (stream_step, n) else self._submit(lengths, n)
         try:
@@ -127,14 +148,27 @@ class _PrefetchingClient:
         except TimeoutError:
             self._abandon()
             self._start()
-            self.publish(
-                {
-                    "event": "planner",
-                    "message": f"stream step {stream_step}: the planner gave no plan within plan.timeout_s="
-                    f"{self.spec.timeout_s:g} s; restarted it, this step runs the heuristic plan",
-                }
+            why = (
+                f"the planner gave no plan within plan.timeout_s={self.spec.timeout_s:g} s (restarted it); raise "
+                "plan.timeout_s if the machine is busy"
             )
-            return self.spec.fallback(lengths, n)
+            return self._fallback(stream_step, lengths, n, "timeout", why)
+        except Exception as e:  # noqa: BLE001 - any planner failure costs this step's plan, never the run
+            if self._died(e):
+                self._abandon()
+                self._start()
+                why = f"the planner process died ({type(e).__name__}; restarted it)"
+                return self._fallback(stream_step, lengths, n, "crash", why)
+            cause = getattr(e, "cause", None) or e
+            why = f"the planner raised {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+            return self._fallback(stream_step, lengths, n, "error", why)
+
+    def _fallback(self, stream_step: int, lengths: list[int], n: int, reason: str, why: str) -> PlannedStep:
+        self.publish(
+            {"event": "planner", "message": f"stream step {stream_step}: {why}; this step runs the heuristic plan"}
+        )
+        planned = self.spec.fallback(lengths, n)
+        return dataclasses.replace(planned, fallback_reason=reason, fallback_message=why)
 
     def plan_ahead(self, stream_step: int, lengths: list[int], n: int) -> None:
         self._pending = (stream_step, n, self._submit(lengths, n))
@@ -162,8 +196,16 @@ class RayPlannerClient(_PrefetchingClient):
         except ray.exceptions.GetTimeoutError:
             raise TimeoutError from None
 
+    def _died(self, error: BaseException) -> bool:
+        return isinstance(error, ray.exceptions.RayActorError)
+
     def _abandon(self) -> None:
         ray.kill(self.actor, no_restart=True)
+
+    def inject_crash(self) -> None:
+        """Test seam: the planner process dies now (a native crash outside a solve)."""
+        pid = ray.get(self.actor.pid.remote())
+        os.kill(pid, signal.SIGKILL)
 
     def inject_fault(self, hangs: int = 1) -> None:
         ray.get(self.actor.inject_fault.remote(hangs))

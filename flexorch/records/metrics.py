@@ -58,6 +58,8 @@ METRICS = (
     ("flexorch_pipeline_measured_bubble_share", "gauge", "percentunit", "Pipeline bubble share (measured)"),
     ("flexorch_steps_total", "counter", "short", "Steps trained"),
     ("flexorch_skipped_batches_total", "counter", "short", "Batches skipped"),
+    ("flexorch_plan_fallbacks_total", "counter", "short", "Plan fallbacks by reason"),
+    ("flexorch_solver_crashes_total", "counter", "short", "MILP solver crashes"),
     ("flexorch_recoveries_total", "counter", "short", "Membership changes"),
 )
 
@@ -107,11 +109,23 @@ class RunMetrics:
         self.recoveries = Counter(
             "flexorch_recoveries_total", description="Membership changes", tag_keys=run_tag + ("what",)
         )
+        self.fallbacks = Counter(
+            "flexorch_plan_fallbacks_total",
+            description="Steps that did not get the planner's own plan, by reason (timeout, crash, error, infeasible)",
+            tag_keys=run_tag + ("reason",),
+        )
+        self.solver_crashes = Counter(
+            "flexorch_solver_crashes_total", description="MILP solves that died natively", tag_keys=run_tag
+        )
         self._group_keys: set[tuple[str, str]] = set()
 
     def on_step(self, record: dict, plan, profile: Profile) -> None:
         """``plan``: the step's :class:`~solver.plan.Plan`, a pipelined step's ``StagedPlan``, or None."""
         t = self._tags
+        if record.get("fallback"):
+            self.fallbacks.inc(1, tags={**t, "reason": record["fallback"]["reason"]})
+        if record.get("solver_crashes"):
+            self.solver_crashes.inc(record["solver_crashes"], tags=t)
         if record["skipped"]:
             self.skipped.inc(1, tags=t)
             return

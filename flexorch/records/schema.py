@@ -18,7 +18,11 @@ Keys of every record (``source`` is ``"plan"`` or ``"train"``):
   "group", "start_ms", "time_ms"}, ...]``, one entry per group, or null), ``solve_s``, ``predicted_ms`` (the
   plan's predicted step time, null when skipped), ``bound_ms`` (proven lower bound, 0 when none),
   ``baselines_ms`` (predicted step time of each static layout and BatchAda for the same batch, null where a layout
-  cannot hold it), ``pipeline`` (null unless the step ran on pipeline stages, see below).
+  cannot hold it), ``pipeline`` (null unless the step ran on pipeline stages, see below);
+* ``fallback`` (optional, null when the step got the planner's own plan): ``{"reason", "message"}`` saying why it
+  did not: ``timeout`` (the planner gave nothing in time, or its budget ran out before any MILP plan), ``crash`` (the
+  planner process died), ``error`` (the planner raised) or ``infeasible`` (no plan fits: the step was skipped);
+  ``solver_crashes`` (optional): MILP solves that died natively while planning the step (each cost that solve).
 
 A pipelined step (``[pipeline] stages`` set) has ``plan`` and ``timeline`` null and ``shape`` like ``"pp 2x2 ·
 12 units"``; its ``pipeline`` holds ``stages``, ``degree`` (workers per stage, SP inside a stage), ``layers``
@@ -67,7 +71,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["SCHEMA", "SOURCES", "RecordError", "validate_record"]
+__all__ = ["FALLBACK_REASONS", "SCHEMA", "SOURCES", "RecordError", "validate_record"]
 
 SCHEMA = "flexorch.step/4"
 SOURCES = ("plan", "train")
@@ -255,6 +259,7 @@ def validate_record(rec, where: str = "record") -> dict:
     if rec.get("source") not in SOURCES:
         raise RecordError(f"{where}: source is {rec.get('source')!r}, expected one of {', '.join(SOURCES)}")
     _check_keys(rec, _COMMON, where)
+    _check_fallback(rec, where)
     if rec["source"] == "train":
         _check_keys(rec, _TRAIN, where)
         if len(rec["doc_ids"]) != len(rec["seq_lengths"]):
@@ -286,6 +291,24 @@ def validate_record(rec, where: str = "record") -> dict:
             if not isinstance(entry, dict) or len(entry.get("micro_batch_ms") or []) != n_mb:
                 raise RecordError(f"{where}: ranks[{r}].micro_batch_ms must hold one time per micro-batch ({n_mb})")
     return rec
+
+
+FALLBACK_REASONS = ("timeout", "crash", "error", "infeasible")
+
+
+def _check_fallback(rec: dict, where: str) -> None:
+    """The optional ``fallback`` and ``solver_crashes`` keys (absent in records written before they existed)."""
+    fb = rec.get("fallback")
+    if fb is not None:
+        ok = isinstance(fb, dict) and fb.get("reason") in FALLBACK_REASONS and isinstance(fb.get("message"), str)
+        if not ok:
+            raise RecordError(
+                f"{where}: 'fallback' must be null or {{'reason': one of {list(FALLBACK_REASONS)}, 'message': str}}, "
+                f"got {fb!r}"
+            )
+    crashes = rec.get("solver_crashes", 0)
+    if isinstance(crashes, bool) or not isinstance(crashes, int) or crashes < 0:
+        raise RecordError(f"{where}: 'solver_crashes' must be an integer >= 0, got {crashes!r}")
 
 
 def _check_pipeline_ranks(rec: dict, where: str) -> None:

@@ -87,6 +87,8 @@ def plan_fields(planned, profile) -> dict:
         "reason": None,
         "predicted_ms": planned.predicted_ms,
         "bound_ms": planned.bound_ms,
+        "fallback": fallback_field(planned),
+        "solver_crashes": planned.solver_crashes,
     }
     if planned.pipelined:
         return {**pipeline_fields(planned.plan), **solve}
@@ -101,6 +103,14 @@ def plan_fields(planned, profile) -> dict:
         "pipeline": None,
         **solve,
     }
+
+
+def fallback_field(planned) -> dict | None:
+    """``{"reason", "message"}`` when the step did not get the planner's own plan (``PlannedStep.fallback_reason``:
+    'timeout', 'crash', 'error'), else None."""
+    if planned.fallback_reason is None:
+        return None
+    return {"reason": planned.fallback_reason, "message": planned.fallback_message}
 
 
 def plan_record(base: dict, planned, profile) -> dict:
@@ -137,6 +147,7 @@ def skip_record(base: dict, status: str, reason: str) -> dict:
         "predicted_ms": None,
         "bound_ms": 0.0,
         "pipeline": None,
+        "fallback": {"reason": status, "message": reason},
         **dict.fromkeys(_TRAIN_ONLY_NULL),
     }
 
