@@ -184,6 +184,34 @@ def test_page_follows_a_run_as_it_writes_steps(browser, tmp_path):
         server.stop()
 
 
+def test_a_fallback_step_says_why_in_the_table_and_the_summary(browser, tmp_path):
+    lines = (RECORDED / "steps.jsonl").read_text().splitlines()
+    fb = json.loads(lines[1])
+    fb["status"] = "fallback"
+    fb["fallback"] = {"reason": "timeout", "message": "the planner gave no plan within plan.timeout_s=15 s"}
+    fb["solver_crashes"] = 2
+    (tmp_path / "steps.jsonl").write_text("\n".join([lines[0], json.dumps(fb), lines[2]]) + "\n")
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, "return document.querySelectorAll('#step-table tbody tr').length === 3")
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('#step-table tbody tr')].map(r => r.cells[4].textContent)"
+        )
+        assert cells[1] == "fallback (timeout)" and "(" not in cells[0] + cells[2]
+        marked = browser.execute_script(
+            "return [...document.querySelectorAll('#step-table tbody tr')].map(r => r.classList.contains('fallback'))"
+        )
+        assert marked == [False, True, False]
+        browser.execute_script("document.querySelectorAll('#step-table tbody tr')[1].click()")
+        _wait(browser, f"return document.getElementById('plan-predicted').dataset.step === '{fb['step']}'")
+        summary = browser.execute_script("return document.getElementById('step-summary').textContent")
+        assert "not the planner's plan (timeout): the planner gave no plan within plan.timeout_s=15 s" in summary
+        assert "2 MILP solve(s) crashed" in summary
+    finally:
+        server.stop()
+
+
 def _ticks(driver, div: str) -> list[str]:
     return driver.execute_script(
         f"return [...document.querySelectorAll('#{div} g.ytick text')].map(t => t.textContent)"

@@ -170,7 +170,7 @@ def step_view(rec: dict) -> dict:
                 )
     keys = (
         "source step epoch world_size status skipped reason shape solve_s predicted_ms bound_ms baselines_ms tokens "
-        "measured_ms compute_ms loss tokens_per_s worker_ids recoveries"
+        "measured_ms compute_ms loss tokens_per_s worker_ids recoveries fallback solver_crashes"
     ).split()
     view = {k: rec.get(k) for k in keys}
     view["sequences"] = len(rec["seq_lengths"])

@@ -258,7 +258,9 @@ function addRows(views, offset) {
     tr.dataset.index = String(offset + i);
     if (v.skipped) tr.classList.add("skipped");
     const recov = (v.recoveries || []).map((r) => r.what || "change").join(", ");
-    const cells = [v.step, v.source, v.world_size, v.shape ?? "(skipped)", v.status, v.sequences, fmt(v.longest),
+    if (v.fallback) tr.classList.add("fallback");
+    const status = v.fallback && !v.skipped ? `${v.status} (${v.fallback.reason})` : v.status;
+    const cells = [v.step, v.source, v.world_size, v.shape ?? "(skipped)", status, v.sequences, fmt(v.longest),
       fmt(v.solve_s * 1000), fmt(v.predicted_ms, 1), fmt(v.measured_ms, 1), fmt(v.loss, 4), fmt(v.tokens_per_s),
       recov];
     cells.forEach((c, j) => {
@@ -286,7 +288,9 @@ function select(i) {
   $("step-summary").textContent = v.skipped
     ? `step ${v.step}: skipped (${v.reason})`
     : `step ${v.step}: ${v.world_size} devices, ${v.sequences} sequences (longest ${fmt(v.longest)}), ` +
-      (piped ? `${v.pipeline.units} pipeline unit(s)` : `${v.micro_batches} micro-batch(es)`) + `, shape ${v.shape}`;
+      (piped ? `${v.pipeline.units} pipeline unit(s)` : `${v.micro_batches} micro-batch(es)`) + `, shape ${v.shape}` +
+      (v.fallback ? ` · not the planner's plan (${v.fallback.reason}): ${v.fallback.message}` : "") +
+      (v.solver_crashes ? ` · ${v.solver_crashes} MILP solve(s) crashed` : "");
   $("pipeline-note").style.display = piped ? "block" : "none";
   $("pipeline-note").textContent = piped ? pipelineNote(v) : "";
   const trained = v.source === "train";
