@@ -10,24 +10,47 @@ best, then the same local search, so the comparison measures the choice of group
 
 from __future__ import annotations
 
+import math
+import time
+
 import numpy as np
 
 from flexorch.solver.cost_model import RING, ULYSSES, kind_allowed
 from flexorch.solver.errors import PlanningError
-from flexorch.solver.microbatching import partition_candidates
-from flexorch.solver.packing import GroupType, improve_step, layout_groups, pack, time_table, type_overheads
+from flexorch.solver.microbatching import iter_candidates
+from flexorch.solver.packing import (
+    GroupType,
+    drop_empty,
+    improve_step,
+    layout_groups,
+    pack,
+    time_table,
+    type_overheads,
+)
 from flexorch.solver.plan import MicroBatch, Plan
 from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.validation import check_batch, largest_degree
 
-__all__ = ["static_plan", "baseline_plans", "baseline_times_ms"]
+__all__ = ["static_plan", "static_layouts", "baseline_plans", "baseline_times_ms", "baselines_within"]
 
 
 def static_plan(
-    lengths, num_devices: int, profile: Profile, degree: int, kind: str, extra_micro_batches: int = 4
+    lengths,
+    num_devices: int,
+    profile: Profile,
+    degree: int,
+    kind: str,
+    extra_micro_batches: int = 4,
+    deadline: float | None = None,
 ) -> Plan | None:
-    """Every group of `degree` with `kind` attention; None when that layout cannot run the batch."""
+    """Every group of `degree` with `kind` attention; None when that layout cannot run the batch.
+
+    A split (and every larger M) whose lower bound (per micro-batch O + max(longest time, total time / groups))
+    cannot beat the best split packed so far is not packed: the plan is the one packing every split gives (ties
+    to the first split). Past `deadline` (``time.monotonic()``) the best split in hand is kept and its local search
+    stops.
+    """
     lengths = check_batch(lengths, num_devices, profile)
     if degree > num_devices or degree & (degree - 1) or not kind_allowed(kind, degree, profile):
         return None
@@ -39,8 +62,16 @@ def static_plan(
     ng = num_devices // degree
     cap = profile.group_token_cap(types[0].kind, degree)
     caps = np.full(ng, cap, dtype=np.int64)
+    times, o = table[:, 0], float(overheads[0])
+    floor = max(float(times.sum()) / ng, float(times.max()))  # sequence time of any split, beyond M * O
     best, best_total = None, np.inf
-    for split in partition_candidates(lengths, table[:, 0], ng * cap, extra_micro_batches):
+    for m, split in iter_candidates(lengths, times, ng * cap, extra_micro_batches):
+        if m * o + floor >= best_total:
+            break  # neither this M nor any larger one can beat the split in hand (ties go to the first)
+        if best is not None and deadline is not None and time.monotonic() >= deadline:
+            break
+        if sum(o + max(float(times[c].max()), float(times[c].sum()) / ng) for c in split) >= best_total:
+            continue
         drafts = [pack(items, [0] * ng, table, lengths, caps, overheads) for items in split]
         if any(d is None for d in drafts):
             continue
@@ -49,7 +80,8 @@ def static_plan(
             best, best_total = drafts, total
     if best is None:
         return None
-    improve_step(best, [caps] * len(best), table, lengths, overheads)
+    improve_step(best, [caps] * len(best), table, lengths, overheads, deadline=deadline)
+    best = drop_empty(best)
     mbs = [MicroBatch(tuple(layout_groups(d, types, range(len(lengths))))) for d in best]
     return Plan.for_profile(
         num_devices=num_devices,
@@ -60,26 +92,77 @@ def static_plan(
     )
 
 
-def baseline_plans(lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4) -> dict:
-    """name -> Plan (or None when infeasible) for every static degree/kind, plus 'batchada' (the best of them)."""
-    lengths = check_batch(lengths, num_devices, profile)
-    out: dict[str, Plan | None] = {}
-    d = 1
+def static_layouts(num_devices: int) -> list[tuple[str, int]]:
+    """(kind, degree) of every static baseline on N devices, in report order."""
+    out, d = [], 1
     while d <= largest_degree(num_devices):
-        for kind in (ULYSSES, RING) if d > 1 else (ULYSSES,):
-            out[f"static-{kind}-{d}"] = static_plan(lengths, num_devices, profile, d, kind, extra_micro_batches)
+        out += [(k, d) for k in ((ULYSSES, RING) if d > 1 else (ULYSSES,))]
         d *= 2
+    return out
+
+
+def baseline_plans(
+    lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4, deadline: float | None = None
+) -> dict:
+    """name -> Plan (or None when infeasible) for every static degree/kind, plus 'batchada' (the best of them).
+
+    With `deadline` (``time.monotonic()``) the layouts are planned in the order of a lower bound on their step time
+    (most promising first) and those not reached in time are None too, listed by :func:`skipped_baselines`:
+    'batchada' is then the best of those planned (one layout at least is always planned).
+    """
+    plans, _ = _baselines(lengths, num_devices, profile, extra_micro_batches, deadline)
+    return plans
+
+
+def _baselines(lengths, num_devices, profile, extra_micro_batches, deadline):
+    lengths = check_batch(lengths, num_devices, profile)
+    layouts = static_layouts(num_devices)
+    order = list(range(len(layouts)))
+    if deadline is not None:
+        order.sort(key=lambda j: _layout_bound(lengths, num_devices, profile, *layouts[j]))
+    out: dict[str, Plan | None] = {f"static-{k}-{d}": None for k, d in layouts}
+    skipped = []
+    for j in order:
+        kind, d = layouts[j]
+        name = f"static-{kind}-{d}"
+        if deadline is not None and any(v is not None for v in out.values()) and time.monotonic() >= deadline:
+            skipped.append(name)
+            continue
+        out[name] = static_plan(lengths, num_devices, profile, d, kind, extra_micro_batches, deadline=deadline)
     feasible = {k: v for k, v in out.items() if v is not None}
     if not feasible:
         raise PlanningError("no static layout can run this batch")  # check_batch makes this unreachable
     best = min(feasible, key=lambda k: step_time_ms(feasible[k], profile))
     out["batchada"] = feasible[best]
-    return out
+    return out, skipped
 
 
-def baseline_times_ms(lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4) -> dict:
-    """name -> simulated step time in ms (None when that layout cannot run the batch)."""
+def _layout_bound(lengths, num_devices, profile, kind, degree) -> float:
+    """A lower bound on the static layout's step time (inf when it cannot run the batch): M_min * O +
+    max(total sequence time / groups, the longest sequence's time)."""
+    if not kind_allowed(kind, degree, profile):
+        return np.inf
+    t = GroupType(degree, ULYSSES if degree == 1 else kind)
+    times = time_table(lengths, [t], profile)[:, 0]
+    if not np.isfinite(times).all():
+        return np.inf
+    ng = num_devices // degree
+    m_min = math.ceil(int(lengths.sum()) / (ng * profile.group_token_cap(t.kind, degree)))
+    return m_min * float(type_overheads([t], profile)[0]) + max(float(times.sum()) / ng, float(times.max()))
+
+
+def baseline_times_ms(
+    lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4, deadline: float | None = None
+) -> dict:
+    """name -> simulated step time in ms (None when that layout cannot run the batch, or was not reached before
+    `deadline`)."""
     return {
         k: (None if p is None else step_time_ms(p, profile))
-        for k, p in baseline_plans(lengths, num_devices, profile, extra_micro_batches).items()
+        for k, p in baseline_plans(lengths, num_devices, profile, extra_micro_batches, deadline).items()
     }
+
+
+def baselines_within(lengths, num_devices: int, profile: Profile, deadline: float) -> tuple[dict, list[str]]:
+    """(name -> Plan or None, names of the layouts not planned before `deadline`): :func:`baseline_plans` with the
+    layouts it skipped for time."""
+    return _baselines(lengths, num_devices, profile, 4, deadline)

@@ -1,17 +1,36 @@
 """The per-step planner: lengths + N devices + profile in, a frozen `Plan` out.
 
-Per step (docs/design.md §2): candidate micro-batch splits (Sequence Blaster), ordered by their proven lower bound;
-each candidate's micro-batches are planned by the bisection MILP (`solver.milp`), in parallel processes when
-`workers > 1`; candidates whose bound cannot beat the best plan so far are skipped. A step never waits on the
-solver: every MILP has a time limit, the step has a deadline, and the best static layout is always in hand as
-the fallback.
+Per step (docs/design.md §2): candidate micro-batch splits (Sequence Blaster, FlexSP arXiv 2412.01523 §4.2),
+ordered by their best static layouts; each candidate's micro-batches are planned by the bisection MILP
+(`solver.milp`); candidates whose bound cannot beat the best plan so far are skipped.
+
+``time_limit_s`` is a wall-clock promise for :meth:`Planner.plan`, all of it: the solver limits are set from the time
+left, the loops (candidate splits, screening, local search, baselines) check the clock, and optional work is cut
+when time is short, so a busy machine gets a worse plan on time rather than a late one. The best static layout of
+every micro-batch is in hand before any MILP starts and is the answer for a solve that does not come back.
+
+The MILP solves run in a solver process the Planner owns (``isolate``, the default; started with the Planner, from a
+``forkserver`` that has imported the solver once, so a restart costs milliseconds): a native crash of the MILP
+library (SIGSEGV / SIGABRT, coin-or/Cbc#693) costs that solve, not the plan. The planner keeps the static start of
+that micro-batch, restarts the process, retries while time is left and counts the crash; a solve still running at
+the deadline is killed the same way. With ``isolate=False`` the solves run in this process (in a thread the planner
+stops waiting for at the deadline; tests and benchmarks).
 """
 
 from __future__ import annotations
 
+import inspect
+import math
+import multiprocessing
+import os
+import signal
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+import warnings
+import weakref
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,13 +40,29 @@ from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step
 from flexorch.solver.cost_model import KINDS
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.microbatching import partition_candidates
-from flexorch.solver.milp import best_static_draft, solve_micro_batch
-from flexorch.solver.packing import group_types, improve_step, layout_groups, time_table, type_caps, type_overheads
+from flexorch.solver.milp import solve_micro_batch
+from flexorch.solver.packing import (
+    Draft,
+    best_homogeneous_draft,
+    drop_empty,
+    group_types,
+    improve_step,
+    layout_groups,
+    time_table,
+    type_caps,
+    type_overheads,
+)
 from flexorch.solver.plan import MicroBatch, Plan
 from flexorch.solver.profiles import Profile
-from flexorch.solver.validation import check_batch
+from flexorch.solver.validation import check_batch, check_num_devices
 
 __all__ = ["PlannerConfig", "StepPlan", "Planner", "plan_step"]
+
+_SOLVER_KEYWORD = "solver" in inspect.signature(solve_micro_batch).parameters
+"""``solve_micro_batch`` takes the backend (``solver=``) once ``solver.milp`` routes it through ``solver.backend``."""
+
+MIN_SOLVE_S = 0.02
+"""A MILP solve is not started with less time than this left: the static start is the answer then."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,7 +70,7 @@ class PlannerConfig:
     """Knobs of the per-step planner."""
 
     time_limit_s: float = 1.0
-    """Wall-clock budget for one step's plan; past it the best plan so far is returned."""
+    """Wall-clock budget for one step's plan, everything included; past it the best plan so far is returned."""
     ilp_time_limit_s: float = 0.2
     """Time limit of one MILP solve (time-limited answers are used)."""
     max_buckets: int = 16
@@ -49,9 +84,12 @@ class PlannerConfig:
     kinds: tuple[str, ...] = KINDS
     """Attention methods groups may use ('ulysses', 'ring')."""
     workers: int = 1
-    """Processes solving micro-batches in parallel (1: in this process)."""
+    """Solver processes: the micro-batches of a split are solved this many at a time (``isolate`` only)."""
     solver: str = DEFAULT_SOLVER
     """MILP backend python-mip drives: 'highs' or 'cbc' (``solver.backend``)."""
+    isolate: bool = True
+    """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not
+    the plan). False: in this process (no extra process; a crash of the MILP library takes the caller down)."""
 
     def __post_init__(self) -> None:
         if not self.time_limit_s > 0 or not self.ilp_time_limit_s > 0:
@@ -62,6 +100,10 @@ class PlannerConfig:
             raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.workers > 1 and not self.isolate:
+            raise ValueError(
+                f"workers={self.workers} solver processes need isolate=True (in-process solves run one at a time)"
+            )
         if self.solver not in SOLVERS:
             raise ValueError(f"solver must be one of {list(SOLVERS)}, got {self.solver!r}")
 
@@ -79,26 +121,159 @@ class StepPlan:
     """Proven lower bound on any plan's step time for this batch (solver.bounds)."""
     solve_s: float
     status: str
-    """'milp' (a MILP plan beat the static start), 'static' (none did), 'fallback' (time ran out first)."""
+    """'milp' (a MILP plan beat the static start), 'static' (none did), 'fallback' (time ran out before any
+    candidate split was solved: static starts, solves cut at the deadline)."""
     details: dict = field(default_factory=dict)
+    """How the time went: 'time_limit_s', 'used_s', 'solver_crashes' (solver processes that died in this plan),
+    'solves_cut' (solves stopped at the deadline), candidates, methods per micro-batch."""
 
     @property
     def gap(self) -> float:
         return self.predicted_ms / self.bound_ms - 1.0
 
+    @property
+    def solver_crashes(self) -> int:
+        return int(self.details.get("solver_crashes", 0))
+
+
+# ---- the solver process
+
+
+def _warm() -> int:
+    return os.getpid()
+
+
+def _solve_job(job: dict):
+    """One micro-batch's solve (in the solver process, or a thread with ``isolate=False``); indices are local."""
+    if job.get("crash"):  # test seam: a native crash of the MILP library
+        os.kill(os.getpid(), signal.SIGSEGV)
+    budget = max(0.0, min(job["budget_s"], job["deadline"] - time.monotonic()))
+    k = job["table"].shape[0]
+    s = solve_micro_batch(
+        range(k),
+        job["types"],
+        job["table"],
+        job["lengths"],
+        lower_bound_ms=job["lower_bound_ms"],
+        time_budget_s=budget,
+        start=job["start"],
+        **job["kw"],
+    )
+    return None if s is None else (s.draft, s.method)
+
+
+def _mp_context():
+    """forkserver (the planner runs in a Ray actor with threads: no fork), preloading the solver once; spawn
+    where there is none."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["flexorch.solver.planner"])  # numpy, python-mip, the MILP: imported once
+        return ctx
+    return multiprocessing.get_context("spawn")
+
+
+def _run_in_thread(fn, arg) -> Future:
+    fut: Future = Future()
+
+    def run() -> None:
+        if fut.set_running_or_notify_cancel():
+            try:
+                fut.set_result(fn(arg))
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting planner
+                fut.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="flexorch-milp").start()
+    return fut
+
+
+def _kill_executor(ex: ProcessPoolExecutor | None) -> None:
+    if ex is None:
+        return
+    for p in list((getattr(ex, "_processes", None) or {}).values()):
+        try:
+            p.kill()
+        except (OSError, AttributeError, ValueError):
+            pass
+    ex.shutdown(wait=False, cancel_futures=True)
+
+
+class _Solver:
+    """Where MILP solves run: ``workers`` solver processes (``isolate``), else threads of this process."""
+
+    def __init__(self, workers: int, isolate: bool):
+        self.workers = workers
+        self.isolate = isolate
+        self.restarts = 0
+        self._ex: ProcessPoolExecutor | None = None
+        self._finalizer = None
+        self.why_not_isolated = ""
+        if isolate:
+            try:
+                self._start(wait=True)
+            except (BrokenProcessPool, OSError, RuntimeError, FutureTimeout) as e:
+                # e.g. a script without an `if __name__ == "__main__":` guard (spawn and forkserver children import
+                # the main module): solve in this process rather than not at all
+                self.close()
+                self.isolate = False
+                self.why_not_isolated = f"the solver process did not start ({type(e).__name__}: {e})"
+                warnings.warn(f"flexorch planner: {self.why_not_isolated}; solving in this process", stacklevel=3)
+
+    def _start(self, wait: bool) -> None:
+        self._ex = ProcessPoolExecutor(max_workers=self.workers, mp_context=_mp_context())
+        self._finalizer = weakref.finalize(self, _kill_executor, self._ex)
+        warm = [self._ex.submit(_warm) for _ in range(self.workers)]  # start the processes now, not at a solve
+        if wait:
+            for f in warm:
+                f.result(timeout=120)
+
+    def submit(self, job: dict) -> Future:
+        if not self.isolate:
+            return _run_in_thread(_solve_job, job)
+        if self._ex is None:
+            self._start(wait=False)
+        try:
+            return self._ex.submit(_solve_job, job)
+        except BrokenProcessPool:
+            self.restart()
+            return self._ex.submit(_solve_job, job)
+
+    def restart(self) -> None:
+        """Kill the solver processes (crashed or stuck) and start fresh ones (no wait: they come up meanwhile)."""
+        if not self.isolate:
+            return  # a thread cannot be killed: the planner stops waiting for it
+        self.close()
+        self.restarts += 1
+        self._start(wait=False)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # kills the processes (idle or stuck) and shuts the pool down
+        self._ex, self._finalizer = None, None
+
+
+# ---- the planner
+
 
 class Planner:
-    """Plans steps for one profile; holds the worker pool across steps when `workers > 1`."""
+    """Plans steps for one profile; owns the solver process(es) across steps (``config.isolate``)."""
 
     def __init__(self, profile: Profile, config: PlannerConfig | None = None):
         self.profile = profile
         self.config = config or PlannerConfig()
-        self._pool: ProcessPoolExecutor | None = None
+        self._solver = _Solver(self.config.workers, self.config.isolate)
+        self._inject_crashes = 0
+        self._finish_s: float | None = None  # measured: building the plan after the last solve (for the reserve)
+        self.crashes_total = 0
+
+    def inject_crashes(self, crashes: int = 1) -> None:
+        """Test seam: the solver process of each of the next ``crashes`` solves kills itself with SIGSEGV, as a
+        native crash of the MILP library does (``isolate`` only: in-process it would take the caller down)."""
+        if crashes and not self.config.isolate:
+            raise ValueError("crash injection needs PlannerConfig(isolate=True): in-process it kills the caller")
+        self._inject_crashes = int(crashes)
 
     def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        self._solver.close()
 
     def __enter__(self) -> Planner:
         return self
@@ -106,9 +281,12 @@ class Planner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def plan(self, lengths, num_devices: int) -> StepPlan:
-        t0 = time.perf_counter()
+    def plan(self, lengths, num_devices: int, deadline: float | None = None) -> StepPlan:
+        """Plan one step by ``deadline`` (a ``time.monotonic()`` value; default: ``time_limit_s`` from now)."""
+        t0 = time.monotonic()
+        deadline = t0 + self.config.time_limit_s if deadline is None else deadline
         cfg, prof = self.config, self.profile
+        check_num_devices(num_devices)
         lengths = check_batch(lengths, num_devices, prof)
         n = int(num_devices)
         cap = prof.tokens_per_device  # per device, the most any group holds: for bounds and candidate splits
@@ -125,40 +303,56 @@ class Planner:
             )
         bound = step_bound_ms(table, types, lengths, n, cap, overheads)
         deg = np.array([t.degree for t in types], dtype=np.float64)
-        deadline = t0 + cfg.time_limit_s
+        # the plan is built after the last solve: keep what that took last time (x1.5), at most a third of the time
+        finish = self._finish_s if self._finish_s is not None else 0.005 + 4e-6 * lengths.size
+        solve_deadline = deadline - min(1.5 * finish + 0.005, 0.3 * max(0.0, deadline - t0))
+        screen_deadline = t0 + 0.3 * max(0.0, solve_deadline - t0)
+        run = {"crashes": 0, "cut": 0}
 
-        cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches)
+        cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline)
         mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
         bounds = [sum(b) for b in mb_bounds]
-        order = self._screen(cands, bounds, types, caps_t, overheads, table, lengths, n, t0 + 0.3 * cfg.time_limit_s)
-        best_total, best_mbs, status, tried = np.inf, None, "fallback", 0
+        order = self._screen(cands, bounds, types, caps_t, overheads, table, lengths, n, screen_deadline)
+        best_total, best_mbs, finished, tried = np.inf, None, False, 0
         for ci, starts in order:
             split = cands[ci]
             if bounds[ci] >= best_total:
                 continue
-            if best_mbs is not None and time.perf_counter() >= deadline:
+            if best_mbs is not None and time.monotonic() + MIN_SOLVE_S >= solve_deadline:
                 break
-            sols = self._solve_split(
-                split, mb_bounds[ci], types, caps_t, overheads, table, lengths, n, deadline, starts
+            if starts is None:  # not screened: its static starts now (each micro-batch's best homogeneous layout)
+                starts = [
+                    best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads, deadline=solve_deadline)
+                    for c in split
+                ]
+            sols, complete = self._solve_split(
+                split, mb_bounds[ci], types, caps_t, overheads, table, lengths, n, solve_deadline, starts, run
             )
             tried += 1
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
+            finished |= complete
             drafts = [s[0] for s in sols]
             caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
-            improve_step(drafts, caps, table, lengths, overheads)
-            sols = [(d, d.makespan(), s[2]) for d, s in zip(drafts, sols, strict=True)]
-            total = sum(s[1] for s in sols)
+            improve_step(drafts, caps, table, lengths, overheads, deadline=solve_deadline)
+            total = sum(d.makespan() for d in drafts)
             if total < best_total:
-                best_total, best_mbs = total, [(split, s) for split, s in zip(split, sols, strict=True)]
-                status = "milp" if any(s[2] in ("milp", "exact") for s in sols) else "static"
+                kept = [(d, m) for d, (_, m) in zip(drafts, sols, strict=True) if any(d.members)]
+                best_total, best_mbs = total, kept  # a micro-batch the local search emptied is dropped
+        t_finish = time.monotonic()
         if best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
-            sols = self._split_until_packed(
+            drafts = self._split_until_packed(
                 sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, caps_t, overheads, table, lengths, n
             )
-            best_total = sum(s[1] for s in sols)
-            best_mbs, status = [(None, s) for s in sols], "fallback"
-        mbs = [MicroBatch(tuple(layout_groups(draft, types, range(len(lengths))))) for _, (draft, *_rest) in best_mbs]
+            caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
+            improve_step(drafts, caps, table, lengths, overheads, deadline=solve_deadline)
+            drafts = drop_empty(drafts)
+            best_total, best_mbs = sum(d.makespan() for d in drafts), [(d, "fallback") for d in drafts]
+        if not finished:
+            status = "fallback"
+        else:
+            status = "milp" if any(m in ("milp", "exact") for _, m in best_mbs) else "static"
+        mbs = [MicroBatch(tuple(layout_groups(draft, types, range(len(lengths))))) for draft, _ in best_mbs]
         plan = Plan.for_profile(
             num_devices=n,
             seq_lengths=lengths,
@@ -166,14 +360,22 @@ class Planner:
             profile=prof,
             meta={"planner": "flexorch-milp", "status": status},
         )
-        solve_s = time.perf_counter() - t0
+        done = time.monotonic()
+        took = done - t_finish
+        self._finish_s = took if self._finish_s is None else max(took, 0.5 * (self._finish_s + took))
+        self.crashes_total += run["crashes"]
         details = {
             "candidates": len(cands),
             "candidates_solved": tried,
             "micro_batches": len(mbs),
-            "methods": [s[2] for _, s in best_mbs],
+            "methods": [m for _, m in best_mbs],
+            "time_limit_s": round(deadline - t0, 4),
+            "used_s": round(done - t0, 4),
+            "solver_crashes": run["crashes"],
+            "solves_cut": run["cut"],
+            "isolated": self._solver.isolate,
         }
-        return StepPlan(plan, float(best_total), bound, solve_s, status, details)
+        return StepPlan(plan, float(best_total), bound, done - t0, status, details)
 
     def _screen(self, cands, bounds, types, caps_t, overheads, table, lengths, n, screen_deadline):
         """Order candidate splits by their best static layouts (what the MILP starts from), cheapest first.
@@ -189,23 +391,21 @@ class Planner:
         key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
         done, rest = [], []
         for ci in np.argsort(key, kind="stable").tolist():
-            if done and time.perf_counter() >= screen_deadline:
+            if done and time.monotonic() >= screen_deadline:
                 rest.append((ci, None))
                 continue
-            starts = [
-                best_static_draft(c, types, table, lengths, n, caps_t, overheads, polish=False) for c in cands[ci]
-            ]
+            starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in cands[ci]]
             est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
             done.append((est, ci, starts))
         done.sort(key=lambda x: x[0])
         return [(ci, starts) for _, ci, starts in done] + rest
 
-    def _solve_split(self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts=None):
-        """[(draft, makespan_ms, method)] for each micro-batch of one split."""
-        starts = starts or [None] * len(split)
+    def _solve_split(self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts, run):
+        """([(draft, method)] for each micro-batch of one split, or None when one cannot be packed; True when every
+        solve finished). A solve that is not back by `deadline`, or whose solver process died, leaves that
+        micro-batch its static start (method 'timeout' / 'crash'); a crash restarts the solver process and the
+        solve is retried while time is left."""
         cfg = self.config
-        args = list(zip(split, lower_bounds, strict=True))
-        budget = max(0.0, deadline - time.perf_counter()) / max(1, len(split) if cfg.workers == 1 else 1)
         kw = dict(
             num_devices=n,
             caps_by_type=caps_t,
@@ -215,57 +415,120 @@ class Planner:
             max_bisection_steps=cfg.max_bisection_steps,
             ilp_time_limit_s=cfg.ilp_time_limit_s,
         )
-        if cfg.workers > 1 and len(split) > 1:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(max_workers=cfg.workers)
-            futs = [
-                self._pool.submit(
-                    solve_micro_batch,
-                    items,
-                    types,
-                    table,
-                    lengths,
-                    lower_bound_ms=lb,
-                    time_budget_s=budget,
-                    start=st,
-                    **kw,
-                )
-                for (items, lb), st in zip(args, starts, strict=True)
-            ]
-            out = []
-            for (items, _), f in zip(args, futs, strict=True):
+        if _SOLVER_KEYWORD:
+            kw["solver"] = cfg.solver
+        out: list = [None] * len(split)
+        pending = list(range(len(split)))
+        complete = True
+        grace = min(0.05, 0.1 * cfg.time_limit_s)  # past the solve's own deadline before it is given up on
+
+        def give_up(idx) -> None:  # out of time: the static starts
+            nonlocal complete
+            complete = False
+            run["cut"] += len(idx)
+            for i in idx:
+                out[i] = None if starts[i] is None else (starts[i], "timeout")
+
+        while pending:
+            lost: list[int] = []
+            if deadline - time.monotonic() < MIN_SOLVE_S:
+                give_up(pending)
+                break
+            if self._solver.isolate:  # all at once: the pool runs `workers` at a time
+                share = (deadline - time.monotonic()) / math.ceil(len(pending) / cfg.workers)
+                jobs = [
+                    self._job(split[i], lower_bounds[i], starts[i], types, table, lengths, kw, share, deadline)
+                    for i in pending
+                ]
+                futs = [(i, self._solver.submit(job)) for i, job in zip(pending, jobs, strict=True)]
+            else:
+                futs = [(i, None) for i in pending]
+            for k, (i, fut) in enumerate(futs):
+                if fut is None:  # in-process: one at a time, each with its share of the time now left
+                    left = deadline - time.monotonic()
+                    if left < MIN_SOLVE_S:
+                        give_up([j for j, _ in futs[k:]])
+                        break
+                    job = self._job(
+                        split[i],
+                        lower_bounds[i],
+                        starts[i],
+                        types,
+                        table,
+                        lengths,
+                        kw,
+                        left / (len(futs) - k),
+                        deadline,
+                    )
+                    fut = self._solver.submit(job)
                 try:
-                    s = f.result(timeout=budget + 5.0)
-                    got = None if s is None else (s.draft, s.makespan_ms, s.method)
-                except FutureTimeout:
-                    got = self._fallback(items, types, caps_t, overheads, table, lengths, n)
+                    got = fut.result(timeout=max(0.0, deadline + grace - time.monotonic()))
+                except FutureTimeout:  # past its deadline: kill it (isolated) or stop waiting for it (a thread)
+                    self._solver.restart()
+                    rest = [j for j, f in futs[k:] if not _collect(f, j, split, out)] if self._solver.isolate else [i]
+                    give_up(rest)
+                    if self._solver.isolate:
+                        break
+                    continue
+                except BrokenProcessPool:  # the solver process died (a native crash): retry while time is left
+                    run["crashes"] += 1
+                    self._solver.restart()
+                    lost = [j for j, f in futs[k:] if not _collect(f, j, split, out)]
+                    break
                 if got is None:
-                    return None
-                out.append(got)
-            return out
-        out = []
-        for (items, lb), st in zip(args, starts, strict=True):
-            left = max(0.0, deadline - time.perf_counter())
-            s = solve_micro_batch(
-                items, types, table, lengths, lower_bound_ms=lb, time_budget_s=min(budget, left), start=st, **kw
-            )
-            if s is None:
-                return None
-            out.append((s.draft, s.makespan_ms, s.method))
-        return out
+                    return None, complete
+                out[i] = (_to_global(got[0], split[i]), got[1])
+            pending = lost
+        if any(o is None for o in out):
+            return None, complete
+        return out, complete
 
-    def _fallback(self, items, types, caps_t, overheads, table, lengths, n):
-        d = best_static_draft(items, types, table, lengths, n, caps_t, overheads)
-        return None if d is None else (d, d.makespan(), "fallback")
+    def _job(self, items, lower_bound, start, types, table, lengths, kw, budget, deadline) -> dict:
+        crash = self._inject_crashes > 0
+        if crash:
+            self._inject_crashes -= 1
+        items = list(items)
+        return {
+            "table": table[items],
+            "lengths": lengths[items],
+            "types": types,
+            "lower_bound_ms": lower_bound,
+            "start": None if start is None else _to_local(start, items),
+            "kw": kw,
+            "budget_s": budget,
+            "deadline": deadline,
+            "crash": crash,
+        }
 
-    def _split_until_packed(self, items, types, caps_t, overheads, table, lengths, n):
+    def _split_until_packed(self, items, types, caps_t, overheads, table, lengths, n) -> list[Draft]:
         """Always succeeds: one sequence alone fits the largest group (check_batch guarantees it)."""
-        got = self._fallback(items, types, caps_t, overheads, table, lengths, n)
+        got = best_homogeneous_draft(items, types, table, lengths, n, caps_t, overheads)
         if got is not None:
             return [got]
         half = len(items) // 2
         args = (types, caps_t, overheads, table, lengths, n)
         return self._split_until_packed(items[:half], *args) + self._split_until_packed(items[half:], *args)
+
+
+def _collect(fut: Future | None, i: int, split, out) -> bool:
+    """Put a solve that finished before its pool went down into `out`; False when it did not."""
+    if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None or fut.result() is None:
+        return False
+    draft, method = fut.result()
+    out[i] = (_to_global(draft, split[i]), method)
+    return True
+
+
+def _to_local(draft: Draft, items: list[int]) -> Draft:
+    pos = {g: j for j, g in enumerate(items)}
+    return Draft(
+        list(draft.group_type), [[pos[i] for i in m] for m in draft.members], draft.loads.copy(), draft.tokens.copy()
+    )
+
+
+def _to_global(draft: Draft, items) -> Draft:
+    items = list(items)
+    return Draft(list(draft.group_type), [[items[j] for j in m] for m in draft.members], draft.loads, draft.tokens)
 
 
 def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> StepPlan:

@@ -8,7 +8,7 @@ from flexorch.solver.cost_model import min_degree
 from flexorch.solver.errors import InfeasibleBatchError, PlanningError
 from flexorch.solver.profiles import Profile
 
-__all__ = ["check_batch", "largest_degree"]
+__all__ = ["check_batch", "check_num_devices", "largest_degree"]
 
 
 def largest_degree(num_devices: int) -> int:
@@ -16,11 +16,23 @@ def largest_degree(num_devices: int) -> int:
     return 1 << (num_devices.bit_length() - 1)
 
 
+def check_num_devices(num_devices) -> int:
+    """N as an int; a PlanningError when it is not an integer >= 1. Every planning entry point checks it first: with
+    no device there is no group to put a sequence in (a plan of empty micro-batches is what the planner would
+    otherwise build, and ``Plan`` refuses it with a message about groups, not devices)."""
+    if isinstance(num_devices, bool) or not isinstance(num_devices, int | np.integer):
+        raise PlanningError(f"the number of devices must be an integer >= 1, got {num_devices!r}")
+    if num_devices < 1:
+        raise PlanningError(
+            f"the number of devices must be an integer >= 1, got {int(num_devices)}: a step needs at least one alive "
+            "worker to plan for (no worker is alive; wait for workers to join, or check why they left)"
+        )
+    return int(num_devices)
+
+
 def check_batch(lengths, num_devices: int, profile: Profile) -> np.ndarray:
     """Validate a batch for N devices; returns the lengths as an int64 array."""
-    if isinstance(num_devices, bool) or not isinstance(num_devices, int | np.integer) or num_devices < 1:
-        raise PlanningError(f"the number of devices must be an integer >= 1, got {num_devices!r}")
-    num_devices = int(num_devices)
+    num_devices = check_num_devices(num_devices)
     arr = np.asarray(lengths)
     if arr.ndim != 1:
         raise PlanningError(f"sequence lengths must be a flat list of integers, got shape {arr.shape}")
