@@ -114,26 +114,34 @@ def baseline_plans(
     return plans
 
 
-def _baselines(lengths, num_devices, profile, extra_micro_batches, deadline):
+def _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, times=None):
     lengths = check_batch(lengths, num_devices, profile)
     layouts = static_layouts(num_devices)
     order = list(range(len(layouts)))
     if deadline is not None:
         order.sort(key=lambda j: _layout_bound(lengths, num_devices, profile, *layouts[j]))
     out: dict[str, Plan | None] = {f"static-{k}-{d}": None for k, d in layouts}
-    skipped = []
+    ms: dict[str, float | None] = dict.fromkeys(out)
+    skipped, longest = [], 0.0
     for j in order:
         kind, d = layouts[j]
         name = f"static-{kind}-{d}"
-        if deadline is not None and any(v is not None for v in out.values()) and time.monotonic() >= deadline:
+        t = time.monotonic()
+        # a layout is started only when one more (as long as the longest so far) still ends before the deadline
+        if deadline is not None and any(v is not None for v in out.values()) and t + longest >= deadline:
             skipped.append(name)
             continue
         out[name] = static_plan(lengths, num_devices, profile, d, kind, extra_micro_batches, deadline=deadline)
+        ms[name] = None if out[name] is None else step_time_ms(out[name], profile)
+        longest = max(longest, time.monotonic() - t)
     feasible = {k: v for k, v in out.items() if v is not None}
     if not feasible:
         raise PlanningError("no static layout can run this batch")  # check_batch makes this unreachable
-    best = min(feasible, key=lambda k: step_time_ms(feasible[k], profile))
+    best = min(feasible, key=lambda k: ms[k])
     out["batchada"] = feasible[best]
+    ms["batchada"] = ms[best]
+    if times is not None:
+        times.update(ms)
     return out, skipped
 
 
@@ -156,13 +164,14 @@ def baseline_times_ms(
 ) -> dict:
     """name -> simulated step time in ms (None when that layout cannot run the batch, or was not reached before
     `deadline`)."""
-    return {
-        k: (None if p is None else step_time_ms(p, profile))
-        for k, p in baseline_plans(lengths, num_devices, profile, extra_micro_batches, deadline).items()
-    }
+    times: dict = {}
+    _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, times)
+    return times
 
 
-def baselines_within(lengths, num_devices: int, profile: Profile, deadline: float) -> tuple[dict, list[str]]:
-    """(name -> Plan or None, names of the layouts not planned before `deadline`): :func:`baseline_plans` with the
-    layouts it skipped for time."""
-    return _baselines(lengths, num_devices, profile, 4, deadline)
+def baselines_within(lengths, num_devices: int, profile: Profile, deadline: float) -> tuple[dict, dict, list[str]]:
+    """(name -> Plan or None, name -> predicted ms or None, names of the layouts not planned before `deadline`):
+    :func:`baseline_plans` with their step times and the layouts it skipped for time."""
+    times: dict = {}
+    plans, skipped = _baselines(lengths, num_devices, profile, 4, deadline, times)
+    return plans, times, skipped

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from flexorch.solver.baselines import baseline_plans, baseline_times_ms, static_plan
+from flexorch.solver.baselines import baseline_plans, baseline_times_ms, baselines_within, static_plan
 from flexorch.solver.cost_model import ULYSSES, kind_allowed
 from flexorch.solver.errors import InfeasibleBatchError, PlanningError
 from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipeline_baselines, plan_staged
@@ -24,6 +24,7 @@ from flexorch.solver.plan import Plan
 from flexorch.solver.planner import Planner, PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import step_time_ms
+from flexorch.solver.validation import check_num_devices
 
 __all__ = ["PlannedStep", "StepPlanner", "heuristic_plan", "planner_profile", "stage_memory_profile"]
 
@@ -45,7 +46,8 @@ class PlannedStep:
     floor won), 'static-<kind>-<d>', 'pipeline', 'pipeline-<baseline>' (a baseline schedule won), 'infeasible'."""
     baselines_ms: dict = field(default_factory=dict)
     """Predicted step time of each static layout and BatchAda, or of plain 1F1B and Seq1F1B on the same stages for a
-    pipelined step (None where infeasible)."""
+    pipelined step (None where infeasible, or where the time limit left no time to plan that layout: the layouts most
+    likely to be the best are planned first, and 'batchada' is the best of those planned)."""
     error: str | None = None
     """Why no plan exists (an infeasible batch); ``plan`` is None then, and only then."""
     fallback_reason: str | None = None
@@ -146,40 +148,77 @@ class StepPlanner:
         self.pipeline_stages = pipeline_stages
         self._planner = Planner(profile, config) if static is None and pipeline_stages == 1 else None
         self._hangs = 0
+        self._baselines_s: float | None = None  # what the baselines took last step: the share kept for them
 
-    def inject_fault(self, hangs: int = 1) -> None:
-        """Test seam: the next ``hangs`` plan calls block forever, as a stuck CBC solve does."""
-        self._hangs = hangs
+    def inject_fault(self, hangs: int | None = None, crashes: int = 0) -> None:
+        """Test seam: the next ``hangs`` plan calls block forever, as a stuck CBC solve does (``inject_fault(1)``);
+        ``crashes``: the solver process of each of the next ``crashes`` MILP solves kills itself with SIGSEGV, as a
+        native crash of the MILP library does (the plan is still returned; ``PlannedStep.solver_crashes`` counts
+        it)."""
+        self._hangs = (0 if crashes else 1) if hangs is None else hangs
+        if crashes:
+            if self._planner is None:
+                raise ValueError("crash injection needs the adaptive planner (no static layout, no pipeline stages)")
+            self._planner.inject_crashes(crashes)
 
     def plan(self, lengths, num_devices: int, with_baselines: bool = True) -> PlannedStep:
+        """Plan one batch within ``config.time_limit_s`` of wall time, everything included (the MILP planner, the
+        BatchAda floor, the baselines' predictions)."""
         if self._hangs > 0:
             self._hangs -= 1
             time.sleep(10**6)
         t0 = time.perf_counter()
+        start = time.monotonic()
+        deadline = start + self.config.time_limit_s
+        crashes = 0
         try:
+            check_num_devices(num_devices)
             if self.pipeline_stages != 1:
                 return self._plan_pipeline(lengths, num_devices, t0)
             if self.static is None:
-                sp = self._planner.plan(lengths, num_devices)
+                # the baselines come after the MILP planner: keep for them what they took last time (x1.5), at most
+                # 40 % of the budget (a quarter before the first step)
+                limit = self.config.time_limit_s
+                keep = 0.25 * limit if self._baselines_s is None else min(0.4 * limit, 1.5 * self._baselines_s)
+                sp = self._planner.plan(lengths, num_devices, deadline=deadline - keep)
+                crashes = sp.solver_crashes
                 plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
-                statics = baseline_plans(lengths, num_devices, self.profile)
-                floor = statics["batchada"]
-                floor_ms = step_time_ms(floor, self.profile)
+                b0 = time.monotonic()
+                # 2 % of the budget for the predictions and the answer itself
+                statics, baselines, skipped = baselines_within(
+                    lengths, num_devices, self.profile, deadline - 0.02 * limit
+                )
+                self._baselines_s = time.monotonic() - b0
+                floor, floor_ms = statics["batchada"], baselines["batchada"]
                 if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
                     plan, predicted, status = floor, floor_ms, "batchada"
-                baselines = {k: (None if p is None else step_time_ms(p, self.profile)) for k, p in statics.items()}
-            else:
-                kind, d = self.static
-                plan = static_plan(lengths, num_devices, self.profile, d, kind)
-                if plan is None:
-                    raise InfeasibleBatchError(
-                        f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
-                        f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
-                    )
-                predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
-                baselines = baseline_times_ms(lengths, num_devices, self.profile) if with_baselines else {}
+                fallback = _timeout_reason(sp, limit, skipped)
+                return PlannedStep(
+                    plan,
+                    predicted,
+                    bound,
+                    time.perf_counter() - t0,
+                    status,
+                    baselines,
+                    fallback_reason="timeout" if fallback else None,
+                    fallback_message=fallback,
+                    solver_crashes=crashes,
+                )
+            kind, d = self.static
+            plan = static_plan(lengths, num_devices, self.profile, d, kind, deadline=deadline)
+            if plan is None:
+                raise InfeasibleBatchError(
+                    f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
+                    f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
+                )
+            predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
+            baselines = (
+                baseline_times_ms(lengths, num_devices, self.profile, deadline=deadline) if with_baselines else {}
+            )
         except PlanningError as e:
-            return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
+            return PlannedStep(
+                None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e), solver_crashes=crashes
+            )
         return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
 
     def _plan_pipeline(self, lengths, num_devices: int, t0: float) -> PlannedStep:
@@ -206,6 +245,20 @@ class StepPlanner:
         self.close()
 
 
+def _timeout_reason(sp, limit: float, skipped: list[str]) -> str:
+    """What a step that ran out of planning time should tell the user ('' when it did not)."""
+    if sp.status != "fallback":
+        return ""
+    d = sp.details
+    cut = f"; {d.get('solves_cut', 0)} MILP solve(s) cut at the deadline" if d.get("solves_cut") else ""
+    more = f"; {len(skipped)} baseline layout(s) not planned" if skipped else ""
+    return (
+        f"the planner ran out of time (plan.time_limit_s={limit:g} s, used {sp.solve_s:.2f} s) before any MILP "
+        f"candidate finished{cut}{more}: this step runs the best static layout found. Raise plan.time_limit_s, or "
+        "give the planner more CPU (the machine is busy: other processes took the cores it needed)"
+    )
+
+
 def stage_memory_profile(profile: Profile, pipeline_params: str) -> Profile:
     """The profile pipeline stages are planned with. 'stage' (stage-local parameters): as is, the stage model takes
     each stage's share of ``model_state_bytes`` out of its budget. 'replicated': every worker keeps the whole model,
@@ -228,6 +281,10 @@ def heuristic_plan(
     """Without a MILP: the BatchAda plan (or the forced static layout, or a fully checkpointed pipeline), for when
     the planner actor is stuck."""
     t0 = time.perf_counter()
+    try:
+        check_num_devices(num_devices)
+    except PlanningError as e:
+        return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
     if pipeline_stages != 1:
         try:
             staged = fallback_staged(
