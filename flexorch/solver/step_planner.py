@@ -177,9 +177,9 @@ class StepPlanner:
                 return self._plan_pipeline(lengths, num_devices, t0)
             if self.static is None:
                 # the baselines come after the MILP planner: keep for them what they took last time (x1.5), at most
-                # 40 % of the budget (a quarter before the first step)
+                # 40 % of the budget (all of that before the first step)
                 limit = self.config.time_limit_s
-                keep = 0.25 * limit if self._baselines_s is None else min(0.4 * limit, 1.5 * self._baselines_s)
+                keep = 0.4 * limit if self._baselines_s is None else min(0.4 * limit, 1.5 * self._baselines_s)
                 sp = self._planner.plan(lengths, num_devices, deadline=deadline - keep)
                 crashes = sp.solver_crashes
                 plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
