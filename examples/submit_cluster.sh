@@ -12,7 +12,10 @@ ADDRESS="${1:-http://127.0.0.1:8265}"
 export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 # --working-dir ships this checkout to the cluster; the job's Python needs torch and ray (pip install -e . on
 # every node, or add: --runtime-env-json '{"pip": ["torch==2.13.0", "mip==2.0"]}')
-ray job submit --address "$ADDRESS" --working-dir . -- \
+# `ray job stop` sends SIGTERM: flexorch finishes the step in flight, writes a checkpoint and exits 0; Ray SIGKILLs
+# the job RAY_JOB_STOP_WAIT_TIME_S after the SIGTERM (3 s by default), so give it the time a step and a checkpoint take
+ray job submit --address "$ADDRESS" --working-dir . \
+    --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}' -- \
     python -m flexorch.cli.main train --config examples/train_cluster.toml "${@:2}"
 # Follow it:  ray job logs --address "$ADDRESS" --follow <job id>     Status: ray job status --address ...
-# Stop it:    ray job stop --address "$ADDRESS" <job id>
+# Stop it:    ray job stop --address "$ADDRESS" <job id>   (then submit again with --resume to continue)

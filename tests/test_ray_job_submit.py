@@ -8,6 +8,7 @@ process whose command line names its private temp dir.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from flexorch.records.writer import read_records
 from tests.train_helpers import small_run_toml
 
 pytestmark = pytest.mark.slow
@@ -98,10 +100,12 @@ def _plain(text: str) -> str:
     return re.sub(r"\x1b\[[0-9;]*m", "", text)  # the Ray CLI colours its output
 
 
-def _submit(address, env, entrypoint: list[str], job_id: str) -> str:
+def _submit(address, env, entrypoint: list[str], job_id: str, runtime_env: dict | None = None) -> str:
     cmd = [RAY, "job", "submit", "--address", address, "--no-wait", "--submission-id", job_id]
+    if runtime_env is not None:
+        cmd += ["--runtime-env-json", json.dumps(runtime_env)]
     cmd += ["--working-dir", str(ROOT), "--"]
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while True:
         out = subprocess.run(cmd + entrypoint, env=env, capture_output=True, text=True, timeout=120)
         # a fresh head answers `ray job list` a little before its job agent takes submissions
@@ -152,3 +156,44 @@ def test_ray_job_submit_runs_flexorch_train_and_reports_status(ray_head, tmp_pat
     bad = _submit(address, env, bad_entry, f"flexorch-bad-{os.getpid()}")
     assert _wait(address, env, bad) == "FAILED"
     assert "cannot fit" in _logs(address, env, bad)
+
+
+def test_ray_job_stop_checkpoints_and_a_resubmitted_resume_equals_an_uninterrupted_job(ray_head, tmp_path):
+    """`ray job stop` sends SIGTERM: the job finishes the step in flight, checkpoints and ends; resubmitted with
+    --resume it trains the rest, and its losses equal those of a job that was never stopped."""
+    address, env = ray_head
+    steps = 30
+    config = small_run_toml(tmp_path, steps=steps, checkpoint_every=0)
+    base = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config)]
+    # Ray SIGKILLs a stopped job RAY_JOB_STOP_WAIT_TIME_S (default 3 s) after its SIGTERM: give it time to checkpoint
+    grace = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}
+    whole = _submit(address, env, base + ["--run-dir", str(tmp_path / "whole")], f"fx-whole-{os.getpid()}", grace)
+    assert _wait(address, env, whole) == "SUCCEEDED", _logs(address, env, whole)[-3000:]
+
+    run_dir = tmp_path / "stopped"
+    job = _submit(address, env, base + ["--run-dir", str(run_dir)], f"fx-stop-{os.getpid()}", grace)
+    deadline = time.monotonic() + 300
+    while "step    3/30" not in _logs(address, env, job):
+        assert time.monotonic() < deadline, _logs(address, env, job)[-3000:]
+        time.sleep(1)
+    stop = subprocess.run(
+        [RAY, "job", "stop", "--address", address, job], env=env, capture_output=True, text=True, timeout=200
+    )
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert _wait(address, env, job) == "STOPPED"
+    logs = _logs(address, env, job)
+    found = re.search(r"stopped by SIGTERM after step (\d+) of 30 .*checkpoint (\S+);", logs)
+    assert found, logs[-3000:]
+    reached = int(found.group(1))
+    assert 3 <= reached < steps and Path(found.group(2)).is_dir(), logs[-3000:]
+    assert "error" not in logs.lower().replace("stderr", ""), logs[-3000:]
+    assert len(read_records(run_dir / "steps.jsonl")) == reached
+
+    again = _submit(address, env, base + ["--run-dir", str(run_dir), "--resume"], f"fx-resume-{os.getpid()}", grace)
+    assert _wait(address, env, again) == "SUCCEEDED", _logs(address, env, again)[-3000:]
+    assert f"resumed after step {reached}" in _logs(address, env, again)
+    got = read_records(run_dir / "steps.jsonl", validate=True)
+    ref = read_records(tmp_path / "whole" / "steps.jsonl", validate=True)
+    assert [r["step"] for r in got] == list(range(steps))
+    assert [r["doc_ids"] for r in got] == [r["doc_ids"] for r in ref], "the resumed job continues at the next document"
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5, abs=1e-6)
