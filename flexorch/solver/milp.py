@@ -96,6 +96,7 @@ def solve_micro_batch(
     `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`).
     """
     deadline = time.perf_counter() + time_budget_s
+    backend.check_solver(solver)  # a bad name fails here, also when the greedy cover leaves nothing to solve
     items = list(items)
     if start is None:
         start = best_static_draft(items, types, table, lengths, num_devices, caps_by_type, overheads)
