@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flexorch.solver import backend
 from flexorch.solver.backend import DEFAULT_SOLVER, SOLVERS
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.cost_model import KINDS
@@ -139,7 +140,10 @@ class StepPlan:
 # ---- the solver process
 
 
-def _warm() -> int:
+def _warm(solver: str) -> int:
+    """Load the MILP backend's library in the solver process (python-mip parses its C declarations on first use: a
+    quarter of a second that would otherwise fall on the first solve)."""
+    backend.solver_available(solver)
     return os.getpid()
 
 
@@ -168,7 +172,9 @@ def _mp_context():
     where there is none."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["flexorch.solver.planner"])  # numpy, python-mip, the MILP: imported once
+        # numpy, python-mip and the MILP: imported once, in the server the processes fork from (not the backends'
+        # libraries: HiGHS loaded before a fork hangs in the child; each solver process loads its own in `_warm`)
+        ctx.set_forkserver_preload(["flexorch.solver.planner"])
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -201,8 +207,9 @@ def _kill_executor(ex: ProcessPoolExecutor | None) -> None:
 class _Solver:
     """Where MILP solves run: ``workers`` solver processes (``isolate``), else threads of this process."""
 
-    def __init__(self, workers: int, isolate: bool):
+    def __init__(self, workers: int, isolate: bool, solver: str):
         self.workers = workers
+        self.solver = solver
         self.isolate = isolate
         self.restarts = 0
         self._ex: ProcessPoolExecutor | None = None
@@ -222,7 +229,9 @@ class _Solver:
     def _start(self, wait: bool) -> None:
         self._ex = ProcessPoolExecutor(max_workers=self.workers, mp_context=_mp_context())
         self._finalizer = weakref.finalize(self, _kill_executor, self._ex)
-        warm = [self._ex.submit(_warm) for _ in range(self.workers)]  # start the processes now, not at a solve
+        warm = [
+            self._ex.submit(_warm, self.solver) for _ in range(self.workers)
+        ]  # start the processes now, not at a solve
         if wait:
             for f in warm:
                 f.result(timeout=120)
@@ -261,7 +270,7 @@ class Planner:
     def __init__(self, profile: Profile, config: PlannerConfig | None = None):
         self.profile = profile
         self.config = config or PlannerConfig()
-        self._solver = _Solver(self.config.workers, self.config.isolate)
+        self._solver = _Solver(self.config.workers, self.config.isolate, self.config.solver)
         self._inject_crashes = 0
         self._finish_s: float | None = None  # measured: building the plan after the last solve (for the reserve)
         self.crashes_total = 0
@@ -421,7 +430,6 @@ class Planner:
         out: list = [None] * len(split)
         pending = list(range(len(split)))
         complete = True
-        grace = min(0.05, 0.1 * cfg.time_limit_s)  # past the solve's own deadline before it is given up on
 
         def give_up(idx) -> None:  # out of time: the static starts
             nonlocal complete
@@ -463,7 +471,7 @@ class Planner:
                     )
                     fut = self._solver.submit(job)
                 try:
-                    got = fut.result(timeout=max(0.0, deadline + grace - time.monotonic()))
+                    got = fut.result(timeout=max(0.0, deadline - time.monotonic()))
                 except FutureTimeout:  # past its deadline: kill it (isolated) or stop waiting for it (a thread)
                     self._solver.restart()
                     rest = [j for j, f in futs[k:] if not _collect(f, j, split, out)] if self._solver.isolate else [i]
