@@ -323,7 +323,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     steps = args.steps or (3 if args.quick else 10)
     settings = {"flexsp": steps, "n16": max(2, steps * 6 // 10)}
-    stress_s = 8.0 if args.quick else 20.0
+    stress_s = 10.0 if args.quick else 60.0
     ctx = multiprocessing.get_context("spawn")
     t0 = time.monotonic()
     print(
