@@ -151,8 +151,10 @@ def _solve_job(job: dict):
     """One micro-batch's solve (in the solver process, or a thread with ``isolate=False``); indices are local."""
     if job.get("crash"):  # test seam: a native crash of the MILP library
         os.kill(os.getpid(), signal.SIGSEGV)
-    # the solve may finish one bisection step (a MILP and a packing) past its budget: it gets 70 % of the time
-    budget = 0.7 * max(0.0, min(job["budget_s"], job["deadline"] - time.monotonic()))
+    # its share of the time left now (the solves queued before it may have ended early), less a margin: the solve
+    # may end one bisection step (a short MILP and a packing) past its budget
+    left = job["deadline"] - time.monotonic()
+    budget = max(0.0, min(job["budget_s"], left / job["share_of"]) * 0.9 - 0.01)
     k = job["table"].shape[0]
     s = solve_micro_batch(
         range(k),
@@ -201,7 +203,10 @@ def _kill_executor(ex: ProcessPoolExecutor | None) -> None:
             p.kill()
         except (OSError, AttributeError, ValueError):
             pass
-    ex.shutdown(wait=False, cancel_futures=True)
+    try:
+        ex.shutdown(wait=False, cancel_futures=True)
+    except (OSError, ValueError):  # at interpreter exit its wake-up pipe may be closed already
+        pass
 
 
 class _Solver:
@@ -273,6 +278,7 @@ class Planner:
         self._solver = _Solver(self.config.workers, self.config.isolate, self.config.solver)
         self._inject_crashes = 0
         self._finish_s: float | None = None  # measured: building the plan after the last solve (for the reserve)
+        self._polish_s: float | None = None  # measured: the local search over a solved split (for the reserve)
         self.crashes_total = 0
 
     def inject_crashes(self, crashes: int = 1) -> None:
@@ -295,6 +301,8 @@ class Planner:
         """Plan one step by ``deadline`` (a ``time.monotonic()`` value; default: ``time_limit_s`` from now)."""
         t0 = time.monotonic()
         deadline = t0 + self.config.time_limit_s if deadline is None else deadline
+        given = deadline - t0
+        deadline -= 0.003 + 0.01 * max(0.0, given)  # a margin for the clock reads between the checks
         cfg, prof = self.config, self.profile
         check_num_devices(num_devices)
         lengths = check_batch(lengths, num_devices, prof)
@@ -314,8 +322,13 @@ class Planner:
         bound = step_bound_ms(table, types, lengths, n, cap, overheads)
         deg = np.array([t.degree for t in types], dtype=np.float64)
         # the plan is built after the last solve: keep what that took last time (x1.5), at most a third of the time
+        # after the last solve come the local search over the split and building the plan: keep what they took last
+        # time (x1.5), at most a third of the time
         finish = self._finish_s if self._finish_s is not None else 0.005 + 4e-6 * lengths.size
-        solve_deadline = deadline - min(1.5 * finish + 0.005, 0.3 * max(0.0, deadline - t0))
+        polish = self._polish_s if self._polish_s is not None else 0.01 + 1e-5 * lengths.size
+        budget = max(0.0, deadline - t0)
+        polish_deadline = deadline - min(1.5 * finish + 0.005, 0.15 * budget)
+        solve_deadline = deadline - min(1.5 * (finish + polish) + 0.005, 0.3 * budget)
         screen_deadline = t0 + 0.3 * max(0.0, solve_deadline - t0)
         run = {"crashes": 0, "cut": 0}
 
@@ -336,7 +349,18 @@ class Planner:
                     for c in split
                 ]
             sols, complete = self._solve_split(
-                split, mb_bounds[ci], types, caps_t, overheads, table, lengths, n, solve_deadline, starts, run
+                split,
+                mb_bounds[ci],
+                types,
+                caps_t,
+                overheads,
+                table,
+                lengths,
+                n,
+                solve_deadline,
+                starts,
+                run,
+                wait_until=polish_deadline,
             )
             tried += 1
             if sols is None:
@@ -344,7 +368,10 @@ class Planner:
             finished |= complete
             drafts = [s[0] for s in sols]
             caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
-            improve_step(drafts, caps, table, lengths, overheads, deadline=solve_deadline)
+            p0 = time.monotonic()
+            improve_step(drafts, caps, table, lengths, overheads, deadline=polish_deadline)
+            took = time.monotonic() - p0
+            self._polish_s = took if self._polish_s is None else max(took, 0.5 * (self._polish_s + took))
             total = sum(d.makespan() for d in drafts)
             if total < best_total:
                 kept = [(d, m) for d, (_, m) in zip(drafts, sols, strict=True) if any(d.members)]
@@ -355,7 +382,7 @@ class Planner:
                 sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, caps_t, overheads, table, lengths, n
             )
             caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
-            improve_step(drafts, caps, table, lengths, overheads, deadline=solve_deadline)
+            improve_step(drafts, caps, table, lengths, overheads, deadline=polish_deadline)
             drafts = drop_empty(drafts)
             best_total, best_mbs = sum(d.makespan() for d in drafts), [(d, "fallback") for d in drafts]
         if not finished:
@@ -379,7 +406,7 @@ class Planner:
             "candidates_solved": tried,
             "micro_batches": len(mbs),
             "methods": [m for _, m in best_mbs],
-            "time_limit_s": round(deadline - t0, 4),
+            "time_limit_s": round(given, 4),
             "used_s": round(done - t0, 4),
             "solver_crashes": run["crashes"],
             "solves_cut": run["cut"],
@@ -410,12 +437,15 @@ class Planner:
         done.sort(key=lambda x: x[0])
         return [(ci, starts) for _, ci, starts in done] + rest
 
-    def _solve_split(self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts, run):
+    def _solve_split(
+        self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts, run, wait_until=None
+    ):
         """([(draft, method)] for each micro-batch of one split, or None when one cannot be packed; True when every
         solve finished). A solve that is not back by `deadline`, or whose solver process died, leaves that
         micro-batch its static start (method 'timeout' / 'crash'); a crash restarts the solver process and the
         solve is retried while time is left."""
         cfg = self.config
+        wait_until = deadline if wait_until is None else max(deadline, wait_until)  # the solves aim at `deadline`
         kw = dict(
             num_devices=n,
             caps_by_type=caps_t,
@@ -444,11 +474,12 @@ class Planner:
                 give_up(pending)
                 break
             if self._solver.isolate:  # all at once: the pool runs `workers` at a time
-                share = (deadline - time.monotonic()) / math.ceil(len(pending) / cfg.workers)
                 jobs = [
-                    self._job(split[i], lower_bounds[i], starts[i], types, table, lengths, kw, share, deadline)
+                    self._job(split[i], lower_bounds[i], starts[i], types, table, lengths, kw, math.inf, deadline)
                     for i in pending
                 ]
+                for pos, job in enumerate(jobs):  # when it starts: its part of the time left (those after it share)
+                    job["share_of"] = math.ceil((len(jobs) - pos) / cfg.workers)
                 futs = [(i, self._solver.submit(job)) for i, job in zip(pending, jobs, strict=True)]
             else:
                 futs = [(i, None) for i in pending]
@@ -471,7 +502,7 @@ class Planner:
                     )
                     fut = self._solver.submit(job)
                 try:
-                    got = fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                    got = fut.result(timeout=max(0.0, wait_until - time.monotonic()))
                 except FutureTimeout:  # past its deadline: kill it (isolated) or stop waiting for it (a thread)
                     self._solver.restart()
                     rest = [j for j, f in futs[k:] if not _collect(f, j, split, out)] if self._solver.isolate else [i]
@@ -507,6 +538,7 @@ class Planner:
             "budget_s": budget,
             "deadline": deadline,
             "crash": crash,
+            "share_of": 1,
         }
 
     def _split_until_packed(self, items, types, caps_t, overheads, table, lengths, n) -> list[Draft]:
