@@ -94,13 +94,22 @@ def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int
     return compute, groups
 
 
-def calibrate(group, cfg, *, repeats: int = 5) -> tuple[Profile, dict]:
-    """Run the probes on a formed worker group and fit a profile; returns (profile, report)."""
+def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, dict]:
+    """Run the probes on a formed worker group and fit a profile; returns (profile, report). ``publish`` gets a
+    progress event as each phase starts (a ``RayWorkerGroup`` built with one also reports while its calls run)."""
     t0 = time.perf_counter()
+    publish = publish or (lambda event: None)
     model = cfg.model
     kinds = tuple(cfg.plan.kinds)
     compute, groups = calibration_probes(cfg.plan.tokens_per_worker, group.size, kinds, repeats)
+    msg = (
+        f"calibrating the cost model on {group.size} workers: {len(compute)} compute and {len(groups)} group "
+        f"probes, {repeats} runs each"
+    )
+    publish({"event": "progress", "message": msg})
     per_rank = group.call("probe", compute + groups)  # [rank][probe] median ms
+    msg = f"calibrating: probes done after {time.perf_counter() - t0:.0f} s; measuring activation memory"
+    publish({"event": "progress", "message": msg})
     ms = np.max(np.array(per_rank), axis=0)  # a group is as slow as its slowest member
     comp_samples = [ComputeSample(seq_lengths=p.lengths, ms=float(m)) for p, m in zip(compute, ms, strict=False)]
     act = float(np.median(group.call("activation_bytes_per_token")))
@@ -192,7 +201,7 @@ def resolve_profile(cfg, group, run_dir: Path, publish) -> Profile:
     if cfg.resume and path.is_file():
         publish({"event": "calibrated", "message": f"profile: reusing {path} from the run being resumed"})
         return get_profile(str(path))
-    profile, report = calibrate(group, cfg)
+    profile, report = calibrate(group, cfg, publish=publish)
     path.write_text(profile.to_json())
     (Path(run_dir) / "calibration.json").write_text(json.dumps(report, indent=1))
     publish({"event": "calibrated", "message": f"profile: {report['message']} -> {path}"})

@@ -9,11 +9,19 @@ old store closes its connections, so workers stuck in an abandoned rendezvous fa
 :meth:`settle` waits for a call on every worker and sorts what happened into a :class:`~flexorch.control.membership.
 Failure` (lost, peer errors, deterministic errors, completed) instead of failing on the first error: the elastic
 driver needs to know who survived and in which state.
+
+Starting workers on a slow machine: a worker is waited for while it makes progress, not for a fixed time. Ray's actor
+table (GCS) says whether each one is pending a slot (no process yet), loading (its process runs the constructor:
+imports, building the model; on this node its CPU time shows it working) or dead (with its own error); the group
+gives up only when nothing changed for ``placement_timeout_s``, when a start failed, or at once when the cluster
+has fewer slots than needed. Setup waits publish ``{"event": "progress", "message": ...}`` events.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
 import time
 
 import ray
@@ -25,6 +33,8 @@ from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_p
 from flexorch.workers.actor import PeerLostError, WorkerActor
 
 ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
+PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
+BUSY_CPU_SHARE = 0.05  # a starting worker process using at least this share of a core is working (an idle one ~1 %)
 
 __all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
 
@@ -47,8 +57,57 @@ class MembershipFailure(WorkerGroupError):
         super().__init__(f"could not {what}: {'; '.join(parts)}")
 
 
+def _no_publish(event: dict) -> None:
+    """The default ``publish``: progress goes nowhere."""
+
+
+def _actor_table_row(actor) -> dict:
+    """The GCS actor-table row of ``actor`` (``State``, ``Pid``, ``Address``); {} when it cannot be read.
+
+    ``ray.util.state`` needs the dashboard, which flexorch's local Ray runs without, so this reads the table Ray's
+    own state code reads (one GCS lookup, well under a millisecond)."""
+    try:
+        from ray._private import state
+
+        return state.actors(actor._actor_id.hex()) or {}
+    except Exception:  # noqa: BLE001 - a private API that may move: then the phase is just "starting"
+        return {}
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of a process on this node (None: gone, or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _start_error(e: ray.exceptions.RayError) -> str:
+    """A failed worker start in one line: the constructor's own exception (e.g. an ImportError), else Ray's reason."""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", getattr(e, "error_msg", None) or str(e)).strip()
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if not lines:
+        return type(e).__name__
+    return (lines[-1] if getattr(e, "actor_init_failed", False) else lines[0])[:500]
+
+
+@dataclasses.dataclass
+class _Seen:
+    """What was last seen of a starting worker: its phase (``key``, ``text``) and a CPU-time baseline."""
+
+    key: tuple
+    text: str
+    cpu: float | None
+    cpu_t: float
+
+
 class RayWorkerGroup:
     """Worker actors keyed by stable worker id; ``actors`` lists the members in rank order."""
+
+    worker_class = WorkerActor
+    """The actor class :meth:`start_workers` starts (a seam: tests start slow or failing stand-ins)."""
 
     def __init__(
         self,
@@ -63,9 +122,13 @@ class RayWorkerGroup:
         placement_timeout_s: float = 60.0,
         min_workers: int | None = None,
         sharding: dict | None = None,
+        publish=None,
     ):
         self.timeout_s = collective_timeout_s
         self.placement_timeout_s = placement_timeout_s
+        """How long starting workers may go without any progress (nothing became ready, no phase changed, no CPU
+        used by a loading process on this node) before the ones still starting are given up."""
+        self._publish = publish or _no_publish
         self.use_gpu = use_gpu
         self._args = (model_cfg, optim_cfg, seed, threads, sharding)
         self.sharded = bool(sharding) and sharding.get("mode", "replicate") != "replicate"
@@ -82,26 +145,85 @@ class RayWorkerGroup:
         self.joining: dict[int, tuple] = {}  # worker id -> (actor, ready ref, start time)
         self.host = ray.util.get_node_ip_address()
         self.store: dist.TCPStore | None = None
+        self._node = ray.get_runtime_context().get_node_id()
+        self._seen: dict[int, _Seen] = {}
+        self._progress_t = time.monotonic()  # the last time anything about the starting workers changed
+        self.start_failures: dict[int, tuple[str, str]] = {}
+        """Workers given up while starting: worker id -> (kind, why): "error" (their own error), "slot" (no slot
+        came free) or "stalled" (what was last seen of them)."""
+        self._worlds = 0
         need = num_workers if min_workers is None else min_workers
         self._check_capacity(need)
         # no more than the cluster holds (a job on a smaller cluster starts with what fits; the elastic policy grows
-        # it up to max_workers when nodes join); slots other jobs hold are waited for up to placement_timeout_s
+        # it up to max_workers when nodes join); slots other jobs hold are waited for while anything progresses
         self.start_workers(max(need, min(num_workers, self._total_slots())))
-        deadline = time.monotonic() + placement_timeout_s
-        while self.joining and time.monotonic() < deadline:
-            self.admit(self.ready_joiners(wait_s=min(1.0, max(deadline - time.monotonic(), 0.0))))
+        self._await_start(need)
+
+    def _await_start(self, need: int) -> None:
+        """Wait for the starting workers while they progress (see the module doc); at least ``need`` must start."""
+        t0 = time.monotonic()
+        started = len(self.joining)
+        last, last_t = None, t0
+        self._publish({"event": "progress", "message": f"starting workers: {self._start_summary(started, 0.0)}"})
+        while self.joining and self.size + len(self.joining) >= need:
+            self.admit(self.ready_joiners(wait_s=1.0))
+            now = time.monotonic()
+            changed = (self.size, len(self.joining), len(self.start_failures))
+            if self.joining and (changed != last or now - last_t >= PROGRESS_EVERY_S):
+                msg = f"starting workers: {self._start_summary(started, now - t0)}"
+                self._publish({"event": "progress", "message": msg})
+                last, last_t = changed, now
         if self.size < need:
-            have = ray.cluster_resources()
+            msg = self._start_failure_message(started, need, time.monotonic() - t0)
             self.shutdown()
-            raise WorkerGroupError(
-                f"only {self.size} of {num_workers} workers started within {placement_timeout_s:.0f} s (at least "
-                f"{need} needed); the cluster has CPU={have.get('CPU', 0):g} GPU={have.get('GPU', 0):g}. Lower "
-                "`workers`/`min_workers`, or start Ray with more slots (e.g. `ray start --num-cpus N`)"
+            raise WorkerGroupError(msg)
+        msg = f"starting workers: {self.size} of {started} ready after {time.monotonic() - t0:.0f} s"
+        self._publish({"event": "progress", "message": msg})
+
+    def _start_summary(self, started: int, elapsed: float) -> str:
+        """E.g. '2 of 4 ready after 35 s (2 still starting: worker 2 loading (pid 812, 9.5 s CPU), worker 3
+        pending a CPU slot (none free))'."""
+        out = f"{self.size} of {started} ready after {elapsed:.0f} s"
+        if self.joining:
+            what = ", ".join(f"worker {w} {self._phase(w)}" for w in self.joining)
+            out += f" ({len(self.joining)} still starting: {what})"
+        if self.start_failures:
+            out += "; " + "; ".join(f"worker {w} {why}" for w, (_, why) in sorted(self.start_failures.items()))
+        return out
+
+    def _phase(self, wid: int) -> str:
+        return self._seen[wid].text if wid in self._seen else "starting"
+
+    def _start_failure_message(self, started: int, need: int, elapsed: float) -> str:
+        """Why fewer than ``need`` workers started, and what to do about it."""
+        key, total, free = self._slot_numbers()
+        head = f"only {self.size} of {started} workers started after {elapsed:.0f} s (at least {need} needed): "
+        reasons = "; ".join(f"worker {w} {why}" for w, (_, why) in sorted(self.start_failures.items()))
+        kinds = {kind for kind, _ in self.start_failures.values()}
+        if "error" in kinds:
+            return (
+                f"{head}{reasons}. The worker processes could not be created: fix that error (the workers' Python "
+                "environment, the model config) and run again"
             )
+        if "slot" in kinds:
+            return (
+                f"{head}{reasons}. The cluster has {total:g} {key} slots, {free:g} free (other actors or tasks hold "
+                f"the rest); {need} are needed: lower `workers`/`min_workers`, free the slots, or add nodes or slots "
+                "(e.g. `ray start --num-cpus N`)"
+            )
+        return (
+            f"{head}{reasons}. Nothing progressed for {self.placement_timeout_s:g} s: look at the workers' logs "
+            "(/tmp/ray/session_latest/logs/worker-*.err) for why they hang"
+        )
+
+    def _slot_numbers(self) -> tuple[str, float, float]:
+        key = "GPU" if self.use_gpu else "CPU"
+        return key, ray.cluster_resources().get(key, 0.0), ray.available_resources().get(key, 0.0)
 
     @classmethod
-    def from_config(cls, cfg) -> RayWorkerGroup:
-        """The workers a ``TrainConfig`` asks for (its model, optimizer, seed, device kind and timeouts)."""
+    def from_config(cls, cfg, publish=None) -> RayWorkerGroup:
+        """The workers a ``TrainConfig`` asks for (its model, optimizer, seed, device kind and timeouts);
+        ``publish`` gets progress events while they start and while setup calls on them wait."""
         return cls(
             cfg.workers,
             model_cfg=cfg.model.to_dict(),
@@ -119,6 +241,7 @@ class RayWorkerGroup:
                 "stages": cfg.pipeline.stages,
                 "gather": cfg.sharding.gather,
             },
+            publish=publish,
         )
 
     # ---------------------------------------------------------------- membership
@@ -158,36 +281,81 @@ class RayWorkerGroup:
         """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
         ids = self.membership.new_ids(count)
         for wid in ids:
-            actor = WorkerActor.options(
+            actor = self.worker_class.options(
                 num_cpus=1, num_gpus=1 if self.use_gpu else 0, name=None, max_restarts=0
             ).remote(wid, *self._args)
             self.joining[wid] = (actor, actor.info.remote(), time.monotonic())
+        self._progress_t = time.monotonic()
         return ids
 
     def ready_joiners(self, wait_s: float = 0.0) -> list[int]:
-        """Joining workers whose actor is up; drops joiners that died or could not be placed in time."""
+        """Joining workers whose actor is up. Drops joiners that failed to start (their error goes to
+        :attr:`start_failures`) and, once no joiner progressed for ``placement_timeout_s``, those still starting."""
         if not self.joining:
             return []
         by_ref = {j[1]: wid for wid, j in self.joining.items()}
         ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=wait_s)
         out = []
+        now = time.monotonic()
         for ref in ready:
             wid = by_ref[ref]
+            self._progress_t = now
+            self._seen.pop(wid, None)
             try:
                 ray.get(ref)
                 out.append(wid)
-            except ray.exceptions.RayError:
+            except ray.exceptions.RayError as e:
                 self.joining.pop(wid)
-        now = time.monotonic()
-        for wid, (actor, _, t0) in list(self.joining.items()):
-            if wid not in out and now - t0 > self.placement_timeout_s:
-                ray.kill(actor, no_restart=True)
-                self.joining.pop(wid)
+                self.start_failures[wid] = ("error", f"failed to start: {_start_error(e)}")
+        waiting = [w for w in self.joining if w not in out]
+        free = self.free_slots() if waiting else 0
+        for wid in waiting:
+            self._observe(wid, free, now)
+        if waiting and now - self._progress_t > self.placement_timeout_s:
+            for wid in waiting:
+                seen = self._seen.pop(wid, None)
+                last = seen.text if seen else "starting"
+                t = self.placement_timeout_s
+                self.start_failures[wid] = ("stalled", f"made no progress for {t:g} s (last seen: {last})")
+                if seen and seen.key == ("pending", False):
+                    self.start_failures[wid] = ("slot", f"waited {t:g} s for a {'GPU' if self.use_gpu else 'CPU'} slot")
+                ray.kill(self.joining.pop(wid)[0], no_restart=True)
         return sorted(out)
+
+    def _observe(self, wid: int, free: int, now: float) -> None:
+        """Look at a starting worker in Ray's actor table; anything new about it counts as progress."""
+        row = _actor_table_row(self.joining[wid][0])
+        state, pid = row.get("State"), int(row.get("Pid") or 0)
+        cpu = None
+        if state == "PENDING_CREATION" and pid:
+            local = row.get("Address", {}).get("NodeID") == self._node
+            cpu = _cpu_seconds(pid) if local else None
+            key, text = ("loading", pid), f"loading (pid {pid}" + (f", {cpu:.1f} s CPU)" if cpu is not None else ")")
+            if not local:
+                text = f"loading (pid {pid} on node {row.get('Address', {}).get('NodeID', '?')[:8]})"
+        elif state == "PENDING_CREATION":
+            key = ("pending", free > 0)
+            kind = "GPU" if self.use_gpu else "CPU"
+            text = f"pending a {kind} slot (none free)" if free <= 0 else "waiting for a worker process"
+        elif state == "DEPENDENCIES_UNREADY":
+            key, text = ("registering",), "being registered"
+        else:  # ALIVE (ready in a moment), DEAD (its error comes with the ready ref), or not readable
+            key, text = (state or "unknown",), "starting" if state is None else state.lower()
+        prev = self._seen.get(wid)
+        seen = _Seen(key, text, cpu, now)
+        if prev is None or prev.key != key:
+            self._progress_t = now
+        elif cpu is not None and prev.cpu is not None:
+            if now - prev.cpu_t < 1.0:  # keep the baseline: a CPU share needs a second to measure
+                seen.cpu, seen.cpu_t = prev.cpu, prev.cpu_t
+            elif cpu - prev.cpu >= BUSY_CPU_SHARE * (now - prev.cpu_t):
+                self._progress_t = now
+        self._seen[wid] = seen
 
     def admit(self, worker_ids) -> None:
         """Make ready joiners members (the next :meth:`form_world` gives them ranks)."""
         for wid in worker_ids:
+            self._seen.pop(wid, None)
             self._actors[wid] = self.joining.pop(wid)[0]
             self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
         self.membership.add(worker_ids)
@@ -211,6 +379,9 @@ class RayWorkerGroup:
         self.store = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
         ids = self.worker_ids
         initial = self.sharded and not self._initialised
+        self._worlds += 1
+        if self._worlds == 1:
+            self._publish({"event": "progress", "message": f"forming the first world of {len(ids)} workers"})
         refs = {
             w: self._actors[w].join_world.remote(
                 self.host, self.store.port, r, len(ids), epoch, self.timeout_s, initial
@@ -234,23 +405,35 @@ class RayWorkerGroup:
             for w, t, refs in zip(self.worker_ids, tasks, block_refs, strict=True)
         }
 
-    def settle(self, refs: dict, timeout_s: float) -> tuple[dict, Failure | None]:
+    def settle(self, refs: dict, timeout_s: float, what: str | None = None) -> tuple[dict, Failure | None]:
         """Wait for every worker's call; returns ({worker id: result} of those that finished, failure or None).
 
         After the first failure the rendezvous store is closed (a worker waiting in a rendezvous or ``new_group``
         fails at once) and the others get ``collective_timeout_s`` plus a grace to settle (survivors whose
         collective broke fail fast; one blocked on a silent peer fails at its collective timeout); a worker that
         has not answered by then is hung: it is killed and counted as lost. A worker's own error (a bug, bad
-        input) is final, so then the others get only ``ERROR_GRACE_S`` before they are killed.
+        input) is final, so then the others get only ``ERROR_GRACE_S`` before they are killed. With ``what``, a wait
+        longer than ``PROGRESS_EVERY_S`` publishes progress (who answered, who is still working).
         """
         pending = {ref: wid for wid, ref in refs.items()}
         results, lost, peer, errors = {}, set(), set(), []
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        tick = t0 + PROGRESS_EVERY_S
         while pending:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 break
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=left)
+            if what is not None and now >= tick:
+                tick = now + PROGRESS_EVERY_S
+                msg = (
+                    f"waiting for workers ({what}): {len(refs) - len(pending)} of {len(refs)} done after "
+                    f"{now - t0:.0f} s (still working: workers {sorted(pending.values())})"
+                )
+                self._publish({"event": "progress", "message": msg})
+            wait_s = left if what is None else max(0.0, min(left, tick - now))
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
             for ref in ready:
                 wid = pending.pop(ref)
                 try:
@@ -278,7 +461,7 @@ class RayWorkerGroup:
 
     def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
         """:meth:`settle`, raising :class:`MembershipFailure` on any failure."""
-        results, failure = self.settle(refs, timeout_s)
+        results, failure = self.settle(refs, timeout_s, what)
         if failure is not None:
             raise MembershipFailure(what, failure)
         return results
@@ -368,9 +551,8 @@ class RayWorkerGroup:
 
     def call(self, method: str, *args) -> list:
         """Call a worker method on every rank and wait; results in rank order (e.g. 'parameters_digest')."""
-        out = self.call_all(
-            {w: getattr(self._actors[w], method).remote(*args) for w in self.worker_ids}, method, self.timeout_s + 30
-        )
+        refs = {w: getattr(self._actors[w], method).remote(*args) for w in self.worker_ids}
+        out = self.call_all(refs, method, self.timeout_s + 30)
         return [out[w] for w in self.worker_ids]
 
     def shutdown(self) -> None:

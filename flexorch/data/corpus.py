@@ -21,7 +21,9 @@ pieces_added`.
 Loading: `load_corpus` lists the source, reads it with Ray Data (quietly: no progress bars, execution banners
 or stats logs), tokenizes and packs it into `int32` blocks in the object store with one Ray task per Arrow
 block, and keeps only the index (keys, lengths, block and offset per document) on the driver; the steps and the
-reasons for them are in `flexorch.data.readers`.
+reasons for them are in `flexorch.data.readers`. With a ``publish`` callable it reports what it is doing as
+``{"event": "progress", "message": ...}`` events: each phase as it starts, and every ``PROGRESS_EVERY_S`` while one
+runs (a background thread only publishes; the phases run unchanged on the calling thread).
 
 On a worker: a Ray task or actor that receives the dict from `Corpus.refs_for` gets the ObjectRefs themselves
 (Ray resolves only top-level arguments), so it calls `resolve_blocks(refs)` (one `ray.get`) and then
@@ -31,7 +33,9 @@ that called `load_corpus` owns the blocks: they live while it holds the `Corpus`
 
 from __future__ import annotations
 
+import threading
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import ray
@@ -42,6 +46,8 @@ from flexorch.data.tokenizer import get_tokenizer
 from flexorch.tasks.step import DocRef
 
 __all__ = ["Corpus", "load_corpus", "fetch_documents", "resolve_blocks"]
+
+PROGRESS_EVERY_S = 10.0
 
 
 class Corpus:
@@ -102,22 +108,65 @@ def fetch_documents(blocks: dict[int, np.ndarray], locations) -> list[np.ndarray
     return out
 
 
-def load_corpus(cfg: CorpusConfig) -> Corpus:
+def load_corpus(cfg: CorpusConfig, publish=None) -> Corpus:
     """Read, tokenize and index `cfg.source` with Ray Data and Ray tasks; needs `ray.init()` to have run.
 
     The reads and packing tasks need free CPUs: load the corpus before starting actors that reserve every CPU.
     Ray Data runs quietly (no progress bars, execution banners or stats logs; see `flexorch.data.readers`).
+    ``publish``: gets progress events (see the module doc); None: nothing is reported.
     """
     if not ray.is_initialized():
         raise RuntimeError("load_corpus needs a Ray cluster: call ray.init() (or connect to one) first")
     if not ray.cluster_resources().get("CPU"):
         raise RuntimeError("the Ray cluster has no CPUs; load_corpus runs Ray Data reads and Ray tasks on CPUs")
     t0 = time.perf_counter()
-    tok = get_tokenizer(cfg.tokenizer)
-    listing = corpus_io.list_source(cfg)
-    arrow_refs = corpus_io.read_source(listing, cfg)
-    block_refs, metas = corpus_io.pack_blocks(arrow_refs, listing, cfg)
-    del arrow_refs  # the packed blocks replace the raw Arrow blocks in the object store
-    index = corpus_io.assemble_index(cfg, listing, metas, block_refs, tok.name)
+    with progress_phases(publish, "loading the corpus") as phase:
+        phase(f"loading tokenizer {cfg.tokenizer!r}")
+        tok = get_tokenizer(cfg.tokenizer)
+        phase("listing the source")
+        listing = corpus_io.list_source(cfg)
+        phase(f"reading {len(listing.files)} {listing.fmt} files under {listing.source}")
+        arrow_refs = corpus_io.read_source(listing, cfg)
+        phase(f"tokenizing and packing {len(arrow_refs)} blocks")
+        block_refs, metas = corpus_io.pack_blocks(arrow_refs, listing, cfg)
+        del arrow_refs  # the packed blocks replace the raw Arrow blocks in the object store
+        phase("indexing")
+        index = corpus_io.assemble_index(cfg, listing, metas, block_refs, tok.name)
     index["stats"]["load_s"] = round(time.perf_counter() - t0, 3)
+    if publish is not None:
+        n, tokens = len(index["keys"]), int(index["lengths"].sum())
+        msg = f"loaded the corpus: {n:,} documents, {tokens:,} tokens in {time.perf_counter() - t0:.0f} s"
+        publish({"event": "progress", "message": msg})
     return Corpus(**index, tokenizer_name=tok.name, vocab_size=tok.vocab_size)
+
+
+@contextmanager
+def progress_phases(publish, task: str, every_s: float = PROGRESS_EVERY_S):
+    """Yields ``phase(what)``: publishes ``"<task>: <what>"`` now, and ``"<task>: <what> (N s so far)"`` every
+    ``every_s`` until the next phase or the end (a daemon thread that only publishes). ``publish`` None: silent."""
+    if publish is None:
+        yield lambda what: None
+        return
+    current = {"what": "", "started": time.monotonic(), "told": time.monotonic()}
+    stop = threading.Event()
+
+    def phase(what: str) -> None:
+        now = time.monotonic()
+        current.update(what=what, started=now, told=now)
+        publish({"event": "progress", "message": f"{task}: {what}"})
+
+    def ticker() -> None:
+        while not stop.wait(1.0):
+            now = time.monotonic()
+            if now - current["told"] >= every_s:
+                current["told"] = now
+                msg = f"{task}: {current['what']} ({now - current['started']:.0f} s so far)"
+                publish({"event": "progress", "message": msg})
+
+    thread = threading.Thread(target=ticker, name="flexorch-progress", daemon=True)
+    thread.start()
+    try:
+        yield phase
+    finally:
+        stop.set()
+        thread.join()

@@ -1,0 +1,202 @@
+"""Start-up on a slow machine: workers that are slow to start are waited for, with progress published; a start fails
+only for a real reason (no slot, the worker's own error, no progress at all), and says which.
+
+The worker actors here are stand-ins started through ``RayWorkerGroup.worker_class`` (the seam for this): their
+constructor is busy (like importing torch on a loaded machine), idle (hung) or raises, and they answer ``info`` and
+one ``slow`` call. One local Ray with 2 CPUs for the module (``conftest.ray_cluster``).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from flexorch.control import worker_group as wg
+from flexorch.control.worker_group import RayWorkerGroup, WorkerGroupError
+
+
+def stand_in(busy_s: float = 0.0, idle_s: float = 0.0, fail: str | None = None):
+    """A worker actor class whose constructor burns CPU for ``busy_s``, then sleeps ``idle_s``, then raises
+    ``ImportError(fail)`` when ``fail`` is given. Built in a function so Ray pickles it by value."""
+    import ray
+
+    @ray.remote
+    class StandIn:
+        def __init__(self, worker_id, *args):
+            end = time.monotonic() + busy_s
+            while time.monotonic() < end:
+                pass
+            time.sleep(idle_s)
+            if fail:
+                raise ImportError(fail)
+            self.worker_id = worker_id
+
+        def info(self) -> dict:
+            return {"worker_id": self.worker_id, "pid": os.getpid()}
+
+        def slow(self, seconds: float) -> int:
+            time.sleep(seconds)
+            return self.worker_id
+
+    return StandIn
+
+
+def group(n: int, events: list, **kw) -> RayWorkerGroup:
+    return RayWorkerGroup(n, model_cfg={}, optim_cfg={}, seed=0, publish=events.append, **kw)
+
+
+def messages(events: list) -> list[str]:
+    assert all(e["event"] == "progress" for e in events)
+    return [e["message"] for e in events]
+
+
+@pytest.mark.slow
+def test_a_worker_slow_to_start_is_waited_for_with_progress(ray_cluster, monkeypatch):
+    # each constructor is busy for 3x the no-progress limit: the old fixed deadline counted both workers missing
+    monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in(busy_s=9.0))
+    events = []
+    t0 = time.monotonic()
+    g = group(2, events, placement_timeout_s=3.0)
+    try:
+        assert time.monotonic() - t0 > 3.0, "the start must outlast the no-progress limit for this test to mean much"
+        assert g.size == 2 and not g.joining and not g.start_failures
+        said = messages(events)
+        assert said[0].startswith("starting workers: 0 of 2 ready after 0 s (2 still starting")
+        assert any("loading (pid" in m and "s CPU)" in m for m in said), said
+        assert said[-1].startswith("starting workers: 2 of 2 ready after")
+    finally:
+        g.shutdown()
+
+
+@pytest.mark.slow
+def test_a_worker_that_makes_no_progress_is_given_up_and_named(ray_cluster, monkeypatch):
+    monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in(idle_s=120.0))
+    events = []
+    with pytest.raises(WorkerGroupError) as err:
+        group(1, events, placement_timeout_s=3.0)
+    msg = str(err.value)
+    assert msg.startswith("only 0 of 1 workers started after"), msg
+    assert "worker 0 made no progress for 3 s (last seen: loading (pid" in msg, msg
+    assert "Nothing progressed for 3 s" in msg, msg
+
+
+def test_more_workers_than_slots_fails_at_once_naming_the_numbers(ray_cluster, monkeypatch):
+    monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in())
+    events = []
+    with pytest.raises(WorkerGroupError, match=r"the Ray cluster has 2 CPU slots, the run needs at least 3 workers"):
+        group(3, events)
+    assert events == [], "nothing was started"
+
+
+def test_slots_held_by_others_fail_as_no_slot(ray_cluster, monkeypatch):
+    import ray
+
+    @ray.remote(num_cpus=2)
+    class Hog:
+        def ready(self) -> bool:
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+    monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in())
+    events = []
+    try:
+        with pytest.raises(WorkerGroupError) as err:
+            group(1, events, placement_timeout_s=2.0)
+    finally:
+        ray.kill(hog)
+    msg = str(err.value)
+    assert "worker 0 waited 2 s for a CPU slot" in msg, msg
+    assert "The cluster has 2 CPU slots, 0 free" in msg and "1 are needed" in msg, msg
+    assert any("pending a CPU slot (none free)" in m for m in messages(events)), events
+
+
+def test_a_failed_start_gives_the_workers_own_error(ray_cluster, monkeypatch):
+    monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in(fail="No module named 'flexorch_missing_dep'"))
+    events = []
+    with pytest.raises(WorkerGroupError) as err:
+        group(2, events)  # the no-progress limit stays 60 s: a failed start is not waited for
+    msg = str(err.value)
+    assert "failed to start: ImportError: No module named 'flexorch_missing_dep'" in msg, msg
+    assert "The worker processes could not be created" in msg, msg
+
+
+def test_a_long_setup_call_publishes_who_is_still_working(ray_cluster, monkeypatch):
+    monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in())
+    events = []
+    g = group(2, events)
+    try:
+        monkeypatch.setattr(wg, "PROGRESS_EVERY_S", 0.5)
+        events.clear()
+        slow = g.actor(1).slow.remote(3.0)
+        got = g.call_all({0: g.actor(0).slow.remote(0.0), 1: slow}, "form a world", 60.0)
+        assert got == {0: 0, 1: 1}
+        said = messages(events)
+        assert said and all(m.startswith("waiting for workers (form a world): ") for m in said), said
+        assert any("1 of 2 done after" in m and "still working: workers [1]" in m for m in said), said
+        events.clear()
+        g.settle({0: g.actor(0).slow.remote(1.5)}, 60.0)  # a step's settle (no ``what``) stays quiet
+        assert events == []
+    finally:
+        g.shutdown()
+
+
+def test_corpus_loading_reports_its_phases(ray_cluster, tmp_path):
+    from flexorch.config import CorpusConfig
+    from flexorch.data.corpus import load_corpus
+
+    for i in range(3):
+        (tmp_path / f"doc{i}.txt").write_text(f"document number {i}\n")
+    events = []
+    corpus = load_corpus(CorpusConfig(source=str(tmp_path), max_context=64), publish=events.append)
+    said = messages(events)
+    assert said[0].startswith("loading the corpus: loading tokenizer")
+    assert "loading the corpus: listing the source" in said
+    assert f"loading the corpus: reading 3 text files under {tmp_path}" in said
+    assert any(m.startswith("loading the corpus: tokenizing and packing") for m in said), said
+    assert said[-1].startswith(f"loaded the corpus: 3 documents, {int(corpus.lengths.sum())} tokens in")
+
+
+def test_progress_phases_tick_while_a_phase_runs():
+    from flexorch.data.corpus import progress_phases
+
+    events = []
+    with progress_phases(events.append, "doing it", every_s=0.0) as phase:
+        phase("the slow part")
+        deadline = time.monotonic() + 30.0
+        while len(events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    said = messages(events)
+    assert said[0] == "doing it: the slow part"
+    assert said[1].startswith("doing it: the slow part (") and said[1].endswith(" s so far)")
+    with progress_phases(None, "silent") as phase:
+        phase("nothing is published and no thread runs")
+
+
+class _ProbeGroup:
+    """Two workers answering calibration calls with timings from a known cost (no Ray, no model)."""
+
+    size = 2
+
+    def call(self, method: str, *args) -> list:
+        if method == "activation_bytes_per_token":
+            return [1000.0, 1000.0]
+        assert method == "probe"
+        ms = [0.5 + sum(1e-5 * s * s + 1e-3 * s for s in p.lengths) / p.degree + 0.2 * (p.degree > 1) for p in args[0]]
+        return [ms, ms]
+
+
+def test_calibration_publishes_its_phases(tmp_path):
+    from flexorch.control.calibration import calibrate
+    from tests.train_helpers import train_config
+
+    cfg = train_config(tmp_path, tmp_path / "run", tmp_path / "unused.json", plan={"profile": "auto"})
+    events = []
+    profile, report = calibrate(_ProbeGroup(), cfg, repeats=1, publish=events.append)
+    said = messages(events)
+    assert said[0].startswith("calibrating the cost model on 2 workers: ") and "runs each" in said[0], said
+    assert said[1].startswith("calibrating: probes done after"), said
+    assert np.isfinite(report["median_rel_error"]) and profile.a2_ms > 0
