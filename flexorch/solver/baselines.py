@@ -32,7 +32,14 @@ from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.validation import check_batch, largest_degree
 
-__all__ = ["static_plan", "static_layouts", "baseline_plans", "baseline_times_ms", "baselines_within"]
+__all__ = [
+    "BaselineRun",
+    "static_plan",
+    "static_layouts",
+    "baseline_plans",
+    "baseline_times_ms",
+    "baselines_within",
+]
 
 
 def static_plan(
@@ -115,34 +122,69 @@ def baseline_plans(
 
 
 def _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, times=None):
-    lengths = check_batch(lengths, num_devices, profile)
-    layouts = static_layouts(num_devices)
-    order = list(range(len(layouts)))
-    if deadline is not None:
-        order.sort(key=lambda j: _layout_bound(lengths, num_devices, profile, *layouts[j]))
-    out: dict[str, Plan | None] = {f"static-{k}-{d}": None for k, d in layouts}
-    ms: dict[str, float | None] = dict.fromkeys(out)
-    skipped, longest = [], 0.0
-    for j in order:
-        kind, d = layouts[j]
-        name = f"static-{kind}-{d}"
-        t = time.monotonic()
-        # a layout is started only when one more (as long as the longest so far) still ends before the deadline
-        if deadline is not None and any(v is not None for v in out.values()) and t + longest >= deadline:
-            skipped.append(name)
-            continue
-        out[name] = static_plan(lengths, num_devices, profile, d, kind, extra_micro_batches, deadline=deadline)
-        ms[name] = None if out[name] is None else step_time_ms(out[name], profile)
-        longest = max(longest, time.monotonic() - t)
-    feasible = {k: v for k, v in out.items() if v is not None}
-    if not feasible:
-        raise PlanningError("no static layout can run this batch")  # check_batch makes this unreachable
-    best = min(feasible, key=lambda k: ms[k])
-    out["batchada"] = feasible[best]
-    ms["batchada"] = ms[best]
+    run = BaselineRun(lengths, num_devices, profile, extra_micro_batches, ordered=deadline is not None)
+    run.advance(deadline)
+    plans, ms, skipped = run.result()
     if times is not None:
         times.update(ms)
-    return out, skipped
+    return plans, skipped
+
+
+class BaselineRun:
+    """The static layouts of one batch, planned a few at a time: :meth:`advance` plans layouts until a deadline (the
+    planner calls it while its MILP solves run in the solver process, and again after), :meth:`result` gives the
+    plans, their predicted times and the layouts not planned. ``ordered``: most promising layouts first (by a lower
+    bound on their step time), so that 'batchada' is right even when time cuts the list short."""
+
+    def __init__(self, lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4, ordered=True):
+        self.lengths = check_batch(lengths, num_devices, profile)
+        self.num_devices, self.profile, self.extra = num_devices, profile, extra_micro_batches
+        layouts = static_layouts(num_devices)
+        if ordered:
+            layouts = sorted(layouts, key=lambda kd: _layout_bound(self.lengths, num_devices, profile, *kd))
+        self.todo = list(layouts)
+        self.plans: dict[str, Plan | None] = {f"static-{k}-{d}": None for k, d in static_layouts(num_devices)}
+        self.ms: dict[str, float | None] = dict.fromkeys(self.plans)
+        self.longest = 0.0
+
+    def advance(self, deadline: float | None, stop=None) -> None:
+        """Plan layouts until `deadline` (``time.monotonic()``; None: all) or until ``stop()`` is true: one is started
+        only when one more, as long as the longest so far, still ends in time (the first is always planned)."""
+        while self.todo:
+            t = time.monotonic()
+            if deadline is not None and (self.longest > 0 and t + self.longest >= deadline):
+                return
+            if stop is not None and stop():
+                return
+            kind, d = self.todo.pop(0)
+            name = f"static-{kind}-{d}"
+            p = static_plan(self.lengths, self.num_devices, self.profile, d, kind, self.extra, deadline=deadline)
+            self.plans[name] = p
+            self.ms[name] = None if p is None else step_time_ms(p, self.profile)
+            self.longest = max(self.longest, time.monotonic() - t)
+
+    def result(self) -> tuple[dict, dict, list[str]]:
+        """(name -> Plan or None, name -> predicted ms or None, names not planned), with 'batchada' the best plan."""
+        if all(v is None for v in self.plans.values()) and self.todo:
+            self._first_feasible()
+        feasible = {k: v for k, v in self.plans.items() if v is not None}
+        if not feasible:
+            raise PlanningError("no static layout can run this batch")  # check_batch makes this unreachable
+        best = min(feasible, key=lambda k: self.ms[k])
+        plans, ms = dict(self.plans), dict(self.ms)
+        plans["batchada"], ms["batchada"] = feasible[best], ms[best]
+        return plans, ms, [f"static-{k}-{d}" for k, d in self.todo]
+
+    def _first_feasible(self) -> None:
+        """Plan layouts until one runs the batch (every batch check_batch accepts has one)."""
+        while self.todo and all(v is None for v in self.plans.values()):
+            kind, d = self.todo.pop(0)
+            name = f"static-{kind}-{d}"
+            p = static_plan(
+                self.lengths, self.num_devices, self.profile, d, kind, self.extra, deadline=time.monotonic()
+            )
+            self.plans[name] = p
+            self.ms[name] = None if p is None else step_time_ms(p, self.profile)
 
 
 def _layout_bound(lengths, num_devices, profile, kind, degree) -> float:
@@ -172,6 +214,6 @@ def baseline_times_ms(
 def baselines_within(lengths, num_devices: int, profile: Profile, deadline: float) -> tuple[dict, dict, list[str]]:
     """(name -> Plan or None, name -> predicted ms or None, names of the layouts not planned before `deadline`):
     :func:`baseline_plans` with their step times and the layouts it skipped for time."""
-    times: dict = {}
-    plans, skipped = _baselines(lengths, num_devices, profile, 4, deadline, times)
-    return plans, times, skipped
+    run = BaselineRun(lengths, num_devices, profile)
+    run.advance(deadline)
+    return run.result()

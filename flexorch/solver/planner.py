@@ -277,6 +277,7 @@ class Planner:
         self.config = config or PlannerConfig()
         self._solver = _Solver(self.config.workers, self.config.isolate, self.config.solver)
         self._inject_crashes = 0
+        self._idle = None
         self._finish_s: float | None = None  # measured: building the plan after the last solve (for the reserve)
         self._polish_s: float | None = None  # measured: the local search over a solved split (for the reserve)
         self.crashes_total = 0
@@ -297,8 +298,18 @@ class Planner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def plan(self, lengths, num_devices: int, deadline: float | None = None) -> StepPlan:
-        """Plan one step by ``deadline`` (a ``time.monotonic()`` value; default: ``time_limit_s`` from now)."""
+    def plan(self, lengths, num_devices: int, deadline: float | None = None, idle=None) -> StepPlan:
+        """Plan one step by ``deadline`` (a ``time.monotonic()`` value; default: ``time_limit_s`` from now).
+
+        ``idle(until, stop)``: work of the caller's to do here while MILP solves run in the solver process (the
+        baselines), until ``until`` or until ``stop()`` says the solves are back."""
+        self._idle = idle
+        try:
+            return self._plan(lengths, num_devices, deadline)
+        finally:
+            self._idle = None
+
+    def _plan(self, lengths, num_devices: int, deadline: float | None) -> StepPlan:
         t0 = time.monotonic()
         deadline = t0 + self.config.time_limit_s if deadline is None else deadline
         given = deadline - t0
@@ -481,6 +492,8 @@ class Planner:
                 for pos, job in enumerate(jobs):  # when it starts: its part of the time left (those after it share)
                     job["share_of"] = math.ceil((len(jobs) - pos) / cfg.workers)
                 futs = [(i, self._solver.submit(job)) for i, job in zip(pending, jobs, strict=True)]
+                if self._idle is not None:  # this process is free while the solver process works
+                    self._idle(wait_until, lambda fs=futs: all(f.done() for _, f in fs))
             else:
                 futs = [(i, None) for i in pending]
             for k, (i, fut) in enumerate(futs):

@@ -16,7 +16,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from flexorch.solver.baselines import baseline_plans, baseline_times_ms, baselines_within, static_plan
+from flexorch.solver.baselines import BaselineRun, baseline_plans, baseline_times_ms, static_plan
 from flexorch.solver.cost_model import ULYSSES, kind_allowed
 from flexorch.solver.errors import InfeasibleBatchError, PlanningError
 from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipeline_baselines, plan_staged
@@ -176,18 +176,21 @@ class StepPlanner:
             if self.pipeline_stages != 1:
                 return self._plan_pipeline(lengths, num_devices, t0)
             if self.static is None:
-                # the baselines come after the MILP planner: keep for them what they took last time (x1.5), at most
-                # 40 % of the budget (all of that before the first step)
+                # the baselines are planned while the MILP solves run in the solver process, and after the planner
+                # in the time kept for them: what that took last time (x1.5), 10-40 % of the budget (40 % at first)
                 limit = self.config.time_limit_s
-                keep = 0.4 * limit if self._baselines_s is None else min(0.4 * limit, 1.5 * self._baselines_s)
-                sp = self._planner.plan(lengths, num_devices, deadline=deadline - keep)
+                keep = (
+                    0.4 * limit
+                    if self._baselines_s is None
+                    else min(0.4 * limit, max(0.1 * limit, 1.5 * self._baselines_s))
+                )
+                run = BaselineRun(lengths, num_devices, self.profile)
+                sp = self._planner.plan(lengths, num_devices, deadline=deadline - keep, idle=run.advance)
                 crashes = sp.solver_crashes
                 plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
                 b0 = time.monotonic()
-                # 2 % of the budget for the predictions and the answer itself
-                statics, baselines, skipped = baselines_within(
-                    lengths, num_devices, self.profile, deadline - 0.02 * limit
-                )
+                run.advance(deadline - 0.02 * limit)  # 2 % of the budget for the answer itself
+                statics, baselines, skipped = run.result()
                 self._baselines_s = time.monotonic() - b0
                 floor, floor_ms = statics["batchada"], baselines["batchada"]
                 if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
