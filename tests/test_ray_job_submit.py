@@ -122,8 +122,10 @@ def _wait(address, env, job_id, timeout_s=300) -> str:
         st = subprocess.run(
             [RAY, "job", "status", "--address", address, job_id], env=env, capture_output=True, text=True, timeout=60
         )
-        # "Status for job 'x': SUCCEEDED" while reported, or "Job 'x' succeeded" once it has ended
-        found = re.search(rf"job '{job_id}':? (succeeded|failed|stopped)\b", _plain(st.stdout), re.IGNORECASE)
+        # "Status for job 'x': SUCCEEDED" while reported, or "Job 'x' succeeded" once it has ended ("Job 'x' was
+        # stopped" is a warning: on stderr)
+        text = _plain(st.stdout + st.stderr)
+        found = re.search(rf"job '{job_id}':? (?:was )?(succeeded|failed|stopped)\b", text, re.IGNORECASE)
         if found:
             return found.group(1).upper()
         time.sleep(2)
