@@ -232,7 +232,7 @@ def test_driver_trains_before_loading_and_checks_vocab(corpus_dir, tmp_path, mon
     reports one id more than it has, as a tokenizer directory larger than the model would)."""
     seen = []
 
-    def fake_load_corpus(data):
+    def fake_load_corpus(data, publish=None):
         tok = get_tokenizer(data.tokenizer)
         seen.append(data.tokenizer)
         return types.SimpleNamespace(vocab_size=tok.vocab_size + 1, tokenizer_name=tok.name)

@@ -93,7 +93,7 @@ class TrainingDriver:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
             self.cfg = cfg = cfg.replace(data=prepare_tokenizer(cfg.data, self.run_dir))
-            self.corpus = load_corpus(cfg.data)
+            self.corpus = load_corpus(cfg.data, publish=self._publish)
         if self.corpus.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
                 f"tokenizer {self.corpus.tokenizer_name!r} has {self.corpus.vocab_size} ids but model.vocab_size="
@@ -105,7 +105,7 @@ class TrainingDriver:
         resumed = self.checkpoints.resume() if cfg.resume else None  # checked before any worker starts
         for message in self.checkpoints.skipped:  # newer damaged or partial checkpoints the resume passed over
             self._publish({"event": "checkpoint_skipped", "message": message})
-        self.workers = self._given_workers or RayWorkerGroup.from_config(cfg)
+        self.workers = self._given_workers or RayWorkerGroup.from_config(cfg, publish=self._publish)
         policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
         self.elastic = Elastic(self.workers, policy, self._publish, self.checkpoints.hint)
         t_world = time.perf_counter()

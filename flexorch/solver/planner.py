@@ -438,12 +438,17 @@ class Planner:
         fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
         key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
         done, rest = [], []
+        best_est = np.inf
         for ci in np.argsort(key, kind="stable").tolist():
+            if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
+                rest.append((ci, None))
+                continue
             if done and time.monotonic() >= screen_deadline:
                 rest.append((ci, None))
                 continue
             starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in cands[ci]]
             est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
+            best_est = min(best_est, est)
             done.append((est, ci, starts))
         done.sort(key=lambda x: x[0])
         return [(ci, starts) for _, ci, starts in done] + rest
