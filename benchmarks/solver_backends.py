@@ -22,8 +22,21 @@ solves and the deaths by signal, and the hangs (no solve back in 20 s: the child
     python benchmarks/solver_backends.py            # about 4-6 minutes on 2 cores
     python benchmarks/solver_backends.py --quick    # about 1-2 minutes
 
-Measured on 2026-11-25, 2-core machine (shared), python-mip 2.0.0, highsbox 1.15.1, cbcbox 2.935, default run:
-MEASURED-FIGURES-GO-HERE
+Measured on 2026-11-25, 2-core machine (shared), python-mip 2.0.0, highsbox 1.15.1, cbcbox 2.935, default run (178 s):
+
+    setting  CPU     highs/cbc plan time (geomean, min-max)  worst solve cbc / highs (budget 1 s)  failures
+    flexsp   quiet   0.9994 (0.9954-1.0005)                   0.972 / 0.923 s                      none
+    flexsp   2 hogs  1.0003 (0.9987-1.0018)                   0.982 / 0.962 s                      none
+    flexsp   4 hogs  1.0052 (1.0000-1.0470)                   0.985 / 0.981 s                      none
+    n16      quiet   1.0005 (0.9973-1.0079)                   0.608 / 0.514 s                      none
+    n16      2 hogs  1.0005 (0.9973-1.0079)                   0.711 / 0.570 s                      none
+    n16      4 hogs  1.0005 (0.9973-1.0079)                   0.838 / 0.748 s                      none
+    all 48 paired steps: highs/cbc geomean 1.0012; median gap to the bound (flexsp quiet) cbc 5.83 %, highs 5.59 %
+    crash stress, 60 s beside 4 hogs: cbc 386 solves, 3 deaths (SIGABRT, after SIGSEGV in
+    CglPreProcess::postProcess) + 1 hang; highs 740 solves, no death, no hang
+
+HiGHS is the default (``plan.solver``): plans as good as CBC's (0.1 % apart on average, the worst step 4.7 % worse
+beside 4 hogs, where it hit more limits), within the budget under load, and it never crashed; CBC stays selectable.
 """
 
 from __future__ import annotations
