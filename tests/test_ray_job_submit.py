@@ -164,18 +164,18 @@ def test_ray_job_stop_checkpoints_and_a_resubmitted_resume_equals_an_uninterrupt
     """`ray job stop` sends SIGTERM: the job finishes the step in flight, checkpoints and ends; resubmitted with
     --resume it trains the rest, and its losses equal those of a job that was never stopped."""
     address, env = ray_head
-    steps = 30
-    config = small_run_toml(tmp_path, steps=steps, checkpoint_every=0)
+    # the stopped job is long (its steps take ~50 ms here, the stop lands seconds after step 3): it cannot end before
+    # the stop; it is resumed for two more steps and compared with a job of that length never stopped (the LR
+    # schedule does not depend on the run's length)
+    long = 1000
+    config = small_run_toml(tmp_path, steps=long, checkpoint_every=0)
     base = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config)]
     # Ray SIGKILLs a stopped job RAY_JOB_STOP_WAIT_TIME_S (default 3 s) after its SIGTERM: give it time to checkpoint
     grace = {"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "120"}}
-    whole = _submit(address, env, base + ["--run-dir", str(tmp_path / "whole")], f"fx-whole-{os.getpid()}", grace)
-    assert _wait(address, env, whole) == "SUCCEEDED", _logs(address, env, whole)[-3000:]
-
     run_dir = tmp_path / "stopped"
     job = _submit(address, env, base + ["--run-dir", str(run_dir)], f"fx-stop-{os.getpid()}", grace)
     deadline = time.monotonic() + 300
-    while "step    3/30" not in _logs(address, env, job):
+    while f"step    3/{long}" not in _logs(address, env, job):
         assert time.monotonic() < deadline, _logs(address, env, job)[-3000:]
         time.sleep(1)
     stop = subprocess.run(
@@ -184,16 +184,22 @@ def test_ray_job_stop_checkpoints_and_a_resubmitted_resume_equals_an_uninterrupt
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert _wait(address, env, job) == "STOPPED"
     logs = _logs(address, env, job)
-    found = re.search(r"stopped by SIGTERM after step (\d+) of 30 .*checkpoint (\S+);", logs)
+    found = re.search(rf"stopped by SIGTERM after step (\d+) of {long} .*checkpoint (\S+);", logs)
     assert found, logs[-3000:]
     reached = int(found.group(1))
-    assert 3 <= reached < steps and Path(found.group(2)).is_dir(), logs[-3000:]
+    assert 3 <= reached < long and Path(found.group(2)).is_dir(), logs[-3000:]
     assert "error" not in logs.lower().replace("stderr", ""), logs[-3000:]
     assert len(read_records(run_dir / "steps.jsonl")) == reached
 
-    again = _submit(address, env, base + ["--run-dir", str(run_dir), "--resume"], f"fx-resume-{os.getpid()}", grace)
+    steps = reached + 2
+    more = ["--run-dir", str(run_dir), "--resume", "--steps", str(steps)]
+    again = _submit(address, env, base + more, f"fx-resume-{os.getpid()}", grace)
     assert _wait(address, env, again) == "SUCCEEDED", _logs(address, env, again)[-3000:]
     assert f"resumed after step {reached}" in _logs(address, env, again)
+    whole = _submit(
+        address, env, base + ["--run-dir", str(tmp_path / "whole"), "--steps", str(steps)], f"fx-whole-{os.getpid()}"
+    )
+    assert _wait(address, env, whole) == "SUCCEEDED", _logs(address, env, whole)[-3000:]
     got = read_records(run_dir / "steps.jsonl", validate=True)
     ref = read_records(tmp_path / "whole" / "steps.jsonl", validate=True)
     assert [r["step"] for r in got] == list(range(steps))

@@ -59,24 +59,23 @@ def _train(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def _signal_after_step(cmd: list[str], step: int, total: int, signals: list[int]) -> tuple[int, str]:
-    """Run ``cmd``, send ``signals`` (one after the other, 0.3 s apart) once it printed step ``step``; (exit, out)."""
+    """Run ``cmd``, send ``signals[0]`` once it printed step ``step`` and each further one once it said it received
+    the one before (as a person presses Ctrl-C again after reading that line); (exit code, output)."""
     ray_tmp = Path(tempfile.mkdtemp(prefix="fxs-", dir="/tmp"))
     proc = subprocess.Popen(
         cmd, env=_env(ray_tmp), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    seen = []
+    seen, todo = [], list(signals)
     try:
         deadline = time.monotonic() + 300
         mark = f"step {step:>4}/{total}"
+        sent = 0
         for line in proc.stdout:
             seen.append(line)
-            if line.startswith(mark):
-                for i, sig in enumerate(signals):
-                    if i:
-                        time.sleep(0.3)
-                    proc.send_signal(sig)
-                break
-            if time.monotonic() > deadline:
+            if (not sent and line.startswith(mark)) or (sent and "received: finishing the step in flight" in line):
+                proc.send_signal(todo.pop(0))
+                sent += 1
+            if not todo or time.monotonic() > deadline:
                 break
         seen += proc.stdout.readlines()
         rc = proc.wait(timeout=300)
@@ -89,30 +88,33 @@ def _signal_after_step(cmd: list[str], step: int, total: int, signals: list[int]
 
 
 def test_sigint_stops_after_the_step_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, ray_cluster):
-    steps = 8
-    config = small_run_toml(tmp_path, steps=steps, checkpoint_every=0)  # no periodic checkpoint: the stop writes it
-    whole = tmp_path / "whole"
+    # the stopped run is long (its steps take ~50 ms here, the stop lands a few steps after the signal): it cannot
+    # end before the stop; it is resumed for two more steps and compared with a run of that length never stopped
+    # (the LR schedule does not depend on the run's length)
+    long = 1000
+    config = small_run_toml(tmp_path, steps=long, checkpoint_every=0)  # no periodic checkpoint: the stop writes it
     base = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config)]
-    done = _train(base + ["--run-dir", str(whole)])
-    assert done.returncode == 0 and f"done: {steps} steps" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
-
     run_dir = tmp_path / "stopped"
-    rc, out = _signal_after_step(base + ["--run-dir", str(run_dir)], 2, steps, [signal.SIGINT])
+    rc, out = _signal_after_step(base + ["--run-dir", str(run_dir)], 2, long, [signal.SIGINT])
     assert rc == 0, out[-3000:]
     assert "SIGINT received: finishing the step in flight, then writing a checkpoint" in out
-    stopped = re.search(r"stopped by SIGINT after step (\d+) of 8 .*checkpoint (\S+);.*Continue with: (.+)$", out, re.M)
+    stopped = re.search(rf"stopped by SIGINT after step (\d+) of {long} .*checkpoint (\S+);.*Continue with: (.+)$", out, re.M)
     assert stopped, out[-3000:]
     reached, ckpt, again = int(stopped.group(1)), Path(stopped.group(2)), stopped.group(3)
-    assert 2 <= reached < steps and ckpt.name == f"checkpoint_{reached:06d}" and ckpt.is_dir()
+    assert 2 <= reached < long and ckpt.name == f"checkpoint_{reached:06d}" and ckpt.is_dir()
     assert "Traceback" not in out and "error" not in out.lower()
     assert len(read_records(run_dir / "steps.jsonl")) == reached, "every trained step kept, none in flight lost"
 
+    steps = reached + 2
     argv = shlex.split(again)
     assert argv[0] == "flexorch" and argv[-1] == "--resume"
-    resumed = _train([sys.executable, "-m", "flexorch.cli.main", *argv[1:]])
+    resumed = _train([sys.executable, "-m", "flexorch.cli.main", *argv[1:], "--steps", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert f"resumed after step {reached}" in resumed.stdout and f"done: {steps} steps" in resumed.stdout
 
+    whole = tmp_path / "whole"
+    done = _train(base + ["--run-dir", str(whole), "--steps", str(steps)])
+    assert done.returncode == 0 and f"done: {steps} steps" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
     got = read_records(run_dir / "steps.jsonl", validate=True)
     ref = read_records(whole / "steps.jsonl", validate=True)
     assert [r["step"] for r in got] == list(range(steps))

@@ -37,6 +37,9 @@ def ray_session(address: str | None, workers: int):
                 include_dashboard=False,
                 runtime_env=env,
                 log_to_driver=True,
+                # Ray starts its workers (every flexorch actor) at niceness 15: beside other busy processes they
+                # would get a few per cent of a core (flexorch.control.host_load); here they get a fair share
+                _system_config={"worker_niceness": 0},
             )
             started = True
     try:
@@ -131,6 +134,13 @@ class StopSignals:
             raise KeyboardInterrupt(f"second {name}: stopping at once, without a checkpoint")
         self.received = name
 
+    def wait(self, seconds: float, tick: float = 0.02) -> None:
+        """Sleep up to ``seconds``, waking within ``tick`` of a signal so it is forwarded at once (the handler only
+        sets a flag: no lock is taken in it)."""
+        end = time.monotonic() + seconds
+        while (self.received is None or self.forwarded) and (left := end - time.monotonic()) > 0:
+            time.sleep(min(tick, left))
+
     def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -211,7 +221,7 @@ def run_train(
                     elif kind == "checkpoint":
                         print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)
                 if not done:
-                    time.sleep(poll_s)
+                    stops.wait(poll_s)
             summary = ray.get(run_ref)
             if summary.get("stopped"):
                 again = resume_command or f"flexorch train --config {cfg.run_dir}/config.json --resume"

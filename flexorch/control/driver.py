@@ -26,6 +26,7 @@ from flexorch.control.calibration import model_state_fields, run_profile
 from flexorch.control.checkpoint import RunCheckpoints, load_checkpoint
 from flexorch.control.elastic import Elastic, ElasticError
 from flexorch.control.group import WorkerGroup
+from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
 from flexorch.control.transitions import EventLog, Ran, Transition
@@ -91,6 +92,9 @@ class TrainingDriver:
     def setup(self) -> dict:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        note = niced_on_busy_node()
+        if note:
+            self._publish({"event": "planner", "message": note})
         if self.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
             self.cfg = cfg = cfg.replace(data=prepare_tokenizer(cfg.data, self.run_dir))
             self.corpus = load_corpus(cfg.data, publish=self._publish)

@@ -34,7 +34,13 @@ from flexorch.workers.actor import PeerLostError, WorkerActor
 
 ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
 PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
-BUSY_CPU_SHARE = 0.05  # a starting worker process using at least this share of a core is working (an idle one ~1 %)
+BUSY_CPU_SHARE = 0.01
+"""A starting worker process using at least this share of a core is working. Measured on 2026-11-25 (2 cores): a
+constructor blocked in a sleep used 0.25 % (Ray's own threads), while constructors importing torch beside one CPU
+hog per core got only 3-4 % (1.0 s to 2.7 s of CPU in 60 s): a 5 % threshold gave those up as hung."""
+CPU_WINDOW_S = 5.0
+"""The CPU share is measured over this long (at most a third of the no-progress limit): 1 % of 5 s is five clock
+ticks, an idle process gets about one."""
 
 __all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
 
@@ -346,7 +352,8 @@ class RayWorkerGroup:
         if prev is None or prev.key != key:
             self._progress_t = now
         elif cpu is not None and prev.cpu is not None:
-            if now - prev.cpu_t < 1.0:  # keep the baseline: a CPU share needs a second to measure
+            # keep the baseline: a small CPU share needs seconds to measure (well inside the no-progress limit)
+            if now - prev.cpu_t < min(CPU_WINDOW_S, self.placement_timeout_s / 3):
                 seen.cpu, seen.cpu_t = prev.cpu, prev.cpu_t
             elif cpu - prev.cpu >= BUSY_CPU_SHARE * (now - prev.cpu_t):
                 self._progress_t = now
