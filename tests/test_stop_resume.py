@@ -98,7 +98,9 @@ def test_sigint_stops_after_the_step_in_flight_and_resume_equals_an_uninterrupte
     rc, out = _signal_after_step(base + ["--run-dir", str(run_dir)], 2, long, [signal.SIGINT])
     assert rc == 0, out[-3000:]
     assert "SIGINT received: finishing the step in flight, then writing a checkpoint" in out
-    stopped = re.search(rf"stopped by SIGINT after step (\d+) of {long} .*checkpoint (\S+);.*Continue with: (.+)$", out, re.M)
+    stopped = re.search(
+        rf"stopped by SIGINT after step (\d+) of {long} .*checkpoint (\S+);.*Continue with: (.+)$", out, re.M
+    )
     assert stopped, out[-3000:]
     reached, ckpt, again = int(stopped.group(1)), Path(stopped.group(2)), stopped.group(3)
     assert 2 <= reached < long and ckpt.name == f"checkpoint_{reached:06d}" and ckpt.is_dir()
