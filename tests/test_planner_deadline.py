@@ -12,7 +12,7 @@ import time
 import numpy as np
 import pytest
 
-import flexorch.solver.planner as planner_mod
+import flexorch.solver.solver_process as solver_process
 from flexorch.data.lengths import bundled_lengths_path, read_lengths
 from flexorch.solver.errors import PlanningError
 from flexorch.solver.packing import Draft, drop_empty, improve_step, lpt_pack
@@ -74,13 +74,13 @@ def test_inject_fault_keeps_its_positional_hangs_argument():
 
 
 def test_a_slow_solve_does_not_make_the_plan_late(monkeypatch):
-    real = planner_mod.solve_micro_batch
+    real = solver_process.solve_micro_batch
 
     def slow(*args, **kwargs):
         time.sleep(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(planner_mod, "solve_micro_batch", slow)
+    monkeypatch.setattr(solver_process, "solve_micro_batch", slow)
     lengths = _batch(64, 256, seed=1)
     with StepPlanner(PROFILE, PlannerConfig(time_limit_s=0.5, isolate=False)) as sp:
         t = time.monotonic()

@@ -9,39 +9,30 @@ left, the loops (candidate splits, screening, local search, baselines) check the
 when time is short, so a busy machine gets a worse plan on time rather than a late one. The best static layout of
 every micro-batch is in hand before any MILP starts and is the answer for a solve that does not come back.
 
-The MILP solves run in a solver process the Planner owns (``isolate``, the default; started with the Planner, from a
-``forkserver`` that has imported the solver once, so a restart costs milliseconds): a native crash of the MILP
-library (SIGSEGV / SIGABRT, coin-or/Cbc#693) costs that solve, not the plan. The planner keeps the static start of
-that micro-batch, restarts the process, retries while time is left and counts the crash; a solve still running at
-the deadline is killed the same way. With ``isolate=False`` the solves run in this process (in a thread the planner
-stops waiting for at the deadline; tests and benchmarks).
+The MILP solves run in a solver process the Planner owns (``isolate``, the default; ``solver.solver_process``:
+started with the Planner, from a ``forkserver`` that has imported the solver once, so a restart costs milliseconds):
+a native crash of the MILP library (SIGSEGV / SIGABRT, coin-or/Cbc#693) costs that solve, not the plan. The planner
+keeps the static start of that micro-batch, restarts the process, retries while time is left and counts the crash;
+a solve still running at the deadline is killed the same way. With ``isolate=False`` the solves run in this process
+(in a thread the planner stops waiting for at the deadline; tests and benchmarks).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-import multiprocessing
-import os
-import signal
-import threading
 import time
-import warnings
-import weakref
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from flexorch.solver import backend
 from flexorch.solver.backend import DEFAULT_SOLVER, SOLVERS
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.cost_model import KINDS
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.microbatching import partition_candidates
-from flexorch.solver.milp import solve_micro_batch
 from flexorch.solver.packing import (
     Draft,
     best_homogeneous_draft,
@@ -55,12 +46,10 @@ from flexorch.solver.packing import (
 )
 from flexorch.solver.plan import MicroBatch, Plan
 from flexorch.solver.profiles import Profile
+from flexorch.solver.solver_process import SolverPool
 from flexorch.solver.validation import check_batch, check_num_devices
 
 __all__ = ["PlannerConfig", "StepPlan", "Planner", "plan_step"]
-
-_SOLVER_KEYWORD = "solver" in inspect.signature(solve_micro_batch).parameters
-"""``solve_micro_batch`` takes the backend (``solver=``) once ``solver.milp`` routes it through ``solver.backend``."""
 
 MIN_SOLVE_S = 0.02
 """A MILP solve is not started with less time than this left: the static start is the answer then."""
@@ -137,135 +126,6 @@ class StepPlan:
         return int(self.details.get("solver_crashes", 0))
 
 
-# ---- the solver process
-
-
-def _warm(solver: str) -> int:
-    """Load the MILP backend's library in the solver process (python-mip parses its C declarations on first use: a
-    quarter of a second that would otherwise fall on the first solve)."""
-    backend.solver_available(solver)
-    return os.getpid()
-
-
-def _solve_job(job: dict):
-    """One micro-batch's solve (in the solver process, or a thread with ``isolate=False``); indices are local."""
-    if job.get("crash"):  # test seam: a native crash of the MILP library
-        os.kill(os.getpid(), signal.SIGSEGV)
-    # its share of the time left now (the solves queued before it may have ended early), less a margin: the solve
-    # may end one bisection step (a short MILP and a packing) past its budget
-    left = job["deadline"] - time.monotonic()
-    budget = max(0.0, min(job["budget_s"], left / job["share_of"]) * 0.9 - 0.01)
-    k = job["table"].shape[0]
-    s = solve_micro_batch(
-        range(k),
-        job["types"],
-        job["table"],
-        job["lengths"],
-        lower_bound_ms=job["lower_bound_ms"],
-        time_budget_s=budget,
-        start=job["start"],
-        **job["kw"],
-    )
-    return None if s is None else (s.draft, s.method)
-
-
-def _mp_context():
-    """forkserver (the planner runs in a Ray actor with threads: no fork), preloading the solver once; spawn
-    where there is none."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        # numpy, python-mip and the MILP: imported once, in the server the processes fork from (not the backends'
-        # libraries: HiGHS loaded before a fork hangs in the child; each solver process loads its own in `_warm`)
-        ctx.set_forkserver_preload(["flexorch.solver.planner"])
-        return ctx
-    return multiprocessing.get_context("spawn")
-
-
-def _run_in_thread(fn, arg) -> Future:
-    fut: Future = Future()
-
-    def run() -> None:
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(fn(arg))
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting planner
-                fut.set_exception(e)
-
-    threading.Thread(target=run, daemon=True, name="flexorch-milp").start()
-    return fut
-
-
-def _kill_executor(ex: ProcessPoolExecutor | None) -> None:
-    if ex is None:
-        return
-    for p in list((getattr(ex, "_processes", None) or {}).values()):
-        try:
-            p.kill()
-        except (OSError, AttributeError, ValueError):
-            pass
-    try:
-        ex.shutdown(wait=False, cancel_futures=True)
-    except (OSError, ValueError):  # at interpreter exit its wake-up pipe may be closed already
-        pass
-
-
-class _Solver:
-    """Where MILP solves run: ``workers`` solver processes (``isolate``), else threads of this process."""
-
-    def __init__(self, workers: int, isolate: bool, solver: str):
-        self.workers = workers
-        self.solver = solver
-        self.isolate = isolate
-        self.restarts = 0
-        self._ex: ProcessPoolExecutor | None = None
-        self._finalizer = None
-        self.why_not_isolated = ""
-        if isolate:
-            try:
-                self._start(wait=True)
-            except (BrokenProcessPool, OSError, RuntimeError, FutureTimeout) as e:
-                # e.g. a script without an `if __name__ == "__main__":` guard (spawn and forkserver children import
-                # the main module): solve in this process rather than not at all
-                self.close()
-                self.isolate = False
-                self.why_not_isolated = f"the solver process did not start ({type(e).__name__}: {e})"
-                warnings.warn(f"flexorch planner: {self.why_not_isolated}; solving in this process", stacklevel=3)
-
-    def _start(self, wait: bool) -> None:
-        self._ex = ProcessPoolExecutor(max_workers=self.workers, mp_context=_mp_context())
-        self._finalizer = weakref.finalize(self, _kill_executor, self._ex)
-        warm = [
-            self._ex.submit(_warm, self.solver) for _ in range(self.workers)
-        ]  # start the processes now, not at a solve
-        if wait:
-            for f in warm:
-                f.result(timeout=120)
-
-    def submit(self, job: dict) -> Future:
-        if not self.isolate:
-            return _run_in_thread(_solve_job, job)
-        if self._ex is None:
-            self._start(wait=False)
-        try:
-            return self._ex.submit(_solve_job, job)
-        except BrokenProcessPool:
-            self.restart()
-            return self._ex.submit(_solve_job, job)
-
-    def restart(self) -> None:
-        """Kill the solver processes (crashed or stuck) and start fresh ones (no wait: they come up meanwhile)."""
-        if not self.isolate:
-            return  # a thread cannot be killed: the planner stops waiting for it
-        self.close()
-        self.restarts += 1
-        self._start(wait=False)
-
-    def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()  # kills the processes (idle or stuck) and shuts the pool down
-        self._ex, self._finalizer = None, None
-
-
 # ---- the planner
 
 
@@ -275,7 +135,7 @@ class Planner:
     def __init__(self, profile: Profile, config: PlannerConfig | None = None):
         self.profile = profile
         self.config = config or PlannerConfig()
-        self._solver = _Solver(self.config.workers, self.config.isolate, self.config.solver)
+        self._solver = SolverPool(self.config.workers, self.config.isolate, self.config.solver)
         self._inject_crashes = 0
         self._idle = None
         self._finish_s: float | None = None  # measured: building the plan after the last solve (for the reserve)
@@ -470,9 +330,8 @@ class Planner:
             tolerance=cfg.tolerance,
             max_bisection_steps=cfg.max_bisection_steps,
             ilp_time_limit_s=cfg.ilp_time_limit_s,
+            solver=cfg.solver,
         )
-        if _SOLVER_KEYWORD:
-            kw["solver"] = cfg.solver
         out: list = [None] * len(split)
         pending = list(range(len(split)))
         complete = True
