@@ -32,7 +32,20 @@ the smallest tau with tau >= sum_s a(s, tau)/N (found by bisection: the right si
 
     step >= M_min * O + tau*.
 
-The reported bound is the larger of the two. It holds for every plan, whatever its micro-batching, so the
+The other micro-batches hold what the slowest one cannot (split bound, issue 22). Let X be the largest micro-batch's
+X - O. Every sequence finishes within X, so the areas are at least sum_s a(s, X), and the other micro-batches hold
+at least L = (total tokens - N*cap) tokens (the slowest holds at most N*cap), whose least area is at least R, the
+fractional-knapsack minimum of sum a(s) over sequences holding L tokens (cheapest device-time per token first). The
+other micro-batches last at least R/N together, so T - M_min*O >= X + R/N and >= sum_s a(s, X)/N; the first grows
+with X and the second falls, so
+
+    step >= M_min * O + R/N + X*,   X* the smallest X with X + R/N >= sum_s a(s, X)/N.
+
+With R = 0 (everything fits one micro-batch) this is the latency bound. It is what a step of two or more
+micro-batches pays for their count: each of them is shorter than the step, so a long sequence may need a faster,
+costlier group than the latency bound (which lets it take the whole step) allows.
+
+The reported bound is the largest of the three. It holds for every plan, whatever its micro-batching, so the
 reported gap (plan / bound - 1) is an honest over-estimate of the distance to the optimum.
 """
 
@@ -91,11 +104,13 @@ def latency_area_bound_ms(
     num_devices: int,
     extra: np.ndarray | None = None,
     iters: int = 60,
+    rest_ms: float = 0.0,
 ) -> float:
     """Smallest tau with tau >= sum_s a(s, tau) / N (the parametric area bound, without the base overhead O).
 
     `extra[t]` is type t's fixed cost above the cheapest type's: it counts in a sequence's wall time on t, and in
-    its area as the time share d*t*e_t/(tau - e_t).
+    its area as the time share d*t*e_t/(tau - e_t). With `rest_ms` (R/N of the split bound): rest_ms + the smallest
+    X with X + rest_ms >= sum_s a(s, X) / N.
     """
     areas = table * degrees[None, :]
     e = np.zeros(table.shape[1]) if extra is None else np.asarray(extra, dtype=np.float64)
@@ -107,19 +122,20 @@ def latency_area_bound_ms(
         scale = np.divide(tau, room, out=np.ones_like(room), where=room > 0)  # tau/(tau - e_t); 1 where no room
         return float(np.where(wall <= tau, areas * scale[None, :], np.inf).min(axis=1).sum()) / num_devices
 
-    if need(lo) <= lo:
-        return lo
-    hi = max(lo, need(lo))  # at tau = need(lo) areas are no larger than at lo, so need(hi) <= hi
+    r = float(rest_ms)
+    if need(lo) <= lo + r:
+        return lo + r
+    hi = max(lo, need(lo))  # at tau = need(lo) areas are no larger than at lo, so need(hi) <= hi (+ r)
     for _ in range(iters):
         mid = 0.5 * (lo + hi)
-        if need(mid) <= mid:
+        if need(mid) <= mid + r:
             hi = mid
         else:
             lo = mid
         if hi - lo <= 1e-6 * hi:
             break
-    # need(lo) > lo, and need falls as tau grows, so every tau <= lo is infeasible: tau* > lo (hi may exceed tau*)
-    return lo
+    # need(lo) > lo + r, and need falls as tau grows, so every tau <= lo is infeasible: tau* > lo (hi may exceed it)
+    return lo + r
 
 
 def micro_batch_bound_ms(table: np.ndarray, degrees: np.ndarray, num_devices: int, overheads: np.ndarray) -> float:
@@ -154,4 +170,13 @@ def step_bound_ms(
     fill = np.clip(room - (np.cumsum(toks) - toks), 0.0, toks)  # tokens of each item that fit (fractional)
     k = float(area[star]) + float((density[order] * fill).sum())
     memory = max(total / n, t_star + (total - min(k, n * t_star)) / n)
-    return m_min * base + max(memory, latency_area_bound_ms(table, degrees, n, extra))
+    bound = max(memory, latency_area_bound_ms(table, degrees, n, extra))
+    rest_tokens = float(lengths.sum()) - n * tokens_per_device  # what the slowest micro-batch cannot hold
+    if rest_tokens > 0:
+        per_token = area / np.maximum(lengths, 1.0)
+        cheap = np.argsort(per_token, kind="stable")
+        toks = lengths[cheap]
+        take = np.clip(rest_tokens - (np.cumsum(toks) - toks), 0.0, toks)  # cheapest device-time per token first
+        rest = float((per_token[cheap] * take).sum())
+        bound = max(bound, latency_area_bound_ms(table, degrees, n, extra, rest_ms=rest / n))
+    return m_min * base + bound

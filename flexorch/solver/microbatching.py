@@ -3,6 +3,13 @@
 The splits are ``solver.blaster``'s (FlexSP's sorted min-max split and flexorch's balanced one), computed here in
 O(M log K) per feasibility test (prefix sums and binary search instead of a pass over the sequences) and with one
 heap over the micro-batches, so that 16,384-sequence batches split in milliseconds; the answers are the same.
+
+With the sequences' least wall times and group sizes the planner adds a third kind, the tiered split
+(:func:`tiered_split`): the step's time is the *sum* of its micro-batches' makespans, and a micro-batch lasts at
+least as long as its slowest sequence, so sequences far slower than an average micro-batch are put together (as
+many as the devices hold side by side) instead of being spread one per micro-batch, where each would set that
+micro-batch's makespan. The balanced split spreads them; the sorted split groups them but fills their micro-batch
+with the next-longest sequences up to the memory, which then find no devices left.
 """
 
 from __future__ import annotations
@@ -13,20 +20,25 @@ import time
 
 import numpy as np
 
-__all__ = ["partition_candidates", "iter_candidates", "sorted_split", "balanced_split"]
+__all__ = ["partition_candidates", "iter_candidates", "sorted_split", "balanced_split", "tiered_split"]
+
+TIER_RATIO = 2.0
+"""A sequence is put with its own tier when its least wall time is over this many times the average micro-batch's
+share of the work (``tiered_split``)."""
 
 
 def partition_candidates(
-    lengths, work, capacity_tokens: int, extra: int = 4, deadline: float | None = None
+    lengths, work, capacity_tokens: int, extra: int = 4, deadline: float | None = None, tiers=None
 ) -> list[list[list[int]]]:
-    """Splits into M = M_min .. M_min + extra micro-batches, a balanced one and FlexSP's sorted one for each.
+    """Splits into M = M_min .. M_min + extra micro-batches, a balanced one and FlexSP's sorted one for each, and
+    with `tiers` = (wall, min_devices, num_devices) a tiered one for each (:func:`tiered_split`), first.
 
     A split is kept only when every micro-batch fits `capacity_tokens` (the tokens all N devices hold).
     Duplicates are removed; order is by M then strategy. Past `deadline` (``time.monotonic()``) no further M is
     tried once some split is in hand.
     """
     out, last = [], 0
-    for m, split in iter_candidates(lengths, work, capacity_tokens, extra):
+    for m, split in iter_candidates(lengths, work, capacity_tokens, extra, tiers):
         if out and m > last and deadline is not None and time.monotonic() >= deadline:
             break
         out.append(split)
@@ -34,7 +46,7 @@ def partition_candidates(
     return out
 
 
-def iter_candidates(lengths, work, capacity_tokens: int, extra: int = 4):
+def iter_candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None):
     """(M, split) in the order of :func:`partition_candidates`, computed lazily: a caller that knows no split of M
     or more micro-batches can win stops early."""
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -49,7 +61,10 @@ def iter_candidates(lengths, work, capacity_tokens: int, extra: int = 4):
         balanced = balanced_split(lengths, work, m, even, order_work) or balanced_split(
             lengths, work, m, capacity_tokens, order_work
         )
-        for split in (balanced, sorted_split(lengths, m, order_len)):
+        tiered = None
+        if tiers is not None:
+            tiered = tiered_split(lengths, work, *tiers, capacity_tokens=capacity_tokens, extra=m - m_min)
+        for split in (tiered, balanced, sorted_split(lengths, m, order_len)):
             if split is None or any(int(lengths[c].sum()) > capacity_tokens for c in split):
                 continue
             key = tuple(sorted(tuple(sorted(c)) for c in split))
@@ -127,3 +142,60 @@ def balanced_split(lengths, work, m: int, capacity_tokens: int, order=None) -> l
         out[j].append(i)
         toks[j] += s
     return [c for c in out if c]
+
+
+def tiered_split(
+    lengths,
+    work,
+    wall,
+    min_devices,
+    num_devices: int,
+    *,
+    capacity_tokens: int,
+    extra: int = 0,
+    ratio: float = TIER_RATIO,
+    fill: float = 0.95,
+) -> list[list[int]] | None:
+    """Slow sequences in micro-batches of their own, the rest balanced (None when the rest cannot be split).
+
+    Repeatedly, over the sequences not yet placed: the average micro-batch's share of their work is
+    ``sum(work) / N / M`` with M = their memory minimum + `extra`; the sequences whose least wall time `wall` is over
+    `ratio` times that, slowest first, go first-fit into the tiered micro-batches so far, where they fit side by side:
+    the groups they need (`min_devices`, the least degree that holds each) add up to at most N devices and their
+    tokens to `fill` of the memory. Then the next tier. What is left is split by :func:`balanced_split`.
+    ``work[i]`` is sequence i's least device-time (``solver.bounds.area_and_min_time``), ``wall[i]`` its least time.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    work = np.asarray(work, dtype=np.float64)
+    wall = np.asarray(wall, dtype=np.float64)
+    need = np.asarray(min_devices, dtype=np.int64)
+    rest = np.arange(lengths.size)
+    chunks: list[list] = []  # [members, devices, tokens]
+    while rest.size:
+        m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra
+        share = float(work[rest].sum()) / num_devices / m
+        slow = rest[wall[rest] > ratio * share]
+        if slow.size == 0:
+            break
+        for i in slow[np.argsort(-wall[slow], kind="stable")].tolist():
+            for c in chunks:
+                if c[1] + need[i] <= num_devices and c[2] + lengths[i] <= fill * capacity_tokens:
+                    c[0].append(i)
+                    c[1] += int(need[i])
+                    c[2] += int(lengths[i])
+                    break
+            else:
+                chunks.append([[i], int(need[i]), int(lengths[i])])
+        rest = rest[wall[rest] <= ratio * share]
+    if not chunks:
+        return None  # no tier: the balanced split is the same
+    out = [c[0] for c in chunks]
+    if rest.size:
+        m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra
+        sub_len = lengths[rest]
+        even = min(capacity_tokens, max(int(sub_len.max()), math.ceil(sub_len.sum() / m * 1.08)))
+        split = balanced_split(sub_len, work[rest], m, even) or balanced_split(sub_len, work[rest], m, capacity_tokens)
+        if split is None:
+            return None
+        out += [rest[c].tolist() for c in split]
+    return out

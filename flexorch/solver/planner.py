@@ -32,6 +32,7 @@ from flexorch.solver.backend import DEFAULT_SOLVER, SOLVERS
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.cost_model import KINDS
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.fill import fill_draft
 from flexorch.solver.microbatching import partition_candidates
 from flexorch.solver.packing import (
     Draft,
@@ -77,6 +78,13 @@ class PlannerConfig:
     """Solver processes: the micro-batches of a split are solved this many at a time (``isolate`` only)."""
     solver: str = DEFAULT_SOLVER
     """MILP backend python-mip drives: 'highs' or 'cbc' (``solver.backend``)."""
+    fill_starts: bool = True
+    """Start each micro-batch from the better of its best homogeneous layout and a mixed layout packed in
+    milliseconds (``solver.fill``), and order the candidate splits by those (False: homogeneous starts only, as
+    before issue 22; for the planner-quality benchmark)."""
+    tiered_splits: bool = True
+    """Offer tiered micro-batch splits too (``solver.microbatching.tiered_split``: sequences far slower than an
+    average micro-batch share one)."""
     isolate: bool = True
     """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not
     the plan). False: in this process (no extra process; a crash of the MILP library takes the caller down)."""
@@ -183,7 +191,7 @@ class Planner:
         caps_t = type_caps(types, prof)  # tokens a group of each type holds
         table = time_table(lengths, types, prof)
         overheads = type_overheads(types, prof)  # b1 + collective latency per group type, once per micro-batch
-        area, _ = area_and_min_time(table, types)
+        area, wall = area_and_min_time(table, types)
         if not np.isfinite(area).all():
             i = int(np.flatnonzero(~np.isfinite(area))[0])
             raise InfeasibleBatchError(
@@ -203,10 +211,18 @@ class Planner:
         screen_deadline = t0 + 0.3 * max(0.0, solve_deadline - t0)
         run = {"crashes": 0, "cut": 0}
 
-        cands = partition_candidates(lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline)
+        tiers = None
+        if cfg.tiered_splits:  # the least degree that holds each sequence: a tier's sequences run side by side
+            tiers = (wall, deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64), n)
+        cands = partition_candidates(
+            lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers
+        )
         mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
         bounds = [sum(b) for b in mb_bounds]
-        order = self._screen(cands, bounds, types, caps_t, overheads, table, lengths, n, screen_deadline)
+        fill_deadline = t0 + 0.5 * max(0.0, solve_deadline - t0)
+        order = self._screen(
+            cands, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
+        )
         best_total, best_mbs, finished, tried = np.inf, None, False, 0
         for ci, starts in order:
             split = cands[ci]
@@ -285,12 +301,16 @@ class Planner:
         }
         return StepPlan(plan, float(best_total), bound, done - t0, status, details)
 
-    def _screen(self, cands, bounds, types, caps_t, overheads, table, lengths, n, screen_deadline):
+    def _screen(
+        self, cands, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
+    ):
         """Order candidate splits by their best static layouts (what the MILP starts from), cheapest first.
 
         Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
         which no LP bound sees. Screening runs in bound order (memory-full splits last) until `screen_deadline`;
-        splits it did not reach follow in that order.
+        splits it did not reach follow in that order. With ``fill_starts`` the screened splits are then, cheapest
+        first until `fill_deadline`, packed again with mixed layouts (``solver.fill``), each micro-batch keeping the
+        better of the two, and ordered again.
         Returns [(candidate index, per-micro-batch static drafts or None)].
         """
         cap = self.profile.tokens_per_device
@@ -311,7 +331,31 @@ class Planner:
             best_est = min(best_est, est)
             done.append((est, ci, starts))
         done.sort(key=lambda x: x[0])
+        if self.config.fill_starts:
+            done = self._fill_starts(done, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, fill_deadline)
         return [(ci, starts) for _, ci, starts in done] + rest
+
+    def _fill_starts(self, done, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, deadline):
+        """Each screened split (cheapest first, until `deadline`) with every micro-batch's start replaced by its mixed
+        layout from ``solver.fill`` where that is faster; ordered again by the new estimate."""
+        out = []
+        for k, (est, ci, starts) in enumerate(done):
+            if time.monotonic() >= deadline or not np.isfinite(est):
+                out.extend(done[k:])
+                break
+            new = list(starts)
+            for j, (items, start) in enumerate(zip(cands[ci], starts, strict=True)):
+                lower = mb_bounds[ci][j]
+                if start.makespan() <= lower * (1 + self.config.tolerance):
+                    continue  # already at its bound
+                got = fill_draft(
+                    items, types, table, lengths, n, caps_t, overheads, lower, start.makespan(), deadline=deadline
+                )
+                if got is not None and got.makespan() < start.makespan():
+                    new[j] = got
+            out.append((sum(d.makespan() for d in new), ci, new))
+        out.sort(key=lambda x: x[0])
+        return out
 
     def _solve_split(
         self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts, run, wait_until=None
