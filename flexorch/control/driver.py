@@ -79,6 +79,7 @@ class TrainingDriver:
         self._error: str | None = None
         self._step_wall: list[float] = []
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
+        self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self.workers: WorkerGroup | None = None
         self.planner = None
         self._stop_reason: str | None = None  # set by request_stop: the loop ends after the step in flight
@@ -180,7 +181,7 @@ class TrainingDriver:
             if n < 1:  # the elastic policy fails before this; never ask for a plan for no worker
                 raise ElasticError(f"step {self.step_no}: no worker is left to run it")
             t_wait = time.perf_counter()
-            planned = self.planner.plan(batch.step, lengths, n)
+            planned = self.planner.plan(batch.step, lengths, n, self.cfg.plan.budget_for(self._last_step_ms))
             plan_wait_ms = (time.perf_counter() - t_wait) * 1e3
             base = {
                 "step": self.step_no,
@@ -230,6 +231,7 @@ class TrainingDriver:
         if tokens != sum(s - 1 for s in lengths):
             raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")
         measured_ms = (t_done - t_dispatch) * 1e3
+        self._last_step_ms = measured_ms
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
         if not planned.pipelined:
             record["model_state"] = model_state_fields(self.cfg, n)
@@ -254,7 +256,8 @@ class TrainingDriver:
         dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
             nxt = self.stream.peek_after()
-            self.planner.plan_ahead(nxt.step, [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]], n)
+            budget = self.cfg.plan.budget_for(self._last_step_ms)  # a share of the step this solve overlaps
+            self.planner.plan_ahead(nxt.step, [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]], n, budget)
         # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
         waits = 2 * len(planned.plan.plan.units) if planned.pipelined else len(planned.plan.micro_batches)
         results, failure = self.workers.settle(refs, self.cfg.elastic.collective_timeout_s * (waits + 2))

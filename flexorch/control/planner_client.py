@@ -90,12 +90,14 @@ class PlannerSpec:
 class PlannerClient(Protocol):
     """How the driver gets plans: ``plan_ahead`` while a step runs, ``plan`` when the next step starts."""
 
-    def plan(self, stream_step: int, lengths: list[int], n: int) -> PlannedStep:
-        """The plan of stream step ``stream_step`` (its documents' ``lengths``) for ``n`` workers."""
+    def plan(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> PlannedStep:
+        """The plan of stream step ``stream_step`` (its documents' ``lengths``) for ``n`` workers, solved within
+        ``budget_s`` (default: the planner's ``time_limit_s``) when it was not solved ahead."""
         ...
 
-    def plan_ahead(self, stream_step: int, lengths: list[int], n: int) -> None:
-        """Start solving that plan now; a later :meth:`plan` with the same step and ``n`` takes it."""
+    def plan_ahead(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> None:
+        """Start solving that plan now, within ``budget_s``; a later :meth:`plan` with the same step and ``n``
+        takes it."""
         ...
 
     def forget(self) -> None:
@@ -125,7 +127,7 @@ class _PrefetchingClient:
     def _start(self) -> None:
         raise NotImplementedError
 
-    def _submit(self, lengths: list[int], n: int):
+    def _submit(self, lengths: list[int], n: int, budget_s: float | None = None):
         raise NotImplementedError
 
     def _wait(self, handle, timeout_s: float) -> PlannedStep:
@@ -139,11 +141,14 @@ class _PrefetchingClient:
         """True when ``error`` means the planner process is gone (it crashed or was killed)."""
         return False
 
-    def plan(self, stream_step: int, lengths: list[int], n: int) -> PlannedStep:
+    def plan(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> PlannedStep:
         if n < 1:
             raise ValueError(f"stream step {stream_step}: no worker is left to plan for (n={n})")
         pending, self._pending = self._pending, None
-        handle = pending[2] if pending is not None and pending[:2] == (stream_step, n) else self._submit(lengths, n)
+        if pending is not None and pending[:2] == (stream_step, n):
+            handle = pending[2]
+        else:
+            handle = self._submit(lengths, n, budget_s)
         try:
             return self._wait(handle, self.spec.timeout_s)
         except TimeoutError:
@@ -171,8 +176,8 @@ class _PrefetchingClient:
         planned = self.spec.fallback(lengths, n)
         return dataclasses.replace(planned, fallback_reason=reason, fallback_message=why)
 
-    def plan_ahead(self, stream_step: int, lengths: list[int], n: int) -> None:
-        self._pending = (stream_step, n, self._submit(lengths, n))
+    def plan_ahead(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> None:
+        self._pending = (stream_step, n, self._submit(lengths, n, budget_s))
 
     def forget(self) -> None:
         self._pending = None
@@ -188,8 +193,8 @@ class RayPlannerClient(_PrefetchingClient):
         args = self.spec.planner_args(self.spec.niceness)
         self.actor = StepPlannerActor.options(scheduling_strategy=here).remote(*args)
 
-    def _submit(self, lengths, n):
-        return self.actor.plan.remote(lengths, n)
+    def _submit(self, lengths, n, budget_s=None):
+        return self.actor.plan.remote(lengths, n, time_limit_s=budget_s)
 
     def _wait(self, handle, timeout_s):
         try:
@@ -223,14 +228,14 @@ class LocalPlannerClient(_PrefetchingClient):
         self.planner = StepPlanner(*self.spec.planner_args(0))  # never renice the caller's own process
         self._lock = threading.Lock()
 
-    def _submit(self, lengths, n):
+    def _submit(self, lengths, n, budget_s=None):
         future: concurrent.futures.Future = concurrent.futures.Future()
         planner, lock = self.planner, self._lock
 
         def solve() -> None:
             with lock:
                 try:
-                    future.set_result(planner.plan(lengths, n))
+                    future.set_result(planner.plan(lengths, n, time_limit_s=budget_s))
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting step
                     future.set_exception(e)
 

@@ -22,7 +22,10 @@ Keys of every record (``source`` is ``"plan"`` or ``"train"``):
 * ``fallback`` (optional, null when the step got the planner's own plan): ``{"reason", "message"}`` saying why it
   did not: ``timeout`` (the planner gave nothing in time, or its budget ran out before any MILP plan), ``crash`` (the
   planner process died), ``error`` (the planner raised) or ``infeasible`` (no plan fits: the step was skipped);
-  ``solver_crashes`` (optional): MILP solves that died natively while planning the step (each cost that solve).
+  ``solver_crashes`` (optional): MILP solves that died natively while planning the step (each cost that solve);
+  ``plan_budget_s`` (optional, null where no planner ran): the planning budget the step's plan was given (a share
+  of the previous step's time in a run, ``[plan] budget``); ``gap`` (optional, null without a bound): the plan's
+  ``predicted_ms / bound_ms - 1``, how far from the optimum it can be.
 
 A pipelined step (``[pipeline] stages`` set) has ``plan`` and ``timeline`` null and ``shape`` like ``"pp 2x2 ·
 12 units"``; its ``pipeline`` holds ``stages``, ``degree`` (workers per stage, SP inside a stage), ``layers``
@@ -306,6 +309,10 @@ def _check_fallback(rec: dict, where: str) -> None:
                 f"{where}: 'fallback' must be null or {{'reason': one of {list(FALLBACK_REASONS)}, 'message': str}}, "
                 f"got {fb!r}"
             )
+    for key in ("plan_budget_s", "gap"):
+        v = rec.get(key)
+        if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0):
+            raise RecordError(f"{where}: {key!r} must be null or a number >= 0, got {v!r}")
     crashes = rec.get("solver_crashes", 0)
     if isinstance(crashes, bool) or not isinstance(crashes, int) or crashes < 0:
         raise RecordError(f"{where}: 'solver_crashes' must be an integer >= 0, got {crashes!r}")

@@ -87,6 +87,8 @@ def plan_fields(planned, profile) -> dict:
         "reason": None,
         "predicted_ms": planned.predicted_ms,
         "bound_ms": planned.bound_ms,
+        "plan_budget_s": planned.budget_s or None,
+        "gap": planned.gap,
         "fallback": fallback_field(planned),
         "solver_crashes": planned.solver_crashes,
     }

@@ -145,9 +145,16 @@ def micro_batch_bound_ms(table: np.ndarray, degrees: np.ndarray, num_devices: in
 
 
 def step_bound_ms(
-    table: np.ndarray, types, lengths, num_devices: int, tokens_per_device: int, overheads: np.ndarray
+    table: np.ndarray,
+    types,
+    lengths,
+    num_devices: int,
+    tokens_per_device: int,
+    overheads: np.ndarray,
+    split: bool = True,
 ) -> float:
-    """Bound for a whole step (any micro-batching): the larger of the memory and the latency bounds.
+    """Bound for a whole step (any micro-batching): the largest of the memory, the latency and (with `split`, the
+    default) the split bound.
 
     `overheads[t]` is the fixed cost O_t of a group of type t per micro-batch (`solver.packing.type_overheads`).
     """
@@ -172,7 +179,7 @@ def step_bound_ms(
     memory = max(total / n, t_star + (total - min(k, n * t_star)) / n)
     bound = max(memory, latency_area_bound_ms(table, degrees, n, extra))
     rest_tokens = float(lengths.sum()) - n * tokens_per_device  # what the slowest micro-batch cannot hold
-    if rest_tokens > 0:
+    if split and rest_tokens > 0:
         per_token = area / np.maximum(lengths, 1.0)
         cheap = np.argsort(per_token, kind="stable")
         toks = lengths[cheap]

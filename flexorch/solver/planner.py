@@ -308,9 +308,9 @@ class Planner:
 
         Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
         which no LP bound sees. Screening runs in bound order (memory-full splits last) until `screen_deadline`;
-        splits it did not reach follow in that order. With ``fill_starts`` the screened splits are then, cheapest
-        first until `fill_deadline`, packed again with mixed layouts (``solver.fill``), each micro-batch keeping the
-        better of the two, and ordered again.
+        splits it did not reach follow in that order. With ``fill_starts`` the screened splits are then, lowest
+        bound first until `fill_deadline`, packed again with mixed layouts (``solver.fill``), each micro-batch
+        keeping the better of the two, and ordered again.
         Returns [(candidate index, per-micro-batch static drafts or None)].
         """
         cap = self.profile.tokens_per_device
@@ -332,12 +332,13 @@ class Planner:
             done.append((est, ci, starts))
         done.sort(key=lambda x: x[0])
         if self.config.fill_starts:
+            done.sort(key=lambda x: (bounds[x[1]], x[0]))  # the splits that could be best first: they get packed
             done = self._fill_starts(done, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, fill_deadline)
         return [(ci, starts) for _, ci, starts in done] + rest
 
     def _fill_starts(self, done, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, deadline):
-        """Each screened split (cheapest first, until `deadline`) with every micro-batch's start replaced by its mixed
-        layout from ``solver.fill`` where that is faster; ordered again by the new estimate."""
+        """Each screened split (in the order given, until `deadline`) with every micro-batch's start replaced by its
+        mixed layout from ``solver.fill`` where that is faster; ordered again by the new estimate."""
         out = []
         for k, (est, ci, starts) in enumerate(done):
             if time.monotonic() >= deadline or not np.isfinite(est):

@@ -58,6 +58,16 @@ class PlannedStep:
     """The reason in words (what happened, what to do), shown in the progress line and the viewer."""
     solver_crashes: int = 0
     """MILP solves that died natively in this plan (each cost that solve, not the plan: ``solver.planner``)."""
+    budget_s: float = 0.0
+    """The planning budget this plan was given (s): ``time_limit_s``, or in a run the share of the measured step
+    time the overlap gives (``PlanSettings.budget_for``); 0 where no planner ran (a fallback)."""
+
+    @property
+    def gap(self) -> float | None:
+        """How far the plan may be from the optimum: predicted / bound - 1 (None where no bound is computed)."""
+        if self.bound_ms <= 0 or self.plan is None:
+            return None
+        return max(0.0, self.predicted_ms / self.bound_ms - 1.0)  # the bound is below the plan (checked above)
 
     def __post_init__(self) -> None:
         if self.plan is not None and not isinstance(self.plan, Plan | StagedPlan):
@@ -161,24 +171,31 @@ class StepPlanner:
                 raise ValueError("crash injection needs the adaptive planner (no static layout, no pipeline stages)")
             self._planner.inject_crashes(crashes)
 
-    def plan(self, lengths, num_devices: int, with_baselines: bool = True) -> PlannedStep:
-        """Plan one batch within ``config.time_limit_s`` of wall time, everything included (the MILP planner, the
-        BatchAda floor, the baselines' predictions)."""
+    def plan(
+        self, lengths, num_devices: int, with_baselines: bool = True, time_limit_s: float | None = None
+    ) -> PlannedStep:
+        """Plan one batch within ``time_limit_s`` (default ``config.time_limit_s``) of wall time, everything included
+        (the MILP planner, the BatchAda floor, the baselines' predictions); the answer says the budget it had."""
+        limit = self.config.time_limit_s if time_limit_s is None else float(time_limit_s)
+        if not limit > 0:
+            raise ValueError(f"time_limit_s must be > 0 seconds, got {time_limit_s!r}")
+        return dataclasses.replace(self._plan(lengths, num_devices, with_baselines, limit), budget_s=limit)
+
+    def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float) -> PlannedStep:
         if self._hangs > 0:
             self._hangs -= 1
             time.sleep(10**6)
         t0 = time.perf_counter()
         start = time.monotonic()
-        deadline = start + self.config.time_limit_s
+        deadline = start + limit
         crashes = 0
         try:
             check_num_devices(num_devices)
             if self.pipeline_stages != 1:
-                return self._plan_pipeline(lengths, num_devices, t0)
+                return self._plan_pipeline(lengths, num_devices, t0, limit)
             if self.static is None:
                 # the baselines are planned while the MILP solves run in the solver process, and after the planner
                 # in the time kept for them: what that took last time (x1.5), 10-40 % of the budget (40 % at first)
-                limit = self.config.time_limit_s
                 keep = (
                     0.4 * limit
                     if self._baselines_s is None
@@ -224,10 +241,9 @@ class StepPlanner:
             )
         return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
 
-    def _plan_pipeline(self, lengths, num_devices: int, t0: float) -> PlannedStep:
+    def _plan_pipeline(self, lengths, num_devices: int, t0: float, limit: float) -> PlannedStep:
         """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
         baseline's schedule is faster it runs instead (status ``pipeline-1f1b`` / ``pipeline-seq1f1b-4``)."""
-        limit = self.config.time_limit_s
         staged = plan_staged(lengths, num_devices, self.pipeline_profile, self.pipeline_stages, time_limit_s=limit)
         bases = pipeline_baselines(lengths, staged, self.pipeline_profile, time_limit_s=limit)
         status = "pipeline"

@@ -1,0 +1,203 @@
+"""Issue 22's planner parts: mixed-layout starts (``solver.fill``), tiered splits, the split bound, and the budget a
+plan gets (``PlanSettings.budget_for``, ``StepPlanner.plan(time_limit_s=)``, the records' ``plan_budget_s``/``gap``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from flexorch.config import PlanSettings
+from flexorch.config.errors import ConfigError
+from flexorch.records.schema import RecordError, validate_record
+from flexorch.solver import PlannerConfig, plan_step, step_time_ms
+from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
+from flexorch.solver.fill import fill_draft, fill_pack
+from flexorch.solver.microbatching import tiered_split
+from flexorch.solver.packing import best_homogeneous_draft, group_types, time_table, type_caps, type_overheads
+from flexorch.solver.profiles import get_profile
+from flexorch.solver.step_planner import StepPlanner
+from tests.solver_helpers import TINY, TINY_PROFILES, brute_force_optimum
+
+
+def _setup(lengths, n, profile):
+    types = group_types(n, profile)
+    table = time_table(lengths, types, profile)
+    return types, table, type_caps(types, profile), type_overheads(types, profile)
+
+
+def _check_draft(draft, items, types, table, lengths, caps, overheads, n):
+    """Every item in exactly one group, memory and devices respected, loads what the cost model says."""
+    placed = sorted(i for m in draft.members for i in m)
+    assert placed == sorted(items)
+    used = [g for g, m in enumerate(draft.members) if m]
+    assert sum(types[draft.group_type[g]].degree for g in used) <= n
+    for g in used:
+        t = draft.group_type[g]
+        assert lengths[draft.members[g]].sum() <= caps[t]
+        want = overheads[t] + table[draft.members[g], t].sum()
+        assert draft.loads[g] == pytest.approx(want, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fill_packs_validly_and_never_beats_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(seed)
+    profile = TINY_PROFILES[list(TINY_PROFILES)[seed % len(TINY_PROFILES)]]
+    n = int(rng.choice([2, 4, 8]))
+    lengths = np.minimum(n * TINY.tokens_per_device // 2, np.ceil(rng.pareto(1.2, 5) * 30 + 1)).astype(int)
+    types, table, caps, overheads = _setup(lengths, n, profile)
+    items = list(range(lengths.size))
+    deg = np.array([t.degree for t in types], dtype=np.float64)
+    lower = micro_batch_bound_ms(table, deg, n, overheads)
+    start = best_homogeneous_draft(items, types, table, lengths, n, caps, overheads)
+    got = fill_draft(items, types, table, lengths, n, caps, overheads, lower, start.makespan())
+    assert got is not None
+    _check_draft(got, items, types, table, lengths, caps, overheads, n)
+    best, best_single = brute_force_optimum(lengths, n, profile)
+    assert got.makespan() >= best_single * (1 - 1e-9)  # one micro-batch: nothing packs it faster than the optimum
+    assert got.makespan() >= lower * (1 - 1e-9)
+    # a target below the bound cannot be met, one at the draft's makespan can
+    assert fill_pack(items, deg, table, lengths, n, caps, overheads, lower * 0.5) is None
+    again = fill_pack(items, deg, table, lengths, n, caps, overheads, 10 * start.makespan())
+    assert again is not None and again.makespan() <= 10 * start.makespan()
+
+
+def test_fill_mixes_group_types_where_the_homogeneous_start_cannot():
+    # one sequence needs 2 devices' memory, the rest are short: a homogeneous layout runs every short one on a
+    # 2-device group; the mixed layout gives them single devices beside the long one's group
+    n = 8
+    lengths = np.array([150] + [10] * 40)
+    types, table, caps, overheads = _setup(lengths, n, TINY)
+    items = list(range(lengths.size))
+    deg = np.array([t.degree for t in types], dtype=np.float64)
+    start = best_homogeneous_draft(items, types, table, lengths, n, caps, overheads)
+    got = fill_draft(
+        items,
+        types,
+        table,
+        lengths,
+        n,
+        caps,
+        overheads,
+        micro_batch_bound_ms(table, deg, n, overheads),
+        start.makespan(),
+    )
+    _check_draft(got, items, types, table, lengths, caps, overheads, n)
+    assert len({types[t].degree for t, m in zip(got.group_type, got.members, strict=True) if m}) >= 2
+    assert got.makespan() < 0.9 * start.makespan()
+
+
+def test_tiered_split_puts_the_slow_sequences_side_by_side():
+    # FlexSP's GPT-7B setting on 256 devices: 230K-token sequences need 64-device groups, whose all-to-all spans
+    # nodes, so each runs ~74 s, far beyond an average micro-batch's ~12 s share; 4 fit side by side, so two
+    # micro-batches hold the 5 of them (the balanced split gives each its own micro-batch and its makespan)
+    profile = get_profile("gpt-7b-a100")
+    n, cap = 256, profile.tokens_per_device
+    rng = np.random.default_rng(0)
+    lengths = np.array([230_000] * 5 + rng.integers(200, 40_000, 600).tolist())
+    types, table, _, overheads = _setup(lengths, n, profile)
+    area, wall = area_and_min_time(table, types)
+    deg = np.array([t.degree for t in types])
+    need = deg[np.argmax(np.isfinite(table), axis=1)]
+    assert (need[:5] == 64).all()
+    split = tiered_split(lengths, area, wall, need, n, capacity_tokens=n * cap)
+    assert sorted(i for c in split for i in c) == list(range(lengths.size))
+    assert all(lengths[c].sum() <= n * cap for c in split)
+    holding = [c for c in split if any(i < 5 for i in c)]
+    assert len(holding) == 2 and sorted(sum(i < 5 for i in c) for c in holding) == [1, 4]
+    # nothing slow: no tier, the caller keeps the balanced split
+    assert tiered_split(lengths[5:], area[5:], wall[5:], need[5:], n, capacity_tokens=n * cap) is None
+
+
+def test_split_bound_is_valid_and_binds_on_memory_bound_batches():
+    """The split bound (the other micro-batches hold what the slowest cannot) stays below the brute-force optimum,
+    and on batches of one long sequence and short ones that need two micro-batches it is above the bound without
+    it (it is not a term that never binds)."""
+    rng = np.random.default_rng(3)
+    above = checked = 0
+    for profile in TINY_PROFILES.values():
+        for _ in range(12):
+            n = int(rng.choice([2, 4]))
+            k = int(rng.integers(3, 6))
+            lengths = np.concatenate([rng.integers(n * 50, n * 100, 1), rng.integers(5, n * 40, k - 1)])
+            if lengths.sum() <= n * profile.tokens_per_device:
+                continue
+            types, table, _, overheads = _setup(lengths, n, profile)
+            bound = step_bound_ms(table, types, lengths, n, profile.tokens_per_device, overheads)
+            before = step_bound_ms(table, types, lengths, n, profile.tokens_per_device, overheads, split=False)
+            best, _ = brute_force_optimum(lengths, n, profile)
+            assert before <= bound <= best * (1 + 1e-9), (profile.name, n, lengths.tolist(), bound, best)
+            above += bound > before * (1 + 1e-6)
+            checked += 1
+    assert checked >= 20 and above >= 5
+
+
+def test_planner_with_fill_and_tiers_beats_the_planner_without_on_a_long_tailed_batch():
+    profile = get_profile("gpt-7b-a100")
+    n, cap = 64, profile.tokens_per_device
+    rng = np.random.default_rng(1)
+    lengths = np.concatenate([[int(cap * 40)] * 2, rng.integers(cap, 8 * cap, 12), rng.integers(100, cap, 300)])
+    old = PlannerConfig(time_limit_s=3.0, isolate=False, fill_starts=False, tiered_splits=False)
+    new = PlannerConfig(time_limit_s=3.0, isolate=False)
+    a, b = plan_step(lengths, n, profile, old), plan_step(lengths, n, profile, new)
+    assert step_time_ms(b.plan, profile) == pytest.approx(b.predicted_ms, rel=1e-9)
+    assert b.bound_ms == a.bound_ms and b.predicted_ms >= b.bound_ms
+    assert b.predicted_ms < a.predicted_ms
+
+
+def test_plan_budget_follows_the_measured_step():
+    s = PlanSettings(time_limit_s=0.5, timeout_s=10.0, budget_share=0.5)
+    assert s.budget_for(None) == 0.5  # nothing measured yet
+    assert s.budget_for(400.0) == 0.5  # a share of a short step is less than the floor
+    assert s.budget_for(6000.0) == pytest.approx(3.0)
+    assert s.budget_for(60_000.0) == pytest.approx(5.0)  # at most half of timeout_s: the wait never times out
+    assert PlanSettings(time_limit_s=0.5, budget="fixed").budget_for(6000.0) == 0.5
+    for bad in ({"budget": "auto"}, {"budget_share": 0}, {"budget_share": 1.5}):
+        with pytest.raises(ConfigError, match="plan.budget"):
+            PlanSettings(**bad)
+
+
+def test_step_planner_takes_a_budget_per_call_and_says_it():
+    profile = get_profile("gpt-7b-a100")
+    lengths = [300, 4096, 20_000, 80, 2048] * 4
+    sp = StepPlanner(profile, PlannerConfig(time_limit_s=0.3, isolate=False))
+    try:
+        a = sp.plan(lengths, 16)
+        b = sp.plan(lengths, 16, time_limit_s=0.6)
+        assert a.budget_s == 0.3 and b.budget_s == 0.6
+        assert a.solve_s <= 0.3 * 1.5 + 0.1 and b.gap is not None and b.gap >= 0
+        assert b.gap == pytest.approx(max(0.0, b.predicted_ms / b.bound_ms - 1))
+        with pytest.raises(ValueError, match="time_limit_s"):
+            sp.plan(lengths, 16, time_limit_s=0)
+    finally:
+        sp.close()
+
+
+def test_records_carry_the_budget_and_the_gap_and_reject_bad_ones():
+    from flexorch.records.writer import plan_fields
+
+    profile = get_profile("gpt-7b-a100")
+    sp = StepPlanner(profile, PlannerConfig(time_limit_s=0.3, isolate=False))
+    try:
+        planned = sp.plan([300, 4096, 20_000, 80, 2048], 16)
+    finally:
+        sp.close()
+    fields = plan_fields(planned, profile)
+    assert fields["plan_budget_s"] == 0.3 and fields["gap"] == pytest.approx(planned.gap)
+    rec = {
+        "schema": "flexorch.step/4",
+        "source": "plan",
+        "step": 0,
+        "time": 0.0,
+        "epoch": 0,
+        "world_size": 16,
+        "seq_lengths": [300, 4096, 20_000, 80, 2048],
+        "tokens": 300 + 4096 + 20_000 + 80 + 2048 - 5,
+        "mode": "adaptive",
+        "solve_s": planned.solve_s,
+        "baselines_ms": {},
+        **fields,
+    }
+    validate_record(rec)
+    for key, bad in (("gap", -0.1), ("plan_budget_s", "1s")):
+        with pytest.raises(RecordError, match=key):
+            validate_record({**rec, key: bad})
