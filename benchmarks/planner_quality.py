@@ -22,6 +22,10 @@ Batches come from ``flexorch.data.stream.DocumentStream`` (seed 0), as in traini
 
     python benchmarks/planner_quality.py                  # 5 steps per setting at 1 s (about 15 minutes on 2 cores)
     python benchmarks/planner_quality.py --steps 2 --long 5 --settings wiki64
+    python benchmarks/planner_quality.py --old            # the same without issue 22's starts and splits
+
+The bound includes the split bound (``solver.bounds``) in both cases, so ``--old`` against the default shows what
+the mixed-layout starts (``solver.fill``) and tiered splits did to the plans.
 """
 
 from __future__ import annotations
@@ -98,7 +102,7 @@ def same_split(plan: Plan, lengths: np.ndarray, n: int, profile, long_s: float, 
     return min(step_time_ms(again, profile), step_time_ms(plan, profile))
 
 
-def run(name: str, steps: int, budget: float, long_s: float, solver: str) -> list[dict]:
+def run(name: str, steps: int, budget: float, long_s: float, solver: str, old: bool = False) -> list[dict]:
     profile, pool, n, batch = setting(name)
     stream = DocumentStream(pool.size, batch, seed=0)
     print(
@@ -111,8 +115,9 @@ def run(name: str, steps: int, budget: float, long_s: float, solver: str) -> lis
     )
     rows = []
     t0 = time.monotonic()
-    cfg = PlannerConfig(time_limit_s=budget, solver=solver)
-    long_cfg = PlannerConfig(time_limit_s=30 * budget, solver=solver)
+    knobs = {"fill_starts": False, "tiered_splits": False} if old else {}  # --old: before issue 22's changes
+    cfg = PlannerConfig(time_limit_s=budget, solver=solver, **knobs)
+    long_cfg = PlannerConfig(time_limit_s=30 * budget, solver=solver, **knobs)
     with Planner(profile, cfg) as quick, Planner(profile, long_cfg) as slow:
         for step in range(steps):
             lengths = pool[list(stream.next_batch().doc_ids)]
@@ -154,10 +159,13 @@ def main(argv=None) -> int:
     ap.add_argument("--long", type=float, default=20.0, help="split*: seconds per micro-batch")
     ap.add_argument("--settings", default="wiki64,code256", help="comma-separated: wiki64, code256")
     ap.add_argument("--solver", default="highs", choices=("highs", "cbc"))
+    ap.add_argument(
+        "--old", action="store_true", help="the planner without mixed-layout starts and tiered splits (issue 22)"
+    )
     args = ap.parse_args(argv)
     print(f"planner quality: {os.cpu_count()} CPUs, MILP backend {args.solver}")
     for name in args.settings.split(","):
-        run(name.strip(), args.steps, args.budget, args.long, args.solver)
+        run(name.strip(), args.steps, args.budget, args.long, args.solver, args.old)
     return 0
 
 

@@ -344,3 +344,29 @@ def test_run_loops_the_transitions_to_the_end_without_ray(tmp_path, profile, cor
     finally:
         driver.shutdown()
     assert not ray.is_initialized(), "the transition tests must not start Ray"
+
+
+@pytest.mark.parametrize("budget", ["step", "fixed"])
+def test_each_plan_gets_a_share_of_the_last_measured_step_and_the_record_says_so(tmp_path, profile, corpus, budget):
+    # the plan of step k is solved while step k-1 runs, so it gets a share of step k-2's measured time (the floor,
+    # time_limit_s, before any step was measured); with budget = "fixed" always the floor
+    plan = {"budget": budget, "budget_share": 1.0, "time_limit_s": 0.001, "timeout_s": 5.0}
+    cfg = _cfg(tmp_path, profile, steps=4, plan=plan)
+    driver, _ = fake_driver(cfg, corpus)
+    try:
+        for _ in range(4):
+            driver.step()
+    finally:
+        driver.shutdown()
+    recs = read_records(cfg.run_dir + "/steps.jsonl", validate=True)
+    assert [r["step"] for r in recs] == [0, 1, 2, 3]
+    budgets = [r["plan_budget_s"] for r in recs]
+    if budget == "fixed":
+        assert budgets == [0.001] * 4
+    else:
+        assert budgets[:2] == [0.001, 0.001]
+        for k in (2, 3):
+            assert budgets[k] == pytest.approx(cfg.plan.budget_for(recs[k - 2]["measured_ms"]), rel=1e-3)
+            assert budgets[k] > 0.001
+    for r in recs:
+        assert r["gap"] is None or r["gap"] == pytest.approx(r["predicted_ms"] / r["bound_ms"] - 1, abs=1e-9)
