@@ -10,7 +10,7 @@ from flexorch.config import PlanSettings
 from flexorch.config.errors import ConfigError
 from flexorch.records.schema import RecordError, validate_record
 from flexorch.solver import PlannerConfig, plan_step, step_time_ms
-from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
+from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms, tall_bound_ms
 from flexorch.solver.fill import fill_draft, fill_pack
 from flexorch.solver.microbatching import tiered_split
 from flexorch.solver.packing import best_homogeneous_draft, group_types, time_table, type_caps, type_overheads
@@ -129,6 +129,32 @@ def test_split_bound_is_valid_and_binds_on_memory_bound_batches():
             above += bound > before * (1 + 1e-6)
             checked += 1
     assert checked >= 20 and above >= 5
+
+
+def test_tall_bound_is_valid_and_binds_where_slow_sequences_need_many_devices():
+    """3-4 sequences that each need half of 8 devices (and short ones): two fit side by side, so the sum of the
+    micro-batches' makespans is at least 2 of their times; the area bound spreads them over all devices."""
+    rng = np.random.default_rng(5)
+    tall_binds = checked = 0
+    for profile in TINY_PROFILES.values():
+        for _ in range(6):
+            n = 8
+            lengths = np.concatenate(
+                [rng.integers(210, 300, int(rng.integers(3, 5))), rng.integers(5, 40, int(rng.integers(0, 2)))]
+            )
+            types, table, _, overheads = _setup(lengths, n, profile)
+            bound = step_bound_ms(table, types, lengths, n, profile.tokens_per_device, overheads)
+            before = step_bound_ms(table, types, lengths, n, profile.tokens_per_device, overheads, split=False)
+            best, _ = brute_force_optimum(lengths, n, profile)
+            assert before <= bound <= best * (1 + 1e-9), (profile.name, lengths.tolist(), bound, best)
+            deg = np.array([t.degree for t in types], dtype=np.float64)
+            o = np.asarray(overheads)
+            area, _ = area_and_min_time(table, types, o, lengths, profile.tokens_per_device)
+            tall = tall_bound_ms(table, deg, lengths, area, n, profile.tokens_per_device)
+            m_min = max(1, int(np.ceil(lengths.sum() / (n * profile.tokens_per_device))))
+            tall_binds += m_min * o.min() + tall > before * (1 + 1e-6)
+            checked += 1
+    assert checked == 24 and tall_binds >= 6
 
 
 def test_planner_with_fill_and_tiers_beats_the_planner_without_on_a_long_tailed_batch():

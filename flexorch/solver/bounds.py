@@ -45,7 +45,22 @@ With R = 0 (everything fits one micro-batch) this is the latency bound. It is wh
 micro-batches pays for their count: each of them is shorter than the step, so a long sequence may need a faster,
 costlier group than the latency bound (which lets it take the whole step) allows.
 
-The reported bound is the largest of the three. It holds for every plan, whatever its micro-batching, so the
+Slow sequences that need many devices (tall bound, issue 22). Let w(s) = min_t t(s, t), the least time of s on any
+group (without the fixed costs), and n(s) the least degree of a group that holds it. Take a threshold tau and the
+sequences H with w >= tau. A group of a micro-batch lasting X < j*tau runs fewer than j of them one after another,
+and its degree is at least the n(s) of each, so the micro-batches with X >= tau ("tall"; every H sequence is in
+one) give H at most N*floor(X/tau) devices each: sum over tall micro-batches of floor(X/tau) >= k = ceil(sum_H n(s)
+/ N), hence S = sum_tall X >= tau*k, and there are at most S/tau tall micro-batches, holding at most S/tau * N*cap
+tokens. The others hold the rest, at least L - S*N*cap/tau tokens of sequences not in H, whose least area is at
+least R(L - S*N*cap/tau) (the fractional knapsack above, over the sequences not in H). So
+
+    step >= M_min * O + min over S >= tau*k of ( S + R(L - S*N*cap/tau) / N )
+
+(convex in S: evaluated at tau*k and at R's breakpoints), for every tau; the bound takes the best tau among the
+slowest sequences. It binds where a few sequences need a large share of the devices each and run far longer than a
+micro-batch's share of the work (FlexSP's 64-device groups over slow links), which the other bounds spread thin.
+
+The reported bound is the largest of the four. It holds for every plan, whatever its micro-batching, so the
 reported gap (plan / bound - 1) is an honest over-estimate of the distance to the optimum.
 """
 
@@ -60,6 +75,7 @@ from flexorch.solver.packing import GroupType
 __all__ = [
     "area_and_min_time",
     "latency_area_bound_ms",
+    "tall_bound_ms",
     "micro_batch_bound_ms",
     "step_bound_ms",
     "min_micro_batches",
@@ -186,4 +202,42 @@ def step_bound_ms(
         take = np.clip(rest_tokens - (np.cumsum(toks) - toks), 0.0, toks)  # cheapest device-time per token first
         rest = float((per_token[cheap] * take).sum())
         bound = max(bound, latency_area_bound_ms(table, degrees, n, extra, rest_ms=rest / n))
+    if split:
+        bound = max(bound, tall_bound_ms(table, degrees, lengths, area, n, tokens_per_device))
     return m_min * base + bound
+
+
+def tall_bound_ms(
+    table: np.ndarray, degrees, lengths, area: np.ndarray, num_devices: int, tokens_per_device: int, most: int = 128
+) -> float:
+    """The tall bound (module docstring), without M_min * O, over thresholds tau at the `most` slowest sequences.
+
+    ``area[s]``: each sequence's least device-time (``area_and_min_time`` with the token share of fixed costs)."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    finite = np.isfinite(table)
+    w = np.where(finite, table, np.inf).min(axis=1)
+    need = np.asarray(degrees, dtype=np.float64)[np.argmax(finite, axis=1)]  # least degree that holds each
+    n, cap = num_devices, tokens_per_device
+    slow = np.argsort(-w, kind="stable")
+    cheap = np.argsort(area / np.maximum(lengths, 1.0), kind="stable")  # least device-time per token first
+    toks_all, area_all = lengths[cheap], area[cheap]
+    rank = np.empty(lengths.size, dtype=np.int64)
+    rank[slow] = np.arange(lengths.size)
+    total = float(lengths.sum())
+    best = 0.0
+    for j in range(min(most, lengths.size)):
+        tau = float(w[slow[j]])
+        if not tau > 0:
+            break
+        k = math.ceil(float(need[slow[: j + 1]].sum()) / n - 1e-9)
+        light = rank[cheap] > j  # not in H, in cheapest-per-token order
+        toks, ar = toks_all[light], area_all[light]
+        cum = np.concatenate([[0.0], np.cumsum(toks)])  # R's breakpoints (tokens) and its values there
+        val = np.concatenate([[0.0], np.cumsum(ar)])
+        x0 = total - k * n * cap  # tokens the short micro-batches hold at least when S = tau * k
+        xs = np.concatenate([[max(0.0, x0)], cum[cum < x0]])  # S at least tau*k: x at most x0
+        rs = np.interp(xs, cum, val, right=np.inf)  # R(x): inf where the light sequences cannot hold x tokens
+        f = tau * (total - xs) / (n * cap) + rs / n  # S + R(x)/N with S = tau * (L - x) / (N * cap)
+        f = np.maximum(f, tau * k)  # S >= tau * k
+        best = max(best, float(f.min()))
+    return best

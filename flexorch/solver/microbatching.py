@@ -31,7 +31,7 @@ def partition_candidates(
     lengths, work, capacity_tokens: int, extra: int = 4, deadline: float | None = None, tiers=None
 ) -> list[list[list[int]]]:
     """Splits into M = M_min .. M_min + extra micro-batches, a balanced one and FlexSP's sorted one for each, and
-    with `tiers` = (wall, min_devices, num_devices) a tiered one for each (:func:`tiered_split`), first.
+    with `tiers` = (wall, min_devices, num_devices[, own]) a tiered one for each (:func:`tiered_split`), first.
 
     A split is kept only when every micro-batch fits `capacity_tokens` (the tokens all N devices hold).
     Duplicates are removed; order is by M then strategy. Past `deadline` (``time.monotonic()``) no further M is
@@ -63,7 +63,17 @@ def iter_candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=N
         )
         tiered = None
         if tiers is not None:
-            tiered = tiered_split(lengths, work, *tiers, capacity_tokens=capacity_tokens, extra=m - m_min)
+            wall, need, num_devices, *own = tiers
+            tiered = tiered_split(
+                lengths,
+                work,
+                wall,
+                need,
+                num_devices,
+                capacity_tokens=capacity_tokens,
+                extra=m - m_min,
+                own=own[0] if own else None,
+            )
         for split in (tiered, balanced, sorted_split(lengths, m, order_len)):
             if split is None or any(int(lengths[c].sum()) > capacity_tokens for c in split):
                 continue
@@ -155,6 +165,7 @@ def tiered_split(
     extra: int = 0,
     ratio: float = TIER_RATIO,
     fill: float = 0.95,
+    own=None,
 ) -> list[list[int]] | None:
     """Slow sequences in micro-batches of their own, the rest balanced (None when the rest cannot be split).
 
@@ -162,7 +173,10 @@ def tiered_split(
     ``sum(work) / N / M`` with M = their memory minimum + `extra`; the sequences whose least wall time `wall` is over
     `ratio` times that, slowest first, go first-fit into the tiered micro-batches so far, where they fit side by side:
     the groups they need (`min_devices`, the least degree that holds each) add up to at most N devices and their
-    tokens to `fill` of the memory. Then the next tier. What is left is split by :func:`balanced_split`.
+    tokens to `fill` of the memory. Then the next tier. With `own` = (devices, time) of each sequence on its
+    least-device-time group, each tiered micro-batch is then topped up, slowest first, with the sequences left that
+    run on such a group of their own within its makespan on the devices it leaves free (they cost it nothing). What
+    is left is split by :func:`balanced_split`.
     ``work[i]`` is sequence i's least device-time (``solver.bounds.area_and_min_time``), ``wall[i]`` its least time.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -189,6 +203,25 @@ def tiered_split(
         rest = rest[wall[rest] <= ratio * share]
     if not chunks:
         return None  # no tier: the balanced split is the same
+    if own is not None and rest.size:
+        own_dev, own_time = (np.asarray(x) for x in own)
+        left = rest[np.argsort(-wall[rest], kind="stable")].tolist()
+        for c in chunks:
+            span = float(wall[c[0]].max())
+            keep = []
+            for i in left:
+                if (
+                    c[1] + own_dev[i] <= num_devices
+                    and c[2] + lengths[i] <= fill * capacity_tokens
+                    and own_time[i] <= span
+                ):
+                    c[0].append(i)
+                    c[1] += int(own_dev[i])
+                    c[2] += int(lengths[i])
+                else:
+                    keep.append(i)
+            left = keep
+        rest = np.array(sorted(left), dtype=np.int64)
     out = [c[0] for c in chunks]
     if rest.size:
         m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra

@@ -213,7 +213,10 @@ class Planner:
 
         tiers = None
         if cfg.tiered_splits:  # the least degree that holds each sequence: a tier's sequences run side by side
-            tiers = (wall, deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64), n)
+            cheapest = np.argmin(table * deg[None, :], axis=1)  # each sequence's least-device-time type
+            rows = np.arange(len(lengths))
+            own = (deg[cheapest].astype(np.int64), table[rows, cheapest])
+            tiers = (wall, deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64), n, own)
         cands = partition_candidates(
             lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers
         )
