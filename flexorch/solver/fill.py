@@ -57,35 +57,36 @@ def fill_pack(
     if tight:  # the smallest degree first, then the least device-time: the degree dominates the key
         scale = 1.0 + float(np.max(area, where=np.isfinite(area), initial=0.0))
         area = deg[None, :] * scale + area
-    opens = (fixed[None, :] + sub <= target_ms) & (lengths[order][:, None] <= caps[None, :])
-    gt: list[int] = []
+    lens = lengths[order]
+    opens = (fixed[None, :] + sub <= target_ms) & (lens[:, None] <= caps[None, :])
+    k = len(order)
+    gt_a = np.zeros(k, dtype=np.int64)  # at most one group per sequence: the first ng entries are the groups
+    load_a = np.zeros(k)
+    tok_a = np.zeros(k, dtype=np.int64)
+    room = np.zeros(k, dtype=np.int64)  # tokens each group still holds
     members: list[list[int]] = []
-    gt_a = np.zeros(0, dtype=np.int64)
-    load_a = np.zeros(0)
-    tok_a = np.zeros(0, dtype=np.int64)
+    ng = 0
     left = int(num_devices)
-    for row, (i, s) in enumerate(zip(order, lengths[order].tolist(), strict=True)):
-        if gt:
-            t = sub[row, gt_a]
-            after = load_a + t
-            fits = (after <= target_ms) & (tok_a + s <= caps[gt_a])
+    for row, (i, s) in enumerate(zip(order, lens.tolist(), strict=True)):
+        if ng:
+            after = load_a[:ng] + sub[row, gt_a[:ng]]
+            fits = (after <= target_ms) & (room[:ng] >= s)
             if fits.any():
                 g = int(np.argmax(np.where(fits, after, -np.inf)))  # best fit: the least time left after it
                 load_a[g] = after[g]
                 tok_a[g] += s
+                room[g] -= s
                 members[g].append(i)
                 continue
         can = opens[row] & (deg <= left)
         if not can.any():
             return None
         u = int(np.argmin(np.where(can, area[row], np.inf)))
-        gt.append(u)
         members.append([i])
         left -= int(deg[u])
-        gt_a = np.append(gt_a, u)
-        load_a = np.append(load_a, fixed[u] + sub[row, u])
-        tok_a = np.append(tok_a, s)
-    return Draft(gt, members, load_a, tok_a)
+        gt_a[ng], load_a[ng], tok_a[ng], room[ng] = u, fixed[u] + sub[row, u], s, caps[u] - s
+        ng += 1
+    return Draft(gt_a[:ng].tolist(), members, load_a[:ng].copy(), tok_a[:ng].copy())
 
 
 def fill_draft(
@@ -103,7 +104,8 @@ def fill_draft(
     deadline: float | None = None,
 ) -> Draft | None:
     """The best `fill_pack` over a bisection of the target in [lower_ms, upper_ms] (`upper_ms`: the makespan of a
-    plan in hand, e.g. the static start), spare devices added as groups and the loads balanced by local search.
+    plan in hand, e.g. the static start), then its spare devices added as groups and the loads balanced by local
+    search.
     None when no target packed. Past `deadline` (``time.monotonic()``) no further target is tried."""
     items = list(items)
     if not items:
@@ -120,7 +122,6 @@ def fill_draft(
         if got is None:  # memory may be what failed: open the smallest groups that hold each sequence
             got = fill_pack(items, deg, table, lengths, num_devices, caps_by_type, overheads, c, order, tight=True)
         if got is not None:
-            got = _finish(got, deg, table, lengths, num_devices, caps_by_type, overheads)
             if best is None or got.makespan() < best.makespan():
                 best = got
             hi = min(c, got.makespan())
@@ -129,7 +130,9 @@ def fill_draft(
         if hi <= lo * (1 + tolerance) or (deadline is not None and time.monotonic() >= deadline):
             break
         c = 0.5 * (lo + hi)
-    return best
+    if best is None:
+        return None
+    return _finish(best, deg, table, lengths, num_devices, caps_by_type, overheads)  # the best target's packing
 
 
 def _hardest_first(items: list[int], table: np.ndarray, overheads) -> list[int]:

@@ -25,6 +25,10 @@ __all__ = ["partition_candidates", "iter_candidates", "sorted_split", "balanced_
 TIER_RATIO = 2.0
 """A sequence is put with its own tier when its least wall time is over this many times the average micro-batch's
 share of the work (``tiered_split``)."""
+TIER_RATIOS = (TIER_RATIO, 1.0)
+"""The planner's tiered candidates: on the code-length benchmark (``benchmarks/planner_quality.py``, code256) the
+best of the two had 0.4-5.4 points less gap than 2.0 alone on 4 of 5 steps (1.25 and 1.5 would have gained at most
+1.6 points more, on one step; measured with solver.fill packing each split, 2026-11-25)."""
 
 
 def partition_candidates(
@@ -61,20 +65,24 @@ def iter_candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=N
         balanced = balanced_split(lengths, work, m, even, order_work) or balanced_split(
             lengths, work, m, capacity_tokens, order_work
         )
-        tiered = None
+        tiered = []
         if tiers is not None:
             wall, need, num_devices, *own = tiers
-            tiered = tiered_split(
-                lengths,
-                work,
-                wall,
-                need,
-                num_devices,
-                capacity_tokens=capacity_tokens,
-                extra=m - m_min,
-                own=own[0] if own else None,
-            )
-        for split in (tiered, balanced, sorted_split(lengths, m, order_len)):
+            tiered = [
+                tiered_split(
+                    lengths,
+                    work,
+                    wall,
+                    need,
+                    num_devices,
+                    capacity_tokens=capacity_tokens,
+                    extra=m - m_min,
+                    own=own[0] if own else None,
+                    ratio=ratio,
+                )
+                for ratio in TIER_RATIOS
+            ]
+        for split in (*tiered, balanced, sorted_split(lengths, m, order_len)):
             if split is None or any(int(lengths[c].sum()) > capacity_tokens for c in split):
                 continue
             key = tuple(sorted(tuple(sorted(c)) for c in split))

@@ -307,59 +307,55 @@ class Planner:
     def _screen(
         self, cands, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
     ):
-        """Order candidate splits by their best static layouts (what the MILP starts from), cheapest first.
+        """Order candidate splits by their static starts (what the MILP starts from), cheapest first.
 
         Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
-        which no LP bound sees. Screening runs in bound order (memory-full splits last) until `screen_deadline`;
-        splits it did not reach follow in that order. With ``fill_starts`` the screened splits are then, lowest
-        bound first until `fill_deadline`, packed again with mixed layouts (``solver.fill``), each micro-batch
-        keeping the better of the two, and ordered again.
+        which no LP bound sees. Screening runs in bound order (memory-full splits last) until `screen_deadline`
+        (`fill_deadline` with ``fill_starts``); splits it did not reach follow in that order, and a split whose bound
+        cannot beat a screened split's start is not screened. Each micro-batch's start is its best homogeneous
+        layout, or with ``fill_starts`` (until `fill_deadline`) the better of that and its mixed layout from
+        ``solver.fill``.
         Returns [(candidate index, per-micro-batch static drafts or None)].
         """
         cap = self.profile.tokens_per_device
         # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly
         fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
         key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
+        until = fill_deadline if self.config.fill_starts else screen_deadline
         done, rest = [], []
         best_est = np.inf
         for ci in np.argsort(key, kind="stable").tolist():
             if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
                 rest.append((ci, None))
                 continue
-            if done and time.monotonic() >= screen_deadline:
+            if done and time.monotonic() >= until:
                 rest.append((ci, None))
                 continue
             starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in cands[ci]]
+            if self.config.fill_starts and time.monotonic() < fill_deadline:
+                starts = self._fill_starts(
+                    cands[ci], mb_bounds[ci], starts, types, caps_t, overheads, table, lengths, n, fill_deadline
+                )
             est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
             best_est = min(best_est, est)
             done.append((est, ci, starts))
         done.sort(key=lambda x: x[0])
-        if self.config.fill_starts:
-            done.sort(key=lambda x: (bounds[x[1]], x[0]))  # the splits that could be best first: they get packed
-            done = self._fill_starts(done, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, fill_deadline)
         return [(ci, starts) for _, ci, starts in done] + rest
 
-    def _fill_starts(self, done, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, deadline):
-        """Each screened split (in the order given, until `deadline`) with every micro-batch's start replaced by its
-        mixed layout from ``solver.fill`` where that is faster; ordered again by the new estimate."""
-        out = []
-        for k, (est, ci, starts) in enumerate(done):
-            if time.monotonic() >= deadline or not np.isfinite(est):
-                out.extend(done[k:])
+    def _fill_starts(self, split, lower, starts, types, caps_t, overheads, table, lengths, n, deadline):
+        """The starts of one split, each micro-batch's replaced by its mixed layout from ``solver.fill`` where that
+        is faster (or where no homogeneous layout packs it); until `deadline`."""
+        new = list(starts)
+        for j, (items, start) in enumerate(zip(split, starts, strict=True)):
+            if time.monotonic() >= deadline:
                 break
-            new = list(starts)
-            for j, (items, start) in enumerate(zip(cands[ci], starts, strict=True)):
-                lower = mb_bounds[ci][j]
-                if start.makespan() <= lower * (1 + self.config.tolerance):
-                    continue  # already at its bound
-                got = fill_draft(
-                    items, types, table, lengths, n, caps_t, overheads, lower, start.makespan(), deadline=deadline
-                )
-                if got is not None and got.makespan() < start.makespan():
-                    new[j] = got
-            out.append((sum(d.makespan() for d in new), ci, new))
-        out.sort(key=lambda x: x[0])
-        return out
+            if start is not None and start.makespan() <= lower[j] * (1 + self.config.tolerance):
+                continue  # already at its bound
+            upper = start.makespan() if start is not None else 4.0 * lower[j]
+            got = fill_draft(items, types, table, lengths, n, caps_t, overheads, lower[j], upper, deadline=deadline)
+            if got is not None and (start is None or got.makespan() < start.makespan()):
+                new[j] = got
+        return new
 
     def _solve_split(
         self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts, run, wait_until=None
