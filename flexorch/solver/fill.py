@@ -99,8 +99,8 @@ def fill_draft(
     overheads: np.ndarray,
     lower_ms: float,
     upper_ms: float,
-    tolerance: float = 0.005,
-    max_steps: int = 14,
+    tolerance: float = 0.01,
+    max_steps: int = 10,
     deadline: float | None = None,
 ) -> Draft | None:
     """The best `fill_pack` over a bisection of the target in [lower_ms, upper_ms] (`upper_ms`: the makespan of a

@@ -32,20 +32,23 @@ best of the two had 0.4-5.4 points less gap than 2.0 alone on 4 of 5 steps (1.25
 
 
 def partition_candidates(
-    lengths, work, capacity_tokens: int, extra: int = 4, deadline: float | None = None, tiers=None
+    lengths, work, capacity_tokens: int, extra: int = 4, deadline: float | None = None, tiers=None, kinds=None
 ) -> list[list[list[int]]]:
     """Splits into M = M_min .. M_min + extra micro-batches, a balanced one and FlexSP's sorted one for each, and
     with `tiers` = (wall, min_devices, num_devices[, own]) a tiered one for each (:func:`tiered_split`), first.
 
     A split is kept only when every micro-batch fits `capacity_tokens` (the tokens all N devices hold).
     Duplicates are removed; order is by M then strategy. Past `deadline` (``time.monotonic()``) no further M is
-    tried once some split is in hand.
+    tried once some split is in hand. `kinds`, a list, gets each split's strategy ('tiered-<ratio>', 'balanced',
+    'sorted') appended.
     """
     out, last = [], 0
-    for m, split in iter_candidates(lengths, work, capacity_tokens, extra, tiers):
+    for m, kind, split in _candidates(lengths, work, capacity_tokens, extra, tiers):
         if out and m > last and deadline is not None and time.monotonic() >= deadline:
             break
         out.append(split)
+        if kinds is not None:
+            kinds.append(kind)
         last = m
     return out
 
@@ -53,6 +56,11 @@ def partition_candidates(
 def iter_candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None):
     """(M, split) in the order of :func:`partition_candidates`, computed lazily: a caller that knows no split of M
     or more micro-batches can win stops early."""
+    for m, _, split in _candidates(lengths, work, capacity_tokens, extra, tiers):
+        yield m, split
+
+
+def _candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None):
     lengths = np.asarray(lengths, dtype=np.int64)
     m_min = max(1, math.ceil(int(lengths.sum()) / capacity_tokens))
     seen = set()
@@ -82,13 +90,14 @@ def iter_candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=N
                 )
                 for ratio in TIER_RATIOS
             ]
-        for split in (*tiered, balanced, sorted_split(lengths, m, order_len)):
+        named = [(f"tiered-{r:g}", t) for r, t in zip(TIER_RATIOS, tiered, strict=False)]
+        for kind, split in (*named, ("balanced", balanced), ("sorted", sorted_split(lengths, m, order_len))):
             if split is None or any(int(lengths[c].sum()) > capacity_tokens for c in split):
                 continue
             key = tuple(sorted(tuple(sorted(c)) for c in split))
             if key not in seen:
                 seen.add(key)
-                yield m, split
+                yield m, kind, split
 
 
 def sorted_split(lengths, m: int, order=None) -> list[list[int]]:

@@ -217,14 +217,15 @@ class Planner:
             rows = np.arange(len(lengths))
             own = (deg[cheapest].astype(np.int64), table[rows, cheapest])
             tiers = (wall, deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64), n, own)
+        kinds: list[str] = []
         cands = partition_candidates(
-            lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers
+            lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers, kinds=kinds
         )
         mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
         bounds = [sum(b) for b in mb_bounds]
-        fill_deadline = t0 + 0.5 * max(0.0, solve_deadline - t0)
+        fill_deadline = t0 + 0.6 * max(0.0, solve_deadline - t0)
         order = self._screen(
-            cands, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
+            cands, kinds, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
         )
         best_total, best_mbs, finished, tried = np.inf, None, False, 0
         for ci, starts in order:
@@ -305,12 +306,26 @@ class Planner:
         return StepPlan(plan, float(best_total), bound, done - t0, status, details)
 
     def _screen(
-        self, cands, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
+        self,
+        cands,
+        kinds,
+        bounds,
+        mb_bounds,
+        types,
+        caps_t,
+        overheads,
+        table,
+        lengths,
+        n,
+        screen_deadline,
+        fill_deadline,
     ):
         """Order candidate splits by their static starts (what the MILP starts from), cheapest first.
 
         Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
-        which no LP bound sees. Screening runs in bound order (memory-full splits last) until `screen_deadline`
+        which no LP bound sees, and the sorted split's micro-batches of equal long sequences leave no devices for
+        the next-longest. Screening takes the lowest-bound split of each strategy (`kinds`) first, then the rest, in
+        bound order (memory-full splits last), until `screen_deadline`
         (`fill_deadline` with ``fill_starts``); splits it did not reach follow in that order, and a split whose bound
         cannot beat a screened split's start is not screened. Each micro-batch's start is its best homogeneous
         layout, or with ``fill_starts`` (until `fill_deadline`) the better of that and its mixed layout from
@@ -324,7 +339,9 @@ class Planner:
         until = fill_deadline if self.config.fill_starts else screen_deadline
         done, rest = [], []
         best_est = np.inf
-        for ci in np.argsort(key, kind="stable").tolist():
+        by_key = np.argsort(key, kind="stable").tolist()
+        firsts = [ci for j, ci in enumerate(by_key) if kinds[ci] not in {kinds[c] for c in by_key[:j]}]
+        for ci in firsts + [ci for ci in by_key if ci not in set(firsts)]:
             if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
                 rest.append((ci, None))
                 continue
