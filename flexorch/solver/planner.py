@@ -19,6 +19,7 @@ a solve still running at the deadline is killed the same way. With ``isolate=Fal
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from concurrent.futures import Future
@@ -228,6 +229,7 @@ class Planner:
             cands, kinds, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
         )
         best_total, best_mbs, finished, tried = np.inf, None, False, 0
+        best_pre = None  # (candidate, its micro-batches' solutions before the local search) of the best split
         for ci, starts in order:
             split = cands[ci]
             if bounds[ci] >= best_total:
@@ -257,6 +259,7 @@ class Planner:
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
             finished |= complete
+            pre = [(copy.deepcopy(d), m) for d, m in sols]  # before the local search (it changes drafts in place)
             drafts = [s[0] for s in sols]
             caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
             p0 = time.monotonic()
@@ -267,6 +270,26 @@ class Planner:
             if total < best_total:
                 kept = [(d, m) for d, (_, m) in zip(drafts, sols, strict=True) if any(d.members)]
                 best_total, best_mbs = total, kept  # a micro-batch the local search emptied is dropped
+                best_pre = (ci, pre)
+        if cfg.fill_starts and best_pre is not None and time.monotonic() + 2 * MIN_SOLVE_S < solve_deadline:
+            # time left: the best split's MILPs again from the homogeneous starts (the bisection is not monotone in
+            # its start), each micro-batch keeping the better of the two
+            got = self._second_pass(
+                *best_pre,
+                cands,
+                mb_bounds,
+                types,
+                caps_t,
+                overheads,
+                table,
+                lengths,
+                n,
+                solve_deadline,
+                run,
+                polish_deadline,
+            )
+            if got is not None and got[0] < best_total:
+                best_total, best_mbs = got
         t_finish = time.monotonic()
         if best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
             drafts = self._split_until_packed(
@@ -304,6 +327,42 @@ class Planner:
             "isolated": self._solver.isolate,
         }
         return StepPlan(plan, float(best_total), bound, done - t0, status, details)
+
+    def _second_pass(
+        self, ci, pre, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, deadline, run, polish_deadline
+    ):
+        """(step time, [(draft, method)]) of split `ci` solved again from homogeneous starts, each micro-batch the
+        better of that and `pre` (the first pass), after the local search; None when nothing got better."""
+        split = cands[ci]
+        starts = [
+            best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads, deadline=deadline) for c in split
+        ]
+        if any(s is None for s in starts):
+            return None
+        sols, _ = self._solve_split(
+            split,
+            mb_bounds[ci],
+            types,
+            caps_t,
+            overheads,
+            table,
+            lengths,
+            n,
+            deadline,
+            starts,
+            run,
+            wait_until=polish_deadline,
+        )
+        if sols is None:
+            return None
+        merged = [b if b[0].makespan() < a[0].makespan() else a for a, b in zip(pre, sols, strict=True)]
+        if all(m is a for m, a in zip(merged, pre, strict=True)):
+            return None
+        drafts = [copy.deepcopy(d) for d, _ in merged]
+        caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
+        improve_step(drafts, caps, table, lengths, overheads, deadline=polish_deadline)
+        kept = [(d, m) for d, (_, m) in zip(drafts, merged, strict=True) if any(d.members)]
+        return sum(d.makespan() for d in drafts), kept
 
     def _screen(
         self,
