@@ -73,7 +73,8 @@ def test_inject_fault_keeps_its_positional_hangs_argument():
         sp.inject_fault(crashes=1)
 
 
-def test_a_slow_solve_does_not_make_the_plan_late(monkeypatch):
+@pytest.mark.parametrize("fill", [False, True])
+def test_a_slow_solve_does_not_make_the_plan_late(monkeypatch, fill):
     real = solver_process.solve_micro_batch
 
     def slow(*args, **kwargs):
@@ -82,12 +83,15 @@ def test_a_slow_solve_does_not_make_the_plan_late(monkeypatch):
 
     monkeypatch.setattr(solver_process, "solve_micro_batch", slow)
     lengths = _batch(64, 256, seed=1)
-    with StepPlanner(PROFILE, PlannerConfig(time_limit_s=0.5, isolate=False)) as sp:
+    with StepPlanner(PROFILE, PlannerConfig(time_limit_s=0.5, isolate=False, fill_starts=fill)) as sp:
         t = time.monotonic()
         out = sp.plan(lengths, 64)
         took = time.monotonic() - t
     assert took < 10.0  # the 30 s solve was not waited for
     _valid(out, lengths, 64)
+    if fill:  # the splits solver.fill packed while screening are a plan: no MILP came back, none was needed
+        assert out.fallback_reason is None and out.status in ("static", "batchada")
+        return
     assert out.fallback_reason == "timeout"
     assert "plan.time_limit_s=0.5" in out.fallback_message and "busy" in out.fallback_message
     assert out.status in ("fallback", "batchada")

@@ -120,8 +120,9 @@ class StepPlan:
     """Proven lower bound on any plan's step time for this batch (solver.bounds)."""
     solve_s: float
     status: str
-    """'milp' (a MILP plan beat the static start), 'static' (none did), 'fallback' (time ran out before any
-    candidate split was solved: static starts, solves cut at the deadline)."""
+    """'milp' (a MILP plan beat the start), 'static' (none did: the start, homogeneous or ``solver.fill``'s mixed
+    layout, stands), 'fallback' (time ran out before any candidate split was solved or packed by ``solver.fill``:
+    homogeneous starts, solves cut at the deadline)."""
     details: dict = field(default_factory=dict)
     """How the time went: 'time_limit_s', 'used_s', 'solver_crashes' (solver processes that died in this plan),
     'solves_cut' (solves stopped at the deadline), candidates, methods per micro-batch."""
@@ -150,6 +151,7 @@ class Planner:
         self._finish_s: float | None = None  # measured: building the plan after the last solve (for the reserve)
         self._polish_s: float | None = None  # measured: the local search over a solved split (for the reserve)
         self.crashes_total = 0
+        self._filled: set[int] = set()
 
     def inject_crashes(self, crashes: int = 1) -> None:
         """Test seam: the solver process of each of the next ``crashes`` solves kills itself with SIGSEGV, as a
@@ -225,6 +227,7 @@ class Planner:
         mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
         bounds = [sum(b) for b in mb_bounds]
         fill_deadline = t0 + 0.6 * max(0.0, solve_deadline - t0)
+        self._filled = set()  # candidate splits whose every micro-batch solver.fill packed (in _screen)
         order = self._screen(
             cands, kinds, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
         )
@@ -258,7 +261,7 @@ class Planner:
             tried += 1
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
-            finished |= complete
+            finished |= complete or ci in self._filled  # a split packed by solver.fill is planned, MILPs cut or not
             pre = [(copy.deepcopy(d), m) for d, m in sols]  # before the local search (it changes drafts in place)
             drafts = [s[0] for s in sols]
             caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
@@ -409,9 +412,11 @@ class Planner:
                 continue
             starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in cands[ci]]
             if self.config.fill_starts and time.monotonic() < fill_deadline:
-                starts = self._fill_starts(
+                starts, whole = self._fill_starts(
                     cands[ci], mb_bounds[ci], starts, types, caps_t, overheads, table, lengths, n, fill_deadline
                 )
+                if whole:
+                    self._filled.add(ci)
             est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
             best_est = min(best_est, est)
             done.append((est, ci, starts))
@@ -419,19 +424,20 @@ class Planner:
         return [(ci, starts) for _, ci, starts in done] + rest
 
     def _fill_starts(self, split, lower, starts, types, caps_t, overheads, table, lengths, n, deadline):
-        """The starts of one split, each micro-batch's replaced by its mixed layout from ``solver.fill`` where that
-        is faster (or where no homogeneous layout packs it); until `deadline`."""
+        """(the starts of one split, each micro-batch's replaced by its mixed layout from ``solver.fill`` where that
+        is faster (or where no homogeneous layout packs it), True when every micro-batch was packed before
+        `deadline`)."""
         new = list(starts)
         for j, (items, start) in enumerate(zip(split, starts, strict=True)):
             if time.monotonic() >= deadline:
-                break
+                return new, False
             if start is not None and start.makespan() <= lower[j] * (1 + self.config.tolerance):
                 continue  # already at its bound
             upper = start.makespan() if start is not None else 4.0 * lower[j]
             got = fill_draft(items, types, table, lengths, n, caps_t, overheads, lower[j], upper, deadline=deadline)
             if got is not None and (start is None or got.makespan() < start.makespan()):
                 new[j] = got
-        return new
+        return new, True
 
     def _solve_split(
         self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts, run, wait_until=None
