@@ -263,17 +263,12 @@ class Planner:
                 continue  # some micro-batch of this split cannot be packed
             finished |= complete or ci in self._filled  # a split packed by solver.fill is planned, MILPs cut or not
             pre = [(copy.deepcopy(d), m) for d, m in sols]  # before the local search (it changes drafts in place)
-            drafts = [s[0] for s in sols]
-            caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
             p0 = time.monotonic()
-            improve_step(drafts, caps, table, lengths, overheads, deadline=polish_deadline)
+            total, kept = _polish(sols, caps_t, table, lengths, overheads, polish_deadline)
             took = time.monotonic() - p0
             self._polish_s = took if self._polish_s is None else max(took, 0.5 * (self._polish_s + took))
-            total = sum(d.makespan() for d in drafts)
             if total < best_total:
-                kept = [(d, m) for d, (_, m) in zip(drafts, sols, strict=True) if any(d.members)]
-                best_total, best_mbs = total, kept  # a micro-batch the local search emptied is dropped
-                best_pre = (ci, pre)
+                best_total, best_mbs, best_pre = total, kept, (ci, pre)
         if cfg.fill_starts and best_pre is not None and time.monotonic() + 2 * MIN_SOLVE_S < solve_deadline:
             # time left: the best split's MILPs again from the homogeneous starts (the bisection is not monotone in
             # its start), each micro-batch keeping the better of the two
@@ -361,11 +356,7 @@ class Planner:
         merged = [b if b[0].makespan() < a[0].makespan() else a for a, b in zip(pre, sols, strict=True)]
         if all(m is a for m, a in zip(merged, pre, strict=True)):
             return None
-        drafts = [copy.deepcopy(d) for d, _ in merged]
-        caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
-        improve_step(drafts, caps, table, lengths, overheads, deadline=polish_deadline)
-        kept = [(d, m) for d, (_, m) in zip(drafts, merged, strict=True) if any(d.members)]
-        return sum(d.makespan() for d in drafts), kept
+        return _polish([(copy.deepcopy(d), m) for d, m in merged], caps_t, table, lengths, overheads, polish_deadline)
 
     def _screen(
         self,
@@ -402,8 +393,11 @@ class Planner:
         done, rest = [], []
         best_est = np.inf
         by_key = np.argsort(key, kind="stable").tolist()
-        firsts = [ci for j, ci in enumerate(by_key) if kinds[ci] not in {kinds[c] for c in by_key[:j]}]
-        for ci in firsts + [ci for ci in by_key if ci not in set(firsts)]:
+        first_of_kind: dict[str, int] = {}
+        for ci in by_key:
+            first_of_kind.setdefault(kinds[ci], ci)
+        firsts = set(first_of_kind.values())
+        for ci in [ci for ci in by_key if ci in firsts] + [ci for ci in by_key if ci not in firsts]:
             if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
                 rest.append((ci, None))
                 continue
@@ -552,6 +546,15 @@ class Planner:
         half = len(items) // 2
         args = (types, caps_t, overheads, table, lengths, n)
         return self._split_until_packed(items[:half], *args) + self._split_until_packed(items[half:], *args)
+
+
+def _polish(sols, caps_t, table, lengths, overheads, deadline) -> tuple[float, list]:
+    """(step time, [(draft, method)]) after the local search over a split's solved micro-batches (`sols`, changed in
+    place); a micro-batch the search emptied is dropped."""
+    drafts = [d for d, _ in sols]
+    caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
+    improve_step(drafts, caps, table, lengths, overheads, deadline=deadline)
+    return sum(d.makespan() for d in drafts), [(d, m) for d, m in sols if any(d.members)]
 
 
 def _collect(fut: Future | None, i: int, split, out) -> bool:
