@@ -174,13 +174,16 @@ def test_planner_with_fill_and_tiers_beats_the_planner_without_on_a_long_tailed_
 
 
 def test_plan_budget_follows_the_measured_step():
-    s = PlanSettings(time_limit_s=0.5, timeout_s=10.0, budget_share=0.5)
+    s = PlanSettings(time_limit_s=0.5, timeout_s=10.0, budget_share=0.5, budget="step")
     assert s.budget_for(None) == 0.5  # nothing measured yet
     assert s.budget_for(400.0) == 0.5  # a share of a short step is less than the floor
     assert s.budget_for(6000.0) == pytest.approx(3.0)
     assert s.budget_for(60_000.0) == pytest.approx(5.0)  # at most half of timeout_s: the wait never times out
     assert PlanSettings(time_limit_s=0.5, budget="fixed").budget_for(6000.0) == 0.5
-    for bad in ({"budget": "auto"}, {"budget_share": 0}, {"budget_share": 1.5}):
+    auto = PlanSettings(time_limit_s=0.5, timeout_s=10.0, budget_share=0.5)  # the default: 'step' on GPU workers only
+    assert auto.budget == "auto" and auto.budget_for(6000.0) == 0.5
+    assert auto.budget_for(6000.0, use_gpu=True) == pytest.approx(3.0)
+    for bad in ({"budget": "gpu"}, {"budget_share": 0}, {"budget_share": 1.5}):
         with pytest.raises(ConfigError, match="plan.budget"):
             PlanSettings(**bad)
 

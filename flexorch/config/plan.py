@@ -27,11 +27,13 @@ class PlanSettings:
     pipelined step gives it to each checkpointing ILP it solves (one per candidate unit count and per baseline
     schedule, for every layout with 'auto'), so its solve can take several times this (0.2-1.3 s at 0.2 in
     examples/train_pipeline.toml); ``timeout_s`` still bounds it."""
-    budget: str = "step"
-    """'step' (default): the next step's plan gets ``budget_share`` of the last measured step time, never less than
+    budget: str = "auto"
+    """'step': the next step's plan gets ``budget_share`` of the last measured step time, never less than
     ``time_limit_s`` and at most half of ``timeout_s`` - the time the overlap with the running step gives for free
-    (on a GPU, seconds); 'fixed': ``time_limit_s`` always. Each step record says the budget it was planned with
-    (``plan_budget_s``) and the plan's gap to the proven bound (``gap``)."""
+    on GPU workers (seconds); 'fixed': ``time_limit_s`` always; 'auto' (default): 'step' with ``use_gpu``, else
+    'fixed' (CPU workers share the cores with the planner, so a longer solve slows the step it overlaps). Each step
+    record says the budget it was planned with (``plan_budget_s``) and the plan's gap to the proven bound
+    (``gap``)."""
     budget_share: float = 0.5
     """The share of the last step's measured time a plan may take with ``budget = "step"`` (0 < share <= 1: the
     solve must be back before the step it overlaps ends, and shares the CPUs with it)."""
@@ -60,8 +62,8 @@ class PlanSettings:
             raise ConfigError(f"plan.time_limit_s must be > 0, got {self.time_limit_s!r}")
         if not self.timeout_s > self.time_limit_s:
             raise ConfigError(f"plan.timeout_s must exceed plan.time_limit_s, got {self.timeout_s!r}")
-        if self.budget not in ("step", "fixed"):
-            raise ConfigError(f"plan.budget must be 'step' or 'fixed', got {self.budget!r}")
+        if self.budget not in ("auto", "step", "fixed"):
+            raise ConfigError(f"plan.budget must be 'auto', 'step' or 'fixed', got {self.budget!r}")
         if not (isinstance(self.budget_share, int | float) and 0 < self.budget_share <= 1):
             raise ConfigError(f"plan.budget_share must be in (0, 1], got {self.budget_share!r}")
         bad = [k for k in self.kinds if k not in ("ulysses", "ring")]
@@ -72,9 +74,11 @@ class PlanSettings:
         if self.on_infeasible not in ("error", "skip"):
             raise ConfigError(f"plan.on_infeasible must be 'error' or 'skip', got {self.on_infeasible!r}")
 
-    def budget_for(self, step_ms: float | None) -> float:
-        """Seconds the next plan may take when the last step took ``step_ms`` (None: none measured yet)."""
-        if self.budget == "fixed" or step_ms is None or not step_ms > 0:
+    def budget_for(self, step_ms: float | None, *, use_gpu: bool = False) -> float:
+        """Seconds the next plan may take when the last step took ``step_ms`` (None: none measured yet) on GPU
+        workers (``use_gpu``) or CPU ones (which 'auto' plans with a fixed budget)."""
+        mode = self.budget if self.budget != "auto" else ("step" if use_gpu else "fixed")
+        if mode == "fixed" or step_ms is None or not step_ms > 0:
             return self.time_limit_s
         return max(self.time_limit_s, min(self.budget_share * step_ms / 1e3, 0.5 * self.timeout_s))
 

@@ -181,7 +181,7 @@ class TrainingDriver:
             if n < 1:  # the elastic policy fails before this; never ask for a plan for no worker
                 raise ElasticError(f"step {self.step_no}: no worker is left to run it")
             t_wait = time.perf_counter()
-            planned = self.planner.plan(batch.step, lengths, n, self.cfg.plan.budget_for(self._last_step_ms))
+            planned = self.planner.plan(batch.step, lengths, n, self._plan_budget())
             plan_wait_ms = (time.perf_counter() - t_wait) * 1e3
             base = {
                 "step": self.step_no,
@@ -242,6 +242,10 @@ class TrainingDriver:
         record = self._finish(record, t_start, planned.plan)
         return Transition(Ran.TRAINED, step_no, self.step_no, record, tuple(recoveries[len(carried) :]))
 
+    def _plan_budget(self) -> float:
+        """Seconds the next plan may take (``[plan] budget``): a share of the last measured step on GPU workers."""
+        return self.cfg.plan.budget_for(self._last_step_ms, use_gpu=self.cfg.use_gpu)
+
     def _dispatch(self, tasks, planned, n: int, attempt: int, t_dispatch: float):
         """Move stage-local parameters where the step needs them, start every rank's part, plan the next batch
         meanwhile and wait: (results, failure or None, what moved or None, ms until every rank was started)."""
@@ -256,7 +260,7 @@ class TrainingDriver:
         dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
             nxt = self.stream.peek_after()
-            budget = self.cfg.plan.budget_for(self._last_step_ms)  # a share of the step this solve overlaps
+            budget = self._plan_budget()  # with GPU workers, a share of the step this solve overlaps
             self.planner.plan_ahead(nxt.step, [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]], n, budget)
         # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
         waits = 2 * len(planned.plan.plan.units) if planned.pipelined else len(planned.plan.micro_batches)
