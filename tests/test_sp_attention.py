@@ -381,7 +381,7 @@ BF16_TOL = {"rtol": 1e-2, "atol": 1e-2}
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["flash_attn", "math"])
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_flash", "math"])
 def test_cuda_kernels_bf16(backend):
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")

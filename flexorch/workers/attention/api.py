@@ -2,8 +2,8 @@
 
 All functions take a packed batch described by ``cu_seqlens`` (per-document causal attention, documents never
 attend to each other) and return ``out`` or ``(out, lse)`` with ``lse`` shaped ``(heads, local_tokens)``
-float32. The sequence-parallel ones take the process group as an argument (a group of size 1 runs the same
-code):
+float32 (float64 for fp64 inputs). The sequence-parallel ones take the process group as an argument (a group
+of size 1 runs the same code):
 
 * :func:`ulysses_attn_varlen_func`: contiguous shards (``sharding.shard_contiguous``), all-to-all.
 * :func:`zigzag_ring_attn_varlen_func`: zigzag shards (``sharding.shard_zigzag``), K/V ring.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from flexorch.workers.attention.kernels import check_varlen_args, varlen_attn
+from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend, varlen_attn
 from flexorch.workers.attention.ring import zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.ulysses import ulysses_attn_varlen_func
 
@@ -35,6 +35,7 @@ def varlen_attn_func(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Single-device varlen attention: ``q (t, h, hd)``, ``k, v (t, h_kv, hd)`` -> ``(t, h, hd)`` [, lse]."""
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, 1, where="varlen_attn_func")
+    backend = resolve_backend(backend, q)  # a dtype/device the kernels cannot run fails here, on every rank
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
     out, lse = varlen_attn(q, k, v, seqlens, causal=causal, softmax_scale=scale, backend=backend)
     return (out, lse) if return_lse else out

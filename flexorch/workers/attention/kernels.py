@@ -2,19 +2,27 @@
 
 ``attn_forward(q, k, v, cu_q, cu_k, ...) -> (out, lse)`` and ``attn_backward(dout, q, k, v, out, lse, ...)``
 follow flash-attn's varlen convention: ``q`` is ``(t_q, h, hd)``, ``k``/``v`` are ``(t_k, h_kv, hd)`` with
-``h % h_kv == 0`` (GQA: query head ``j`` reads KV head ``j // (h // h_kv)``), ``lse`` is ``(h, t_q)`` float32,
-and document ``i`` of q attends only to document ``i`` of k (causal: top-left aligned, used only with equal
-lengths). The backward takes ``out``/``lse`` of the *whole* attention, not of this block, so that ring
-attention can sum block gradients (flash-attn backward; FlashAttention-2, arXiv 2307.08691, Alg. 2).
+``h % h_kv == 0`` (GQA: query head ``j`` reads KV head ``j // (h // h_kv)``), ``lse`` is ``(h, t_q)`` in
+:func:`acc_dtype` (float32; float64 for fp64 inputs), and document ``i`` of q attends only to document ``i`` of k
+(causal: top-left aligned, used only with equal lengths). The backward takes ``out``/``lse`` of the *whole*
+attention, not of this block, so that ring attention can sum block gradients (flash-attn backward;
+FlashAttention-2, arXiv 2307.08691, Alg. 2).
 
-Backends:
+Backends, fastest first (:func:`available_backends`), and the dtypes each runs (:data:`DTYPES`; anything else is
+refused at the call with the policy in the message, never run at a silently lower precision):
 
-* ``"flash_attn"``: flash-attn's CUDA varlen kernels (optional dependency, imported lazily).
+* ``"flash_attn"``: flash-attn's CUDA varlen kernels (optional dependency, imported lazily); fp16, bf16.
+* ``"torch_flash"``: PyTorch's own fused varlen flash kernels (``aten::_flash_attention_forward``/``_backward``,
+  :mod:`~.torch_flash`); CUDA without flash-attn; fp16, bf16.
 * ``"torch_cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (both return /
   take the logsumexp) called per document; runs of short documents go into one call with a block-diagonal
-  mask.
-* ``"math"``: explicit float32 matmul + logsumexp per document with a hand-written backward; any device (the
-  CUDA fallback when flash-attn is missing), slow but simple.
+  mask. fp16, bf16, fp32, fp64.
+* ``"math"``: explicit matmul + logsumexp per document with a hand-written backward; any device, every float
+  dtype. The reference, slow (a Python loop over documents): never chosen by default on CUDA.
+
+fp32 and fp64 on CUDA have no fused kernel here: :func:`default_backend` refuses them (train in bf16, ``[sharding]
+precision``) unless ``backend="math"`` is asked for. Accumulation (the LSE, ring and merge buffers) is in
+:func:`acc_dtype`: float32 for 16- and 32-bit inputs, float64 for fp64, so an fp64 call is fp64-exact end to end.
 """
 
 from __future__ import annotations
@@ -26,18 +34,34 @@ import torch
 
 from flexorch.workers.attention.flash import flash_attn_module, flash_backward, flash_forward
 from flexorch.workers.attention.sharding import check_cu_seqlens
+from flexorch.workers.attention.torch_flash import torch_flash_available, torch_flash_backward, torch_flash_forward
 
 __all__ = [
+    "BACKENDS",
+    "DTYPES",
     "Seqlens",
+    "acc_dtype",
     "attn_backward",
     "attn_forward",
+    "available_backends",
     "check_qkv",
     "check_varlen_args",
     "default_backend",
+    "resolve_backend",
     "varlen_attn",
 ]
 
-BACKENDS = ("flash_attn", "torch_cpu", "math")
+BACKENDS = ("flash_attn", "torch_flash", "torch_cpu", "math")
+_HALF = (torch.float16, torch.bfloat16)
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+DTYPES: dict[str, tuple[torch.dtype, ...]] = {
+    "flash_attn": _HALF,
+    "torch_flash": _HALF,
+    "torch_cpu": _FLOATS,
+    "math": _FLOATS,
+}
+"""The input dtypes each backend runs exactly (to that dtype's tolerance)."""
+_DEVICE = {"flash_attn": "cuda", "torch_flash": "cuda", "torch_cpu": "cpu"}  # math: any device
 # Documents shorter than this are batched into one masked CPU call (fewer Python-level kernel launches).
 _CPU_BUCKET_TOKENS = 128
 
@@ -106,10 +130,54 @@ def _shapes(*ts: torch.Tensor) -> str:
     return ", ".join(str(tuple(t.shape)) for t in ts)
 
 
-def default_backend(device: torch.device) -> str:
-    """flash_attn on CUDA when installed, math on CUDA otherwise, torch_cpu on CPU."""
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention accumulates in for inputs of ``dtype``: the LSE, merged outputs, ring gradients."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _installed(name: str) -> bool:
+    if name == "flash_attn":
+        return flash_attn_module() is not None and torch.cuda.is_available()
+    if name == "torch_flash":
+        return torch_flash_available()
+    return True
+
+
+def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The backends that run ``dtype`` on ``device`` here, fastest first (``math``, the reference, last)."""
+    return [b for b in BACKENDS if dtype in DTYPES[b] and _DEVICE.get(b, device.type) == device.type and _installed(b)]
+
+
+def _policy(device: torch.device, dtype: torch.dtype) -> str:
+    return (
+        f"attention on {device.type} runs "
+        + "; ".join(
+            f"{b}: {', '.join(str(d).removeprefix('torch.') for d in DTYPES[b])}"
+            for b in BACKENDS
+            if _DEVICE.get(b, device.type) == device.type
+        )
+        + f"; got {str(dtype).removeprefix('torch.')}"
+    )
+
+
+def default_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """The fastest backend for ``dtype`` on ``device``: flash_attn, else torch_flash on CUDA (fp16/bf16); torch_cpu
+    on CPU; math elsewhere. fp32/fp64 on CUDA raise ValueError (no fused kernel; the math path is opt-in)."""
     if device.type == "cuda":
-        return "flash_attn" if flash_attn_module() is not None else "math"
+        if dtype not in _HALF:
+            raise ValueError(
+                f"{_policy(device, dtype)}. On CUDA attention is fused only in fp16/bf16: train with "
+                '`[sharding] precision = "bf16"` (the default on GPU with a sharded mode) or cast q/k/v, or pass '
+                "backend='math' for the slow unfused reference"
+            )
+        if flash_attn_module() is not None:
+            return "flash_attn"
+        if torch_flash_available():
+            return "torch_flash"
+        raise ValueError(
+            "no fused CUDA attention here: this torch has no aten::_flash_attention_forward and "
+            "flash-attn is not installed (pip install flash-attn), or pass backend='math'"
+        )
     return "torch_cpu" if device.type == "cpu" else "math"
 
 
@@ -153,7 +221,7 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
 
 def _cpu_forward(q, k, v, cu_q, cu_k, causal, scale):
     out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=acc_dtype(q.dtype), device=q.device)
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     for i, j in _segments(cu_q, cu_k):
         qs, qe, ks, ke = cu_q.offsets[i], cu_q.offsets[j], cu_k.offsets[i], cu_k.offsets[j]
@@ -184,7 +252,7 @@ def _cpu_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
             _bhsd(k[ks:ke]),
             _bhsd(v[ks:ke]),
             _bhsd(out[qs:qe]),
-            lse[None, :, qs:qe].contiguous(),
+            lse[None, :, qs:qe].to(acc_dtype(q.dtype)).contiguous(),
             0.0,
             causal and mask is None,
             attn_mask=mask,
@@ -196,37 +264,38 @@ def _cpu_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
 
 
 def _math_scores(q, k, causal, scale):
-    """(lq, h, hd) x (lk, h, hd) -> scores (h, lq, lk) in float32, causal positions masked to -inf."""
-    s = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale
+    """(lq, h, hd) x (lk, h, hd) -> scores (h, lq, lk) in the accumulation dtype, causal positions masked to -inf."""
+    acc = acc_dtype(q.dtype)
+    s = torch.einsum("qhd,khd->hqk", q.to(acc), k.to(acc)) * scale
     if causal:
         s = s.masked_fill(torch.ones(s.shape[1:], dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     return s
 
 
 def _math_forward(q, k, v, cu_q, cu_k, causal, scale):
-    g = q.shape[1] // k.shape[1]
+    g, acc = q.shape[1] // k.shape[1], acc_dtype(q.dtype)
     out = torch.empty_like(q)
-    lse = torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device)
+    lse = torch.empty((q.shape[1], q.shape[0]), dtype=acc, device=q.device)
     for i in range(len(cu_q.offsets) - 1):
         qs, qe, ks, ke = cu_q.offsets[i], cu_q.offsets[i + 1], cu_k.offsets[i], cu_k.offsets[i + 1]
         kk, vv = (x[ks:ke].repeat_interleave(g, dim=1) for x in (k, v))  # (lk, h_kv, hd) -> (lk, h, hd)
         s = _math_scores(q[qs:qe], kk, causal, scale)
         lse[:, qs:qe] = torch.logsumexp(s, dim=-1)
         p = torch.exp(s - lse[:, qs:qe, None])
-        out[qs:qe] = torch.einsum("hqk,khd->qhd", p, vv.float()).to(q.dtype)
+        out[qs:qe] = torch.einsum("hqk,khd->qhd", p, vv.to(acc)).to(q.dtype)
     return out, lse
 
 
 def _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
     # Softmax backward with the saved row statistics (FlashAttention-2, arXiv 2307.08691, Alg. 2):
     # P = exp(S - lse), dV = P^T dO, dP = dO V^T, D = rowsum(dO * O), dS = P * (dP - D).
-    g = q.shape[1] // k.shape[1]
+    g, acc = q.shape[1] // k.shape[1], acc_dtype(q.dtype)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     for i in range(len(cu_q.offsets) - 1):
         qs, qe, ks, ke = cu_q.offsets[i], cu_q.offsets[i + 1], cu_k.offsets[i], cu_k.offsets[i + 1]
-        kk, vv = (x[ks:ke].repeat_interleave(g, dim=1).float() for x in (k, v))
-        qq, do, o = q[qs:qe].float(), dout[qs:qe].float(), out[qs:qe].float()
-        p = torch.exp(_math_scores(qq, kk, causal, scale) - lse[:, qs:qe, None])
+        kk, vv = (x[ks:ke].repeat_interleave(g, dim=1).to(acc) for x in (k, v))
+        qq, do, o = q[qs:qe].to(acc), dout[qs:qe].to(acc), out[qs:qe].to(acc)
+        p = torch.exp(_math_scores(qq, kk, causal, scale) - lse[:, qs:qe, None].to(acc))
         dp = torch.einsum("qhd,khd->hqk", do, vv)
         ds = p * (dp - (do * o).sum(-1).T[:, :, None])
         dq[qs:qe] = (torch.einsum("hqk,khd->qhd", ds, kk) * scale).to(q.dtype)
@@ -238,18 +307,33 @@ def _math_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
     return dq, dk, dv
 
 
-_FORWARD = {"torch_cpu": _cpu_forward, "math": _math_forward, "flash_attn": flash_forward}
-_BACKWARD = {"torch_cpu": _cpu_backward, "math": _math_backward, "flash_attn": flash_backward}
+_FORWARD = {
+    "torch_cpu": _cpu_forward,
+    "math": _math_forward,
+    "flash_attn": flash_forward,
+    "torch_flash": torch_flash_forward,
+}
+_BACKWARD = {
+    "torch_cpu": _cpu_backward,
+    "math": _math_backward,
+    "flash_attn": flash_backward,
+    "torch_flash": torch_flash_backward,
+}
 
 
-def _pick(backend: str | None, q: torch.Tensor) -> str:
-    name = backend or default_backend(q.device)
+def resolve_backend(backend: str | None, q: torch.Tensor) -> str:
+    """The backend that runs ``q``'s device and dtype (``backend``, or :func:`default_backend`); ValueError with the
+    dtype policy when it cannot. Depends only on ``q``'s device and dtype: called before any collective."""
+    name = backend or default_backend(q.device, q.dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
-    if name == "flash_attn" and (q.device.type != "cuda" or flash_attn_module() is None):
-        raise ValueError("backend 'flash_attn' needs CUDA tensors and the flash-attn package")
-    if name == "torch_cpu" and q.device.type != "cpu":
-        raise ValueError(f"backend 'torch_cpu' needs CPU tensors, got {q.device}")
+    want = _DEVICE.get(name)
+    if want is not None and q.device.type != want:
+        raise ValueError(f"backend {name!r} needs {want.upper()} tensors, got {q.device}")
+    if name == "flash_attn" and flash_attn_module() is None:
+        raise ValueError("backend 'flash_attn' needs the flash-attn package (pip install flash-attn)")
+    if q.dtype not in DTYPES[name]:
+        raise ValueError(f"backend {name!r} cannot run {q.dtype}: {_policy(q.device, q.dtype)}")
     return name
 
 
@@ -264,8 +348,8 @@ def attn_forward(
     softmax_scale: float,
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t_q, h, hd), (t_k, h_kv, hd) x2 -> out (t_q, h, hd), lse (h, t_q) float32."""
-    return _FORWARD[_pick(backend, q)](q, k, v, cu_q, cu_k, causal, softmax_scale)
+    """(t_q, h, hd), (t_k, h_kv, hd) x2 -> out (t_q, h, hd), lse (h, t_q) in acc_dtype(q.dtype)."""
+    return _FORWARD[resolve_backend(backend, q)](q, k, v, cu_q, cu_k, causal, softmax_scale)
 
 
 def attn_backward(
@@ -283,7 +367,7 @@ def attn_backward(
     backend: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of q, k, v for one block given the full attention's ``out`` and ``lse``."""
-    return _BACKWARD[_pick(backend, q)](dout, q, k, v, out, lse, cu_q, cu_k, causal, softmax_scale)
+    return _BACKWARD[resolve_backend(backend, q)](dout, q, k, v, out, lse, cu_q, cu_k, causal, softmax_scale)
 
 
 class _VarlenAttn(torch.autograd.Function):

@@ -22,8 +22,10 @@ __all__ = ["merge_attn_outputs"]
 def merge_attn_outputs(
     out: torch.Tensor, lse: torch.Tensor, blk_out: torch.Tensor, blk_lse: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge ``blk_out``/``blk_lse`` into the running ``out`` (``(t, h, hd)``, float32) and ``lse`` (``(h, t)``).
+    """Merge ``blk_out``/``blk_lse`` into the running ``out`` (``(t, h, hd)``) and ``lse`` (``(h, t)``), both in the
+    accumulation dtype (``kernels.acc_dtype``: float32, or float64 for fp64 inputs).
 
-    Returns the new ``(out, lse)``; ``blk_out`` may be in a lower precision (it is promoted to float32)."""
+    Returns the new ``(out, lse)``; ``blk_out`` may be in a lower precision (it is promoted to ``out``'s dtype)."""
+    blk_lse = blk_lse.to(lse.dtype)
     w = torch.sigmoid(blk_lse - lse).t().unsqueeze(-1)  # (h, t) -> (t, h, 1)
-    return out - w * (out - blk_out.float()), lse - F.logsigmoid(lse - blk_lse)
+    return out - w * (out - blk_out.to(out.dtype)), lse - F.logsigmoid(lse - blk_lse)

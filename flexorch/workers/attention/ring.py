@@ -21,7 +21,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from flexorch.workers.attention.kernels import Seqlens, attn_backward, attn_forward, check_varlen_args
+from flexorch.workers.attention.kernels import (
+    Seqlens,
+    acc_dtype,
+    attn_backward,
+    attn_forward,
+    check_varlen_args,
+    resolve_backend,
+)
 from flexorch.workers.attention.merge import merge_attn_outputs
 
 __all__ = ["ZigzagBlocks", "zigzag_blocks", "zigzag_ring_attn_varlen_func"]
@@ -97,7 +104,7 @@ def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, back
         src = (ring.rank - step) % ring.size
         if step == 0:
             out, lse = attn_forward(q, kv[0], kv[1], full, full, causal=True, **kw)
-            out = out.float()
+            out = out.to(acc_dtype(q.dtype))  # merged in the accumulation dtype: fp64 stays fp64
         elif src < ring.rank:
             blk = attn_forward(q, kv[0][front], kv[1][front], full, half, causal=False, **kw)
             out, lse = merge_attn_outputs(out, lse, *blk)
@@ -115,7 +122,8 @@ def _ring_backward(dout, q, k, v, out, lse, blocks: ZigzagBlocks, ring: _Ring, s
     full, half, front, back = blocks.full, blocks.half, blocks.front, blocks.back
     dout_b, q_b, out_b, lse_b = dout[back], q[back], out[back], lse[:, back].contiguous()
     kv = torch.stack([k, v])  # (2, t, h_kv, hd)
-    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = dreqs = next_dkv = None
     for step in range(ring.size):
         if step + 1 < ring.size:
@@ -136,7 +144,7 @@ def _ring_backward(dout, q, k, v, out, lse, blocks: ZigzagBlocks, ring: _Ring, s
             dq[back] += dq_i
             rows = slice(None)
         if step == 0:
-            dkv = torch.stack([dk_i, dv_i]).float()  # accumulator of our own K/V block
+            dkv = torch.stack([dk_i, dv_i]).to(acc)  # accumulator of our own K/V block
         else:
             _wait(dreqs)  # the accumulator of block src arrives from the previous rank
             dkv = next_dkv
@@ -194,7 +202,7 @@ def zigzag_ring_attn_varlen_func(
         softmax_scale: defaults to ``hd ** -0.5``.
         causal: must be True (causal within each document): the zigzag layout exists to balance causal work,
             and its padding is invisible to real tokens only under a causal mask.
-        return_lse: also return the local log-sum-exp ``(h, t)`` float32.
+        return_lse: also return the local log-sum-exp ``(h, t)`` (float32; float64 for fp64 inputs).
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
 
     Returns:
@@ -202,6 +210,7 @@ def zigzag_ring_attn_varlen_func(
     """
     d = dist.get_world_size(group)
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, d, where="zigzag_ring_attn_varlen_func")
+    backend = resolve_backend(backend, q)  # a dtype/device the kernels cannot run fails here, on every rank
     if not causal:
         # Non-causal attention would let real queries see every document's padding (and needs no zigzag).
         raise ValueError("zigzag_ring_attn_varlen_func supports causal=True only")

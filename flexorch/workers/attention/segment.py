@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from flexorch.workers.attention.kernels import Seqlens, attn_backward, attn_forward
+from flexorch.workers.attention.kernels import Seqlens, acc_dtype, attn_backward, attn_forward
 from flexorch.workers.attention.merge import merge_attn_outputs
 
 __all__ = ["segment_attn_func"]
@@ -39,7 +39,7 @@ class _SegmentAttn(torch.autograd.Function):
     def forward(ctx, q, k, v, k_pre, v_pre, cu, cu_rows, cu_pre, rows, scale, backend):
         kw = {"softmax_scale": scale, "backend": backend}
         out, lse = attn_forward(q, k, v, cu, cu, causal=True, **kw)
-        out, lse = out.float(), lse.clone()
+        out, lse = out.to(acc_dtype(q.dtype)), lse.clone()
         if rows.numel():
             blk_out, blk_lse = attn_forward(q[rows], k_pre, v_pre, cu_rows, cu_pre, causal=False, **kw)
             out[rows], lse[:, rows] = merge_attn_outputs(out[rows], lse[:, rows], blk_out, blk_lse)

@@ -13,7 +13,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from flexorch.workers.attention.kernels import check_varlen_args, varlen_attn
+from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend, varlen_attn
 
 __all__ = ["head_to_seq", "seq_to_head", "ulysses_attn_varlen_func"]
 
@@ -100,7 +100,7 @@ def ulysses_attn_varlen_func(
         group: the sequence-parallel group of degree ``d``; ``h`` must be divisible by ``d``.
         softmax_scale: defaults to ``hd ** -0.5``.
         causal: causal within each document.
-        return_lse: also return the local log-sum-exp ``(h, s/d)`` float32.
+        return_lse: also return the local log-sum-exp ``(h, s/d)`` (float32; float64 for fp64 inputs).
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
 
     Returns:
@@ -109,6 +109,7 @@ def ulysses_attn_varlen_func(
     d = dist.get_world_size(group)
     where = "ulysses_attn_varlen_func"
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, d, where=where)
+    backend = resolve_backend(backend, q)  # a dtype/device the kernels cannot run fails here, on every rank
     h, h_kv, hd = q.shape[1], k.shape[1], q.shape[2]
     if h % d != 0:
         raise ValueError(f"{where}: {h} query heads are not divisible by the sequence-parallel degree {d}")
