@@ -47,7 +47,17 @@ def test_auto_is_fsdp_and_bf16_on_gpu_replicate_and_fp32_on_cpu():
     cpu, gpu = config_from_dict({}), config_from_dict({"use_gpu": True})
     assert (cpu.sharding_mode, cpu.precision) == ("replicate", "fp32")
     assert (gpu.sharding_mode, gpu.precision) == ("fsdp", "bf16")
-    assert config_from_dict({"use_gpu": True, "sharding": {"precision": "fp32"}}).precision == "fp32"
+    assert config_from_dict({"sharding": {"mode": "fsdp", "precision": "bf16"}}).precision == "bf16"
+
+
+@pytest.mark.parametrize(
+    "sharding", [{"precision": "fp32"}, {"mode": "replicate"}, {"mode": "fsdp", "precision": "fp32"}]
+)
+def test_gpu_runs_in_fp32_are_refused_before_any_worker_starts(sharding):
+    # CUDA attention is fused only in fp16/bf16 (flexorch.workers.attention.kernels.DTYPES)
+    with pytest.raises(ConfigError, match=r"use_gpu trains in bf16, got sharding.precision = 'fp32'.*'fsdp' or 'hsdp'"):
+        config_from_dict({"use_gpu": True, "sharding": sharding})
+    config_from_dict({"use_gpu": True, "sharding": {"mode": "hsdp", "shard_size": 1}})
 
 
 def test_effective_shard_size_never_grows_a_workers_share():

@@ -209,6 +209,15 @@ class TrainConfig:
                 f"sharding.shard_size={s} does not divide workers={self.workers}: hsdp needs whole shard groups; "
                 f"use a shard_size among {[d for d in range(1, self.workers + 1) if self.workers % d == 0]}"
             )
+        if self.use_gpu and precision != "bf16":
+            # flexorch.workers.attention.kernels.DTYPES: on CUDA attention is fused only in fp16/bf16; the fp32
+            # path there is the per-document reference loop, never a training path.
+            raise ConfigError(
+                f"use_gpu trains in bf16, got sharding.precision = {precision!r}: attention on CUDA runs fused "
+                "only in fp16/bf16 (flash-attn or torch's own flash kernels). Set sharding.precision = 'bf16' "
+                "with sharding.mode 'fsdp' or 'hsdp' (shard_size = 1 keeps whole replicas; FSDP2 keeps fp32 "
+                "master weights), or leave both at 'auto'"
+            )
         if precision == "bf16" and mode == "replicate":
             raise ConfigError(
                 "sharding.precision = 'bf16' needs sharding.mode 'fsdp' or 'hsdp' (FSDP2 keeps the fp32 master "
