@@ -136,7 +136,7 @@ class RayWorkerGroup:
         used by a loading process on this node) before the ones still starting are given up."""
         self._publish = publish or _no_publish
         self.use_gpu = use_gpu
-        self._args = (model_cfg, optim_cfg, seed, threads, sharding)
+        self._args = (model_cfg, optim_cfg, seed, threads, sharding, use_gpu)  # Worker.__init__ after worker_id
         self.sharded = bool(sharding) and sharding.get("mode", "replicate") != "replicate"
         """Model state sharded over the workers (FSDP2): it moves when the world re-forms, never through
         :meth:`sync_state`."""

@@ -26,12 +26,13 @@ from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
+from flexorch.workers.devices import pin_device
 from flexorch.workers.model import init_model
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.pipeline.held_params import HeldParams
-from flexorch.workers.process_groups import ProcessGroupRegistry
+from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
 from flexorch.workers.sharded_step import run_sharded_step
 from flexorch.workers.step_exec import StepOutcome, run_step
 
@@ -63,9 +64,14 @@ class Worker:
         seed: int,
         num_threads: int = 1,
         sharding: dict | None = None,
+        use_gpu: bool | None = None,
     ):
         if num_threads > 0:
             torch.set_num_threads(num_threads)
+        self.device = pin_device(_wants_gpu(use_gpu))
+        """This worker's CUDA device, made current (``flexorch.workers.devices``); None on CPU. ``use_gpu`` None:
+        a GPU exactly when Ray gave this actor one (``num_gpus``), or, outside a Ray actor, when CUDA is
+        available."""
         self.worker_id = worker_id
         self.seed = seed
         self.model_cfg = ModelConfig.from_dict(model_cfg)
@@ -73,7 +79,6 @@ class Worker:
         self.sharding = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
         self.sharding.update(sharding or {})
         self.sharded = self.sharding["mode"] != "replicate"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
         self.version = 0
         """Optimizer steps applied to the state this worker holds."""
         self.model = None  # sharded: built for each world at join (flexorch.workers.fsdp)
@@ -109,7 +114,9 @@ class Worker:
         nothing was restored) and ``"newest"``, the newest version any member held."""
         t0 = time.perf_counter()
         holding = self._holding()
-        self.leave_world()
+        # Membership changed since the last world, maybe because a peer died after this rank's step had finished:
+        # abort (NCCL) rather than destroy, which could wait on that peer. No collective is pending between steps.
+        self.leave_world(abort=True)
         self._strike("join", epoch)
         self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
         out = {"version": self.version, "newest": self.version}
@@ -180,20 +187,27 @@ class Worker:
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
         self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
         self.registry = ProcessGroupRegistry(
-            store=self._store, rank=rank, world_size=world_size, epoch=epoch, timeout_s=timeout_s
+            store=self._store,
+            rank=rank,
+            world_size=world_size,
+            epoch=epoch,
+            timeout_s=timeout_s,
+            backend=backend_for(self.device),
+            device=self.device,
         )
 
-    def leave_world(self) -> None:
-        """Drop the current world (idempotent; safe after a failed collective)."""
+    def leave_world(self, abort: bool = False) -> None:
+        """Drop the current world (idempotent; safe after a failed collective). ``abort``: the world failed, so
+        NCCL communicators are aborted instead of destroyed (``ProcessGroupRegistry.close``); gloo is unaffected."""
         if self.registry is not None:
             try:
-                self.registry.close()
+                self.registry.close(abort=abort)
             except Exception:  # noqa: BLE001 - a broken world may not close cleanly; it is dropped either way
                 pass
             self.registry = None
-        if dist.is_initialized():  # a half-made world (a join that failed)
+        if dist.is_initialized():  # a half-made world (a join that failed), or a close that raised
             try:
-                dist.destroy_process_group()
+                abort_world() if abort else dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
         self._store = None
@@ -207,7 +221,7 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - re-raised below
             err, text = e, traceback.format_exc()
         err.__traceback__ = None  # release the failed collective's frames, so leaving the world closes sockets
-        self.leave_world()
+        self.leave_world(abort=True)  # the step failed: the world's state is unknown, a destroy could wait forever
         if _is_world_error(err):
             raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
         err.add_note(text)
@@ -369,6 +383,16 @@ class Worker:
 
 class _NoParams(torch.nn.Module):
     """What a rank on no pipeline stage holds of a sharded model: nothing."""
+
+
+def _wants_gpu(use_gpu: bool | None) -> bool:
+    """``use_gpu`` if given; else whether Ray gave this actor GPUs (``ray.get_gpu_ids()``, meaningful only inside an
+    actor), or outside a Ray actor whether CUDA is available (as before devices were pinned)."""
+    if use_gpu is not None:
+        return use_gpu
+    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+        return bool(ray.get_gpu_ids())
+    return torch.cuda.is_available()
 
 
 def _to_cpu(obj):

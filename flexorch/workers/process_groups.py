@@ -12,25 +12,95 @@ Contract (``torch.distributed.new_group`` must be entered by every rank of the w
 Overlapping groups ({0,1,2,3}, {0,1}, {2,3}, {1,3}) are ordinary torch sub-groups of one world, each with its
 own gloo/NCCL communicator, so collectives on them stay correct (unlike ``ray.util.collective``, see
 docs/design.md §3). Nothing here is global state: callers pass the groups on as arguments.
+
+NCCL (backends ``"nccl"`` and ``"cpu:gloo,cuda:nccl"``). Read against the torch 2.13 source (``distributed_c10d.py``,
+``ProcessGroupNCCL.hpp``/``.cpp``); the calls used are older than 2.11, the GPU machines' torch, and the one private
+call (``_abort_process_group``) is looked up with a fallback:
+
+* Given the worker's CUDA ``device``, the world is created with ``init_process_group(..., device_id=device)``: the
+  world is bound to that device (``ProcessGroup.bound_device_id``) and its NCCL communicator is formed at once.
+  ``new_group`` then splits each sub-group's communicator off the world's (``ncclCommSplit``) instead of a fresh
+  rendezvous: ``_new_process_group_helper`` splits exactly when the default group has a ``bound_device_id`` and
+  the backend bound to it ``supports_splitting`` (``ProcessGroupNCCL`` does); sub-groups inherit the bound device.
+  Non-members take part in the split too (``perform_nocolor_split``), which :meth:`ProcessGroupRegistry.ensure`
+  already guarantees (every rank creates every group). ``dist.split_group`` is not used: it takes disjoint splits
+  only, and the plan's groups overlap.
+* The collective timeout is the registry's ``timeout_s`` (the actor passes ``[elastic] collective_timeout_s``):
+  for NCCL it is the watchdog's per-collective timeout (``ProcessGroupNCCL.Options._timeout``).
+* ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` defaults to 3 (``SkipCleanUp``: on an error or timeout the watchdog tears the
+  process down without aborting its communicators). An elastic world needs its survivors alive, so unless the
+  environment sets it, the registry sets 2 (``CleanUpOnly``: the watchdog aborts the communicators and the failed
+  work raises, the process lives on) before the NCCL world exists; the value is read when a ``ProcessGroupNCCL``
+  is constructed.
+* ``close(abort=True)`` aborts the communicators (``ncclCommAbort``) instead of destroying them: a destroy waits
+  for outstanding work and can hang when a peer died. gloo has nothing to abort; it is destroyed as usual.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from collections.abc import Iterable
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["ProcessGroupRegistry", "RankSet", "canonical_rank_sets", "default_backend"]
+__all__ = [
+    "NCCL_ASYNC_ERROR_HANDLING",
+    "ProcessGroupRegistry",
+    "RankSet",
+    "abort_world",
+    "backend_for",
+    "canonical_rank_sets",
+    "default_backend",
+    "uses_nccl",
+]
 
 RankSet = tuple[int, ...]
+
+
+NCCL_ASYNC_ERROR_HANDLING = "2"
+"""``CleanUpOnly`` (``ErrorHandlingMode`` in ``ProcessGroupNCCL.hpp``): on an NCCL error or timeout the watchdog aborts
+the communicators and fails the work, without killing the process (the default, 3, kills it)."""
 
 
 def default_backend() -> str:
     """gloo for CPU tensors, plus NCCL for CUDA tensors when CUDA is available."""
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+
+
+def backend_for(device: torch.device | None) -> str:
+    """The backend of a worker computing on ``device``: gloo for CPU tensors, plus NCCL for CUDA tensors when the
+    worker has a CUDA device (None: CPU). Unlike :func:`default_backend` it ignores GPUs the worker was not given."""
+    return "cpu:gloo,cuda:nccl" if device is not None and device.type == "cuda" else "gloo"
+
+
+def uses_nccl(backend: str) -> bool:
+    """Whether ``backend`` (``"nccl"``, ``"gloo"``, ``"cpu:gloo,cuda:nccl"``...) creates NCCL communicators."""
+    return any(part.rpartition(":")[2].strip().lower() == "nccl" for part in str(backend).split(","))
+
+
+def abort_world(groups: Iterable[dist.ProcessGroup] = ()) -> None:
+    """Abort every communicator of this process's world and forget the world, without waiting on any peer.
+
+    torch 2.13 (and 2.11; the function dates from about 2.5): ``distributed_c10d._abort_process_group()`` aborts
+    every group of the world inside one NCCL group call (so the aborts cannot deadlock each other) and clears c10d's
+    state. Older torch: abort the CUDA backend of each of ``groups`` (the world first), then destroy, which no longer
+    waits on the aborted communicators. Backends with nothing to abort (gloo) are skipped.
+    """
+    abort_all = getattr(c10d, "_abort_process_group", None)  # private API: looked up, not assumed
+    if abort_all is not None:
+        abort_all()
+        return
+    for pg in groups:
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except (RuntimeError, AttributeError):  # no CUDA backend in this group (gloo), or not a member
+            continue
+        backend.abort()
+    dist.destroy_process_group()
 
 
 def canonical_rank_sets(rank_sets: Iterable[Iterable[int]], world_size: int) -> list[RankSet]:
@@ -60,20 +130,32 @@ class ProcessGroupRegistry:
         epoch: int,
         backend: str | None = None,
         timeout_s: float = 300.0,
+        device: torch.device | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+        if device is not None and device.type == "cuda" and device.index is None:
+            raise ValueError(f"device must name its index (cuda:0, not cuda), got {device}")
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed world is already open in this process; close its registry first")
         self.rank, self.world_size, self.epoch = rank, world_size, epoch
-        self.backend = backend or default_backend()
+        self.device = device
+        """This worker's device (None: CPU); an NCCL world is bound to it when it is a CUDA device."""
+        self.backend = backend or (default_backend() if device is None else backend_for(device))
         self.timeout = timedelta(seconds=timeout_s)
+        bind = {}
+        if uses_nccl(self.backend):
+            if "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ and "NCCL_ASYNC_ERROR_HANDLING" not in os.environ:
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING  # an explicit value wins
+            if device is not None and device.type == "cuda":
+                bind["device_id"] = device  # eager NCCL init; sub-groups split off the world (module docstring)
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"flexorch/epoch{epoch}", store),
             rank=rank,
             world_size=world_size,
             timeout=self.timeout,
+            **bind,
         )
         self._groups: dict[RankSet, dist.ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
         self._open = True
@@ -90,7 +172,9 @@ class ProcessGroupRegistry:
         canon = canonical_rank_sets(rank_sets, self.world_size)
         digest = int.from_bytes(hashlib.sha256(repr(canon).encode()).digest()[:7], "little")
         # A pure-NCCL world has no CPU collectives; "gloo" and "cpu:gloo,cuda:nccl" take CPU tensors.
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else None
+        device = None
+        if self.backend == "nccl":
+            device = self.device if self.device is not None else torch.device("cuda", torch.cuda.current_device())
         gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(self.world_size)]
         dist.all_gather(gathered, torch.tensor([digest], dtype=torch.int64, device=device), group=dist.group.WORLD)
         if any(int(g) != digest for g in gathered):
@@ -112,11 +196,20 @@ class ProcessGroupRegistry:
             raise KeyError(f"group {list(rs)} was not created; call ensure() with it on every rank first")
         return self._groups[rs]
 
-    def close(self) -> None:
-        """Leave the world and drop every group of this epoch (idempotent)."""
-        if self._open:
-            self._open = False
-            self._groups.clear()
+    def close(self, abort: bool = False) -> None:
+        """Leave the world and drop every group of this epoch (idempotent).
+
+        ``abort``: the world failed (a peer died or hung, a collective broke): with NCCL the communicators are
+        aborted (:func:`abort_world`) rather than destroyed, since a destroy waits on work a dead peer never
+        finishes. gloo has nothing to abort and is destroyed either way."""
+        if not self._open:
+            return
+        self._open = False
+        groups = [g for g in self._groups.values() if isinstance(g, dist.ProcessGroup)]  # the world first
+        self._groups.clear()
+        if abort and uses_nccl(self.backend):
+            abort_world(groups)
+        else:
             dist.destroy_process_group()
 
     def __enter__(self) -> ProcessGroupRegistry:
