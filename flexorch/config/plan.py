@@ -37,6 +37,12 @@ class PlanSettings:
     budget_share: float = 0.5
     """The share of the last step's measured time a plan may take with ``budget = "step"`` (0 < share <= 1: the
     solve must be back before the step it overlaps ends, and shares the CPUs with it)."""
+    refit: str = "auto"
+    """Refit the cost model's time terms during the run from the groups the workers ran
+    (``flexorch.solver.refit``): 'on', 'off', or 'auto' (default: on when ``profile = "auto"`` calibrated it at
+    the start; a named or file profile is kept as given). Memory terms are never refitted."""
+    refit_every: int = 4
+    """Steps between refits (each uses the most recent groups of every type)."""
     kinds: tuple[str, ...] = ("ulysses", "ring")
     """Attention methods the planner may use."""
     solver: str = "highs"
@@ -66,6 +72,10 @@ class PlanSettings:
             raise ConfigError(f"plan.budget must be 'auto', 'step' or 'fixed', got {self.budget!r}")
         if not (isinstance(self.budget_share, int | float) and 0 < self.budget_share <= 1):
             raise ConfigError(f"plan.budget_share must be in (0, 1], got {self.budget_share!r}")
+        if self.refit not in ("auto", "on", "off"):
+            raise ConfigError(f"plan.refit must be 'auto', 'on' or 'off', got {self.refit!r}")
+        if not isinstance(self.refit_every, int) or isinstance(self.refit_every, bool) or self.refit_every < 1:
+            raise ConfigError(f"plan.refit_every must be an integer >= 1, got {self.refit_every!r}")
         bad = [k for k in self.kinds if k not in ("ulysses", "ring")]
         if not self.kinds or bad:
             raise ConfigError(f"plan.kinds must be a non-empty subset of ['ulysses', 'ring'], got {list(self.kinds)}")
@@ -81,6 +91,11 @@ class PlanSettings:
         if mode == "fixed" or step_ms is None or not step_ms > 0:
             return self.time_limit_s
         return max(self.time_limit_s, min(self.budget_share * step_ms / 1e3, 0.5 * self.timeout_s))
+
+    @property
+    def refits(self) -> bool:
+        """The cost model is refitted during the run (``refit``, 'auto' resolved)."""
+        return self.refit == "on" or (self.refit == "auto" and self.profile == "auto")
 
     @property
     def static(self) -> tuple[str, int] | None:

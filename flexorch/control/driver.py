@@ -37,6 +37,7 @@ from flexorch.data.stream import DocumentStream
 from flexorch.records.metrics import RunMetrics
 from flexorch.records.writer import StepRecords, skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.refit import GroupWindow, refit_times, samples_of_record
 from flexorch.solver.step_planner import PlannedStep
 from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
 from flexorch.tasks.placement import PartsLostError
@@ -79,6 +80,7 @@ class TrainingDriver:
         self._error: str | None = None
         self._step_wall: list[float] = []
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
+        self._groups = GroupWindow()  # the run's most recent groups per type, for refitting the cost model
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self.workers: WorkerGroup | None = None
         self.planner = None
@@ -235,12 +237,29 @@ class TrainingDriver:
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
         if not planned.pipelined:
             record["model_state"] = model_state_fields(self.cfg, n)
+            self._refit(record)
         if moved is not None:
             record["pipeline"]["params"] = {"placement": self.cfg.pipeline.params, **moved}
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         record = self._finish(record, t_start, planned.plan)
         return Transition(Ran.TRAINED, step_no, self.step_no, record, tuple(recoveries[len(carried) :]))
+
+    def _refit(self, record: dict) -> None:
+        """Keep the run's groups; every ``plan.refit_every`` steps refit the cost model's time terms on the most
+        recent ones and plan with it from the next solve on (``flexorch.solver.refit``)."""
+        if not self.cfg.plan.refits:
+            return
+        self._groups.add(samples_of_record(record))
+        if (self.step_no + 1) % self.cfg.plan.refit_every:
+            return
+        profile, report = refit_times(self.profile, self._groups)
+        if report.accepted:
+            self.profile = profile
+            self.planner.set_profile(profile)
+            (self.run_dir / "profile_refit.json").write_text(profile.to_json())
+        if report.refitted:
+            self._publish({"event": "planner", "message": f"step {self.step_no}: {report.message(profile)}"})
 
     def _plan_budget(self) -> float:
         """Seconds the next plan may take (``[plan] budget``): a share of the last measured step on GPU workers."""

@@ -104,6 +104,10 @@ class PlannerClient(Protocol):
         """Drop a plan solved ahead (the stream went back: a roll-back)."""
         ...
 
+    def set_profile(self, profile: Profile) -> None:
+        """Plan the solves started from now on (and the fallback) with ``profile`` (a refit cost model)."""
+        ...
+
     def inject_fault(self, hangs: int = 1) -> None:
         """Test seam: the planner's next ``hangs`` solves never return (a stuck CBC solve)."""
         ...
@@ -182,6 +186,13 @@ class _PrefetchingClient:
     def forget(self) -> None:
         self._pending = None
 
+    def set_profile(self, profile: Profile) -> None:
+        self.spec = dataclasses.replace(self.spec, profile=profile)  # a restarted planner and the fallback too
+        self._push_profile(profile)
+
+    def _push_profile(self, profile: Profile) -> None:
+        raise NotImplementedError
+
 
 class RayPlannerClient(_PrefetchingClient):
     """The planner in :data:`StepPlannerActor` on the driver's node (it survives the loss of a worker node)."""
@@ -195,6 +206,9 @@ class RayPlannerClient(_PrefetchingClient):
 
     def _submit(self, lengths, n, budget_s=None):
         return self.actor.plan.remote(lengths, n, time_limit_s=budget_s)
+
+    def _push_profile(self, profile):
+        self.actor.set_profile.remote(profile)  # an actor runs one caller's calls in order: before the next solve
 
     def _wait(self, handle, timeout_s):
         try:
@@ -227,13 +241,19 @@ class LocalPlannerClient(_PrefetchingClient):
     def _start(self) -> None:
         self.planner = StepPlanner(*self.spec.planner_args(0))  # never renice the caller's own process
         self._lock = threading.Lock()
+        self._profile: Profile | None = None  # a refit the next solve takes up (a solve in flight holds the lock)
+
+    def _push_profile(self, profile):
+        self._profile = profile
 
     def _submit(self, lengths, n, budget_s=None):
         future: concurrent.futures.Future = concurrent.futures.Future()
-        planner, lock = self.planner, self._lock
+        planner, lock, profile, self._profile = self.planner, self._lock, self._profile, None
 
         def solve() -> None:
             with lock:
+                if profile is not None:
+                    planner.set_profile(profile)
                 try:
                     future.set_result(planner.plan(lengths, n, time_limit_s=budget_s))
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting step

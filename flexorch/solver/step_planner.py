@@ -156,9 +156,17 @@ class StepPlanner:
         self.static = static
         self.config = config
         self.pipeline_stages = pipeline_stages
+        self.pipeline_params = pipeline_params
         self._planner = Planner(profile, config) if static is None and pipeline_stages == 1 else None
         self._hangs = 0
         self._baselines_s: float | None = None  # what the baselines took last step: the share kept for them
+
+    def set_profile(self, profile: Profile) -> None:
+        """Plan the next steps with ``profile`` (a refit of the time terms: ``flexorch.solver.refit``)."""
+        self.profile = profile
+        self.pipeline_profile = stage_memory_profile(profile, self.pipeline_params)
+        if self._planner is not None:
+            self._planner.profile = profile
 
     def inject_fault(self, hangs: int | None = None, crashes: int = 0) -> None:
         """Test seam: the next ``hangs`` plan calls block forever, as a stuck CBC solve does (``inject_fault(1)``);

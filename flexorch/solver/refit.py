@@ -1,0 +1,135 @@
+"""The cost model refitted during a run from the groups the workers really ran (``[plan] refit``).
+
+Why: the start-up calibration (``flexorch.control.calibration``) times probes that are not the run's micro-batches.
+Measured on 2026-11-25 with ``benchmarks/calibration_error.py`` (4 CPU workers on 2 cores): its compute probes run
+every worker at degree 1 at once, so each worker had half a core, while in training the workers of SP groups spend
+part of their time blocked in collectives and leave the cores to the others. The probes priced compute 1.3-2x too
+high (b1 44 ms, a1 2.2e-4 ms/token^2 against 14 ms and 3.5e-5 fitted on the run's own degree-1 groups); the group fit
+per (kind, degree) absorbed the error for SP groups, so static layouts of one degree were predicted within 7-9 %
+while adaptive plans, which mix degree-1 groups in, were off by 33 %.
+
+The fix is the run's own evidence: every trained step's record holds, per rank and micro-batch, how long it took.
+:class:`GroupWindow` keeps the most recent groups (a degree-1 group is pure compute; an SP group is compute plus its
+collectives), and :func:`refit_times` fits FlexSP's compute terms (arXiv 2412.01523, §4.1.2: ``b1 + a1 sum s^2 +
+a2 sum s``) on the degree-1 groups and each (kind, degree)'s latency and bandwidth on its groups
+(``solver.calibration.fit_group_comm``), keeping a term's old value when the window cannot identify it, and the
+whole refit only when it predicts the window better than the profile in force. Only times change: memory (the
+activation bytes, the budget) is the calibrated one, so a plan's feasibility never depends on a refit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+import numpy as np
+
+from flexorch.solver.calibration import (
+    ComputeSample,
+    GroupSample,
+    _relative_fit,
+    fit_group_comm,
+    prediction_errors,
+)
+from flexorch.solver.errors import ProfileError
+from flexorch.solver.profiles import Profile
+
+__all__ = ["GroupWindow", "RefitReport", "refit_times", "samples_of_record"]
+
+MIN_COMPUTE = 6
+"""Degree-1 groups needed before the compute terms are refitted (two per unknown)."""
+MIN_GROUP = 4
+"""Groups of one (kind, degree) needed before its latency and bandwidth are refitted."""
+
+
+def samples_of_record(record: dict) -> list[ComputeSample | GroupSample]:
+    """One sample per group of a trained SP step's record: its sequences, degree, kind and measured time (the slowest
+    of its ranks' ``micro_batch_ms``). Empty for pipelined, skipped and plan-only records, and for groups a lost rank
+    did not report."""
+    if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
+        return []
+    ranks = record.get("ranks") or []
+    out: list[ComputeSample | GroupSample] = []
+    for mi, mb in enumerate(record["plan"]["micro_batches"]):
+        for g in mb:
+            times = [ranks[r]["micro_batch_ms"][mi] if r < len(ranks) and ranks[r] else None for r in g["ranks"]]
+            if any(t is None or not t > 0 for t in times):
+                continue
+            lengths = tuple(int(s) for s in g["seq_lengths"])
+            if g["degree"] == 1:
+                out.append(ComputeSample(seq_lengths=lengths, ms=float(max(times))))
+            else:
+                out.append(GroupSample(seq_lengths=lengths, degree=g["degree"], kind=g["kind"], ms=float(max(times))))
+    return out
+
+
+class GroupWindow:
+    """The most recent ``size`` samples of each group type (degree 1; each SP kind and degree)."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.size = size
+        self._by_type: dict[tuple[str, int], deque] = {}
+
+    def add(self, samples) -> None:
+        for s in samples:
+            key = ("compute", 1) if isinstance(s, ComputeSample) else (s.kind, s.degree)
+            self._by_type.setdefault(key, deque(maxlen=self.size)).append(s)
+
+    def compute(self) -> list[ComputeSample]:
+        return list(self._by_type.get(("compute", 1), ()))
+
+    def groups(self) -> dict[tuple[str, int], list[GroupSample]]:
+        return {k: list(v) for k, v in self._by_type.items() if k[0] != "compute"}
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self._by_type.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class RefitReport:
+    """What a refit changed and how well the old and new profiles predict the window (median |relative error|)."""
+
+    samples: int
+    error_before: float
+    error_after: float
+    accepted: bool
+    refitted: tuple[str, ...]
+    """The terms refitted: 'compute' and/or '<kind>-<degree>'."""
+
+    def message(self, profile: Profile) -> str:
+        what = ", ".join(self.refitted) or "nothing"
+        verdict = "kept" if self.accepted else "rejected (no better)"
+        return (
+            f"cost model refitted on the last {self.samples} groups ({what}): median error "
+            f"{100 * self.error_before:.1f} % -> {100 * self.error_after:.1f} %, {verdict}; b1={profile.b1_ms:.3g} ms "
+            f"a1={profile.a1_ms:.3g} ms/tok^2 a2={profile.a2_ms:.3g} ms/tok"
+        )
+
+
+def _median_abs(profile: Profile, samples) -> float:
+    return float(np.median(np.abs(prediction_errors(profile, samples)))) if samples else 0.0
+
+
+def refit_times(profile: Profile, window: GroupWindow) -> tuple[Profile, RefitReport]:
+    """``profile`` with its time terms refitted on ``window``; the input profile when the refit is no better."""
+    compute, groups = window.compute(), window.groups()
+    every = [*compute, *(s for v in groups.values() for s in v)]
+    new, refitted = profile, []
+    if len(compute) >= MIN_COMPUTE:
+        feats = np.array([[1.0, sum(s * s for s in c.seq_lengths), sum(c.seq_lengths)] for c in compute])
+        try:
+            b1, a1, a2 = _relative_fit(feats, np.array([c.ms for c in compute]), "refit", "")
+        except ProfileError:  # the window does not separate b1, a1, a2 (e.g. every group the same size)
+            pass
+        else:
+            if a1 > 0 or a2 > 0:
+                new = dataclasses.replace(new, b1_ms=float(b1), a1_ms=float(a1), a2_ms=float(a2))
+                refitted.append("compute")
+    for (kind, degree), samples in sorted(groups.items()):
+        if len(samples) >= MIN_GROUP and len({sum(s.seq_lengths) for s in samples}) >= 2:
+            new, _err = fit_group_comm(new, samples, kind, degree)
+            refitted.append(f"{kind}-{degree}")
+    before, after = _median_abs(profile, every), _median_abs(new, every)
+    accepted = bool(refitted) and after < before
+    report = RefitReport(len(every), before, after if accepted else before, accepted, tuple(refitted))
+    return (new if accepted else profile), report

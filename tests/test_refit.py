@@ -1,0 +1,157 @@
+"""The cost model refitted during a run from the groups the workers ran (``flexorch.solver.refit``, ``[plan]
+refit``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from flexorch.config import ConfigError, PlanSettings
+from flexorch.solver.calibration import ComputeSample, GroupSample, predict_ms
+from flexorch.solver.profiles import get_profile
+from flexorch.solver.refit import GroupWindow, refit_times, samples_of_record
+from tests.train_helpers import cpu_profile
+
+
+@pytest.fixture
+def profile(tmp_path):
+    return get_profile(str(cpu_profile(tmp_path / "p.json")))
+
+
+def _group(degree, kind, lengths, ranks):
+    return {"degree": degree, "kind": kind, "ranks": ranks, "seq_ids": [], "seq_lengths": lengths}
+
+
+def _record(ranks, micro_batches, **kw):
+    return {"source": "train", "pipeline": None, "plan": {"micro_batches": micro_batches}, "ranks": ranks, **kw}
+
+
+def test_a_record_gives_one_sample_per_group_timed_by_its_slowest_rank():
+    mbs = [[_group(2, "ulysses", [100, 20], [0, 1]), _group(1, "ulysses", [50], [2])], [_group(1, "ring", [9], [0])]]
+    ranks = [
+        {"micro_batch_ms": [30.0, 4.0]},
+        {"micro_batch_ms": [35.0, None]},
+        {"micro_batch_ms": [12.0, None]},
+    ]
+    got = samples_of_record(_record(ranks, mbs))
+    assert got == [
+        GroupSample(seq_lengths=(100, 20), degree=2, kind="ulysses", ms=35.0),
+        ComputeSample(seq_lengths=(50,), ms=12.0),
+        ComputeSample(seq_lengths=(9,), ms=4.0),
+    ]
+    # a rank lost after the update (null entry): its groups are left out, not guessed
+    assert samples_of_record(_record([ranks[0], None, ranks[2]], mbs)) == got[1:]
+    assert samples_of_record(_record(ranks, mbs, pipeline={"stages": 2})) == []
+    assert samples_of_record(_record(ranks, mbs, source="plan")) == []
+
+
+def _synthetic(truth, n, seed=0):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        lengths = tuple(rng.randint(8, 400) for _ in range(rng.randint(1, 6)))
+        out.append(ComputeSample(seq_lengths=lengths, ms=predict_ms(truth, ComputeSample(seq_lengths=lengths, ms=1.0))))
+        sp = GroupSample(seq_lengths=(rng.randint(200, 1500),), degree=2, kind="ulysses", ms=1.0)
+        out.append(dataclasses.replace(sp, ms=predict_ms(truth, sp)))
+    return out
+
+
+def test_refit_recovers_the_times_the_run_shows_and_keeps_memory(profile):
+    # the run is 3x cheaper per token^2, 2x per token, with a quarter of the fixed cost, and a slower all-to-all
+    truth = dataclasses.replace(
+        profile,
+        a1_ms=profile.a1_ms / 3,
+        a2_ms=profile.a2_ms / 2,
+        b1_ms=profile.b1_ms / 4,
+        a2a_latency_ms={2: 9.0, 4: 8.0},
+    )
+    window = GroupWindow()
+    window.add(_synthetic(truth, 20))
+    new, report = refit_times(profile, window)
+    assert report.accepted and report.refitted == ("compute", "ulysses-2")
+    assert report.error_after < 0.01 < report.error_before
+    assert new.a1_ms == pytest.approx(truth.a1_ms, rel=1e-3) and new.a2_ms == pytest.approx(truth.a2_ms, rel=1e-3)
+    assert new.b1_ms == pytest.approx(truth.b1_ms, rel=1e-2)
+    for field in ("act_bytes_per_token", "memory_budget_bytes", "model_state_bytes", "tokens_per_device", "name"):
+        assert getattr(new, field) == getattr(profile, field)
+    assert "median error" in report.message(new) and "kept" in report.message(new)
+
+
+def test_a_refit_that_predicts_no_better_is_rejected(profile):
+    window = GroupWindow()
+    window.add(_synthetic(profile, 20))  # the profile already explains the window exactly
+    new, report = refit_times(profile, window)
+    assert not report.accepted and new is profile
+    few = GroupWindow()
+    few.add(_synthetic(dataclasses.replace(profile, b1_ms=50.0), 2))  # too few groups to refit anything
+    assert refit_times(profile, few)[1].refitted == ()
+
+
+def test_the_window_keeps_the_most_recent_groups_of_each_type():
+    w = GroupWindow(size=3)
+    w.add([ComputeSample(seq_lengths=(i + 1,), ms=1.0) for i in range(5)])
+    w.add([GroupSample(seq_lengths=(64,), degree=2, kind="ring", ms=2.0)])
+    assert [c.seq_lengths for c in w.compute()] == [(3,), (4,), (5,)] and len(w) == 4
+
+
+def test_refit_settings():
+    assert PlanSettings().refits  # calibrated profile: refitted
+    assert not PlanSettings(profile="gpt-7b-a100").refits  # a named profile is kept as given
+    assert PlanSettings(profile="gpt-7b-a100", refit="on").refits and not PlanSettings(refit="off").refits
+    for bad in ({"refit": "yes"}, {"refit_every": 0}, {"refit_every": 2.5}):
+        with pytest.raises(ConfigError, match="plan.refit"):
+            PlanSettings(**bad)
+
+
+def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
+    # the in-process driver on the fake worker group (real math and collectives' code, no Ray); its measured
+    # micro-batch times are not a real machine's, so this checks the wiring: samples from the records, a refit
+    # every refit_every steps, the new profile in the driver's records, the planner's next solves and the file
+    import numpy as np
+
+    from tests.fake_cluster import fake_driver, memory_corpus
+    from tests.test_driver_transitions import LENGTHS, _cfg
+
+    path = cpu_profile(tmp_path / "given.json")
+    cfg = _cfg(tmp_path, path, steps=6, plan={"refit": "on", "refit_every": 2})
+    rng = np.random.default_rng(0)
+    corpus = memory_corpus([rng.integers(1, 257, n) for n in LENGTHS], vocab_size=257)
+    driver, _ = fake_driver(cfg, corpus)
+    initial = driver.profile
+    try:
+        for _ in range(5):  # refits after steps 1 and 3; step 4 starts the next solve, which takes it up
+            driver.step()
+        events, _ = driver.poll(0)
+        refits = [e["message"] for e in events if "cost model refitted" in str(e.get("message", ""))]
+        assert [m.split(":")[0] for m in refits] == ["step 1", "step 3"]  # after every refit_every = 2 steps
+        assert driver._groups.compute() or driver._groups.groups()
+        if any("kept" in m for m in refits):
+            assert driver.profile != initial
+            assert driver.planner.spec.profile is driver.profile and driver.planner.planner.profile == driver.profile
+            assert get_profile(str(tmp_path / "run" / "profile_refit.json")) == driver.profile
+        for field in ("act_bytes_per_token", "memory_budget_bytes", "tokens_per_device"):
+            assert getattr(driver.profile, field) == getattr(initial, field)
+    finally:
+        driver.shutdown()
+
+
+def test_no_refit_with_a_named_profile_by_default(tmp_path):
+    import numpy as np
+
+    from tests.fake_cluster import fake_driver, memory_corpus
+    from tests.test_driver_transitions import LENGTHS, _cfg
+
+    cfg = _cfg(tmp_path, cpu_profile(tmp_path / "given.json"), steps=2, plan={"refit_every": 1})
+    rng = np.random.default_rng(0)
+    corpus = memory_corpus([rng.integers(1, 257, n) for n in LENGTHS], vocab_size=257)
+    driver, _ = fake_driver(cfg, corpus)
+    initial = driver.profile
+    try:
+        for _ in range(2):
+            driver.step()
+        assert driver.profile is initial and len(driver._groups) == 0
+        assert not (tmp_path / "run" / "profile_refit.json").exists()
+    finally:
+        driver.shutdown()
