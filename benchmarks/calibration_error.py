@@ -12,7 +12,8 @@ drivers of ``benchmarks/train_cpu.py``), then takes each step's prediction apart
   were computing at the same time (``busy``: the mean number of ranks inside a micro-batch while this group ran;
   more than the machine has cores means the group shared a core).
 
-    python benchmarks/calibration_error.py --quick      # ~3 minutes on 2 cores
+    python benchmarks/calibration_error.py --quick --refit off   # the start-up calibration alone, ~3 min
+    python benchmarks/calibration_error.py --steps 10            # refitted every 2 steps from the run's groups
 """
 
 from __future__ import annotations
@@ -36,20 +37,25 @@ from train_cpu import start_mode, step_mode, write_workload  # noqa: E402
 
 from flexorch.config import CorpusConfig, ModelConfig, OptimConfig, PlanSettings, TrainConfig  # noqa: E402
 from flexorch.data.corpus import load_corpus  # noqa: E402
-from flexorch.solver.cost_model import group_time_ms  # noqa: E402
 
 
-def dataflow_ms(rec: dict, profile) -> float:
+def _predicted(rec: dict) -> dict:
+    """(micro-batch, group) -> the cost model's time of that group, as the record's timeline has it (the profile
+    in force when the step ran: a refit changes it during the run)."""
+    return {(t["micro_batch"], t["group"]): t["time_ms"] for t in rec["timeline"]}
+
+
+def dataflow_ms(rec: dict) -> float:
     """The predicted step without barriers: each group starts when its ranks are all free (plan order per rank)."""
-    free = np.zeros(rec["world_size"])
-    for mb in rec["plan"]["micro_batches"]:
-        for g in mb:
+    free, pred = np.zeros(rec["world_size"]), _predicted(rec)
+    for mi, mb in enumerate(rec["plan"]["micro_batches"]):
+        for gi, g in enumerate(mb):
             start = max(free[r] for r in g["ranks"])
-            free[g["ranks"]] = start + group_time_ms(g["seq_lengths"], g["degree"], g["kind"], profile)
+            free[g["ranks"]] = start + pred[(mi, gi)]
     return float(free.max())
 
 
-def group_rows(rec: dict, profile) -> list[dict]:
+def group_rows(rec: dict) -> list[dict]:
     """One row per group of one step: predicted and measured ms, documents, and the concurrency it ran under."""
     ranks = rec["ranks"]
     intervals = [  # every rank's micro-batch intervals, from its own step start
@@ -59,9 +65,9 @@ def group_rows(rec: dict, profile) -> list[dict]:
         for s, t in zip(e["micro_batch_start_ms"], e["micro_batch_ms"], strict=True)
         if s is not None
     ]
-    rows = []
+    rows, pred = [], _predicted(rec)
     for mi, mb in enumerate(rec["plan"]["micro_batches"]):
-        for g in mb:
+        for gi, g in enumerate(mb):
             starts = [ranks[r]["micro_batch_start_ms"][mi] for r in g["ranks"]]
             ends = [s + ranks[r]["micro_batch_ms"][mi] for s, r in zip(starts, g["ranks"], strict=True)]
             a, b = min(starts), max(ends)
@@ -73,7 +79,7 @@ def group_rows(rec: dict, profile) -> list[dict]:
                     "kind": g["kind"],
                     "docs": len(g["seq_lengths"]),
                     "tokens": sum(g["seq_lengths"]),
-                    "predicted": group_time_ms(g["seq_lengths"], g["degree"], g["kind"], profile),
+                    "predicted": pred[(mi, gi)],
                     "measured": max(ranks[r]["micro_batch_ms"][mi] for r in g["ranks"]),
                     "busy": busy,
                 }
@@ -96,6 +102,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="5 steps per layout")
     ap.add_argument("--static", default="static-ulysses-2,static-ulysses-4,static-ring-4")
+    ap.add_argument("--refit", default="on", help="[plan] refit for every layout: on (the cost model learns) or off")
+    ap.add_argument("--refit-every", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_calibration_error")
     args = ap.parse_args(argv)
     steps = 5 if args.quick else args.steps
@@ -115,7 +123,7 @@ def main(argv=None) -> int:
         model=ModelConfig(num_layers=2),
         optim=OptimConfig(lr=1e-3, warmup_steps=1),
         data=CorpusConfig(source=str(data_dir), max_context=2048),
-        plan=PlanSettings(tokens_per_worker=1024, time_limit_s=0.1),
+        plan=PlanSettings(tokens_per_worker=1024, time_limit_s=0.1, refit=args.refit, refit_every=args.refit_every),
     )
     corpus = load_corpus(base.data)
     drivers = {"adaptive": start_mode("adaptive", base, corpus)}
@@ -138,12 +146,13 @@ def main(argv=None) -> int:
     print(f"\n{'layout':<18s} {'steps':>5s} {'compute':>8s} {'barrier':>8s} {'err':>6s} {'flow':>8s} {'err':>6s}")
     summary, by = [], defaultdict(list)
     for res in results:
-        recs = res["records"][1:]  # the first step warms up
+        # the first step warms up; with refit, the steps before the first refit still plan with the calibration
+        recs = res["records"][1:] if args.refit == "off" else res["records"][args.refit_every + 1 :]
         if not recs:
             continue
         comp = [r["compute_ms"] for r in recs]
         barrier = [r["predicted_ms"] for r in recs]
-        flow = [dataflow_ms(r, res["profile"]) for r in recs]
+        flow = [dataflow_ms(r) for r in recs]
         row = {
             "mode": res["mode"],
             "compute_ms": float(np.median(comp)),
@@ -160,7 +169,7 @@ def main(argv=None) -> int:
             f"{100 * row['barrier_err']:5.1f}% {row['flow_ms']:8.1f} {100 * row['flow_err']:5.1f}%"
         )
         for r in recs:
-            for g in group_rows(r, res["profile"]):
+            for g in group_rows(r):
                 g["layout"] = "adaptive" if res["mode"] == "adaptive" else "static"
                 for key in (
                     f"{g['layout']} d={g['degree']} {g['kind']}",

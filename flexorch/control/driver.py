@@ -81,6 +81,7 @@ class TrainingDriver:
         self._step_wall: list[float] = []
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
         self._groups = GroupWindow()  # the run's most recent groups per type, for refitting the cost model
+        self._groups_warm = False  # a step has run on this driver's world (its groups are not warm-up)
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self.workers: WorkerGroup | None = None
         self.planner = None
@@ -250,7 +251,10 @@ class TrainingDriver:
         recent ones and plan with it from the next solve on (``flexorch.solver.refit``)."""
         if not self.cfg.plan.refits:
             return
-        self._groups.add(samples_of_record(record))
+        if self._groups_warm and not record["recoveries"]:
+            # the first step on a new world (after setup, a shrink or a grow) warms up: process groups, allocator
+            self._groups.add(samples_of_record(record))
+        self._groups_warm = True
         if (self.step_no + 1) % self.cfg.plan.refit_every:
             return
         profile, report = refit_times(self.profile, self._groups)
