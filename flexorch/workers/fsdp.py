@@ -6,8 +6,8 @@ shards within groups of ``shard_size`` and replicates across them, on a 2-D devi
 head), as in torchtitan's ``apply_fsdp``. Gradients are *summed* over the mesh, not averaged
 (``set_gradient_divide_factor(1.0)`` with plain SUM collectives, which gloo supports): the trainer divides by the
 step's global count of predicted tokens, so every token weighs the same (docs/design.md §1). Parameters no rank
-used in a micro-batch still take part in the reduce-scatter (``set_reduce_scatter_unused_params``), so every rank
-issues the same collectives.
+used in a micro-batch still take part in the reduce-scatter (``set_reduce_scatter_unused_params``; torch 2.11 lacks
+it, :func:`_reduce_unused_params` falls back), so every rank issues the same collectives.
 
 Mixed precision (``bf16``): FSDP2's ``MixedPrecisionPolicy`` gathers the fp32 master weights cast to bf16 for
 compute and reduces gradients in fp32; AdamW's moments stay fp32 on the shards.
@@ -19,10 +19,12 @@ shard is allocated and filled from the same generator stream as :func:`~flexorch
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from flexorch.config.model import ModelConfig
@@ -75,7 +77,39 @@ def _shard_units(model: nn.Module, units: list, mesh: DeviceMesh, precision: str
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
+        _reduce_unused_params(unit)
+
+
+def _reduce_unused_params(unit: nn.Module) -> None:
+    """Parameters of ``unit`` that got no gradient on this rank (a rank idle in a micro-batch uses no ``wk``/``wv``)
+    still take part in its reduce-scatter, with zeros, so every rank issues the same collectives.
+
+    ``FSDPModule.set_reduce_scatter_unused_params`` does it in torch 2.13; torch 2.11 lacks it (it reached PyTorch's
+    main branch after the 2.11 branch cut), so there :func:`_zero_missing_grads` does the same from a forward hook."""
+    if hasattr(unit, "set_reduce_scatter_unused_params"):
         unit.set_reduce_scatter_unused_params(True)
+        return
+    inner = [name for name, m in unit.named_modules() if name and isinstance(m, FSDPModule)]
+    own = [n for n, _ in unit.named_parameters() if not any(n.startswith(f"{i}.") for i in inner)]
+    # prepended: runs before FSDP's post-forward hook, while the unit's parameters are still the gathered ones
+    unit.register_forward_hook(functools.partial(_zero_missing_grads, names=own), prepend=True)
+
+
+def _zero_missing_grads(module: nn.Module, args, output, *, names: list[str]) -> None:
+    """Forward hook (torch 2.11): when the gradient of ``module``'s output arrives in backward, before the unit's
+    backward and so before FSDP's post-backward reduce-scatter, each of its gathered parameters ``names`` that has no
+    gradient gets a zero one; autograd adds the real gradient into it where there is one. Forward values and the
+    reduced sums are unchanged."""
+    if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor) or not output.requires_grad:
+        return
+    params = [p for p in map(module.get_parameter, names) if p.requires_grad]
+
+    def fill(grad: torch.Tensor) -> None:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+
+    output.register_hook(fill)
 
 
 class _Absent(nn.Module):
