@@ -6,7 +6,7 @@ VENV ?= .venv
 PIP_EXTRA ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test demo plan-demo test test-fast lint clean
+.PHONY: setup setup-test demo plan-demo test test-fast lint gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ test-fast: setup-test
 
 lint: setup-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+# The GPU check (benchmarks/gpu_check.py): CUDA tests, attention kernels, SP on one GPU, a 1.1B step, a calibrated
+# profile; its table goes under runs/gpu_check/. `make gpu-check ARGS=--dry` runs it on CPU. On a lent GPU machine
+# (torch, no Ray, no venv) run it from the repository root as `python3 benchmarks/gpu_check.py`.
+gpu-check: setup-test
+	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs

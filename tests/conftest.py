@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 
@@ -25,10 +27,9 @@ _EXIT_STATUS: list[int] = []
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Leave no Ray running into interpreter teardown."""
-    import ray
-
-    if ray.is_initialized():
+    """Leave no Ray running into interpreter teardown (a session without Ray, e.g. the GPU check's, has none)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
         ray.shutdown()
     _EXIT_STATUS.append(int(exitstatus))
 

@@ -403,6 +403,7 @@ def test_survivors_abort_a_world_whose_peer_died_and_form_a_new_one():
 # ------------------------------------------------------------------ real NCCL (runs where a GPU is lent)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(
     not (torch.cuda.is_available() and dist.is_nccl_available()), reason="needs CUDA and NCCL (a GPU machine)"
 )

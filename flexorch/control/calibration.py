@@ -120,7 +120,7 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         hidden=model.dim,
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
-        bytes_per_element=4,
+        bytes_per_element=2 if cfg.precision == "bf16" else 4,  # what SP collectives move per element
         act_bytes_per_token=act,
         memory_budget_bytes=state_bytes + (cfg.plan.tokens_per_worker + 0.5) * act,
         model_state_bytes=state_bytes,

@@ -40,12 +40,18 @@ def _synthetic(lengths, vocab_size: int, seed: int) -> tuple[torch.Tensor, list[
     return tokens, [0, *np.cumsum(lengths).tolist()]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def run_probes(
     model, probes, rank: int, world_size: int, group_of, world, vocab_size: int, *, every_rank: bool = False
 ) -> list[float]:
     """Median ms of every probe on this rank (ranks beyond the last full group idle); grads are discarded.
     ``every_rank`` (sharded model state, whose gathers span the world): idle ranks run an empty micro-batch."""
     out = []
+    device = next(model.parameters()).device  # the probes' inputs go where the model is (a GPU worker's device)
     for i, probe in enumerate(probes):
         d = probe.degree
         groups = world_size // d
@@ -55,7 +61,7 @@ def run_probes(
                 dist.barrier(group=world)
             if rank >= groups * d:
                 if every_rank:
-                    empty = torch.zeros(0, dtype=torch.int64)
+                    empty = torch.zeros(0, dtype=torch.int64, device=device)
                     loss_sum(model(empty, empty, lambda q, k, v: q), empty).backward()
                     model.zero_grad(set_to_none=True)
                 times.append(0.0)
@@ -63,10 +69,12 @@ def run_probes(
             first = rank - rank % d
             work = GroupWork(0, tuple(range(first, first + d)), probe.kind, ())
             tokens, cu = _synthetic(probe.lengths, vocab_size, seed=i)
+            _sync(device)
             t0 = time.perf_counter()
             ids, pos, labels, layout = micro_batch_inputs(tokens, cu, rank - first, d, probe.kind)
             attn = group_attention(layout, work, group_of(work.ranks) if d > 1 else None, None)
-            loss_sum(model(ids, pos, attn), labels).backward()
+            loss_sum(model(ids.to(device), pos.to(device), attn), labels.to(device)).backward()
+            _sync(device)  # CUDA runs asynchronously: time the kernels, not their launch
             if rep:
                 times.append((time.perf_counter() - t0) * 1e3)
             model.zero_grad(set_to_none=True)
