@@ -12,8 +12,8 @@ drivers of ``benchmarks/train_cpu.py``), then takes each step's prediction apart
   were computing at the same time (``busy``: the mean number of ranks inside a micro-batch while this group ran;
   more than the machine has cores means the group shared a core).
 
-    python benchmarks/calibration_error.py --quick --refit off   # the start-up calibration alone, ~3 min
-    python benchmarks/calibration_error.py --steps 10            # refitted every 2 steps from the run's groups
+    python benchmarks/calibration_error.py              # every layout with and without refit, side by side, ~6 min
+    python benchmarks/calibration_error.py --refit off  # the start-up calibration alone
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from train_cpu import start_mode, step_mode, write_workload  # noqa: E402
+from train_cpu import step_mode, write_workload  # noqa: E402
 
 from flexorch.config import CorpusConfig, ModelConfig, OptimConfig, PlanSettings, TrainConfig  # noqa: E402
+from flexorch.control.driver import TrainingDriver  # noqa: E402
 from flexorch.data.corpus import load_corpus  # noqa: E402
 
 
@@ -102,7 +103,12 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--quick", action="store_true", help="5 steps per layout")
     ap.add_argument("--static", default="static-ulysses-2,static-ulysses-4,static-ring-4")
-    ap.add_argument("--refit", default="on", help="[plan] refit for every layout: on (the cost model learns) or off")
+    ap.add_argument(
+        "--refit",
+        default="both",
+        help="[plan] refit of every layout: off (the start-up calibration), on (refitted from the run's groups), or "
+        "both (each layout twice, side by side, sharing one calibration: rows 'X' and 'X+refit')",
+    )
     ap.add_argument("--refit-every", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_calibration_error")
     args = ap.parse_args(argv)
@@ -111,7 +117,9 @@ def main(argv=None) -> int:
     import ray
 
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-    modes = ["adaptive", *[m for m in args.static.split(",") if m]]
+    layouts = ["adaptive", *[m for m in args.static.split(",") if m]]
+    refits = {"both": ("off", "on"), "on": ("on",), "off": ("off",)}[args.refit]
+    modes = [(m, r) for m in layouts for r in refits]
     ray.init(address="local", num_cpus=len(modes) * args.workers + 2, include_dashboard=False, logging_level="ERROR")
     data_dir = args.out / "corpus"
     write_workload(data_dir, args.batch * (steps + 2), 4.0, 2048, seed=1)
@@ -123,15 +131,23 @@ def main(argv=None) -> int:
         model=ModelConfig(num_layers=2),
         optim=OptimConfig(lr=1e-3, warmup_steps=1),
         data=CorpusConfig(source=str(data_dir), max_context=2048),
-        plan=PlanSettings(tokens_per_worker=1024, time_limit_s=0.1, refit=args.refit, refit_every=args.refit_every),
+        plan=PlanSettings(tokens_per_worker=1024, time_limit_s=0.1, refit_every=args.refit_every),
     )
     corpus = load_corpus(base.data)
-    drivers = {"adaptive": start_mode("adaptive", base, corpus)}
-    base = dataclasses.replace(
-        base, plan=dataclasses.replace(base.plan, profile=str(Path(base.run_dir) / "adaptive" / "profile.json"))
-    )
-    for m in modes[1:]:
-        drivers[m] = start_mode(m, base, corpus)
+
+    def start(layout: str, refit: str, base: TrainConfig) -> TrainingDriver:
+        name = layout + ("+refit" if refit == "on" else "")
+        plan = dataclasses.replace(base.plan, mode=layout, refit=refit)
+        driver = TrainingDriver(dataclasses.replace(base, run_dir=str(args.out / name), plan=plan), corpus=corpus)
+        driver.setup()
+        return driver
+
+    # the first layout calibrates; every other one plans from that same profile (refitted or not)
+    drivers = {modes[0][0] + ("+refit" if modes[0][1] == "on" else ""): start(*modes[0], base)}
+    profile = Path(next(iter(drivers.values())).run_dir) / "profile.json"
+    base = dataclasses.replace(base, plan=dataclasses.replace(base.plan, profile=str(profile)))
+    for layout, refit in modes[1:]:
+        drivers[layout + ("+refit" if refit == "on" else "")] = start(layout, refit, base)
     results = [{"mode": m, "records": [], "profile": drv.profile} for m, drv in drivers.items()]
     t0 = time.perf_counter()
     for i in range(steps):  # layouts take turns, rotating, so machine noise hits them alike
@@ -143,11 +159,12 @@ def main(argv=None) -> int:
         drv.shutdown()
     ray.shutdown()
 
-    print(f"\n{'layout':<18s} {'steps':>5s} {'compute':>8s} {'barrier':>8s} {'err':>6s} {'flow':>8s} {'err':>6s}")
+    print(f"\n{'layout':<24s} {'steps':>5s} {'compute':>8s} {'barrier':>8s} {'err':>6s} {'flow':>8s} {'err':>6s}")
     summary, by = [], defaultdict(list)
     for res in results:
-        # the first step warms up; with refit, the steps before the first refit still plan with the calibration
-        recs = res["records"][1:] if args.refit == "off" else res["records"][args.refit_every + 1 :]
+        # the first step warms up; the first refit_every + 1 steps of every row are left out, so that refitted rows
+        # (whose first refit comes after them) and the others are compared on the same steps
+        recs = res["records"][args.refit_every + 1 :]
         if not recs:
             continue
         comp = [r["compute_ms"] for r in recs]
@@ -165,12 +182,14 @@ def main(argv=None) -> int:
         }
         summary.append(row)
         print(
-            f"{row['mode']:<18s} {len(recs):5d} {row['compute_ms']:8.1f} {row['barrier_ms']:8.1f} "
+            f"{row['mode']:<24s} {len(recs):5d} {row['compute_ms']:8.1f} {row['barrier_ms']:8.1f} "
             f"{100 * row['barrier_err']:5.1f}% {row['flow_ms']:8.1f} {100 * row['flow_err']:5.1f}%"
         )
         for r in recs:
             for g in group_rows(r):
-                g["layout"] = "adaptive" if res["mode"] == "adaptive" else "static"
+                g["layout"] = ("adaptive" if res["mode"].startswith("adaptive") else "static") + (
+                    "+refit" if res["mode"].endswith("+refit") else ""
+                )
                 for key in (
                     f"{g['layout']} d={g['degree']} {g['kind']}",
                     f"{g['layout']} docs {'1' if g['docs'] == 1 else '2-4' if g['docs'] <= 4 else '5+'}",
@@ -178,7 +197,7 @@ def main(argv=None) -> int:
                 ):
                     by[key].append(g)
     print("\nper group: predicted (cost model) vs measured (slowest rank), median signed error (+ = over-predicted)")
-    print(f"{'bin':<28s} {'groups':>6s} {'pred ms':>8s} {'meas ms':>8s} {'bias':>7s} {'|err|':>6s} {'busy':>5s}")
+    print(f"{'bin':<34s} {'groups':>6s} {'pred ms':>8s} {'meas ms':>8s} {'bias':>7s} {'|err|':>6s} {'busy':>5s}")
     groups = {}
     for key in sorted(by):
         gs = by[key]
@@ -190,7 +209,7 @@ def main(argv=None) -> int:
             "busy": float(np.mean([g["busy"] for g in gs])),
         }
         print(
-            f"{key:<28s} {len(gs):6d} {np.median(p):8.1f} {np.median(m):8.1f} {100 * groups[key]['bias']:+6.1f}% "
+            f"{key:<34s} {len(gs):6d} {np.median(p):8.1f} {np.median(m):8.1f} {100 * groups[key]['bias']:+6.1f}% "
             f"{100 * groups[key]['err']:5.1f}% {groups[key]['busy']:5.2f}"
         )
     args.out.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,18 @@ def test_refit_recovers_the_times_the_run_shows_and_keeps_memory(profile):
     assert "median error" in report.message(new) and "kept" in report.message(new)
 
 
+def test_without_degree_one_groups_the_compute_terms_are_scaled_from_the_sp_groups(profile):
+    # a static SP layout runs no degree-1 group: the compute terms are scaled by one factor, the collectives refitted
+    truth = dataclasses.replace(
+        profile, a1_ms=profile.a1_ms * 0.6, a2_ms=profile.a2_ms * 0.6, b1_ms=profile.b1_ms * 0.6
+    )
+    window = GroupWindow()
+    window.add([s for s in _synthetic(truth, 30) if isinstance(s, GroupSample)])
+    new, report = refit_times(profile, window)
+    assert report.accepted and report.refitted == ("compute-scale", "ulysses-2")
+    assert new.a2_ms == pytest.approx(truth.a2_ms, rel=0.05) and report.error_after < 0.02 < report.error_before
+
+
 def test_a_refit_that_predicts_no_better_is_rejected(profile):
     window = GroupWindow()
     window.add(_synthetic(profile, 20))  # the profile already explains the window exactly
@@ -125,7 +137,8 @@ def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
             driver.step()
         events, _ = driver.poll(0)
         refits = [e["message"] for e in events if "cost model refitted" in str(e.get("message", ""))]
-        assert [m.split(":")[0] for m in refits] == ["step 1", "step 3"]  # after every refit_every = 2 steps
+        # only after every refit_every = 2 steps (step 1 may have too few groups of a type: its step 0 warmed up)
+        assert refits and {m.split(":")[0] for m in refits} <= {"step 1", "step 3"}
         assert driver._groups.compute() or driver._groups.groups()
         if any("kept" in m for m in refits):
             assert driver.profile != initial

@@ -110,6 +110,16 @@ def _median_abs(profile: Profile, samples) -> float:
     return float(np.median(np.abs(prediction_errors(profile, samples)))) if samples else 0.0
 
 
+def _scaled(profile: Profile, x: float) -> Profile:
+    return dataclasses.replace(profile, b1_ms=profile.b1_ms * x, a1_ms=profile.a1_ms * x, a2_ms=profile.a2_ms * x)
+
+
+def _with_comm(profile: Profile, groups: dict) -> Profile:
+    for (kind, degree), samples in sorted(groups.items()):
+        profile, _err = fit_group_comm(profile, samples, kind, degree)
+    return profile
+
+
 def refit_times(profile: Profile, window: GroupWindow) -> tuple[Profile, RefitReport]:
     """``profile`` with its time terms refitted on ``window``; the input profile when the refit is no better."""
     compute, groups = window.compute(), window.groups()
@@ -125,10 +135,19 @@ def refit_times(profile: Profile, window: GroupWindow) -> tuple[Profile, RefitRe
             if a1 > 0 or a2 > 0:
                 new = dataclasses.replace(new, b1_ms=float(b1), a1_ms=float(a1), a2_ms=float(a2))
                 refitted.append("compute")
-    for (kind, degree), samples in sorted(groups.items()):
-        if len(samples) >= MIN_GROUP and len({sum(s.seq_lengths) for s in samples}) >= 2:
-            new, _err = fit_group_comm(new, samples, kind, degree)
-            refitted.append(f"{kind}-{degree}")
+    fit = {k: v for k, v in groups.items() if len(v) >= MIN_GROUP and len({sum(s.seq_lengths) for s in v}) >= 2}
+    if fit and "compute" not in refitted:
+        # no degree-1 groups to price compute (a static SP layout): scale the compute terms by the one factor that,
+        # with each (kind, degree)'s collectives refitted, predicts the SP groups best
+        new = min(
+            (_with_comm(_scaled(new, x), fit) for x in np.geomspace(0.25, 4.0, 41)),
+            key=lambda prof: _median_abs(prof, [s for v in fit.values() for s in v]),
+        )
+        if new.b1_ms != profile.b1_ms or new.a2_ms != profile.a2_ms:
+            refitted.append("compute-scale")
+    else:
+        new = _with_comm(new, fit)
+    refitted += [f"{kind}-{degree}" for kind, degree in sorted(fit)]
     before, after = _median_abs(profile, every), _median_abs(new, every)
     accepted = bool(refitted) and after < before
     report = RefitReport(len(every), before, after if accepted else before, accepted, tuple(refitted))
