@@ -135,13 +135,15 @@ def refit_times(profile: Profile, window: GroupWindow) -> tuple[Profile, RefitRe
             if a1 > 0 or a2 > 0:
                 new = dataclasses.replace(new, b1_ms=float(b1), a1_ms=float(a1), a2_ms=float(a2))
                 refitted.append("compute")
-    fit = {k: v for k, v in groups.items() if len(v) >= MIN_GROUP and len({sum(s.seq_lengths) for s in v}) >= 2}
-    if fit and "compute" not in refitted:
-        # no degree-1 groups to price compute (a static SP layout): scale the compute terms by the one factor that,
-        # with each (kind, degree)'s collectives refitted, predicts the SP groups best
+    enough = {k: v for k, v in groups.items() if len(v) >= MIN_GROUP}
+    # latency and bandwidth need groups of at least two sizes to be told apart
+    fit = {k: v for k, v in enough.items() if len({sum(s.seq_lengths) for s in v}) >= 2}
+    if enough and "compute" not in refitted:
+        # no degree-1 groups to price compute (a static SP layout, or every sequence needing SP): scale the compute
+        # terms by the one factor that, with each (kind, degree)'s collectives refitted, predicts the SP groups best
+        sp = [s for v in enough.values() for s in v]
         new = min(
-            (_with_comm(_scaled(new, x), fit) for x in np.geomspace(0.25, 4.0, 41)),
-            key=lambda prof: _median_abs(prof, [s for v in fit.values() for s in v]),
+            (_with_comm(_scaled(new, x), fit) for x in np.geomspace(0.25, 4.0, 41)), key=lambda q: _median_abs(q, sp)
         )
         if new.b1_ms != profile.b1_ms or new.a2_ms != profile.a2_ms:
             refitted.append("compute-scale")
