@@ -816,29 +816,14 @@ def section_step(check: Check, ctx: Ctx) -> None:
         torch.cuda.empty_cache()
 
 
-@contextlib.contextmanager
-def labels_follow_logits():
-    """``run_probes`` leaves its labels on the CPU (it moves nothing to the model's device; FSDP2 moves the model's
-    own inputs): on a GPU the loss then fails. This moves the labels to the logits for the loss, the one change."""
-    import flexorch.workers.calibrate as probes
-
-    original = probes.loss_sum
-    probes.loss_sum = lambda logits, labels: original(logits, labels.to(logits.device))
-    try:
-        yield
-    finally:
-        probes.loss_sum = original
-
-
 class LocalGroup:
     """The worker group ``flexorch.control.calibration.calibrate`` drives (``size``, ``call``): one worker in this
     process, running what ``flexorch.workers.actor.Worker.probe`` and ``.activation_bytes_per_token`` run."""
 
     size = 1
 
-    def __init__(self, model, reg, vocab_size: int, cuda: bool) -> None:
-        self.model, self.reg, self.vocab_size, self.cuda = model, reg, vocab_size, cuda
-        self.notes: list[str] = []
+    def __init__(self, model, reg, vocab_size: int) -> None:
+        self.model, self.reg, self.vocab_size = model, reg, vocab_size
 
     def call(self, method: str, *args):
         from flexorch.workers.calibrate import activation_bytes_per_token, run_probes
@@ -848,19 +833,7 @@ class LocalGroup:
         if method != "probe":
             raise ValueError(f"LocalGroup has no method {method!r}")
 
-        def probe():
-            return [run_probes(self.model, args[0], 0, 1, self.reg.group, None, self.vocab_size, every_rank=True)]
-
-        try:
-            return probe()
-        except RuntimeError as e:
-            if not self.cuda or "device" not in str(e):
-                raise
-            self.notes.append(
-                f"run_probes failed on CUDA ({str(e).splitlines()[0][:120]}): probed with the labels moved"
-            )
-            with labels_follow_logits():
-                return probe()
+        return [run_probes(self.model, args[0], 0, 1, self.reg.group, None, self.vocab_size, every_rank=True)]
 
 
 def section_calibration(check: Check, ctx: Ctx) -> None:
@@ -870,7 +843,7 @@ def section_calibration(check: Check, ctx: Ctx) -> None:
     with check.row("e.profile", f"calibration -> {ctx.out / 'profile.json'}, loaded back") as r:
         cfg = train_config(ctx)
         with one_rank_world(ctx) as reg:
-            group = LocalGroup(sharded_model(ctx, cfg), reg, cfg.model.vocab_size, ctx.cuda)
+            group = LocalGroup(sharded_model(ctx, cfg), reg, cfg.model.vocab_size)
             profile, report = calibrate(
                 group, cfg, repeats=ctx.sizes.cal_repeats, publish=lambda e: print(f"    {e['message']}", flush=True)
             )
@@ -886,14 +859,12 @@ def section_calibration(check: Check, ctx: Ctx) -> None:
             "tokens_per_device": planned.tokens_per_device,
             "median_rel_error": report["median_rel_error"],
             "max_rel_error": report["max_rel_error"],
-            "notes": group.notes,
         }
         r.detail = (
             f"a1 {loaded.a1_ms:.3g} ms/tok^2, a2 {loaded.a2_ms:.3g} ms/tok, b1 {loaded.b1_ms:.3g} ms, "
             f"{loaded.act_bytes_per_token:,.0f} B/token, model state {loaded.model_state_bytes / 2**30:.2f} GiB; "
             f"planner: {planned.tokens_per_device:,} tokens/device; fit error median "
             f"{100 * report['median_rel_error']:.1f} %, max {100 * report['max_rel_error']:.1f} %"
-            + "".join(f"; NOTE {n}" for n in group.notes)
         )
         bad = [k for k in keys if not (math.isfinite(getattr(loaded, k)) and getattr(loaded, k) >= 0)]
         if bad or loaded.act_bytes_per_token <= 0:

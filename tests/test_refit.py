@@ -133,8 +133,9 @@ def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
     driver, _ = fake_driver(cfg, corpus)
     initial = driver.profile
     try:
-        for _ in range(5):  # refits after steps 1 and 3; step 4 starts the next solve, which takes it up
+        for _ in range(5):  # refits after steps 1 and 3 (in a thread, taken up at the next step), step 4's solve
             driver.step()
+        driver.settle_refit()  # the last one, if still in flight
         events, _ = driver.poll(0)
         refits = [e["message"] for e in events if "cost model refitted" in str(e.get("message", ""))]
         # only after every refit_every = 2 steps (step 1 may have too few groups of a type: its step 0 warmed up)
@@ -142,7 +143,9 @@ def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
         assert driver._groups.compute() or driver._groups.groups()
         if any("kept" in m for m in refits):
             assert driver.profile != initial
-            assert driver.planner.spec.profile is driver.profile and driver.planner.planner.profile == driver.profile
+            assert driver.planner.spec.profile is driver.profile  # the fallback and a restarted planner
+            # the planner has it, or takes it up at its next solve
+            assert (driver.planner._profile or driver.planner.planner.profile) == driver.profile
             assert get_profile(str(tmp_path / "run" / "profile_refit.json")) == driver.profile
         for field in ("act_bytes_per_token", "memory_budget_bytes", "tokens_per_device"):
             assert getattr(driver.profile, field) == getattr(initial, field)

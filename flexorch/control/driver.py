@@ -14,6 +14,7 @@ due. :meth:`TrainingDriver.step` is one transition, returned as a value (``contr
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import json
 import time
@@ -82,6 +83,8 @@ class TrainingDriver:
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
         self._groups = GroupWindow()  # the run's most recent groups per type, for refitting the cost model
         self._groups_warm = False  # a step has run on this driver's world (its groups are not warm-up)
+        self._refitter: concurrent.futures.ThreadPoolExecutor | None = None
+        self._refitting: tuple[int, concurrent.futures.Future] | None = None  # (step, refit in flight)
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self.workers: WorkerGroup | None = None
         self.planner = None
@@ -248,22 +251,36 @@ class TrainingDriver:
 
     def _refit(self, record: dict) -> None:
         """Keep the run's groups; every ``plan.refit_every`` steps refit the cost model's time terms on the most
-        recent ones and plan with it from the next solve on (``flexorch.solver.refit``)."""
+        recent ones (``flexorch.solver.refit``), in a thread beside the next step, and plan with it from the solve
+        after it is done."""
         if not self.cfg.plan.refits:
             return
+        self.settle_refit(wait=False)
         if self._groups_warm and not record["recoveries"]:
             # the first step on a new world (after setup, a shrink or a grow) warms up: process groups, allocator
             self._groups.add(samples_of_record(record))
         self._groups_warm = True
-        if (self.step_no + 1) % self.cfg.plan.refit_every:
+        if (self.step_no + 1) % self.cfg.plan.refit_every or self._refitting is not None:
             return
-        profile, report = refit_times(self.profile, self._groups)
+        if self._refitter is None:
+            self._refitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexorch-refit")
+        step, profile, window = self.step_no, self.profile, self._groups.copy()
+        self._refitting = (step, self._refitter.submit(refit_times, profile, window))
+
+    def settle_refit(self, wait: bool = True) -> None:
+        """Take up a refit that has finished (``wait``: wait for one in flight): the driver's records, the planner's
+        next solves and ``profile_refit.json`` use it when it was kept; the console says what it did."""
+        if self._refitting is None or not (wait or self._refitting[1].done()):
+            return
+        step, future = self._refitting
+        self._refitting = None
+        profile, report = future.result()
         if report.accepted:
             self.profile = profile
             self.planner.set_profile(profile)
             (self.run_dir / "profile_refit.json").write_text(profile.to_json())
         if report.refitted:
-            self._publish({"event": "planner", "message": f"step {self.step_no}: {report.message(profile)}"})
+            self._publish({"event": "planner", "message": f"step {step}: {report.message(profile)}"})
 
     def _plan_budget(self) -> float:
         """Seconds the next plan may take (``[plan] budget``): a share of the last measured step on GPU workers."""
@@ -446,6 +463,9 @@ class TrainingDriver:
         if not self.events.done:
             self._closing = True
             self._stop_reason = self._stop_reason or "shutdown"
+        if self._refitter is not None:
+            self._refitter.shutdown(wait=False, cancel_futures=True)
+            self._refitter, self._refitting = None, None
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None

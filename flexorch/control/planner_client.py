@@ -231,7 +231,16 @@ class RayPlannerClient(_PrefetchingClient):
         ray.get(self.actor.inject_fault.remote(hangs))
 
     def close(self) -> None:
+        # let the planner close its solver processes first (at most a solve's wait): killed with them still up, its
+        # finalizers ran under Ray's SIGTERM handler and printed a traceback into the run's console output
+        try:
+            ray.get(self.actor.close.remote(), timeout=_CLOSE_WAIT_S)
+        except Exception:  # noqa: BLE001 - stuck, dead or busy past the wait: it is killed all the same
+            pass
         ray.kill(self.actor)
+
+
+_CLOSE_WAIT_S = 3.0
 
 
 class LocalPlannerClient(_PrefetchingClient):

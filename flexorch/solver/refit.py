@@ -75,6 +75,12 @@ class GroupWindow:
             key = ("compute", 1) if isinstance(s, ComputeSample) else (s.kind, s.degree)
             self._by_type.setdefault(key, deque(maxlen=self.size)).append(s)
 
+    def copy(self) -> GroupWindow:
+        """A snapshot (a refit in another thread reads it while the run adds groups)."""
+        out = GroupWindow(self.size)
+        out._by_type = {k: deque(v, maxlen=self.size) for k, v in self._by_type.items()}
+        return out
+
     def compute(self) -> list[ComputeSample]:
         return list(self._by_type.get(("compute", 1), ()))
 
@@ -114,9 +120,16 @@ def _scaled(profile: Profile, x: float) -> Profile:
     return dataclasses.replace(profile, b1_ms=profile.b1_ms * x, a1_ms=profile.a1_ms * x, a2_ms=profile.a2_ms * x)
 
 
+COMM_SAMPLES = 16
+"""The most recent groups of a (kind, degree) its collectives are refitted on, on a log grid of COMM_GRID
+bandwidths: ``fit_group_comm`` prices every group at every grid point (the calibration's 241 points on 64 groups
+took 8 s)."""
+COMM_GRID = 61
+
+
 def _with_comm(profile: Profile, groups: dict) -> Profile:
     for (kind, degree), samples in sorted(groups.items()):
-        profile, _err = fit_group_comm(profile, samples, kind, degree)
+        profile, _err = fit_group_comm(profile, samples[-COMM_SAMPLES:], kind, degree, grid=COMM_GRID)
     return profile
 
 
