@@ -40,6 +40,7 @@ __all__ = [
     "fit_profile",
     "predict_ms",
     "prediction_errors",
+    "fit_compute_terms",
     "fit_group_comm",
 ]
 
@@ -122,6 +123,19 @@ def _relative_fit(features: np.ndarray, ms: np.ndarray, what: str, hint: str) ->
     return _nnls(rows, np.ones(ms.size))
 
 
+def fit_compute_terms(samples: Sequence[ComputeSample], what: str = "compute_samples") -> tuple[float, float, float]:
+    """(b1, a1, a2) of ``ms = b1 + a1 * sum s^2 + a2 * sum s`` fitted to degree-1 samples (NNLS on relative errors);
+    ProfileError when the samples do not separate the three."""
+    feats = np.array([[1.0, sum(s * s for s in c.seq_lengths), sum(c.seq_lengths)] for c in samples], dtype=np.float64)
+    b1, a1, a2 = _relative_fit(
+        feats,
+        np.array([c.ms for c in samples]),
+        what,
+        "time micro-batches of different total tokens, some one long sequence, some many short ones packed",
+    )
+    return float(b1), float(a1), float(a2)
+
+
 def _coerce(samples, cls, what: str) -> list:
     out = []
     for i, s in enumerate(samples):
@@ -176,13 +190,7 @@ def fit_profile(
             f"compute_samples: got {len(comp)}, need at least {MIN_COMPUTE_SAMPLES} (one per unknown b1, a1, a2; "
             "a dozen from short to long sequences, single and packed, fit much better)"
         )
-    feats = np.array([[1.0, sum(s * s for s in c.seq_lengths), sum(c.seq_lengths)] for c in comp], dtype=np.float64)
-    b1, a1, a2 = _relative_fit(
-        feats,
-        np.array([c.ms for c in comp]),
-        "compute_samples",
-        "time micro-batches of different total tokens, some one long sequence, some many short ones packed",
-    )
+    b1, a1, a2 = fit_compute_terms(comp)
     notes = []
     if a1 <= 0 and a2 <= 0:
         tokens = [sum(c.seq_lengths) for c in comp]

@@ -27,7 +27,7 @@ import numpy as np
 from flexorch.solver.calibration import (
     ComputeSample,
     GroupSample,
-    _relative_fit,
+    fit_compute_terms,
     fit_group_comm,
     prediction_errors,
 )
@@ -139,14 +139,13 @@ def refit_times(profile: Profile, window: GroupWindow) -> tuple[Profile, RefitRe
     every = [*compute, *(s for v in groups.values() for s in v)]
     new, refitted = profile, []
     if len(compute) >= MIN_COMPUTE:
-        feats = np.array([[1.0, sum(s * s for s in c.seq_lengths), sum(c.seq_lengths)] for c in compute])
         try:
-            b1, a1, a2 = _relative_fit(feats, np.array([c.ms for c in compute]), "refit", "")
+            b1, a1, a2 = fit_compute_terms(compute, "refit")
         except ProfileError:  # the window does not separate b1, a1, a2 (e.g. every group the same size)
             pass
         else:
             if a1 > 0 or a2 > 0:
-                new = dataclasses.replace(new, b1_ms=float(b1), a1_ms=float(a1), a2_ms=float(a2))
+                new = dataclasses.replace(new, b1_ms=b1, a1_ms=a1, a2_ms=a2)
                 refitted.append("compute")
     enough = {k: v for k, v in groups.items() if len(v) >= MIN_GROUP}
     # latency and bandwidth need groups of at least two sizes to be told apart
