@@ -837,10 +837,10 @@ class LocalGroup:
 
 
 def section_calibration(check: Check, ctx: Ctx) -> None:
-    from flexorch.control.calibration import calibrate, fitted_profile
-    from flexorch.solver.profiles import get_profile
-
     with check.row("e.profile", f"calibration -> {ctx.out / 'profile.json'}, loaded back") as r:
+        from flexorch.control.calibration import calibrate, fitted_profile  # inside the row: a failed import is a row
+        from flexorch.solver.profiles import get_profile
+
         cfg = train_config(ctx)
         with one_rank_world(ctx) as reg:
             group = LocalGroup(sharded_model(ctx, cfg), reg, cfg.model.vocab_size)
