@@ -494,14 +494,9 @@ def _probe_collective(method: str, group, rank: int, d: int, device) -> str | No
             dist.all_to_all_single(recv, send, group=group)
             want = torch.arange(d, device=device) * d + rank
         else:
-            send = torch.full((4,), float(rank), device=device)
-            recv = torch.empty_like(send)
-            ops = [
-                dist.P2POp(dist.isend, send, group=group, group_peer=(rank + 1) % d),
-                dist.P2POp(dist.irecv, recv, group=group, group_peer=(rank - 1) % d),
-            ]
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            from flexorch.workers.attention.ring import _Ring  # the ring's own hop: host-staged on gloo
+
+            recv = _Ring(group).start(torch.full((4,), float(rank), device=device), tag=0).wait()
             want = torch.full((4,), float((rank - 1) % d), device=device)
         return None if torch.equal(recv.float(), want.float()) else f"wrong data arrived ({recv.tolist()})"
     except Exception as e:  # noqa: BLE001 - reported in the row

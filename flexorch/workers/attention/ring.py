@@ -72,25 +72,40 @@ def zigzag_blocks(seqlens: Seqlens, degree: int, device: torch.device | None = N
 
 
 class _Ring:
-    """Send to the next group rank, receive from the previous one (point-to-point, any backend)."""
+    """Send to the next group rank, receive from the previous one (point-to-point, any backend).
+
+    gloo moves only host memory point-to-point: a CUDA tensor handed to its ``isend`` ends the process from gloo's
+    I/O thread (``gloo::IoException ... writev: Bad address``, seen on an H200 with torch 2.11), which no
+    ``try`` can catch. On a group without a CUDA backend, CUDA tensors therefore travel through host copies."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.host_only = "nccl" not in str(dist.get_backend(group))
+        """True for gloo groups ("gloo", not "cpu:gloo,cuda:nccl"): device tensors are staged on the host."""
 
-    def start(self, x: torch.Tensor, tag: int) -> tuple[torch.Tensor, list]:
-        recv = torch.empty_like(x)
+    def start(self, x: torch.Tensor, tag: int) -> _InFlight:
+        staged = self.host_only and x.device.type != "cpu"
+        send = x.cpu() if staged else x
+        recv = torch.empty_like(send)
         ops = [
-            dist.P2POp(dist.isend, x, group=self.group, tag=tag, group_peer=(self.rank + 1) % self.size),
+            dist.P2POp(dist.isend, send, group=self.group, tag=tag, group_peer=(self.rank + 1) % self.size),
             dist.P2POp(dist.irecv, recv, group=self.group, tag=tag, group_peer=(self.rank - 1) % self.size),
         ]
-        return recv, dist.batch_isend_irecv(ops)
+        return _InFlight(recv, dist.batch_isend_irecv(ops), x.device if staged else None)
 
 
-def _wait(reqs: list) -> None:
-    for req in reqs:
-        req.wait()
+class _InFlight:
+    """One ring hop in flight: ``wait()`` returns the received tensor (on the sender's device)."""
+
+    def __init__(self, recv: torch.Tensor, reqs: list, device: torch.device | None) -> None:
+        self.recv, self.reqs, self.device = recv, reqs, device
+
+    def wait(self) -> torch.Tensor:
+        for req in self.reqs:
+            req.wait()
+        return self.recv if self.device is None else self.recv.to(self.device, non_blocking=False)
 
 
 def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, backend):
@@ -100,7 +115,7 @@ def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, back
     out = lse = None
     for step in range(ring.size):
         if step + 1 < ring.size:
-            next_kv, reqs = ring.start(kv, _KV_TAG)
+            hop = ring.start(kv, _KV_TAG)
         src = (ring.rank - step) % ring.size
         if step == 0:
             out, lse = attn_forward(q, kv[0], kv[1], full, full, causal=True, **kw)
@@ -112,8 +127,7 @@ def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, back
             blk_out, blk_lse = attn_forward(q[back], kv[0], kv[1], half, full, causal=False, **kw)
             out[back], lse[:, back] = merge_attn_outputs(out[back], lse[:, back], blk_out, blk_lse)
         if step + 1 < ring.size:
-            _wait(reqs)
-            kv = next_kv
+            kv = hop.wait()
     return out.to(q.dtype), lse
 
 
@@ -124,10 +138,10 @@ def _ring_backward(dout, q, k, v, out, lse, blocks: ZigzagBlocks, ring: _Ring, s
     kv = torch.stack([k, v])  # (2, t, h_kv, hd)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    dkv = dreqs = next_dkv = None
+    dkv = dkv_hop = None
     for step in range(ring.size):
         if step + 1 < ring.size:
-            next_kv, reqs = ring.start(kv, _KV_TAG)
+            hop = ring.start(kv, _KV_TAG)
         src = (ring.rank - step) % ring.size
         if step == 0:
             dq_i, dk_i, dv_i = attn_backward(dout, q, kv[0], kv[1], out, lse, full, full, causal=True, **kw)
@@ -146,18 +160,15 @@ def _ring_backward(dout, q, k, v, out, lse, blocks: ZigzagBlocks, ring: _Ring, s
         if step == 0:
             dkv = torch.stack([dk_i, dv_i]).to(acc)  # accumulator of our own K/V block
         else:
-            _wait(dreqs)  # the accumulator of block src arrives from the previous rank
-            dkv = next_dkv
+            dkv = dkv_hop.wait()  # the accumulator of block src arrives from the previous rank
             dkv[0][rows] += dk_i
             dkv[1][rows] += dv_i
         if step + 1 < ring.size:
-            _wait(reqs)
-            kv = next_kv
+            kv = hop.wait()
         if ring.size > 1:
-            next_dkv, dreqs = ring.start(dkv, _DKV_TAG)  # pass it on; after d hops it is back home
+            dkv_hop = ring.start(dkv, _DKV_TAG)  # pass it on; after d hops it is back home
     if ring.size > 1:
-        _wait(dreqs)
-        dkv = next_dkv
+        dkv = dkv_hop.wait()
     return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
