@@ -9,7 +9,7 @@ import pytest
 from flexorch.config import PlanSettings
 from flexorch.config.errors import ConfigError
 from flexorch.records.schema import RecordError, validate_record
-from flexorch.solver import PlannerConfig, plan_step, step_time_ms
+from flexorch.solver import PlannerConfig, plan_step, round_bounds, step_time_ms
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms, tall_bound_ms
 from flexorch.solver.fill import fill_draft, fill_pack
 from flexorch.solver.microbatching import tiered_split
@@ -155,6 +155,50 @@ def test_tall_bound_is_valid_and_binds_where_slow_sequences_need_many_devices():
             tall_binds += m_min * o.min() + tall > before * (1 + 1e-6)
             checked += 1
     assert checked == 24 and tall_binds >= 6
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rounds_and_absorption_bounds_are_valid_and_bind(seed, monkeypatch):
+    """1-4 sequences that need 30-90 % of the devices' memory each, 0-3 short ones: the bound with the rounds and
+    absorption bounds (the slowest sequences placed exactly into micro-batches and groups; the idle time they leave
+    that the rest cannot use) stays below the brute-force optimum, and is above the bound without them on some."""
+    rng = np.random.default_rng(100 + seed)
+    above = checked = 0
+    for it in range(40):
+        profile = list(TINY_PROFILES.values())[it % len(TINY_PROFILES)]
+        n = int(rng.choice([4, 8]))
+        big = rng.integers(int(n * 100 * 0.3), int(n * 100 * 0.9), int(rng.integers(1, 5)))
+        lengths = np.concatenate([big, rng.integers(3, 80, int(rng.integers(0, 4)))]).astype(int)
+        types, table, _, overheads = _setup(lengths, n, profile)
+        if not np.isfinite(table).any(axis=1).all():
+            continue
+        bound = step_bound_ms(table, types, lengths, n, profile.tokens_per_device, overheads)
+        with monkeypatch.context() as m:
+            m.setattr(round_bounds, "ROUNDS_K", 0)  # no sequence placed exactly: the bounds before them
+            before = step_bound_ms(table, types, lengths, n, profile.tokens_per_device, overheads)
+        best, _ = brute_force_optimum(lengths, n, profile)
+        assert before <= bound <= best * (1 + 1e-9), (profile.name, n, lengths.tolist(), bound, best)
+        above += bound > before * (1 + 1e-6)
+        checked += 1
+    assert checked >= 30 and above >= 3
+
+
+def test_rounds_bound_places_the_slowest_sequences_exactly():
+    """Five sequences that each need a 64-device group (no two fit one: their tokens exceed its memory) on 256
+    devices: four run side by side, the fifth in a second micro-batch, so the sum of the two micro-batches' longest
+    chains is w1 + w5 (one micro-batch would need a chain of three); with more memory a 64-device group holds two of
+    them one after the other, and one micro-batch does better."""
+    w = np.array([97.0, 82.0, 71.0, 69.0, 66.0])
+    lengths = np.array([302, 255, 220, 216, 207]) * 1000.0
+    degrees = np.array([64.0, 128.0, 256.0])
+    finite = np.ones((5, 3), dtype=bool)
+    fronts = round_bounds.round_fronts(w, lengths, finite, degrees, 256, 6250)  # 64: 400K tokens, one sequence
+    assert round_bounds.rounds_bound_ms(fronts, 5) == pytest.approx([97.0, 97.0, 97.0, 97.0, 97.0 + 66.0])
+    # all five in one micro-batch: two on 64 devices each, three one after another on 128 (643K tokens): 206
+    assert fronts[(1 << 5) - 1] == [(256.0, pytest.approx(206.0))]
+    # 10,000 tokens a device: 64 hold 640K (two of them), so {97} {82} {71, 69 + ...}: one micro-batch is possible
+    fronts = round_bounds.round_fronts(w, lengths, finite, degrees, 256, 10_000)
+    assert round_bounds.rounds_bound_ms(fronts, 5)[-1] < 97.0 + 66.0
 
 
 def test_planner_with_fill_and_tiers_beats_the_planner_without_on_a_long_tailed_batch():

@@ -60,7 +60,10 @@ least R(L - S*N*cap/tau) (the fractional knapsack above, over the sequences not 
 slowest sequences. It binds where a few sequences need a large share of the devices each and run far longer than a
 micro-batch's share of the work (FlexSP's 64-device groups over slow links), which the other bounds spread thin.
 
-The reported bound is the largest of the four. It holds for every plan, whatever its micro-batching, so the
+The rounds bound and the absorption bound (``solver.round_bounds``) place the slowest sequences exactly into
+micro-batches and groups, and charge the idle time they leave that the rest cannot use.
+
+The reported bound is the largest of the six. It holds for every plan, whatever its micro-batching, so the
 reported gap (plan / bound - 1) is an honest over-estimate of the distance to the optimum.
 """
 
@@ -71,6 +74,7 @@ import math
 import numpy as np
 
 from flexorch.solver.packing import GroupType
+from flexorch.solver.round_bounds import absorb_bound_ms, rounds_bound_ms, slowest_fronts
 
 __all__ = [
     "area_and_min_time",
@@ -203,12 +207,21 @@ def step_bound_ms(
         rest = float((per_token[cheap] * take).sum())
         bound = max(bound, latency_area_bound_ms(table, degrees, n, extra, rest_ms=rest / n))
     if split:
-        bound = max(bound, tall_bound_ms(table, degrees, lengths, area, n, tokens_per_device))
+        slowest = slowest_fronts(table, degrees, lengths, n, tokens_per_device)
+        bound = max(bound, tall_bound_ms(table, degrees, lengths, area, n, tokens_per_device, slowest=slowest))
+        bound = max(bound, absorb_bound_ms(table, degrees, lengths, n, tokens_per_device, slowest=slowest))
     return m_min * base + bound
 
 
 def tall_bound_ms(
-    table: np.ndarray, degrees, lengths, area: np.ndarray, num_devices: int, tokens_per_device: int, most: int = 128
+    table: np.ndarray,
+    degrees,
+    lengths,
+    area: np.ndarray,
+    num_devices: int,
+    tokens_per_device: int,
+    most: int = 128,
+    slowest=None,
 ) -> float:
     """The tall bound (module docstring), without M_min * O, over thresholds tau at the `most` slowest sequences.
 
@@ -219,6 +232,8 @@ def tall_bound_ms(
     need = np.asarray(degrees, dtype=np.float64)[np.argmax(finite, axis=1)]  # least degree that holds each
     n, cap = num_devices, tokens_per_device
     slow = np.argsort(-w, kind="stable")
+    few, fronts = slowest if slowest is not None else slowest_fronts(table, degrees, lengths, n, cap)
+    rounds = rounds_bound_ms(fronts, few.size)
     cheap = np.argsort(area / np.maximum(lengths, 1.0), kind="stable")  # least device-time per token first
     toks_all, area_all = lengths[cheap], area[cheap]
     rank = np.empty(lengths.size, dtype=np.int64)
@@ -234,10 +249,13 @@ def tall_bound_ms(
         toks, ar = toks_all[light], area_all[light]
         cum = np.concatenate([[0.0], np.cumsum(toks)])  # R's breakpoints (tokens) and its values there
         val = np.concatenate([[0.0], np.cumsum(ar)])
-        x0 = total - k * n * cap  # tokens the short micro-batches hold at least when S = tau * k
-        xs = np.concatenate([[max(0.0, x0)], cum[cum < x0]])  # S at least tau*k: x at most x0
+        s_min = tau * k  # S >= tau * k, and >= S_j of the rounds bound (for the K slowest once H holds them)
+        if rounds:
+            s_min = max(s_min, rounds[min(j, len(rounds) - 1)])
+        x0 = total - s_min * n * cap / tau  # tokens the short micro-batches hold at least when S = s_min
+        xs = np.concatenate([[max(0.0, x0)], cum[cum < x0]])  # S at least s_min: x at most x0
         rs = np.interp(xs, cum, val, right=np.inf)  # R(x): inf where the light sequences cannot hold x tokens
         f = tau * (total - xs) / (n * cap) + rs / n  # S + R(x)/N with S = tau * (L - x) / (N * cap)
-        f = np.maximum(f, tau * k)  # S >= tau * k
+        f = np.maximum(f, s_min)
         best = max(best, float(f.min()))
     return best

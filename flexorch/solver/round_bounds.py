@@ -1,0 +1,239 @@
+"""Lower bounds that place the slowest sequences of a step exactly (issue 22), for ``solver.bounds``.
+
+Chains of slow sequences (rounds bound, issue 22). The tall bound's S >= tau*k counts devices only; the K slowest
+sequences (K <= 8) are also few enough to place exactly. In any plan, the micro-batches holding some of them last
+at least the optimum of this relaxation: each such micro-batch ("round") splits its slow sequences into groups
+("chains") that run one after another, a chain lasting at least the sum of its sequences' w(s), holding at most
+d*tokens_per_device tokens (the largest cap of a degree-d group) on the least degree d that holds every one of them,
+the chains' degrees adding up to at most N; a round lasts its longest chain. The least sum over rounds, S_K, is
+found exactly (the best chains of each subset of the K, then the best partition into rounds, both by dynamic
+programming over subsets, 3^K steps) and every threshold tau at or below the K-th slowest w takes S >= max(tau*k,
+S_K) in the tall bound above: the rounds are tall micro-batches. It binds where the slow sequences cannot share a
+group (their tokens exceed its memory) and more of them need a large group than N allows side by side (code256's
+five 64-device sequences on 256 devices: two rounds, 97 + 67 s, where tau*k gave 2 x 67 s).
+
+What the rounds leave idle (absorption bound, issue 22). Take H, the j slowest of those K (at each change of the
+least degree that holds them), and the rest "light", A = sum of the light sequences' least device-time a'(s) = min_t
+d*t(s, t). A round (a micro-batch holding some of H) of length X whose chains take u devices can run light work
+only on its N - u free devices, at most (N - u)*X of device-time and at most the light device-time G((N - u)*cap)
+their memory holds (G(x): the most device-time of light sequences within x tokens, densest first, fractional), and
+in the chains' groups' idle time, sum_c d_c*(X - chain_c) <= u*X - sum_H n(s) w(s), where a light sequence costs at
+least 1/rho of its a'(s) (rho = max over light s of a'(s) / its least device-time on a group of H's least degree or
+more). The most a round absorbs is taken over every u from the chains' least up to N, so any grouping is covered.
+All the rounds hold at most rounds*N*cap - tokens(H) light tokens, so absorb at most G of that. The light work the
+rounds do not absorb runs in other micro-batches, at least (A - absorbed)/N long, hence
+
+    step >= M_min * O + min over partitions of H into rounds of
+            max( sum_r X_r + (A - G(rounds*N*cap - tokens(H)))/N,  sum_r (X_r - absorbed_r/N) + A/N ),
+
+found by dynamic programming over subsets with the Pareto front of (sum X, sum of X - absorbed/N) per number of
+rounds. It binds where the slowest sequences leave devices idle that memory or slow groups keep the rest from using
+(code256: 64-device groups over slow links beside free devices whose memory holds a few seconds of work).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+__all__ = ["ROUNDS_K", "absorb_bound_ms", "best_rounds", "round_fronts", "rounds_bound_ms", "slowest_fronts"]
+
+ROUNDS_K = 8
+"""How many of the slowest sequences the rounds and absorption bounds place exactly (3^K/2 subset pairs)."""
+
+
+def round_fronts(w, lengths, finite, degrees, num_devices: int, tokens_per_device: int) -> list:
+    """For every subset (bit mask) of the given sequences (at most ``ROUNDS_K``): the Pareto front of (devices,
+    longest chain) over its partitions into chains that fit side by side on ``num_devices`` (module docstring, rounds
+    bound), ascending in devices; empty when none fits. ``w``: their least times, ``finite[s, t]``: whether type t
+    holds sequence s, ``degrees[t]``: type degrees. A chain is held by the least degree d whose types hold each of its
+    sequences and d*tokens_per_device tokens in all; a subset no degree holds is no chain."""
+    w = np.asarray(w, dtype=np.float64)
+    k = w.size
+    lengths = np.asarray(lengths, dtype=np.float64)
+    degrees = np.asarray(degrees, dtype=np.float64)
+    full = 1 << k
+    masks = np.arange(full, dtype=np.int64)
+    chain_ms, tokens = np.zeros(full), np.zeros(full)
+    for i in range(k):  # sums over members, one bit at a time
+        has = (masks >> i) & 1 == 1
+        chain_ms[has] += w[i]
+        tokens[has] += lengths[i]
+    chain_deg = np.full(full, np.inf)  # least degree of a group that holds the subset, inf if none
+    bit = 1 << np.arange(k, dtype=np.int64)
+    for t in range(len(degrees)):
+        holds = int(bit[np.asarray(finite)[:, t]].sum())  # the members type t holds
+        ok = ((masks & ~holds) == 0) & (degrees[t] * tokens_per_device >= tokens)
+        chain_deg = np.where(ok, np.minimum(chain_deg, degrees[t]), chain_deg)
+    chain_deg[0] = np.inf
+    deg_of, ms_of = chain_deg.tolist(), chain_ms.tolist()  # plain floats: the loop below indexes them 3^K times
+    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]] + [[] for _ in range(full - 1)]
+    for mask in range(1, full):
+        low = mask & -mask
+        rest = mask ^ low
+        cands: list[tuple[float, float]] = []
+        sub = rest
+        while True:  # the chain holding the lowest member: low | sub for every subset sub of the rest
+            chain = low | sub
+            d = deg_of[chain]
+            if d <= num_devices:
+                ms = ms_of[chain]
+                for used, longest in fronts[mask ^ chain]:
+                    if used + d <= num_devices:
+                        cands.append((used + d, longest if longest > ms else ms))
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        cands.sort()
+        front: list[tuple[float, float]] = []
+        for used, longest in cands:
+            if not front or longest < front[-1][1]:
+                front.append((used, longest))
+        fronts[mask] = front
+    return fronts
+
+
+@functools.cache
+def _round_pairs(k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per popcount layer p = 1..k: (mask, r) for every mask of p members and every subset r of it holding its
+    lowest member (the round that member is in)."""
+    layers: list[tuple[list[int], list[int]]] = [([], []) for _ in range(k + 1)]
+    for mask in range(1, 1 << k):
+        low = mask & -mask
+        rest = mask ^ low
+        sub = rest
+        masks, rs = layers[bin(mask).count("1")]
+        while True:
+            masks.append(mask)
+            rs.append(low | sub)
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+    return [(np.array(m, dtype=np.int64), np.array(r, dtype=np.int64)) for m, r in layers[1:]]
+
+
+def best_rounds(round_cost: np.ndarray) -> np.ndarray:
+    """For every subset (bit mask): the least sum of ``round_cost`` over its partitions into rounds (3^K/2 pairs,
+    one vectorised step per subset size)."""
+    k = int(round_cost.size).bit_length() - 1
+    best = np.full(round_cost.size, np.inf)
+    best[0] = 0.0
+    for masks, rs in _round_pairs(k):
+        np.minimum.at(best, masks, round_cost[rs] + best[masks ^ rs])
+    return best
+
+
+def rounds_bound_ms(fronts: list, k: int) -> list[float]:
+    """S_j for j = 1..k: the least sum over micro-batches of the longest chain, for the j slowest sequences (module
+    docstring, rounds bound), from their :func:`round_fronts`."""
+    if k == 0:
+        return []
+    round_ms = np.array([f[-1][1] if f else np.inf for f in fronts])
+    best = best_rounds(round_ms)
+    return [float(best[(1 << j) - 1]) for j in range(1, k + 1)]
+
+
+def slowest_fronts(table: np.ndarray, degrees, lengths, num_devices: int, tokens_per_device: int):
+    """(indices of the ``ROUNDS_K`` slowest sequences, slowest first; their :func:`round_fronts`)."""
+    finite = np.isfinite(table)
+    w = np.where(finite, table, np.inf).min(axis=1)
+    few = np.argsort(-w, kind="stable")[: min(ROUNDS_K, int(np.isfinite(w).sum()))]
+    lengths = np.asarray(lengths, dtype=np.float64)
+    degrees = np.asarray(degrees, dtype=np.float64)
+    return few, round_fronts(w[few], lengths[few], finite[few], degrees, num_devices, tokens_per_device)
+
+
+def absorb_bound_ms(
+    table: np.ndarray, degrees, lengths, num_devices: int, tokens_per_device: int, slowest=None
+) -> float:
+    """The rounds bound with the rest of the work (module docstring, absorption bound), without M_min * O."""
+    lengths = np.asarray(lengths, dtype=np.float64)
+    degrees = np.asarray(degrees, dtype=np.float64)
+    n, cap = num_devices, tokens_per_device
+    finite = np.isfinite(table)
+    w = np.where(finite, table, np.inf).min(axis=1)
+    need = degrees[np.argmax(finite, axis=1)]
+    dev_time = np.where(finite, table * degrees[None, :], np.inf)  # d * t(s, t)
+    pure = dev_time.min(axis=1)  # a'(s): least device-time, no share of fixed costs
+    few, fronts = slowest if slowest is not None else slowest_fronts(table, degrees, lengths, n, cap)
+    if few.size == 0:
+        return 0.0
+    nw = need[few] * w[few]  # n(s) * w(s)
+    full = 1 << few.size
+    nw_sum = np.zeros(full)
+    for m in range(1, full):
+        low = m & -m
+        nw_sum[m] = nw_sum[m ^ low] + nw[low.bit_length() - 1]
+    levels = np.unique(degrees)  # least device-time of each sequence on a group of degree >= D, per degree D
+    at_least = np.stack([np.where(degrees[None, :] >= d, dev_time, np.inf).min(axis=1) for d in levels])
+    dense = np.argsort(-pure / np.maximum(lengths, 1.0), kind="stable")  # most device-time per token first
+    spare = np.arange(n + 1, dtype=np.float64)  # devices outside the chains' groups
+    best = 0.0
+    # H = the j slowest, at each change of tier (the least degree that holds them) and all K
+    cuts = [j for j in range(1, few.size) if need[few[j]] != need[few[j - 1]]] + [few.size]
+    for j in cuts:
+        light = np.ones(lengths.size, dtype=bool)
+        light[few[:j]] = False
+        area = float(pure[light].sum())
+        d_h = float(need[few[:j]].min())  # every chain of H has at least this degree
+        rho = float((pure[light] / at_least[np.searchsorted(levels, d_h), light]).max()) if light.any() else 0.0
+        order = dense[light[dense]]  # G(x): the most light device-time within x tokens (fractional knapsack)
+        cum_toks = np.concatenate([[0.0], np.cumsum(lengths[order])])
+        cum_area = np.concatenate([[0.0], np.cumsum(pure[order])])
+        g_free = np.interp(spare * cap, cum_toks, cum_area)  # G of the tokens the free devices hold
+
+        cost = functools.partial(_round_cost, n=n, rho=rho, g_free=g_free, nw_sum=nw_sum)
+        rounds = _pareto_rounds(fronts, cost, j)
+        h_tokens = float(lengths[few[:j]].sum())
+        got = np.inf
+        for count, front in rounds.items():
+            room = count * n * cap - h_tokens  # light tokens the rounds hold at most
+            most = float(np.interp(room, cum_toks, cum_area))  # the most light device-time they absorb
+            for x, c in front:  # T >= sum X + (A - min(absorbed by time, by memory)) / N
+                got = min(got, max(c + area / n, x + (area - most) / n))
+        best = max(best, got)
+    return best
+
+
+def _round_cost(mask: int, used: float, x: float, *, n: int, rho: float, g_free: np.ndarray, nw_sum) -> float:
+    """A round's C = X - (the most it absorbs)/N: free devices at full rate within their memory (``g_free[f]``: the
+    most light device-time f devices' memory holds), the chains' groups' idle time at rate ``rho``; the most over
+    every number of devices the chains may take, from ``used`` (their least) up to N."""
+    u = np.arange(int(used), n + 1, dtype=np.float64)
+    free = np.minimum((n - u) * x, g_free[n - int(used) :: -1][: u.size])
+    return x - float((free + rho * (u * x - nw_sum[mask])).max()) / n
+
+
+def _pareto_rounds(fronts: list, cost, j: int) -> dict[int, list]:
+    """For the subset of the first ``j`` sequences, per number of rounds: the Pareto front of (sum of round lengths
+    X, sum of round costs C) over its partitions into rounds, ``cost(mask, devices, X)`` a round's C."""
+    limit = 1 << j
+    options = [_prune(sorted((x, cost(m, used, x)) for used, x in fronts[m])) if m else [] for m in range(limit)]
+    out: list[dict[int, list]] = [{0: [(0.0, 0.0)]}] + [{} for _ in range(limit - 1)]
+    for mask in range(1, limit):
+        low = mask & -mask
+        rest = mask ^ low
+        sub = rest
+        cands: dict[int, list] = {}
+        while True:
+            r = low | sub
+            if options[r]:
+                for count, front in out[mask ^ r].items():
+                    got = cands.setdefault(count + 1, [])
+                    for x, c in options[r]:
+                        got.extend((x + x2, c + c2) for x2, c2 in front)
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        out[mask] = {count: _prune(sorted(pts)) for count, pts in cands.items()}
+    return out[limit - 1]
+
+
+def _prune(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other is at most in both coordinates (input sorted ascending)."""
+    kept: list[tuple[float, float]] = []
+    for x, c in points:
+        if not kept or c < kept[-1][1]:
+            kept.append((x, c))
+    return kept
