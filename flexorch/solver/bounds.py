@@ -172,6 +172,7 @@ def step_bound_ms(
     tokens_per_device: int,
     overheads: np.ndarray,
     split: bool = True,
+    slowest=None,
 ) -> float:
     """Bound for a whole step (any micro-batching): the largest of the memory, the latency and (with `split`, the
     default) the split bound.
@@ -207,7 +208,8 @@ def step_bound_ms(
         rest = float((per_token[cheap] * take).sum())
         bound = max(bound, latency_area_bound_ms(table, degrees, n, extra, rest_ms=rest / n))
     if split:
-        slowest = slowest_fronts(table, degrees, lengths, n, tokens_per_device)
+        if slowest is None:  # the planner passes them: it starts splits from them too
+            slowest = slowest_fronts(table, degrees, lengths, n, tokens_per_device)
         bound = max(bound, tall_bound_ms(table, degrees, lengths, area, n, tokens_per_device, slowest=slowest))
         bound = max(bound, absorb_bound_ms(table, degrees, lengths, n, tokens_per_device, slowest=slowest))
     return m_min * base + bound

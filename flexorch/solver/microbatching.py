@@ -35,12 +35,13 @@ def partition_candidates(
     lengths, work, capacity_tokens: int, extra: int = 4, deadline: float | None = None, tiers=None, kinds=None
 ) -> list[list[list[int]]]:
     """Splits into M = M_min .. M_min + extra micro-batches, a balanced one and FlexSP's sorted one for each, and
-    with `tiers` = (wall, min_devices, num_devices[, own]) a tiered one for each (:func:`tiered_split`), first.
+    with `tiers` = (wall, min_devices, num_devices[, own[, rounds]]) tiered ones for each (:func:`tiered_split`),
+    first; with ``rounds`` (the seeds of ``tiered_split``) also tiered ones that start from those micro-batches.
 
     A split is kept only when every micro-batch fits `capacity_tokens` (the tokens all N devices hold).
     Duplicates are removed; order is by M then strategy. Past `deadline` (``time.monotonic()``) no further M is
-    tried once some split is in hand. `kinds`, a list, gets each split's strategy ('tiered-<ratio>', 'balanced',
-    'sorted') appended.
+    tried once some split is in hand. `kinds`, a list, gets each split's strategy ('tiered-<ratio>',
+    'rounds-<ratio>', 'balanced', 'sorted') appended.
     """
     out, last = [], 0
     for m, kind, split in _candidates(lengths, work, capacity_tokens, extra, tiers):
@@ -73,24 +74,28 @@ def _candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None)
         balanced = balanced_split(lengths, work, m, even, order_work) or balanced_split(
             lengths, work, m, capacity_tokens, order_work
         )
-        tiered = []
+        named = []
         if tiers is not None:
-            wall, need, num_devices, *own = tiers
-            tiered = [
-                tiered_split(
-                    lengths,
-                    work,
-                    wall,
-                    need,
-                    num_devices,
-                    capacity_tokens=capacity_tokens,
-                    extra=m - m_min,
-                    own=own[0] if own else None,
-                    ratio=ratio,
-                )
-                for ratio in TIER_RATIOS
-            ]
-        named = [(f"tiered-{r:g}", t) for r, t in zip(TIER_RATIOS, tiered, strict=False)]
+            wall, need, num_devices, *more = tiers
+            own = more[0] if more else None
+            rounds = more[1] if len(more) > 1 else None
+            for ratio in TIER_RATIOS:
+                for name, seeds in (("tiered", None), ("rounds", rounds)):
+                    if name == "rounds" and not seeds:
+                        continue
+                    split = tiered_split(
+                        lengths,
+                        work,
+                        wall,
+                        need,
+                        num_devices,
+                        capacity_tokens=capacity_tokens,
+                        extra=m - m_min,
+                        own=own,
+                        ratio=ratio,
+                        seeds=seeds,
+                    )
+                    named.append((f"{name}-{ratio:g}", split))
         for kind, split in (*named, ("balanced", balanced), ("sorted", sorted_split(lengths, m, order_len))):
             if split is None or any(int(lengths[c].sum()) > capacity_tokens for c in split):
                 continue
@@ -183,6 +188,7 @@ def tiered_split(
     ratio: float = TIER_RATIO,
     fill: float = 0.95,
     own=None,
+    seeds=None,
 ) -> list[list[int]] | None:
     """Slow sequences in micro-batches of their own, the rest balanced (None when the rest cannot be split).
 
@@ -193,15 +199,20 @@ def tiered_split(
     tokens to `fill` of the memory. Then the next tier. With `own` = (devices, time) of each sequence on its
     least-device-time group, each tiered micro-batch is then topped up, slowest first, with the sequences left that
     run on such a group of their own within its makespan on the devices it leaves free (they cost it nothing). What
-    is left is split by :func:`balanced_split`.
+    is left is split by :func:`balanced_split`. ``seeds``: micro-batches placed before any tier, as (members, devices
+    their groups take, makespan), e.g. the slowest sequences' best rounds (``solver.round_bounds.best_round_split``).
     ``work[i]`` is sequence i's least device-time (``solver.bounds.area_and_min_time``), ``wall[i]`` its least time.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     work = np.asarray(work, dtype=np.float64)
     wall = np.asarray(wall, dtype=np.float64)
     need = np.asarray(min_devices, dtype=np.int64)
-    rest = np.arange(lengths.size)
-    chunks: list[list] = []  # [members, devices, tokens]
+    chunks: list[list] = []  # [members, devices, tokens, makespan or None (its slowest sequence's wall time)]
+    for members, devices, span in seeds or ():
+        chunks.append([list(members), int(devices), int(lengths[list(members)].sum()), float(span)])
+    placed = np.zeros(lengths.size, dtype=bool)
+    placed[[i for c in chunks for i in c[0]]] = True
+    rest = np.flatnonzero(~placed)
     while rest.size:
         m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra
         share = float(work[rest].sum()) / num_devices / m
@@ -216,7 +227,7 @@ def tiered_split(
                     c[2] += int(lengths[i])
                     break
             else:
-                chunks.append([[i], int(need[i]), int(lengths[i])])
+                chunks.append([[i], int(need[i]), int(lengths[i]), None])
         rest = rest[wall[rest] <= ratio * share]
     if not chunks:
         return None  # no tier: the balanced split is the same
@@ -224,7 +235,7 @@ def tiered_split(
         own_dev, own_time = (np.asarray(x) for x in own)
         left = rest[np.argsort(-wall[rest], kind="stable")].tolist()
         for c in chunks:
-            span = float(wall[c[0]].max())
+            span = float(wall[c[0]].max()) if c[3] is None else c[3]
             keep = []
             for i in left:
                 if (

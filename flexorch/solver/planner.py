@@ -48,6 +48,7 @@ from flexorch.solver.packing import (
 )
 from flexorch.solver.plan import MicroBatch, Plan
 from flexorch.solver.profiles import Profile
+from flexorch.solver.round_bounds import best_round_split, slowest_fronts
 from flexorch.solver.solver_process import SolverPool
 from flexorch.solver.validation import check_batch, check_num_devices
 
@@ -86,6 +87,9 @@ class PlannerConfig:
     tiered_splits: bool = True
     """Offer tiered micro-batch splits too (``solver.microbatching.tiered_split``: sequences far slower than an
     average micro-batch share one)."""
+    round_splits: bool = True
+    """With ``tiered_splits``: tiered splits that start from the slowest sequences' best micro-batches, as the rounds
+    bound places them (``solver.round_bounds.best_round_split``: chains of them in one group where memory allows)."""
     isolate: bool = True
     """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not
     the plan). False: in this process (no extra process; a crash of the MILP library takes the caller down)."""
@@ -201,8 +205,9 @@ class Planner:
                 f"sequence {i} ({lengths[i]} tokens) fits no group of kinds {cfg.kinds} on {n} devices (Ulysses "
                 f"degrees must divide num_heads={prof.num_heads}); allow 'ring' or use more devices"
             )
-        bound = step_bound_ms(table, types, lengths, n, cap, overheads)
         deg = np.array([t.degree for t in types], dtype=np.float64)
+        slowest = slowest_fronts(table, deg, lengths, n, cap)  # the slowest sequences' rounds: bound and splits
+        bound = step_bound_ms(table, types, lengths, n, cap, overheads, slowest=slowest)
         # the plan is built after the last solve: keep what that took last time (x1.5), at most a third of the time
         # after the last solve come the local search over the split and building the plan: keep what they took last
         # time (x1.5), at most a third of the time
@@ -219,7 +224,8 @@ class Planner:
             cheapest = np.argmin(table * deg[None, :], axis=1)  # each sequence's least-device-time type
             rows = np.arange(len(lengths))
             own = (deg[cheapest].astype(np.int64), table[rows, cheapest])
-            tiers = (wall, deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64), n, own)
+            rounds = best_round_split(*slowest) if cfg.round_splits else None  # their best micro-batches: a start
+            tiers = (wall, deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64), n, own, rounds)
         kinds: list[str] = []
         cands = partition_candidates(
             lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers, kinds=kinds

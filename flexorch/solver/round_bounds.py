@@ -37,7 +37,15 @@ import functools
 
 import numpy as np
 
-__all__ = ["ROUNDS_K", "absorb_bound_ms", "best_rounds", "round_fronts", "rounds_bound_ms", "slowest_fronts"]
+__all__ = [
+    "ROUNDS_K",
+    "absorb_bound_ms",
+    "best_round_split",
+    "best_rounds",
+    "round_fronts",
+    "rounds_bound_ms",
+    "slowest_fronts",
+]
 
 ROUNDS_K = 8
 """How many of the slowest sequences the rounds and absorption bounds place exactly (3^K/2 subset pairs)."""
@@ -132,6 +140,35 @@ def rounds_bound_ms(fronts: list, k: int) -> list[float]:
     round_ms = np.array([f[-1][1] if f else np.inf for f in fronts])
     best = best_rounds(round_ms)
     return [float(best[(1 << j) - 1]) for j in range(1, k + 1)]
+
+
+def best_round_split(few, fronts) -> list[tuple[list[int], float, float]]:
+    """The micro-batches of the rounds bound's optimum for all of ``few`` (sequence indices, slowest first, and their
+    :func:`round_fronts`): (members, devices their chains take, longest chain) each; empty when none exists. The
+    planner starts tiered splits from them (``solver.microbatching.tiered_split``'s seeds)."""
+    k = len(few)
+    if k == 0:
+        return []
+    round_ms = np.array([f[-1][1] if f else np.inf for f in fronts])
+    best = best_rounds(round_ms)
+    mask, out = (1 << k) - 1, []
+    if not np.isfinite(best[mask]):
+        return []
+    while mask:
+        low = mask & -mask
+        rest = mask ^ low
+        sub, pick = rest, None
+        while True:  # the round of the lowest member that attains best[mask]
+            r = low | sub
+            if pick is None and round_ms[r] + best[mask ^ r] <= best[mask] * (1 + 1e-12):
+                pick = r
+            if sub == 0:
+                break
+            sub = (sub - 1) & rest
+        used, longest = fronts[pick][-1]
+        out.append(([int(few[i]) for i in range(k) if pick >> i & 1], float(used), float(longest)))
+        mask ^= pick
+    return out
 
 
 def slowest_fronts(table: np.ndarray, degrees, lengths, num_devices: int, tokens_per_device: int):
