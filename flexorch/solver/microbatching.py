@@ -81,7 +81,7 @@ def _candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None)
             rounds = more[1] if len(more) > 1 else None
             for ratio in TIER_RATIOS:
                 for name, seeds in (("tiered", None), ("rounds", rounds)):
-                    if name == "rounds" and not seeds:
+                    if name == "rounds" and (not seeds or ratio != TIER_RATIO):  # one more candidate, not two
                         continue
                     split = tiered_split(
                         lengths,
@@ -200,7 +200,8 @@ def tiered_split(
     least-device-time group, each tiered micro-batch is then topped up, slowest first, with the sequences left that
     run on such a group of their own within its makespan on the devices it leaves free (they cost it nothing). What
     is left is split by :func:`balanced_split`. ``seeds``: micro-batches placed before any tier, as (members, devices
-    their groups take, makespan), e.g. the slowest sequences' best rounds (``solver.round_bounds.best_round_split``).
+    their groups take, makespan) for the j slowest, j = 1, 2, ... (``solver.round_bounds.best_round_split``): those
+    of the most of them this ratio tiers (None when it tiers none of them).
     ``work[i]`` is sequence i's least device-time (``solver.bounds.area_and_min_time``), ``wall[i]`` its least time.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -208,8 +209,16 @@ def tiered_split(
     wall = np.asarray(wall, dtype=np.float64)
     need = np.asarray(min_devices, dtype=np.int64)
     chunks: list[list] = []  # [members, devices, tokens, makespan or None (its slowest sequence's wall time)]
-    for members, devices, span in seeds or ():
-        chunks.append([list(members), int(devices), int(lengths[list(members)].sum()), float(span)])
+    if seeds:  # the rounds of as many of the slowest as this ratio tiers
+        m = max(1, math.ceil(int(lengths.sum()) / capacity_tokens)) + extra
+        share = float(work.sum()) / num_devices / m
+        slow = 0
+        while slow < len(seeds) and seeds[slow] and all(wall[i] > ratio * share for r in seeds[slow] for i in r[0]):
+            slow += 1
+        if slow == 0:
+            return None  # the plain tiered split covers it
+        for members, devices, span in seeds[slow - 1]:
+            chunks.append([list(members), int(devices), int(lengths[list(members)].sum()), float(span)])
     placed = np.zeros(lengths.size, dtype=bool)
     placed[[i for c in chunks for i in c[0]]] = True
     rest = np.flatnonzero(~placed)

@@ -20,6 +20,7 @@ a solve still running at the deadline is killed the same way. With ``isolate=Fal
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from concurrent.futures import Future
@@ -156,6 +157,7 @@ class Planner:
         self._polish_s: float | None = None  # measured: the local search over a solved split (for the reserve)
         self.crashes_total = 0
         self._filled: set[int] = set()
+        self._bound = None  # the step's bound, or the call that computes it (``_step_bound``)
 
     def inject_crashes(self, crashes: int = 1) -> None:
         """Test seam: the solver process of each of the next ``crashes`` solves kills itself with SIGSEGV, as a
@@ -207,7 +209,8 @@ class Planner:
             )
         deg = np.array([t.degree for t in types], dtype=np.float64)
         slowest = slowest_fronts(table, deg, lengths, n, cap)  # the slowest sequences' rounds: bound and splits
-        bound = step_bound_ms(table, types, lengths, n, cap, overheads, slowest=slowest)
+        # the step's bound is reported, not used to plan: computed while the first MILPs run (or at the end)
+        self._bound = functools.partial(step_bound_ms, table, types, lengths, n, cap, overheads, slowest=slowest)
         # the plan is built after the last solve: keep what that took last time (x1.5), at most a third of the time
         # after the last solve come the local search over the split and building the plan: keep what they took last
         # time (x1.5), at most a third of the time
@@ -315,6 +318,7 @@ class Planner:
             profile=prof,
             meta={"planner": "flexorch-milp", "status": status},
         )
+        bound = self._step_bound()  # computed already if a MILP ran in the solver process; else now (in `finish`)
         done = time.monotonic()
         took = done - t_finish
         self._finish_s = took if self._finish_s is None else max(took, 0.5 * (self._finish_s + took))
@@ -331,6 +335,12 @@ class Planner:
             "isolated": self._solver.isolate,
         }
         return StepPlan(plan, float(best_total), bound, done - t0, status, details)
+
+    def _step_bound(self) -> float:
+        """The step's lower bound (``solver.bounds.step_bound_ms``), computed once per plan, on first call."""
+        if callable(self._bound):
+            self._bound = float(self._bound())
+        return self._bound
 
     def _second_pass(
         self, ci, pre, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, deadline, run, polish_deadline
@@ -402,8 +412,12 @@ class Planner:
         first_of_kind: dict[str, int] = {}
         for ci in by_key:
             first_of_kind.setdefault(kinds[ci], ci)
+        # tiered splits exist only where some sequences are far slower than a micro-batch's share: then they are
+        # the informed ones (code256 at 1 s: the sorted split, lowest bound, took the time of the better tiered one)
+        informed = [ci for kind, ci in first_of_kind.items() if kind.startswith(("tiered", "rounds"))]
         firsts = set(first_of_kind.values())
-        for ci in [ci for ci in by_key if ci in firsts] + [ci for ci in by_key if ci not in firsts]:
+        lead = sorted(informed, key=by_key.index) + [ci for ci in by_key if ci in firsts and ci not in informed]
+        for ci in lead + [ci for ci in by_key if ci not in firsts]:
             if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
                 rest.append((ci, None))
                 continue
@@ -482,6 +496,7 @@ class Planner:
                 for pos, job in enumerate(jobs):  # when it starts: its part of the time left (those after it share)
                     job["share_of"] = math.ceil((len(jobs) - pos) / cfg.workers)
                 futs = [(i, self._solver.submit(job)) for i, job in zip(pending, jobs, strict=True)]
+                self._step_bound()  # this process is free while the solver process works: the step's bound now
                 if self._idle is not None:  # this process is free while the solver process works
                     self._idle(wait_until, lambda fs=futs: all(f.done() for _, f in fs))
             else:

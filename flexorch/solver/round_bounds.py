@@ -142,32 +142,37 @@ def rounds_bound_ms(fronts: list, k: int) -> list[float]:
     return [float(best[(1 << j) - 1]) for j in range(1, k + 1)]
 
 
-def best_round_split(few, fronts) -> list[tuple[list[int], float, float]]:
-    """The micro-batches of the rounds bound's optimum for all of ``few`` (sequence indices, slowest first, and their
-    :func:`round_fronts`): (members, devices their chains take, longest chain) each; empty when none exists. The
-    planner starts tiered splits from them (``solver.microbatching.tiered_split``'s seeds)."""
+def best_round_split(few, fronts) -> list[list[tuple[list[int], float, float]]]:
+    """For j = 1..len(few): the micro-batches of the rounds bound's optimum for the j slowest (``few``: sequence
+    indices, slowest first, and their :func:`round_fronts`), as (members, devices their chains take, longest chain)
+    each; an empty list where none exists. The planner starts tiered splits from them
+    (``solver.microbatching.tiered_split``'s seeds, for as many of the slowest as are slow enough to be tiered)."""
     k = len(few)
     if k == 0:
         return []
     round_ms = np.array([f[-1][1] if f else np.inf for f in fronts])
     best = best_rounds(round_ms)
-    mask, out = (1 << k) - 1, []
-    if not np.isfinite(best[mask]):
-        return []
-    while mask:
-        low = mask & -mask
-        rest = mask ^ low
-        sub, pick = rest, None
-        while True:  # the round of the lowest member that attains best[mask]
-            r = low | sub
-            if pick is None and round_ms[r] + best[mask ^ r] <= best[mask] * (1 + 1e-12):
-                pick = r
-            if sub == 0:
-                break
-            sub = (sub - 1) & rest
-        used, longest = fronts[pick][-1]
-        out.append(([int(few[i]) for i in range(k) if pick >> i & 1], float(used), float(longest)))
-        mask ^= pick
+    out = []
+    for j in range(1, k + 1):
+        mask, rounds = (1 << j) - 1, []
+        if not np.isfinite(best[mask]):
+            out.append([])
+            continue
+        while mask:
+            low = mask & -mask
+            rest = mask ^ low
+            sub, pick = rest, None
+            while True:  # the round of the lowest member that attains best[mask]
+                r = low | sub
+                if pick is None and round_ms[r] + best[mask ^ r] <= best[mask] * (1 + 1e-12):
+                    pick = r
+                if sub == 0:
+                    break
+                sub = (sub - 1) & rest
+            used, longest = fronts[pick][-1]
+            rounds.append(([int(few[i]) for i in range(k) if pick >> i & 1], float(used), float(longest)))
+            mask ^= pick
+        out.append(rounds)
     return out
 
 
