@@ -23,9 +23,11 @@ Batches come from ``flexorch.data.stream.DocumentStream`` (seed 0), as in traini
     python benchmarks/planner_quality.py                  # 5 steps per setting at 1 s (about 15 minutes on 2 cores)
     python benchmarks/planner_quality.py --steps 2 --long 5 --settings wiki64
     python benchmarks/planner_quality.py --old            # the same without issue 22's starts and splits
+    python benchmarks/planner_quality.py --no-rounds      # tiered splits not seeded by the rounds bound
 
-The bound includes the split bound (``solver.bounds``) in both cases, so ``--old`` against the default shows what
-the mixed-layout starts (``solver.fill``) and tiered splits did to the plans.
+The bound is the same in every case (``solver.bounds``, ``solver.round_bounds``), so ``--old`` and ``--no-rounds``
+against the default show what the mixed-layout starts (``solver.fill``), tiered splits and splits seeded by the
+rounds bound did to the plans.
 """
 
 from __future__ import annotations
@@ -102,7 +104,9 @@ def same_split(plan: Plan, lengths: np.ndarray, n: int, profile, long_s: float, 
     return min(step_time_ms(again, profile), step_time_ms(plan, profile))
 
 
-def run(name: str, steps: int, budget: float, long_s: float, solver: str, old: bool = False) -> list[dict]:
+def run(
+    name: str, steps: int, budget: float, long_s: float, solver: str, old: bool = False, rounds: bool = True
+) -> list[dict]:
     profile, pool, n, batch = setting(name)
     stream = DocumentStream(pool.size, batch, seed=0)
     print(
@@ -116,6 +120,8 @@ def run(name: str, steps: int, budget: float, long_s: float, solver: str, old: b
     rows = []
     t0 = time.monotonic()
     knobs = {"fill_starts": False, "tiered_splits": False} if old else {}  # --old: before issue 22's changes
+    if not rounds:
+        knobs["round_splits"] = False  # --no-rounds: tiered splits without the rounds bound's micro-batches
     cfg = PlannerConfig(time_limit_s=budget, solver=solver, **knobs)
     long_cfg = PlannerConfig(time_limit_s=30 * budget, solver=solver, **knobs)
     with Planner(profile, cfg) as quick, Planner(profile, long_cfg) as slow:
@@ -162,10 +168,13 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--old", action="store_true", help="the planner without mixed-layout starts and tiered splits (issue 22)"
     )
+    ap.add_argument(
+        "--no-rounds", action="store_true", help="tiered splits without the rounds bound's micro-batches as seeds"
+    )
     args = ap.parse_args(argv)
     print(f"planner quality: {os.cpu_count()} CPUs, MILP backend {args.solver}")
     for name in args.settings.split(","):
-        run(name.strip(), args.steps, args.budget, args.long, args.solver, args.old)
+        run(name.strip(), args.steps, args.budget, args.long, args.solver, args.old, not args.no_rounds)
     return 0
 
 
