@@ -16,7 +16,8 @@ c. Ulysses and zigzag ring attention at degrees 2 and 4 with every rank on the o
 d. one training step of a 1.1B decoder (FSDP2 on a world of one, bf16, full activation checkpointing) through
    ``flexorch.workers.sharded_step.run_sharded_step``: tokens/s, MFU, peak memory against the planner's prediction;
 e. a calibration through the project's path (``flexorch.control.calibration.calibrate`` on a one-worker group in
-   this process) written as ``<out>/profile.json`` and loaded back with ``flexorch.solver.profiles.get_profile``.
+   this process) written as ``<out>/profile.json`` and loaded back with ``flexorch.solver.profiles.get_profile``;
+   then the planner's time for d's batch from that profile against d's measured step time.
 
 Every row is passed, failed or skipped with its reason; a failing row never stops the others, and the exit code is
 1 when any row failed. ``--dry`` runs every row on the CPU (CUDA-only rows skipped with "no CUDA").
@@ -57,6 +58,8 @@ from flexorch.config.model import ModelConfig  # noqa: E402
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 MEMORY_SLACK = 1.5
 """d.memory fails when the allocator's peak exceeds the planner's prediction by more than this factor."""
+PREDICT_SLACK = 0.25
+"""e.predict fails when the calibrated cost model misses the measured step by more than this (the goal is 6 %)."""
 MATH_SCORE_BYTES = 2**31
 """The math reference materialises fp32 scores (h, L, L) per document: above this it is timed on the small batch."""
 
@@ -178,6 +181,8 @@ class Ctx:
     out: Path
     dry: bool
     peak_tflops: float | None = None
+    step: dict | None = None
+    """d.step's measurements (its batch and median step time), for e.predict."""
 
     @property
     def cuda(self) -> bool:
@@ -792,6 +797,7 @@ def section_step(check: Check, ctx: Ctx) -> None:
         )
         if not all(math.isfinite(x) for x in res["losses"]):
             raise FailRow(f"loss not finite: {res['losses']}")
+        ctx.step = res
     with check.row("d.memory", "peak memory (torch.cuda.max_memory_allocated) vs the planner's prediction") as r:
         if not ctx.cuda:
             raise SkipRow(ctx.no_cuda("the allocator's peak is measured on CUDA"))
@@ -832,6 +838,7 @@ class LocalGroup:
 
 
 def section_calibration(check: Check, ctx: Ctx) -> None:
+    planned = None  # the calibrated profile as the planner uses it, for e.predict
     with check.row("e.profile", f"calibration -> {ctx.out / 'profile.json'}, loaded back") as r:
         from flexorch.control.calibration import calibrate, fitted_profile  # inside the row: a failed import is a row
         from flexorch.solver.profiles import get_profile
@@ -864,6 +871,25 @@ def section_calibration(check: Check, ctx: Ctx) -> None:
         bad = [k for k in keys if not (math.isfinite(getattr(loaded, k)) and getattr(loaded, k) >= 0)]
         if bad or loaded.act_bytes_per_token <= 0:
             raise FailRow(f"profile constants not usable: {bad or 'act_bytes_per_token'}; {r.detail}")
+    with check.row("e.predict", "the calibrated planner's time for d.step's batch vs the measured step") as r:
+        from flexorch.solver.cost_model import group_time_ms
+
+        if ctx.step is None:
+            raise SkipRow("d.step did not run or failed")
+        if planned is None:
+            raise FailRow("no calibrated profile (e.profile failed)")
+        predicted = group_time_ms(ctx.step["lengths"], 1, "ulysses", planned)  # one worker: one group of degree 1
+        measured = 1e3 * ctx.step["step_s"]
+        err = abs(predicted - measured) / measured
+        r.metrics = {"predicted_ms": predicted, "measured_ms": measured, "rel_error": err}
+        r.detail = (
+            f"{len(ctx.step['lengths'])} documents, {ctx.step['tokens']:,} tokens: predicted {predicted:,.1f} ms, "
+            f"measured {measured:,.1f} ms (median of {ctx.sizes.reps}): error {100 * err:.1f} %"
+        )
+        if ctx.dry:
+            r.detail += " (not judged in --dry: a tiny model on shared CPU cores)"
+        elif err > PREDICT_SLACK:
+            raise FailRow(f"off by more than {100 * PREDICT_SLACK:.0f} %: {r.detail}")
 
 
 # ---------------------------------------------------------------------------------------------------------------

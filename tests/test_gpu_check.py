@@ -49,6 +49,7 @@ CPU_ROWS = (
     "c.ring.d4",
     "d.step",
     "e.profile",
+    "e.predict",
 )
 
 
