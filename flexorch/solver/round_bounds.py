@@ -78,27 +78,15 @@ def round_fronts(w, lengths, finite, degrees, num_devices: int, tokens_per_devic
     deg_of, ms_of = chain_deg.tolist(), chain_ms.tolist()  # plain floats: the loop below indexes them 3^K times
     fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]] + [[] for _ in range(full - 1)]
     for mask in range(1, full):
-        low = mask & -mask
-        rest = mask ^ low
         cands: list[tuple[float, float]] = []
-        sub = rest
-        while True:  # the chain holding the lowest member: low | sub for every subset sub of the rest
-            chain = low | sub
+        for chain in _with_lowest(mask):  # the chain holding the lowest member, then the rest's partitions
             d = deg_of[chain]
             if d <= num_devices:
                 ms = ms_of[chain]
                 for used, longest in fronts[mask ^ chain]:
                     if used + d <= num_devices:
                         cands.append((used + d, longest if longest > ms else ms))
-            if sub == 0:
-                break
-            sub = (sub - 1) & rest
-        cands.sort()
-        front: list[tuple[float, float]] = []
-        for used, longest in cands:
-            if not front or longest < front[-1][1]:
-                front.append((used, longest))
-        fronts[mask] = front
+        fronts[mask] = _prune(sorted(cands))
     return fronts
 
 
@@ -108,16 +96,10 @@ def _round_pairs(k: int) -> list[tuple[np.ndarray, np.ndarray]]:
     lowest member (the round that member is in)."""
     layers: list[tuple[list[int], list[int]]] = [([], []) for _ in range(k + 1)]
     for mask in range(1, 1 << k):
-        low = mask & -mask
-        rest = mask ^ low
-        sub = rest
         masks, rs = layers[bin(mask).count("1")]
-        while True:
+        for r in _with_lowest(mask):
             masks.append(mask)
-            rs.append(low | sub)
-            if sub == 0:
-                break
-            sub = (sub - 1) & rest
+            rs.append(r)
     return [(np.array(m, dtype=np.int64), np.array(r, dtype=np.int64)) for m, r in layers[1:]]
 
 
@@ -137,9 +119,14 @@ def rounds_bound_ms(fronts: list, k: int) -> list[float]:
     docstring, rounds bound), from their :func:`round_fronts`."""
     if k == 0:
         return []
-    round_ms = np.array([f[-1][1] if f else np.inf for f in fronts])
-    best = best_rounds(round_ms)
+    _, best = _rounds_of(fronts)
     return [float(best[(1 << j) - 1]) for j in range(1, k + 1)]
+
+
+def _rounds_of(fronts: list) -> tuple[np.ndarray, np.ndarray]:
+    """(each subset's shortest round: its least longest chain; each subset's least sum of rounds)."""
+    round_ms = np.array([f[-1][1] if f else np.inf for f in fronts])
+    return round_ms, best_rounds(round_ms)
 
 
 def best_round_split(few, fronts) -> list[list[tuple[list[int], float, float]]]:
@@ -150,25 +137,15 @@ def best_round_split(few, fronts) -> list[list[tuple[list[int], float, float]]]:
     k = len(few)
     if k == 0:
         return []
-    round_ms = np.array([f[-1][1] if f else np.inf for f in fronts])
-    best = best_rounds(round_ms)
+    round_ms, best = _rounds_of(fronts)
     out = []
     for j in range(1, k + 1):
         mask, rounds = (1 << j) - 1, []
         if not np.isfinite(best[mask]):
             out.append([])
             continue
-        while mask:
-            low = mask & -mask
-            rest = mask ^ low
-            sub, pick = rest, None
-            while True:  # the round of the lowest member that attains best[mask]
-                r = low | sub
-                if pick is None and round_ms[r] + best[mask ^ r] <= best[mask] * (1 + 1e-12):
-                    pick = r
-                if sub == 0:
-                    break
-                sub = (sub - 1) & rest
+        while mask:  # the round of the lowest member that attains best[mask], then the rest's
+            pick = next(r for r in _with_lowest(mask) if round_ms[r] + best[mask ^ r] <= best[mask] * (1 + 1e-12))
             used, longest = fronts[pick][-1]
             rounds.append(([int(few[i]) for i in range(k) if pick >> i & 1], float(used), float(longest)))
             mask ^= pick
@@ -254,22 +231,26 @@ def _pareto_rounds(fronts: list, cost, j: int) -> dict[int, list]:
     options = [_prune(sorted((x, cost(m, used, x)) for used, x in fronts[m])) if m else [] for m in range(limit)]
     out: list[dict[int, list]] = [{0: [(0.0, 0.0)]}] + [{} for _ in range(limit - 1)]
     for mask in range(1, limit):
-        low = mask & -mask
-        rest = mask ^ low
-        sub = rest
         cands: dict[int, list] = {}
-        while True:
-            r = low | sub
+        for r in _with_lowest(mask):
             if options[r]:
                 for count, front in out[mask ^ r].items():
                     got = cands.setdefault(count + 1, [])
                     for x, c in options[r]:
                         got.extend((x + x2, c + c2) for x2, c2 in front)
-            if sub == 0:
-                break
-            sub = (sub - 1) & rest
         out[mask] = {count: _prune(sorted(pts)) for count, pts in cands.items()}
     return out[limit - 1]
+
+
+def _with_lowest(mask: int):
+    """Every subset of ``mask`` that holds its lowest member (the part that member is in), largest first."""
+    low = mask & -mask
+    rest = sub = mask ^ low
+    while True:
+        yield low | sub
+        if sub == 0:
+            return
+        sub = (sub - 1) & rest
 
 
 def _prune(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
