@@ -156,3 +156,17 @@ def test_plan_lengths_drop_zero_length_documents_with_a_message_and_name_bad_lin
     f.write_text("100\n0\n-5\n")
     code = main(["plan", "--lengths", str(f), "--workers", "8", "--steps", "1"])
     assert code == 2 and "line 3" in _one_line(capsys.readouterr().err)
+
+
+def test_python_dash_m_flexorch_exits_with_the_commands_status(corpus, tmp_path):
+    """`python -m flexorch` (what `ray job submit -- python -m flexorch ...` runs) returns the command's status: 0 on
+    success, 2 on an error, so a failed run is not reported as SUCCEEDED. A real process: nothing is patched."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "flexorch", "profiles"], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "gpt-7b-a100" in ok.stdout, ok.stderr
+    args = ["train", "--data", str(corpus), "--run-dir", str(tmp_path / "run"), "--resume"]
+    bad = subprocess.run([sys.executable, "-m", "flexorch", *args], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2, (bad.returncode, bad.stderr)
+    assert "no checkpoint" in _one_line(bad.stderr)

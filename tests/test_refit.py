@@ -10,8 +10,9 @@ import pytest
 
 from flexorch.config import ConfigError, PlanSettings
 from flexorch.solver.calibration import ComputeSample, GroupSample, predict_ms
+from flexorch.solver.cost_model import group_time_ms
 from flexorch.solver.profiles import get_profile
-from flexorch.solver.refit import GroupWindow, refit_times, samples_of_record
+from flexorch.solver.refit import GroupWindow, StepSample, refit_times, samples_of_record, step_of_record
 from tests.train_helpers import cpu_profile
 
 
@@ -101,11 +102,74 @@ def test_a_refit_that_predicts_no_better_is_rejected(profile):
     assert refit_times(profile, few)[1].refitted == ()
 
 
+def _hsdp_like_records(profile, n_steps=8, seed=0):
+    """Records of a run shaped like the 3-node HF run under hsdp where a kept refit mispredicted every step: each
+    micro-batch runs three short documents on workers 0-2 (degree 1, which really take half what the profile says)
+    and one long one on a Ulysses-4 group of all four workers that sets the micro-batch's length (the profile prices
+    it right; every such group holds the same tokens, so its collectives cannot be refitted)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n_steps):
+        mbs, times = [], []
+        for _ in range(2):
+            short = [(rng.randint(20, 300),) for _ in range(3)]
+            groups = [_group(1, "ulysses", list(s), [r]) for r, s in enumerate(short)]
+            groups.append(_group(4, "ulysses", [4000], [0, 1, 2, 3]))
+            t_short = [0.5 * group_time_ms(s, 1, "ulysses", profile) for s in short]
+            t_long = group_time_ms((4000,), 4, "ulysses", profile)
+            mbs.append(groups)
+            times.append((t_short, t_long))
+        # each group is timed by its slowest rank: rank 3 times the Ulysses group, ranks 0-2 their own groups
+        ranks = [{"micro_batch_ms": [ts[r] for ts, _ in times]} for r in range(3)]
+        ranks.append({"micro_batch_ms": [tl for _, tl in times]})
+        out.append(_record(ranks, mbs, compute_ms=sum(tl for _, tl in times)))
+    return out
+
+
+def test_a_refit_that_fits_the_groups_better_but_the_steps_worse_is_rejected(profile):
+    records = _hsdp_like_records(profile)
+    steps = [step_of_record(r) for r in records]
+    assert all(isinstance(s, StepSample) for s in steps)
+    assert [s.predict_ms(profile) for s in steps] == pytest.approx([s.ms for s in steps])  # the profile is right
+    groups_only, with_steps = GroupWindow(), GroupWindow()
+    for rec in records:  # the driver's replay: every record's groups, and its step
+        groups_only.add(samples_of_record(rec))
+        with_steps.add([*samples_of_record(rec), step_of_record(rec)])
+    # judged on groups alone (before issue 31), the halved compute terms win: most groups are short ones
+    refit, report = refit_times(profile, groups_only)
+    assert report.accepted and report.error_after < report.error_before and refit.b1_ms < profile.b1_ms
+    assert all(s.predict_ms(refit) < 0.8 * s.ms for s in steps)  # ... and every step is predicted too fast
+    # judged on the steps as well, it is rejected and the message says why
+    kept, report = refit_times(profile, with_steps)
+    assert not report.accepted and kept is profile
+    assert report.steps == len(records) and report.step_error_after > report.step_error_before + 0.2
+    assert report.error_after < report.error_before  # the groups did improve: the steps decided
+    msg = report.message(kept)
+    assert "rejected (steps predicted worse)" in msg and f"last {len(records)} steps" in msg, msg
+
+
+def test_a_refit_that_predicts_groups_and_steps_better_is_kept(profile):
+    truth = dataclasses.replace(profile, a1_ms=profile.a1_ms / 3, a2_ms=profile.a2_ms / 2, b1_ms=profile.b1_ms / 4)
+    samples = _synthetic(truth, 20)
+    window = GroupWindow()
+    window.add(samples)
+    # steps of two micro-batches, each a degree-1 group beside a Ulysses-2 group, measured as the truth predicts
+    for a, b, c, d in zip(samples[0::4], samples[1::4], samples[2::4], samples[3::4], strict=False):
+        mbs = tuple(((x.seq_lengths, 1, "ulysses"), (y.seq_lengths, y.degree, y.kind)) for x, y in ((a, b), (c, d)))
+        window.add([StepSample(mbs, ms=StepSample(mbs, 1.0).predict_ms(truth))])
+    new, report = refit_times(profile, window)
+    assert report.accepted and report.steps == 10 and report.step_error_after < 0.01 < report.step_error_before
+    assert "kept" in report.message(new)
+
+
 def test_the_window_keeps_the_most_recent_groups_of_each_type():
     w = GroupWindow(size=3)
     w.add([ComputeSample(seq_lengths=(i + 1,), ms=1.0) for i in range(5)])
     w.add([GroupSample(seq_lengths=(64,), degree=2, kind="ring", ms=2.0)])
     assert [c.seq_lengths for c in w.compute()] == [(3,), (4,), (5,)] and len(w) == 4
+    s = GroupWindow(steps=2)
+    s.add([StepSample(((((8,), 1, "ulysses"),),), ms=float(i + 1)) for i in range(3)])
+    assert [x.ms for x in s.copy().steps()] == [2.0, 3.0] and len(s) == 0
 
 
 def test_refit_settings():

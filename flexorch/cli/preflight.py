@@ -1,7 +1,8 @@
 """Checks of a training run that need no worker, run by ``flexorch train`` and ``flexorch profile`` before Ray starts.
 
 Everything that can be wrong without a worker is found here, within seconds of the command, with what was wrong and
-what to do: the configuration itself (already checked when it was built: ``flexorch.config``), the data source
+what to do: the versions of the packages the run's optional parts need (``flexorch.config.requirements``), the
+configuration itself (already checked when it was built: ``flexorch.config``), the data source
 (exists, readable, holds at least one document: ``flexorch.data.source_check.check_source``, plain file reads), a local
 tokenizer directory, the checkpoint a ``--resume`` continues from (present, every file matching its manifest, written
 for this model: ``flexorch.control.checkpoint.check_resume``), and a fixed cost-model profile (readable, and
@@ -21,8 +22,10 @@ __all__ = ["preflight"]
 def preflight(cfg: TrainConfig) -> list[str]:
     """Raise ``ConfigError``, ``DataError`` or ``ProfileError`` (all ValueErrors: the CLI prints them and exits 2)
     for the first problem found; returns lines worth telling the user (e.g. the checkpoint ``--resume`` takes)."""
+    from flexorch.config.requirements import check_requirements
     from flexorch.data.source_check import check_source
 
+    check_requirements(cfg)
     notes: list[str] = []
     check_source(cfg.data)
     spec = cfg.data.tokenizer

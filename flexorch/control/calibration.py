@@ -142,10 +142,14 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
             )
         )
         group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m)))
-    if not any(c.kind == "ulysses" for c in comm_samples):  # one worker or ring only: a2a table needs an entry
+    placeholder = not any(c.kind == "ulysses" for c in comm_samples)
+    if placeholder:  # one worker or ring only: a2a table needs an entry
         comm_samples += _A2A_PLACEHOLDER
     name = f"calibrated-{model.num_layers}x{model.dim}-{group.size}w"
     profile, fit = fit_profile(name, **dims, compute_samples=comp_samples, comm_samples=comm_samples)
+    notes = fit.notes
+    if placeholder:  # what the fit says of the placeholder's Ulysses entry is about groups this run cannot form
+        notes = tuple(n for n in notes if not n.startswith("ulysses-"))
     group_fit = {}
     for kind, d in sorted({(p.kind, p.degree) for p in groups}):  # match the cost model's own group formula
         profile, err = fit_group_comm(profile, group_samples, kind, d)
@@ -168,8 +172,8 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         f"{len(errors)} probes: median {100 * report['median_rel_error']:.1f} %, max "
         f"{100 * report['max_rel_error']:.1f} %"
     )
-    if fit.notes:
-        report["message"] += "".join(f"\nwarning: {n}" for n in fit.notes)
+    if notes:
+        report["message"] += "".join(f"\nwarning: {n}" for n in notes)
     return profile, report
 
 

@@ -38,7 +38,7 @@ from flexorch.data.stream import DocumentStream
 from flexorch.records.metrics import RunMetrics
 from flexorch.records.writer import StepRecords, skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
-from flexorch.solver.refit import GroupWindow, refit_times, samples_of_record
+from flexorch.solver.refit import GroupWindow, refit_times, samples_of_record, step_of_record
 from flexorch.solver.step_planner import PlannedStep
 from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
 from flexorch.tasks.placement import PartsLostError
@@ -258,7 +258,8 @@ class TrainingDriver:
         self.settle_refit(wait=False)
         if self._groups_warm and not record["recoveries"]:
             # the first step on a new world (after setup, a shrink or a grow) warms up: process groups, allocator
-            self._groups.add(samples_of_record(record))
+            step = step_of_record(record)
+            self._groups.add([*samples_of_record(record), *([step] if step is not None else [])])
         self._groups_warm = True
         if (self.step_no + 1) % self.cfg.plan.refit_every or self._refitting is not None:
             return

@@ -146,11 +146,18 @@ class HFDecoder(nn.Module):
         return self
 
     def set_recompute(self, mode: str) -> None:
-        """'none', or 'full': Transformers' own gradient checkpointing of each decoder layer (non-reentrant)."""
+        """'none', or 'full': Transformers' own gradient checkpointing of each decoder layer (non-reentrant).
+
+        Transformers 5.24 named it ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` stays as a
+        deprecated alias until v6); 5.17 has only the older name, so the name present is used."""
+        m = self.model
         if mode == "full":
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            if hasattr(m, "activation_checkpointing_enable"):
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif mode == "none":
-            self.model.activation_checkpointing_disable()
+            (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()
         else:
             raise ValueError(f"activation checkpointing of a Hugging Face model is 'none' or 'full', got {mode!r}")
 

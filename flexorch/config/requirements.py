@@ -1,0 +1,80 @@
+"""The package versions a run's optional parts need, checked from the installed metadata before Ray starts.
+
+A run that needs a package flexorch does not install by default (Transformers for ``[model] hf``, tokenizers for
+a Hugging Face or trained BPE tokenizer) or a feature of a newer torch (FSDP2 for ``[sharding] mode = "fsdp"`` /
+``"hsdp"``) fails here, with the package, the version installed and the version needed, instead of deep inside
+the first world a worker forms. Only ``importlib.metadata`` is read: nothing is imported, so the check costs
+milliseconds and works where the package itself would fail to import.
+
+The minima are the oldest versions the suite has passed with: Transformers 5.17 (the HF model and tokenizer tests,
+activation checkpointing included; 5.24 is the ``hf`` extra's pin), torch 2.11 (the data plane and a sharded step
+on a lent GPU image; ``flexorch.workers.fsdp`` carries its fallback for a hook 2.13 added).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+
+from flexorch.config.errors import ConfigError
+
+__all__ = ["Requirement", "requirements_of", "check_requirements", "version_tuple"]
+
+
+@dataclass(frozen=True)
+class Requirement:
+    package: str
+    """The distribution's name on PyPI."""
+    minimum: str
+    """The oldest version flexorch has run this part with."""
+    needed_by: str
+    """The setting that needs it, as the run file spells it."""
+    install: str
+    """What to run to get it."""
+
+
+_HF_INSTALL = "pip install 'flexorch[hf]' (or pip install -e '.[hf]' in a checkout)"
+
+
+def requirements_of(cfg) -> list[Requirement]:
+    """What the run ``cfg`` (a ``TrainConfig``) needs beyond flexorch's required dependencies."""
+    reqs = [Requirement("torch", "2.11", "flexorch", "pip install 'torch>=2.11'")]
+    if cfg.model.hf:
+        reqs.append(Requirement("transformers", "5.17", f"[model] hf = {cfg.model.hf!r}", _HF_INSTALL))
+    tok = cfg.data.tokenizer
+    if tok.startswith(("hf:", "bpe:")) or (cfg.model.hf and tok == "auto"):
+        reqs.append(Requirement("tokenizers", "0.23", f"[data] tokenizer = {tok!r}", _HF_INSTALL))
+    mode, _ = cfg.sharding.resolved(cfg.use_gpu)
+    if mode in ("fsdp", "hsdp"):
+        reqs.append(Requirement("torch", "2.11", f"[sharding] mode = {mode!r} (FSDP2)", "pip install 'torch>=2.11'"))
+    return reqs
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``'2.13.0+cpu'`` -> ``(2, 13, 0)``: the leading release numbers (a pre-release counts as its release)."""
+    m = re.match(r"\d+(\.\d+)*", version.strip())
+    if not m:
+        raise ValueError(f"not a version: {version!r}")
+    return tuple(int(x) for x in m.group(0).split("."))
+
+
+def check_requirements(cfg, installed: Callable[[str], str] | None = None) -> None:
+    """Raise ``ConfigError`` naming the first requirement of ``cfg`` that is missing or too old.
+
+    ``installed`` maps a distribution name to its version (``importlib.metadata.version``, raising
+    ``PackageNotFoundError`` when it is absent); tests pass another environment's versions."""
+    installed = installed or metadata.version
+    for req in requirements_of(cfg):
+        try:
+            have = installed(req.package)
+        except metadata.PackageNotFoundError:
+            raise ConfigError(
+                f"{req.needed_by} needs {req.package} >= {req.minimum}, which is not installed: {req.install}"
+            ) from None
+        if version_tuple(have) < version_tuple(req.minimum):
+            raise ConfigError(
+                f"{req.needed_by} needs {req.package} >= {req.minimum}; this environment has {req.package} {have}. "
+                f"Upgrade it: pip install -U '{req.package}>={req.minimum}'"
+            )
