@@ -109,7 +109,7 @@ def test_a_failing_row_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch)
     def broken(ctx):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr(gc, "train_steps", broken)
+    monkeypatch.setattr("gpu_rows.train_step.train_steps", broken)  # importable once gpu_check is loaded
     assert gc.main(["--dry", "--only", "d", "--out", str(tmp_path)]) == 1  # a failed row: exit code 1
     rows = {r["key"]: r for r in json.loads((tmp_path / "table.json").read_text())["rows"]}
     assert (rows["d.step"]["status"], rows["d.step"]["reason"]) == ("failed", "RuntimeError: CUDA out of memory")
