@@ -8,7 +8,9 @@
   the next plan, bound its wait and fall back to a heuristic plan.
 * :mod:`~flexorch.control.membership`: the elastic policy, pure (decisions are values).
 * :mod:`~flexorch.control.elastic`: the executor of those decisions against a worker group.
-* :mod:`~flexorch.control.worker_group`: the Ray worker actors as one group (start, form worlds, run, settle).
+* :mod:`~flexorch.control.worker_group`: the Ray worker actors as one group (start, form worlds, run, settle);
+  :mod:`~flexorch.control.worker_start` watches them start (phases, CPU use, why a start failed).
+* :mod:`~flexorch.control.fallback_watch`: the run's warning when many steps go without the planner's plan.
 * :mod:`~flexorch.control.checkpoint` and :mod:`~flexorch.control.calibration`: checkpoints on disk, the cost
   model calibrated on the workers.
 """

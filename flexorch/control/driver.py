@@ -9,11 +9,15 @@ due. :meth:`TrainingDriver.step` is one transition, returned as a value (``contr
 :meth:`run` loops it and publishes progress events the CLI polls. Workers and planner come through two seams, a
 ``control.group.WorkerGroup`` (default ``RayWorkerGroup``) and a planner client factory (default
 ``RayPlannerClient``): tests step the real driver without Ray on an in-process fake group and ``LocalPlannerClient``.
+
+One concept, kept whole: the driver is the one place that executes decisions (plans, recoveries, roll-backs, refits)
+on the run's state (step, stream position, records, checkpoints), so setup, the step transition and the loop share
+that state here; what decides lives beside it (``control.membership``, ``control.elastic``, ``control.planner_client``,
+``control.fallback_watch``, ``solver.refit``).
 """
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import dataclasses
 import json
@@ -26,6 +30,7 @@ from flexorch.config import ConfigError, TrainConfig, config_from_dict
 from flexorch.control.calibration import model_state_fields, run_profile
 from flexorch.control.checkpoint import RunCheckpoints, load_checkpoint
 from flexorch.control.elastic import Elastic, ElasticError
+from flexorch.control.fallback_watch import FallbackWatch
 from flexorch.control.group import WorkerGroup
 from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
@@ -45,11 +50,6 @@ from flexorch.tasks.placement import PartsLostError
 from flexorch.tasks.step import step_tasks
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
-
-FALLBACK_WINDOW = 20
-"""The recent steps the fallback warning looks at: more than a tenth of them without the planner's plan (at least
-:data:`FALLBACK_MIN_STEPS` seen) and the run says so, once."""
-FALLBACK_MIN_STEPS = 10
 
 
 class TrainingDriver:
@@ -90,8 +90,7 @@ class TrainingDriver:
         self.planner = None
         self._stop_reason: str | None = None  # set by request_stop: the loop ends after the step in flight
         self._closing = False  # shutdown() came while run() was still going: its failures are not the run's
-        self._fallbacks: collections.deque = collections.deque(maxlen=FALLBACK_WINDOW)
-        self._fallback_warned = False
+        self._fallbacks = FallbackWatch(self._publish)  # warns once when many recent steps fell back
         self._checkpointed_at: int | None = None  # the step of the newest checkpoint this run has on disk
         self._last_checkpoint: str | None = None
 
@@ -354,7 +353,7 @@ class TrainingDriver:
         """Write the record (as the file has it: schema and time added), export metrics, checkpoint, report."""
         record = self.records.append(record)
         self.metrics.on_step(record, plan, self.profile)
-        self._watch_fallbacks(record)
+        self._fallbacks.watch(record)
         for rec in record["recoveries"]:
             self.metrics.on_recovery(rec)
         self._step_wall.append(time.perf_counter() - t_start)
@@ -364,32 +363,6 @@ class TrainingDriver:
         recent = self._step_wall[-10:]
         self._publish({"event": "step", **record, "eta_s": remaining * sum(recent) / len(recent)})
         return record
-
-    def _watch_fallbacks(self, record: dict) -> None:
-        """Say once, loudly, when more than a tenth of the recent steps did not get the planner's plan."""
-        self._fallbacks.append((record.get("fallback") or {}).get("reason"))
-        seen = [r for r in self._fallbacks if r is not None]
-        if self._fallback_warned or len(self._fallbacks) < FALLBACK_MIN_STEPS or len(seen) * 10 <= len(self._fallbacks):
-            return
-        self._fallback_warned = True
-        counts = collections.Counter(seen)
-        why = ", ".join(f"{k} {v}" for k, v in counts.most_common())
-        todo = {
-            "timeout": "give the planner more time (plan.time_limit_s, plan.timeout_s) or the driver's node more "
-            "idle CPU (a busy head node starves it)",
-            "crash": "try the other MILP backend (plan.solver = 'highs' or 'cbc') and report the crash",
-            "error": "this is a bug: report it with the step records (steps.jsonl)",
-            "infeasible": "lower data.max_context or raise plan.tokens_per_worker so every batch fits",
-        }
-        advice = "; ".join(todo[k] for k in counts)
-        self._publish(
-            {
-                "event": "planner",
-                "message": f"WARNING: {len(seen)} of the last {len(self._fallbacks)} steps ran without the planner's "
-                f"plan ({why}): the run is slower than planned. What to do: {advice}. Each step's record says why "
-                "(steps.jsonl 'fallback'; metric flexorch_plan_fallbacks_total by reason).",
-            }
-        )
 
     # ---------------------------------------------------------------- checkpoints, loop, events
     def request_stop(self, reason: str) -> None:

@@ -10,18 +10,14 @@ old store closes its connections, so workers stuck in an abandoned rendezvous fa
 Failure` (lost, peer errors, deterministic errors, completed) instead of failing on the first error: the elastic
 driver needs to know who survived and in which state.
 
-Starting workers on a slow machine: a worker is waited for while it makes progress, not for a fixed time. Ray's actor
-table (GCS) says whether each one is pending a slot (no process yet), loading (its process runs the constructor:
-imports, building the model; on this node its CPU time shows it working) or dead (with its own error); the group
-gives up only when nothing changed for ``placement_timeout_s``, when a start failed, or at once when the cluster
-has fewer slots than needed. Setup waits publish ``{"event": "progress", "message": ...}`` events.
+Starting workers on a slow machine (``control.worker_start``): a worker is waited for while it makes progress, not for
+a fixed time; the group gives up only when nothing changed for ``placement_timeout_s``, when a start failed, or at
+once when the cluster has fewer slots than needed. Setup waits publish ``{"event": "progress", "message": ...}`` events.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
 import time
 
 import ray
@@ -29,18 +25,12 @@ import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
 from flexorch.control.membership import Failure, Membership
+from flexorch.control.worker_start import WorkerStarter
 from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_parts, transfers
 from flexorch.workers.actor import PeerLostError, WorkerActor
 
 ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
 PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
-BUSY_CPU_SHARE = 0.01
-"""A starting worker process using at least this share of a core is working. Measured on 2026-11-25 (2 cores): a
-constructor blocked in a sleep used 0.25 % (Ray's own threads), while constructors importing torch beside one CPU
-hog per core got only 3-4 % (1.0 s to 2.7 s of CPU in 60 s): a 5 % threshold gave those up as hung."""
-CPU_WINDOW_S = 5.0
-"""The CPU share is measured over this long (at most a third of the no-progress limit): 1 % of 5 s is five clock
-ticks, an idle process gets about one."""
 
 __all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
 
@@ -67,48 +57,6 @@ def _no_publish(event: dict) -> None:
     """The default ``publish``: progress goes nowhere."""
 
 
-def _actor_table_row(actor) -> dict:
-    """The GCS actor-table row of ``actor`` (``State``, ``Pid``, ``Address``); {} when it cannot be read.
-
-    ``ray.util.state`` needs the dashboard, which flexorch's local Ray runs without, so this reads the table Ray's
-    own state code reads (one GCS lookup, well under a millisecond)."""
-    try:
-        from ray._private import state
-
-        return state.actors(actor._actor_id.hex()) or {}
-    except Exception:  # noqa: BLE001 - a private API that may move: then the phase is just "starting"
-        return {}
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds of a process on this node (None: gone, or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _start_error(e: ray.exceptions.RayError) -> str:
-    """A failed worker start in one line: the constructor's own exception (e.g. an ImportError), else Ray's reason."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", getattr(e, "error_msg", None) or str(e)).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    if not lines:
-        return type(e).__name__
-    return (lines[-1] if getattr(e, "actor_init_failed", False) else lines[0])[:500]
-
-
-@dataclasses.dataclass
-class _Seen:
-    """What was last seen of a starting worker: its phase (``key``, ``text``) and a CPU-time baseline."""
-
-    key: tuple
-    text: str
-    cpu: float | None
-    cpu_t: float
-
-
 class RayWorkerGroup:
     """Worker actors keyed by stable worker id; ``actors`` lists the members in rank order."""
 
@@ -131,9 +79,7 @@ class RayWorkerGroup:
         publish=None,
     ):
         self.timeout_s = collective_timeout_s
-        self.placement_timeout_s = placement_timeout_s
-        """How long starting workers may go without any progress (nothing became ready, no phase changed, no CPU
-        used by a loading process on this node) before the ones still starting are given up."""
+        self._starts = WorkerStarter(use_gpu=use_gpu, placement_timeout_s=placement_timeout_s)
         self._publish = publish or _no_publish
         self.use_gpu = use_gpu
         self._args = (model_cfg, optim_cfg, seed, threads, sharding, use_gpu)  # Worker.__init__ after worker_id
@@ -148,21 +94,14 @@ class RayWorkerGroup:
         """Model parts each member holds (``flexorch.tasks.placement``; None: the whole model)."""
         self.membership = Membership()
         self._actors: dict[int, ray.actor.ActorHandle] = {}
-        self.joining: dict[int, tuple] = {}  # worker id -> (actor, ready ref, start time)
         self.host = ray.util.get_node_ip_address()
         self.store: dist.TCPStore | None = None
-        self._node = ray.get_runtime_context().get_node_id()
-        self._seen: dict[int, _Seen] = {}
-        self._progress_t = time.monotonic()  # the last time anything about the starting workers changed
-        self.start_failures: dict[int, tuple[str, str]] = {}
-        """Workers given up while starting: worker id -> (kind, why): "error" (their own error), "slot" (no slot
-        came free) or "stalled" (what was last seen of them)."""
         self._worlds = 0
         need = num_workers if min_workers is None else min_workers
         self._check_capacity(need)
         # no more than the cluster holds (a job on a smaller cluster starts with what fits; the elastic policy grows
         # it up to max_workers when nodes join); slots other jobs hold are waited for while anything progresses
-        self.start_workers(max(need, min(num_workers, self._total_slots())))
+        self.start_workers(max(need, min(num_workers, self._starts.total_slots())))
         self._await_start(need)
 
     def _await_start(self, need: int) -> None:
@@ -170,61 +109,22 @@ class RayWorkerGroup:
         t0 = time.monotonic()
         started = len(self.joining)
         last, last_t = None, t0
-        self._publish({"event": "progress", "message": f"starting workers: {self._start_summary(started, 0.0)}"})
+        msg = f"starting workers: {self._starts.summary(self.size, started, 0.0)}"
+        self._publish({"event": "progress", "message": msg})
         while self.joining and self.size + len(self.joining) >= need:
             self.admit(self.ready_joiners(wait_s=1.0))
             now = time.monotonic()
             changed = (self.size, len(self.joining), len(self.start_failures))
             if self.joining and (changed != last or now - last_t >= PROGRESS_EVERY_S):
-                msg = f"starting workers: {self._start_summary(started, now - t0)}"
+                msg = f"starting workers: {self._starts.summary(self.size, started, now - t0)}"
                 self._publish({"event": "progress", "message": msg})
                 last, last_t = changed, now
         if self.size < need:
-            msg = self._start_failure_message(started, need, time.monotonic() - t0)
+            msg = self._starts.failure_message(self.size, started, need, time.monotonic() - t0)
             self.shutdown()
             raise WorkerGroupError(msg)
         msg = f"starting workers: {self.size} of {started} ready after {time.monotonic() - t0:.0f} s"
         self._publish({"event": "progress", "message": msg})
-
-    def _start_summary(self, started: int, elapsed: float) -> str:
-        """E.g. '2 of 4 ready after 35 s (2 still starting: worker 2 loading (pid 812, 9.5 s CPU), worker 3
-        pending a CPU slot (none free))'."""
-        out = f"{self.size} of {started} ready after {elapsed:.0f} s"
-        if self.joining:
-            what = ", ".join(f"worker {w} {self._phase(w)}" for w in self.joining)
-            out += f" ({len(self.joining)} still starting: {what})"
-        if self.start_failures:
-            out += "; " + "; ".join(f"worker {w} {why}" for w, (_, why) in sorted(self.start_failures.items()))
-        return out
-
-    def _phase(self, wid: int) -> str:
-        return self._seen[wid].text if wid in self._seen else "starting"
-
-    def _start_failure_message(self, started: int, need: int, elapsed: float) -> str:
-        """Why fewer than ``need`` workers started, and what to do about it."""
-        key, total, free = self._slot_numbers()
-        head = f"only {self.size} of {started} workers started after {elapsed:.0f} s (at least {need} needed): "
-        reasons = "; ".join(f"worker {w} {why}" for w, (_, why) in sorted(self.start_failures.items()))
-        kinds = {kind for kind, _ in self.start_failures.values()}
-        if "error" in kinds:
-            return (
-                f"{head}{reasons}. The worker processes could not be created: fix that error (the workers' Python "
-                "environment, the model config) and run again"
-            )
-        if "slot" in kinds:
-            return (
-                f"{head}{reasons}. The cluster has {total:g} {key} slots, {free:g} free (other actors or tasks hold "
-                f"the rest); {need} are needed: lower `workers`/`min_workers`, free the slots, or add nodes or slots "
-                "(e.g. `ray start --num-cpus N`)"
-            )
-        return (
-            f"{head}{reasons}. Nothing progressed for {self.placement_timeout_s:g} s: look at the workers' logs "
-            "(/tmp/ray/session_latest/logs/worker-*.err) for why they hang"
-        )
-
-    def _slot_numbers(self) -> tuple[str, float, float]:
-        key = "GPU" if self.use_gpu else "CPU"
-        return key, ray.cluster_resources().get(key, 0.0), ray.available_resources().get(key, 0.0)
 
     @classmethod
     def from_config(cls, cfg, publish=None) -> RayWorkerGroup:
@@ -267,103 +167,44 @@ class RayWorkerGroup:
     def actor(self, worker_id: int):
         return self._actors[worker_id]
 
-    def _total_slots(self) -> int:
-        return int(ray.cluster_resources().get("GPU" if self.use_gpu else "CPU", 0))
-
     def _check_capacity(self, need: int) -> None:
         key = "GPU" if self.use_gpu else "CPU"
-        total = self._total_slots()
+        total = self._starts.total_slots()
         if total < need:
             raise WorkerGroupError(
                 f"the Ray cluster has {total:g} {key} slots, the run needs at least {need} workers of 1 {key} each; "
                 "lower `workers`/`min_workers`, or add nodes or slots (e.g. `ray start --num-cpus N`)"
             )
 
+    @property
+    def joining(self) -> dict[int, tuple]:
+        """Workers started and not yet members: worker id -> (actor, ready ref, start time)."""
+        return self._starts.joining
+
+    @property
+    def start_failures(self) -> dict[int, tuple[str, str]]:
+        """Workers given up while starting: worker id -> (kind, why) (``WorkerStarter.start_failures``)."""
+        return self._starts.start_failures
+
     def free_slots(self) -> int:
         """Unclaimed device slots in the cluster now (a joined node shows up here)."""
-        return int(ray.available_resources().get("GPU" if self.use_gpu else "CPU", 0))
+        return self._starts.free_slots()
 
     def start_workers(self, count: int) -> list[int]:
         """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
         ids = self.membership.new_ids(count)
-        for wid in ids:
-            actor = self.worker_class.options(
-                num_cpus=1, num_gpus=1 if self.use_gpu else 0, name=None, max_restarts=0
-            ).remote(wid, *self._args)
-            self.joining[wid] = (actor, actor.info.remote(), time.monotonic())
-        self._progress_t = time.monotonic()
+        self._starts.start(self.worker_class, ids, self._args)
         return ids
 
     def ready_joiners(self, wait_s: float = 0.0) -> list[int]:
         """Joining workers whose actor is up. Drops joiners that failed to start (their error goes to
         :attr:`start_failures`) and, once no joiner progressed for ``placement_timeout_s``, those still starting."""
-        if not self.joining:
-            return []
-        by_ref = {j[1]: wid for wid, j in self.joining.items()}
-        ready, _ = ray.wait(list(by_ref), num_returns=len(by_ref), timeout=wait_s)
-        out = []
-        now = time.monotonic()
-        for ref in ready:
-            wid = by_ref[ref]
-            self._progress_t = now
-            self._seen.pop(wid, None)
-            try:
-                ray.get(ref)
-                out.append(wid)
-            except ray.exceptions.RayError as e:
-                self.joining.pop(wid)
-                self.start_failures[wid] = ("error", f"failed to start: {_start_error(e)}")
-        waiting = [w for w in self.joining if w not in out]
-        free = self.free_slots() if waiting else 0
-        for wid in waiting:
-            self._observe(wid, free, now)
-        if waiting and now - self._progress_t > self.placement_timeout_s:
-            for wid in waiting:
-                seen = self._seen.pop(wid, None)
-                last = seen.text if seen else "starting"
-                t = self.placement_timeout_s
-                self.start_failures[wid] = ("stalled", f"made no progress for {t:g} s (last seen: {last})")
-                if seen and seen.key == ("pending", False):
-                    self.start_failures[wid] = ("slot", f"waited {t:g} s for a {'GPU' if self.use_gpu else 'CPU'} slot")
-                ray.kill(self.joining.pop(wid)[0], no_restart=True)
-        return sorted(out)
-
-    def _observe(self, wid: int, free: int, now: float) -> None:
-        """Look at a starting worker in Ray's actor table; anything new about it counts as progress."""
-        row = _actor_table_row(self.joining[wid][0])
-        state, pid = row.get("State"), int(row.get("Pid") or 0)
-        cpu = None
-        if state == "PENDING_CREATION" and pid:
-            local = row.get("Address", {}).get("NodeID") == self._node
-            cpu = _cpu_seconds(pid) if local else None
-            key, text = ("loading", pid), f"loading (pid {pid}" + (f", {cpu:.1f} s CPU)" if cpu is not None else ")")
-            if not local:
-                text = f"loading (pid {pid} on node {row.get('Address', {}).get('NodeID', '?')[:8]})"
-        elif state == "PENDING_CREATION":
-            key = ("pending", free > 0)
-            kind = "GPU" if self.use_gpu else "CPU"
-            text = f"pending a {kind} slot (none free)" if free <= 0 else "waiting for a worker process"
-        elif state == "DEPENDENCIES_UNREADY":
-            key, text = ("registering",), "being registered"
-        else:  # ALIVE (ready in a moment), DEAD (its error comes with the ready ref), or not readable
-            key, text = (state or "unknown",), "starting" if state is None else state.lower()
-        prev = self._seen.get(wid)
-        seen = _Seen(key, text, cpu, now)
-        if prev is None or prev.key != key:
-            self._progress_t = now
-        elif cpu is not None and prev.cpu is not None:
-            # keep the baseline: a small CPU share needs seconds to measure (well inside the no-progress limit)
-            if now - prev.cpu_t < min(CPU_WINDOW_S, self.placement_timeout_s / 3):
-                seen.cpu, seen.cpu_t = prev.cpu, prev.cpu_t
-            elif cpu - prev.cpu >= BUSY_CPU_SHARE * (now - prev.cpu_t):
-                self._progress_t = now
-        self._seen[wid] = seen
+        return self._starts.ready(wait_s)
 
     def admit(self, worker_ids) -> None:
         """Make ready joiners members (the next :meth:`form_world` gives them ranks)."""
         for wid in worker_ids:
-            self._seen.pop(wid, None)
-            self._actors[wid] = self.joining.pop(wid)[0]
+            self._actors[wid] = self._starts.take(wid)
             self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
         self.membership.add(worker_ids)
 

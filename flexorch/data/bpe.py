@@ -27,7 +27,7 @@ from pathlib import Path
 
 from flexorch.config.data import CorpusConfig, bpe_vocab
 from flexorch.data.lengths import DataError
-from flexorch.data.readers import list_source
+from flexorch.data.listing import list_source
 
 __all__ = ["SAMPLE_BYTES", "TOKENIZER_DIR", "prepare_tokenizer", "sample_documents", "train_bpe"]
 

@@ -1,46 +1,39 @@
 """Building a corpus: source files -> int32 token blocks in the Ray object store -> the driver's document index.
 
-`flexorch.data.corpus.load_corpus` runs four steps: `list_source` (which files, which format; we list directories
-ourselves because Ray Data's expansion skips names starting with "." or "_", such as `__init__.py`, and we count
-what the listing leaves out), `read_source` (Ray Data reads the records with their paths into Arrow blocks,
-`preserve_order` so a file's records arrive in file order), `pack_blocks` (one streaming Ray task per Arrow block
-tokenizes, splits and packs the documents into `int32` arrays of about `block_tokens` tokens, then yields a small
-metadata dict; the driver owns the blocks but `ray.get`s only the metadata) and `assemble_index` (document ids by
-sorting on (path, record, piece), independent of Ray Data's parallel order, plus the skip counts).
+`flexorch.data.corpus.load_corpus` runs four steps: `list_source` (which files, which format:
+`flexorch.data.listing`, re-exported here), `read_source` (Ray Data reads the records with their paths into Arrow
+blocks, `preserve_order` so a file's records arrive in file order), `pack_blocks` (one streaming Ray task per Arrow
+block tokenizes, splits and packs the documents into `int32` arrays of about `block_tokens` tokens, then yields a
+small metadata dict; the driver owns the blocks but `ray.get`s only the metadata) and `assemble_index` (document ids
+by sorting on (path, record, piece), independent of Ray Data's parallel order, plus the skip counts).
 
-JSONL is read as whole files (`read_binary_files`, one row per file) and split into lines in `_pack_block`: Ray
-Data's JSON reader refuses a whole file for one malformed line and cannot say which line. Each non-blank line is
-one record; a malformed one (not valid JSON, not an object, a non-string text field) stops the load with a
-DataError naming the file and line (`on_bad_record = "error"`, the default) or is skipped and counted as
-`bad_records` (`"skip"`). A null or missing text field is `skipped_no_text`, governed by `bad_files` as before.
-
-The pre-flight check of a source without Ray (`flexorch.data.source_check.check_source`) reuses the listing and the
-line parser from here.
+JSONL is read as whole files (`read_binary_files`, one row per file) and split into records in `_pack_block` by
+`flexorch.data.source_records`, which parses each line and names a malformed one (file and line). A null or
+missing text field is `skipped_no_text`, governed by `bad_files` as before.
 
 Quiet reads: corpora are loaded inside Ray actors and by `flexorch train`, where Ray Data's execution banners,
 progress bars/logs and stats dumps are noise. `read_source` runs under a copy of the current `DataContext` with
 those off and holds the `ray.data` loggers at WARNING (so DEBUG/INFO records do not reach Ray Data's session log
 file either); the previous context and levels come back when the read returns or fails.
 
-Why one module of ~470 lines: the four steps share the listing's record layout and the skip counters, and each is
-read against the next; splitting them would spread one pipeline over files that all import each other's types.
+Why one module for reading, packing and indexing: the packing tasks and the index share the record layout and the
+status codes (`_OK` ... `_BAD`, the skip counters), and each is read against the other.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import sysconfig
-from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from flexorch.data.lengths import DataError
+from flexorch.data.listing import Listing, list_source
+from flexorch.data.source_records import bad_record_error, block_records, check_parquet_field, is_utf8
 from flexorch.data.tokenizer import get_tokenizer
 
 if TYPE_CHECKING:
@@ -55,74 +48,12 @@ __all__ = [
     "quiet_ray_data",
 ]
 
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
 _OK, _SPLIT, _BINARY, _EMPTY, _OVER_LONG, _REJECT, _NO_TEXT, _BAD = range(8)
 _REASONS = {_BINARY: "skipped_binary", _EMPTY: "skipped_empty", _NO_TEXT: "skipped_no_text", _BAD: "bad_records"}
 _REASONS |= {_OVER_LONG: "dropped_over_long", _SPLIT: "split_docs"}
 # Logger -> the least level it is held at during a read. Turning progress bars off makes Ray Data warn once per
 # process that they are off (a WARNING from its progress module), hence ERROR there.
 _QUIET_LOGGERS = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
-
-
-class Listing(NamedTuple):
-    """What `list_source` found: the absolute `source`, the directory `base` the keys are relative to, the `files`
-    to read as `fmt` ('text', 'jsonl' or 'parquet'), and counts of the names it left out."""
-
-    source: str
-    base: str
-    files: list[str]
-    fmt: str
-    skipped_hidden: int
-    skipped_extension: int
-
-
-def list_source(cfg: CorpusConfig) -> Listing:
-    """The files of `cfg.source` to read, their format, and counts of the names left out."""
-    exclude, exts = set(), cfg.extensions
-    if cfg.source is None:  # the embedded default: the stdlib's own .py files
-        root, exclude, exts = sysconfig.get_paths()["stdlib"], {"site-packages", "dist-packages"}, exts or (".py",)
-    root = Path(os.path.abspath(Path(cfg.source or root).expanduser()))
-    if not root.exists():
-        raise DataError(f"{root} does not exist (give a directory of text files, a JSONL file or a Parquet file)")
-    if root.is_file():
-        if root.stat().st_size == 0:
-            raise DataError(f"{root} is empty (0 bytes): no documents to read; point source at your data")
-        fmt = cfg.format if cfg.format != "auto" else _sniff(root)
-        return Listing(str(root), str(root.parent), [str(root)], fmt, 0, 0)
-    files, hidden = [], 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        hidden += sum(n.startswith(".") for n in dirnames + filenames)
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in exclude)
-        files += [os.path.join(dirpath, f) for f in filenames if not f.startswith(".")]
-    files = sorted(f for f in files if os.path.isfile(f))
-    suffix = {f: Path(f).suffix.lower() for f in files}
-    fmt = cfg.format
-    if fmt == "auto":
-        seen = {x for x in suffix.values() if exts is None or x in exts}
-        fmt = "jsonl" if seen and seen <= set(JSONL_SUFFIXES) else "parquet" if seen == {".parquet"} else "text"
-    if exts is None and fmt != "text":
-        exts = (*JSONL_SUFFIXES, ".json") if fmt == "jsonl" else (".parquet",)
-    chosen = [f for f in files if exts is None or suffix[f] in exts]
-    if not chosen:
-        what = f"no files with suffix {', '.join(exts)}" if exts else "no (non-hidden) files"
-        raise DataError(f"{root} has {what} ({len(files)} other files); point source at your data or set extensions")
-    return Listing(str(root), str(root), chosen, fmt, hidden, len(files) - len(chosen))
-
-
-def _sniff(path: Path) -> str:
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES or suffix == ".parquet":
-        return "parquet" if suffix == ".parquet" else "jsonl"
-    with path.open("rb") as f:
-        head = f.read(1 << 16)
-    if head.startswith(b"PAR1"):
-        return "parquet"
-    if suffix == ".json":
-        try:
-            return "jsonl" if isinstance(json.loads(head.split(b"\n", 1)[0]), dict) else "text"
-        except ValueError:
-            return "text"
-    return "text"
 
 
 @contextlib.contextmanager
@@ -157,7 +88,7 @@ def read_source(listing: Listing, cfg: CorpusConfig) -> list[ray.ObjectRef]:
     files, fmt = listing.files, listing.fmt
     n_blocks = int(min(max(1, -(-sum(map(os.path.getsize, files)) // cfg.block_tokens)), 10_000))
     if fmt == "parquet":
-        _check_parquet_field(files, cfg.text_field)
+        check_parquet_field(files, cfg.text_field)
     try:
         with quiet_ray_data():
             if fmt in ("text", "jsonl"):  # JSONL: whole files, split into lines (records) by _pack_block
@@ -175,18 +106,6 @@ def read_source(listing: Listing, cfg: CorpusConfig) -> list[ray.ObjectRef]:
             f"could not read {len(files)} file(s) under {os.path.dirname(files[0])} as {fmt}: "
             f"{type(cause).__name__}: {msg} (fix or remove the file, or set format= to how the data is stored)"
         ) from e
-
-
-def _check_parquet_field(files: list[str], field: str) -> None:
-    import pyarrow.parquet as pq
-
-    for f in files:
-        try:
-            names = pq.read_schema(f).names
-        except Exception as e:  # noqa: BLE001
-            raise DataError(f"{f} is not a readable Parquet file ({type(e).__name__}: {e})") from e
-        if field not in names:
-            raise DataError(f"{f} has no column {field!r} (columns: {', '.join(names)}); set text_field to the text")
 
 
 def pack_blocks(arrow_refs: list, listing: Listing, cfg: CorpusConfig) -> tuple[list[list], list[dict]]:
@@ -220,7 +139,7 @@ def _pack_block(table, spec: tuple, block_tokens: int):
     doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": []}
     parts, fill, n_blocks = [], 0, 0
     rel_of = lambda path: path[len(prefix) :] if path.startswith(prefix) else path  # noqa: E731
-    for r, (path, row, data, malformed) in enumerate(_records(table, fmt, field, info, rel_of, on_bad == "error")):
+    for r, (path, row, data, malformed) in enumerate(block_records(table, fmt, field, info, rel_of, on_bad == "error")):
         rel = rel_of(path)
         status, n, pieces, short = _OK, 0, [], 0
         if malformed:
@@ -229,7 +148,7 @@ def _pack_block(table, spec: tuple, block_tokens: int):
             status = _NO_TEXT
         elif not data:
             status = _EMPTY
-        elif b"\0" in data or not _is_utf8(data):
+        elif b"\0" in data or not is_utf8(data):
             status = _BINARY
         elif on_bad == "error" and info["bad"]:
             pass  # the load fails: no need to tokenize the rest of this file
@@ -266,97 +185,6 @@ def _pack_block(table, spec: tuple, block_tokens: int):
         | {"paths": list(paths), "columns": columns, "bad": info["bad"][:5]}
         | {k: info[k] for k in ("bad_type", "bad_type_in")}
     )
-
-
-_ARROW_NAMES = {"int": "int64", "float": "double", "bool": "bool", "list": "list", "dict": "struct"}
-"""Python JSON value types as Arrow names them (the names the Parquet path reports)."""
-
-
-def _records(table, fmt: str, field: str, info: dict, rel_of, stop: bool):
-    """(path, record number in its file or -1, text bytes or None, malformed?) per record of an Arrow block.
-
-    Malformed: a JSONL record that is not valid JSON, not an object, or whose text field is not a string.
-
-    JSONL rows are whole files, split here into lines; `info` collects the fields seen, the malformed records
-    ((relative path, line, reason), all of them) and a file whose text field never holds a string (`bad_type`).
-    `stop`: return after the file in which the first malformed record was found."""
-    if "path" not in table.column_names:  # an empty block (an empty file can give one): no records
-        return
-    paths = table.column("path").to_pylist()
-    if fmt != "jsonl":
-        datas, info["bad_type"] = _texts(table, fmt, field)
-        yield from ((p, -1, d, False) for p, d in zip(paths, datas, strict=True))
-        return
-    for path, data in zip(paths, table.column("bytes").to_pylist(), strict=True):
-        row, n_str, first_type = 0, 0, None
-        for lineno, raw in enumerate((data or b"").split(b"\n"), 1):
-            if not raw.strip():
-                continue  # blank lines are not records
-            text, reason, keys, vtype = _parse_line(raw, field)
-            info["columns"].update(keys)
-            if reason is not None:
-                info["bad"].append((rel_of(path), lineno, reason))
-            first_type = first_type or vtype
-            n_str += text is not None
-            yield path, row, text, reason is not None
-            row += 1
-        if first_type and not n_str and info["bad_type"] is None:  # the text field is never a string: wrong field
-            info["bad_type"], info["bad_type_in"] = _ARROW_NAMES.get(first_type, first_type), rel_of(path)
-        if stop and info["bad"]:
-            return
-
-
-def _parse_line(raw: bytes, field: str) -> tuple[bytes | None, str | None, tuple, str | None]:
-    """One JSONL line -> (text as UTF-8 bytes, or None for a null/missing field; why it is malformed, or None;
-    the record's field names; the JSON type of a text field that is not a string, or None)."""
-    try:
-        obj = json.loads(raw)
-    except ValueError as e:  # JSONDecodeError, or UnicodeDecodeError for bytes that are not UTF-8
-        if isinstance(e, json.JSONDecodeError):
-            return None, f"not valid JSON ({e.msg} at column {e.colno})", (), None
-        return None, "not valid UTF-8", (), None
-    except RecursionError:
-        return None, "not valid JSON (nested too deeply)", (), None
-    if not isinstance(obj, dict):
-        return None, f"a JSON {type(obj).__name__}, not an object", (), None
-    value = obj.get(field)
-    if value is None:
-        return None, None, tuple(obj), None
-    if not isinstance(value, str):
-        kind = type(value).__name__
-        return None, f"field {field!r} holds a JSON {kind}, not a string (is text_field right?)", tuple(obj), kind
-    return value.encode("utf-8", "surrogatepass"), None, tuple(obj), None
-
-
-def _bad_record_error(path: str, line: int, reason: str) -> DataError:
-    return DataError(
-        f"{path}:{line}: malformed JSONL record (line {line}): {reason}; fix or remove that line, or set "
-        '[data] on_bad_record = "skip" to skip malformed records (they are counted in the corpus stats)'
-    )
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
-
-
-def _texts(table, fmt: str, field: str) -> tuple[list[bytes | None], str | None]:
-    import pyarrow as pa
-
-    n = table.num_rows
-    if fmt == "text":
-        return table.column("bytes").to_pylist(), None
-    if field not in table.column_names:
-        return [None] * n, None
-    col = table.column(field)
-    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
-        return [None if s is None else s.encode("utf-8") for s in col.to_pylist()], None
-    if pa.types.is_binary(col.type) or pa.types.is_large_binary(col.type) or pa.types.is_null(col.type):
-        return col.to_pylist(), None
-    return [None] * n, str(col.type)
 
 
 def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block_refs: list[list], tok_name: str):
@@ -413,7 +241,7 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
             )
     if cfg.on_bad_record == "error" and (status == _BAD).any():
         rel, line, reason = min(b for meta in metas for b in meta["bad"])
-        raise _bad_record_error(os.path.join(listing.base, rel), line, reason)
+        raise bad_record_error(os.path.join(listing.base, rel), line, reason)
     bad = (status == _BINARY) | no_text
     if cfg.bad_files == "error" and bad.any():
         raise DataError(

@@ -1,13 +1,15 @@
 """Pre-flight check of a corpus source with plain file reads, no Ray running: `flexorch train` refuses a missing,
 empty or malformed source in well under a second, before it starts Ray. It stops at the first usable document and
-reuses `flexorch.data.readers`' listing, JSONL line parser and errors, so it says what the load would say."""
+reuses the load's listing (`flexorch.data.listing`), JSONL line parser and errors (`flexorch.data.source_records`),
+so it says what the load would say."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from flexorch.data.lengths import DataError
-from flexorch.data.readers import _bad_record_error, _check_parquet_field, _parse_line, list_source
+from flexorch.data.listing import list_source
+from flexorch.data.source_records import bad_record_error, check_parquet_field, parse_line
 
 if TYPE_CHECKING:
     from flexorch.config.data import CorpusConfig
@@ -30,7 +32,7 @@ def check_source(cfg: CorpusConfig) -> None:
     whose start is UTF-8; for JSONL, a record with a non-empty string text field (with ``on_bad_record='error'``
     a malformed line met first raises the same file:line error as `load_corpus`; a file none of whose records has
     the text field raises the same error too); for Parquet, every file's schema has the text column
-    (`_check_parquet_field`) and some file has rows. It stops at the first usable document and gives up without a
+    (`check_parquet_field`) and some file has rows. It stops at the first usable document and gives up without a
     verdict after `CHECK_FILES` files or `CHECK_BYTES` bytes, so it takes milliseconds on large corpora; documents
     over ``max_context``, under ``min_tokens`` or the tokenizer's view of them are left to the load.
     """
@@ -39,7 +41,7 @@ def check_source(cfg: CorpusConfig) -> None:
     if listing.fmt == "parquet":
         import pyarrow.parquet as pq
 
-        _check_parquet_field(files, cfg.text_field)
+        check_parquet_field(files, cfg.text_field)
         if not any(pq.read_metadata(f).num_rows for f in files):
             raise DataError(f"{listing.source} is empty: its {len(files)} Parquet file(s) have no rows")
         return
@@ -78,11 +80,11 @@ def _check_jsonl(fh, path: str, cfg: CorpusConfig, budget: int) -> tuple[bool | 
         used += len(raw)
         if raw.strip():
             records += 1
-            text, reason, keys, vtype = _parse_line(raw, cfg.text_field)
+            text, reason, keys, vtype = parse_line(raw, cfg.text_field)
             columns.update(keys)
             with_field += text is not None or vtype is not None
             if reason is not None and cfg.on_bad_record == "error":
-                raise _bad_record_error(path, lineno, reason)
+                raise bad_record_error(path, lineno, reason)
             if text:
                 return True, used
         if used >= budget:

@@ -29,7 +29,7 @@ _WHERE = {
     "Plan": "flexorch.solver.plan",
     "PlannedStep": "flexorch.solver.step_planner",
     "Planner": "flexorch.solver.planner",
-    "PlannerConfig": "flexorch.solver.planner",
+    "PlannerConfig": "flexorch.solver.planner_config",
     "PlanningError": "flexorch.solver.errors",
     "Profile": "flexorch.solver.profiles",
     "ProfileError": "flexorch.solver.errors",

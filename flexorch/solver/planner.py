@@ -15,26 +15,23 @@ a native crash of the MILP library (SIGSEGV / SIGABRT, coin-or/Cbc#693) costs th
 keeps the static start of that micro-batch, restarts the process, retries while time is left and counts the crash;
 a solve still running at the deadline is killed the same way. With ``isolate=False`` the solves run in this process
 (in a thread the planner stops waiting for at the deadline; tests and benchmarks).
+
+Around the search here: its knobs (``solver.planner_config``), the screening that orders candidate splits by their
+static starts (``solver.screening``) and the deadline-bound solves of one split's micro-batches
+(``solver.split_solver``).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import math
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from flexorch.solver.backend import DEFAULT_SOLVER, SOLVERS
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
-from flexorch.solver.cost_model import KINDS
 from flexorch.solver.errors import InfeasibleBatchError
-from flexorch.solver.fill import fill_draft
 from flexorch.solver.microbatching import partition_candidates
 from flexorch.solver.packing import (
     Draft,
@@ -48,68 +45,14 @@ from flexorch.solver.packing import (
     type_overheads,
 )
 from flexorch.solver.plan import MicroBatch, Plan
+from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.round_bounds import best_round_split, slowest_fronts
-from flexorch.solver.solver_process import SolverPool
+from flexorch.solver.screening import screen_splits
+from flexorch.solver.split_solver import MIN_SOLVE_S, SplitSolver
 from flexorch.solver.validation import check_batch, check_num_devices
 
 __all__ = ["PlannerConfig", "StepPlan", "Planner", "plan_step"]
-
-MIN_SOLVE_S = 0.02
-"""A MILP solve is not started with less time than this left: the static start is the answer then."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class PlannerConfig:
-    """Knobs of the per-step planner."""
-
-    time_limit_s: float = 1.0
-    """Wall-clock budget for one step's plan, everything included; past it the best plan so far is returned."""
-    ilp_time_limit_s: float = 0.2
-    """Time limit of one MILP solve (time-limited answers are used)."""
-    max_buckets: int = 16
-    """Length buckets per micro-batch in the MILP (optimal boundaries, FlexSP §4.1.3)."""
-    tolerance: float = 0.01
-    """Bisection stops when the makespan bracket is within this relative width."""
-    max_bisection_steps: int = 8
-    """At most this many MILP solves per micro-batch."""
-    extra_micro_batches: int = 4
-    """Blaster tries M_min .. M_min + this many micro-batches."""
-    kinds: tuple[str, ...] = KINDS
-    """Attention methods groups may use ('ulysses', 'ring')."""
-    workers: int = 1
-    """Solver processes: the micro-batches of a split are solved this many at a time (``isolate`` only)."""
-    solver: str = DEFAULT_SOLVER
-    """MILP backend python-mip drives: 'highs' or 'cbc' (``solver.backend``)."""
-    fill_starts: bool = True
-    """Start each micro-batch from the better of its best homogeneous layout and a mixed layout packed in
-    milliseconds (``solver.fill``), and order the candidate splits by those (False: homogeneous starts only, as
-    before issue 22; for the planner-quality benchmark)."""
-    tiered_splits: bool = True
-    """Offer tiered micro-batch splits too (``solver.microbatching.tiered_split``: sequences far slower than an
-    average micro-batch share one)."""
-    round_splits: bool = True
-    """With ``tiered_splits``: tiered splits that start from the slowest sequences' best micro-batches, as the rounds
-    bound places them (``solver.round_bounds.best_round_split``: chains of them in one group where memory allows)."""
-    isolate: bool = True
-    """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not
-    the plan). False: in this process (no extra process; a crash of the MILP library takes the caller down)."""
-
-    def __post_init__(self) -> None:
-        if not self.time_limit_s > 0 or not self.ilp_time_limit_s > 0:
-            raise ValueError("time limits must be > 0 seconds")
-        if self.max_buckets < 1 or self.max_bisection_steps < 0 or self.extra_micro_batches < 0:
-            raise ValueError("max_buckets >= 1, max_bisection_steps >= 0, extra_micro_batches >= 0 required")
-        if not self.kinds or any(k not in KINDS for k in self.kinds):
-            raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {self.kinds}")
-        if self.workers < 1:
-            raise ValueError(f"workers must be >= 1, got {self.workers}")
-        if self.workers > 1 and not self.isolate:
-            raise ValueError(
-                f"workers={self.workers} solver processes need isolate=True (in-process solves run one at a time)"
-            )
-        if self.solver not in SOLVERS:
-            raise ValueError(f"solver must be one of {list(SOLVERS)}, got {self.solver!r}")
 
 
 @dataclass(frozen=True)
@@ -150,8 +93,7 @@ class Planner:
     def __init__(self, profile: Profile, config: PlannerConfig | None = None):
         self.profile = profile
         self.config = config or PlannerConfig()
-        self._solver = SolverPool(self.config.workers, self.config.isolate, self.config.solver)
-        self._inject_crashes = 0
+        self._solves = SplitSolver(self.config)
         self._idle = None
         self._finish_s: float | None = None  # measured: building the plan after the last solve (for the reserve)
         self._polish_s: float | None = None  # measured: the local search over a solved split (for the reserve)
@@ -164,10 +106,10 @@ class Planner:
         native crash of the MILP library does (``isolate`` only: in-process it would take the caller down)."""
         if crashes and not self.config.isolate:
             raise ValueError("crash injection needs PlannerConfig(isolate=True): in-process it kills the caller")
-        self._inject_crashes = int(crashes)
+        self._solves.crashes_to_inject = int(crashes)
 
     def close(self) -> None:
-        self._solver.close()
+        self._solves.close()
 
     def __enter__(self) -> Planner:
         return self
@@ -236,9 +178,22 @@ class Planner:
         mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
         bounds = [sum(b) for b in mb_bounds]
         fill_deadline = t0 + 0.6 * max(0.0, solve_deadline - t0)
-        self._filled = set()  # candidate splits whose every micro-batch solver.fill packed (in _screen)
-        order = self._screen(
-            cands, kinds, bounds, mb_bounds, types, caps_t, overheads, table, lengths, n, screen_deadline, fill_deadline
+        # the splits in the order to solve them, and those whose every micro-batch solver.fill packed
+        order, self._filled = screen_splits(
+            cands,
+            kinds,
+            bounds,
+            mb_bounds,
+            types,
+            caps_t,
+            overheads,
+            table,
+            lengths,
+            n,
+            screen_deadline,
+            fill_deadline,
+            cap=cap,
+            config=cfg,
         )
         best_total, best_mbs, finished, tried = np.inf, None, False, 0
         best_pre = None  # (candidate, its micro-batches' solutions before the local search) of the best split
@@ -253,7 +208,7 @@ class Planner:
                     best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads, deadline=solve_deadline)
                     for c in split
                 ]
-            sols, complete = self._solve_split(
+            sols, complete = self._solves.solve(
                 split,
                 mb_bounds[ci],
                 types,
@@ -266,6 +221,7 @@ class Planner:
                 starts,
                 run,
                 wait_until=polish_deadline,
+                idle=self._while_solving,
             )
             tried += 1
             if sols is None:
@@ -332,7 +288,7 @@ class Planner:
             "used_s": round(done - t0, 4),
             "solver_crashes": run["crashes"],
             "solves_cut": run["cut"],
-            "isolated": self._solver.isolate,
+            "isolated": self._solves.pool.isolate,
         }
         return StepPlan(plan, float(best_total), bound, done - t0, status, details)
 
@@ -341,6 +297,12 @@ class Planner:
         if callable(self._bound):
             self._bound = float(self._bound())
         return self._bound
+
+    def _while_solving(self, until: float, stop) -> None:
+        """This process's work while the solver process works: the step's bound, then the caller's ``idle``."""
+        self._step_bound()  # this process is free while the solver process works: the step's bound now
+        if self._idle is not None:
+            self._idle(until, stop)
 
     def _second_pass(
         self, ci, pre, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, deadline, run, polish_deadline
@@ -353,7 +315,7 @@ class Planner:
         ]
         if any(s is None for s in starts):
             return None
-        sols, _ = self._solve_split(
+        sols, _ = self._solves.solve(
             split,
             mb_bounds[ci],
             types,
@@ -366,6 +328,7 @@ class Planner:
             starts,
             run,
             wait_until=polish_deadline,
+            idle=self._while_solving,
         )
         if sols is None:
             return None
@@ -373,191 +336,6 @@ class Planner:
         if all(m is a for m, a in zip(merged, pre, strict=True)):
             return None
         return _polish([(copy.deepcopy(d), m) for d, m in merged], caps_t, table, lengths, overheads, polish_deadline)
-
-    def _screen(
-        self,
-        cands,
-        kinds,
-        bounds,
-        mb_bounds,
-        types,
-        caps_t,
-        overheads,
-        table,
-        lengths,
-        n,
-        screen_deadline,
-        fill_deadline,
-    ):
-        """Order candidate splits by their static starts (what the MILP starts from), cheapest first.
-
-        Bounds alone mislead: a micro-batch filled to the last per cent of memory packs only into a few huge groups,
-        which no LP bound sees, and the sorted split's micro-batches of equal long sequences leave no devices for
-        the next-longest. Screening takes the lowest-bound split of each strategy (`kinds`) first, then the rest, in
-        bound order (memory-full splits last), until `screen_deadline`
-        (`fill_deadline` with ``fill_starts``); splits it did not reach follow in that order, and a split whose bound
-        cannot beat a screened split's start is not screened. Each micro-batch's start is its best homogeneous
-        layout, or with ``fill_starts`` (until `fill_deadline`) the better of that and its mixed layout from
-        ``solver.fill``.
-        Returns [(candidate index, per-micro-batch static drafts or None)].
-        """
-        cap = self.profile.tokens_per_device
-        # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly
-        fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
-        key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
-        until = fill_deadline if self.config.fill_starts else screen_deadline
-        done, rest = [], []
-        best_est = np.inf
-        by_key = np.argsort(key, kind="stable").tolist()
-        first_of_kind: dict[str, int] = {}
-        for ci in by_key:
-            first_of_kind.setdefault(kinds[ci], ci)
-        # tiered splits exist only where some sequences are far slower than a micro-batch's share: then they are
-        # the informed ones (code256 at 1 s: the sorted split, lowest bound, took the time of the better tiered one)
-        informed = [ci for kind, ci in first_of_kind.items() if kind.startswith(("tiered", "rounds"))]
-        firsts = set(first_of_kind.values())
-        lead = sorted(informed, key=by_key.index) + [ci for ci in by_key if ci in firsts and ci not in informed]
-        for ci in lead + [ci for ci in by_key if ci not in firsts]:
-            if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
-                rest.append((ci, None))
-                continue
-            if done and time.monotonic() >= until:
-                rest.append((ci, None))
-                continue
-            starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in cands[ci]]
-            if self.config.fill_starts and time.monotonic() < fill_deadline:
-                starts, whole = self._fill_starts(
-                    cands[ci], mb_bounds[ci], starts, types, caps_t, overheads, table, lengths, n, fill_deadline
-                )
-                if whole:
-                    self._filled.add(ci)
-            est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
-            best_est = min(best_est, est)
-            done.append((est, ci, starts))
-        done.sort(key=lambda x: x[0])
-        return [(ci, starts) for _, ci, starts in done] + rest
-
-    def _fill_starts(self, split, lower, starts, types, caps_t, overheads, table, lengths, n, deadline):
-        """(the starts of one split, each micro-batch's replaced by its mixed layout from ``solver.fill`` where that
-        is faster (or where no homogeneous layout packs it), True when every micro-batch was packed before
-        `deadline`)."""
-        new = list(starts)
-        for j, (items, start) in enumerate(zip(split, starts, strict=True)):
-            if time.monotonic() >= deadline:
-                return new, False
-            if start is not None and start.makespan() <= lower[j] * (1 + self.config.tolerance):
-                continue  # already at its bound
-            upper = start.makespan() if start is not None else 4.0 * lower[j]
-            got = fill_draft(items, types, table, lengths, n, caps_t, overheads, lower[j], upper, deadline=deadline)
-            if got is not None and (start is None or got.makespan() < start.makespan()):
-                new[j] = got
-        return new, True
-
-    def _solve_split(
-        self, split, lower_bounds, types, caps_t, overheads, table, lengths, n, deadline, starts, run, wait_until=None
-    ):
-        """([(draft, method)] for each micro-batch of one split, or None when one cannot be packed; True when every
-        solve finished). A solve that is not back by `deadline`, or whose solver process died, leaves that
-        micro-batch its static start (method 'timeout' / 'crash'); a crash restarts the solver process and the
-        solve is retried while time is left."""
-        cfg = self.config
-        wait_until = deadline if wait_until is None else max(deadline, wait_until)  # the solves aim at `deadline`
-        kw = dict(
-            num_devices=n,
-            caps_by_type=caps_t,
-            overheads=overheads,
-            max_buckets=cfg.max_buckets,
-            tolerance=cfg.tolerance,
-            max_bisection_steps=cfg.max_bisection_steps,
-            ilp_time_limit_s=cfg.ilp_time_limit_s,
-            solver=cfg.solver,
-        )
-        out: list = [None] * len(split)
-        pending = list(range(len(split)))
-        complete = True
-
-        def give_up(idx) -> None:  # out of time: the static starts
-            nonlocal complete
-            complete = False
-            run["cut"] += len(idx)
-            for i in idx:
-                out[i] = None if starts[i] is None else (starts[i], "timeout")
-
-        while pending:
-            lost: list[int] = []
-            if deadline - time.monotonic() < MIN_SOLVE_S:
-                give_up(pending)
-                break
-            if self._solver.isolate:  # all at once: the pool runs `workers` at a time
-                jobs = [
-                    self._job(split[i], lower_bounds[i], starts[i], types, table, lengths, kw, math.inf, deadline)
-                    for i in pending
-                ]
-                for pos, job in enumerate(jobs):  # when it starts: its part of the time left (those after it share)
-                    job["share_of"] = math.ceil((len(jobs) - pos) / cfg.workers)
-                futs = [(i, self._solver.submit(job)) for i, job in zip(pending, jobs, strict=True)]
-                self._step_bound()  # this process is free while the solver process works: the step's bound now
-                if self._idle is not None:  # this process is free while the solver process works
-                    self._idle(wait_until, lambda fs=futs: all(f.done() for _, f in fs))
-            else:
-                futs = [(i, None) for i in pending]
-            for k, (i, fut) in enumerate(futs):
-                if fut is None:  # in-process: one at a time, each with its share of the time now left
-                    left = deadline - time.monotonic()
-                    if left < MIN_SOLVE_S:
-                        give_up([j for j, _ in futs[k:]])
-                        break
-                    job = self._job(
-                        split[i],
-                        lower_bounds[i],
-                        starts[i],
-                        types,
-                        table,
-                        lengths,
-                        kw,
-                        left / (len(futs) - k),
-                        deadline,
-                    )
-                    fut = self._solver.submit(job)
-                try:
-                    got = fut.result(timeout=max(0.0, wait_until - time.monotonic()))
-                except FutureTimeout:  # past its deadline: kill it (isolated) or stop waiting for it (a thread)
-                    self._solver.restart()
-                    rest = [j for j, f in futs[k:] if not _collect(f, j, split, out)] if self._solver.isolate else [i]
-                    give_up(rest)
-                    if self._solver.isolate:
-                        break
-                    continue
-                except BrokenProcessPool:  # the solver process died (a native crash): retry while time is left
-                    run["crashes"] += 1
-                    self._solver.restart()
-                    lost = [j for j, f in futs[k:] if not _collect(f, j, split, out)]
-                    break
-                if got is None:
-                    return None, complete
-                out[i] = (_to_global(got[0], split[i]), got[1])
-            pending = lost
-        if any(o is None for o in out):
-            return None, complete
-        return out, complete
-
-    def _job(self, items, lower_bound, start, types, table, lengths, kw, budget, deadline) -> dict:
-        crash = self._inject_crashes > 0
-        if crash:
-            self._inject_crashes -= 1
-        items = list(items)
-        return {
-            "table": table[items],
-            "lengths": lengths[items],
-            "types": types,
-            "lower_bound_ms": lower_bound,
-            "start": None if start is None else _to_local(start, items),
-            "kw": kw,
-            "budget_s": budget,
-            "deadline": deadline,
-            "crash": crash,
-            "share_of": 1,
-        }
 
     def _split_until_packed(self, items, types, caps_t, overheads, table, lengths, n) -> list[Draft]:
         """Always succeeds: one sequence alone fits the largest group (check_batch guarantees it)."""
@@ -576,27 +354,6 @@ def _polish(sols, caps_t, table, lengths, overheads, deadline) -> tuple[float, l
     caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
     improve_step(drafts, caps, table, lengths, overheads, deadline=deadline)
     return sum(d.makespan() for d in drafts), [(d, m) for d, m in sols if any(d.members)]
-
-
-def _collect(fut: Future | None, i: int, split, out) -> bool:
-    """Put a solve that finished before its pool went down into `out`; False when it did not."""
-    if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None or fut.result() is None:
-        return False
-    draft, method = fut.result()
-    out[i] = (_to_global(draft, split[i]), method)
-    return True
-
-
-def _to_local(draft: Draft, items: list[int]) -> Draft:
-    pos = {g: j for j, g in enumerate(items)}
-    return Draft(
-        list(draft.group_type), [[pos[i] for i in m] for m in draft.members], draft.loads.copy(), draft.tokens.copy()
-    )
-
-
-def _to_global(draft: Draft, items) -> Draft:
-    items = list(items)
-    return Draft(list(draft.group_type), [[items[j] for j in m] for m in draft.members], draft.loads, draft.tokens)
 
 
 def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> StepPlan:
