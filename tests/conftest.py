@@ -7,20 +7,23 @@ import sys
 import pytest
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_ray_is_left_clean():
+    """After each module: a shared Ray with slots still held (an actor a failed test did not stop) is shut down, so
+    the next module starts from a clean one instead of waiting for slots."""
+    yield
+    if "ray" in sys.modules:
+        from tests.ray_env import release_if_held
+
+        release_if_held()
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray instance (2 CPUs, no dashboard) for one test module; reuses one that is already running.
+    """The suite's shared local Ray (``tests.ray_env.shared_ray``)."""
+    from tests.ray_env import shared_ray
 
-    Shuts Ray down at the end of the module only if this fixture started it.
-    """
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield ray
-    if started:
-        ray.shutdown()
+    yield shared_ray()
 
 
 _EXIT_STATUS: list[int] = []

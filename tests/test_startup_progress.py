@@ -3,7 +3,7 @@ only for a real reason (no slot, the worker's own error, no progress at all), an
 
 The worker actors here are stand-ins started through ``RayWorkerGroup.worker_class`` (the seam for this): their
 constructor is busy (like importing torch on a loaded machine), idle (hung) or raises, and they answer ``info`` and
-one ``slow`` call. One local Ray with 2 CPUs for the module (``conftest.ray_cluster``).
+one ``slow`` call. The suite's shared local Ray (``conftest.ray_cluster``, ``tests.ray_env.SHARED_CPUS`` slots).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 
 from flexorch.control import worker_group as wg
 from flexorch.control.worker_group import RayWorkerGroup, WorkerGroupError
+from tests.ray_env import SHARED_CPUS
 
 
 def stand_in(busy_s: float = 0.0, idle_s: float = 0.0, fail: str | None = None):
@@ -86,15 +87,16 @@ def test_a_worker_that_makes_no_progress_is_given_up_and_named(ray_cluster, monk
 def test_more_workers_than_slots_fails_at_once_naming_the_numbers(ray_cluster, monkeypatch):
     monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in())
     events = []
-    with pytest.raises(WorkerGroupError, match=r"the Ray cluster has 2 CPU slots, the run needs at least 3 workers"):
-        group(3, events)
+    n = SHARED_CPUS
+    with pytest.raises(WorkerGroupError, match=rf"the Ray cluster has {n} CPU slots, the run needs at least {n + 1} "):
+        group(n + 1, events)
     assert events == [], "nothing was started"
 
 
 def test_slots_held_by_others_fail_as_no_slot(ray_cluster, monkeypatch):
     import ray
 
-    @ray.remote(num_cpus=2)
+    @ray.remote(num_cpus=SHARED_CPUS)
     class Hog:
         def ready(self) -> bool:
             return True
@@ -110,7 +112,7 @@ def test_slots_held_by_others_fail_as_no_slot(ray_cluster, monkeypatch):
         ray.kill(hog)
     msg = str(err.value)
     assert "worker 0 waited 2 s for a CPU slot" in msg, msg
-    assert "The cluster has 2 CPU slots, 0 free" in msg and "1 are needed" in msg, msg
+    assert f"The cluster has {SHARED_CPUS} CPU slots, 0 free" in msg and "1 are needed" in msg, msg
     assert any("pending a CPU slot (none free)" in m for m in messages(events)), events
 
 

@@ -2,7 +2,8 @@
 
 * SIGINT (what Ctrl-C sends) to a running `flexorch train`: the step in flight finishes, a checkpoint is written, the
   CLI exits 0 printing the step reached and the `--resume` command; that command continues at the exact next
-  document, and the losses of stop + resume equal those of an uninterrupted run with the same seed. A second signal
+  document, and the losses of stop + resume equal the single-process reference on the same batches (what an
+  uninterrupted run computes). A second signal
   stops at once (exit 130). (`ray job stop` against a real `ray start --head`: tests/test_ray_job_submit.py.)
 * A run beside one busy-loop process per core (a shared head node): it finishes, no planner process dies, and every
   step that did not get the planner's plan is counted with its reason in its record and its progress line.
@@ -10,6 +11,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -89,8 +91,8 @@ def _signal_after_step(cmd: list[str], step: int, total: int, signals: list[int]
 
 def test_sigint_stops_after_the_step_in_flight_and_resume_equals_an_uninterrupted_run(tmp_path, ray_cluster):
     # the stopped run is long (its steps take ~50 ms here, the stop lands a few steps after the signal): it cannot
-    # end before the stop; it is resumed for two more steps and compared with a run of that length never stopped
-    # (the LR schedule does not depend on the run's length)
+    # end before the stop; it is resumed for two more steps and compared with the single-process reference of that
+    # many steps (the LR schedule does not depend on the run's length)
     long = 1000
     config = small_run_toml(tmp_path, steps=long, checkpoint_every=0)  # no periodic checkpoint: the stop writes it
     base = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config)]
@@ -113,15 +115,16 @@ def test_sigint_stops_after_the_step_in_flight_and_resume_equals_an_uninterrupte
     resumed = _train([sys.executable, "-m", "flexorch.cli.main", *argv[1:], "--steps", str(steps)])
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     assert f"resumed after step {reached}" in resumed.stdout and f"done: {steps} steps" in resumed.stdout
+    # the CLI's own output and files (this is the suite's one plain `flexorch train` run to its end)
+    lines = [ln for ln in resumed.stdout.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2 and all("loss" in ln and "ETA" in ln and "plan <" in ln for ln in lines), resumed.stdout
+    assert (run_dir / "checkpoints" / f"checkpoint_{steps:06d}" / "model.pt").is_file()
+    assert json.loads((run_dir / "config.json").read_text())["workers"] == 2
 
-    whole = tmp_path / "whole"
-    done = _train(base + ["--run-dir", str(whole), "--steps", str(steps)])
-    assert done.returncode == 0 and f"done: {steps} steps" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
+    # an uninterrupted run computes what one process computes on the same batches (the invariant, pinned by the
+    # driver tests): stop + resume is checked against that reference, the ledger against the seeded stream
     got = read_records(run_dir / "steps.jsonl", validate=True)
-    ref = read_records(whole / "steps.jsonl", validate=True)
     assert [r["step"] for r in got] == list(range(steps))
-    assert [r["doc_ids"] for r in got] == [r["doc_ids"] for r in ref], "resume continues at the exact next document"
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=1e-5, abs=1e-6)
     cfg = load_train_config(config, {})
     corpus = load_corpus(CorpusConfig(source=str(tmp_path / "corpus"), max_context=128))  # in this process's Ray
     stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)

@@ -79,21 +79,17 @@ def model_profile(cfg: ModelConfig, act_bytes_per_token: float, **overrides) -> 
 
 
 def training_env(tmp_path_factory, name: str):
-    """Module fixture body: a Ray with room for 4 workers (reused if running), a corpus, a fixed profile."""
-    import ray
-
+    """Module fixture body: the suite's shared Ray (room for 4 workers: ``tests.ray_env``), a corpus, a fixed
+    profile."""
     from flexorch.data.corpus import load_corpus
+    from tests.ray_env import shared_ray
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=5, include_dashboard=False, logging_level="ERROR")
+    shared_ray()
     root = tmp_path_factory.mktemp(name)
     corpus_dir = write_corpus(root / "corpus")
     profile = cpu_profile(root / "profile.json")
     corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
     yield root, corpus_dir, profile, corpus
-    if started:
-        ray.shutdown()
 
 
 def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) -> TrainConfig:

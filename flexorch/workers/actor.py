@@ -33,7 +33,6 @@ from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
-from flexorch.workers.sharded_step import run_sharded_step
 from flexorch.workers.step_exec import StepOutcome, run_step
 
 __all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS"]
@@ -265,7 +264,10 @@ class Worker:
             extra = {"sharded": True} if self.sharded else {"held": self.held}
         elif self.sharded:
             extra = {"gather": self.sharding.get("gather", "layer")}
-        sp_step = run_sharded_step if self.sharded else run_step
+        if self.sharded:  # imported here: DTensor's import is 0.4 s of CPU per worker start, replicas never need it
+            from flexorch.workers.sharded_step import run_sharded_step as sp_step
+        else:
+            sp_step = run_step
         fn = run_pipeline_step if isinstance(task, PipelineTask) else sp_step
         out = fn(
             self.model,
