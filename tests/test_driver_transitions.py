@@ -333,6 +333,8 @@ def test_the_executor_does_what_the_decision_says(tmp_path, profile, decision, w
 def test_run_loops_the_transitions_to_the_end_without_ray(tmp_path, profile, corpus):
     import ray
 
+    if ray.is_initialized():  # the suite's shared Ray, from an earlier module: this test proves it is not needed
+        ray.shutdown()
     cfg = _cfg(tmp_path, profile, steps=3)
     driver, group = fake_driver(cfg, corpus, faults=[Fault(0, "step", 1)])
     try:

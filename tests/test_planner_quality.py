@@ -201,6 +201,7 @@ def test_rounds_bound_places_the_slowest_sequences_exactly():
     assert round_bounds.rounds_bound_ms(fronts, 5)[-1] < 97.0 + 66.0
 
 
+@pytest.mark.slow  # whole planner solves with real budgets: about 8 s on 2 cores
 def test_splits_from_the_rounds_bound_place_the_slowest_sequences_as_it_does():
     """FlexSP's GPT-7B setting on 256 devices: one sequence that needs 128 devices (~244 s), seven that need 64
     (~64-97 s; no two fit one 64-device group) and 600 short ones. Tiered splits put the slow ones side by side by
@@ -221,6 +222,7 @@ def test_splits_from_the_rounds_bound_place_the_slowest_sequences_as_it_does():
     assert len(holding) == 2
 
 
+@pytest.mark.slow  # whole planner solves with real budgets: about 8 s on 2 cores
 def test_planner_with_fill_and_tiers_beats_the_planner_without_on_a_long_tailed_batch():
     # FlexSP's GPT-7B setting on 256 devices with 5 sequences that need 64-device groups over slow links (~74 s
     # each) and 600 short ones: measured 2.5-3 % better than the planner without fill starts and tiered splits, at
