@@ -135,3 +135,18 @@ def _plan_help() -> str:
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     return sub.choices["plan"].format_help()
+
+
+def test_a_run_that_cannot_work_is_refused_when_its_config_is_built(tmp_path):
+    # pure checks, moved out of the Ray driver tests: no worker, no Ray
+    from tests.train_helpers import cpu_profile, train_config, write_corpus
+
+    corpus_dir, profile = write_corpus(tmp_path / "corpus"), cpu_profile(tmp_path / "profile.json")
+    with pytest.raises(ConfigError, match="max_context=8192 tokens cannot fit"):
+        train_config(corpus_dir, tmp_path, profile, data=CorpusConfig(source=str(corpus_dir), max_context=8192))
+    with pytest.raises(ConfigError, match="Ulysses degree 8 must divide model.num_heads=4"):
+        train_config(corpus_dir, tmp_path, profile, workers=8, plan={"mode": "static-ulysses-8"})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = 3\n[plan]\nmode = 'sometimes'\n")
+    with pytest.raises(ConfigError, match="plan.mode"):
+        load_train_config(bad)

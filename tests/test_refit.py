@@ -204,7 +204,7 @@ def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
         refits = [e["message"] for e in events if "cost model refitted" in str(e.get("message", ""))]
         # only after every refit_every = 2 steps (step 1 may have too few groups of a type: its step 0 warmed up)
         assert refits and {m.split(":")[0] for m in refits} <= {"step 1", "step 3"}
-        assert driver._groups.compute() or driver._groups.groups()
+        assert driver._refits.window.compute() or driver._refits.window.groups()
         if any("kept" in m for m in refits):
             assert driver.profile != initial
             assert driver.planner.spec.profile is driver.profile  # the fallback and a restarted planner
@@ -231,7 +231,7 @@ def test_no_refit_with_a_named_profile_by_default(tmp_path):
     try:
         for _ in range(2):
             driver.step()
-        assert driver.profile is initial and len(driver._groups) == 0
+        assert driver.profile is initial and len(driver._refits.window) == 0
         assert not (tmp_path / "run" / "profile_refit.json").exists()
     finally:
         driver.shutdown()

@@ -13,7 +13,7 @@ import flexorch.cli.train as cli_train
 from flexorch.cli.main import main
 from flexorch.config import ConfigError
 from flexorch.config.load import load_train_config
-from flexorch.config.requirements import check_requirements, requirements_of, version_tuple
+from flexorch.config.requirements import check_requirements, installed_version, requirements_of, version_tuple
 from tests.train_helpers import write_corpus
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -75,3 +75,15 @@ def test_the_cli_refuses_before_ray_starts(tmp_path, monkeypatch, capsys):
     code = main(["train", "--data", str(corpus), "--run-dir", str(tmp_path / "run"), "--sharding", "fsdp"])
     err = capsys.readouterr().err
     assert code == 2 and "torch >= 2.11" in err and "torch 2.9.1" in err, err
+
+
+def test_a_package_without_metadata_is_asked_its_version(tmp_path, monkeypatch):
+    # an image with torch built from source may ship no dist-info: the check imports it and reads __version__
+    # rather than call it missing; a package that is neither installed nor importable is missing
+    (tmp_path / "fx_no_dist_info").mkdir()
+    (tmp_path / "fx_no_dist_info" / "__init__.py").write_text('__version__ = "5.30.0"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert installed_version("fx_no_dist_info") == "5.30.0"
+    assert installed_version("torch") == metadata.version("torch")
+    with pytest.raises(metadata.PackageNotFoundError):
+        installed_version("fx_not_there_at_all")

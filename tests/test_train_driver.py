@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flexorch.config import ConfigError, CorpusConfig, load_train_config
+from flexorch.config import CorpusConfig
 from flexorch.control.driver import TrainingDriver
 from flexorch.data.lengths import DataError
 from flexorch.records.writer import read_records
@@ -85,19 +85,9 @@ def test_infeasible_batch_errors_or_is_skipped_and_counted(env):
     assert all(max(r["seq_lengths"]) <= 64 for r in records if not r["skipped"])
 
 
-def test_bad_config_and_corpus_errors(env, tmp_path):
+def test_a_bad_corpus_fails_before_any_worker_starts(env, tmp_path):
+    # (the configuration's own errors need no Ray: tests/test_config.py)
     root, corpus_dir, profile, _ = env
-    with pytest.raises(ConfigError, match="max_context=8192 tokens cannot fit"):
-        train_config(corpus_dir, tmp_path, profile, data=CorpusConfig(source=str(corpus_dir), max_context=8192))
-    with pytest.raises(ConfigError, match="Ulysses degree 8 must divide model.num_heads=4"):
-        train_config(corpus_dir, tmp_path, profile, workers=8, plan={"mode": "static-ulysses-8"})
-    bad = tmp_path / "bad.toml"
-    bad.write_text("steps = 3\n[plan]\nmode = 'sometimes'\n")
-    with pytest.raises(ConfigError, match="plan.mode"):
-        load_train_config(bad)
-    bad.write_text("stepz = 3\n")
-    with pytest.raises(ConfigError, match="unknown keys \\['stepz'\\]"):
-        load_train_config(bad)
     empty = tmp_path / "empty"
     empty.mkdir()
     cfg = train_config(empty, tmp_path / "run", profile)

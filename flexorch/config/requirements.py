@@ -3,8 +3,9 @@
 A run that needs a package flexorch does not install by default (Transformers for ``[model] hf``, tokenizers for
 a Hugging Face or trained BPE tokenizer) or a feature of a newer torch (FSDP2 for ``[sharding] mode = "fsdp"`` /
 ``"hsdp"``) fails here, with the package, the version installed and the version needed, instead of deep inside
-the first world a worker forms. Only ``importlib.metadata`` is read: nothing is imported, so the check costs
-milliseconds and works where the package itself would fail to import.
+the first world a worker forms. The installed metadata is read, nothing imported (milliseconds, and it works where
+the package itself would fail to import); only a package importable without metadata is imported for its
+``__version__``.
 
 The minima are the oldest versions the suite has passed with: Transformers 5.17 (the HF model and tokenizer tests,
 activation checkpointing included; 5.24 is the ``hf`` extra's pin), torch 2.11 (the data plane and a sharded step
@@ -13,6 +14,8 @@ on a lent GPU image; ``flexorch.workers.fsdp`` carries its fallback for a hook 2
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +23,7 @@ from importlib import metadata
 
 from flexorch.config.errors import ConfigError
 
-__all__ = ["Requirement", "requirements_of", "check_requirements", "version_tuple"]
+__all__ = ["Requirement", "check_requirements", "installed_version", "requirements_of", "version_tuple"]
 
 
 @dataclass(frozen=True)
@@ -60,12 +63,26 @@ def version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in m.group(0).split("."))
 
 
+def installed_version(package: str) -> str:
+    """The installed version of ``package``: its distribution metadata, or, for a package importable without any
+    (a torch built from source into an image), its ``__version__``; ``PackageNotFoundError`` when it is absent."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        if importlib.util.find_spec(package) is None:
+            raise
+    version = getattr(importlib.import_module(package), "__version__", None)
+    if not isinstance(version, str):
+        raise metadata.PackageNotFoundError(package)
+    return version
+
+
 def check_requirements(cfg, installed: Callable[[str], str] | None = None) -> None:
     """Raise ``ConfigError`` naming the first requirement of ``cfg`` that is missing or too old.
 
-    ``installed`` maps a distribution name to its version (``importlib.metadata.version``, raising
+    ``installed`` maps a distribution name to its version (:func:`installed_version`, raising
     ``PackageNotFoundError`` when it is absent); tests pass another environment's versions."""
-    installed = installed or metadata.version
+    installed = installed or installed_version
     for req in requirements_of(cfg):
         try:
             have = installed(req.package)

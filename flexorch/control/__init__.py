@@ -11,6 +11,7 @@
 * :mod:`~flexorch.control.worker_group`: the Ray worker actors as one group (start, form worlds, run, settle);
   :mod:`~flexorch.control.worker_start` watches them start (phases, CPU use, why a start failed).
 * :mod:`~flexorch.control.fallback_watch`: the run's warning when many steps go without the planner's plan.
+* :mod:`~flexorch.control.refitting`: the run's cost model refitted in a thread beside its steps (``[plan] refit``).
 * :mod:`~flexorch.control.checkpoint` and :mod:`~flexorch.control.calibration`: checkpoints on disk, the cost
   model calibrated on the workers.
 """

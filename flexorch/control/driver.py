@@ -13,12 +13,11 @@ due. :meth:`TrainingDriver.step` is one transition, returned as a value (``contr
 One concept, kept whole: the driver is the one place that executes decisions (plans, recoveries, roll-backs, refits)
 on the run's state (step, stream position, records, checkpoints), so setup, the step transition and the loop share
 that state here; what decides lives beside it (``control.membership``, ``control.elastic``, ``control.planner_client``,
-``control.fallback_watch``, ``solver.refit``).
+``control.fallback_watch``, ``control.refitting``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import json
 import time
@@ -35,6 +34,7 @@ from flexorch.control.group import WorkerGroup
 from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
+from flexorch.control.refitting import RunRefit
 from flexorch.control.transitions import EventLog, Ran, Transition
 from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
 from flexorch.data.bpe import prepare_tokenizer
@@ -43,7 +43,6 @@ from flexorch.data.stream import DocumentStream
 from flexorch.records.metrics import RunMetrics
 from flexorch.records.writer import StepRecords, skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
-from flexorch.solver.refit import GroupWindow, refit_times, samples_of_record, step_of_record
 from flexorch.solver.step_planner import PlannedStep
 from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
 from flexorch.tasks.placement import PartsLostError
@@ -81,10 +80,7 @@ class TrainingDriver:
         self._error: str | None = None
         self._step_wall: list[float] = []
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
-        self._groups = GroupWindow()  # the run's most recent groups per type, for refitting the cost model
-        self._groups_warm = False  # a step has run on this driver's world (its groups are not warm-up)
-        self._refitter: concurrent.futures.ThreadPoolExecutor | None = None
-        self._refitting: tuple[int, concurrent.futures.Future] | None = None  # (step, refit in flight)
+        self._refits = RunRefit(self.cfg.plan.refit_every)  # the run's groups and steps, and the refit on them
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self.workers: WorkerGroup | None = None
         self.planner = None
@@ -249,32 +245,20 @@ class TrainingDriver:
         return Transition(Ran.TRAINED, step_no, self.step_no, record, tuple(recoveries[len(carried) :]))
 
     def _refit(self, record: dict) -> None:
-        """Keep the run's groups; every ``plan.refit_every`` steps refit the cost model's time terms on the most
-        recent ones (``flexorch.solver.refit``), in a thread beside the next step, and plan with it from the solve
-        after it is done."""
+        """Hand a trained record to the run's refit (``control.refitting``: every ``plan.refit_every`` steps a refit
+        of the time terms in a thread beside the next step), taking up one that has finished."""
         if not self.cfg.plan.refits:
             return
         self.settle_refit(wait=False)
-        if self._groups_warm and not record["recoveries"]:
-            # the first step on a new world (after setup, a shrink or a grow) warms up: process groups, allocator
-            step = step_of_record(record)
-            self._groups.add([*samples_of_record(record), *([step] if step is not None else [])])
-        self._groups_warm = True
-        if (self.step_no + 1) % self.cfg.plan.refit_every or self._refitting is not None:
-            return
-        if self._refitter is None:
-            self._refitter = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="flexorch-refit")
-        step, profile, window = self.step_no, self.profile, self._groups.copy()
-        self._refitting = (step, self._refitter.submit(refit_times, profile, window))
+        self._refits.observe(record, self.step_no, self.profile)
 
     def settle_refit(self, wait: bool = True) -> None:
         """Take up a refit that has finished (``wait``: wait for one in flight): the driver's records, the planner's
         next solves and ``profile_refit.json`` use it when it was kept; the console says what it did."""
-        if self._refitting is None or not (wait or self._refitting[1].done()):
+        done = self._refits.take(wait)
+        if done is None:
             return
-        step, future = self._refitting
-        self._refitting = None
-        profile, report = future.result()
+        step, profile, report = done
         if report.accepted:
             self.profile = profile
             self.planner.set_profile(profile)
@@ -437,9 +421,7 @@ class TrainingDriver:
         if not self.events.done:
             self._closing = True
             self._stop_reason = self._stop_reason or "shutdown"
-        if self._refitter is not None:
-            self._refitter.shutdown(wait=False, cancel_futures=True)
-            self._refitter, self._refitting = None, None
+        self._refits.close()
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
