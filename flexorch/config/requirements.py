@@ -43,15 +43,15 @@ _HF_INSTALL = "pip install 'flexorch[hf]' (or pip install -e '.[hf]' in a checko
 
 def requirements_of(cfg) -> list[Requirement]:
     """What the run ``cfg`` (a ``TrainConfig``) needs beyond flexorch's required dependencies."""
-    reqs = [Requirement("torch", "2.11", "flexorch", "pip install 'torch>=2.11'")]
+    mode, _ = cfg.sharding.resolved(cfg.use_gpu)
+    # one torch requirement, named after what needs it most (the same minimum: 2.11 ran both paths)
+    torch_for = f"[sharding] mode = {mode!r} (FSDP2)" if mode in ("fsdp", "hsdp") else "flexorch's data plane"
+    reqs = [Requirement("torch", "2.11", torch_for, "pip install 'torch>=2.11'")]
     if cfg.model.hf:
         reqs.append(Requirement("transformers", "5.17", f"[model] hf = {cfg.model.hf!r}", _HF_INSTALL))
     tok = cfg.data.tokenizer
     if tok.startswith(("hf:", "bpe:")) or (cfg.model.hf and tok == "auto"):
         reqs.append(Requirement("tokenizers", "0.23", f"[data] tokenizer = {tok!r}", _HF_INSTALL))
-    mode, _ = cfg.sharding.resolved(cfg.use_gpu)
-    if mode in ("fsdp", "hsdp"):
-        reqs.append(Requirement("torch", "2.11", f"[sharding] mode = {mode!r} (FSDP2)", "pip install 'torch>=2.11'"))
     return reqs
 
 
