@@ -158,3 +158,42 @@ def test_import_workers_is_light():
         cwd=Path(__file__).parents[1],
     )
     assert out.stdout.split() == ["False", "False"]
+
+
+
+def _reformed_mesh_job(ctx, forget: bool):
+    """Two hsdp worlds of 4 with equal (2, 2) meshes, each process at another rank in the second (rank 3 - r, as
+    survivors and newcomers are renumbered after a loss): the second world's parameters must be sharded on its own
+    mesh, whose groups are this rank's groups of that world."""
+    from flexorch.config.model import ModelConfig
+    from flexorch.workers.fsdp import build_mesh, forget_closed_meshes, shard_position, sharded_decoder
+    from flexorch.workers.process_groups import ProcessGroupRegistry
+
+    out = []
+    for offset, rank in enumerate((ctx.rank, 3 - ctx.rank)):
+        reg = ProcessGroupRegistry(store=ctx.store, rank=rank, world_size=4, epoch=1000 * ctx.job + offset)
+        try:
+            mesh = build_mesh("hsdp", 4, 2, "cpu")
+            model = sharded_decoder(ModelConfig(num_layers=1), mesh)  # raises if a parameter is on another mesh
+            x = torch.ones(1)
+            dist.all_reduce(x, group=mesh.get_group("shard"))
+            out += [rank, int(x.item()), *shard_position(next(model.parameters()))]  # rank, sum, (index, count)
+        except RuntimeError as e:
+            out.append(str(e))
+        finally:
+            reg.close()
+        if forget:
+            forget_closed_meshes()
+    return out
+
+
+def test_a_world_formed_again_shards_on_its_own_mesh_not_an_equal_one_of_a_closed_world(pool):
+    # DTensor's sharding-propagation caches compare meshes by shape, not by world or rank: without
+    # forget_closed_meshes the second world got back the first world's (2, 2) mesh, which names the groups of the
+    # rank this process held there (an hsdp run that lost worker 1 and grew back failed with "Could not resolve the
+    # process group registered under the name 4")
+    fixed = pool.run(_reformed_mesh_job, True)
+    # the shard group's all-reduce sums 2 ranks, and rank r holds shard r % 2 of 2, in both worlds
+    assert fixed == [[r, 2, r % 2, 2, 3 - r, 2, (3 - r) % 2, 2] for r in range(4)], fixed
+    stale = pool.run(_reformed_mesh_job, False)  # the guard in sharded_decoder says so instead of using stale groups
+    assert all(len(r) == 5 and "closed world" in r[-1] for r in stale), stale

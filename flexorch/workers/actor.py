@@ -210,6 +210,10 @@ class Worker:
             except Exception:  # noqa: BLE001
                 pass
         self._store = None
+        if self.sharded:  # DTensor caches would hand the closed world's meshes to the next one's parameters
+            from flexorch.workers.fsdp import forget_closed_meshes
+
+            forget_closed_meshes()
 
     def _guarded(self, fn, *args, **kwargs):
         """Run ``fn``; on any error leave the world first (closing its connections, so peers blocked on this

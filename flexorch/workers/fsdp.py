@@ -37,6 +37,7 @@ from flexorch.workers.optim import resident_bytes
 __all__ = [
     "build_mesh",
     "fill_initial",
+    "forget_closed_meshes",
     "gathered_parameters",
     "local_rows",
     "resident_bytes",
@@ -53,6 +54,45 @@ def build_mesh(mode: str, world_size: int, shard_size: int | None, device_type: 
     if mode == "fsdp":
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (world_size // s, s), mesh_dim_names=("replicate", "shard"))
+
+
+def _check_own_groups(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Raise unless every parameter's mesh has exactly ``mesh``'s process groups (a DTensor cache can hand back an
+    equal mesh of a closed world, whose groups are gone or are other groups now: see :func:`forget_closed_meshes`)."""
+    own = [id(g) for g in mesh.get_all_groups()]
+    for m in {id(p.device_mesh): p.device_mesh for p in model.parameters()}.values():
+        try:
+            same = m is mesh or [id(g) for g in m.get_all_groups()] == own
+        except RuntimeError:  # "Could not resolve the process group registered under the name ..."
+            same = False
+        if not same:
+            raise RuntimeError(
+                f"parameters were sharded on a {m!r} whose process groups are not this world's: a DTensor cache kept "
+                "a mesh of a closed world (call forget_closed_meshes when a world closes)"
+            )
+
+
+def forget_closed_meshes() -> None:
+    """Empty DTensor's sharding-propagation caches; call it whenever a world closes, before the next mesh is built.
+
+    The caches (a Python ``lru_cache`` and, in torch 2.13, a C++ fast-path cache) key an op's output spec on the
+    input specs, and a ``DeviceMesh`` compares *equal* to any other of the same ranks, layout and dimension names
+    (``DeviceMesh.__eq__``), whichever world made it and whichever rank this process held there. So after a world
+    closes, ops on a new mesh of the same shape return specs naming the closed world's mesh, and with it the process
+    groups of the rank this process held in that world: when the process is at another rank now, those names do not
+    resolve, or name another rank's group. Seen on 2026-11-26: an hsdp run of 4 workers lost worker 1, went on with
+    workers 0 and 3 and grew back to 4 (worker 3 from rank 3 to rank 1); ``model.to_empty`` (an ``empty_like`` per
+    DTensor parameter) gave the new (2, 2) mesh's parameters the first world's (2, 2) mesh, and reading their shard
+    position failed with "Could not resolve the process group registered under the name 4".
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache`` clears both caches; older torch lacks it and has
+    the Python cache only."""
+    from torch.distributed.tensor import debug
+
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)  # private: looked up, not assumed
+    if clear is not None:
+        clear()
+        return
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
 
 
 def sharded_decoder(
@@ -74,6 +114,7 @@ def _shard_units(model: nn.Module, units: list, mesh: DeviceMesh, precision: str
     for unit in units:
         fully_shard(unit, **kw)
     model.to_empty(device=device or "cpu")
+    _check_own_groups(model, mesh)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
