@@ -160,7 +160,6 @@ def test_import_workers_is_light():
     assert out.stdout.split() == ["False", "False"]
 
 
-
 def _reformed_mesh_job(ctx, forget: bool):
     """Two hsdp worlds of 4 with equal (2, 2) meshes, each process at another rank in the second (rank 3 - r, as
     survivors and newcomers are renumbered after a loss): the second world's parameters must be sharded on its own
