@@ -315,6 +315,9 @@ class FakeWorkerGroup:
     def call(self, method: str, *args) -> list:
         return [getattr(self.workers[w], method)(*args) for w in self.worker_ids]
 
+    def state_versions(self, timeout_s: float) -> dict[int, int]:
+        return {w: int(self.workers[w].state["scheduler"]["last_epoch"]) for w in self.worker_ids}
+
     def shutdown(self) -> None:
         self.workers.clear()
         self.joining.clear()

@@ -226,6 +226,50 @@ def test_no_capacity_within_wait_s_is_a_clear_error_and_the_state_stays(tmp_path
         driver.shutdown()
 
 
+def test_a_fatal_error_in_admission_after_a_shrink_keeps_the_work_in_an_emergency_checkpoint(tmp_path, profile, corpus):
+    # worker 2 hangs in step 1 (the run shrinks, its slot comes free, worker 4 starts there); when worker 4 is admitted
+    # before step 3, worker 0 raises while the world forms (a bug: not retried). No periodic checkpoint was due; the
+    # run writes the state after step 3 from the members that hold it and the error says how to go on
+    cfg = _cfg(tmp_path, profile, steps=6, plan=STATIC)
+    batches = _batches(cfg, 6)
+    driver, group = fake_driver(cfg, corpus, faults=[Fault(2, "step", 1, "hang"), Fault(0, "join", 3, "raise")])
+    try:
+        with pytest.raises(ElasticError) as err:
+            driver.run()
+    finally:
+        driver.shutdown()
+    text = str(err.value)
+    assert text.startswith("admit joining workers: worker 0 failed (not a membership problem"), text
+    assert "emergency checkpoint of the state after step 3" in text and "checkpoint_000003" in text, text
+    assert f"flexorch train --config {cfg.run_dir}/config.json --resume" in text and "No checkpoint" not in text
+    assert _on_disk(cfg) == [0, 1, 2]
+    again, _ = fake_driver(cfg.replace(resume=True), corpus)
+    try:
+        assert again.step_no == 3 and again.stream.peek().doc_ids == tuple(batches[3]), "the exact next batch"
+        again.run()
+        assert _on_disk(cfg) == [0, 1, 2, 3, 4, 5]
+        assert [r["doc_ids"] for r in read_records(cfg.run_dir + "/steps.jsonl")] == batches
+        _check_params(again, corpus, cfg, batches)
+    finally:
+        again.shutdown()
+
+
+def test_a_fatal_error_says_why_no_emergency_checkpoint_could_be_written(tmp_path, profile, corpus):
+    # the error strikes in step 1 before its update: every member holds the state after step 0, but none answers
+    # which state it holds (stand-in for a group whose workers all went silent): nothing is kept, and the error says
+    # why and that no checkpoint was written
+    cfg = _cfg(tmp_path, profile, steps=3, plan=STATIC)
+    driver, group = fake_driver(cfg, corpus, faults=[Fault(1, "step", 1, "raise")])
+    group.state_versions = lambda timeout_s: {}
+    try:
+        with pytest.raises(ElasticError, match=r"worker 1 failed.*No emergency checkpoint could be written \(Runtime"
+                           r"Error: no live worker holds the state after step 1 \(steps applied: no worker answered"
+                           r"\)\); no checkpoint was written yet"):  # fmt: skip
+            driver.run()
+    finally:
+        driver.shutdown()
+
+
 def test_infeasible_batch_is_skipped_and_counted(tmp_path, profile, corpus):
     # a forced one-worker layout cannot hold a document longer than 100 tokens: such batches are skipped
     plan = {"mode": "static-ulysses-1", "on_infeasible": "skip", "tokens_per_worker": 100}

@@ -132,3 +132,30 @@ def test_activation_checkpointing_keeps_less_and_computes_the_same_gradients():
         grads[mode] = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert per_token["none"] > per_token["selective"] > per_token["full"] > 0
     assert torch.equal(grads["none"], grads["full"]) and torch.equal(grads["none"], grads["selective"])
+
+
+def test_a_world_that_is_not_a_multiple_of_shard_size_is_said_in_words():
+    from flexorch.config.sharding import uneven_world_note
+
+    assert uneven_world_note("hsdp", 4, 2) is None and uneven_world_note("fsdp", 3, None) is None
+    three = uneven_world_note("hsdp", 3, 2)  # after a loss from 4: sharded over all 3, no replica
+    assert three.startswith("hsdp: 3 workers do not split into shard groups of 2, so the model state is sharded over")
+    assert "no replica" in three and "last checkpoint" in three and "multiple of 2 again" in three
+    assert uneven_world_note("hsdp", 9, 2) == (
+        "hsdp: 9 workers do not split into shard groups of 2, so 3 replicas of shard groups of 3 until the world is a "
+        "multiple of 2 again"
+    )
+
+
+def test_membership_lines_for_a_roll_back_and_an_uneven_world():
+    from flexorch.cli.train import format_membership
+
+    back = {"event": "membership", "what": "run step 4", "rollback": True, "lost": [2], "reason": "parts lost",
+            "from_step": 4, "to_step": 2, "world_before": [0, 1, 3], "world_after": [0, 1, 3], "recovery_ms": 80.0}  # fmt: skip
+    assert format_membership(back) == (
+        "membership: run step 4: parts lost; back to the checkpoint of step 2 (from step 4), world of 3 in 80 ms"
+    )
+    shrink = {"event": "membership", "what": "run step 4", "reason": "workers [1] died or hung", "decisions":
+              ["Shrink"], "world_before": [0, 1, 2, 3], "world_after": [0, 2, 3], "recovery_ms": 240.0,
+              "step_completed": False, "layout": "hsdp: 3 workers do not split ..."}  # fmt: skip
+    assert format_membership(shrink).endswith("in 240 ms; re-running the step; hsdp: 3 workers do not split ...")

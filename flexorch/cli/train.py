@@ -80,12 +80,19 @@ def format_membership(ev: dict) -> str:
             f"{ev['timeout_s']:g} s for {ev['need']} more"
         )
     before, after = len(ev["world_before"]), len(ev["world_after"])
+    layout = f"; {ev['layout']}" if ev.get("layout") else ""
     if ev["what"] == "grow":
-        return f"membership: workers {ev['joined']} joined, world {before} -> {after} ({ev['recovery_ms']:.0f} ms)"
+        line = f"membership: workers {ev['joined']} joined, world {before} -> {after} ({ev['recovery_ms']:.0f} ms)"
+        return line + layout
+    if ev.get("rollback"):
+        return (
+            f"membership: {ev['what']}: {ev['reason']}; back to the checkpoint of step {ev['to_step']} (from step "
+            f"{ev['from_step']}), world of {after} in {ev['recovery_ms']:.0f} ms{layout}"
+        )
     redo = "the step's update had finished, kept" if ev["step_completed"] else "re-running the step"
     return (
         f"membership: {ev['what']}: {ev['reason']}; {'/'.join(ev['decisions'])}, world {before} -> {after} "
-        f"workers {ev['world_after']} in {ev['recovery_ms']:.0f} ms; {redo}"
+        f"workers {ev['world_after']} in {ev['recovery_ms']:.0f} ms; {redo}{layout}"
     )
 
 

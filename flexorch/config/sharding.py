@@ -98,3 +98,19 @@ def effective_shard_size(mode: str, world_size: int, shard_size: int | None) -> 
     while world_size % s:
         s += 1
     return s
+
+
+def uneven_world_note(mode: str, world_size: int, shard_size: int | None) -> str | None:
+    """What an hsdp run does with a world that is not a multiple of ``shard_size`` (after a loss or a partial
+    grow), in words for the membership line; None when the world divides evenly (or the mode is not hsdp)."""
+    if mode != "hsdp" or shard_size is None or world_size % shard_size == 0:
+        return None
+    s = effective_shard_size(mode, world_size, shard_size)
+    head = f"hsdp: {world_size} workers do not split into shard groups of {shard_size}"
+    until = f"until the world is a multiple of {shard_size} again"
+    if s == world_size:
+        return (
+            f"{head}, so the model state is sharded over all {world_size} with no replica (as fsdp: losing a "
+            f"worker now goes back to the last checkpoint) {until}"
+        )
+    return f"{head}, so {world_size // s} replicas of shard groups of {s} {until}"

@@ -19,6 +19,7 @@ that state here; what decides lives beside it (``control.membership``, ``control
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -26,9 +27,11 @@ from pathlib import Path
 import ray
 
 from flexorch.config import ConfigError, TrainConfig, config_from_dict
+from flexorch.config.sharding import uneven_world_note
 from flexorch.control.calibration import model_state_fields, run_profile
 from flexorch.control.checkpoint import RunCheckpoints, load_checkpoint
 from flexorch.control.elastic import Elastic, ElasticError
+from flexorch.control.emergency import save_after_error
 from flexorch.control.fallback_watch import FallbackWatch
 from flexorch.control.group import WorkerGroup
 from flexorch.control.host_load import niced_on_busy_node
@@ -113,7 +116,9 @@ class TrainingDriver:
             self._publish({"event": "checkpoint_skipped", "message": message})
         self.workers = self._given_workers or RayWorkerGroup.from_config(cfg, publish=self._publish)
         policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
-        self.elastic = Elastic(self.workers, policy, self._publish, self.checkpoints.hint)
+        mode, shard = cfg.sharding_mode, cfg.sharding.shard_size
+        layout = functools.partial(uneven_world_note, mode, shard_size=shard)
+        self.elastic = Elastic(self.workers, policy, self._publish, self.checkpoints.hint, layout)
         t_world = time.perf_counter()
         try:
             self.workers.form_world()
@@ -401,11 +406,36 @@ class TrainingDriver:
             if self._closing:  # shutdown() took the workers away under the loop: that is not the run's error
                 self._publish({"event": "stopped", "step": self.step_no})
                 return {"event": "stopped", "steps": self.step_no, "stopped": self._stop_reason or "shutdown"}
-            self._error = f"{type(e).__name__}: {e}"
+            err = self._keep_work(e) if self.planner is not None else e  # set up: the loop had begun
+            self._error = f"{type(err).__name__}: {err}"
             self._publish({"event": "error", "error": self._error})
-            raise
+            if err is e:
+                raise
+            raise err from e
         finally:
             self.events.done = True
+
+    def _keep_work(self, e: Exception) -> Exception:
+        """The run stops on ``e``: write a checkpoint of the state after the last completed step from the members
+        that hold it (``control.emergency``); the error to raise says where it is, or why there is none."""
+        hint = self.checkpoints.hint()  # what the error says about checkpoints (ElasticError appends it)
+        resume = f"go on with `flexorch train --config {self.run_dir}/config.json --resume`"
+        path, note = save_after_error(
+            self.workers,
+            self.step_no,
+            checkpointed_at=self._checkpointed_at,
+            last_checkpoint=self._last_checkpoint,
+            save=self.checkpoint,
+            resume=resume,
+        )
+        if path is not None:
+            self._publish({"event": "emergency_checkpoint", "step": self.step_no, "path": path})
+        text = str(e)
+        text = text.replace(hint, note) if hint in text else f"{text.rstrip('. ')}. {note}"
+        try:
+            return type(e)(text)
+        except Exception:  # noqa: BLE001 - an exception class that takes other arguments
+            return RuntimeError(text)
 
     def poll(self, since: int) -> tuple[list[dict], bool]:
         """Events after index ``since`` and whether the run has ended (the CLI polls the driver actor)."""

@@ -35,11 +35,12 @@ class ElasticError(WorkerGroupError):
 
 
 class Elastic:
-    def __init__(self, workers: WorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint):
+    def __init__(self, workers: WorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint, layout_note=None):
         self.workers = workers
         self.policy = policy
         self.publish = publish
         self.checkpoint_hint = checkpoint_hint  # () -> str: where the last checkpoint is and how to resume
+        self.layout_note = layout_note or (lambda size: None)  # world size -> what the sharding does with it, or None
 
     def recover(self, failure: Failure, attempt: int, what: str, fresh=()) -> dict:
         """Bring the run back to a formed world after ``failure``; raises :class:`ElasticError` when it cannot.
@@ -93,8 +94,15 @@ class Elastic:
                 "step_completed": bool(ahead),
                 "recovery_ms": (time.perf_counter() - t0) * 1e3,
             }
+            self._note_layout(rec)
             self.publish({"event": "membership", **rec})
             return rec
+
+    def _note_layout(self, rec: dict) -> None:
+        """Add ``layout`` to a membership record when the new world's size changes what the sharding does."""
+        note = self.layout_note(len(rec["world_after"]))
+        if note and note != self.layout_note(len(rec["world_before"])):
+            rec["layout"] = note
 
     def _drop(self, decision: Decision, what: str) -> set[int]:
         """The members a decision drops, dropped: a Shrink keeps exactly its survivors, a WaitForCapacity drops its
@@ -168,6 +176,7 @@ class Elastic:
                 "world_after": list(w.worker_ids),
                 "recovery_ms": (time.perf_counter() - t0) * 1e3,
             }
+            self._note_layout(record)
             self.publish({"event": "membership", **record})
         grow = self.policy.at_boundary(w.size, len(w.joining), w.free_slots())
         if isinstance(grow, Grow):

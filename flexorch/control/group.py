@@ -87,4 +87,9 @@ class WorkerGroup(Protocol):
         """Call a worker method on every rank; results in rank order."""
         ...
 
+    def state_versions(self, timeout_s: float) -> dict[int, int]:
+        """{worker id: optimizer steps applied to the state it holds} of the members that answer within
+        ``timeout_s`` (after a failure, to find who holds the state after the last completed step)."""
+        ...
+
     def shutdown(self) -> None: ...

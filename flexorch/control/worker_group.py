@@ -403,6 +403,13 @@ class RayWorkerGroup:
         out = self.call_all(refs, method, self.timeout_s + 30)
         return [out[w] for w in self.worker_ids]
 
+    def state_versions(self, timeout_s: float) -> dict[int, int]:
+        """{worker id: optimizer steps in the state it holds} of the members that answer within ``timeout_s``; one
+        that does not (dead or hung) is left out (and killed, as :meth:`settle` does)."""
+        refs = {w: self._actors[w].state_version.remote() for w in self.worker_ids}
+        results, _ = self.settle(refs, timeout_s)
+        return {w: int(v) for w, v in results.items()}
+
     def shutdown(self) -> None:
         for actor in list(self._actors.values()) + [j[0] for j in self.joining.values()]:
             ray.kill(actor, no_restart=True)

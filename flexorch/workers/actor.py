@@ -93,6 +93,10 @@ class Worker:
         self._faults: list[tuple[str, int, int, str]] = []
         self._calls: Counter = Counter()
 
+    def state_version(self) -> int:
+        """Optimizer steps applied to the state this worker holds (0: none; a worker that has not joined yet)."""
+        return self.version
+
     def info(self) -> dict:
         """Where this worker runs."""
         return {
