@@ -151,7 +151,8 @@ def test_membership_lines_for_a_roll_back_and_an_uneven_world():
     from flexorch.cli.train import format_membership
 
     back = {"event": "membership", "what": "run step 4", "rollback": True, "lost": [2], "reason": "parts lost",
-            "from_step": 4, "to_step": 2, "world_before": [0, 1, 3], "world_after": [0, 1, 3], "recovery_ms": 80.0}  # fmt: skip
+            "from_step": 4, "to_step": 2, "world_before": [0, 1, 3], "world_after": [0, 1, 3],
+            "recovery_ms": 80.0}  # fmt: skip
     assert format_membership(back) == (
         "membership: run step 4: parts lost; back to the checkpoint of step 2 (from step 4), world of 3 in 80 ms"
     )
