@@ -196,3 +196,26 @@ def test_a_world_formed_again_shards_on_its_own_mesh_not_an_equal_one_of_a_close
     assert fixed == [[r, 2, r % 2, 2, 3 - r, 2, (3 - r) % 2, 2] for r in range(4)], fixed
     stale = pool.run(_reformed_mesh_job, False)  # the guard in sharded_decoder says so instead of using stale groups
     assert all(len(r) == 5 and "closed world" in r[-1] for r in stale), stale
+
+
+def _after_a_failed_world_job(ctx):
+    """Ranks 0 and 1 try a world of 4 that ranks 2 and 3 never join (their init fails at its timeout, as when a peer
+    dies while a world forms); then all four form the next world and create a sub-group, which needs every rank to
+    name its groups alike."""
+    if ctx.rank < 2:
+        with pytest.raises(Exception):  # noqa: B017 - a timeout or a closed rendezvous, whatever torch raises
+            ctx.registry(epoch_offset=0, timeout_s=2.0)
+    assert not dist.is_initialized()
+    with ctx.registry(epoch_offset=1, timeout_s=10.0) as reg:
+        reg.ensure([(0, 1), (2, 3), (1, 2)])
+        pair, bridge = torch.ones(1), torch.ones(1)
+        dist.all_reduce(pair, group=reg.group((0, 1) if ctx.rank < 2 else (2, 3)))
+        if ctx.rank in (1, 2):
+            dist.all_reduce(bridge, group=reg.group((1, 2)))
+        return int(pair.item()) + int(bridge.item())
+
+
+def test_a_world_formed_after_a_failed_one_names_its_groups_like_its_peers(pool):
+    # before ProcessGroupRegistry restarted c10d's group counter, the ranks whose init had failed named every group
+    # one ahead of the others, and the next world's gloo rendezvous waited for keys nobody wrote
+    assert pool.run(_after_a_failed_world_job, timeout_s=60) == [3, 4, 4, 3]

@@ -103,6 +103,18 @@ def abort_world(groups: Iterable[dist.ProcessGroup] = ()) -> None:
     dist.destroy_process_group()
 
 
+def _restart_group_names() -> None:
+    """Name this world's groups from the start, as every other rank does: c10d names a group by a per-process
+    counter (``_World.group_count``, "0" for the world, then "1", "2", ...), which ``destroy_process_group`` resets.
+    An ``init_process_group`` that failed (its rendezvous broke when a peer died while the world formed) has taken a
+    number and left no world to destroy, so that process would name every group of its next world one ahead of its
+    peers, whose gloo rendezvous then wait on keys nobody writes (seen on 2026-11-26: a world formed after a failed
+    one timed out on ``.../epoch4/1//cpu//0/0``). Called only while no world is open, when no group holds a name."""
+    world = getattr(c10d, "_world", None)  # private: looked up, not assumed
+    if world is not None and getattr(world, "group_count", 0):
+        world.group_count = 0
+
+
 def canonical_rank_sets(rank_sets: Iterable[Iterable[int]], world_size: int) -> list[RankSet]:
     """Deduplicated, sorted rank sets in the order every rank creates them; raises ValueError on bad ranks."""
     canon = set()
@@ -149,6 +161,7 @@ class ProcessGroupRegistry:
                 os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = NCCL_ASYNC_ERROR_HANDLING  # an explicit value wins
             if device is not None and device.type == "cuda":
                 bind["device_id"] = device  # eager NCCL init; sub-groups split off the world (module docstring)
+        _restart_group_names()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"flexorch/epoch{epoch}", store),
