@@ -177,6 +177,7 @@ class TrainingDriver:
             joined = self.elastic.at_boundary()
         except PartsLostError as e:
             return self._roll_back(e, "admit joining workers", [])
+        boundary_ms = (time.perf_counter() - t_start) * 1e3
         batch = self.stream.peek()  # taken (next_batch) only once the step is done or skipped
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
         carried, self._rolled_back = self._rolled_back, []
@@ -200,6 +201,7 @@ class TrainingDriver:
                 "mode": self.cfg.plan.mode,
                 "solve_s": planned.solve_s,
                 "plan_wait_ms": plan_wait_ms,
+                "boundary_ms": boundary_ms,
                 "baselines_ms": planned.baselines_ms,
                 "recoveries": recoveries,
             }

@@ -51,7 +51,9 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
 * ``measured_ms`` (dispatch to the last outcome, as the driver saw it), ``compute_ms`` (slowest rank, start to
   end of its micro-batches: what ``predicted_ms`` predicts), ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
   ``plan_wait_ms`` (time the driver waited for the plan: zero when the solve hid behind the previous step),
-  ``overhead_ms`` (driver bookkeeping after the outcomes);
+  ``boundary_ms`` (optional: membership work between the previous step and this one: admitting workers that finished
+  starting, starting new ones; a worker starting beside the steps costs nothing here), ``overhead_ms`` (driver
+  bookkeeping after the outcomes);
 * ``loss``, ``tokens_per_s``, ``lr``, ``grad_norm``, ``ranks`` (per rank, or null for a rank lost after the step's
   update was applied: ``micro_batch_ms`` and ``micro_batch_start_ms`` (the measured time and start, from the
   rank's step start, of its group in each micro-batch; null where it sat one out), ``compute_end_ms``,
