@@ -255,3 +255,31 @@ def _causal(q, k, v, n):
     from flexorch.workers.attention.api import varlen_attn_func
 
     return varlen_attn_func(q, k, v, torch.tensor([0, n], dtype=torch.int32), n)
+
+
+def test_an_idle_ranks_empty_micro_batch_returns_no_view_from_the_fsdp_root(tmp_path):
+    # FSDP2 warns when a wrapped module returns a view (an in-place op on it would drop the pre-backward hook): an
+    # idle rank's (0, vocab) logits were a slice of the dummy token's, and every FSDP worker warned after each world
+    # change that left a rank idle. A world of one over gloo, the decoder sharded as workers shard it.
+    import warnings
+
+    import torch.distributed as dist
+
+    from flexorch.workers.fsdp import build_mesh, fill_initial, sharded_decoder
+    from flexorch.workers.process_groups import ProcessGroupRegistry
+
+    if dist.is_initialized():
+        pytest.skip("a torch.distributed world is already open in this process")
+    cfg = _model_cfg(_dir(tmp_path))
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    with ProcessGroupRegistry(store=store, rank=0, world_size=1, epoch=0, backend="gloo"):
+        model = sharded_decoder(cfg, build_mesh("fsdp", 1, None, "cpu"))
+        fill_initial(model, cfg, 0)
+        empty = torch.zeros(0, dtype=torch.int64)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            logits = model(empty, empty, None)
+            logits.sum().backward()
+    assert logits.shape == (0, cfg.vocab_size) and logits._base is None
+    assert not [w for w in caught if "view tensor" in str(w.message)], [str(w.message) for w in caught]
+    assert all(p.grad is not None for p in model.parameters()), "the backward reached every FSDP unit"

@@ -227,7 +227,7 @@ class Worker:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below
             err, text = e, traceback.format_exc()
-        err.__traceback__ = None  # release the failed collective's frames, so leaving the world closes sockets
+        _drop_frames(err)  # release the failed collective's frames, so leaving the world closes sockets
         self.leave_world(abort=True)  # the step failed: the world's state is unknown, a destroy could wait forever
         if _is_world_error(err):
             raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
@@ -393,6 +393,17 @@ class Worker:
 
 class _NoParams(torch.nn.Module):
     """What a rank on no pipeline stage holds of a sharded model: nothing."""
+
+
+def _drop_frames(err: BaseException) -> None:
+    """Clear the tracebacks of ``err`` and of every exception chained to it (``__cause__``, ``__context__``): their
+    frames hold the failed step's locals (the model, its activations and hooks, and through them the world's process
+    groups), and a gloo group closes its sockets only when nothing holds it any more."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        err.__traceback__ = None
+        err = err.__cause__ or err.__context__
 
 
 def _wants_gpu(use_gpu: bool | None) -> bool:

@@ -132,7 +132,9 @@ class HFDecoder(nn.Module):
         takes part in every gather and reduce-scatter as ranks with tokens do."""
         one = torch.zeros(1, dtype=torch.int64, device=device)
         out = self.model(input_ids=one[None], position_ids=one[None], use_cache=False, flexorch_attn=_self_only)
-        return self._head(out.last_hidden_state[0])[:0]  # (1, vocab) -> (0, vocab)
+        # (1, vocab) -> (0, vocab), a copy: FSDP2 warns on a view from a wrapped module (an in-place op on it would
+        # drop the pre-backward hook), and every worker did after each world change that left a rank idle
+        return self._head(out.last_hidden_state[0])[:0].clone()
 
     def to_empty(self, *, device, recurse: bool = True) -> HFDecoder:
         """``nn.Module.to_empty``, then the rotary embedding's buffers (computed from the config, not parameters,
