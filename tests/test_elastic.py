@@ -87,6 +87,35 @@ def test_a_hung_worker_is_declared_lost_after_the_collective_timeout(env):
     _check_against_reference(cfg, env[3], records, replicas)
 
 
+def test_a_stopped_worker_is_found_by_its_heartbeat_not_the_collective_timeout(env):
+    # SIGSTOP (a frozen process: its sockets stay open, so its peers' collectives just wait) between steps 0 and 1;
+    # its heartbeat stops, the driver kills it after heartbeat_timeout_s and its peers' collectives fail at once,
+    # long before the default 120 s collective timeout
+    import os
+    import signal
+
+    cfg = _cfg(env, "sigstop", elastic={"heartbeat_timeout_s": 3.0})
+    driver = TrainingDriver(cfg, corpus=env[3])
+    records = []
+    try:
+        driver.setup()
+        pid = driver.workers.call("info")[2]["pid"]
+        records.append(driver.step().record)
+        os.kill(pid, signal.SIGSTOP)
+        while not driver.finished:
+            records.append(driver.step().record)
+        replicas = driver.replica_parameters()
+    finally:
+        driver.shutdown()
+    rec = records[1]["recoveries"][0]
+    assert rec["lost"] == [2] and rec["detected_by"] == "heartbeat", rec
+    assert 3_000 <= rec["detect_ms"] < cfg.elastic.collective_timeout_s * 1e3, rec
+    assert rec["total_ms"] == pytest.approx(rec["detect_ms"] + rec["recovery_ms"] + rec["rerun_ms"])
+    line = format_membership({"event": "membership", **rec})
+    assert "after its last heartbeat: its heartbeat stopped" in line, line
+    _check_against_reference(cfg, env[3], records, replicas)
+
+
 def test_all_workers_lost_is_a_clear_error_and_the_checkpoint_is_intact(env):
     from flexorch.control.checkpoint import latest_checkpoint, load_checkpoint
 

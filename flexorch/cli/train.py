@@ -62,11 +62,18 @@ def format_step(ev: dict, total: int) -> str:
     plan = f"{ev['shape']} [fallback: {fb['reason']}]" if fb else ev["shape"]
     budget = f"/{ev['plan_budget_s']:.2f}" if ev.get("plan_budget_s") else ""  # of the budget the plan had
     gap = f" gap {ev['gap'] * 100:4.1f}%" if ev.get("gap") is not None else ""
-    return (
+    line = (
         f"{head}  plan {plan:<18s} solve {ev['solve_s']:5.2f}{budget}s{gap}  loss {ev['loss']:7.4f}  "
         f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['compute_ms']:7.1f} ms  "
         f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
     )
+    for rec in ev.get("recoveries") or ():
+        if "total_ms" in rec:  # a failure during this step: the time it cost, as lived
+            line += (
+                f"  [recovered in {rec['total_ms'] / 1e3:.1f} s: detect {rec.get('detect_ms', 0.0) / 1e3:.1f} s, "
+                f"re-form {rec['recovery_ms'] / 1e3:.1f} s, re-run {rec['rerun_ms'] / 1e3:.1f} s]"
+            )
+    return line
 
 
 def format_membership(ev: dict) -> str:
@@ -90,8 +97,12 @@ def format_membership(ev: dict) -> str:
             f"{ev['from_step']}), world of {after} in {ev['recovery_ms']:.0f} ms{layout}"
         )
     redo = "the step's update had finished, kept" if ev["step_completed"] else "re-running the step"
+    seen = ""
+    if ev.get("detect_ms") is not None:
+        by = "its heartbeat stopped" if ev.get("detected_by") == "heartbeat" else "Ray reported it"
+        seen = f" (seen {ev['detect_ms'] / 1e3:.1f} s after its last heartbeat: {by})"
     return (
-        f"membership: {ev['what']}: {ev['reason']}; {'/'.join(ev['decisions'])}, world {before} -> {after} "
+        f"membership: {ev['what']}: {ev['reason']}{seen}; {'/'.join(ev['decisions'])}, world {before} -> {after} "
         f"workers {ev['world_after']} in {ev['recovery_ms']:.0f} ms; {redo}{layout}"
     )
 

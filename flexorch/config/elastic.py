@@ -36,6 +36,12 @@ class ElasticSettings:
     """A collective (or a rendezvous) waiting longer than this fails instead of hanging: the bound on how long a
     silent peer can stall the survivors before it is declared lost (hung, killed and replaced)."""
 
+    heartbeat_timeout_s: float = 10.0
+    """A worker whose heartbeat (a thread beside its step, beating once a second to the driver, outside the
+    collectives) stays silent this long is declared hung and killed at once, so its peers' collectives fail now
+    rather than at ``collective_timeout_s``; a worker that is merely slow (a long step, a big all-to-all) keeps
+    beating. 0 turns the watch off."""
+
     def __post_init__(self) -> None:
         for name in ("min_workers", "max_workers"):
             v = getattr(self, name)
@@ -52,3 +58,9 @@ class ElasticSettings:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
             raise ConfigError(f"elastic.collective_timeout_s must be > 0, got {t!r}")
+        h = self.heartbeat_timeout_s
+        if isinstance(h, bool) or not isinstance(h, int | float) or not (h == 0 or h >= 2):
+            raise ConfigError(
+                f"elastic.heartbeat_timeout_s must be 0 (off) or at least 2 (seconds; workers beat once a second), "
+                f"got {h!r}"
+            )

@@ -229,12 +229,17 @@ class TrainingDriver:
                 self._rolled_back = carried  # an earlier roll-back is still recorded with the next trained step
                 return self._roll_back(e, f"run step {self.step_no}", recoveries[len(carried) :])
             recoveries.append(rec)
+            rerun_from = time.perf_counter()  # the recovered step runs again (or stands) from here
             attempt = rec["attempt"] + 1
             if rec["step_completed"]:  # some survivors finished the update before the failure: it stands
                 outcomes = [results.get(w) if w in failure.completed else None for w in base["worker_ids"]]
                 break
         self.stream.next_batch()
         t_done = time.perf_counter()
+        if attempt:  # the time a user lived: detect (last sign of life -> failure seen), re-form, re-run
+            rec = recoveries[-1]
+            rec["rerun_ms"] = (t_done - rerun_from) * 1e3
+            rec["total_ms"] = rec.get("detect_ms", 0.0) + rec["recovery_ms"] + rec["rerun_ms"]
         tokens = next(o for o in outcomes if o is not None).num_predicted
         if tokens != sum(s - 1 for s in lengths):
             raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")

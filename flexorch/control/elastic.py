@@ -49,6 +49,7 @@ class Elastic:
         are members that hold no model state yet."""
         w = self.workers
         t0 = time.perf_counter()
+        detected = getattr(w, "detection", lambda lost: None)(failure.lost)  # before a re-formed world forgets it
         before = list(w.worker_ids)
         ahead = set(failure.completed)  # finished the attempt: hold the state after it
         fresh = set(fresh)  # started to replace the lost: hold no state yet
@@ -94,6 +95,8 @@ class Elastic:
                 "step_completed": bool(ahead),
                 "recovery_ms": (time.perf_counter() - t0) * 1e3,
             }
+            if detected is not None:  # from the lost workers' last heartbeat to the failure seen
+                rec["detected_by"], rec["detect_ms"] = detected["by"], detected["detect_ms"]
             self._note_layout(rec)
             self.publish({"event": "membership", **rec})
             return rec

@@ -29,7 +29,12 @@ from flexorch.control.worker_start import WorkerStarter
 from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_parts, transfers
 from flexorch.workers.actor import PeerLostError, WorkerActor
 
-ERROR_GRACE_S = 3.0  # after a worker raises, how long its peers get to report before they are killed
+BEAT_CHECK_S = 1.0  # while waiting on workers: how often their heartbeats are looked at
+ERROR_GRACE_S = 15.0
+"""After a worker raises (a bug: the run stops), how long its peers get to leave the broken world before they are
+killed: they hold the state the emergency checkpoint is written from (``control.emergency``), and on a loaded
+machine 3 s was too short for a peer to fail out of a closed rendezvous (seen on 2026-11-26: killed, its shard lost,
+no emergency checkpoint). Well below ``collective_timeout_s``: a bug still stops the run in seconds."""
 PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
 
 __all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
@@ -74,6 +79,7 @@ class RayWorkerGroup:
         threads: int = 1,
         collective_timeout_s: float = 120.0,
         placement_timeout_s: float = 60.0,
+        heartbeat_timeout_s: float = 10.0,
         min_workers: int | None = None,
         sharding: dict | None = None,
         publish=None,
@@ -97,6 +103,11 @@ class RayWorkerGroup:
         self.host = ray.util.get_node_ip_address()
         self.store: dist.TCPStore | None = None
         self._worlds = 0
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._beats = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)  # lives as long as the run
+        self._beat_seen: dict[int, tuple[int, float]] = {}  # worker id -> (beats, when that count was first seen)
+        self.silent: dict[int, float] = {}
+        """Workers declared hung by their heartbeat during the last :meth:`settle`: worker id -> seconds silent."""
         need = num_workers if min_workers is None else min_workers
         self._check_capacity(need)
         # no more than the cluster holds (a job on a smaller cluster starts with what fits; the elastic policy grows
@@ -138,6 +149,7 @@ class RayWorkerGroup:
             use_gpu=cfg.use_gpu,
             threads=cfg.worker_threads,
             collective_timeout_s=cfg.elastic.collective_timeout_s,
+            heartbeat_timeout_s=cfg.elastic.heartbeat_timeout_s,
             min_workers=cfg.min_workers,
             sharding={
                 "mode": cfg.sharding_mode,
@@ -206,6 +218,9 @@ class RayWorkerGroup:
         for wid in worker_ids:
             self._actors[wid] = self._starts.take(wid)
             self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
+            start = getattr(self._actors[wid], "start_heartbeat", None)  # a stand-in worker class may not beat
+            if self.heartbeat_timeout_s and start is not None:
+                start.remote(self.host, self._beats.port)
         self.membership.add(worker_ids)
 
     def remove(self, worker_ids) -> None:
@@ -265,6 +280,7 @@ class RayWorkerGroup:
         """
         pending = {ref: wid for wid, ref in refs.items()}
         results, lost, peer, errors = {}, set(), set(), []
+        self.silent, self.failed_at = {}, None
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         tick = t0 + PROGRESS_EVERY_S
@@ -281,6 +297,19 @@ class RayWorkerGroup:
                 )
                 self._publish({"event": "progress", "message": msg})
             wait_s = left if what is None else max(0.0, min(left, tick - now))
+            if self.heartbeat_timeout_s:
+                wait_s = min(wait_s, BEAT_CHECK_S)
+                hung = self._silent_workers(set(pending.values()))
+                if hung:  # killed now: its sockets close, so peers blocked on it fail at once
+                    for ref in [r for r, w in pending.items() if w in hung]:
+                        ray.kill(self._actors[pending.pop(ref)], no_restart=True)
+                    lost |= set(hung)
+                    self.silent.update(hung)
+                    self.failed_at = self.failed_at or time.monotonic()
+                    self.store = None
+                    if not errors:
+                        deadline = min(deadline, time.monotonic() + self.timeout_s + 5.0)
+                    continue
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
             for ref in ready:
                 wid = pending.pop(ref)
@@ -295,6 +324,7 @@ class RayWorkerGroup:
                         peer.add(wid)
                     else:
                         errors.append((wid, f"{type(cause).__name__}: {str(cause).splitlines()[0][:500]}"))
+                self.failed_at = self.failed_at or time.monotonic()
                 if self.store is not None:  # the world is broken: workers blocked in its rendezvous fail now
                     self.store = None
                 # a worker's own error ends the run (it is not retried), so peers get a short grace only
@@ -306,6 +336,34 @@ class RayWorkerGroup:
         if not (lost or peer or errors):
             return results, None
         return results, Failure(frozenset(lost), frozenset(peer), tuple(errors), frozenset(results))
+
+    def beats(self, worker_ids) -> dict[int, int]:
+        """Heartbeats counted so far per worker (``Worker.start_heartbeat``); 0 before the first."""
+        return {w: int(self._beats.add(f"beat/{w}", 0)) for w in worker_ids}
+
+    def _silent_workers(self, worker_ids: set[int]) -> dict[int, float]:
+        """Of ``worker_ids``, those whose heartbeat has not moved for ``heartbeat_timeout_s``: id -> seconds silent.
+        A worker that has never beaten (its thread not started yet, or a class without one) is not judged."""
+        now = time.monotonic()
+        out = {}
+        for w, n in self.beats(worker_ids).items():
+            seen = self._beat_seen.get(w)
+            if seen is None or seen[0] != n:
+                self._beat_seen[w] = (n, now)
+            elif n > 0 and now - seen[1] > self.heartbeat_timeout_s:
+                out[w] = now - seen[1]
+        return out
+
+    def detection(self, lost) -> dict | None:
+        """How the last :meth:`settle`'s failure was found: ``{"by": "heartbeat" | "ray", "detect_ms"}``, the time
+        from the lost workers' last heartbeat (their last sign of life the driver saw) to the failure being seen;
+        None when no failure was seen or the lost workers were never heard from."""
+        lost = [w for w in lost if w in self._beat_seen]
+        if self.failed_at is None or not lost:
+            return None
+        last = min(self._beat_seen[w][1] for w in lost)
+        by = "heartbeat" if set(lost) & set(self.silent) else "ray"
+        return {"by": by, "detect_ms": max(0.0, self.failed_at - last) * 1e3}
 
     def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
         """:meth:`settle`, raising :class:`MembershipFailure` on any failure."""
@@ -416,3 +474,4 @@ class RayWorkerGroup:
         self._actors.clear()
         self.joining.clear()
         self.store = None
+        self._beats = None

@@ -61,6 +61,7 @@ METRICS = (
     ("flexorch_plan_fallbacks_total", "counter", "short", "Plan fallbacks by reason"),
     ("flexorch_solver_crashes_total", "counter", "short", "MILP solver crashes"),
     ("flexorch_recoveries_total", "counter", "short", "Membership changes"),
+    ("flexorch_recovery_ms", "gauge", "ms", "Last recovery: detect / re-form / re-run / total"),
 )
 
 STEP_MS_BOUNDARIES = [10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000]
@@ -108,6 +109,9 @@ class RunMetrics:
         self.skipped = Counter("flexorch_skipped_batches_total", description="Batches skipped", tag_keys=run_tag)
         self.recoveries = Counter(
             "flexorch_recoveries_total", description="Membership changes", tag_keys=run_tag + ("what",)
+        )
+        self.recovery_time = gauge(
+            "flexorch_recovery_ms", "Time the last recovery cost, by phase (detect, reform, rerun, total)", ("phase",)
         )
         self.fallbacks = Counter(
             "flexorch_plan_fallbacks_total",
@@ -159,3 +163,8 @@ class RunMetrics:
     def on_recovery(self, record: dict) -> None:
         what = "rollback" if record.get("rollback") else "grow" if record.get("what") == "grow" else "shrink"
         self.recoveries.inc(1, tags={**self._tags, "what": what})
+        if "total_ms" in record:  # a failure recovered within the step: detect, re-form, re-run as lived
+            phases = {"detect": record.get("detect_ms", 0.0), "reform": record["recovery_ms"]}
+            phases |= {"rerun": record["rerun_ms"], "total": record["total_ms"]}
+            for phase, ms in phases.items():
+                self.recovery_time.set(ms, tags={**self._tags, "phase": phase})

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import threading
 import time
 import traceback
 from collections import Counter
@@ -35,7 +36,10 @@ from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
 from flexorch.workers.step_exec import StepOutcome, run_step
 
-__all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS"]
+__all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS", "HEARTBEAT_S"]
+
+HEARTBEAT_S = 1.0
+"""How often a worker's heartbeat thread beats (``Worker.start_heartbeat``)."""
 
 FAULT_POINTS = ("join", "micro_batch", "before_sync", "after_sync")
 """Where :meth:`Worker.inject_fault` can strike: joining a world, after a micro-batch's forward, before the
@@ -92,6 +96,31 @@ class Worker:
         self._store: dist.Store | None = None
         self._faults: list[tuple[str, int, int, str]] = []
         self._calls: Counter = Counter()
+
+    def start_heartbeat(self, host: str, port: int, period_s: float = HEARTBEAT_S) -> None:
+        """Beat every ``period_s`` into the driver's heartbeat store (``beat/<worker id>``, a counter), from a
+        thread beside the steps and outside the collectives, so the driver tells a hung worker (SIGSTOP, a deadlock
+        outside Python) from a slow one. The same thread ends this process at once when its raylet is gone (its
+        parent changed): a worker orphaned by its node's raylet would otherwise keep its gloo sockets open, and its
+        peers would wait on it until their collective timeout."""
+        if getattr(self, "_beat", None) is not None:
+            return
+        parent = os.getppid()
+        store = dist.TCPStore(host, port, is_master=False, timeout=_td(30.0))
+        key = f"beat/{self.worker_id}"
+
+        def beat() -> None:
+            while True:
+                if os.getppid() != parent:  # the raylet that started this worker died: so does its worker
+                    os._exit(1)
+                try:
+                    store.add(key, 1)
+                except Exception:  # noqa: BLE001 - the driver's store is gone (the run ended): stop beating
+                    return
+                time.sleep(period_s)
+
+        self._beat = threading.Thread(target=beat, name="flexorch-heartbeat", daemon=True)
+        self._beat.start()
 
     def state_version(self) -> int:
         """Optimizer steps applied to the state this worker holds (0: none; a worker that has not joined yet)."""
@@ -214,7 +243,7 @@ class Worker:
             except Exception:  # noqa: BLE001
                 pass
         self._store = None
-        if self.sharded:  # DTensor caches would hand the closed world's meshes to the next one's parameters
+        if getattr(self, "sharded", False):  # DTensor caches would give the closed world's meshes to the next one
             from flexorch.workers.fsdp import forget_closed_meshes
 
             forget_closed_meshes()
