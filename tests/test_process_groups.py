@@ -219,3 +219,35 @@ def test_a_world_formed_after_a_failed_one_names_its_groups_like_its_peers(pool)
     # before ProcessGroupRegistry restarted c10d's group counter, the ranks whose init had failed named every group
     # one ahead of the others, and the next world's gloo rendezvous waited for keys nobody wrote
     assert pool.run(_after_a_failed_world_job, timeout_s=60) == [3, 4, 4, 3]
+
+
+def _abort_job(ctx):
+    """Rank 0 never enters the all-reduce (a peer frozen, or gone without closing its connections); ranks 1-3 shut
+    their world's sockets down from another thread after 1 s (the driver tells every survivor to): each fails at
+    once instead of at the 30 s timeout, and the next worlds form as usual."""
+    import threading
+    import time
+
+    reg = ctx.registry(timeout_s=30.0)
+    try:
+        reg.ensure([(0, 1), (2, 3)])  # sub-groups' sockets are the world's too
+        assert reg.sockets, "the world's sockets were recorded"
+        if ctx.rank != 0:
+            threading.Timer(1.0, reg.abort_sockets).start()
+        t0 = time.monotonic()
+        if ctx.rank == 0:
+            time.sleep(3.0)
+            return -1.0
+        try:
+            dist.all_reduce(torch.ones(1), group=reg.world)
+            return -2.0
+        except RuntimeError:
+            return time.monotonic() - t0
+    finally:
+        reg.close(abort=True)
+
+
+def test_shutting_a_worlds_sockets_down_ends_a_collective_in_flight_on_every_rank(pool):
+    waited = pool.run(_abort_job, timeout_s=60)
+    assert waited[0] == -1.0 and all(0.5 < w < 10.0 for w in waited[1:]), waited
+    assert pool.run(_epoch_job) == [3, 3, 3, 0], "the next worlds form on the same processes"

@@ -275,7 +275,9 @@ class RayWorkerGroup:
         fails at once) and the others get ``collective_timeout_s`` plus a grace to settle (survivors whose
         collective broke fail fast; one blocked on a silent peer fails at its collective timeout); a worker that
         has not answered by then is hung: it is killed and counted as lost. A worker's own error (a bug, bad
-        input) is final, so then the others get only ``ERROR_GRACE_S`` before they are killed. With ``what``, a wait
+        input) is final, so then the others get only ``ERROR_GRACE_S``; those still unanswered then are killed unless
+        their heartbeat shows them alive (in a bounded wait: they are left running and reported nowhere, since the
+        run stops on the error and its emergency checkpoint may need their state). With ``what``, a wait
         longer than ``PROGRESS_EVERY_S`` publishes progress (who answered, who is still working).
         """
         pending = {ref: wid for wid, ref in refs.items()}
@@ -305,7 +307,9 @@ class RayWorkerGroup:
                         ray.kill(self._actors[pending.pop(ref)], no_restart=True)
                     lost |= set(hung)
                     self.silent.update(hung)
-                    self.failed_at = self.failed_at or time.monotonic()
+                    if self.failed_at is None:
+                        self.failed_at = time.monotonic()
+                        self._abort_pending(pending.values())
                     self.store = None
                     if not errors:
                         deadline = min(deadline, time.monotonic() + self.timeout_s + 5.0)
@@ -324,22 +328,43 @@ class RayWorkerGroup:
                         peer.add(wid)
                     else:
                         errors.append((wid, f"{type(cause).__name__}: {str(cause).splitlines()[0][:500]}"))
-                self.failed_at = self.failed_at or time.monotonic()
+                if self.failed_at is None:  # the world is broken: end every collective still waiting in it now
+                    self.failed_at = time.monotonic()
+                    self._abort_pending(pending.values())
                 if self.store is not None:  # the world is broken: workers blocked in its rendezvous fail now
                     self.store = None
                 # a worker's own error ends the run (it is not retried), so peers get a short grace only
                 grace = ERROR_GRACE_S if errors else self.timeout_s + 5.0
                 deadline = min(deadline, time.monotonic() + grace)
         for wid in pending.values():  # hung past the collective timeout
+            if errors and self._beating(wid):
+                continue  # alive, in a bounded wait: left running, its state may be kept (control.emergency)
             ray.kill(self._actors[wid], no_restart=True)
             lost.add(wid)
         if not (lost or peer or errors):
             return results, None
         return results, Failure(frozenset(lost), frozenset(peer), tuple(errors), frozenset(results))
 
+    def _abort_pending(self, worker_ids) -> None:
+        """Tell workers still in a call on a broken world to shut its sockets down (``Worker.abort_world``, on
+        their control thread): a collective waiting on a gone or frozen peer fails at once. Not waited for."""
+        for w in worker_ids:
+            abort = getattr(self._actors.get(w), "abort_world", None)  # a stand-in worker class may lack it
+            if abort is not None:
+                abort.remote()
+
     def beats(self, worker_ids) -> dict[int, int]:
         """Heartbeats counted so far per worker (``Worker.start_heartbeat``); 0 before the first."""
         return {w: int(self._beats.add(f"beat/{w}", 0)) for w in worker_ids}
+
+    def _beating(self, worker_id: int) -> bool:
+        """Whether the worker's heartbeat moved within ``heartbeat_timeout_s`` (False when it never beat)."""
+        if not self.heartbeat_timeout_s:
+            return False
+        n = self.beats([worker_id])[worker_id]
+        seen = self._beat_seen.get(worker_id)
+        fresh = seen is None or seen[0] != n or time.monotonic() - seen[1] <= self.heartbeat_timeout_s
+        return n > 0 and fresh
 
     def _silent_workers(self, worker_ids: set[int]) -> dict[int, float]:
         """Of ``worker_ids``, those whose heartbeat has not moved for ``heartbeat_timeout_s``: id -> seconds silent.

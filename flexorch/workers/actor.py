@@ -38,6 +38,8 @@ from flexorch.workers.step_exec import StepOutcome, run_step
 
 __all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS", "HEARTBEAT_S"]
 
+STORE_CONNECT_S = 10.0
+"""How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
 HEARTBEAT_S = 1.0
 """How often a worker's heartbeat thread beats (``Worker.start_heartbeat``)."""
 
@@ -53,7 +55,7 @@ class PeerLostError(RuntimeError):
 
 def _is_world_error(e: BaseException) -> bool:
     markers = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe")
-    return isinstance(e, dist.DistError) or any(m in str(e) for m in markers)
+    return isinstance(e, dist.DistError | ConnectionError) or any(m in str(e) for m in markers)
 
 
 class Worker:
@@ -122,8 +124,18 @@ class Worker:
         self._beat = threading.Thread(target=beat, name="flexorch-heartbeat", daemon=True)
         self._beat.start()
 
+    @ray.method(concurrency_group="control")
+    def abort_world(self) -> int:
+        """Shut down the current world's sockets from the control thread, while the step's thread may be blocked in
+        a collective on a peer that is gone or frozen: that collective fails now (and the step with PeerLostError)
+        instead of at the collective timeout. Returns the sockets shut down (0: no world)."""
+        reg = self.registry
+        return reg.abort_sockets() if reg is not None else 0
+
+    @ray.method(concurrency_group="control")
     def state_version(self) -> int:
-        """Optimizer steps applied to the state this worker holds (0: none; a worker that has not joined yet)."""
+        """Optimizer steps applied to the state this worker holds (0: none; a worker that has not joined yet).
+        Answered on the control thread, so also while a call on the step's thread is still blocked."""
         return self.version
 
     def info(self) -> dict:
@@ -217,6 +229,13 @@ class Worker:
         )  # fmt: skip
 
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
+        # The store is up when the driver asks us to join; when the driver has already closed it (the world broke
+        # before we got here), TCPStore's connect retries past its timeout, so a survivor would sit it out and be
+        # killed as hung, its state lost (seen on 2026-11-26). A plain connect says at once that it is gone.
+        try:
+            socket.create_connection((host, port), timeout=STORE_CONNECT_S).close()
+        except OSError as e:
+            raise ConnectionError(f"the rendezvous store of epoch {epoch} is gone ({e}): the world broke") from None
         self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
         self.registry = ProcessGroupRegistry(
             store=self._store,
@@ -461,5 +480,6 @@ def _td(seconds: float):
     return timedelta(seconds=seconds)
 
 
-WorkerActor = ray.remote(Worker)
-"""``Worker`` as a Ray actor class; the driver sets resources with ``.options(num_cpus=..., num_gpus=...)``."""
+WorkerActor = ray.remote(concurrency_groups={"control": 1})(Worker)
+"""``Worker`` as a Ray actor class; the driver sets resources with ``.options(num_cpus=..., num_gpus=...)``. Calls run
+one at a time on the default group's thread; ``abort_world`` runs on its own ("control") beside them."""

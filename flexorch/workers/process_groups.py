@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import socket
 from collections.abc import Iterable
 from datetime import timedelta
 
@@ -52,6 +53,7 @@ __all__ = [
     "ProcessGroupRegistry",
     "RankSet",
     "abort_world",
+    "socket_inodes",
     "backend_for",
     "canonical_rank_sets",
     "default_backend",
@@ -115,6 +117,26 @@ def _restart_group_names() -> None:
         world.group_count = 0
 
 
+def _fds() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc (not Linux): nothing is known about the sockets
+        return []
+
+
+def _inode(fd: int) -> int | None:
+    try:
+        link = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+    return int(link[8:-1]) if link.startswith("socket:[") else None
+
+
+def socket_inodes() -> set[int]:
+    """Inodes of this process's open sockets (Linux ``/proc``; empty elsewhere)."""
+    return {i for i in map(_inode, _fds()) if i is not None}
+
+
 def canonical_rank_sets(rank_sets: Iterable[Iterable[int]], world_size: int) -> list[RankSet]:
     """Deduplicated, sorted rank sets in the order every rank creates them; raises ValueError on bad ranks."""
     canon = set()
@@ -162,6 +184,7 @@ class ProcessGroupRegistry:
             if device is not None and device.type == "cuda":
                 bind["device_id"] = device  # eager NCCL init; sub-groups split off the world (module docstring)
         _restart_group_names()
+        before = socket_inodes()
         dist.init_process_group(
             self.backend,
             store=dist.PrefixStore(f"flexorch/epoch{epoch}", store),
@@ -172,6 +195,8 @@ class ProcessGroupRegistry:
         )
         self._groups: dict[RankSet, dist.ProcessGroup] = {tuple(range(world_size)): dist.group.WORLD}
         self._open = True
+        self.sockets: set[int] = socket_inodes() - before
+        """Inodes of the sockets this world opened (its gloo pairs and listeners; :meth:`abort_sockets`)."""
 
     @property
     def world(self) -> dist.ProcessGroup:
@@ -195,9 +220,12 @@ class ProcessGroupRegistry:
                 "ProcessGroupRegistry.ensure must get the same rank sets on every rank; "
                 f"rank {self.rank} got {canon}, digests per rank: {[int(g) for g in gathered]}"
             )
-        for rs in canon:
-            if rs not in self._groups:
-                self._groups[rs] = dist.new_group(list(rs), timeout=self.timeout)
+        missing = [rs for rs in canon if rs not in self._groups]
+        before = socket_inodes() if missing else set()
+        for rs in missing:
+            self._groups[rs] = dist.new_group(list(rs), timeout=self.timeout)
+        if missing:
+            self.sockets |= socket_inodes() - before
 
     def group(self, ranks: Iterable[int]) -> dist.ProcessGroup:
         """The cached group of ``ranks``; this rank must be a member and ``ensure`` must have created it."""
@@ -208,6 +236,27 @@ class ProcessGroupRegistry:
         if rs not in self._groups:
             raise KeyError(f"group {list(rs)} was not created; call ensure() with it on every rank first")
         return self._groups[rs]
+
+    def abort_sockets(self) -> int:
+        """Shut down every socket this world opened, from any thread; returns how many. The way to abort a gloo
+        world: gloo's ``abort``/``shutdown`` neither interrupt a collective in flight nor close its connections
+        (checked on torch 2.13), and a group's sockets close only when it is freed, which pending work on it delays
+        until the collective timeout. A shut-down connection makes this rank's blocked collective fail at once, and the
+        peer's operations on it too; a rank waiting on a frozen peer is freed only by its own abort, so every survivor
+        aborts. Listening sockets are left alone (gloo's accept loop terminates the process on a shut-down one)."""
+        targets = set(self.sockets)
+        done = 0
+        for fd in _fds():
+            if _inode(fd) in targets:
+                try:
+                    with socket.socket(fileno=os.dup(fd)) as sock:  # a duplicate: the original fd stays gloo's
+                        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                            continue  # a listener: gloo's accept loop dies on a shut-down one (std::terminate)
+                        sock.shutdown(socket.SHUT_RDWR)
+                    done += 1
+                except OSError:  # closed meanwhile, or not connected
+                    pass
+        return done
 
     def close(self, abort: bool = False) -> None:
         """Leave the world and drop every group of this epoch (idempotent).
