@@ -251,3 +251,36 @@ def test_shutting_a_worlds_sockets_down_ends_a_collective_in_flight_on_every_ran
     waited = pool.run(_abort_job, timeout_s=60)
     assert waited[0] == -1.0 and all(0.5 < w < 10.0 for w in waited[1:]), waited
     assert pool.run(_epoch_job) == [3, 3, 3, 0], "the next worlds form on the same processes"
+
+
+def _abort_mesh_job(ctx):
+    """As _abort_job, on a device mesh's group made inside ``tracking()`` (hsdp's replicate group {0, 2}): rank 2
+    waits on rank 0, which never comes; its own abort frees it."""
+    import threading
+    import time
+
+    from flexorch.workers.fsdp import build_mesh
+
+    reg = ctx.registry(timeout_s=30.0)
+    try:
+        with reg.tracking():
+            mesh = build_mesh("hsdp", 4, 2, "cpu")
+        if ctx.rank == 0:
+            time.sleep(3.0)
+            return -1.0
+        if ctx.rank != 2:
+            return -3.0
+        threading.Timer(1.0, reg.abort_sockets).start()
+        t0 = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1), group=mesh.get_group("replicate"))
+            return -2.0
+        except RuntimeError:
+            return time.monotonic() - t0
+    finally:
+        reg.close(abort=True)
+
+
+def test_a_device_mesh_made_while_tracking_is_aborted_too(pool):
+    waited = pool.run(_abort_mesh_job, timeout_s=60)
+    assert waited[:2] == [-1.0, -3.0] and waited[3] == -3.0 and 0.5 < waited[2] < 10.0, waited

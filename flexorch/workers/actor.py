@@ -180,7 +180,8 @@ class Worker:
         from flexorch.workers.reshard import exchange
 
         reg = self.registry
-        self.model = self._build_sharded()
+        with reg.tracking():  # the mesh's groups are this world's too: abort_world must reach their sockets
+            self.model = self._build_sharded()
         params = list(self.model.parameters())
         opt = build_optimizer(self.model, self.optim_cfg, foreach=True) if params else (None, None)
         self.optimizer, self.scheduler = opt

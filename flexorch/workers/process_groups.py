@@ -38,6 +38,7 @@ call (``_abort_process_group``) is looked up with a fallback:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -236,6 +237,16 @@ class ProcessGroupRegistry:
         if rs not in self._groups:
             raise KeyError(f"group {list(rs)} was not created; call ensure() with it on every rank first")
         return self._groups[rs]
+
+    @contextlib.contextmanager
+    def tracking(self):
+        """Count the sockets opened inside the block as this world's (groups made outside :meth:`ensure`, such as a
+        device mesh's), so :meth:`abort_sockets` reaches them too."""
+        before = socket_inodes()
+        try:
+            yield
+        finally:
+            self.sockets |= socket_inodes() - before
 
     def abort_sockets(self) -> int:
         """Shut down every socket this world opened, from any thread; returns how many. The way to abort a gloo
