@@ -178,7 +178,10 @@ def test_ray_job_stop_checkpoints_and_a_resubmitted_resume_trains_like_one_proce
     assert found, logs[-3000:]
     reached = int(found.group(1))
     assert 3 <= reached < long and Path(found.group(2)).is_dir(), logs[-3000:]
-    assert "error" not in logs.lower().replace("stderr", ""), logs[-3000:]
+    # Python's multiprocessing resource tracker in the planner's solver pool, killed with the job, sometimes prints a
+    # KeyError traceback as it goes (seen on 2026-11-26; not flexorch's error, and not fixed yet): those lines aside
+    own = "\n".join(line for line in logs.splitlines() if not _resource_tracker_noise(line))
+    assert "error" not in own.lower().replace("stderr", ""), logs[-3000:]
     assert len(read_records(run_dir / "steps.jsonl")) == reached
 
     steps = reached + 2
@@ -204,3 +207,18 @@ def test_ray_job_stop_checkpoints_and_a_resubmitted_resume_trains_like_one_proce
     assert [r["doc_ids"] for r in got] == [list(stream.next_batch().doc_ids) for _ in range(steps)]
     ref_losses, _ = reference_losses_and_params(cfg, corpus, got)
     assert [r["loss"] for r in got] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+
+
+_TRACKER_NOISE = None
+
+
+def _resource_tracker_noise(line: str) -> bool:
+    """A line of the traceback multiprocessing's resource tracker prints when it was killed with its process (its
+    header, the frames in resource_tracker.py, and ``KeyError: '/mp-...'``)."""
+    global _TRACKER_NOISE
+    if _TRACKER_NOISE is None:
+        _TRACKER_NOISE = re.compile(
+            r"resource_tracker|cache\[rtype\]\.remove\(name\)|KeyError: '/mp-|Traceback \(most recent call last\):$"
+            r"|warnings\.warn\('resource_tracker"
+        )
+    return bool(_TRACKER_NOISE.search(line))
