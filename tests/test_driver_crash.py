@@ -10,6 +10,7 @@ training on the same batches.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -93,3 +94,77 @@ def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluste
     final = torch.load(run_dir / "checkpoints" / "checkpoint_000006" / "model.pt", weights_only=True)
     for name, value in ref_params.items():
         np.testing.assert_allclose(final[name].numpy(), value, rtol=1e-4, atol=2e-5, err_msg=name)
+
+
+def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restarts_run_out(tmp_path, ray_cluster):
+    """Only the TrainingDriver actor's process dies (SIGKILL): `flexorch train` says so, starts a new driver from the
+    newest checkpoint and trains on; once `[elastic] driver_restarts` is used up it exits 2 with the resume command.
+    Resumed, the run's records hold every step once with the reference's losses and documents."""
+    config = small_run_toml(tmp_path, steps=8, checkpoint_every=2)
+    config.write_text(config.read_text() + "[elastic]\ndriver_restarts = 1\n")
+    corpus_dir, run_dir = tmp_path / "corpus", tmp_path / "run"
+    cmd = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config), "--run-dir", str(run_dir)]
+    ray_tmp = Path(tempfile.mkdtemp(prefix="fxd-", dir="/tmp"))  # short: Ray's socket paths stay < 108 bytes
+    env = {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp)}
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    seen, pids, kills = [], [], []
+    try:
+        deadline = time.monotonic() + 300
+        for line in proc.stdout:
+            seen.append(line)
+            m = re.search(r"driver and planner on this entrypoint's node \S+ \(pid (\d+)\)", line)
+            if m:
+                pids.append(int(m[1]))
+            # the first driver after step 3, its replacement (which trains steps 3.. again) after step 6
+            if line.startswith(("step    3/8", "step    6/8")[len(kills)] if len(kills) < 2 else "never"):
+                os.kill(pids[-1], signal.SIGKILL)
+                kills.append(pids[-1])
+            if time.monotonic() > deadline:
+                break
+        rc = proc.wait(timeout=60)
+    finally:
+        _kill_tree(proc, ray_tmp)
+    out = "".join(seen)
+    assert len(kills) == 2 and len(pids) == 2 and pids[0] != pids[1], out[-4000:]
+    assert re.search(r"the driver was lost after step [3-8]: The actor is dead", out), out[-4000:]
+    m = re.search(r"starting a new driver from the checkpoint of step (\d+) \(\S+\) \(restart 1 of 1\)", out)
+    assert m and int(m[1]) in (2, 4, 6), out[-4000:]  # checkpoint_every = 2, the kill after step 3 (or just after)
+    assert "(restart 1 of 1)" in out
+    recovered = [ln for ln in out.splitlines() if "[driver restarted, recovered in" in ln]
+    assert len(recovered) == 1, out[-4000:]  # the step past the one the lost driver was running shows the recovery
+    assert rc == 2, out[-4000:]
+    assert "not restarted (driver_restarts = 1)" in out and "--resume`" in out, out[-2000:]
+    records = read_records(run_dir / "steps.jsonl", validate=True)
+    lived = [r for r in records for rec in r["recoveries"] if rec.get("driver_restart")]
+    assert len(lived) == 1
+    rec = next(x for x in lived[0]["recoveries"] if x.get("driver_restart"))
+    assert rec["total_ms"] == pytest.approx(rec["detect_ms"] + rec["recovery_ms"] + rec["rerun_ms"])
+    assert rec["redone_steps"] == lived[0]["step"] - rec["from_step"] >= 0
+
+    try:
+        resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    finally:
+        _kill_tree_dir(ray_tmp)
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    records = read_records(run_dir / "steps.jsonl", validate=True)
+    assert [r["step"] for r in records] == list(range(8)), "every step exactly once, none lost or repeated"
+    cfg = load_train_config(config, {})
+    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=128))
+    stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
+    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in range(8)]
+    ref_losses, _ = reference_losses_and_params(cfg, corpus, records)
+    assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+
+
+def _kill_tree_dir(ray_tmp: Path) -> None:
+    needle = str(ray_tmp).encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "cmdline").read_bytes() or needle in (d / "environ").read_bytes():
+                    os.kill(int(d.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+    shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -53,6 +53,8 @@ def test_flags_set_the_bounds():
         ({"elastic.max_attempts": 0}, r"elastic.max_attempts must be a positive integer, got 0"),
         ({"elastic.collective_timeout_s": 0}, r"elastic.collective_timeout_s must be > 0, got 0"),
         ({"elastic.heartbeat_timeout_s": 1}, r"heartbeat_timeout_s must be 0 \(off\) or at least 2 .*got 1"),
+        ({"elastic.driver_restarts": -1}, r"elastic.driver_restarts must be an integer >= 0, got -1"),
+        ({"elastic.driver_restarts": 1.5}, r"elastic.driver_restarts must be an integer >= 0, got 1.5"),
     ],
 )
 def test_bad_bounds_say_what_to_set(overrides, message):

@@ -68,7 +68,13 @@ def format_step(ev: dict, total: int) -> str:
         f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
     )
     for rec in ev.get("recoveries") or ():
-        if "total_ms" in rec:  # a failure during this step: the time it cost, as lived
+        if rec.get("driver_restart"):  # the driver was lost and a new one took over from the last checkpoint
+            line += (
+                f"  [driver restarted, recovered in {rec['total_ms'] / 1e3:.1f} s: detect {rec['detect_ms'] / 1e3:.1f}"
+                f" s, new driver {rec['recovery_ms'] / 1e3:.1f} s, re-run {rec['rerun_ms'] / 1e3:.1f} s "
+                f"({rec['redone_steps']} step{'' if rec['redone_steps'] == 1 else 's'} trained again)]"
+            )
+        elif "total_ms" in rec:  # a failure during this step: the time it cost, as lived
             line += (
                 f"  [recovered in {rec['total_ms'] / 1e3:.1f} s: detect {rec.get('detect_ms', 0.0) / 1e3:.1f} s, "
                 f"re-form {rec['recovery_ms'] / 1e3:.1f} s, re-run {rec['rerun_ms'] / 1e3:.1f} s]"
@@ -199,75 +205,164 @@ def run_train(
 ) -> dict:
     """Run a training job to the end, or until SIGINT/SIGTERM (then the step in flight finishes, a checkpoint is
     written and the summary has ``stopped``); returns the driver's summary (raises on failure).
-    ``resume_command``: what to print to continue after a stop."""
-    from flexorch.control.driver import TrainingDriverActor
+    ``resume_command``: what to print to continue after a stop.
 
+    A lost driver (its process or node died) is replaced up to ``[elastic] driver_restarts`` times by a new one
+    that resumes from the run's newest checkpoint at the exact next batch (``flexorch.cli.driver_handle``)."""
+    from flexorch.cli.driver_handle import DriverLost, start_driver
+
+    again = resume_command or f"flexorch train --config {cfg.run_dir}/config.json --resume"
     with ray_session(address, cfg.workers), StopSignals() as stops:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         note = stop_grace_note()
         if note:
             print(note, file=out, flush=True)
-        # on this node (the head, under `ray job submit`): the driver must not die with a worker node
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-        driver = TrainingDriverActor.options(scheduling_strategy=here).remote(cfg.to_dict())
-        run_ref = driver.run.remote()
-        seen, done = 0, False
+        driver, where = start_driver(cfg.to_dict())
+        print(f"flexorch train: {where}", file=out, flush=True)
+        view = _RunView(resumed=cfg.resume)
+        restarts = 0
         try:
-            while not done:
-                if stops.received and not stops.forwarded:
-                    stops.forwarded = True
+            while True:
+                try:
+                    return _follow(driver, cfg, view, stops, out, poll_s, again)
+                except DriverLost as lost:
+                    ray.kill(driver, no_restart=True)  # its workers and planner are its own actors: they go too
+                    done = f"after step {view.completed}" if view.completed else "before its first step"
+                    head = f"flexorch train: the driver was lost {done}: {lost.reason}"
+                    allowed = cfg.elastic.driver_restarts
+                    if stops.received or restarts >= allowed:
+                        why = f"{stops.received} was received" if stops.received else f"driver_restarts = {allowed}"
+                        raise DriverLostError(
+                            f"the driver was lost {done} ({lost.reason}); not restarted ({why}). "
+                            f"{view.checkpoint_words()}: go on with `{again}`"
+                        ) from None
+                    restarts += 1
                     print(
-                        f"flexorch train: {stops.received} received: finishing the step in flight, then writing a "
-                        "checkpoint (send it again to stop at once, without one)",
+                        f"{head}; starting a new driver from {view.checkpoint_words().lower()} (restart {restarts} "
+                        f"of {allowed})",
                         file=out,
                         flush=True,
                     )
-                    driver.request_stop.remote(stops.received)
-                events, done = ray.get(driver.poll.remote(seen))
-                seen += len(events)
-                for ev in events:
-                    kind = ev["event"]
-                    if kind == "setup":
-                        print(_describe_setup(ev), file=out, flush=True)
-                    elif kind in ("calibrated", "planner", "progress"):
-                        print(ev["message"], file=out, flush=True)
-                    elif kind == "checkpoint_skipped":
-                        print(f"--resume: {ev['message']}", file=out, flush=True)
-                    elif kind == "step":
-                        print(format_step(ev, cfg.steps), file=out, flush=True)
-                    elif kind in ("membership", "waiting", "starting"):
-                        print(format_membership(ev), file=out, flush=True)
-                    elif kind == "checkpoint":
-                        print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)
-                if not done:
-                    stops.wait(poll_s)
-            summary = ray.get(run_ref)
-            if summary.get("stopped"):
-                again = resume_command or f"flexorch train --config {cfg.run_dir}/config.json --resume"
-                print(
-                    f"stopped by {summary['stopped']} after step {summary['steps']} of {cfg.steps} "
-                    f"({summary['skipped_batches']} skipped batches); checkpoint {summary['checkpoint']}; records "
-                    f"{summary['records']}. Continue with: {again}",
-                    file=out,
-                    flush=True,
-                )
-                return summary
-            print(
-                f"done: {summary['steps']} steps ({summary['skipped_batches']} skipped batches); records "
-                f"{summary['records']}; checkpoint {summary['checkpoint']}",
-                file=out,
-                flush=True,
-            )
-            return summary
-        except ray.exceptions.RayTaskError as e:
-            raise (e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))) from None
+                    restarted = {
+                        "what": "driver lost",
+                        "driver_restart": restarts,
+                        "reason": lost.reason,
+                        "detected_by": "ray",
+                        "detect_ms": max(0.0, lost.seen_at - view.last_answer) * 1e3,
+                        "seen_at": lost.seen_at,
+                        "lost_step": view.completed,
+                    }
+                    again_cfg = cfg.replace(resume=cfg.resume or view.checkpoint_step is not None)
+                    driver, where = start_driver(again_cfg.to_dict(), restarted=restarted)
+                    print(f"flexorch train: {where}", file=out, flush=True)
+                    view = _RunView(resumed=again_cfg.resume, earlier=view)
         finally:
             try:
                 ray.get(driver.shutdown.remote(), timeout=30)
             except Exception:  # noqa: BLE001 - the driver may already be gone; kill it
                 pass
             ray.kill(driver)
+
+
+class DriverLostError(RuntimeError):
+    """The driver was lost more often than ``[elastic] driver_restarts`` allows (or during a stop)."""
+
+
+class _RunView:
+    """What the CLI has seen of a run: steps completed, the newest checkpoint, when the driver last answered."""
+
+    def __init__(self, resumed: bool, earlier: _RunView | None = None):
+        self.completed = earlier.completed if earlier else 0
+        self.checkpoint_step = earlier.checkpoint_step if earlier else None
+        self.checkpoint_path = earlier.checkpoint_path if earlier else None
+        self.resumed = resumed
+        self.last_answer = time.time()
+
+    def see(self, ev: dict) -> None:
+        kind = ev["event"]
+        if kind == "setup" and ev.get("resumed_from") is not None:
+            self.completed = int(ev["resumed_from"])
+            if self.checkpoint_step is None:
+                self.checkpoint_step = int(ev["resumed_from"])
+        elif kind == "step":
+            self.completed = int(ev["step"]) + 1
+        elif kind in ("checkpoint", "emergency_checkpoint"):
+            self.checkpoint_step, self.checkpoint_path = int(ev["step"]), ev["path"]
+
+    def checkpoint_words(self) -> str:
+        if self.checkpoint_step is None:
+            return "No checkpoint was written yet: the run starts again from step 0"
+        where = f" ({self.checkpoint_path})" if self.checkpoint_path else ""
+        return f"The checkpoint of step {self.checkpoint_step}{where}"
+
+
+def _follow(driver, cfg: TrainConfig, view: _RunView, stops: StopSignals, out, poll_s: float, again: str) -> dict:
+    """Run ``driver`` to its end, printing its events; raises ``DriverLost`` when it is lost."""
+    from flexorch.cli.driver_handle import DriverLost, poll_driver
+
+    run_ref = driver.run.remote()
+    seen, done, silent_since = 0, False, [None]
+    try:
+        while not done:
+            if stops.received and not stops.forwarded:
+                stops.forwarded = True
+                print(
+                    f"flexorch train: {stops.received} received: finishing the step in flight, then writing a "
+                    "checkpoint (send it again to stop at once, without one)",
+                    file=out,
+                    flush=True,
+                )
+                driver.request_stop.remote(stops.received)
+            got = poll_driver(driver, seen, silent_since)
+            if got is None:  # no answer this time (Ray calls the actor unavailable, or the poll timed out)
+                stops.wait(poll_s)
+                continue
+            view.last_answer = time.time()
+            events, done = got
+            seen += len(events)
+            for ev in events:
+                view.see(ev)
+                _print_event(ev, cfg, out)
+            if not done:
+                stops.wait(poll_s)
+        summary = ray.get(run_ref)
+    except ray.exceptions.RayTaskError as e:
+        raise (e.cause if isinstance(e.cause, Exception) else RuntimeError(str(e))) from None
+    except ray.exceptions.RayActorError as e:  # died after its last events were read
+        from flexorch.cli.driver_handle import loss_reason
+
+        raise DriverLost(loss_reason(e), time.time()) from e
+    if summary.get("stopped"):
+        print(
+            f"stopped by {summary['stopped']} after step {summary['steps']} of {cfg.steps} "
+            f"({summary['skipped_batches']} skipped batches); checkpoint {summary['checkpoint']}; records "
+            f"{summary['records']}. Continue with: {again}",
+            file=out,
+            flush=True,
+        )
+        return summary
+    print(
+        f"done: {summary['steps']} steps ({summary['skipped_batches']} skipped batches); records "
+        f"{summary['records']}; checkpoint {summary['checkpoint']}",
+        file=out,
+        flush=True,
+    )
+    return summary
+
+
+def _print_event(ev: dict, cfg: TrainConfig, out) -> None:
+    kind = ev["event"]
+    if kind == "setup":
+        print(_describe_setup(ev), file=out, flush=True)
+    elif kind in ("calibrated", "planner", "progress"):
+        print(ev["message"], file=out, flush=True)
+    elif kind == "checkpoint_skipped":
+        print(f"--resume: {ev['message']}", file=out, flush=True)
+    elif kind == "step":
+        print(format_step(ev, cfg.steps), file=out, flush=True)
+    elif kind in ("membership", "waiting", "starting"):
+        print(format_membership(ev), file=out, flush=True)
+    elif kind == "checkpoint":
+        print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)
 
 
 def run_profile(cfg: TrainConfig, out_path, address: str | None = None, out=sys.stdout) -> dict:

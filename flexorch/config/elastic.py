@@ -42,6 +42,10 @@ class ElasticSettings:
     rather than at ``collective_timeout_s``; a worker that is merely slow (a long step, a big all-to-all) keeps
     beating. 0 turns the watch off."""
 
+    driver_restarts: int = 3
+    """How many times ``flexorch train`` starts a new driver when the one it started is lost (its process or node
+    died): from the run's newest checkpoint, at the exact next batch. 0: a lost driver ends the run."""
+
     def __post_init__(self) -> None:
         for name in ("min_workers", "max_workers"):
             v = getattr(self, name)
@@ -58,6 +62,9 @@ class ElasticSettings:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
             raise ConfigError(f"elastic.collective_timeout_s must be > 0, got {t!r}")
+        r = self.driver_restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ConfigError(f"elastic.driver_restarts must be an integer >= 0, got {r!r}")
         h = self.heartbeat_timeout_s
         if isinstance(h, bool) or not isinstance(h, int | float) or not (h == 0 or h >= 2):
             raise ConfigError(

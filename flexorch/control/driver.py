@@ -69,8 +69,12 @@ class TrainingDriver:
         worker_group: WorkerGroup | None = None,
         planner: PlannerFactory | None = None,
         corpus=None,
+        restarted: dict | None = None,
     ):
         self.corpus = corpus
+        # this driver replaces one that was lost (flexorch.cli.train): its recovery, recorded with the first step
+        # past the one the lost driver was running
+        self._restart = dict(restarted) if restarted else None
         self._given_workers = worker_group
         self._planner_factory = planner or RayPlannerClient
         self.cfg = config if isinstance(config, TrainConfig) else config_from_dict(config)
@@ -155,7 +159,21 @@ class TrainingDriver:
             "sharding": model_state_fields(cfg, self.workers.size),
         }
         self._publish(summary)
+        if self._restart is not None:  # the lost driver's replacement is set up: re-run from its checkpoint now
+            self._restart_setup_at = time.time()
+            self._restart["recovery_ms"] = (self._restart_setup_at - self._restart.pop("seen_at")) * 1e3
+            self._restart["from_step"] = self.step_no
         return summary
+
+    def where(self) -> dict:
+        """Where this driver runs (its planner runs beside it): node id, IP, pid."""
+        import os
+
+        return {
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+        }
 
     # ---------------------------------------------------------------- one step
     @property
@@ -347,6 +365,12 @@ class TrainingDriver:
 
     def _finish(self, record: dict, t_start: float, plan=None) -> dict:
         """Write the record (as the file has it: schema and time added), export metrics, checkpoint, report."""
+        if self._restart is not None and record["step"] >= self._restart["lost_step"]:
+            rec, self._restart = self._restart, None  # a lost driver, lived: detect, restart, re-run to here
+            rec["rerun_ms"] = (time.time() - self._restart_setup_at) * 1e3
+            rec["redone_steps"] = record["step"] - rec["from_step"]
+            rec["total_ms"] = rec.get("detect_ms", 0.0) + rec["recovery_ms"] + rec["rerun_ms"]
+            record["recoveries"] = [*record["recoveries"], rec]
         record = self.records.append(record)
         self.metrics.on_step(record, plan, self.profile)
         self._fallbacks.watch(record)

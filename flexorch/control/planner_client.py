@@ -200,7 +200,8 @@ class RayPlannerClient(_PrefetchingClient):
     def _start(self) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+        # strict: the driver's node is alive while the driver runs, and a planner elsewhere would die with that node
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         args = self.spec.planner_args(self.spec.niceness)
         self.actor = StepPlannerActor.options(scheduling_strategy=here).remote(*args)
 

@@ -162,6 +162,8 @@ class RunMetrics:
 
     def on_recovery(self, record: dict) -> None:
         what = "rollback" if record.get("rollback") else "grow" if record.get("what") == "grow" else "shrink"
+        if record.get("driver_restart"):
+            what = "driver"
         self.recoveries.inc(1, tags={**self._tags, "what": what})
         if "total_ms" in record:  # a failure recovered within the step: detect, re-form, re-run as lived
             phases = {"detect": record.get("detect_ms", 0.0), "reform": record["recovery_ms"]}
