@@ -25,11 +25,13 @@ from pathlib import Path
 import pytest
 
 from flexorch.cli.plan import PlanRunConfig, run_plan
+from flexorch.cli.train import format_step
 from flexorch.dashboards.viewer import ViewerServer
 from flexorch.records.writer import measured_bubble_share
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import get_profile
 from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
+from tests.test_viewer_server import recorded_run_with_recoveries
 
 RECORDED = Path(__file__).parent / "data" / "recorded_run"
 ROOT = Path(__file__).resolve().parents[1]
@@ -353,5 +355,93 @@ def test_back_to_back_pipelines_are_marked(browser, tmp_path):
         ]
         assert sorted(lines) == pytest.approx(ends)
         assert f"in {pipelines} back-to-back pipelines" in _note(browser)
+    finally:
+        server.stop()
+
+
+def test_recoveries_show_their_phases_in_the_table_and_the_summary(browser, tmp_path):
+    """Each recovery in the step table's cell, in the CLI's words (total, detect and by what, re-form, re-run), a
+    grow's admission and a roll-back's steps; and every recovery of the run in the summary above the table."""
+    records = recorded_run_with_recoveries(tmp_path)
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, f"return document.querySelectorAll('#step-table tbody tr').length === {len(records)}")
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('#step-table tbody tr')].map(r => r.cells[12].innerText)"
+        )
+        assert len(records) == 5 and cells[0] == ""
+        phases = "recovered in 12.0 s: detect 10.1 s, re-form 0.4 s, re-run 1.5 s"
+        assert format_step({**records[1], "eta_s": 0.0}, len(records)).endswith(f"[{phases}]")  # the CLI's words
+        assert (
+            cells[1]
+            == f"run step 1: lost worker 3, Shrink, world 4 -> 3, re-ran the step; {phases} (detected by heartbeat)"
+        )
+        assert cells[2] == "grow: workers 4 joined, world 3 -> 4; admitted in 230 ms"
+        # 250 ms is 0.25 s, an exact tie: Python rounds it to the even 0.2, as the page does (JS's toFixed gives 0.3)
+        ray = "recovered in 2.0 s: detect 0.2 s, re-form 0.3 s, re-run 1.4 s"
+        assert format_step({**records[3], "eta_s": 0.0}, len(records)).endswith(f"[{ray}]")
+        assert (
+            cells[3] == f"run step 3: lost workers 0, 4, Shrink, world 4 -> 2, re-ran the step; {ray} (detected by Ray)"
+        )
+        assert cells[-1].split("\n") == [
+            "run step 3: lost worker 2, Shrink, world 3 -> 2, the step's update had finished, kept; re-form 2.5 s",
+            "run step 4: roll-back: lost worker 1, back to the checkpoint of step 2 (from step 4), world 2 -> 2; "
+            "re-form 1.2 s",
+        ]
+        _wait(browser, "return document.getElementById('recoveries').offsetParent !== null")
+        rows = browser.execute_script(
+            "return [...document.querySelectorAll('#recovery-table tbody tr')]"
+            ".map(r => [...r.cells].map(c => c.textContent))"
+        )
+        last = str(records[-1]["step"])
+        assert rows == [
+            [
+                str(records[1]["step"]),
+                "run step 1",
+                "lost worker 3",
+                "world 4 -> 3",
+                "Shrink, re-ran the step; worker 3 stopped beating",
+                f"{phases} (detected by heartbeat)",
+            ],
+            [str(records[2]["step"]), "grow", "workers 4 joined", "world 3 -> 4", "", "admitted in 230 ms"],
+            [
+                str(records[3]["step"]),
+                "run step 3",
+                "lost workers 0, 4",
+                "world 4 -> 2",
+                "Shrink, re-ran the step; node of workers 0, 4 died",
+                f"{ray} (detected by Ray)",
+            ],
+            [
+                last,
+                "run step 3",
+                "lost worker 2",
+                "world 3 -> 2",
+                "Shrink, the step's update had finished, kept; Ray reported worker 2 dead",
+                "re-form 2.5 s",
+            ],
+            [
+                last,
+                "run step 4 (roll-back)",
+                "lost worker 1",
+                "world 2 -> 2",
+                "back to the checkpoint of step 2 (from step 4); stage 1's parameters died with every holder",
+                "re-form 1.2 s",
+            ],
+        ]
+        browser.execute_script("document.getElementById('recoveries').scrollIntoView()")
+        browser.save_screenshot(str(_artifacts() / "plan_viewer_recoveries.png"))
+    finally:
+        server.stop()
+
+
+def test_a_run_without_recoveries_hides_the_summary(browser):
+    server = ViewerServer(RECORDED, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, "return document.querySelectorAll('#step-table tbody tr').length > 0")
+        assert browser.execute_script("return document.getElementById('recoveries').offsetParent") is None
+        assert browser.execute_script("return document.querySelectorAll('#recovery-table tbody tr').length") == 0
     finally:
         server.stop()

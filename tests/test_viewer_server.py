@@ -15,6 +15,7 @@ import pytest
 
 from flexorch.cli.main import main
 from flexorch.cli.plan import PlanRunConfig, run_plan
+from flexorch.cli.train import format_step
 from flexorch.dashboards.viewer import ViewerServer
 from flexorch.dashboards.viewer_data import read_run, step_view
 from flexorch.records.schema import validate_record
@@ -255,3 +256,95 @@ def test_mixed_run_serves_both_kinds_of_views(tmp_path):
     assert [v["shape"] for v in later["records"]] == [plans[0]["shape"], plans[1]["shape"]]
     measured = [o["measured_ms"] for o in later["records"][1]["pipeline"]["ops"]]
     assert len(measured) == len(plans[1]["pipeline"]["ops"]) and all(m > 0 for m in measured)
+
+
+FAILURE = {  # a worker lost during step 1: seen by its heartbeat, the world re-formed, the step re-run
+    "what": "run step 1",
+    "attempt": 0,
+    "decisions": ["Shrink"],
+    "lost": [3],
+    "reason": "worker 3 stopped beating",
+    "world_before": [0, 1, 2, 3],
+    "world_after": [0, 1, 2],
+    "step_completed": False,
+    "recovery_ms": 400.0,
+    "detected_by": "heartbeat",
+    "detect_ms": 10100.0,
+    "rerun_ms": 1500.0,
+    "total_ms": 12000.0,
+}
+GROW = {"what": "grow", "joined": [4], "world_before": [0, 1, 2], "world_after": [0, 1, 2, 4], "recovery_ms": 230.0}
+ROLLBACK = {
+    "what": "run step 4",
+    "rollback": True,
+    "lost": [1],
+    "reason": "stage 1's parameters died with every holder",
+    "from_step": 4,
+    "to_step": 2,
+    "world_before": [0, 2],
+    "world_after": [0, 2],
+    "recovery_ms": 1234.0,
+}
+RAY_FAILURE = {  # two workers lost during step 3, reported by Ray before any heartbeat was missed
+    "what": "run step 3",
+    "attempt": 0,
+    "decisions": ["Shrink"],
+    "lost": [0, 4],
+    "reason": "node of workers 0, 4 died",
+    "world_before": [0, 1, 2, 4],
+    "world_after": [1, 2],
+    "step_completed": False,
+    "recovery_ms": 300.0,
+    "detected_by": "ray",
+    "detect_ms": 250.0,
+    "rerun_ms": 1450.0,
+    "total_ms": 2000.0,
+}
+OLD_FAILURE = {  # written before detect / re-run / total were recorded
+    "what": "run step 3",
+    "decisions": ["Shrink"],
+    "lost": [2],
+    "reason": "Ray reported worker 2 dead",
+    "world_before": [0, 1, 2],
+    "world_after": [0, 1],
+    "step_completed": True,
+    "recovery_ms": 2500.0,
+}
+
+
+def recorded_run_with_recoveries(run_dir: Path) -> list[dict]:
+    """The recorded run with a failure (phases as lived) in step 1, a grow in step 2, one Ray reported in step 3,
+    and in the last step an older record's failure (no phases) and a roll-back; written to ``run_dir/steps.jsonl``,
+    returned as records."""
+    records = [json.loads(line) for line in (RECORDED / "steps.jsonl").read_text().splitlines()]
+    records[1]["recoveries"] = [FAILURE]
+    records[2]["recoveries"] = [GROW]
+    records[3]["recoveries"] = [RAY_FAILURE]
+    records[-1]["recoveries"] = [OLD_FAILURE, ROLLBACK]
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def test_recovery_phases_reach_the_page_json(tmp_path):
+    """The page reads each recovery's phases (detect and by what, re-form, re-run, total), a grow's joined workers
+    and admission time and a roll-back's steps from /api/steps, as recorded; steps without one have none."""
+    records = recorded_run_with_recoveries(tmp_path)
+    server = ViewerServer(tmp_path, port=0).start()
+    try:
+        data = json.loads(_get(server.url + "api/steps")[2])
+    finally:
+        server.stop()
+    assert data["error"] is None and data["total"] == len(records)
+    views = data["records"]
+    assert views[0]["recoveries"] == [] and views[1]["recoveries"] == [FAILURE]
+    (failure,) = views[1]["recoveries"]
+    assert (failure["detected_by"], failure["detect_ms"], failure["recovery_ms"]) == ("heartbeat", 10100.0, 400.0)
+    assert (failure["rerun_ms"], failure["total_ms"], failure["lost"]) == (1500.0, 12000.0, [3])
+    assert views[2]["recoveries"] == [GROW] and views[2]["recoveries"][0]["joined"] == [4]
+    assert views[3]["recoveries"] == [RAY_FAILURE] and views[3]["recoveries"][0]["detected_by"] == "ray"
+    old, rollback = views[-1]["recoveries"]
+    assert old == OLD_FAILURE and "detect_ms" not in old and "total_ms" not in old
+    assert (rollback["rollback"], rollback["from_step"], rollback["to_step"]) == (True, 4, 2)
+    # the figures the CLI's progress line prints for that step, from the same record
+    line = format_step({**records[1], "eta_s": 0.0}, len(records))
+    assert line.endswith("[recovered in 12.0 s: detect 10.1 s, re-form 0.4 s, re-run 1.5 s]")

@@ -250,6 +250,89 @@ function drawRun() {
   }, { displayModeBar: false });
 }
 
+// ---------------------------------------------------------------- recoveries: what happened, and its phases
+function pyFixed(x, digits) {  // Python's f"{x:.1f}" / f"{x:.0f}": an exact tie goes to the even digit (toFixed: up)
+  const q = digits === 0 ? 2 : 4;  // a tie is x = odd / 2 (0 digits) or odd / 4 (1 digit), exact in binary
+  if (Number.isInteger(x * q) && (x * q) % 2 !== 0) {
+    const lo = Math.floor(x * 10 ** digits);
+    return ((lo % 2 === 0 ? lo : lo + 1) / 10 ** digits).toFixed(digits);
+  }
+  return x.toFixed(digits);
+}
+
+function secs(ms) {  // as the CLI's progress line: seconds with one decimal
+  return `${pyFixed(ms / 1e3, 1)} s`;
+}
+
+function isNum(v) {
+  return typeof v === "number" && !Number.isNaN(v);
+}
+
+function recoveryWorkers(r) {
+  if (r.what === "grow") return r.joined && r.joined.length ? `workers ${r.joined.join(", ")} joined` : "";
+  return r.lost && r.lost.length ? `lost worker${r.lost.length > 1 ? "s" : ""} ${r.lost.join(", ")}` : "";
+}
+
+function recoveryWorld(r) {
+  return r.world_before && r.world_after ? `world ${r.world_before.length} -> ${r.world_after.length}` : "";
+}
+
+function recoveryActions(r) {  // what was done about it: [decisions or the roll-back, whether the step ran again]
+  if (r.rollback) return [`back to the checkpoint of step ${r.to_step ?? "?"} (from step ${r.from_step ?? "?"})`, ""];
+  const redo = r.step_completed === true ? "the step's update had finished, kept"
+    : r.step_completed === false ? "re-ran the step" : "";
+  return [(r.decisions || []).join("/"), redo];
+}
+
+// the time it cost, in the CLI's words: "recovered in 12.0 s: detect 10.1 s, re-form 0.4 s, re-run 1.5 s" for a
+// failure during the step (detect counts 0 where the record has none, as on the CLI line: the phases add up to the
+// total), then how the failure was seen; a grow's admission in ms; a roll-back's or an earlier failure's re-form
+function recoveryTime(r) {
+  if (r.what === "grow") return isNum(r.recovery_ms) ? `admitted in ${pyFixed(r.recovery_ms, 0)} ms` : "";
+  const phases = [];
+  if (isNum(r.total_ms)) phases.push(`detect ${secs(isNum(r.detect_ms) ? r.detect_ms : 0)}`);
+  else if (isNum(r.detect_ms)) phases.push(`detect ${secs(r.detect_ms)}`);
+  // a lost driver replaced by a new one (driver_restart): its re-form is the new driver's start, as on the CLI line
+  if (isNum(r.recovery_ms)) phases.push(`${r.driver_restart ? "new driver" : "re-form"} ${secs(r.recovery_ms)}`);
+  if (isNum(r.rerun_ms)) phases.push(`re-run ${secs(r.rerun_ms)}`);
+  let text = isNum(r.total_ms) ? `recovered in ${secs(r.total_ms)}: ${phases.join(", ")}` : phases.join(", ");
+  if (r.driver_restart && isNum(r.redone_steps)) text += ` (${r.redone_steps} steps trained again)`;
+  if (isNum(r.detect_ms) && (r.detected_by === "heartbeat" || r.detected_by === "ray")) {
+    text += ` (detected by ${r.detected_by === "heartbeat" ? "heartbeat" : "Ray"})`;
+  }
+  return text;
+}
+
+function recoveryText(r) {  // one line of the step table's recoveries cell
+  const head = r.what === "grow" ? "grow" : r.rollback ? `${r.what || "roll-back"}: roll-back` : r.what || "change";
+  const [done, redo] = recoveryActions(r);
+  const rest = [recoveryWorkers(r), done, recoveryWorld(r), redo].filter((s) => s).join(", ");
+  const time = recoveryTime(r);
+  return `${head}${rest ? `: ${rest}` : ""}${time ? `; ${time}` : ""}`;
+}
+
+function recoveriesOf(v) {
+  return (v.recoveries || []).filter((r) => r && typeof r === "object");
+}
+
+function addRecoveries(views) {  // the run's recoveries, one row each; the section shows once there is one
+  const body = $("recovery-table").querySelector("tbody");
+  for (const v of views) {
+    for (const r of recoveriesOf(v)) {
+      const tr = document.createElement("tr");
+      const what = r.rollback ? `${r.what || ""} (roll-back)`.trim() : r.what || "change";
+      const action = [recoveryActions(r).filter((s) => s).join(", "), r.reason].filter((s) => s).join("; ");
+      [v.step, what, recoveryWorkers(r), recoveryWorld(r), action, recoveryTime(r)].forEach((c) => {
+        const td = document.createElement("td");
+        td.textContent = String(c ?? "");
+        tr.appendChild(td);
+      });
+      body.appendChild(tr);
+    }
+  }
+  $("recoveries").style.display = body.rows.length ? "block" : "none";
+}
+
 // ---------------------------------------------------------------- step table and selection
 function addRows(views, offset) {
   const body = $("step-table").querySelector("tbody");
@@ -257,7 +340,7 @@ function addRows(views, offset) {
     const tr = document.createElement("tr");
     tr.dataset.index = String(offset + i);
     if (v.skipped) tr.classList.add("skipped");
-    const recov = (v.recoveries || []).map((r) => r.what || "change").join(", ");
+    const recov = recoveriesOf(v).map(recoveryText).join("\n");
     if (v.fallback) tr.classList.add("fallback");
     const status = v.fallback && !v.skipped ? `${v.status} (${v.fallback.reason})` : v.status;
     const cells = [v.step, v.source, v.world_size, v.shape ?? "(skipped)", status, v.sequences, fmt(v.longest),
@@ -268,11 +351,16 @@ function addRows(views, offset) {
       td.textContent = String(c ?? "");
       if (j === 3) td.className = "shape";
       if (j === 4) td.className = "status";
+      if (j === 12) {
+        td.className = "recoveries";
+        td.title = recoveriesOf(v).map((r) => r.reason).filter((s) => s).join("\n");
+      }
       tr.appendChild(td);
     });
     tr.addEventListener("click", () => { state.follow = false; $("follow").checked = false; select(offset + i); });
     body.appendChild(tr);
   });
+  addRecoveries(views);
 }
 
 function select(i) {
@@ -336,6 +424,8 @@ async function poll() {
         state.records = [];
         state.selected = -1;
         $("step-table").querySelector("tbody").innerHTML = "";
+        $("recovery-table").querySelector("tbody").innerHTML = "";
+        $("recoveries").style.display = "none";
         wait = 0;
       } else if (data.records.length) {
         const offset = state.records.length;
