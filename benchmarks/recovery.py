@@ -19,8 +19,8 @@ Writes ``results.json`` and ``recovery.svg`` (per-trial bars) into ``--out``.
 
     python benchmarks/recovery.py             # 3 trials per strategy, ~4 minutes on 2 cores
     python benchmarks/recovery.py --trials 1  # quicker
-    python benchmarks/recovery.py --faults    # a killed and a frozen worker x replicate/fsdp/hsdp: detect,
-                                              # re-form, re-run (about 3 minutes)
+    python benchmarks/recovery.py --faults    # a killed / frozen worker or node and a lost driver x replicate/
+                                              # fsdp/hsdp: detect, re-form, re-run (benchmarks/recovery_faults.py)
 """
 
 from __future__ import annotations
@@ -122,52 +122,6 @@ def trial_restart(cfg: TrainConfig, corpus, warm: int, step_s: float) -> dict:
         again.shutdown()
 
 
-def trial_fault(cfg: TrainConfig, corpus, sig: int, warm: int, step_s: float) -> dict:
-    """In place, with the run's own detection: ``sig`` (SIGKILL: a worker process lost; SIGSTOP: a frozen one that
-    keeps its sockets open) hits worker 1 half-way through a step. Wall time from the signal to the next completed
-    step, and the record's phases (detect from the lost worker's last heartbeat, re-form, re-run)."""
-    driver = TrainingDriver(cfg, corpus=corpus)
-    driver.setup()
-    try:
-        records = [driver.step().record for _ in range(warm)]
-        pid = driver.workers.call("info")[1]["pid"]
-        out: dict = {}
-
-        def run():
-            try:
-                t = driver.step()
-                while t.record is None:  # fsdp: the lost shard had no copy, back to the checkpoint; train it again
-                    t = driver.step()
-                out["record"] = t.record
-            except BaseException as e:  # noqa: BLE001 - reported to the caller
-                out["error"] = e
-
-        th = threading.Thread(target=run)
-        th.start()
-        time.sleep(step_s / 2)
-        hit_at = time.perf_counter()
-        os.kill(pid, sig)
-        th.join()
-        done_at = time.perf_counter()
-        if "error" in out:
-            raise out["error"]
-        rec = out["record"]
-        records.append(rec)
-        lost = [r for r in rec["recoveries"] if r.get("lost")]
-        phases = next((r for r in lost if "total_ms" in r), lost[0] if lost else {})
-        return {
-            "recovery_s": done_at - hit_at,
-            "detected_by": phases.get("detected_by", "-"),
-            "detect_s": phases.get("detect_ms", float("nan")) / 1e3,
-            "reform_s": phases.get("recovery_ms", float("nan")) / 1e3,
-            "rerun_s": phases.get("rerun_ms", float("nan")) / 1e3,
-            "rolled_back": any(r.get("rollback") for r in rec["recoveries"]),
-            "records": records,
-        }
-    finally:
-        driver.shutdown()
-
-
 def trial_join(cfg: TrainConfig, corpus, cluster) -> dict:
     """3 workers train; a node with one slot joins; time until a step runs on 4 workers (training goes on)."""
     driver = TrainingDriver(cfg, corpus=corpus)
@@ -230,8 +184,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_recovery")
     ap.add_argument(
         "--faults", action="store_true",
-        help="instead: a killed and a frozen (SIGSTOP) worker under replicate, fsdp and hsdp, default settings",
+        help="instead: a killed / frozen worker, a killed / frozen node and a lost driver under replicate, fsdp and "
+        "hsdp, default settings (benchmarks/recovery_faults.py)",
     )  # fmt: skip
+    ap.add_argument(
+        "--fault", action="append", choices=["killed process", "killed node", "frozen worker", "frozen node",
+        "lost driver", "frozen node, Ray hc"], help="with --faults: only these (repeatable)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--ray-health-check",
+        default="500,3",
+        metavar="PERIOD_MS,MISSES",
+        help="with --faults: Ray's node health check for the 'frozen node, Ray hc' rows (default 500,3)",
+    )
     args = ap.parse_args(argv)
     sys.stdout.reconfigure(line_buffering=True)  # progress lines show as they happen, also when piped
 
@@ -270,7 +235,7 @@ def main(argv=None) -> int:
     print(f"a normal step takes {step_s:.2f} s; killing a worker {step_s / 2:.2f} s into step {args.warm + 1}")
 
     if args.faults:
-        return _faults(args, base, corpus, profile, step_s, cluster)
+        return _faults(args, base, corpus, profile, step_s, cluster, extra)
 
     results: dict[str, list[dict]] = {"in-place": [], "restart": []}
     t_trials, done, total = time.perf_counter(), 0, 2 * args.trials
@@ -334,43 +299,33 @@ def main(argv=None) -> int:
     return 0
 
 
-def _faults(args, base: TrainConfig, corpus, profile: str, step_s: float, cluster) -> int:
-    """The --faults table: each fault x sharding mode once, the run's default detection settings."""
+def _faults(args, base: TrainConfig, corpus, profile: str, step_s: float, cluster, extra) -> int:
+    """The --faults table (``benchmarks/recovery_faults.py``); the lowered-health-check rows on a second cluster."""
     import ray
+    from recovery_faults import print_table, run_faults, run_frozen_node_lowered
 
-    from flexorch.config import ShardingSettings
-
-    modes = {"replicate": {}, "fsdp": {"mode": "fsdp"}, "hsdp": {"mode": "hsdp", "shard_size": 2}}
-    faults = {"killed process": signal.SIGKILL, "frozen (SIGSTOP)": signal.SIGSTOP}
-    rows = []
-    for fault, sig in faults.items():
-        for mode, sharding in modes.items():
-            cfg = dataclasses.replace(
-                base,
-                run_dir=str(args.out / f"{mode}-{sig}"),
-                plan=dataclasses.replace(base.plan, profile=profile),
-                sharding=ShardingSettings(**sharding) if sharding else ShardingSettings(),
-            )
-            res = trial_fault(cfg, corpus, sig, args.warm, step_s)
-            check_ledger(res.pop("records"), corpus.num_docs, cfg)
-            rows.append((fault, mode, res))
-            print(f"  {fault:<17s} {mode:<9s} signal -> next completed step {res['recovery_s']:6.2f} s", flush=True)
-    print()
-    print(
-        f"{'fault':<17s} {'state':<9s} {'total s':>8s} {'detect s':>9s} {'by':>9s} {'re-form s':>10s} "
-        f"{'re-run s':>9s} {'roll-back':>9s}"
-    )
-    for fault, mode, r in rows:
-        print(
-            f"{fault:<17s} {mode:<9s} {r['recovery_s']:8.2f} {r['detect_s']:9.2f} {r['detected_by']:>9s} "
-            f"{r['reform_s']:10.2f} {r['rerun_s']:9.2f} {'yes' if r['rolled_back'] else 'no':>9s}"
-        )
-    print(f"a normal step takes {step_s:.2f} s; collective_timeout_s 120 and heartbeat_timeout_s 10 (the defaults)")
-    print("ledger: every trial trained exactly the stream's documents (none lost, none repeated)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "faults.json").write_text(json.dumps([{"fault": f, "mode": m, **r} for f, m, r in rows], indent=1))
+    rows = run_faults(args, base, corpus, profile, step_s, cluster, extra, check_ledger)
+    print_table(rows, step_s, None, args.out)  # kept, whatever the second cluster does
+    period, misses = (int(x) for x in args.ray_health_check.split(","))
     ray.shutdown()
     cluster.shutdown()
+    if not args.fault or "frozen node, Ray hc" in args.fault:
+        from ray.cluster_utils import Cluster
+
+        health = {"health_check_period_ms": period, "health_check_failure_threshold": misses,
+                  "health_check_timeout_ms": period, "health_check_initial_delay_ms": 0}  # fmt: skip
+        head = {"num_cpus": 3, "include_dashboard": False, "_system_config": health}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        extra = cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="ERROR", log_to_driver=False)
+        corpus = load_corpus(base.data)  # its blocks lived in the first cluster's object store
+        try:
+            rows += run_frozen_node_lowered(args, base, corpus, profile, step_s, cluster, extra, check_ledger)
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+    print_table(rows, step_s, (period, misses), args.out)
     return 0
 
 

@@ -2,8 +2,9 @@
 (``ray.cluster_utils.Cluster``: a raylet per node on this machine; removing a node kills its raylet and processes).
 
 The head has one slot (the corpus is read there) and three nodes hold two each; the node removed is the one holding
-the lowest worker id off the head, so the survivors are renumbered (worker 3, say, from rank 3 to rank 1) and the
-newcomers take the freed slots. That is
+the lowest worker id off the head (under hsdp, the issue's case, SIGKILLed mid-step: its workers inside step 4, then
+its raylet and processes killed at once, as a crashed machine; the others between steps), so the survivors are
+renumbered (worker 3, say, from rank 3 to rank 1) and the newcomers take the freed slots. That is
 the case that crashed a grown-back hsdp world before DTensor's caches were emptied between worlds
 (``flexorch.workers.fsdp.forget_closed_meshes``). Each run's losses and parameters equal the single-process reference
 on the same documents (the invariant), with replicated (``tests/test_elastic_cluster.py``), fsdp, hsdp, a Hugging
@@ -11,6 +12,10 @@ Face model under hsdp and fsdp pipeline stages.
 """
 
 from __future__ import annotations
+
+import os
+import signal
+import threading
 
 import pytest
 
@@ -47,6 +52,16 @@ def cluster(tmp_path_factory):
     yield c, corpus_dir, cpu_profile(root / "profile.json"), corpus, root
     ray.shutdown()
     c.shutdown()
+
+
+def _kill_node(c, node, worker_pids) -> None:
+    """SIGKILL a node's workers and raylet at once (a machine that crashed), then the rest of its processes."""
+    for pid in [*worker_pids, node.all_processes["raylet"][0].process.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    c.remove_node(node, allow_graceful=False)
 
 
 def _worker_nodes(c) -> list:
@@ -108,7 +123,12 @@ def test_a_lost_node_then_growing_back_trains_like_the_reference(cluster, case):
         lost = sorted(w for w, n in nodes.items() if n == victim.node_id)
         while not driver.finished:
             if len(records) == 4 and victim is not None:
-                c.remove_node(victim)  # its raylet and worker processes are killed
+                if case == "hsdp":  # mid-step, as a crashed machine: the node is SIGKILLed while step 4 runs
+                    pids = [i["pid"] for w, i in zip(nodes, driver.workers.call("info"), strict=True) if w in lost]
+                    ray.get([driver.workers.actor(w).inject_fault.remote("before_sync", 4, 1, "hang") for w in lost])
+                    threading.Timer(1.5, _kill_node, (c, victim, pids)).start()  # its workers are inside step 4
+                else:
+                    c.remove_node(victim)  # between steps: its raylet and worker processes are killed
                 victim = None
             if victim is None and driver.workers.size < 4:  # steps here take a fraction of a second, the reported
                 for _, ready, _ in list(driver.workers.joining.values()):  # run's a second: let newcomers finish
@@ -124,6 +144,9 @@ def test_a_lost_node_then_growing_back_trains_like_the_reference(cluster, case):
     recoveries = [rec for r in records for rec in r["recoveries"]]
     losses = [rec for rec in recoveries if rec.get("lost")]
     assert losses and set(lost) <= set(losses[0]["lost"]), recoveries
+    if case == "hsdp":  # lost inside step 4: seen and recovered within that step, which ran again (or stood)
+        assert records[4]["recoveries"] and "total_ms" in records[4]["recoveries"][0], records[4]["recoveries"]
+        assert records[4]["recoveries"][0]["detected_by"] in ("ray", "heartbeat")
     after = records.index(next(r for r in records if r["world_size"] < 4))
     grown = [r for r in records[after:] if r["world_size"] == 4]
     assert grown, f"the run did not grow back to 4 workers: worlds {[r['world_size'] for r in records]}"

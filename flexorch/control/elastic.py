@@ -97,6 +97,8 @@ class Elastic:
             }
             if detected is not None:  # from the lost workers' last heartbeat to the failure seen
                 rec["detected_by"], rec["detect_ms"] = detected["by"], detected["detect_ms"]
+                # re-forming starts when the failure is seen: the survivors' way out of the broken world counts
+                rec["recovery_ms"] += detected.get("since_ms", 0.0)
             self._note_layout(rec)
             self.publish({"event": "membership", **rec})
             return rec

@@ -24,12 +24,18 @@ import ray
 import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
+from flexorch.control.heartbeats import Heartbeats
 from flexorch.control.membership import Failure, Membership
 from flexorch.control.worker_start import WorkerStarter
 from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_parts, transfers
 from flexorch.workers.actor import PeerLostError, WorkerActor
 
-BEAT_CHECK_S = 1.0  # while waiting on workers: how often their heartbeats are looked at
+BEAT_CHECK_S = 0.5  # while waiting on workers: how often their heartbeats are looked at
+BROKEN_WORLD_SILENCE_S = 3.0
+"""Once a world broke (a member lost, its peers failing out), a member still unanswered whose heartbeat has not moved
+for this long is counted lost too, without waiting out ``heartbeat_timeout_s``: a live worker beats through any
+step (the thread beats beside it), so after a failure three missed beats mean its process or node is gone (a node
+killed at once: its raylet and workers, whose deaths Ray reports only after its health check gives up)."""
 ERROR_GRACE_S = 15.0
 """After a worker raises (a bug: the run stops), how long its peers get to leave the broken world before they are
 killed: they hold the state the emergency checkpoint is written from (``control.emergency``), and on a loaded
@@ -104,8 +110,7 @@ class RayWorkerGroup:
         self.store: dist.TCPStore | None = None
         self._worlds = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._beats = dist.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)  # lives as long as the run
-        self._beat_seen: dict[int, tuple[int, float]] = {}  # worker id -> (beats, when that count was first seen)
+        self.heartbeats = Heartbeats(self.host, heartbeat_timeout_s)
         self.silent: dict[int, float] = {}
         """Workers declared hung by their heartbeat during the last :meth:`settle`: worker id -> seconds silent."""
         need = num_workers if min_workers is None else min_workers
@@ -220,7 +225,7 @@ class RayWorkerGroup:
             self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
             start = getattr(self._actors[wid], "start_heartbeat", None)  # a stand-in worker class may not beat
             if self.heartbeat_timeout_s and start is not None:
-                start.remote(self.host, self._beats.port)
+                start.remote(self.host, self.heartbeats.port)
         self.membership.add(worker_ids)
 
     def remove(self, worker_ids) -> None:
@@ -301,7 +306,10 @@ class RayWorkerGroup:
             wait_s = left if what is None else max(0.0, min(left, tick - now))
             if self.heartbeat_timeout_s:
                 wait_s = min(wait_s, BEAT_CHECK_S)
-                hung = self._silent_workers(set(pending.values()))
+                limit = self.heartbeat_timeout_s
+                if self.failed_at is not None:  # the world already broke: silence means gone
+                    limit = min(limit, BROKEN_WORLD_SILENCE_S)
+                hung = self.heartbeats.silent(set(pending.values()), limit)
                 if hung:  # killed now: its sockets close, so peers blocked on it fail at once
                     for ref in [r for r, w in pending.items() if w in hung]:
                         ray.kill(self._actors[pending.pop(ref)], no_restart=True)
@@ -337,7 +345,7 @@ class RayWorkerGroup:
                 grace = ERROR_GRACE_S if errors else self.timeout_s + 5.0
                 deadline = min(deadline, time.monotonic() + grace)
         for wid in pending.values():  # hung past the collective timeout
-            if errors and self._beating(wid):
+            if errors and self.heartbeats.beating(wid):
                 continue  # alive, in a bounded wait: left running, its state may be kept (control.emergency)
             ray.kill(self._actors[wid], no_restart=True)
             lost.add(wid)
@@ -353,42 +361,9 @@ class RayWorkerGroup:
             if abort is not None:
                 abort.remote()
 
-    def beats(self, worker_ids) -> dict[int, int]:
-        """Heartbeats counted so far per worker (``Worker.start_heartbeat``); 0 before the first."""
-        return {w: int(self._beats.add(f"beat/{w}", 0)) for w in worker_ids}
-
-    def _beating(self, worker_id: int) -> bool:
-        """Whether the worker's heartbeat moved within ``heartbeat_timeout_s`` (False when it never beat)."""
-        if not self.heartbeat_timeout_s:
-            return False
-        n = self.beats([worker_id])[worker_id]
-        seen = self._beat_seen.get(worker_id)
-        fresh = seen is None or seen[0] != n or time.monotonic() - seen[1] <= self.heartbeat_timeout_s
-        return n > 0 and fresh
-
-    def _silent_workers(self, worker_ids: set[int]) -> dict[int, float]:
-        """Of ``worker_ids``, those whose heartbeat has not moved for ``heartbeat_timeout_s``: id -> seconds silent.
-        A worker that has never beaten (its thread not started yet, or a class without one) is not judged."""
-        now = time.monotonic()
-        out = {}
-        for w, n in self.beats(worker_ids).items():
-            seen = self._beat_seen.get(w)
-            if seen is None or seen[0] != n:
-                self._beat_seen[w] = (n, now)
-            elif n > 0 and now - seen[1] > self.heartbeat_timeout_s:
-                out[w] = now - seen[1]
-        return out
-
     def detection(self, lost) -> dict | None:
-        """How the last :meth:`settle`'s failure was found: ``{"by": "heartbeat" | "ray", "detect_ms"}``, the time
-        from the lost workers' last heartbeat (their last sign of life the driver saw) to the failure being seen;
-        None when no failure was seen or the lost workers were never heard from."""
-        lost = [w for w in lost if w in self._beat_seen]
-        if self.failed_at is None or not lost:
-            return None
-        last = min(self._beat_seen[w][1] for w in lost)
-        by = "heartbeat" if set(lost) & set(self.silent) else "ray"
-        return {"by": by, "detect_ms": max(0.0, self.failed_at - last) * 1e3}
+        """How the last :meth:`settle`'s failure was found (``Heartbeats.detection``): by, detect_ms, since_ms."""
+        return self.heartbeats.detection(lost, self.failed_at, self.silent)
 
     def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
         """:meth:`settle`, raising :class:`MembershipFailure` on any failure."""
@@ -499,4 +474,4 @@ class RayWorkerGroup:
         self._actors.clear()
         self.joining.clear()
         self.store = None
-        self._beats = None
+        self.heartbeats = None

@@ -1,0 +1,55 @@
+"""The driver's heartbeat watch (``flexorch.control.heartbeats``) on a real TCPStore, beaten as a worker's thread
+does (``Worker.start_heartbeat``: ``add("beat/<id>", 1)`` from another client); the clock is ``time.monotonic``,
+patched so that silence is measured without sleeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+
+from flexorch.control import heartbeats as hb
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(hb.time, "monotonic", lambda: now[0])
+    return now
+
+
+def _beat(watch: hb.Heartbeats, worker_id: int) -> None:
+    client = dist.TCPStore(watch.host, watch.port, is_master=False)
+    client.add(f"beat/{worker_id}", 1)
+
+
+def test_a_silent_worker_is_named_after_the_limit_and_a_beating_one_never(clock):
+    watch = hb.Heartbeats("127.0.0.1", timeout_s=10.0)
+    for w in (1, 2):
+        _beat(watch, w)
+    assert watch.silent({1, 2, 3}) == {}  # counts first seen now; worker 3 never beat: not judged
+    clock[0] += 6.0
+    _beat(watch, 1)
+    assert watch.silent({1, 2, 3}) == {}
+    clock[0] += 5.0  # worker 2 silent 11 s, worker 1 beat 5 s ago
+    assert watch.silent({1, 2, 3}) == {2: pytest.approx(11.0)}
+    assert watch.beating(1) and not watch.beating(2) and not watch.beating(3)
+    assert watch.silent({1, 2}, limit_s=3.0) == {1: pytest.approx(5.0), 2: pytest.approx(11.0)}  # a broken world
+
+
+def test_detection_measures_from_the_last_beat_and_says_by_what(clock):
+    watch = hb.Heartbeats("127.0.0.1", timeout_s=10.0)
+    _beat(watch, 4)
+    watch.silent({4})  # the count first seen at t = 1000
+    failed_at = clock[0] + 2.5
+    clock[0] += 4.0  # the recovery asks 1.5 s after the failure was seen
+    got = watch.detection([4], failed_at, silent={})
+    assert got == {"by": "ray", "detect_ms": pytest.approx(2500.0), "since_ms": pytest.approx(1500.0)}
+    assert watch.detection([4], failed_at, silent={4: 11.0})["by"] == "heartbeat"
+    assert watch.detection([4], None, silent={}) is None  # no failure seen
+    assert watch.detection([9], failed_at, silent={}) is None  # never heard from
+
+
+def test_an_unwatched_run_calls_nobody_beating():
+    watch = hb.Heartbeats("127.0.0.1", timeout_s=0)
+    _beat(watch, 1)
+    assert not watch.beating(1)
