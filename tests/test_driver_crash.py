@@ -100,7 +100,10 @@ def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restar
     """Only the TrainingDriver actor's process dies (SIGKILL): `flexorch train` says so, starts a new driver from the
     newest checkpoint and trains on; once `[elastic] driver_restarts` is used up it exits 2 with the resume command.
     Resumed, the run's records hold every step once with the reference's losses and documents."""
-    config = small_run_toml(tmp_path, steps=8, checkpoint_every=2)
+    # 40 short steps: the CLI reads the driver's events every 0.2 s, so the driver may be a few steps past the
+    # line the test reacts to; the run must still be going when the second kill lands
+    steps = 40
+    config = small_run_toml(tmp_path, steps=steps, checkpoint_every=2)
     config.write_text(config.read_text() + "[elastic]\ndriver_restarts = 1\n")
     corpus_dir, run_dir = tmp_path / "corpus", tmp_path / "run"
     cmd = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config), "--run-dir", str(run_dir)]
@@ -117,8 +120,9 @@ def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restar
             m = re.search(r"driver and planner on this entrypoint's node \S+ \(pid (\d+)\)", line)
             if m:
                 pids.append(int(m[1]))
-            # the first driver after step 3, its replacement (which trains steps 3.. again) after step 6
-            if line.startswith(("step    3/8", "step    6/8")[len(kills)] if len(kills) < 2 else "never"):
+            # the first driver after step 3; its replacement once it trained the step past the lost one
+            first = not kills and line.startswith(f"step    3/{steps}")
+            if first or (len(kills) == 1 and "[driver restarted" in line):
                 os.kill(pids[-1], signal.SIGKILL)
                 kills.append(pids[-1])
             if time.monotonic() > deadline:
@@ -128,10 +132,9 @@ def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restar
         _kill_tree(proc, ray_tmp)
     out = "".join(seen)
     assert len(kills) == 2 and len(pids) == 2 and pids[0] != pids[1], out[-4000:]
-    assert re.search(r"the driver was lost after step [3-8]: The actor is dead", out), out[-4000:]
+    assert re.search(r"the driver was lost after step \d+: The actor is dead", out), out[-4000:]
     m = re.search(r"starting a new driver from the checkpoint of step (\d+) \(\S+\) \(restart 1 of 1\)", out)
-    assert m and int(m[1]) in (2, 4, 6), out[-4000:]  # checkpoint_every = 2, the kill after step 3 (or just after)
-    assert "(restart 1 of 1)" in out
+    assert m and int(m[1]) % 2 == 0 and int(m[1]) >= 2, out[-4000:]  # checkpoint_every = 2, killed after step 3
     recovered = [ln for ln in out.splitlines() if "[driver restarted, recovered in" in ln]
     assert len(recovered) == 1, out[-4000:]  # the step past the one the lost driver was running shows the recovery
     assert rc == 2, out[-4000:]
@@ -149,11 +152,11 @@ def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restar
         _kill_tree_dir(ray_tmp)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     records = read_records(run_dir / "steps.jsonl", validate=True)
-    assert [r["step"] for r in records] == list(range(8)), "every step exactly once, none lost or repeated"
+    assert [r["step"] for r in records] == list(range(steps)), "every step exactly once, none lost or repeated"
     cfg = load_train_config(config, {})
     corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=128))
     stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
-    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in range(8)]
+    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in range(steps)]
     ref_losses, _ = reference_losses_and_params(cfg, corpus, records)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
 

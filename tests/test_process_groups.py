@@ -284,3 +284,50 @@ def _abort_mesh_job(ctx):
 def test_a_device_mesh_made_while_tracking_is_aborted_too(pool):
     waited = pool.run(_abort_mesh_job, timeout_s=60)
     assert waited[:2] == [-1.0, -3.0] and waited[3] == -3.0 and 0.5 < waited[2] < 10.0, waited
+
+
+def _broken_forward_job(ctx):
+    """An fsdp world of 4 whose forward an error stops inside layer 0 (the root's parameters gathered, its FORWARD
+    state left set, as a collective broken by a lost peer leaves it): the state taken for the next world must be
+    the shards, not the gathered parameters the root left registered."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from flexorch.config.model import ModelConfig
+    from flexorch.workers.fsdp import build_mesh, shard_position, sharded_decoder
+    from flexorch.workers.process_groups import ProcessGroupRegistry
+    from flexorch.workers.reshard import holding_of
+
+    reg = ProcessGroupRegistry(store=ctx.store, rank=ctx.rank, world_size=4, epoch=3000 + ctx.job)
+    try:
+        model = sharded_decoder(ModelConfig(num_layers=2), build_mesh("fsdp", 4, None, "cpu"))
+        positions = {n: shard_position(p) for n, p in model.named_parameters()}
+
+        def broken(q, k, v):
+            raise ConnectionError("the world broke")
+
+        ids = torch.arange(6)
+        try:
+            model(ids, ids, broken)
+        except ConnectionError:
+            pass
+        for m in model.modules():  # what the snapshot did before: FSDPModule.reshard on every unit
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        left_plain = sum(not isinstance(p, DTensor) for p in model.parameters())
+        held = holding_of(model, None, None, 1, positions)
+        return [
+            left_plain,
+            all(isinstance(p, DTensor) for p in model.parameters()),
+            sorted(held.tensors) == sorted(positions),
+        ]
+    finally:
+        reg.close()
+
+
+def test_the_state_after_a_forward_broken_mid_flight_is_the_shards(pool):
+    got = pool.run(_broken_forward_job)
+    # reshard alone left the root's gathered parameters registered (its forward never finished); the snapshot
+    # resets FSDP's iteration state first (flexorch.workers.fsdp.reshard_after_failure) and takes every shard
+    assert all(r[1:] == [True, True] for r in got), got
+    assert all(r[0] > 0 for r in got), f"the case no longer arises with this torch: {got}"

@@ -44,7 +44,8 @@ def env(tmp_path_factory):
 
 def _cfg(env, name, model_dir, **kw):
     root, corpus_dir, profile, _ = env
-    model = ModelConfig.from_dict(hf_model_config(str(model_dir)))
+    # the head and loss in chunks of 24 tokens, as tests.train_helpers' own model: checked against the plain loss
+    model = ModelConfig.from_dict({**hf_model_config(str(model_dir)), "loss_chunk_tokens": 24})
     data = CorpusConfig(source=str(corpus_dir), max_context=256, tokenizer="byte")
     return train_config(corpus_dir, root / name, profile, model=model, data=data, **kw)
 

@@ -101,7 +101,9 @@ def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) ->
         "batch_size": 8,
         "seed": 0,
         "run_dir": str(run_dir),
-        "model": ModelConfig(),
+        # the head and loss in chunks of 24 tokens (a rank's micro-batch here holds up to 64): every run through
+        # this helper trains on the chunked path and is checked against the reference's plain whole-logits loss
+        "model": ModelConfig(loss_chunk_tokens=24),
         # eps 1e-6, not Adam's 1e-8: Adam divides by the gradient's RMS, so an element whose gradient is ~1e-8 turns
         # a float-reordering difference into a step of ~lr (seen on 2026-11-25: one embedding element of 16,448,
         # 4e-5 off in every mode, static-ulysses-1 included; with eps 1e-6 all equal), as tests/test_pipeline_dist.py

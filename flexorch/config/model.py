@@ -49,8 +49,15 @@ class ModelConfig:
     is full causal attention within each document)."""
     hf_weights: bool = False
     """``hf``'s directory holds safetensors weights (else the model starts from a random initialisation)."""
+    loss_chunk_tokens: int = 4096
+    """The LM head and the loss run over chunks of this many tokens, each recomputed in the backward, so no
+    ``(tokens, vocab)`` float32 logits of a whole micro-batch are ever held (``flexorch.workers.chunked_loss``);
+    0: the whole logits at once. Not part of the model's shape (allowed beside ``hf``)."""
 
     def __post_init__(self) -> None:
+        c = self.loss_chunk_tokens
+        if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+            raise ValueError(f"ModelConfig.loss_chunk_tokens must be an integer >= 0 (0: no chunks), got {c!r}")
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -18,7 +18,9 @@ once when the cluster has fewer slots than needed. Setup waits publish ``{"event
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
+from pathlib import Path
 
 import ray
 import torch.distributed as dist
@@ -62,6 +64,17 @@ class MembershipFailure(WorkerGroupError):
             parts.append(f"workers {sorted(failure.peer_errors)} left the broken world")
         parts += [f"worker {w}: {m}" for w, m in failure.errors]
         super().__init__(f"could not {what}: {'; '.join(parts)}")
+
+
+def _where(err: BaseException) -> str:
+    """`` (at FILE:LINE in FUNC)``: the innermost frame of a worker's own error, from the traceback its worker
+    attached as a note (``Worker._guarded``), so a one-line reason still says where it was raised."""
+    for note in reversed(getattr(err, "__notes__", None) or ()):
+        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', note)
+        if frames:
+            path, line, func = frames[-1]
+            return f" (at {Path(path).name}:{line} in {func})"
+    return ""
 
 
 def _no_publish(event: dict) -> None:
@@ -335,7 +348,8 @@ class RayWorkerGroup:
                     if isinstance(cause, PeerLostError) or isinstance(e, PeerLostError):
                         peer.add(wid)
                     else:
-                        errors.append((wid, f"{type(cause).__name__}: {str(cause).splitlines()[0][:500]}"))
+                        first = str(cause).splitlines()[0][:500]
+                        errors.append((wid, f"{type(cause).__name__}: {first}{_where(cause)}"))
                 if self.failed_at is None:  # the world is broken: end every collective still waiting in it now
                     self.failed_at = time.monotonic()
                     self._abort_pending(pending.values())
@@ -358,8 +372,8 @@ class RayWorkerGroup:
         their control thread): a collective waiting on a gone or frozen peer fails at once. Not waited for."""
         for w in worker_ids:
             abort = getattr(self._actors.get(w), "abort_world", None)  # a stand-in worker class may lack it
-            if abort is not None:
-                abort.remote()
+            if abort is not None:  # this epoch's world only: a late abort must not reach the next world
+                abort.remote(self.membership.epoch)
 
     def detection(self, lost) -> dict | None:
         """How the last :meth:`settle`'s failure was found (``Heartbeats.detection``): by, detect_ms, since_ms."""

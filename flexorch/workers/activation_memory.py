@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from flexorch.workers.model import AttnFn, loss_sum
+from flexorch.workers.model import AttnFn
 from flexorch.workers.recompute import kept_tensor_sink
 
 __all__ = ["SavedTensorMeter", "measure_activation_bytes", "saved_tensor_meter"]
@@ -82,11 +82,9 @@ def measure_activation_bytes(
     labels: torch.Tensor | None = None,
 ) -> int:
     """Bytes of the distinct storages saved for backward by one forward of ``model`` (parameters and buffers
-    excluded), and with ``labels`` by the loss too (its fp32 log-softmax of the logits: what a training step
-    holds). Runs the forward with gradients enabled and drops its graph afterwards."""
+    excluded), and with ``labels`` by the head and the loss too, as a training step runs them (fused in chunks:
+    ``ModelConfig.loss_chunk_tokens``). Runs the forward with gradients enabled and drops its graph afterwards."""
     with torch.enable_grad(), saved_tensor_meter([*model.parameters(), *model.buffers()]) as meter:
-        out = model(input_ids, position_ids, attn)
-        if labels is not None:
-            out = loss_sum(out, labels)
+        out = model(input_ids, position_ids, attn) if labels is None else model(input_ids, position_ids, attn, labels)
         del out  # the graph (and every saved tensor) is freed only after counting is done
     return meter.bytes

@@ -125,12 +125,17 @@ class Worker:
         self._beat.start()
 
     @ray.method(concurrency_group="control")
-    def abort_world(self) -> int:
-        """Shut down the current world's sockets from the control thread, while the step's thread may be blocked in
-        a collective on a peer that is gone or frozen: that collective fails now (and the step with PeerLostError)
-        instead of at the collective timeout. Returns the sockets shut down (0: no world)."""
+    def abort_world(self, epoch: int | None = None) -> int:
+        """Shut down the sockets of the world of membership ``epoch`` (None: the current one) from the control
+        thread, while the step's thread may be blocked in a collective on a peer that is gone or frozen: that
+        collective fails now (and the step with PeerLostError) instead of at the collective timeout. An abort that
+        arrives once this worker is in a newer world does nothing (it was queued behind the step's failure, and the
+        new world is healthy). Returns the sockets shut down (0: none)."""
         reg = self.registry
-        return reg.abort_sockets() if reg is not None else 0
+        if reg is None or (epoch is not None and reg.epoch != epoch):
+            return 0
+        self._aborted_epoch = reg.epoch  # whatever the step's thread raises on this world now is the abort's doing
+        return reg.abort_sockets()
 
     @ray.method(concurrency_group="control")
     def state_version(self) -> int:
@@ -277,8 +282,9 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - re-raised below
             err, text = e, traceback.format_exc()
         _drop_frames(err)  # release the failed collective's frames, so leaving the world closes sockets
+        aborted = self.registry is not None and getattr(self, "_aborted_epoch", None) == self.registry.epoch
         self.leave_world(abort=True)  # the step failed: the world's state is unknown, a destroy could wait forever
-        if _is_world_error(err):
+        if aborted or _is_world_error(err):  # the driver shut this world down: any error now is the broken world's
             raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
         err.add_note(text)
         raise err

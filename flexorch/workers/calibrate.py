@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from flexorch.tasks.step import GroupWork
 from flexorch.workers.activation_memory import measure_activation_bytes
-from flexorch.workers.model import loss_sum
 from flexorch.workers.step_exec import group_attention, micro_batch_inputs
 
 __all__ = ["Probe", "run_probes", "activation_bytes_per_token"]
@@ -62,7 +61,7 @@ def run_probes(
             if rank >= groups * d:
                 if every_rank:
                     empty = torch.zeros(0, dtype=torch.int64, device=device)
-                    loss_sum(model(empty, empty, lambda q, k, v: q), empty).backward()
+                    model(empty, empty, lambda q, k, v: q, labels=empty).backward()
                     model.zero_grad(set_to_none=True)
                 times.append(0.0)
                 continue
@@ -73,7 +72,7 @@ def run_probes(
             t0 = time.perf_counter()
             ids, pos, labels, layout = micro_batch_inputs(tokens, cu, rank - first, d, probe.kind)
             attn = group_attention(layout, work, group_of(work.ranks) if d > 1 else None, None)
-            loss_sum(model(ids.to(device), pos.to(device), attn), labels.to(device)).backward()
+            model(ids.to(device), pos.to(device), attn, labels=labels.to(device)).backward()  # head + loss, chunked
             _sync(device)  # CUDA runs asynchronously: time the kernels, not their launch
             if rep:
                 times.append((time.perf_counter() - t0) * 1e3)

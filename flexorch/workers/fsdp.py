@@ -72,6 +72,33 @@ def _check_own_groups(model: nn.Module, mesh: DeviceMesh) -> None:
             )
 
 
+def reshard_after_failure(model: nn.Module) -> None:
+    """Every FSDP unit of ``model`` back to its sharded parameters after a forward or backward that an error (a
+    broken world) stopped mid-flight. ``FSDPModule.reshard`` alone is not enough: a group stopped in its forward
+    keeps its FORWARD state, and the root (not resharded after forward) then skips the reshard, leaving plain
+    unsharded parameters registered (seen in CI on 2026-11-26: "'Parameter' object has no attribute 'to_local'" when
+    the next world took the state). torch 2.13's ``reset_iter_state`` on the root resets those states for this;
+    without it (torch 2.11), each group's state is reset by hand. Local: no collective runs."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    reset = getattr(model, "reset_iter_state", None)
+    if isinstance(model, FSDPModule) and reset is not None:
+        try:
+            reset()  # waits on in-flight work of the broken world: it has failed or is aborted, so it returns
+            return
+        except Exception:  # noqa: BLE001 - fall back to the states by hand
+            pass
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+    except ImportError:  # pragma: no cover - a torch without the module: reshard as is
+        TrainingState = None  # noqa: N806
+    for m in units:
+        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+            if TrainingState is not None:
+                group._training_state = TrainingState.IDLE
+            group._all_gather_result = None
+        m.reshard()
+
+
 def forget_closed_meshes() -> None:
     """Empty DTensor's sharding-propagation caches; call it whenever a world closes, before the next mesh is built.
 

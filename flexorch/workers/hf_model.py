@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexorch.config.model import ModelConfig
-from flexorch.workers.model import check_token_range
+from flexorch.workers.chunked_loss import head_loss_sum
+from flexorch.workers.model import check_token_range, loss_sum
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFDecoder", "flexorch_attention", "hf_random_init", "hf_weights", "meta_hf_decoder"]
 
@@ -105,9 +106,13 @@ class HFDecoder(nn.Module):
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``input_ids (t,)``, ``position_ids (t,)`` (position inside each token's document) -> logits
-        ``(t, vocab_size)`` float32; ``attn`` (q, k, v (t, heads, hd)) is the only call that sees other tokens."""
+        ``(t, vocab_size)`` float32, or with ``labels (t,)`` the loss summed over them (float32 scalar; the head fused
+        with the loss in chunks, ``flexorch.workers.chunked_loss``); ``attn`` (q, k, v (t, heads, hd)) is the only
+        call that sees other tokens."""
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be (t,), got {tuple(input_ids.shape)} and "
@@ -115,16 +120,21 @@ class HFDecoder(nn.Module):
             )
         check_token_range(input_ids, self.cfg.vocab_size)
         if input_ids.numel() == 0:  # an idle rank's empty micro-batch (FSDP): Transformers cannot run 0 tokens
-            return self._empty_logits(input_ids.device)
+            logits = self._empty_logits(input_ids.device)
+            return logits if labels is None else loss_sum(logits, labels)
         out = self.model(
             input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, flexorch_attn=attn
         )  # (t,) -> (1, t) in, (1, t, dim) out
+        if labels is not None:
+            return head_loss_sum(out.last_hidden_state[0], self._head_weight(), labels, self.cfg.loss_chunk_tokens)
         return self._head(out.last_hidden_state[0])
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def _head(self, h: torch.Tensor) -> torch.Tensor:
         """``(t, dim)`` -> logits ``(t, vocab)`` float32."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight).float()
+        return F.linear(h, self._head_weight()).float()
 
     def _empty_logits(self, device) -> torch.Tensor:
         """``(0, vocab)`` logits still tied to every parameter: one dummy token runs through every layer (attending

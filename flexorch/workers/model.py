@@ -24,6 +24,7 @@ from torch import nn
 
 from flexorch.config.model import ModelConfig
 from flexorch.workers.attention.sharding import check_cu_seqlens
+from flexorch.workers.chunked_loss import IGNORE_INDEX, head_loss_sum
 from flexorch.workers.recompute import MODES as RECOMPUTE_MODES
 from flexorch.workers.recompute import checkpointed
 
@@ -39,7 +40,6 @@ __all__ = [
     "set_activation_checkpointing",
 ]
 
-IGNORE_INDEX = -100
 """Label of positions that predict nothing (last token of a document, padding)."""
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -161,9 +161,13 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttnFn) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttnFn, labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``input_ids (t,)``, ``position_ids (t,)`` int64 (position inside each token's document) ->
-        logits ``(t, vocab_size)`` float32. ``attn`` is the only call that sees other tokens."""
+        logits ``(t, vocab_size)`` float32; with ``labels (t,)``, the loss summed over them instead (float32 scalar,
+        the head fused with the loss in chunks of ``cfg.loss_chunk_tokens``: no whole logits held). ``attn`` is the
+        only call that sees other tokens."""
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be (t,), got {tuple(input_ids.shape)} and "
@@ -176,6 +180,8 @@ class Decoder(nn.Module):
             x = layer(x, cos, sin, attn)
         x = self.norm(x)
         weight = self.tok_embeddings.weight if self.output is None else self.output.weight
+        if labels is not None:
+            return head_loss_sum(x, weight, labels, self.cfg.loss_chunk_tokens)
         return F.linear(x, weight).float()  # (t, dim) x (vocab, dim)^T -> (t, vocab)
 
 

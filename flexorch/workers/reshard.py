@@ -25,11 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from flexorch.solver.model_state import shard_rows
-from flexorch.workers.fsdp import local_rows
+from flexorch.workers.fsdp import local_rows, reshard_after_failure
 from flexorch.workers.step_exec import default_device
 
 __all__ = ["Holding", "exchange", "holding_of"]
@@ -61,9 +60,7 @@ def holding_of(
     """The local state of a sharded ``model`` (plain tensors, kept after its world is gone); ``positions`` of its
     parameters were recorded while the mesh lived (its groups may be gone now). A step that broke mid-forward
     leaves layers gathered: they are resharded first (local: it drops the gathered copies)."""
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+    reshard_after_failure(model)
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in model.named_parameters():
         if name not in positions:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from flexorch.config.optim import OptimConfig
 from flexorch.tasks.step import StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
-from flexorch.workers.model import check_token_range, loss_sum
+from flexorch.workers.model import check_token_range
 from flexorch.workers.optim import resident_bytes
 from flexorch.workers.step_exec import (
     GroupGetter,
@@ -93,10 +93,8 @@ def run_sharded_step(
             )
             attn = group_attention(layout, work, group_of(work.ranks) if work.degree > 1 else None, backend)
         with saved_tensor_meter(params) as meter:
-            logits = model(ids.to(device), pos.to(device), attn)
-            loss = loss_sum(logits, labels.to(device))
+            loss = model(ids.to(device), pos.to(device), attn, labels=labels.to(device))  # head + loss, chunked
         out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
-        del logits
         hook("micro_batch")
         loss.backward()  # FSDP reduce-scatters each layer's gradient (a sum over the mesh) into the shards
         local_loss += loss.detach().double().cpu()

@@ -24,7 +24,7 @@ from flexorch.tasks.step import GroupWork, StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
-from flexorch.workers.model import check_token_range, loss_sum, next_token_labels
+from flexorch.workers.model import check_token_range, next_token_labels
 from flexorch.workers.optim import clip_grad_norm_, resident_bytes
 
 __all__ = ["StepOutcome", "run_step", "sync_and_step", "GradBucket", "micro_batch_inputs", "GroupGetter"]
@@ -143,10 +143,8 @@ def run_step(
         group = group_of(work.ranks) if work.degree > 1 else None
         attn = group_attention(layout, work, group, backend)
         with saved_tensor_meter(params) as meter:  # activation bytes held for backward: the plan's memory
-            logits = model(ids.to(device), pos.to(device), attn)
-            loss = loss_sum(logits, labels.to(device))
+            loss = model(ids.to(device), pos.to(device), attn, labels=labels.to(device))  # head + loss, chunked
         out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
-        del logits
         hook("micro_batch")
         loss.backward()
         local_loss += loss.detach().double().cpu()

@@ -1,0 +1,46 @@
+"""The LM head and the cross-entropy fused over chunks of tokens: no ``(tokens, vocab)`` float32 logits for the
+whole micro-batch, in the forward or the backward.
+
+A micro-batch of 49K tokens over a 32K vocabulary makes 6 GiB of float32 logits (and as much again for their
+gradient) when the head's output is materialised whole. Here each chunk of ``chunk`` tokens computes its logits,
+its summed loss, and is checkpointed (``torch.utils.checkpoint``, non-reentrant): its logits are freed at once and
+recomputed, one chunk at a time, in the backward. The price is the head's matmul run twice (2 x tokens x dim x
+vocab FLOPs more: about 2 % of a 1B model's step). The technique of Liger-Kernel's fused linear cross-entropy and
+Apple's Cut Cross-Entropy (arXiv 2411.09009), here in plain PyTorch so that FSDP2, recompute and the CPU path take it
+unchanged. Exact: every token's loss is the plain loss's (the same matmul and log-softmax per row), only the sum's
+order differs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["head_loss_sum", "IGNORE_INDEX"]
+
+IGNORE_INDEX = -100  # the label of a position that predicts nothing (the last token of a document)
+
+
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``h (c, dim)`` -> logits ``(c, vocab)`` float32 -> cross-entropy summed over labelled rows (a float32 scalar)."""
+    logits = F.linear(h, weight).float()  # (c, dim) x (vocab, dim)^T -> (c, vocab)
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def head_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Cross-entropy of ``F.linear(h, weight)`` against ``labels``, summed over the positions whose label is not
+    ``IGNORE_INDEX``; float32 scalar. ``h (t, dim)``, ``weight (vocab, dim)``, ``labels (t,)`` int64. ``chunk``:
+    tokens per chunk (0, or ``t <= chunk``: the whole logits at once, as ``loss_sum(logits, labels)``)."""
+    t = h.shape[0]
+    if labels.shape != (t,):
+        raise ValueError(f"labels must be ({t},) for hidden states {tuple(h.shape)}, got {tuple(labels.shape)}")
+    if chunk < 0:
+        raise ValueError(f"chunk must be >= 0 tokens, got {chunk}")
+    if chunk == 0 or t <= chunk:
+        return _chunk_loss(h, weight, labels)
+    total = None
+    for i in range(0, t, chunk):
+        part = checkpoint(_chunk_loss, h[i : i + chunk], weight, labels[i : i + chunk], use_reentrant=False)
+        total = part if total is None else total + part
+    return total
