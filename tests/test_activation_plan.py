@@ -36,7 +36,7 @@ def _held_bytes_job(ctx, cfg: ModelConfig, layouts):
     from flexorch.tasks.step import GroupWork
     from flexorch.workers.activation_memory import saved_tensor_meter
     from flexorch.workers.calibrate import _synthetic
-    from flexorch.workers.model import init_model, loss_sum
+    from flexorch.workers.model import init_model
     from flexorch.workers.step_exec import group_attention, micro_batch_inputs
 
     registry = ctx.registry()
@@ -53,7 +53,7 @@ def _held_bytes_job(ctx, cfg: ModelConfig, layouts):
         ids, pos, labels, layout = micro_batch_inputs(tokens, cu, ctx.rank, d, kind)
         attn = group_attention(layout, GroupWork(0, ranks, kind, ()), group, None)
         with saved_tensor_meter(list(model.parameters())) as meter:
-            loss = loss_sum(model(ids, pos, attn), labels)
+            loss = model(ids, pos, attn, labels=labels)  # head + loss fused in chunks, as run_step runs them
         out.append((meter.bytes, int(ids.numel())))
         del loss
     registry.close()
@@ -160,12 +160,13 @@ def test_training_holds_what_the_plan_predicts(training, mode):
     from tests.train_helpers import run_driver, train_config
 
     root, corpus_dir, fixed_profile, corpus = training
-    cfg_model = ModelConfig()
-    act = activation_bytes_per_token(init_model(cfg_model, 0), cfg_model.vocab_size)  # as `flexorch train` does
     path = root / f"profile-{mode}.json"
-    path.write_text(json.dumps({**json.loads(fixed_profile.read_text()), "act_bytes_per_token": act}))
     plan = {"mode": mode, "tokens_per_worker": 128 if mode.endswith("-2") else 64}  # 256-token documents fit
-    records, _ = run_driver(train_config(corpus_dir, root / f"run-{mode}", path, plan=plan), corpus)
+    cfg = train_config(corpus_dir, root / f"run-{mode}", path, plan=plan)
+    cfg_model = cfg.model  # its loss in chunks: what the probe measures is what training holds
+    act = activation_bytes_per_token(init_model(cfg_model, 0), cfg_model.vocab_size)  # as `flexorch train` does
+    path.write_text(json.dumps({**json.loads(fixed_profile.read_text()), "act_bytes_per_token": act}))
+    records, _ = run_driver(cfg, corpus)
     profile = load_profile(path)
     assert profile.act_bytes_per_token == act
     checked = 0

@@ -132,6 +132,14 @@ def test_check_resume_names_the_model_keys_that_differ(tmp_path):
         check_resume(tmp_path, other)
 
 
+def test_a_checkpoint_resumes_with_another_loss_chunk_and_one_written_before_the_key_existed(tmp_path):
+    older = ModelConfig().to_dict()
+    del older["loss_chunk_tokens"]  # a checkpoint of a flexorch without the key
+    _write(tmp_path, 2, model=older)
+    live = {**ModelConfig().to_dict(), "loss_chunk_tokens": 512}  # how the loss runs, not what the model is
+    assert check_resume(tmp_path, live).startswith("--resume: from checkpoint_000002 (step 2)")
+
+
 def test_check_resume_describes_the_checkpoint_and_the_skipped_ones(tmp_path):
     _write(tmp_path, 1)
     _write(tmp_path, 2)

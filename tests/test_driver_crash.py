@@ -51,7 +51,10 @@ def _kill_tree(proc: subprocess.Popen, ray_tmp: Path) -> None:
 
 
 def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluster):
-    config = small_run_toml(tmp_path, steps=6, checkpoint_every=1)
+    # the CLI reads the driver's events every 0.2 s and steps here take a fraction of that: the driver may be
+    # several steps past the line the test reacts to, so the run is long enough to be still going at the kill
+    steps = 16
+    config = small_run_toml(tmp_path, steps=steps, checkpoint_every=1)
     corpus_dir = tmp_path / "corpus"
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config), "--run-dir", str(run_dir)]
@@ -66,32 +69,32 @@ def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluste
         deadline = time.monotonic() + 240
         for line in proc.stdout:  # the CLI prints one line per step
             seen.append(line)
-            if line.startswith("step    3/6") or time.monotonic() > deadline:
+            if line.startswith(f"step    3/{steps}") or time.monotonic() > deadline:
                 break
     finally:
         _kill_tree(proc, ray_tmp)
-    assert any(ln.startswith("step    3/6") for ln in seen), "".join(seen)[-3000:]
+    assert any(ln.startswith(f"step    3/{steps}") for ln in seen), "".join(seen)[-3000:]
     before = read_records(run_dir / "steps.jsonl")
     # steps of this tiny run take ~0.3 s, so one or two more may finish before the kill lands; the run must not
     # have finished (the resume below has steps left to do)
-    assert [r["step"] for r in before][:3] == [0, 1, 2] and len(before) < 6
+    assert [r["step"] for r in before][:3] == [0, 1, 2] and len(before) < steps
 
     try:
         resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
-    assert "resumed after step" in resumed.stdout and "done: 6 steps" in resumed.stdout
+    assert "resumed after step" in resumed.stdout and f"done: {steps} steps" in resumed.stdout
 
     records = read_records(run_dir / "steps.jsonl", validate=True)
-    assert [r["step"] for r in records] == list(range(6)), "every step exactly once, none lost or repeated"
+    assert [r["step"] for r in records] == list(range(steps)), "every step exactly once, none lost or repeated"
     cfg = load_train_config(config, {})
     corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=128))  # in this process's Ray
     stream = DocumentStream(corpus.num_docs, cfg.batch_size, cfg.seed)
-    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in range(6)]
+    assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in range(steps)]
     ref_losses, ref_params = reference_losses_and_params(cfg, corpus, records)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-    final = torch.load(run_dir / "checkpoints" / "checkpoint_000006" / "model.pt", weights_only=True)
+    final = torch.load(run_dir / "checkpoints" / f"checkpoint_{steps:06d}" / "model.pt", weights_only=True)
     for name, value in ref_params.items():
         np.testing.assert_allclose(final[name].numpy(), value, rtol=1e-4, atol=2e-5, err_msg=name)
 

@@ -15,7 +15,7 @@ from flexorch.config.data import CorpusConfig
 from flexorch.config.elastic import ElasticSettings
 from flexorch.config.errors import ConfigError
 from flexorch.config.hf import hf_model_config
-from flexorch.config.model import ModelConfig, model_config
+from flexorch.config.model import RUN_KEYS, ModelConfig, model_config
 from flexorch.config.optim import OptimConfig
 from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import PlanSettings
@@ -94,19 +94,16 @@ def config_from_dict(values: dict) -> TrainConfig:
         raise ConfigError(str(e)) from None
 
 
-_NOT_SHAPE = {"loss_chunk_tokens"}  # [model] keys that may stand beside hf: how the model runs, not its shape
-
-
 def _model(table: dict) -> ModelConfig:
     """``[model]``: a preset with overrides, or ``hf = "DIR"`` alone (a Hugging Face model directory; a table
     that also has ``family`` is a saved config read back, whose fields are already the directory's)."""
     if table.get("hf") is not None and "family" not in table:
-        others = sorted(set(table) - {"hf"} - _NOT_SHAPE)
+        others = sorted(set(table) - {"hf"} - RUN_KEYS)
         if others:
             raise ConfigError(
                 f"[model]: with hf = {table['hf']!r} the model's shape comes from its config.json; remove {others}"
             )
-        return ModelConfig.from_dict({**hf_model_config(table["hf"]), **{k: table[k] for k in _NOT_SHAPE & set(table)}})
+        return ModelConfig.from_dict({**hf_model_config(table["hf"]), **{k: table[k] for k in RUN_KEYS & set(table)}})
     preset = table.pop("preset", "tiny")
     return ModelConfig.from_dict({**model_config(preset).to_dict(), **table})
 

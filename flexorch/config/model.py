@@ -10,7 +10,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-__all__ = ["MODEL_PRESETS", "ModelConfig", "model_config"]
+__all__ = ["MODEL_PRESETS", "RUN_KEYS", "ModelConfig", "model_config"]
+
+
+RUN_KEYS = frozenset({"loss_chunk_tokens"})
+"""ModelConfig fields that say how the model runs, not what it is: allowed beside ``[model] hf``, and a checkpoint
+resumes whatever they were when it was written."""
 
 
 @dataclass(frozen=True, kw_only=True)

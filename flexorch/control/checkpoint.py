@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from flexorch.config import ConfigError
+from flexorch.config.model import RUN_KEYS
 
 if TYPE_CHECKING:
     from ray.train import Checkpoint
@@ -250,7 +251,8 @@ def check_resume(run_dir: Path | str, model_config: dict) -> str:
             "--resume, or resume a run written by flexorch"
         ) from None
     saved, live = _plain(saved), _plain(dict(model_config))
-    differ = sorted(k for k in set(saved) | set(live) if saved.get(k, _MISSING) != live.get(k, _MISSING))
+    keys = (set(saved) | set(live)) - RUN_KEYS  # how the model runs (the loss's chunks) is free to change
+    differ = sorted(k for k in keys if saved.get(k, _MISSING) != live.get(k, _MISSING))
     if differ:
         what = ", ".join(
             f"{k}: checkpoint {saved.get(k, '(absent)')!r}, this run {live.get(k, '(absent)')!r}" for k in differ

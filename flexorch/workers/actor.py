@@ -282,7 +282,8 @@ class Worker:
         except Exception as e:  # noqa: BLE001 - re-raised below
             err, text = e, traceback.format_exc()
         _drop_frames(err)  # release the failed collective's frames, so leaving the world closes sockets
-        aborted = self.registry is not None and getattr(self, "_aborted_epoch", None) == self.registry.epoch
+        epoch = getattr(self.registry, "epoch", None)  # a stand-in registry may have none
+        aborted = epoch is not None and getattr(self, "_aborted_epoch", None) == epoch
         self.leave_world(abort=True)  # the step failed: the world's state is unknown, a destroy could wait forever
         if aborted or _is_world_error(err):  # the driver shut this world down: any error now is the broken world's
             raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")

@@ -31,13 +31,15 @@ def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> 
 def head_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
     """Cross-entropy of ``F.linear(h, weight)`` against ``labels``, summed over the positions whose label is not
     ``IGNORE_INDEX``; float32 scalar. ``h (t, dim)``, ``weight (vocab, dim)``, ``labels (t,)`` int64. ``chunk``:
-    tokens per chunk (0, or ``t <= chunk``: the whole logits at once, as ``loss_sum(logits, labels)``)."""
+    tokens per chunk (0: the whole logits at once, as ``loss_sum(logits, labels)``). A micro-batch of one chunk or
+    less is checkpointed too, so the bytes held for the backward are the same per token at every length (the
+    calibrated ``act_bytes_per_token`` the planner budgets with holds for short micro-batches as for long ones)."""
     t = h.shape[0]
     if labels.shape != (t,):
         raise ValueError(f"labels must be ({t},) for hidden states {tuple(h.shape)}, got {tuple(labels.shape)}")
     if chunk < 0:
         raise ValueError(f"chunk must be >= 0 tokens, got {chunk}")
-    if chunk == 0 or t <= chunk:
+    if chunk == 0 or t == 0:  # whole logits; or an idle rank's empty micro-batch (nothing to hold)
         return _chunk_loss(h, weight, labels)
     total = None
     for i in range(0, t, chunk):
