@@ -49,3 +49,23 @@ def release_if_held(wait_s: float = 10.0) -> None:
         time.sleep(0.2)
     if ray.available_resources().get("CPU", 0) < SHARED_CPUS:
         ray.shutdown()
+
+
+def kill_private_ray(ray_tmp, remove: bool = True) -> None:
+    """SIGKILL every process of a private Ray started with ``RAY_TMPDIR=ray_tmp`` (a CLI's own local Ray: raylet,
+    GCS, workers), found by that path in its command line or environment; ``remove``: then delete the directory."""
+    import os
+    import shutil
+    import signal
+    from pathlib import Path
+
+    needle = str(ray_tmp).encode()
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if needle in (d / "cmdline").read_bytes() or needle in (d / "environ").read_bytes():
+                    os.kill(int(d.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+    if remove:
+        shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -74,13 +74,9 @@ def _self_attn(q, k, v):  # one document: causal attention over it (the shapes f
     ).transpose(0, 1)  # fmt: skip
 
 
-def test_our_decoder_with_labels_equals_its_logits_loss_and_holds_no_whole_logits():
-    cfg = ModelConfig(vocab_size=4096, loss_chunk_tokens=16)
-    model = init_model(cfg, seed=0)
-    t = 96
-    ids = torch.randint(0, cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(1))
-    pos = torch.arange(t)
-    labels = next_token_labels(ids, torch.tensor([0, t], dtype=torch.int32))
+def _check_fused_equals_plain(model, ids, pos, labels) -> None:
+    """The model's loss with ``labels`` (head + loss in chunks) and every parameter's gradient equal the plain loss
+    of its whole logits."""
     plain = loss_sum(model(ids, pos, _self_attn), labels)
     plain.backward()
     want = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -90,6 +86,16 @@ def test_our_decoder_with_labels_equals_its_logits_loss_and_holds_no_whole_logit
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_our_decoder_with_labels_equals_its_logits_loss_and_holds_no_whole_logits():
+    cfg = ModelConfig(vocab_size=4096, loss_chunk_tokens=16)
+    model = init_model(cfg, seed=0)
+    t = 96
+    ids = torch.randint(0, cfg.vocab_size, (t,), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(t)
+    labels = next_token_labels(ids, torch.tensor([0, t], dtype=torch.int32))
+    _check_fused_equals_plain(model, ids, pos, labels)
     whole = measure_activation_bytes(init_model(ModelConfig(vocab_size=4096, loss_chunk_tokens=0), 0), ids, pos,
                                      _self_attn, labels)  # fmt: skip
     chunked = measure_activation_bytes(model, ids, pos, _self_attn, labels)
@@ -115,15 +121,7 @@ def test_a_transformers_llama_with_labels_equals_its_logits_loss(tmp_path, tied)
     ids = torch.randint(0, 300, (t,), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(t)
     labels = next_token_labels(ids, torch.tensor([0, t], dtype=torch.int32))
-    plain = loss_sum(model(ids, pos, _self_attn), labels)
-    plain.backward()
-    want = {n: p.grad.clone() for n, p in model.named_parameters()}
-    model.zero_grad(set_to_none=True)
-    fused = model(ids, pos, _self_attn, labels=labels)
-    fused.backward()
-    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
-    for n, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-6, msg=n)
+    _check_fused_equals_plain(model, ids, pos, labels)
     model.zero_grad(set_to_none=True)
     empty = torch.zeros(0, dtype=torch.int64)
     idle = model(empty, empty, None, labels=empty)  # an idle rank under FSDP: zero, and every parameter reached

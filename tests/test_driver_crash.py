@@ -27,6 +27,7 @@ from flexorch.config import CorpusConfig, load_train_config
 from flexorch.data.corpus import load_corpus
 from flexorch.data.stream import DocumentStream
 from flexorch.records.writer import read_records
+from tests.ray_env import kill_private_ray
 from tests.train_helpers import reference_losses_and_params, small_run_toml
 
 pytestmark = pytest.mark.slow
@@ -40,14 +41,7 @@ def _kill_tree(proc: subprocess.Popen, ray_tmp: Path) -> None:
     except ProcessLookupError:
         pass
     proc.wait(timeout=30)
-    needle = str(ray_tmp).encode()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if needle in (d / "cmdline").read_bytes() or needle in (d / "environ").read_bytes():
-                    os.kill(int(d.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                continue
+    kill_private_ray(ray_tmp, remove=False)  # the resume below starts its Ray in the same directory
 
 
 def test_driver_killed_mid_run_resumes_at_the_next_document(tmp_path, ray_cluster):
@@ -152,7 +146,7 @@ def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restar
     try:
         resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     finally:
-        _kill_tree_dir(ray_tmp)
+        kill_private_ray(ray_tmp)
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
     records = read_records(run_dir / "steps.jsonl", validate=True)
     assert [r["step"] for r in records] == list(range(steps)), "every step exactly once, none lost or repeated"
@@ -162,15 +156,3 @@ def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restar
     assert [r["doc_ids"] for r in records] == [list(stream.next_batch().doc_ids) for _ in range(steps)]
     ref_losses, _ = reference_losses_and_params(cfg, corpus, records)
     assert [r["loss"] for r in records] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
-
-
-def _kill_tree_dir(ray_tmp: Path) -> None:
-    needle = str(ray_tmp).encode()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if needle in (d / "cmdline").read_bytes() or needle in (d / "environ").read_bytes():
-                    os.kill(int(d.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                continue
-    shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -25,7 +25,7 @@ def test_the_loss_reason_is_rays_cause_without_its_boilerplate():
 
 
 def test_the_run_view_resumes_from_the_newest_checkpoint_it_saw():
-    view = _RunView(resumed=False)
+    view = _RunView()
     assert view.checkpoint_words() == "No checkpoint was written yet: the run starts again from step 0"
     for ev in (
         {"event": "setup", "resumed_from": None},
@@ -37,7 +37,7 @@ def test_the_run_view_resumes_from_the_newest_checkpoint_it_saw():
         view.see(ev)
     assert (view.completed, view.checkpoint_step) == (3, 2)
     assert view.checkpoint_words() == "The checkpoint of step 2 (/r/checkpoints/checkpoint_000002)"
-    again = _RunView(resumed=True, earlier=view)  # the new driver's view starts from what was seen
+    again = _RunView(earlier=view)  # the new driver's view starts from what was seen
     again.see({"event": "setup", "resumed_from": 2})
     assert (again.completed, again.checkpoint_step) == (2, 2)
 

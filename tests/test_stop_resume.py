@@ -15,7 +15,6 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from flexorch.config import CorpusConfig, load_train_config
 from flexorch.data.corpus import load_corpus
 from flexorch.data.stream import DocumentStream
 from flexorch.records.writer import read_records
+from tests.ray_env import kill_private_ray
 from tests.train_helpers import reference_losses_and_params, small_run_toml
 
 pytestmark = pytest.mark.slow
@@ -39,25 +39,12 @@ def _env(ray_tmp: Path) -> dict:
     return {**os.environ, "RAY_ADDRESS": "", "PYTHONPATH": str(ROOT), "RAY_TMPDIR": str(ray_tmp)}
 
 
-def _cleanup(ray_tmp: Path) -> None:
-    """SIGKILL whatever Ray process of the private temp dir is left (normally none: the CLI shuts its Ray down)."""
-    needle = str(ray_tmp).encode()
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if needle in (d / "cmdline").read_bytes() or needle in (d / "environ").read_bytes():
-                    os.kill(int(d.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                continue
-    shutil.rmtree(ray_tmp, ignore_errors=True)
-
-
 def _train(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     ray_tmp = Path(tempfile.mkdtemp(prefix="fxs-", dir="/tmp"))  # short: Ray's socket paths stay < 108 bytes
     try:
         return subprocess.run(cmd, env=_env(ray_tmp), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     finally:
-        _cleanup(ray_tmp)
+        kill_private_ray(ray_tmp)
 
 
 def _signal_after_step(cmd: list[str], step: int, total: int, signals: list[int]) -> tuple[int, str]:
@@ -85,7 +72,7 @@ def _signal_after_step(cmd: list[str], step: int, total: int, signals: list[int]
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
-        _cleanup(ray_tmp)
+        kill_private_ray(ray_tmp)
     return rc, "".join(seen)
 
 

@@ -218,7 +218,7 @@ def run_train(
             print(note, file=out, flush=True)
         driver, where = start_driver(cfg.to_dict())
         print(f"flexorch train: {where}", file=out, flush=True)
-        view = _RunView(resumed=cfg.resume)
+        view = _RunView()
         restarts = 0
         try:
             while True:
@@ -254,7 +254,7 @@ def run_train(
                     again_cfg = cfg.replace(resume=cfg.resume or view.checkpoint_step is not None)
                     driver, where = start_driver(again_cfg.to_dict(), restarted=restarted)
                     print(f"flexorch train: {where}", file=out, flush=True)
-                    view = _RunView(resumed=again_cfg.resume, earlier=view)
+                    view = _RunView(earlier=view)
         finally:
             try:
                 ray.get(driver.shutdown.remote(), timeout=30)
@@ -270,11 +270,10 @@ class DriverLostError(RuntimeError):
 class _RunView:
     """What the CLI has seen of a run: steps completed, the newest checkpoint, when the driver last answered."""
 
-    def __init__(self, resumed: bool, earlier: _RunView | None = None):
+    def __init__(self, earlier: _RunView | None = None):
         self.completed = earlier.completed if earlier else 0
         self.checkpoint_step = earlier.checkpoint_step if earlier else None
         self.checkpoint_path = earlier.checkpoint_path if earlier else None
-        self.resumed = resumed
         self.last_answer = time.time()
 
     def see(self, ev: dict) -> None:
