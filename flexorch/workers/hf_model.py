@@ -29,7 +29,7 @@ from torch import nn
 
 from flexorch.config.model import ModelConfig
 from flexorch.workers.chunked_loss import head_loss_sum
-from flexorch.workers.model import check_token_range, loss_sum
+from flexorch.workers.model import call_attention, check_token_range, loss_sum
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFDecoder", "flexorch_attention", "hf_random_init", "hf_weights", "meta_hf_decoder"]
 
@@ -69,7 +69,8 @@ def flexorch_attention(module, query, key, value, attention_mask, scaling=None, 
     k = key[0].transpose(0, 1)  # (1, h_kv, t, hd) -> (t, h_kv, hd)
     v = value[0].transpose(0, 1)
     default = q.shape[-1] ** -0.5
-    out = attn(q, k, v) if scaling is None or scaling == default else attn(q, k, v, softmax_scale=scaling)
+    kw = {} if scaling is None or scaling == default else {"softmax_scale": scaling}
+    out = call_attention(attn, q, k, v, **kw)  # the compiled layer's graph breaks here (regional compile)
     return out.unsqueeze(0), None  # (t, h, hd) -> (1, t, h, hd)
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "IGNORE_INDEX",
     "AttnFn",
     "Decoder",
+    "call_attention",
     "check_token_range",
     "init_model",
     "initial_parameters",
@@ -76,6 +77,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)  # -> (t, h, hd)
 
 
+@torch.compiler.disable
+def call_attention(attn: AttnFn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """``attn(q, k, v, **kwargs)`` outside any compiled graph: the one place ``torch.compile`` of a decoder layer
+    breaks its graph (regional compile, as TorchTitan compiles each block). The varlen kernels read the documents'
+    host offsets and sequence-parallel attention runs collectives, neither of which belongs in a traced graph; the
+    code before and after (norms, projections, RoPE, the MLP) compiles and fuses."""
+    return attn(q, k, v, **kwargs)
+
+
 class Attention(nn.Module):
     """q/k/v/o projections without bias, GQA (2305.13245), RoPE on q and k; the kernel is the ``attn`` argument."""
 
@@ -92,7 +102,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(t, self.h, self.hd)  # (t, dim) -> (t, h * hd) -> (t, h, hd)
         k = self.wk(x).view(t, self.h_kv, self.hd)  # (t, dim) -> (t, h_kv * hd) -> (t, h_kv, hd)
         v = self.wv(x).view(t, self.h_kv, self.hd)
-        out = attn(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        out = call_attention(attn, apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
         if not isinstance(out, torch.Tensor) or out.shape != q.shape:
             got = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
             raise ValueError(f"attn must return a (t, h, hd) = {tuple(q.shape)} tensor, got {got}")
