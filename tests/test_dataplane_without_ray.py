@@ -223,10 +223,15 @@ if part == "collectives":  # all-to-all (Ulysses), send/recv (ring), the gradien
         model, optimizer, scheduler, task, blocks, registry.group, registry.world, optim_cfg, vocab_size=cfg.vocab_size
     )
     params = [(k, v.detach().numpy()) for k, v in model.state_dict().items()]
-else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unused_params, as in torch 2.11
+else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unused_params, as in torch 2.11;
+    # "sharded_compiled": FSDP2 with every decoder layer compiled (flexorch.workers.compile), selective recompute
+    import dataclasses
+
     from torch.distributed.fsdp import FSDPModule
 
-    if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
+    if part == "sharded_compiled":
+        cfg = dataclasses.replace(cfg, compile=True)
+    elif hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         del FSDPModule.set_reduce_scatter_unused_params
     from flexorch.workers import fsdp
     from flexorch.workers.sharded_step import run_sharded_step
@@ -237,7 +242,9 @@ else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unuse
         work += (GroupWork(1, (0,), "ring", tuple(refs[3:])),)
     task = StepTask(0, rank, 2, ((0, 1),), work, n_pred, 2)
     registry.ensure(task.rank_sets)
-    model = fsdp.sharded_decoder(cfg, fsdp.build_mesh("fsdp", 2, None, "cpu"))
+    recompute = "selective" if part == "sharded_compiled" else "none"
+    model = fsdp.sharded_decoder(cfg, fsdp.build_mesh("fsdp", 2, None, "cpu"), recompute=recompute)
+    result["compiled"] = sum(bool(getattr(m, "_flexorch_compiled", False)) for m in model.layers)
     optimizer, scheduler = build_optimizer(model, optim_cfg, foreach=True)
     fsdp.fill_initial(model, cfg, 7)
     result["has_api"] = hasattr(model, "set_reduce_scatter_unused_params")
@@ -328,8 +335,8 @@ def test_data_plane_imports_and_steps_on_one_rank_without_ray(tmp_path):
     assert 0 < res["loss"] < 10 and res["param_error"] < 2e-5
 
 
-@pytest.mark.slow  # two fresh interpreters each: about 8 s a part on 2 cores
-@pytest.mark.parametrize("part", ["collectives", "sharded_torch_2_11"])
+@pytest.mark.slow  # two fresh interpreters each: about 8 s a part on 2 cores (compiled: about 30 s)
+@pytest.mark.parametrize("part", ["collectives", "sharded_torch_2_11", "sharded_compiled"])
 def test_two_ranks_step_over_gloo_without_ray(tmp_path, part):
     """Two fresh processes, one gloo world (a FileStore): the SP collectives and the gradient sync really run.
     ``sharded_torch_2_11`` takes the FSDP2 path torch 2.11 needs (``flexorch.workers.fsdp._reduce_unused_params``)."""
@@ -344,4 +351,6 @@ def test_two_ranks_step_over_gloo_without_ray(tmp_path, part):
             assert max(errors) < 1e-10, (res["rank"], kind, errors)
         if part == "sharded_torch_2_11":
             assert res["has_api"] is False
+        if part == "sharded_compiled":
+            assert res["compiled"] == 2
     assert results[0]["loss"] == results[1]["loss"]

@@ -13,7 +13,7 @@ from typing import Any
 __all__ = ["MODEL_PRESETS", "RUN_KEYS", "ModelConfig", "model_config"]
 
 
-RUN_KEYS = frozenset({"loss_chunk_tokens"})
+RUN_KEYS = frozenset({"loss_chunk_tokens", "compile", "attention"})
 """ModelConfig fields that say how the model runs, not what it is: allowed beside ``[model] hf``, and a checkpoint
 resumes whatever they were when it was written."""
 
@@ -58,11 +58,23 @@ class ModelConfig:
     """The LM head and the loss run over chunks of this many tokens, each recomputed in the backward, so no
     ``(tokens, vocab)`` float32 logits of a whole micro-batch are ever held (``flexorch.workers.chunked_loss``);
     0: the whole logits at once. Not part of the model's shape (allowed beside ``hf``)."""
+    compile: bool | None = None
+    """Regional ``torch.compile`` of each decoder layer (``flexorch.workers.compile``); unset: on with a GPU, off
+    on a CPU. Not part of the model's shape."""
+    attention: str = "auto"
+    """The varlen attention kernel: ``auto`` (on a GPU, the fastest of the kernels that match the ``math`` reference
+    there, measured at worker start: ``flexorch.workers.attention.choice``) or one of ``flash_attn``,
+    ``torch_cudnn``, ``torch_flash``, ``torch_cpu``, ``math``. Not part of the model's shape."""
 
     def __post_init__(self) -> None:
         c = self.loss_chunk_tokens
         if isinstance(c, bool) or not isinstance(c, int) or c < 0:
             raise ValueError(f"ModelConfig.loss_chunk_tokens must be an integer >= 0 (0: no chunks), got {c!r}")
+        if self.compile is not None and not isinstance(self.compile, bool):
+            raise ValueError(f"ModelConfig.compile must be true or false (unset: on with a GPU), got {self.compile!r}")
+        backends = ("auto", "flash_attn", "torch_cudnn", "torch_flash", "torch_cpu", "math")
+        if self.attention not in backends:
+            raise ValueError(f"ModelConfig.attention must be one of {list(backends)}, got {self.attention!r}")
         for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

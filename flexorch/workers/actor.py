@@ -29,6 +29,7 @@ from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
 from flexorch.workers.devices import pin_device
 from flexorch.workers.model import init_model
+from flexorch.workers.compile import compile_layers, wants_compile
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
@@ -92,6 +93,8 @@ class Worker:
             set_activation_checkpointing(self.model, self.sharding["recompute"])
             if self.device is not None:
                 self.model.to(self.device)
+            if wants_compile(self.model_cfg.compile, self.device):
+                compile_layers(self.model)
             self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
             self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
         self.registry: ProcessGroupRegistry | None = None

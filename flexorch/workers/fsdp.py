@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Shard
 from flexorch.config.model import ModelConfig
 from flexorch.config.sharding import effective_shard_size
 from flexorch.solver.model_state import shard_rows
+from flexorch.workers.compile import compile_layers, wants_compile
 from flexorch.workers.model import Decoder
 from flexorch.workers.model_source import initial_parameters, meta_model, set_activation_checkpointing
 from flexorch.workers.optim import resident_bytes
@@ -129,6 +130,8 @@ def sharded_decoder(
     :func:`fill_initial` or a checkpoint)."""
     model = meta_model(cfg)
     set_activation_checkpointing(model, recompute)
+    if wants_compile(cfg.compile, torch.device(device) if device is not None else None):
+        compile_layers(model)  # before fully_shard, as TorchTitan orders it; FSDP2's hooks stay outside the graphs
     _shard_units(model, [*model.layers, model], mesh, precision, device)  # the root last: it wraps the layers
     return model
 

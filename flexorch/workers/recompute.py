@@ -30,8 +30,10 @@ kept_tensor_sink: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar
 """Where :func:`note_kept` reports tensors (set by an active activation meter; None: nobody is measuring)."""
 
 
+@torch.compiler.disable
 def note_kept(*tensors: torch.Tensor) -> None:
-    """Report tensors a checkpoint keeps alive until the backward to the active meter, if any."""
+    """Report tensors a checkpoint keeps alive until the backward to the active meter, if any (run eagerly: a
+    compiled layer cannot trace the context variable)."""
     sink = kept_tensor_sink.get()
     if sink is not None:
         for t in tensors:

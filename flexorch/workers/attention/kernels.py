@@ -12,6 +12,8 @@ Backends, fastest first (:func:`available_backends`), and the dtypes each runs (
 refused at the call with the policy in the message, never run at a silently lower precision):
 
 * ``"flash_attn"``: flash-attn's CUDA varlen kernels (optional dependency, imported lazily); fp16, bf16.
+* ``"torch_cudnn"``: cuDNN's fused attention for the long documents (one dense call each, :mod:`~.torch_cudnn`), the
+  rest on ``torch_flash``; CUDA; fp16, bf16. 1.4-1.6x ``torch_flash`` on an H200.
 * ``"torch_flash"``: PyTorch's own fused varlen flash kernels (``aten::_flash_attention_forward``/``_backward``,
   :mod:`~.torch_flash`); CUDA without flash-attn; fp16, bf16.
 * ``"torch_cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (both return /
@@ -19,6 +21,10 @@ refused at the call with the policy in the message, never run at a silently lowe
   mask. fp16, bf16, fp32, fp64.
 * ``"math"``: explicit matmul + logsumexp per document with a hand-written backward; any device, every float
   dtype. The reference, slow (a Python loop over documents): never chosen by default on CUDA.
+
+Which one runs by default on a GPU is measured, not assumed: :mod:`~.choice` times the exact candidates on the
+worker's device, dtype and head shape at start and sets it (:func:`set_default_backend`); until then, and where
+nothing was measured, flash_attn, else torch_flash.
 
 fp32 and fp64 on CUDA have no fused kernel here: :func:`default_backend` refuses them (train in bf16, ``[sharding]
 precision``) unless ``backend="math"`` is asked for. Accumulation (the LSE, ring and merge buffers) is in
@@ -34,6 +40,7 @@ import torch
 
 from flexorch.workers.attention.flash import flash_attn_module, flash_backward, flash_forward
 from flexorch.workers.attention.sharding import check_cu_seqlens
+from flexorch.workers.attention.torch_cudnn import torch_cudnn_available, torch_cudnn_backward, torch_cudnn_forward
 from flexorch.workers.attention.torch_flash import torch_flash_available, torch_flash_backward, torch_flash_forward
 
 __all__ = [
@@ -48,20 +55,22 @@ __all__ = [
     "check_varlen_args",
     "default_backend",
     "resolve_backend",
+    "set_default_backend",
     "varlen_attn",
 ]
 
-BACKENDS = ("flash_attn", "torch_flash", "torch_cpu", "math")
+BACKENDS = ("flash_attn", "torch_cudnn", "torch_flash", "torch_cpu", "math")
 _HALF = (torch.float16, torch.bfloat16)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 DTYPES: dict[str, tuple[torch.dtype, ...]] = {
     "flash_attn": _HALF,
+    "torch_cudnn": _HALF,
     "torch_flash": _HALF,
     "torch_cpu": _FLOATS,
     "math": _FLOATS,
 }
 """The input dtypes each backend runs exactly (to that dtype's tolerance)."""
-_DEVICE = {"flash_attn": "cuda", "torch_flash": "cuda", "torch_cpu": "cpu"}  # math: any device
+_DEVICE = {"flash_attn": "cuda", "torch_cudnn": "cuda", "torch_flash": "cuda", "torch_cpu": "cpu"}  # math: any device
 # Documents shorter than this are batched into one masked CPU call (fewer Python-level kernel launches).
 _CPU_BUCKET_TOKENS = 128
 
@@ -140,7 +149,24 @@ def _installed(name: str) -> bool:
         return flash_attn_module() is not None and torch.cuda.is_available()
     if name == "torch_flash":
         return torch_flash_available()
+    if name == "torch_cudnn":
+        return torch_cudnn_available()
     return True
+
+
+_CHOSEN: dict[tuple[str, torch.dtype], str] = {}
+"""The measured default per (device type, dtype): set by :func:`set_default_backend` (``choice.choose_backend``)."""
+
+
+def set_default_backend(device: torch.device, dtype: torch.dtype, name: str | None) -> None:
+    """Make ``name`` the backend :func:`default_backend` returns for ``dtype`` on ``device``'s type in this process
+    (None: back to the static preference)."""
+    if name is None:
+        _CHOSEN.pop((device.type, dtype), None)
+        return
+    if name not in BACKENDS or dtype not in DTYPES[name] or _DEVICE.get(name, device.type) != device.type:
+        raise ValueError(f"backend {name!r} cannot be the default for {dtype} on {device.type}")
+    _CHOSEN[(device.type, dtype)] = name
 
 
 def available_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -163,6 +189,9 @@ def _policy(device: torch.device, dtype: torch.dtype) -> str:
 def default_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
     """The fastest backend for ``dtype`` on ``device``: flash_attn, else torch_flash on CUDA (fp16/bf16); torch_cpu
     on CPU; math elsewhere. fp32/fp64 on CUDA raise ValueError (no fused kernel; the math path is opt-in)."""
+    chosen = _CHOSEN.get((device.type, dtype))
+    if chosen is not None:
+        return chosen
     if device.type == "cuda":
         if dtype not in _HALF:
             raise ValueError(
@@ -312,12 +341,14 @@ _FORWARD = {
     "math": _math_forward,
     "flash_attn": flash_forward,
     "torch_flash": torch_flash_forward,
+    "torch_cudnn": torch_cudnn_forward,
 }
 _BACKWARD = {
     "torch_cpu": _cpu_backward,
     "math": _math_backward,
     "flash_attn": flash_backward,
     "torch_flash": torch_flash_backward,
+    "torch_cudnn": torch_cudnn_backward,
 }
 
 
