@@ -381,7 +381,7 @@ BF16_TOL = {"rtol": 1e-2, "atol": 1e-2}
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["flash_attn", "torch_flash", "math"])
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_cudnn", "torch_flash", "math"])
 def test_cuda_kernels_bf16(backend):
     if backend == "flash_attn":
         pytest.importorskip("flash_attn")
@@ -390,6 +390,27 @@ def test_cuda_kernels_bf16(backend):
     leaves = [x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v)]
     cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
     out, lse = varlen_attn_func(*leaves, cu, causal=True, return_lse=True, backend=backend)
+    out.backward(dout.to("cuda", torch.bfloat16))
+    for got, want in zip([out, lse, *(x.grad for x in leaves)], ref, strict=True):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2 * max(1.0, want.abs().max().item()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_cudnn_long_documents_bf16():
+    """torch_cudnn's own path: documents of at least ``MIN_TOKENS`` on cuDNN (5000 padded to 5120, 4096 as is),
+    the short ones on torch's flash kernels in one call; out, lse and gradients against float64 math."""
+    from flexorch.workers.attention.torch_cudnn import MIN_TOKENS
+
+    lengths = [5000, 300, MIN_TOKENS, 1, 77]
+    offsets = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    gen = torch.Generator().manual_seed(3)
+    q, dout = (torch.randn(offsets[-1], 4, 64, dtype=torch.float64, generator=gen) for _ in range(2))
+    k, v = (torch.randn(offsets[-1], 2, 64, dtype=torch.float64, generator=gen) for _ in range(2))
+    ref = expected(q, k, v, dout, offsets, True)
+    leaves = [x.to("cuda", torch.bfloat16).requires_grad_() for x in (q, k, v)]
+    cu = torch.tensor(offsets, device="cuda", dtype=torch.int32)
+    out, lse = varlen_attn_func(*leaves, cu, causal=True, return_lse=True, backend="torch_cudnn")
     out.backward(dout.to("cuda", torch.bfloat16))
     for got, want in zip([out, lse, *(x.grad for x in leaves)], ref, strict=True):
         torch.testing.assert_close(got.double().cpu(), want, rtol=2e-2, atol=2e-2 * max(1.0, want.abs().max().item()))

@@ -85,6 +85,8 @@ class Worker:
         self.sharding = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
         self.sharding.update(sharding or {})
         self.sharded = self.sharding["mode"] != "replicate"
+        self.attention = _set_attention(self.model_cfg, self.device, self.sharding["precision"])
+        """What ``[model] attention`` chose here, in words (``flexorch.workers.attention.choice``)."""
         self.version = 0
         """Optimizer steps applied to the state this worker holds."""
         self.model = None  # sharded: built for each world at join (flexorch.workers.fsdp)
@@ -154,6 +156,7 @@ class Worker:
             "hostname": socket.gethostname(),
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "device": str(self.device or "cpu"),
+            "attention": self.attention,
         }
 
     def join_world(
@@ -463,6 +466,24 @@ def _drop_frames(err: BaseException) -> None:
         seen.add(id(err))
         err.__traceback__ = None
         err = err.__cause__ or err.__context__
+
+
+def _set_attention(cfg: ModelConfig, device, precision: str) -> str:
+    """Make ``[model] attention`` this process's default kernel: a named one as set, ``auto`` on a GPU measured
+    (``choose_backend``; the worker prints what it measured). Returns what was chosen, in words."""
+    from flexorch.workers.attention.choice import choose_backend
+    from flexorch.workers.attention.kernels import default_backend, set_default_backend
+
+    dev = device or torch.device("cpu")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if cfg.attention != "auto":
+        set_default_backend(dev, dtype, cfg.attention)
+        return f"attention kernel {cfg.attention} (as set)"
+    if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return f"attention kernel {default_backend(dev, dtype) if dev.type != 'cuda' else 'none fused for fp32'}"
+    choice = choose_backend(dev, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    print(f"worker on {dev}: {choice.describe()}", flush=True)
+    return choice.describe()
 
 
 def _wants_gpu(use_gpu: bool | None) -> bool:

@@ -165,7 +165,11 @@ def set_default_backend(device: torch.device, dtype: torch.dtype, name: str | No
         _CHOSEN.pop((device.type, dtype), None)
         return
     if name not in BACKENDS or dtype not in DTYPES[name] or _DEVICE.get(name, device.type) != device.type:
-        raise ValueError(f"backend {name!r} cannot be the default for {dtype} on {device.type}")
+        fits = available_backends(device, dtype)
+        raise ValueError(
+            f"[model] attention = {name!r} cannot run {str(dtype).removeprefix('torch.')} on {device.type}: "
+            f"here that runs on {fits} (or 'auto', the fastest exact one measured)"
+        )
     _CHOSEN[(device.type, dtype)] = name
 
 

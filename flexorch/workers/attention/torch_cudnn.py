@@ -79,6 +79,10 @@ def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)  # (n, heads, hd) -> (1, heads, n, hd)
 
 
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32  # kernels.acc_dtype (fp64 only in tests)
+
+
 def _pad_len(n: int) -> int:
     return -(-n // PAD_TOKENS) * PAD_TOKENS
 
@@ -106,7 +110,7 @@ def torch_cudnn_forward(q, k, v, cu_q, cu_k, causal, scale):
         return torch_flash_forward(q, k, v, cu_q, cu_k, causal, scale)
     h, rep = q.shape[1], q.shape[1] // k.shape[1]
     out = torch.empty_like(q)
-    lse = torch.empty(h, q.shape[0], dtype=torch.float32, device=q.device)
+    lse = torch.empty(h, q.shape[0], dtype=_acc(q.dtype), device=q.device)
     for i in long:
         a, b = cu_q.offsets[i], cu_q.offsets[i + 1]
         ka, kb = cu_k.offsets[i], cu_k.offsets[i + 1]
@@ -140,7 +144,7 @@ def torch_cudnn_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
         ka, kb = cu_k.offsets[i], cu_k.offsets[i + 1]
         L, n = b - a, _pad_len(b - a)
         kr, vr = (x[ka:kb].repeat_interleave(rep, dim=1) for x in (k, v))  # (L, h_kv, hd) -> (L, h, hd)
-        lse_i = torch.full((1, h, n, 1), _PAD_LSE, dtype=torch.float32, device=q.device)
+        lse_i = torch.full((1, h, n, 1), _PAD_LSE, dtype=lse.dtype, device=q.device)
         lse_i[0, :, :L, 0] = lse[:, a:b]
         g = _aten()._scaled_dot_product_cudnn_attention_backward(
             _padded(dout[a:b], n).contiguous(),
@@ -163,7 +167,9 @@ def torch_cudnn_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
         dq[a:b] = g[0][0, :, :L].transpose(0, 1)  # (1, h, n, hd) -> (L, h, hd)
         for dst, src in ((dk, g[1]), (dv, g[2])):
             # (1, h, n, hd) -> (L, h, hd) -> (L, h_kv, rep, hd) -> sum over each KV head's group -> (L, h_kv, hd)
-            dst[ka:kb] = src[0, :, :L].transpose(0, 1).reshape(L, h_kv, rep, -1).float().sum(2).to(dst.dtype)
+            dst[ka:kb] = (
+                src[0, :, :L].transpose(0, 1).reshape(L, h_kv, rep, -1).to(_acc(dst.dtype)).sum(2).to(dst.dtype)
+            )
     if runs_q:
         sq, sk = _rest(cu_q.offsets, cu_k.offsets, runs_q, runs_k)
         g_r = torch_flash_backward(

@@ -1,0 +1,153 @@
+"""The attention kernel a worker runs, chosen by measurement on its own device, dtype and head shape.
+
+Which varlen kernel is fastest depends on the GPU, the dtype and the head size (on an H200 cuDNN's runs 1.4-1.6x
+torch's FlashAttention-2 at head dims 64 and 128; on another card or torch the order may differ), so ``[model]
+attention = "auto"`` (the default) does not assume it. At worker start :func:`choose_backend`:
+
+1. checks each candidate against the ``math`` reference in fp32 (fp64 for fp64) on a small batch that reaches
+   every path of the kernel (a document long enough for cuDNN's and one-token ones): output, log-sum-exp and the
+   three gradients within the dtype's tolerance; a kernel that fails or raises is refused, with the reason kept;
+2. times forward + backward of the exact ones on a probe batch of the worker's head shape (documents of 8192,
+   4096, 2048 and 1000 tokens: attention's cost is in the long ones), median of three after a warm-up;
+3. makes the fastest the process default (:func:`~.kernels.set_default_backend`) and returns a :class:`Choice`
+   the worker reports (``describe()``).
+
+On a CPU there is one fused kernel (``torch_cpu``) and nothing is measured.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from flexorch.workers.attention.kernels import (
+    Seqlens,
+    acc_dtype,
+    attn_backward,
+    attn_forward,
+    available_backends,
+    set_default_backend,
+)
+
+__all__ = ["CHECK_LENGTHS", "PROBE_LENGTHS", "TOLERANCE", "Choice", "choose_backend", "kernel_error"]
+
+CHECK_LENGTHS = (4100, 300, 1, 1)
+"""Documents of the exactness check: one past ``torch_cudnn.MIN_TOKENS`` and not a multiple of its padding, a short
+one and two single tokens."""
+PROBE_LENGTHS = (8192, 4096, 2048, 1000)
+"""Documents of the timed probe."""
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4, torch.float64: 1e-10}
+"""Largest error against the reference, relative to max(1, the reference's largest magnitude), per input dtype (the
+bounds the attention tests use)."""
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The kernel chosen, and what was measured."""
+
+    name: str
+    ms: dict[str, float] = field(default_factory=dict)
+    """Forward + backward milliseconds of each exact candidate on the probe batch."""
+    errors: dict[str, float] = field(default_factory=dict)
+    """Each candidate's error against the reference."""
+    refused: dict[str, str] = field(default_factory=dict)
+    """Candidates not used, and why."""
+    tokens: int = 0
+    """Tokens of the probe batch."""
+
+    def describe(self) -> str:
+        if not self.ms:
+            return f"attention kernel {self.name} (the only one here)"
+        timed = ", ".join(f"{k} {v:.1f} ms" for k, v in sorted(self.ms.items(), key=lambda kv: kv[1]))
+        text = f"attention kernel {self.name}, measured: {timed} (forward + backward, {self.tokens:,} tokens)"
+        if self.refused:
+            text += "; not used: " + "; ".join(f"{k}: {v}" for k, v in self.refused.items())
+        return text
+
+
+def _offsets(lengths) -> Seqlens:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return Seqlens(tuple(out))
+
+
+def _inputs(lengths, heads, kv_heads, head_dim, device, dtype, seed):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    t = sum(lengths)
+    shapes = ((t, heads, head_dim), (t, kv_heads, head_dim), (t, kv_heads, head_dim), (t, heads, head_dim))
+    return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
+
+
+def _run(name, q, k, v, dout, cu, scale):
+    out, lse = attn_forward(q, k, v, cu, cu, causal=True, softmax_scale=scale, backend=name)
+    return (out, lse, *attn_backward(dout, q, k, v, out, lse, cu, cu, causal=True, softmax_scale=scale, backend=name))
+
+
+def kernel_error(name: str, heads: int, kv_heads: int, head_dim: int, device, dtype, lengths=CHECK_LENGTHS) -> float:
+    """Largest relative error of ``name``'s out, lse, dq, dk, dv against ``math`` in :func:`acc_dtype`."""
+    q, k, v, dout = _inputs(lengths, heads, kv_heads, head_dim, device, dtype, seed=0)
+    cu, scale = _offsets(lengths), head_dim**-0.5
+    got = _run(name, q, k, v, dout, cu, scale)
+    ref = _run("math", *(x.to(acc_dtype(dtype)) for x in (q, k, v, dout)), cu, scale)
+    return max(float((a.to(b.dtype) - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(got, ref))
+
+
+def _time_ms(name, q, k, v, dout, cu, scale, reps: int) -> float:
+    cuda = q.device.type == "cuda"
+    laps = []
+    for i in range(1 + reps):
+        if cuda:
+            torch.cuda.synchronize(q.device)
+        t0 = time.perf_counter()
+        _run(name, q, k, v, dout, cu, scale)
+        if cuda:
+            torch.cuda.synchronize(q.device)
+        if i:
+            laps.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(laps)
+
+
+def choose_backend(
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    *,
+    candidates: tuple[str, ...] | None = None,
+    probe: tuple[int, ...] = PROBE_LENGTHS,
+    check: tuple[int, ...] = CHECK_LENGTHS,
+    reps: int = 3,
+) -> Choice:
+    """Measure, choose and set the default attention kernel for ``dtype`` on ``device`` (see the module doc).
+    ``candidates``: the kernels to consider (default: every one available here but the ``math`` reference)."""
+    if candidates is None:
+        available = available_backends(device, dtype)
+        candidates = tuple(b for b in available if b != "math") or ("math",)
+    if len(candidates) == 1:
+        set_default_backend(device, dtype, candidates[0])
+        return Choice(candidates[0])
+    errors, refused, ms = {}, {}, {}
+    q, k, v, dout = _inputs(probe, heads, kv_heads, head_dim, device, dtype, seed=1)
+    cu, scale = _offsets(probe), head_dim**-0.5
+    for name in candidates:
+        try:
+            errors[name] = err = kernel_error(name, heads, kv_heads, head_dim, device, dtype, check)
+            if not err <= TOLERANCE[dtype]:
+                refused[name] = f"error {err:.1e} against the reference (bound {TOLERANCE[dtype]:.0e})"
+                continue
+            ms[name] = _time_ms(name, q, k, v, dout, cu, scale, reps)
+        except Exception as e:  # noqa: BLE001 - a kernel that cannot run here is not chosen; the reason is reported
+            refused[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if not ms:
+        raise RuntimeError(f"no attention kernel matches the reference on {device} in {dtype}: {refused}")
+    name = min(ms, key=ms.get)
+    set_default_backend(device, dtype, name)
+    return Choice(name, ms, errors, refused, sum(probe))
