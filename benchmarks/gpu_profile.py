@@ -111,7 +111,7 @@ def matmul_tflops(device, n: int) -> float:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     timer, ms = Timer(device), []
-    for i in range(8):
+    for _i in range(8):
         with timer(ms):
             a @ b
     return 2 * n**3 / (statistics.median(ms[3:]) * 1e-3) / 1e12
@@ -224,7 +224,7 @@ def attention_error(fn, cfg, shape, device, dtype) -> float:
     offsets = offsets_of(small)
     got = run_attention(fn, *qkv(small, shape, device, dtype), offsets)
     want = run_attention(math_reference, *qkv(small, shape, device, torch.float32), offsets)
-    return max(float((a.float() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(got, want))
+    return max(float((a.float() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(got, want, strict=False))
 
 
 def attention_row(name, fn, cfg, shape, device, dtype) -> dict:
@@ -232,7 +232,7 @@ def attention_row(name, fn, cfg, shape, device, dtype) -> dict:
     q, k, v = qkv(lengths, shape, device, dtype, seed=1)
     timer, fwd, bwd = Timer(device), [], []
     dout = torch.randn(q.shape, device=device, dtype=dtype)
-    for i in range(2 + cfg["reps"]):
+    for _i in range(2 + cfg["reps"]):
         for x in (q, k, v):
             x.grad = None
         with timer(fwd):
