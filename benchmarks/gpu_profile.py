@@ -224,7 +224,8 @@ def attention_error(fn, cfg, shape, device, dtype) -> float:
     offsets = offsets_of(small)
     got = run_attention(fn, *qkv(small, shape, device, dtype), offsets)
     want = run_attention(math_reference, *qkv(small, shape, device, torch.float32), offsets)
-    return max(float((a.float() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(got, want, strict=False))
+    pairs = zip(got, want, strict=True)
+    return max(float((a.float() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in pairs)
 
 
 def attention_row(name, fn, cfg, shape, device, dtype) -> dict:

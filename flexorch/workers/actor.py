@@ -27,9 +27,9 @@ from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
+from flexorch.workers.compile import compile_layers, wants_compile
 from flexorch.workers.devices import pin_device
 from flexorch.workers.model import init_model
-from flexorch.workers.compile import compile_layers, wants_compile
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step

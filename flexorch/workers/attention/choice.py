@@ -93,7 +93,8 @@ def kernel_error(name: str, heads: int, kv_heads: int, head_dim: int, device, dt
     cu, scale = _offsets(lengths), head_dim**-0.5
     got = _run(name, q, k, v, dout, cu, scale)
     ref = _run("math", *(x.to(acc_dtype(dtype)) for x in (q, k, v, dout)), cu, scale)
-    return max(float((a.to(b.dtype) - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(got, ref, strict=False))
+    pairs = zip(got, ref, strict=True)
+    return max(float((a.to(b.dtype) - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in pairs)
 
 
 def _time_ms(name, q, k, v, dout, cu, scale, reps: int) -> float:
