@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 from flexorch.config.errors import ConfigError
 
-__all__ = ["STATIC_MODES", "PlanSettings"]
+__all__ = ["AUTO_CPU_TOKENS", "STATIC_MODES", "PlanSettings"]
+
+AUTO_CPU_TOKENS = 1024
+"""``tokens_per_worker = "auto"`` on CPU workers (no device memory to read)."""
 
 STATIC_MODES = ("static-ulysses", "static-ring")
 
@@ -19,9 +22,12 @@ class PlanSettings:
     """'adaptive' (the per-step MILP planner) or a forced static layout 'static-ulysses-<d>' / 'static-ring-<d>'."""
     profile: str = "auto"
     """Cost-model profile: 'auto' (calibrate on the workers at start), a built-in name, or a profile JSON file."""
-    tokens_per_worker: int = 1024
+    tokens_per_worker: int | str = "auto"
     """Activation budget of one worker (one device slot) in tokens: a document longer than this must be
-    sequence-parallel. The solver's ``Profile.tokens_per_device`` is the same budget in its own words."""
+    sequence-parallel. The solver's ``Profile.tokens_per_device`` is the same budget in its own words. 'auto' (the
+    default): on GPU workers, read from the devices at start: their free memory after the model state, less a
+    margin, over the calibrated activation bytes per token (``flexorch.control.memory_budget``); on CPU workers
+    1024 (``AUTO_CPU_TOKENS``)."""
     time_limit_s: float = 0.5
     """Planner budget per step, the least it gets (the solve overlaps the previous step; see ``budget``). A
     pipelined step gives it to each checkpointing ILP it solves (one per candidate unit count and per baseline
@@ -62,8 +68,9 @@ class PlanSettings:
                     f"plan.mode must be 'adaptive' or 'static-ulysses-<d>' / 'static-ring-<d>' with d a power of "
                     f"two, got {self.mode!r}"
                 )
-        if not isinstance(self.tokens_per_worker, int) or self.tokens_per_worker < 16:
-            raise ConfigError(f"plan.tokens_per_worker must be an integer >= 16, got {self.tokens_per_worker!r}")
+        t = self.tokens_per_worker
+        if t != "auto" and (not isinstance(t, int) or isinstance(t, bool) or t < 16):
+            raise ConfigError(f"plan.tokens_per_worker must be 'auto' or an integer >= 16, got {t!r}")
         if not self.time_limit_s > 0:
             raise ConfigError(f"plan.time_limit_s must be > 0, got {self.time_limit_s!r}")
         if not self.timeout_s > self.time_limit_s:

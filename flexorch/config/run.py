@@ -29,7 +29,7 @@ from flexorch.config.errors import ConfigError
 from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
 from flexorch.config.pipeline import PipelineSettings
-from flexorch.config.plan import PlanSettings
+from flexorch.config.plan import AUTO_CPU_TOKENS, PlanSettings
 from flexorch.config.sharding import ShardingSettings
 from flexorch.solver.pipeline.stage_count import check_stage_count
 
@@ -112,11 +112,11 @@ class TrainConfig:
         self._check_sharding()
         self._check_hf_model()
         need = self.data.max_context
-        have = self.workers * self.plan.tokens_per_worker
+        have = self.workers * self.tokens_per_worker
         if not self.pipelined and need > have:
             raise ConfigError(
                 f"data.max_context={need} tokens cannot fit: {self.workers} workers x plan.tokens_per_worker="
-                f"{self.plan.tokens_per_worker} hold {have}; lower max_context, or raise workers or tokens_per_worker"
+                f"{self.tokens_per_worker} hold {have}; lower max_context, or raise workers or tokens_per_worker"
             )
         static = self.plan.static
         if static is not None:
@@ -269,7 +269,7 @@ class TrainConfig:
         return self._bounds[1]
 
     def _resolve_elastic_bounds(self) -> None:
-        tpw = self.plan.tokens_per_worker
+        tpw = self.tokens_per_worker
         floor = 1  # the smallest power-of-two group that holds max_context
         while floor * tpw < self.data.max_context:
             floor *= 2
@@ -297,6 +297,22 @@ class TrainConfig:
                 f"need elastic.min_workers <= workers <= elastic.max_workers, got {lo} <= {self.workers} <= {hi}"
             )
         object.__setattr__(self, "_bounds", (lo, hi))  # derived, not a field: replace() derives them again
+
+    @property
+    def tokens_per_worker(self) -> int:
+        """``plan.tokens_per_worker`` as a number: as set; 'auto' on CPU workers ``AUTO_CPU_TOKENS``; 'auto' on GPU
+        workers, until the driver measured the devices (``flexorch.control.memory_budget``, which replaces it with
+        the measured number), ``max_context``: no check that needs the budget refuses a run before it is known,
+        and the driver checks again with the measured one."""
+        t = self.plan.tokens_per_worker
+        if t != "auto":
+            return t
+        return max(16, self.data.max_context) if self.use_gpu else AUTO_CPU_TOKENS
+
+    @property
+    def budget_from_device(self) -> bool:
+        """True while ``plan.tokens_per_worker`` is 'auto' on GPU workers (the driver has yet to measure it)."""
+        return self.plan.tokens_per_worker == "auto" and self.use_gpu
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

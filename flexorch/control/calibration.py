@@ -101,7 +101,7 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
     publish = publish or (lambda event: None)
     model = cfg.model
     kinds = tuple(cfg.plan.kinds)
-    compute, groups = calibration_probes(cfg.plan.tokens_per_worker, group.size, kinds, repeats)
+    compute, groups = calibration_probes(cfg.tokens_per_worker, group.size, kinds, repeats)
     msg = (
         f"calibrating the cost model on {group.size} workers: {len(compute)} compute and {len(groups)} group "
         f"probes, {repeats} runs each"
@@ -122,7 +122,7 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         num_kv_heads=model.num_kv_heads,
         bytes_per_element=2 if cfg.precision == "bf16" else 4,  # what SP collectives move per element
         act_bytes_per_token=act,
-        memory_budget_bytes=state_bytes + (cfg.plan.tokens_per_worker + 0.5) * act,
+        memory_budget_bytes=state_bytes + (cfg.tokens_per_worker + 0.5) * act,
         model_state_bytes=state_bytes,
     )
     # the compute fit alone first: it says how much of a group's time is not compute
@@ -212,17 +212,22 @@ def resolve_profile(cfg, group, run_dir: Path, publish) -> Profile:
     return profile
 
 
-def run_profile(cfg, group, run_dir: Path, publish) -> Profile:
+def run_profile(cfg, group, run_dir: Path, publish, activation_budget_bytes: float | None = None) -> Profile:
     """The profile a run plans with: :func:`resolve_profile` fitted to the model's heads, layers and per-worker
     token budget, with the model-state bytes the executor holds in the run's sharding mode (SP runs); a pipelined
     run also measures what a stage holds on a worker's own model (a fraction of a second,
     ``flexorch.workers.calibrate.stage_activation_bytes``)."""
     base = resolve_profile(cfg, group, run_dir, publish)
     stage_bytes = tuple(group.call("stage_activation_bytes")[0]) if cfg.pipelined else None
-    return fitted_profile(base, cfg, stage_bytes)
+    return fitted_profile(base, cfg, stage_bytes, activation_budget_bytes)
 
 
-def fitted_profile(base: Profile, cfg, stage_bytes: tuple[float, float] | None = None) -> Profile:
+def fitted_profile(
+    base: Profile,
+    cfg,
+    stage_bytes: tuple[float, float] | None = None,
+    activation_budget_bytes: float | None = None,
+) -> Profile:
     """``base`` fitted to the run (``flexorch.solver.step_planner.planner_profile``): the model's heads, layers and
     vocabulary, the per-worker token budget, and (SP runs) the model-state bytes the executor holds. No worker: the CLI
     also calls it before Ray starts, to refuse a fixed profile that does not fit the model."""
@@ -230,9 +235,10 @@ def fitted_profile(base: Profile, cfg, stage_bytes: tuple[float, float] | None =
         base,
         num_heads=cfg.model.num_heads,
         num_kv_heads=cfg.model.num_kv_heads,
-        tokens_per_worker=cfg.plan.tokens_per_worker,
+        tokens_per_worker=cfg.tokens_per_worker,
         num_layers=cfg.model.num_layers,
         vocab_size=cfg.model.vocab_size,
         stage_bytes=stage_bytes,
         model_state_bytes=None if cfg.pipelined else model_state_plan(cfg, cfg.min_workers).total,
+        activation_budget_bytes=activation_budget_bytes,
     )

@@ -36,6 +36,7 @@ from flexorch.control.fallback_watch import FallbackWatch
 from flexorch.control.group import WorkerGroup
 from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
+from flexorch.control.memory_budget import resolve_device_budget
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
 from flexorch.control.refitting import RunRefit
 from flexorch.control.transitions import EventLog, Ran, Transition
@@ -136,7 +137,10 @@ class TrainingDriver:
             self._last_checkpoint = str(self.checkpoints.own.path)
             self.skipped_batches = int(dstate.get("skipped_batches", 0))
             self.workers.set_state(state)
-        self.profile = run_profile(cfg, self.workers, self.run_dir, self._publish)
+        self.cfg, budget = resolve_device_budget(cfg, self.workers, self._publish)  # tokens_per_worker = 'auto'
+        cfg = self.cfg
+        act_budget = budget.activation_bytes if budget is not None else None
+        self.profile = run_profile(cfg, self.workers, self.run_dir, self._publish, act_budget)
         self.planner = self._planner_factory(PlannerSpec.for_run(cfg, self.profile), self._publish)
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if resumed is not None else None)
         self.metrics = RunMetrics(self.run_dir.name)

@@ -108,6 +108,7 @@ def planner_profile(
     vocab_size: int | None = None,
     stage_bytes: tuple[float, float] | None = None,
     model_state_bytes: float | None = None,
+    activation_budget_bytes: float | None = None,
 ) -> Profile:
     """``profile`` with the model's heads (and layers: pipeline stages split them), a memory budget of
     ``tokens_per_worker`` activation tokens on a worker of any group (a Ulysses group's all-to-all copies make its
@@ -118,7 +119,10 @@ def planner_profile(
     all. ``stage_bytes`` (per layer, head), measured on real stages
     (``flexorch.workers.calibrate.stage_activation_bytes``), replace the activation bytes and the head's share
     (pipelined runs: the budget is then in stage-measured bytes). ``model_state_bytes``: what the executor holds
-    per worker in the run's sharding mode (``flexorch.solver.model_state``), replacing the profile's assumption."""
+    per worker in the run's sharding mode (``flexorch.solver.model_state``), replacing the profile's assumption.
+    ``activation_budget_bytes``: the bytes a worker has for activations, measured from its device
+    (``flexorch.control.memory_budget``), the budget's activation part as it is instead of ``tokens_per_worker``
+    tokens of the costliest group."""
     extra: dict = {"num_layers": num_layers} if num_layers is not None else {}
     if model_state_bytes is not None:
         profile = profile.with_overrides(model_state_bytes=model_state_bytes)
@@ -132,8 +136,8 @@ def planner_profile(
     profile = profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, **extra)
     degrees = [d for d in (2**i for i in range(num_heads.bit_length())) if kind_allowed(ULYSSES, d, profile)]
     costliest = max(profile.act_bytes_per_local_token(ULYSSES, d) for d in degrees)
-    budget = profile.model_state_bytes + (tokens_per_worker + 0.5) * costliest
-    return profile.with_overrides(memory_budget_bytes=budget)
+    act = (tokens_per_worker + 0.5) * costliest if activation_budget_bytes is None else activation_budget_bytes
+    return profile.with_overrides(memory_budget_bytes=profile.model_state_bytes + act)
 
 
 class StepPlanner:

@@ -27,8 +27,9 @@ from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
+from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_layers, wants_compile
-from flexorch.workers.devices import pin_device
+from flexorch.workers.devices import device_memory, pin_device
 from flexorch.workers.model import init_model
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
@@ -75,6 +76,7 @@ class Worker:
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.device = pin_device(_wants_gpu(use_gpu))
+        self._memory = device_memory(self.device)  # before this worker allocates anything
         """This worker's CUDA device, made current (``flexorch.workers.devices``); None on CPU. ``use_gpu`` None:
         a GPU exactly when Ray gave this actor one (``num_gpus``), or, outside a Ray actor, when CUDA is
         available."""
@@ -85,7 +87,7 @@ class Worker:
         self.sharding = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
         self.sharding.update(sharding or {})
         self.sharded = self.sharding["mode"] != "replicate"
-        self.attention = _set_attention(self.model_cfg, self.device, self.sharding["precision"])
+        self.attention = set_attention(self.model_cfg, self.device, self.sharding["precision"])
         """What ``[model] attention`` chose here, in words (``flexorch.workers.attention.choice``)."""
         self.version = 0
         """Optimizer steps applied to the state this worker holds."""
@@ -373,6 +375,10 @@ class Worker:
             self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
         )
 
+    def device_memory(self) -> dict | None:
+        """``{"free_at_start", "total"}`` bytes of this worker's CUDA device when it started; None on a CPU."""
+        return self._memory
+
     def activation_bytes_per_token(self) -> float:
         from flexorch.workers.calibrate import activation_bytes_per_token
 
@@ -466,24 +472,6 @@ def _drop_frames(err: BaseException) -> None:
         seen.add(id(err))
         err.__traceback__ = None
         err = err.__cause__ or err.__context__
-
-
-def _set_attention(cfg: ModelConfig, device, precision: str) -> str:
-    """Make ``[model] attention`` this process's default kernel: a named one as set, ``auto`` on a GPU measured
-    (``choose_backend``; the worker prints what it measured). Returns what was chosen, in words."""
-    from flexorch.workers.attention.choice import choose_backend
-    from flexorch.workers.attention.kernels import default_backend, set_default_backend
-
-    dev = device or torch.device("cpu")
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if cfg.attention != "auto":
-        set_default_backend(dev, dtype, cfg.attention)
-        return f"attention kernel {cfg.attention} (as set)"
-    if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return f"attention kernel {default_backend(dev, dtype) if dev.type != 'cuda' else 'none fused for fp32'}"
-    choice = choose_backend(dev, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    print(f"worker on {dev}: {choice.describe()}", flush=True)
-    return choice.describe()
 
 
 def _wants_gpu(use_gpu: bool | None) -> bool:

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeviceUnavailableError", "pin_device"]
+__all__ = ["DeviceUnavailableError", "device_memory", "pin_device"]
 
 
 class DeviceUnavailableError(RuntimeError):
@@ -56,6 +56,15 @@ def pin_device(use_gpu: bool, local_index: int = 0, *, cuda: Any = None) -> torc
     device = torch.device("cuda", local_index)
     cuda.set_device(device)
     return device
+
+
+def device_memory(device: torch.device | None) -> dict | None:
+    """``{"free_at_start": bytes, "total": bytes}`` of a CUDA ``device`` now (``torch.cuda.mem_get_info``: memory
+    other processes hold counts as used); None for a CPU worker. Workers take it before they allocate anything."""
+    if device is None or device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return {"free_at_start": int(free), "total": int(total)}
 
 
 def _diagnosis() -> str:

@@ -23,16 +23,26 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexorch.config.model import ModelConfig
 from flexorch.workers.attention.kernels import (
     Seqlens,
     acc_dtype,
     attn_backward,
     attn_forward,
     available_backends,
+    default_backend,
     set_default_backend,
 )
 
-__all__ = ["CHECK_LENGTHS", "PROBE_LENGTHS", "TOLERANCE", "Choice", "choose_backend", "kernel_error"]
+__all__ = [
+    "CHECK_LENGTHS",
+    "PROBE_LENGTHS",
+    "TOLERANCE",
+    "Choice",
+    "choose_backend",
+    "kernel_error",
+    "set_attention",
+]
 
 CHECK_LENGTHS = (4100, 300, 1, 1)
 """Documents of the exactness check: one past ``torch_cudnn.MIN_TOKENS`` and not a multiple of its padding, a short
@@ -152,3 +162,20 @@ def choose_backend(
     name = min(ms, key=ms.get)
     set_default_backend(device, dtype, name)
     return Choice(name, ms, errors, refused, sum(probe))
+
+
+def set_attention(cfg: ModelConfig, device: torch.device | None, precision: str) -> str:
+    """Make ``[model] attention`` this process's default kernel for the dtype ``precision`` computes in: a named
+    kernel as set (ValueError, saying what runs here, when it cannot run); ``auto`` on a GPU in fp16/bf16 measured
+    with :func:`choose_backend` (printed: a Ray worker's output reaches the driver's log); ``auto`` elsewhere the
+    static default. Returns what was chosen, in words."""
+    dev = device or torch.device("cpu")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    if cfg.attention != "auto":
+        set_default_backend(dev, dtype, cfg.attention)
+        return f"attention kernel {cfg.attention} (as set)"
+    if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return "attention kernel " + (default_backend(dev, dtype) if dev.type != "cuda" else "math (fp32 on CUDA)")
+    choice = choose_backend(dev, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+    print(f"worker on {dev}: {choice.describe()}", flush=True)
+    return choice.describe()

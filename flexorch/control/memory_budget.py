@@ -1,0 +1,108 @@
+"""``[plan] tokens_per_worker = "auto"`` on GPU workers: the activation budget read from the devices.
+
+At start, after the first world formed and before calibration, the driver asks every worker for its device's
+memory (``Worker.device_memory``: ``torch.cuda.mem_get_info`` taken when the worker started, before it allocated
+anything, so a process sharing the GPU is counted) and for the activation bytes one token costs on its model
+(``flexorch.workers.calibrate.activation_bytes_per_token``, the meter calibration uses). Then, on the worker with
+the least free memory:
+
+    model state   = what the executor holds per worker in the run's sharding mode at the elastic floor
+                    (``flexorch.control.calibration.model_state_plan``: parameters, gradients, AdamW moments, FSDP's
+                    gathered layers), the same figure the planner budgets with
+    after state   = free at start - model state
+    margin        = MARGIN_SHARE x after state + MARGIN_BYTES   (allocator fragmentation, kernel workspaces,
+                    NCCL buffers, compiled kernels, the estimate's error)
+    activations   = after state - margin
+    tokens        = activations / activation bytes per token
+
+The planner gets the activation bytes as they are (``planner_profile(activation_budget_bytes=...)``), the run's
+config the token count (``plan.tokens_per_worker``, so ``max_context`` and the elastic floor are checked again with
+it). With MARGIN_SHARE 0.1 and 2 GiB, an H200 with 138 GiB free and a 1.1B model's 16.4 GiB of state gives the
+activations 107.6 GiB: 88 % of the free memory after the model state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from flexorch.config.errors import ConfigError
+
+__all__ = ["MARGIN_BYTES", "MARGIN_SHARE", "DeviceBudget", "device_budget", "resolve_device_budget"]
+
+MARGIN_SHARE = 0.10
+"""Share of the memory left after the model state that is kept free."""
+MARGIN_BYTES = 2 * 2**30
+"""Bytes kept free on top of the share."""
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceBudget:
+    """The activation budget of one worker, and how it was reached."""
+
+    free_bytes: int
+    total_bytes: int
+    state_bytes: float
+    margin_bytes: float
+    activation_bytes: float
+    act_bytes_per_token: float
+    tokens: int
+
+    @property
+    def share_of_free(self) -> float:
+        """Activation bytes over the free memory after the model state."""
+        after = self.free_bytes - self.state_bytes
+        return self.activation_bytes / after if after > 0 else 0.0
+
+    def describe(self) -> str:
+        return (
+            f"memory budget from the device: {self.free_bytes / GIB:.1f} GiB free of {self.total_bytes / GIB:.1f}, "
+            f"model state {self.state_bytes / GIB:.1f} GiB, margin {self.margin_bytes / GIB:.1f} GiB -> "
+            f"{self.activation_bytes / GIB:.1f} GiB for activations ({100 * self.share_of_free:.0f} % of the free "
+            f"memory after the model state) = {self.tokens:,} tokens per worker at "
+            f"{self.act_bytes_per_token / 2**20:.2f} MiB per token"
+        )
+
+
+def device_budget(free_bytes: int, total_bytes: int, state_bytes: float, act_bytes_per_token: float) -> DeviceBudget:
+    """The budget of a device with ``free_bytes`` free (see the module doc); ConfigError when no activation fits."""
+    after = free_bytes - state_bytes
+    margin = MARGIN_SHARE * max(after, 0.0) + MARGIN_BYTES
+    activations = after - margin
+    tokens = int(activations // act_bytes_per_token) if activations > 0 else 0
+    if tokens < 16:
+        raise ConfigError(
+            f"plan.tokens_per_worker = 'auto': the device has {free_bytes / GIB:.1f} GiB free and the model state "
+            f"takes {state_bytes / GIB:.1f} GiB per worker, which leaves {max(activations, 0) / GIB:.2f} GiB for "
+            f"activations after a {margin / GIB:.1f} GiB margin: not 16 tokens at {act_bytes_per_token / 2**20:.2f} "
+            "MiB each. Shard the model state over more workers ([sharding] mode = 'fsdp'), recompute activations "
+            "([sharding] activation_checkpointing = 'full'), or use a smaller model"
+        )
+    return DeviceBudget(free_bytes, total_bytes, state_bytes, margin, activations, act_bytes_per_token, tokens)
+
+
+def resolve_device_budget(cfg, group, publish):
+    """``(cfg with plan.tokens_per_worker measured, DeviceBudget)`` for a run whose budget comes from its devices
+    (``cfg.budget_from_device``); ``(cfg, None)`` otherwise. Raises ConfigError, saying what to do, when the
+    measured budget cannot hold ``max_context`` on the run's workers or no activation fits."""
+    if not cfg.budget_from_device:
+        return cfg, None
+    from flexorch.control.calibration import model_state_plan
+
+    memory = [m for m in group.call("device_memory") if m is not None]
+    if not memory:
+        raise ConfigError("plan.tokens_per_worker = 'auto' with use_gpu, but no worker has a CUDA device")
+    least = min(memory, key=lambda m: m["free_at_start"])
+    act = float(np.median(group.call("activation_bytes_per_token")))
+    state = model_state_plan(cfg, cfg.min_workers).total
+    budget = device_budget(least["free_at_start"], least["total"], state, act)
+    publish({"event": "progress", "message": budget.describe()})
+    plan = dataclasses.replace(cfg.plan, tokens_per_worker=budget.tokens)
+    try:
+        return cfg.replace(plan=plan), budget
+    except ConfigError as e:
+        raise ConfigError(
+            f"{e} (plan.tokens_per_worker = 'auto' measured {budget.tokens:,}: {budget.describe()})"
+        ) from None
