@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 
 from flexorch.cli.train import format_membership
+from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
 from flexorch.control.elastic import ElasticError
 from flexorch.records.writer import read_records
@@ -53,6 +54,26 @@ def test_worker_killed_mid_step_shrinks_in_place_and_matches_the_reference(env):
     line = format_membership({"event": "membership", **rec})
     assert line.startswith("membership: run step 1: workers [2] died or hung") and "Shrink, world 4 -> 3" in line
     assert line.endswith("re-running the step"), line
+    _check_against_reference(cfg, env[3], records, replicas)
+
+
+@pytest.mark.parametrize("mode", ["replicate", "fsdp"])
+def test_a_worker_out_of_memory_replans_the_step_for_less_memory_and_matches_the_reference(env, mode):
+    # worker 1's device runs out of memory in step 1 (torch.OutOfMemoryError, injected): not a crash of the run;
+    # the activation budget is cut, the same batch is planned again for the same four workers and run; under FSDP
+    # the half-done backward's gradients are dropped and the world re-formed from the shards every worker holds
+    cfg = _cfg(env, f"oom-{mode}", sharding=ShardingSettings(mode=mode))
+    records, replicas = run_driver(cfg, env[3], faults=[(1, "micro_batch", 1, 1, "oom")])
+    rec = records[1]["recoveries"][0]
+    assert rec["decisions"] == ["Retry"] and rec["lost"] == [] and not rec["step_completed"], rec
+    assert "workers [1] ran out of device memory" in rec["reason"]
+    oom = rec["out_of_memory"]
+    assert oom["workers"] == [1]
+    assert oom["activation_bytes_after"] == pytest.approx(0.8 * oom["activation_bytes_before"])
+    assert oom["tokens_per_worker_after"] < oom["tokens_per_worker_before"]
+    assert [r["world_size"] for r in records] == [4, 4, 4, 4]
+    line = format_membership({"event": "membership", **rec})
+    assert "ran out of device memory: re-plan the step with a smaller memory budget" in line, line
     _check_against_reference(cfg, env[3], records, replicas)
 
 

@@ -91,3 +91,24 @@ def test_a_cpu_worker_reports_no_device_memory():
     from flexorch.workers.devices import device_memory
 
     assert device_memory(None) is None
+
+
+def test_out_of_memory_is_a_retry_with_a_cut_budget_not_a_crash():
+    from flexorch.control.memory_budget import OOM_CUT, capped, lowered_after_oom
+    from flexorch.control.membership import ElasticPolicy, Failure, Retry, Shrink
+
+    policy = ElasticPolicy(1, 4)
+    d = policy.on_failure([0, 1, 2, 3], Failure(frozenset(), frozenset({0, 2}), out_of_memory=frozenset({1})), 0)
+    assert isinstance(d, Retry) and "workers [1] ran out of device memory" in d.reason
+    # a worker lost in the same attempt still shrinks the world (the budget is cut all the same)
+    d = policy.on_failure([0, 1, 2, 3], Failure(frozenset({3}), out_of_memory=frozenset({1})), 0)
+    assert isinstance(d, Shrink)
+    base = planner_profile(get_profile("gpt-7b-a100"), num_heads=32, num_kv_heads=8, tokens_per_worker=4096)
+    lowered, record, message = lowered_after_oom(base, {1}, 7)
+    before = base.memory_budget_bytes - base.model_state_bytes
+    assert lowered.memory_budget_bytes == pytest.approx(base.model_state_bytes + OOM_CUT * before)
+    assert record["tokens_per_worker_after"] < record["tokens_per_worker_before"] == base.tokens_per_device
+    assert message.startswith("step 7: workers [1] ran out of device memory")
+    # a refit made from the profile before the cut keeps the cut budget
+    assert capped(base, lowered.memory_budget_bytes).memory_budget_bytes == lowered.memory_budget_bytes
+    assert capped(lowered, None) is lowered and capped(lowered, base.memory_budget_bytes) is lowered

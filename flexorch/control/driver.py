@@ -36,7 +36,7 @@ from flexorch.control.fallback_watch import FallbackWatch
 from flexorch.control.group import WorkerGroup
 from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
-from flexorch.control.memory_budget import resolve_device_budget
+from flexorch.control.memory_budget import capped, lowered_after_oom, resolve_device_budget
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
 from flexorch.control.refitting import RunRefit
 from flexorch.control.transitions import EventLog, Ran, Transition
@@ -90,6 +90,7 @@ class TrainingDriver:
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
         self._refits = RunRefit(self.cfg.plan.refit_every)  # the run's groups and steps, and the refit on them
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
+        self._budget_cap: float | None = None  # the memory budget an out-of-memory step lowered to (bytes)
         self.workers: WorkerGroup | None = None
         self.planner = None
         self._stop_reason: str | None = None  # set by request_stop: the loop ends after the step in flight
@@ -245,11 +246,19 @@ class TrainingDriver:
             if failure is None:
                 outcomes = [results[w] for w in self.workers.worker_ids]
                 break
+            oom = None
+            if failure.out_of_memory:  # the same batch is planned again, for less memory per worker
+                self.profile, oom, message = lowered_after_oom(self.profile, failure.out_of_memory, self.step_no)
+                self._budget_cap = self.profile.memory_budget_bytes
+                self.planner.set_profile(self.profile)
+                self._publish({"event": "planner", "message": message})
             try:
                 rec = self.elastic.recover(failure, attempt, f"run step {self.step_no}")
             except PartsLostError as e:  # stage-local parameters whose every holder died: back to the checkpoint
                 self._rolled_back = carried  # an earlier roll-back is still recorded with the next trained step
                 return self._roll_back(e, f"run step {self.step_no}", recoveries[len(carried) :])
+            if oom is not None:
+                rec["out_of_memory"] = oom
             recoveries.append(rec)
             rerun_from = time.perf_counter()  # the recovered step runs again (or stands) from here
             attempt = rec["attempt"] + 1
@@ -294,7 +303,7 @@ class TrainingDriver:
             return
         step, profile, report = done
         if report.accepted:
-            self.profile = profile
+            self.profile = profile = capped(profile, self._budget_cap)  # memory terms are not refitted
             self.planner.set_profile(profile)
             (self.run_dir / "profile_refit.json").write_text(profile.to_json())
         if report.refitted:

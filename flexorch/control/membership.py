@@ -87,6 +87,9 @@ class Failure:
     """Alive workers that raised anything else: (worker id, message). Deterministic: never retried."""
     completed: frozenset[int] = frozenset()
     """Alive workers that finished the attempt (e.g. the step's optimizer update) before the failure."""
+    out_of_memory: frozenset[int] = frozenset()
+    """Alive workers whose device ran out of memory in the step (``StepOutOfMemoryError``): the step is re-planned
+    with a smaller memory budget and run again."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,11 @@ class ElasticPolicy:
             return Fail(f"all {len(alive)} workers were lost (ids {list(alive)}); the model state lived only on them")
         if attempt + 1 >= self.max_attempts:
             return Fail(f"gave up after {attempt + 1} failed attempts at one step (elastic.max_attempts)")
+        if not failure.lost and failure.out_of_memory:
+            return Retry(
+                f"workers {sorted(failure.out_of_memory)} ran out of device memory: re-plan the step with a smaller "
+                "memory budget and run it again"
+            )
         if not failure.lost:
             return Retry("a collective failed but every worker is alive: re-form the world and run again")
         lost = tuple(sorted(failure.lost))

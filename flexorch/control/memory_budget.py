@@ -29,13 +29,24 @@ import numpy as np
 
 from flexorch.config.errors import ConfigError
 
-__all__ = ["MARGIN_BYTES", "MARGIN_SHARE", "DeviceBudget", "device_budget", "resolve_device_budget"]
+__all__ = [
+    "MARGIN_BYTES",
+    "MARGIN_SHARE",
+    "OOM_CUT",
+    "DeviceBudget",
+    "capped",
+    "device_budget",
+    "lowered_after_oom",
+    "resolve_device_budget",
+]
 
 MARGIN_SHARE = 0.10
 """Share of the memory left after the model state that is kept free."""
 MARGIN_BYTES = 2 * 2**30
 """Bytes kept free on top of the share."""
 GIB = 2**30
+OOM_CUT = 0.8
+"""A step that ran out of memory cuts the activation budget to this share of what it was, for the rest of the run."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,3 +117,33 @@ def resolve_device_budget(cfg, group, publish):
         raise ConfigError(
             f"{e} (plan.tokens_per_worker = 'auto' measured {budget.tokens:,}: {budget.describe()})"
         ) from None
+
+
+def lowered_after_oom(profile, workers, step: int):
+    """``(profile, record, message)`` after workers ran out of device memory in ``step``: the activation part of
+    the planner's memory budget cut to :data:`OOM_CUT` of what it was (the model state's part stays), so the
+    re-planned step puts fewer tokens on each worker. ``record`` goes into the step's recovery."""
+    before = profile.memory_budget_bytes - profile.model_state_bytes
+    after = OOM_CUT * before
+    lowered = profile.with_overrides(memory_budget_bytes=profile.model_state_bytes + after)
+    record = {
+        "workers": sorted(workers),
+        "activation_bytes_before": before,
+        "activation_bytes_after": after,
+        "tokens_per_worker_before": profile.tokens_per_device,
+        "tokens_per_worker_after": lowered.tokens_per_device,
+    }
+    message = (
+        f"step {step}: workers {sorted(workers)} ran out of device memory; the activation budget per worker goes "
+        f"from {before / GIB:.2f} to {after / GIB:.2f} GiB ({profile.tokens_per_device:,} -> "
+        f"{lowered.tokens_per_device:,} tokens) for the rest of the run, and the step is planned again"
+    )
+    return lowered, record, message
+
+
+def capped(profile, cap_bytes: float | None):
+    """``profile`` with its memory budget at most ``cap_bytes`` (a refit made from an older profile keeps a budget
+    an out-of-memory step lowered since)."""
+    if cap_bytes is None or profile.memory_budget_bytes <= cap_bytes:
+        return profile
+    return profile.with_overrides(memory_budget_bytes=cap_bytes)

@@ -30,7 +30,7 @@ from flexorch.control.heartbeats import Heartbeats
 from flexorch.control.membership import Failure, Membership
 from flexorch.control.worker_start import WorkerStarter
 from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_parts, transfers
-from flexorch.workers.actor import PeerLostError, WorkerActor
+from flexorch.workers.actor import PeerLostError, StepOutOfMemoryError, WorkerActor
 
 BEAT_CHECK_S = 0.5  # while waiting on workers: how often their heartbeats are looked at
 BROKEN_WORLD_SILENCE_S = 3.0
@@ -299,7 +299,7 @@ class RayWorkerGroup:
         longer than ``PROGRESS_EVERY_S`` publishes progress (who answered, who is still working).
         """
         pending = {ref: wid for wid, ref in refs.items()}
-        results, lost, peer, errors = {}, set(), set(), []
+        results, lost, peer, errors, oom = {}, set(), set(), [], set()
         self.silent, self.failed_at = {}, None
         t0 = time.monotonic()
         deadline = t0 + timeout_s
@@ -347,6 +347,8 @@ class RayWorkerGroup:
                     cause = e.cause if e.cause is not None else e
                     if isinstance(cause, PeerLostError) or isinstance(e, PeerLostError):
                         peer.add(wid)
+                    elif isinstance(cause, StepOutOfMemoryError):  # not final: re-planned with less memory
+                        oom.add(wid)
                     else:
                         first = str(cause).splitlines()[0][:500]
                         errors.append((wid, f"{type(cause).__name__}: {first}{_where(cause)}"))
@@ -363,9 +365,9 @@ class RayWorkerGroup:
                 continue  # alive, in a bounded wait: left running, its state may be kept (control.emergency)
             ray.kill(self._actors[wid], no_restart=True)
             lost.add(wid)
-        if not (lost or peer or errors):
+        if not (lost or peer or errors or oom):
             return results, None
-        return results, Failure(frozenset(lost), frozenset(peer), tuple(errors), frozenset(results))
+        return results, Failure(frozenset(lost), frozenset(peer), tuple(errors), frozenset(results), frozenset(oom))
 
     def _abort_pending(self, worker_ids) -> None:
         """Tell workers still in a call on a broken world to shut its sockets down (``Worker.abort_world``, on

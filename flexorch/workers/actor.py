@@ -38,7 +38,7 @@ from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
 from flexorch.workers.step_exec import StepOutcome, run_step
 
-__all__ = ["WorkerActor", "Worker", "PeerLostError", "FAULT_POINTS", "HEARTBEAT_S"]
+__all__ = ["WorkerActor", "Worker", "PeerLostError", "StepOutOfMemoryError", "FAULT_POINTS", "HEARTBEAT_S"]
 
 STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
@@ -53,6 +53,11 @@ gradient all-reduce, after it (before the optimizer step)."""
 class PeerLostError(RuntimeError):
     """A collective failed because the world broke (a peer died, hung or left); this worker has left the world
     and keeps its state from before the step, ready to join the next one."""
+
+
+class StepOutOfMemoryError(RuntimeError):
+    """This worker's device ran out of memory in a step. Its gradients are dropped and its cache emptied, so the
+    state it holds is the state before the step; the driver re-plans the step with a smaller memory budget."""
 
 
 def _is_world_error(e: BaseException) -> bool:
@@ -293,17 +298,29 @@ class Worker:
         epoch = getattr(self.registry, "epoch", None)  # a stand-in registry may have none
         aborted = epoch is not None and getattr(self, "_aborted_epoch", None) == epoch
         self.leave_world(abort=True)  # the step failed: the world's state is unknown, a destroy could wait forever
+        if isinstance(err, torch.OutOfMemoryError):
+            self._drop_step_memory()
+            first = str(err).splitlines()[0][:300] if str(err) else "out of memory"
+            raise StepOutOfMemoryError(f"worker {self.worker_id} ran out of device memory: {first}")
         if aborted or _is_world_error(err):  # the driver shut this world down: any error now is the broken world's
             raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
         err.add_note(text)
         raise err
 
+    def _drop_step_memory(self) -> None:
+        """After an out-of-memory step: drop the gradients it accumulated and give the allocator's cache back."""
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        if self.device is not None:
+            torch.cuda.empty_cache()
+
     def inject_fault(self, point: str, step: int, nth: int = 1, action: str = "exit") -> None:
         """Test seam: on the ``nth`` visit to ``point`` during ``step`` (for ``"join"``: membership epoch),
         ``"exit"`` kills this process at once (as a node loss would), ``"hang"`` blocks it forever, ``"raise"``
-        raises an error (a bug in the step: not a membership problem)."""
-        if point not in FAULT_POINTS or action not in ("exit", "hang", "raise"):
-            raise ValueError(f"fault point must be one of {FAULT_POINTS} and action 'exit', 'hang' or 'raise'")
+        raises an error (a bug in the step: not a membership problem), ``"oom"`` raises the error a device out of
+        memory raises (``torch.OutOfMemoryError``)."""
+        if point not in FAULT_POINTS or action not in ("exit", "hang", "raise", "oom"):
+            raise ValueError(f"fault point must be one of {FAULT_POINTS} and action 'exit', 'hang', 'raise' or 'oom'")
         self._faults.append((point, step, nth, action))
 
     def _strike(self, point: str, step: int) -> None:
@@ -316,6 +333,8 @@ class Worker:
                     os._exit(1)
                 if action == "raise":
                     raise RuntimeError(f"injected fault at {point} of step {step}")
+                if action == "oom":
+                    raise torch.OutOfMemoryError(f"injected: CUDA out of memory at {point} of step {step}")
                 time.sleep(10**6)
 
     def run_step(self, task: StepTask | PipelineTask, block_refs: dict) -> StepOutcome:
