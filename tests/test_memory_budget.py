@@ -94,8 +94,8 @@ def test_a_cpu_worker_reports_no_device_memory():
 
 
 def test_out_of_memory_is_a_retry_with_a_cut_budget_not_a_crash():
-    from flexorch.control.memory_budget import OOM_CUT, capped, lowered_after_oom
     from flexorch.control.membership import ElasticPolicy, Failure, Retry, Shrink
+    from flexorch.control.memory_budget import OOM_CUT, capped, lowered_after_oom
 
     policy = ElasticPolicy(1, 4)
     d = policy.on_failure([0, 1, 2, 3], Failure(frozenset(), frozenset({0, 2}), out_of_memory=frozenset({1})), 0)
