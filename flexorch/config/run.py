@@ -134,6 +134,11 @@ class TrainConfig:
         p = self.pipeline.stages
         if p == 1:  # not a pipeline: SP groups, no stage rule
             return
+        if self.sharding.activation_checkpointing == "auto":
+            raise ConfigError(
+                "sharding.activation_checkpointing = 'auto' chooses per SP micro-batch; pipeline stages choose which "
+                "layers to recompute per unit themselves: with [pipeline] stages use 'none' or 'full'"
+            )
         try:
             check_stage_count(
                 p, self.workers, self.model.num_layers, self.model.num_heads, key="pipeline.stages",

@@ -26,7 +26,7 @@ __all__ = ["GATHERS", "MODES", "PRECISIONS", "RECOMPUTE", "ShardingSettings", "e
 
 MODES = ("auto", "replicate", "fsdp", "hsdp")
 PRECISIONS = ("auto", "fp32", "bf16")
-RECOMPUTE = ("none", "full", "selective")
+RECOMPUTE = ("none", "full", "selective", "auto")
 GATHERS = ("layer", "step")
 
 
@@ -47,8 +47,10 @@ class ShardingSettings:
     ``set_requires_gradient_sync``): the communication of whole replicas, with the whole model's parameters and
     gradients in memory during the step and only the shards between steps."""
     activation_checkpointing: str = "none"
-    """'none', 'full' (recompute every decoder layer in the backward) or 'selective' (recompute each layer's MLP
-    and its norm, keep attention's outputs: attention's collectives are not run again)."""
+    """'none', 'full' (recompute every decoder layer in the backward), 'selective' (recompute each layer's MLP
+    and its norm, keep attention's outputs: attention's collectives are not run again), or 'auto': chosen per
+    micro-batch and SP group, 'none' where the group's tokens fit the activation budget without recompute, else
+    'full' (``flexorch.control.recompute_choice``); the planner packs micro-batches as for 'full'."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -38,6 +38,7 @@ from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
 from flexorch.control.memory_budget import capped, lowered_after_oom, resolve_device_budget
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
+from flexorch.control.recompute_choice import choose_recompute, none_over_full
 from flexorch.control.refitting import RunRefit
 from flexorch.control.transitions import EventLog, Ran, Transition
 from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
@@ -91,6 +92,7 @@ class TrainingDriver:
         self._refits = RunRefit(self.cfg.plan.refit_every)  # the run's groups and steps, and the refit on them
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self._budget_cap: float | None = None  # the memory budget an out-of-memory step lowered to (bytes)
+        self._none_ratio: float | None = None  # activation bytes without / with recompute ('auto' recompute)
         self.workers: WorkerGroup | None = None
         self.planner = None
         self._stop_reason: str | None = None  # set by request_stop: the loop ends after the step in flight
@@ -142,6 +144,7 @@ class TrainingDriver:
         cfg = self.cfg
         act_budget = budget.activation_bytes if budget is not None else None
         self.profile = run_profile(cfg, self.workers, self.run_dir, self._publish, act_budget)
+        self._none_ratio = none_over_full(cfg, self.workers)  # 'auto' recompute: none where it fits
         self.planner = self._planner_factory(PlannerSpec.for_run(cfg, self.profile), self._publish)
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if resumed is not None else None)
         self.metrics = RunMetrics(self.run_dir.name)
@@ -241,7 +244,11 @@ class TrainingDriver:
                     planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
                 )
             else:
-                tasks = step_tasks(planned.plan, docs, self.step_no)
+                modes = None
+                if self._none_ratio is not None:  # [sharding] activation_checkpointing = "auto"
+                    modes = choose_recompute(planned.plan, self.profile, self._none_ratio)
+                    base["recompute"] = [list(row) for row in modes]
+                tasks = step_tasks(planned.plan, docs, self.step_no, modes)
             results, failure, moved, dispatch_ms = self._dispatch(tasks, planned, n, attempt, t_dispatch)
             if failure is None:
                 outcomes = [results[w] for w in self.workers.worker_ids]

@@ -67,9 +67,14 @@ class GroupWork:
     """'ulysses' or 'ring' (irrelevant for degree 1)."""
     docs: tuple[DocRef, ...]
     """The group's documents in plan order (every member holds the same list and shards it)."""
+    recompute: str | None = None
+    """'none' or 'full': the activation checkpointing this group runs this micro-batch with (every member the
+    same: a recompute runs the group's collectives again); None: the model's own mode."""
 
     def __post_init__(self) -> None:
         check_count("GroupWork.micro_batch", self.micro_batch)
+        if self.recompute not in (None, "none", "full"):
+            raise ValueError(f"GroupWork (micro-batch {self.micro_batch}) recompute must be 'none', 'full' or None")
         check_ranks(f"GroupWork (micro-batch {self.micro_batch}) ranks", self.ranks)
         d = len(self.ranks)
         if d & (d - 1):
@@ -151,10 +156,11 @@ class StepTask:
         return {d.block for w in self.work for d in w.docs}
 
 
-def step_tasks(plan, docs: Sequence[DocRef], step: int) -> list[StepTask]:
+def step_tasks(plan, docs: Sequence[DocRef], step: int, recompute=None) -> list[StepTask]:
     """One :class:`StepTask` per rank of ``plan``; ``docs[i]`` is the plan's sequence ``i``.
 
-    ``plan`` is a ``solver.plan.Plan`` whose ``seq_lengths`` must equal the documents' lengths.
+    ``plan`` is a ``solver.plan.Plan`` whose ``seq_lengths`` must equal the documents' lengths. ``recompute``
+    (``[sharding] activation_checkpointing = "auto"``): per micro-batch, each group's mode, in the plan's order.
     """
     if len(docs) != len(plan.seq_lengths):
         raise ValueError(f"plan has {len(plan.seq_lengths)} sequences, got {len(docs)} documents")
@@ -167,8 +173,9 @@ def step_tasks(plan, docs: Sequence[DocRef], step: int) -> list[StepTask]:
     )
     per_rank: list[list[GroupWork]] = [[] for _ in range(n)]
     for mi, mb in enumerate(plan.micro_batches):
-        for g in mb.groups:
-            work = GroupWork(mi, tuple(g.ranks), g.kind, tuple(docs[i] for i in g.seq_ids))
+        for gi, g in enumerate(mb.groups):
+            mode = recompute[mi][gi] if recompute is not None else None
+            work = GroupWork(mi, tuple(g.ranks), g.kind, tuple(docs[i] for i in g.seq_ids), mode)
             for r in g.ranks:
                 per_rank[r].append(work)
     num_predicted = sum(d.length - 1 for d in docs)

@@ -36,6 +36,7 @@ from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
+from flexorch.workers.recompute import built_mode
 from flexorch.workers.step_exec import StepOutcome, run_step
 
 __all__ = ["WorkerActor", "Worker", "PeerLostError", "StepOutOfMemoryError", "FAULT_POINTS", "HEARTBEAT_S"]
@@ -99,7 +100,7 @@ class Worker:
         self.model = None  # sharded: built for each world at join (flexorch.workers.fsdp)
         if not self.sharded:
             self.model = build_model(self.model_cfg, seed)
-            set_activation_checkpointing(self.model, self.sharding["recompute"])
+            set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
             if self.device is not None:
                 self.model.to(self.device)
             if wants_compile(self.model_cfg.compile, self.device):
@@ -229,7 +230,11 @@ class Worker:
         if stages == 1:
             mesh = build_mesh(sh["mode"], reg.world_size, sh["shard_size"], device_type)
             return sharded_decoder(
-                self.model_cfg, mesh, precision=sh["precision"], recompute=sh["recompute"], device=self.device
+                self.model_cfg,
+                mesh,
+                precision=sh["precision"],
+                recompute=built_mode(sh["recompute"]),
+                device=self.device,
             )
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -398,10 +403,30 @@ class Worker:
         """``{"free_at_start", "total"}`` bytes of this worker's CUDA device when it started; None on a CPU."""
         return self._memory
 
-    def activation_bytes_per_token(self) -> float:
+    def activation_bytes_per_token(self, mode: str | None = None) -> float:
+        """Activation bytes one token costs on this worker's model, in its own recompute mode or in ``mode``.
+
+        The measurement is a forward without a backward. On a sharded model that leaves FSDP2's root unit with its
+        gathered parameters registered and in its forward state, and the next step trained with the root's
+        parameters of one update before (seen on 2026-11-26: a two-step fsdp run's second loss 6e-6 off the
+        reference after one such call, its third 5e-3; calibration makes that call in every calibrated run), so
+        the units are put back to their shards after it (``reshard_after_failure``: local, no collective)."""
         from flexorch.workers.calibrate import activation_bytes_per_token
 
-        return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
+        if mode is not None:
+            set_activation_checkpointing(self.model, mode)
+        try:
+            return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
+        finally:
+            if mode is not None:
+                set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
+            self._after_forward_only()
+
+    def _after_forward_only(self) -> None:
+        if self.sharded:
+            from flexorch.workers.fsdp import reshard_after_failure
+
+            reshard_after_failure(self.model)
 
     def stage_activation_bytes(self) -> tuple[float, float]:
         """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold

@@ -163,6 +163,8 @@ class HFDecoder(nn.Module):
 
         Transformers 5.24 named it ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` stays as a
         deprecated alias until v6); 5.17 has only the older name, so the name present is used."""
+        if mode == getattr(self, "_recompute", None):  # "auto" recompute sets it per micro-batch: only changes act
+            return
         m = self.model
         if mode == "full":
             if hasattr(m, "activation_checkpointing_enable"):
@@ -173,6 +175,7 @@ class HFDecoder(nn.Module):
             (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()
         else:
             raise ValueError(f"activation checkpointing of a Hugging Face model is 'none' or 'full', got {mode!r}")
+        self._recompute = mode
 
 
 def hf_config(cfg: ModelConfig):

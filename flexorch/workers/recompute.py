@@ -22,9 +22,16 @@ from contextvars import ContextVar
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["MODES", "checkpointed", "kept_tensor_sink", "note_kept"]
+__all__ = ["MODES", "built_mode", "checkpointed", "kept_tensor_sink", "note_kept"]
 
 MODES = ("none", "full", "selective")
+
+
+def built_mode(setting: str) -> str:
+    """The mode a model is built in for ``[sharding] activation_checkpointing``: 'auto' builds it 'full' (the mode
+    the planner packs micro-batches for) and each micro-batch's task says whether it runs 'none' instead."""
+    return "full" if setting == "auto" else setting
+
 
 kept_tensor_sink: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("kept_tensor_sink", default=None)
 """Where :func:`note_kept` reports tensors (set by an active activation meter; None: nobody is measuring)."""

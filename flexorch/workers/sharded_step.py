@@ -27,6 +27,7 @@ from flexorch.config.optim import OptimConfig
 from flexorch.tasks.step import StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.model import check_token_range
+from flexorch.workers.model_source import set_activation_checkpointing
 from flexorch.workers.optim import resident_bytes
 from flexorch.workers.step_exec import (
     GroupGetter,
@@ -92,6 +93,8 @@ def run_sharded_step(
                 tokens, cu, work.ranks.index(task.rank), work.degree, work.kind
             )
             attn = group_attention(layout, work, group_of(work.ranks) if work.degree > 1 else None, backend)
+            if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
+                set_activation_checkpointing(model, work.recompute)
         with saved_tensor_meter(params) as meter:
             loss = model(ids.to(device), pos.to(device), attn, labels=labels.to(device))  # head + loss, chunked
         out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)

@@ -25,6 +25,7 @@ from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
 from flexorch.workers.model import check_token_range, next_token_labels
+from flexorch.workers.model_source import set_activation_checkpointing
 from flexorch.workers.optim import clip_grad_norm_, resident_bytes
 
 __all__ = ["StepOutcome", "run_step", "sync_and_step", "GradBucket", "micro_batch_inputs", "GroupGetter"]
@@ -142,6 +143,8 @@ def run_step(
         ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
         group = group_of(work.ranks) if work.degree > 1 else None
         attn = group_attention(layout, work, group, backend)
+        if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
+            set_activation_checkpointing(model, work.recompute)
         with saved_tensor_meter(params) as meter:  # activation bytes held for backward: the plan's memory
             loss = model(ids.to(device), pos.to(device), attn, labels=labels.to(device))  # head + loss, chunked
         out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
