@@ -114,8 +114,9 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=("fp32", "bf16"), help="[sharding] precision (default: bf16 on GPU)")
     p.add_argument(
         "--activation-checkpointing",
-        choices=("none", "full", "selective"),
-        help="[sharding] activation_checkpointing: recompute each decoder layer (full) or its MLP (selective)",
+        choices=("none", "full", "selective", "auto"),
+        help="[sharding] activation_checkpointing: recompute each decoder layer (full) or its MLP (selective); "
+        "auto: per micro-batch, none where it fits the memory budget, else full",
     )
     p.add_argument(
         "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
