@@ -9,8 +9,11 @@ Each row is a Llama shape from a ``config.json`` (random init) and a ``max_conte
 
 * **flexorch**: ``flexorch train`` in a subprocess, a local Ray, one GPU worker, ``[sharding] fsdp`` bf16, the
   standard library's sources as documents with the byte tokenizer, ``batch_size`` 16, ``[model] compile`` and
-  ``attention`` at their defaults (compiled layers, the measured kernel), recompute and ``tokens_per_worker`` as
-  given (``--recompute``, ``--tokens-per-worker``). Figures from its ``steps.jsonl``, steps 2 to N.
+  ``attention`` at their defaults (compiled layers, the measured kernel), ``activation_checkpointing`` and
+  ``tokens_per_worker`` 'auto' unless given (``--recompute``, ``--tokens-per-worker``: the budget read from the
+  device, recompute only where memory needs it), AdamW at lr 3e-4. Figures from its ``steps.jsonl``, steps 2 to N;
+  the device budget from its start-up line; every step that ran out of memory (a recovery with ``out_of_memory``)
+  is counted.
 * **plain**: the same documents' lengths (each step's ``seq_lengths``), one document per forward through
   Transformers' ``LlamaForCausalLM`` with ``sdpa`` attention, bf16 autocast over fp32 weights, gradient
   checkpointing (``--plain-recompute``), fused AdamW: the loop a user writes first.
@@ -57,6 +60,7 @@ def write_model(directory: Path, shape: str, context: int) -> None:
 
 def write_config(path: Path, model_dir: Path, run_dir: Path, args, context: int) -> None:
     gpu = not args.dry
+    tokens = '"auto"' if args.tokens_per_worker == "auto" else max(int(args.tokens_per_worker), context)
     path.write_text(
         f"""steps = {args.steps}
 workers = 1
@@ -73,13 +77,16 @@ hf = "{model_dir}"
 tokenizer = "byte"
 max_context = {context}
 
+[optim]
+lr = 3e-4
+
 [sharding]
 mode = "fsdp"
 precision = "{"bf16" if gpu else "fp32"}"
 activation_checkpointing = "{args.recompute}"
 
 [plan]
-tokens_per_worker = {max(args.tokens_per_worker, context)}
+tokens_per_worker = {tokens}
 """
     )
 
@@ -118,6 +125,12 @@ def summarise_flexorch(res: dict, params: int, shape: dict) -> dict:
         "state_gib": state / 2**30,
         "first_step_s": res["steps"][0]["measured_ms"] / 1e3,
         "losses": [round(s["loss"], 4) for s in res["steps"]],
+        "out_of_memory_steps": sum(
+            any("out_of_memory" in rec for rec in s.get("recoveries") or []) for s in res["steps"]
+        ),
+        "budget": next((ln for ln in res["log"].splitlines() if "memory budget from the device" in ln), None),
+        "recompute_none_groups": sum(m == "none" for s in kept for row in s.get("recompute") or [] for m in row),
+        "recompute_groups": sum(len(row) for s in kept for row in s.get("recompute") or []),
         "wall_s": res["wall_s"],
     }
 
@@ -201,8 +214,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="1.1b@16384", help="comma-separated SHAPE@CONTEXT (shapes: 1.1b, 3b)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--recompute", default="none", help="flexorch's [sharding] activation_checkpointing")
-    ap.add_argument("--tokens-per-worker", type=int, default=65536)
+    ap.add_argument("--recompute", default="auto", help="flexorch's [sharding] activation_checkpointing")
+    ap.add_argument("--tokens-per-worker", default="auto", help="[plan] tokens_per_worker: 'auto' or a number")
     ap.add_argument("--plain-recompute", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--no-plain", action="store_true", help="skip the plain loop")
     ap.add_argument("--timeout-s", type=float, default=420.0, help="per flexorch run")
@@ -210,7 +223,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry", action="store_true", help="CPU, a tiny Llama, 3 steps")
     args = ap.parse_args(argv)
     if args.dry:
-        args.rows, args.steps, args.batch_size, args.tokens_per_worker = "tiny@256", 3, 4, 512
+        args.rows, args.steps, args.batch_size, args.tokens_per_worker = "tiny@256", 3, 4, "512"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -258,9 +271,9 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
     lines = [
         f"\n{gpu}; MFU against {PEAK_TFLOPS:.0f} TFLOP/s (datasheet dense bf16)"
         + (f"; the matmul measured {peak:.0f}" if peak else ""),
-        "| row | params | flexorch tok/s | MFU | micro-batches | peak act GiB | state GiB | plain tok/s | "
-        "plain MFU | ratio |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|",
+        "| row | params | flexorch tok/s | MFU | micro-batches | peak act GiB | state GiB | no-recompute groups | "
+        "OOM steps | plain tok/s | plain MFU | ratio |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "failed" in r:
@@ -274,9 +287,11 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
         )
         lines.append(
             f"| {r['row']} | {r['params'] / 1e9:.2f}B | {f['tokens_per_s']:,.0f} | {f['mfu_pct']:.1f} % | "
-            f"{f['micro_batches']} | {f['peak_activation_gib']:.1f} | {f['state_gib']:.1f} | {plain} |"
+            f"{f['micro_batches']} | {f['peak_activation_gib']:.1f} | {f['state_gib']:.1f} | "
+            f"{f['recompute_none_groups']}/{f['recompute_groups']} | {f['out_of_memory_steps']} | {plain} |"
         )
-    return "\n".join(lines)
+    budgets = [f"- {r['row']}: {r['flexorch']['budget']}" for r in results if r.get("flexorch", {}).get("budget")]
+    return "\n".join(lines + budgets)
 
 
 if __name__ == "__main__":
