@@ -76,3 +76,28 @@ def test_compiled_transformers_llama_equals_eager(tmp_path, recompute):
         torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-5)
         for name in want:
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_switching_recompute_per_micro_batch_changes_nothing_computed(tmp_path):
+    # [sharding] activation_checkpointing = "auto" sets each micro-batch's mode on the model: flexorch's decoder
+    # and a Transformers Llama give the same loss and gradients whatever the sequence of modes
+    transformers = pytest.importorskip("transformers")
+    from flexorch.config.hf import hf_model_config
+
+    transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=97, max_position_embeddings=256,
+    ).save_pretrained(tmp_path)  # fmt: skip
+    hf = ModelConfig.from_dict({**hf_model_config(str(tmp_path)), "loss_chunk_tokens": 16})
+    for cfg in (CFG, hf):
+        plain, switched = build_model(cfg, 5), build_model(cfg, 5)
+        set_activation_checkpointing(plain, "none")
+        for batch, mode in zip(_batches(), ["full", "none", "full"], strict=True):
+            set_activation_checkpointing(switched, mode)
+            want_loss, want = _loss_and_grads(plain, batch)
+            got_loss, got = _loss_and_grads(switched, batch)
+            torch.testing.assert_close(got_loss, want_loss, rtol=1e-6, atol=1e-6)
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{cfg.family} {name}")
+        if cfg.hf is not None:  # Transformers' own switch, taken only when the mode changes
+            assert switched.model.layers[0].gradient_checkpointing is True
