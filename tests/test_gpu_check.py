@@ -37,7 +37,7 @@ class _NoRay:
 sys.meta_path.insert(0, _NoRay())
 '''
 
-CUDA_ONLY = ("b.attn.flash_attn", "b.attn.torch_flash", "d.memory")
+CUDA_ONLY = ("b.attn.flash_attn", "b.attn.torch_cudnn", "b.attn.torch_flash", "d.memory")
 CPU_ROWS = (
     "a.pytest",
     "b.peak",
