@@ -80,7 +80,7 @@ def attention_batch(lengths, ctx: Ctx, seed: int):
 def unavailable(name: str, ctx: Ctx) -> str:
     from flexorch.workers.attention.kernels import DTYPES
 
-    if name in ("flash_attn", "torch_flash") and not ctx.cuda:
+    if name in ("flash_attn", "torch_cudnn", "torch_flash") and not ctx.cuda:
         return ctx.no_cuda(f"{name} is a CUDA kernel")
     if ctx.dtype not in DTYPES[name]:
         return f"{name} does not run {str(ctx.dtype).removeprefix('torch.')}"
@@ -88,6 +88,8 @@ def unavailable(name: str, ctx: Ctx) -> str:
         return "flash-attn is not installed (pip install flash-attn)"
     if name == "torch_flash":
         return "this torch has no aten::_flash_attention_forward"
+    if name == "torch_cudnn":
+        return "this torch has no cuDNN attention (aten::_scaled_dot_product_cudnn_attention)"
     return f"{name} is a CPU kernel; this run is on {ctx.device}"
 
 
