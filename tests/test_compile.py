@@ -101,3 +101,22 @@ def test_switching_recompute_per_micro_batch_changes_nothing_computed(tmp_path):
                 torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{cfg.family} {name}")
         if cfg.hf is not None:  # Transformers' own switch, taken only when the mode changes
             assert switched.model.layers[0].gradient_checkpointing is True
+
+
+def test_the_compile_time_is_counted_and_shown_on_the_step_line():
+    from flexorch.cli.train import format_step
+    from flexorch.workers.compile import compile_seconds
+
+    m = build_model(CFG, 1)
+    compile_layers(m)
+    torch._dynamo.reset()  # (clears the account too)
+    before = compile_seconds()
+    _loss_and_grads(m, _batches()[0])
+    assert compile_seconds() > before  # TorchDynamo's own account of its time
+    ev = {
+        "step": 0, "shape": "<1>", "solve_s": 0.1, "loss": 5.0, "tokens_per_s": 100.0, "predicted_ms": 10.0,
+        "compute_ms": 10.0, "measured_ms": 12.0, "eta_s": 1.0, "ranks": [{"compile_s": 7.25}, None, {"compile_s": 0}],
+    }  # fmt: skip
+    assert format_step(ev, 10).endswith("[compiling the layers: 7.2 s of it]")
+    ev["ranks"] = [{"compile_s": 0.0}]
+    assert "compiling" not in format_step(ev, 10)

@@ -67,6 +67,9 @@ def format_step(ev: dict, total: int) -> str:
         f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['compute_ms']:7.1f} ms  "
         f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
     )
+    compiled = max((r.get("compile_s") or 0.0 for r in ev.get("ranks") or () if r), default=0.0)
+    if compiled >= 0.05:  # the first steps of a compiled model (and a recompile): torch.compile's own time
+        line += f"  [compiling the layers: {compiled:.1f} s of it]"
     for rec in ev.get("recoveries") or ():
         if rec.get("driver_restart"):  # the driver was lost and a new one took over from the last checkpoint
             line += (

@@ -180,6 +180,7 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
         "peak_local_tokens": o.peak_local_tokens,
         "peak_activation_bytes": o.peak_activation_bytes,
         "state_bytes": o.param_bytes,
+        "compile_s": getattr(o, "compile_s", 0.0),
     }
 
 

@@ -28,7 +28,7 @@ from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
 from flexorch.workers.attention.choice import set_attention
-from flexorch.workers.compile import compile_layers, wants_compile
+from flexorch.workers.compile import compile_layers, compile_seconds, wants_compile
 from flexorch.workers.devices import device_memory, pin_device
 from flexorch.workers.model import init_model
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
@@ -365,6 +365,7 @@ class Worker:
         else:
             sp_step = run_step
         fn = run_pipeline_step if isinstance(task, PipelineTask) else sp_step
+        compiled_before = compile_seconds()
         out = fn(
             self.model,
             self.optimizer,
@@ -378,6 +379,7 @@ class Worker:
             hook=(lambda point: self._strike(point, task.step)) if self._faults else None,
             **extra,
         )
+        out.compile_s = max(0.0, compile_seconds() - compiled_before)
         self.version += 1
         return out
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["compile_layers", "compiled_layers", "wants_compile"]
+__all__ = ["compile_layers", "compile_seconds", "compiled_layers", "wants_compile"]
 
 _ATTR = "_flexorch_compiled"
 
@@ -61,3 +61,15 @@ def compile_layers(model: nn.Module) -> int:
 def compiled_layers(model: nn.Module) -> int:
     """How many of ``model.layers`` are compiled."""
     return sum(bool(getattr(layer, _ATTR, False)) for layer in getattr(model, "layers", ()))
+
+
+def compile_seconds() -> float:
+    """Wall seconds this process has spent in ``torch.compile`` so far (TorchDynamo's own account,
+    ``torch._dynamo.utils.calculate_time_spent``: tracing and Inductor's code generation); 0.0 where this torch does
+    not keep it (a private API, looked up rather than assumed)."""
+    try:
+        from torch._dynamo.utils import calculate_time_spent
+
+        return float(calculate_time_spent().get("total_wall_time", 0.0))
+    except Exception:  # noqa: BLE001 - an account torch may drop or rename: then nothing is shown
+        return 0.0

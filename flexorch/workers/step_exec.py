@@ -70,6 +70,9 @@ class StepOutcome:
     param_bytes: int = 0
     """Bytes of parameters, gradients and optimizer state this rank held (``flexorch.workers.optim.resident_bytes``;
     sharded: its shards; pipelined: during the step)."""
+    compile_s: float = 0.0
+    """Seconds ``torch.compile`` spent compiling during this step (the first steps of a compiled model, and a
+    recompile; ``flexorch.workers.compile.compile_seconds``)."""
 
 
 def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Tensor, list[int]]:
