@@ -62,7 +62,8 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   "end_ms", "wait_ms"}, ...]`` in the order it ran them, empty for a rank no stage uses: ``start_ms`` is when the
   op's input had arrived, ``wait_ms`` how long the rank waited for it (optional: records written before it was
   added have none, and their ``start_ms`` includes the wait); ``state_bytes`` (optional) the model state the rank
-  held (parameters, gradients and optimizer state, its shards under FSDP);
+  held (parameters, gradients and optimizer state, its shards under FSDP); ``compile_s`` (optional) the seconds
+  ``torch.compile`` ran during the step on that rank;
 * ``model_state`` (optional, SP steps): the sharding in force (``mode``, ``shards``, ``precision``,
   ``activation_checkpointing``) and the plan's model-state bytes per worker (``plan_resident_bytes``, what the
   ranks' ``state_bytes`` measure, and ``plan_in_flight_bytes``, FSDP's gathered layers during the step).
