@@ -66,7 +66,10 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   ``torch.compile`` ran during the step on that rank;
 * ``model_state`` (optional, SP steps): the sharding in force (``mode``, ``shards``, ``precision``,
   ``activation_checkpointing``) and the plan's model-state bytes per worker (``plan_resident_bytes``, what the
-  ranks' ``state_bytes`` measure, and ``plan_in_flight_bytes``, FSDP's gathered layers during the step).
+  ranks' ``state_bytes`` measure, and ``plan_in_flight_bytes``, FSDP's gathered layers during the step);
+* ``recompute`` (optional, with ``[sharding] activation_checkpointing = "auto"``): per micro-batch, each group's
+  mode ('none' or 'full') in the plan's order; a recovery after a worker ran out of device memory has
+  ``out_of_memory`` (``workers``, the activation budget per worker before and after the cut, in bytes and tokens).
 
 History: version 2 (train only) added ``worker_ids`` and ``recoveries``; version 3 made one schema for `plan` and
 `train`: ``source``, ``timeline``, and `plan`'s ``makespan_ms``/``baselines``/``micro_batches`` became
