@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["head_loss_sum", "IGNORE_INDEX"]
+__all__ = ["IGNORE_INDEX", "LMHead", "head_loss_sum"]
 
 IGNORE_INDEX = -100  # the label of a position that predicts nothing (the last token of a document)
 
@@ -46,3 +47,17 @@ def head_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
         part = checkpoint(_chunk_loss, h[i : i + chunk], weight, labels[i : i + chunk], use_reentrant=False)
         total = part if total is None else total + part
     return total
+
+
+class LMHead(nn.Linear):
+    """The LM head: an ``nn.Linear`` without bias (its parameter is ``weight``, as before), with the fused chunked
+    loss as a second entry point, :meth:`loss_sum`. A pipeline's last stage shards the head as its own FSDP2 unit;
+    FSDP2 gathers a unit's parameters only around a registered forward method, so the stage registers this one
+    (``torch.distributed.fsdp.register_fsdp_forward_method``) and calls it instead of materialising the logits."""
+
+    def __init__(self, dim: int, vocab_size: int) -> None:
+        super().__init__(dim, vocab_size, bias=False)
+
+    def loss_sum(self, h: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+        """:func:`head_loss_sum` of ``h (t, dim)`` against ``labels (t,)`` with this head's weight."""
+        return head_loss_sum(h, self.weight, labels, chunk)

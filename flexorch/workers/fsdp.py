@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor, Shard
 
 from flexorch.config.model import ModelConfig
@@ -219,6 +219,8 @@ def stage_sharded_decoder(
     else:
         model.norm = model.output = None
     _shard_units(model, units, mesh, precision, device)
+    if is_last:  # the stage calls the head's fused loss, not its forward: FSDP gathers around that method
+        register_fsdp_forward_method(model.output, "loss_sum")
     return model
 
 

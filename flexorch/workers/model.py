@@ -24,7 +24,7 @@ from torch import nn
 
 from flexorch.config.model import ModelConfig
 from flexorch.workers.attention.sharding import check_cu_seqlens
-from flexorch.workers.chunked_loss import IGNORE_INDEX, head_loss_sum
+from flexorch.workers.chunked_loss import IGNORE_INDEX, LMHead, head_loss_sum
 from flexorch.workers.recompute import MODES as RECOMPUTE_MODES
 from flexorch.workers.recompute import checkpointed
 
@@ -169,7 +169,7 @@ class Decoder(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = None if cfg.tie_embeddings else nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab_size)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttnFn, labels: torch.Tensor | None = None

@@ -41,7 +41,8 @@ from flexorch.config.model import ModelConfig
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.segment import segment_attn_func
 from flexorch.workers.attention.ulysses import head_to_seq, seq_to_head
-from flexorch.workers.model import Block, Decoder, RMSNorm, loss_sum, rope_cos_sin
+from flexorch.workers.chunked_loss import LMHead, head_loss_sum
+from flexorch.workers.model import Block, Decoder, RMSNorm, rope_cos_sin
 
 __all__ = ["StageModule", "UnitInput", "KVCache", "shard_tokens"]
 
@@ -165,7 +166,7 @@ class StageModule(torch.nn.Module):
                     model.tok_embeddings.weight if model else torch.nn.Parameter(torch.empty(cfg.vocab_size, cfg.dim))
                 )
             else:
-                self.output = model.output if model else torch.nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+                self.output = model.output if model else LMHead(cfg.dim, cfg.vocab_size)
         self.inner_checkpoint = False
         """Checkpointed layers recompute inside their own forward (``Block.recompute = "full"``; FSDP2 units, whose
         call must not run twice) instead of under a ``checkpoint`` around the call."""
@@ -276,10 +277,13 @@ class StageModule(torch.nn.Module):
                     x = block(x, cos, sin, attn)
             if self.is_last:
                 h = self.norm(x)
-                # (t, dim) x (vocab, dim)^T -> (t, vocab); untied through the head's call (its FSDP unit gathers)
-                logits = (F.linear(h, self.head_weight) if self.cfg.tie_embeddings else self.output(h)).float()
-                out = loss_sum(logits, labels) / n_predicted
-                del logits
+                # the head fused with the loss in chunks (flexorch.workers.chunked_loss): no (t, vocab) logits held;
+                # untied through the head's own method (a sharded head's FSDP unit gathers around it)
+                chunk = self.cfg.loss_chunk_tokens
+                if self.cfg.tie_embeddings:
+                    out = head_loss_sum(h, self.head_weight, labels, chunk) / n_predicted
+                else:
+                    out = self.output.loss_sum(h, labels, chunk) / n_predicted
             else:
                 out = x
         held = meter.bytes + kept
