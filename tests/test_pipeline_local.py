@@ -63,6 +63,30 @@ def test_pipelined_step_equals_the_reference(stages, kind, ckpt):
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def test_compiled_layers_in_pipeline_stages_equal_the_reference():
+    # regional compile (flexorch.workers.compile) inside stages: segments with a K/V prefix, checkpointed units
+    from flexorch.workers.compile import compile_layers
+
+    cfg = ModelConfig(num_layers=4)
+    seqs = _sequences(cfg)
+    model, ref_loss, ref_grads = _reference(cfg, seqs)
+    model.zero_grad(set_to_none=True)
+    assert compile_layers(model) == 4
+    units = _units("segments", LENGTHS)
+    layers = stage_layers(cfg.num_layers, 2)
+    checkpointed = [[layers[r] if u % 2 == 0 else 0 for u in range(len(units))] for r in range(2)]
+    pipe_stages = build_stages(model, layers)
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    loss = run_local_step(pipe_stages, [(units, one_f_one_b(units, 2), checkpointed)], seqs)
+    assert counters["stats"]["calls_captured"] > 0, "the layers ran compiled"
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    grads = stage_grads_as_full(pipe_stages)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_tied_embeddings_and_back_to_back_pipelines():
     cfg = ModelConfig(num_layers=2, tie_embeddings=True)
     seqs = _sequences(cfg)

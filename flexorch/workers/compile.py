@@ -49,8 +49,8 @@ def compile_layers(model: nn.Module) -> int:
     which the graph is shape-generic)."""
     n = 0
     for layer in getattr(model, "layers", ()):
-        if getattr(layer, _ATTR, False):
-            continue
+        if getattr(layer, _ATTR, False) or not any(True for _ in layer.parameters()):
+            continue  # compiled already, or a layer another pipeline stage holds (no parameters here)
         for name in _targets(layer):
             setattr(layer, name, torch.compile(getattr(layer, name)))
         setattr(layer, _ATTR, True)

@@ -210,6 +210,8 @@ def stage_sharded_decoder(
         if not first <= i < last:
             model.layers[i] = _Absent()
     units = [model.layers[i] for i in range(first, last)]
+    if wants_compile(cfg.compile, torch.device(device) if device is not None else None):
+        compile_layers(model)  # this stage's layers (the others are absent)
     if is_first:
         units.append(model.tok_embeddings)
     else:
