@@ -48,7 +48,7 @@ def compile_layers(model: nn.Module) -> int:
     compilation itself happens at each layer's first call (and once more when the token count first changes, after
     which the graph is shape-generic)."""
     n = 0
-    for layer in getattr(model, "layers", ()):
+    for layer in _layers(model):
         if getattr(layer, _ATTR, False) or not any(True for _ in layer.parameters()):
             continue  # compiled already, or a layer another pipeline stage holds (no parameters here)
         for name in _targets(layer):
@@ -60,7 +60,15 @@ def compile_layers(model: nn.Module) -> int:
 
 def compiled_layers(model: nn.Module) -> int:
     """How many of ``model.layers`` are compiled."""
-    return sum(bool(getattr(layer, _ATTR, False)) for layer in getattr(model, "layers", ()))
+    return sum(bool(getattr(layer, _ATTR, False)) for layer in _layers(model))
+
+
+def _layers(model: nn.Module) -> list[nn.Module]:
+    """``model.layers``: a ModuleList (a decoder) or a ModuleDict keyed by layer index (a pipeline stage)."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    return list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
 
 
 def compile_seconds() -> float:
