@@ -10,7 +10,6 @@ One thread per worker on CPU (docs/design.md §7).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import socket
 import threading
@@ -30,7 +29,8 @@ from flexorch.tasks.step import StepTask
 from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_layers, compile_seconds, wants_compile
 from flexorch.workers.devices import device_memory, pin_device
-from flexorch.workers.model import init_model
+from flexorch.workers.faults import FAULT_POINTS, FaultSeam
+from flexorch.workers.measurements import WorkerMeasurements
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.executor import run_pipeline_step
@@ -45,10 +45,6 @@ STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
 HEARTBEAT_S = 1.0
 """How often a worker's heartbeat thread beats (``Worker.start_heartbeat``)."""
-
-FAULT_POINTS = ("join", "micro_batch", "before_sync", "after_sync")
-"""Where :meth:`Worker.inject_fault` can strike: joining a world, after a micro-batch's forward, before the
-gradient all-reduce, after it (before the optimizer step)."""
 
 
 class PeerLostError(RuntimeError):
@@ -66,7 +62,7 @@ def _is_world_error(e: BaseException) -> bool:
     return isinstance(e, dist.DistError | ConnectionError) or any(m in str(e) for m in markers)
 
 
-class Worker:
+class Worker(WorkerMeasurements, FaultSeam):
     """The worker's state and methods, usable in-process (tests) or as a Ray actor (:data:`WorkerActor`)."""
 
     def __init__(
@@ -319,29 +315,6 @@ class Worker:
         if self.device is not None:
             torch.cuda.empty_cache()
 
-    def inject_fault(self, point: str, step: int, nth: int = 1, action: str = "exit") -> None:
-        """Test seam: on the ``nth`` visit to ``point`` during ``step`` (for ``"join"``: membership epoch),
-        ``"exit"`` kills this process at once (as a node loss would), ``"hang"`` blocks it forever, ``"raise"``
-        raises an error (a bug in the step: not a membership problem), ``"oom"`` raises the error a device out of
-        memory raises (``torch.OutOfMemoryError``)."""
-        if point not in FAULT_POINTS or action not in ("exit", "hang", "raise", "oom"):
-            raise ValueError(f"fault point must be one of {FAULT_POINTS} and action 'exit', 'hang', 'raise' or 'oom'")
-        self._faults.append((point, step, nth, action))
-
-    def _strike(self, point: str, step: int) -> None:
-        if not self._faults:
-            return
-        self._calls[(point, step)] += 1
-        for p, s, nth, action in self._faults:
-            if p == point and s == step and nth == self._calls[(point, step)]:
-                if action == "exit":
-                    os._exit(1)
-                if action == "raise":
-                    raise RuntimeError(f"injected fault at {point} of step {step}")
-                if action == "oom":
-                    raise torch.OutOfMemoryError(f"injected: CUDA out of memory at {point} of step {step}")
-                time.sleep(10**6)
-
     def run_step(self, task: StepTask | PipelineTask, block_refs: dict) -> StepOutcome:
         """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
         index -> ObjectRef of an int32 token array."""
@@ -382,63 +355,6 @@ class Worker:
         out.compile_s = max(0.0, compile_seconds() - compiled_before)
         self.version += 1
         return out
-
-    def probe(self, probes: list) -> list[float]:
-        """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms
-        each."""
-        from flexorch.workers.calibrate import run_probes
-
-        reg = self.registry
-        if reg is None:
-            raise RuntimeError(f"worker {self.worker_id} has not joined a world")
-        n = reg.world_size
-        sets = [
-            tuple(range(f, f + p.degree)) for p in probes if p.degree > 1 for f in range(0, n - n % p.degree, p.degree)
-        ]
-        reg.ensure(sets)
-        world = reg.world if n > 1 else None
-        return run_probes(
-            self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
-        )
-
-    def device_memory(self) -> dict | None:
-        """``{"free_at_start", "total"}`` bytes of this worker's CUDA device when it started; None on a CPU."""
-        return self._memory
-
-    def activation_bytes_per_token(self, mode: str | None = None) -> float:
-        """Activation bytes one token costs on this worker's model, in its own recompute mode or in ``mode``.
-
-        The measurement is a forward without a backward. On a sharded model that leaves FSDP2's root unit with its
-        gathered parameters registered and in its forward state, and the next step trained with the root's
-        parameters of one update before (seen on 2026-11-26: a two-step fsdp run's second loss 6e-6 off the
-        reference after one such call, its third 5e-3; calibration makes that call in every calibrated run), so
-        the units are put back to their shards after it (``reshard_after_failure``: local, no collective)."""
-        from flexorch.workers.calibrate import activation_bytes_per_token
-
-        if mode is not None:
-            set_activation_checkpointing(self.model, mode)
-        try:
-            return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
-        finally:
-            if mode is not None:
-                set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
-            self._after_forward_only()
-
-    def _after_forward_only(self) -> None:
-        if self.sharded:
-            from flexorch.workers.fsdp import reshard_after_failure
-
-            reshard_after_failure(self.model)
-
-    def stage_activation_bytes(self) -> tuple[float, float]:
-        """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold
-        (``flexorch.workers.calibrate``)."""
-        from flexorch.workers.calibrate import stage_activation_bytes
-
-        model = self.model
-        if self.sharded:  # a stage's shard cannot run alone: measure on a 2-layer model (bytes per layer and head)
-            model = init_model(dataclasses.replace(self.model_cfg, num_layers=2), self.seed)
-        return stage_activation_bytes(model, self.model_cfg.vocab_size)
 
     def state_bytes(self) -> int:
         """Bytes of model state this worker keeps between steps (parameters, gradients, optimizer state)."""

@@ -1,0 +1,74 @@
+"""What a worker measures for the driver at start: calibration probes, its device's memory, the activation bytes a
+token costs on its model (``flexorch.workers.calibrate``), mixed into :class:`~flexorch.workers.actor.Worker`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexorch.workers.model import init_model
+from flexorch.workers.model_source import set_activation_checkpointing
+from flexorch.workers.recompute import built_mode
+
+__all__ = ["WorkerMeasurements"]
+
+
+class WorkerMeasurements:
+    """Needs the worker's ``model``, ``model_cfg``, ``registry``, ``sharded``, ``sharding``, ``seed``,
+    ``worker_id`` and ``_memory``."""
+
+    def probe(self, probes: list) -> list[float]:
+        """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms
+        each."""
+        from flexorch.workers.calibrate import run_probes
+
+        reg = self.registry
+        if reg is None:
+            raise RuntimeError(f"worker {self.worker_id} has not joined a world")
+        n = reg.world_size
+        sets = [
+            tuple(range(f, f + p.degree)) for p in probes if p.degree > 1 for f in range(0, n - n % p.degree, p.degree)
+        ]
+        reg.ensure(sets)
+        world = reg.world if n > 1 else None
+        return run_probes(
+            self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
+        )
+
+    def device_memory(self) -> dict | None:
+        """``{"free_at_start", "total"}`` bytes of this worker's CUDA device when it started; None on a CPU."""
+        return self._memory
+
+    def activation_bytes_per_token(self, mode: str | None = None) -> float:
+        """Activation bytes one token costs on this worker's model, in its own recompute mode or in ``mode``.
+
+        The measurement is a forward without a backward. On a sharded model that leaves FSDP2's root unit with its
+        gathered parameters registered and in its forward state, and the next step trained with the root's
+        parameters of one update before (seen on 2026-11-26: a two-step fsdp run's second loss 6e-6 off the
+        reference after one such call, its third 5e-3; calibration makes that call in every calibrated run), so
+        the units are put back to their shards after it (``reshard_after_failure``: local, no collective)."""
+        from flexorch.workers.calibrate import activation_bytes_per_token
+
+        if mode is not None:
+            set_activation_checkpointing(self.model, mode)
+        try:
+            return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
+        finally:
+            if mode is not None:
+                set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
+            self._after_forward_only()
+
+    def _after_forward_only(self) -> None:
+        if self.sharded:
+            from flexorch.workers.fsdp import reshard_after_failure
+
+            reshard_after_failure(self.model)
+
+    def stage_activation_bytes(self) -> tuple[float, float]:
+        """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold
+        (``flexorch.workers.calibrate``)."""
+        from flexorch.workers.calibrate import stage_activation_bytes
+
+        model = self.model
+        if self.sharded:  # a stage's shard cannot run alone: measure on a 2-layer model (bytes per layer and head)
+            model = init_model(dataclasses.replace(self.model_cfg, num_layers=2), self.seed)
+        return stage_activation_bytes(model, self.model_cfg.vocab_size)
