@@ -120,3 +120,17 @@ def test_the_compile_time_is_counted_and_shown_on_the_step_line():
     assert format_step(ev, 10).endswith("[compiling the layers: 7.2 s of it]")
     ev["ranks"] = [{"compile_s": 0.0}]
     assert "compiling" not in format_step(ev, 10)
+
+
+def test_the_start_line_says_which_attention_kernel_and_how_many_compiled_layers():
+    from flexorch.cli.train import _describe_setup
+
+    ev = {
+        "corpus": {"tokens": 1000}, "num_docs": 10, "workers": 1, "min_workers": 1, "max_workers": 1,
+        "model_params": 1.1e9, "batches_per_epoch": 3, "profile": "p", "tokens_per_worker": 86982,
+        "kernels": {"attention": "attention kernel torch_cudnn, measured: ...", "compiled_layers": 22},
+    }  # fmt: skip
+    line = _describe_setup(ev)
+    assert line.endswith("(86982 tokens per worker); attention kernel torch_cudnn, measured: ...; 22 layers compiled")
+    ev["kernels"] = {"attention": "attention kernel torch_cpu", "compiled_layers": 0}
+    assert _describe_setup(ev).endswith("tokens per worker); attention kernel torch_cpu")

@@ -129,11 +129,14 @@ def _describe_setup(ev: dict) -> str:
         if st.get(key):
             parts.append(f"{st[key]:,} {label}")
     resumed = f", resumed after step {ev['resumed_from']}" if ev.get("resumed_from") is not None else ""
+    kernels = ev.get("kernels") or {}
+    compiled = f"; {kernels['compiled_layers']} layers compiled" if kernels.get("compiled_layers") else ""
+    attention = f"; {kernels['attention']}" if kernels.get("attention") else ""
     return (
         f"flexorch train: {ev['workers']} workers (elastic {ev['min_workers']}..{ev['max_workers']}), "
         f"model {ev['model_params'] / 1e6:.2f}M params{_sharding(ev)}, corpus "
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
-        f"({ev['tokens_per_worker']} tokens per worker){resumed}"
+        f"({ev['tokens_per_worker']} tokens per worker){resumed}{attention}{compiled}"
     )
 
 

@@ -165,6 +165,7 @@ class TrainingDriver:
             "model_params": cfg.model.num_params(),
             "pipeline_stages": cfg.pipeline.stages,
             "sharding": model_state_fields(cfg, self.workers.size),
+            "kernels": {k: self.workers.call("info")[0].get(k) for k in ("attention", "compiled_layers")},
         }
         self._publish(summary)
         if self._restart is not None:  # the lost driver's replacement is set up: re-run from its checkpoint now

@@ -27,7 +27,7 @@ from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
 from flexorch.workers.attention.choice import set_attention
-from flexorch.workers.compile import compile_layers, compile_seconds, wants_compile
+from flexorch.workers.compile import compile_layers, compile_seconds, compiled_layers, wants_compile
 from flexorch.workers.devices import device_memory, pin_device
 from flexorch.workers.faults import FAULT_POINTS, FaultSeam
 from flexorch.workers.measurements import WorkerMeasurements
@@ -161,6 +161,7 @@ class Worker(WorkerMeasurements, FaultSeam):
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
             "device": str(self.device or "cpu"),
             "attention": self.attention,
+            "compiled_layers": compiled_layers(self.model) if self.model is not None else 0,
         }
 
     def join_world(
