@@ -93,6 +93,10 @@ class FakeWorker:
     def parameters_digest(self) -> list:
         return [(k, v.numpy().copy()) for k, v in self.state["model"].items()]
 
+    def info(self) -> dict:
+        """What ``Worker.info`` says of a worker's kernels (the trainer runs the model eagerly on the CPU)."""
+        return {"worker_id": self.worker_id, "attention": "attention kernel torch_cpu", "compiled_layers": 0}
+
     def stage_activation_bytes(self) -> tuple[float, float]:
         from flexorch.workers.calibrate import stage_activation_bytes
 
