@@ -62,8 +62,10 @@ def format_step(ev: dict, total: int) -> str:
     plan = f"{ev['shape']} [fallback: {fb['reason']}]" if fb else ev["shape"]
     budget = f"/{ev['plan_budget_s']:.2f}" if ev.get("plan_budget_s") else ""  # of the budget the plan had
     gap = f" gap {ev['gap'] * 100:4.1f}%" if ev.get("gap") is not None else ""
+    targets = ev.get("targets")  # loss masks: the loss is over these tokens only
+    of = f" on {targets:,} of {ev['tokens']:,} tokens" if targets is not None and targets != ev["tokens"] else ""
     line = (
-        f"{head}  plan {plan:<18s} solve {ev['solve_s']:5.2f}{budget}s{gap}  loss {ev['loss']:7.4f}  "
+        f"{head}  plan {plan:<18s} solve {ev['solve_s']:5.2f}{budget}s{gap}  loss {ev['loss']:7.4f}{of}  "
         f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['compute_ms']:7.1f} ms  "
         f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
     )

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BPE_VOCAB_RANGE", "FORMATS", "CorpusConfig", "bpe_vocab"]
+__all__ = ["BPE_VOCAB_RANGE", "FORMATS", "RECORD_KINDS", "CorpusConfig", "bpe_vocab"]
 
-FORMATS = ("auto", "text", "jsonl", "parquet")
+FORMATS = ("auto", "text", "jsonl", "parquet", "hf_dataset")
+"""How the records are stored ('hf_dataset': a directory Hugging Face ``datasets`` wrote with ``save_to_disk``)."""
+RECORD_KINDS = ("auto", "text", "chat", "prompt_completion", "tokenized")
+"""What one record holds (``flexorch.data.record_kinds``); ``format`` takes the last three as a shorthand."""
+LOSS_ON = ("answers", "all")
 BPE_VOCAB_RANGE = (260, 1_000_000)
 """The vocabulary sizes ``'bpe:<N>'`` takes: the 256 bytes, ``<s>`` and a few merges, up to a million ids."""
 TOKENIZER_SPECS = "'auto' (the default), 'byte', 'hf:<local tokenizer dir>' or 'bpe:<N>' (e.g. 'bpe:2048')"
@@ -36,9 +40,46 @@ class CorpusConfig:
     source: str | None = None
     """Directory of text/code files, JSONL file/directory, or Parquet file/directory; None: the stdlib's .py files."""
     format: str = "auto"
-    """'auto' (by extension and contents), 'text' (one document per file), 'jsonl' or 'parquet' (one per record)."""
+    """How the records are stored: 'auto' (by extension and contents), 'text' (one document per file), 'jsonl' or
+    'parquet' (one per record), 'hf_dataset' (a ``datasets`` ``save_to_disk`` directory: one per row). 'chat',
+    'prompt_completion' and 'tokenized' are accepted here too: they set ``records`` and leave the storage 'auto'."""
+    records: str = "auto"
+    """What a JSONL/Parquet/``hf_dataset`` record holds (``flexorch.data.record_kinds``):
+
+    - 'text': ``text_field`` is a document; every token carries loss;
+    - 'chat': ``messages_field`` is a list of ``{role, content}`` turns, rendered with the tokenizer's own chat
+      template (a ChatML-style built-in one for tokenizers without one); loss on the assistant turns only
+      (``loss_on = "all"``: every token);
+    - 'prompt_completion': ``prompt_field`` + ``completion_field`` (strings, joined as they are, EOS after the
+      completion when the tokenizer has one); loss on the completion;
+    - 'tokenized': ``input_ids_field`` (token ids) with ``labels_field`` (-100 where no loss) or
+      ``loss_mask_field`` (1 where loss), or neither (loss on every token); the tokenizer is not used;
+    - 'auto' (the default): 'chat' when the first record has ``messages_field``, else 'prompt_completion' when it
+      has both prompt fields, else 'tokenized' when it has ``input_ids_field``, else 'text'.
+
+    A record that does not fit its kind (no assistant turn, a role the template does not render, labels of
+    another length than the ids, ...) is a malformed record: ``on_bad_record`` says whether it stops the load
+    (naming it) or is skipped and counted."""
     text_field: str = "text"
     """JSONL/Parquet field that holds the document text."""
+    messages_field: str = "messages"
+    """Field of a chat record that holds its turns."""
+    prompt_field: str = "prompt"
+    """Field of a prompt/completion record that holds the prompt (context only, no loss)."""
+    completion_field: str = "completion"
+    """Field of a prompt/completion record that holds the completion (the loss)."""
+    input_ids_field: str = "input_ids"
+    """Field of a tokenized record that holds its token ids."""
+    labels_field: str = "labels"
+    """Field of a tokenized record with Transformers-style labels: the id where a token carries loss, -100 where
+    not (aligned with the ids; the model shifts them)."""
+    loss_mask_field: str = "loss_mask"
+    """Field of a tokenized record with a 0/1 mask: 1 where a token carries loss."""
+    loss_on: str = "answers"
+    """'answers': only the assistant turns of a chat, the completion of a prompt/completion pair, carry loss
+    (the prompts still condition them); 'all': every token."""
+    split: str = "train"
+    """The split read from a ``datasets`` ``DatasetDict`` directory (``dataset_dict.json``)."""
     tokenizer: str = "auto"
     """How documents become token ids; nothing is ever downloaded:
 
@@ -55,7 +96,9 @@ class CorpusConfig:
     max_context: int = 2048
     """Longest document, in tokens; longer ones are handled by `over_long`."""
     over_long: str = "split"
-    """'split' into consecutive pieces of at most max_context tokens, 'drop' (counted) or 'reject' (an error)."""
+    """'split' into consecutive pieces of at most max_context tokens, 'drop' (counted) or 'reject' (an error).
+    Data with loss masks splits only where an answer ends, so no answer is separated from its own prompt; an
+    exchange (a prompt and its answer) longer than max_context drops its record (counted)."""
     bad_files: str = "skip"
     """Binary/undecodable files and records without text (a null or missing text field): 'skip' (counted in
     stats) or 'error'."""
@@ -70,8 +113,26 @@ class CorpusConfig:
     """Target tokens per object-store block (int32: 4 MiB by default); a longer document gets a block of its own."""
 
     def __post_init__(self) -> None:
+        if self.format in RECORD_KINDS[2:]:  # format = "chat": a shorthand for records = "chat"
+            if self.records not in ("auto", self.format):
+                raise ValueError(f"format = {self.format!r} and records = {self.records!r} disagree; set one")
+            object.__setattr__(self, "records", self.format)
+            object.__setattr__(self, "format", "auto")
         if self.format not in FORMATS:
-            raise ValueError(f"format must be one of {FORMATS}, got {self.format!r}")
+            kinds = RECORD_KINDS[2:]
+            raise ValueError(f"format must be one of {FORMATS} (or a record kind: {kinds}), got {self.format!r}")
+        if self.records not in RECORD_KINDS:
+            raise ValueError(f"records must be one of {RECORD_KINDS}, got {self.records!r}")
+        if self.loss_on not in LOSS_ON:
+            raise ValueError(f"loss_on must be 'answers' (assistant turns, completions) or 'all', got {self.loss_on!r}")
+        for name in ("messages_field", "prompt_field", "completion_field", "input_ids_field", "labels_field"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value or value == "path":
+                raise ValueError(f"{name} must name a record field other than 'path', got {value!r}")
+        if not isinstance(self.loss_mask_field, str) or not self.loss_mask_field:
+            raise ValueError(f"loss_mask_field must name a record field, got {self.loss_mask_field!r}")
+        if not isinstance(self.split, str) or not self.split:
+            raise ValueError(f"split must name a split of the dataset (e.g. 'train'), got {self.split!r}")
         if self.over_long not in ("split", "drop", "reject"):
             raise ValueError(f"over_long must be 'split', 'drop' or 'reject', got {self.over_long!r}")
         if self.bad_files not in ("skip", "error"):

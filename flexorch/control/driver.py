@@ -280,8 +280,9 @@ class TrainingDriver:
             rec["rerun_ms"] = (t_done - rerun_from) * 1e3
             rec["total_ms"] = rec.get("detect_ms", 0.0) + rec["recovery_ms"] + rec["rerun_ms"]
         tokens = next(o for o in outcomes if o is not None).num_predicted
-        if tokens != sum(s - 1 for s in lengths):
-            raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} tokens, the batch has more")
+        want = sum(d.predicted for d in docs)  # loss-target tokens of the batch (text: sum of length - 1)
+        if tokens != want:
+            raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} target tokens, the batch has {want}")
         measured_ms = (t_done - t_dispatch) * 1e3
         self._last_step_ms = measured_ms
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)

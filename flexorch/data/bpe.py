@@ -28,6 +28,8 @@ from pathlib import Path
 from flexorch.config.data import CorpusConfig, bpe_vocab
 from flexorch.data.lengths import DataError
 from flexorch.data.listing import list_source
+from flexorch.data.record_kinds import kind_fields, record_text, resolve_kind
+from flexorch.data.source_records import parse_record, record_rows
 
 __all__ = ["SAMPLE_BYTES", "TOKENIZER_DIR", "prepare_tokenizer", "sample_documents", "train_bpe"]
 
@@ -143,10 +145,19 @@ def sample_documents(cfg: CorpusConfig, budget: int = SAMPLE_BYTES) -> tuple[lis
     (the last one cut at a character boundary): ``(texts, bytes, source)``. Documents the corpus loader would skip
     (binary, NUL bytes, invalid UTF-8, no text) are skipped here too."""
     listing = list_source(cfg)
+    kind = resolve_kind(listing, cfg)
+    if kind == "tokenized":
+        raise DataError(
+            f"{listing.source} holds tokenized records (input_ids): they need no tokenizer and a BPE cannot be "
+            "trained on them; leave [data] tokenizer unset"
+        )
     docs: list[str] = []
     total = 0
     for path in listing.files:
-        for text in _file_documents(path, listing.fmt, cfg.text_field, budget - total):
+        texts = _file_documents(path, listing.fmt, cfg.text_field, budget - total)
+        if kind != "text":  # chat, prompt/completion: the turns' words, not the records' JSON
+            texts = _record_texts(path, listing.fmt, kind, cfg)
+        for text in texts:
             data = text.encode("utf-8")
             if total + len(data) > budget:  # cut the last document at a character boundary
                 data = data[: budget - total]
@@ -156,6 +167,32 @@ def sample_documents(cfg: CorpusConfig, budget: int = SAMPLE_BYTES) -> tuple[lis
             if total >= budget:
                 return docs, total, listing.source
     return docs, total, listing.source
+
+
+def _record_texts(path: str, fmt: str, kind: str, cfg: CorpusConfig):
+    """The text of each chat or prompt/completion record of one file (``record_kinds.record_text``)."""
+    import pyarrow as pa
+
+    fields = kind_fields(kind, cfg)
+    if fmt == "jsonl":
+        with open(path, "rb") as f:
+            for line in f:
+                row, _, _, _ = parse_record(line, fields) if line.strip() else (None, None, (), None)
+                text = record_text(kind, row, cfg) if row is not None else None
+                if text:
+                    yield text
+        return
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(path, columns=[f for f in fields if f in pq.read_schema(path).names])
+    else:  # hf_dataset: an Arrow stream file
+        with pa.memory_map(path) as src:
+            table = pa.ipc.open_stream(src).read_all()
+    for row in record_rows(table, fields):
+        text = record_text(kind, row, cfg) if row is not None else None
+        if text:
+            yield text
 
 
 def _file_documents(path: str, fmt: str, field: str, budget: int):

@@ -42,6 +42,8 @@ import ray
 
 from flexorch.config.data import CorpusConfig
 from flexorch.data import readers as corpus_io
+from flexorch.data.record_kinds import resolve_kind
+from flexorch.data.targets import token_ids
 from flexorch.data.tokenizer import get_tokenizer
 from flexorch.tasks.step import DocRef
 
@@ -53,9 +55,14 @@ PROGRESS_EVERY_S = 10.0
 class Corpus:
     """The index of a loaded corpus (keys, lengths, locations) plus refs to its token blocks in the object store."""
 
-    def __init__(self, *, keys, lengths, doc_blocks, doc_offsets, block_refs, stats, tokenizer_name, vocab_size):
+    def __init__(
+        self, *, keys, lengths, doc_blocks, doc_offsets, block_refs, stats, tokenizer_name, vocab_size, targets=None
+    ):
         self.keys: list[str] = keys
         self.lengths: np.ndarray = lengths
+        self.targets: np.ndarray | None = targets
+        """Tokens that carry loss per document (chat, prompt/completion, tokenized records); None: plain text,
+        every token after the first."""
         self.doc_blocks: np.ndarray = doc_blocks
         self.doc_offsets: np.ndarray = doc_offsets
         self.block_refs: list[ray.ObjectRef] = block_refs
@@ -74,14 +81,22 @@ class Corpus:
             bad = int(ids[(ids < 0) | (ids >= self.num_docs)][0])
             raise IndexError(f"document id {bad} is out of range: the corpus has ids 0..{self.num_docs - 1}")
         b, o, n = self.doc_blocks[ids], self.doc_offsets[ids], self.lengths[ids]
-        return [DocRef(int(i), int(bi), int(oi), int(ni)) for i, bi, oi, ni in zip(ids, b, o, n, strict=True)]
+        t = [None] * len(ids) if self.targets is None else [int(x) for x in self.targets[ids]]
+        return [
+            DocRef(int(i), int(bi), int(oi), int(ni), ti) for i, bi, oi, ni, ti in zip(ids, b, o, n, t, strict=True)
+        ]
 
     def refs_for(self, locations) -> dict[int, ray.ObjectRef]:
         """The object refs of just the blocks these documents live in, by block index."""
         return {blk: self.block_refs[blk] for blk in sorted({loc.block for loc in locations})}
 
     def get_tokens(self, doc_ids) -> list[np.ndarray]:
-        """Driver-side convenience (tests, references): the token arrays of `doc_ids`, copied out of the store."""
+        """Driver-side convenience (tests, references): the token ids of `doc_ids`, copied out of the store."""
+        return [token_ids(t) for t in self.get_stored(doc_ids)]
+
+    def get_stored(self, doc_ids) -> list[np.ndarray]:
+        """The documents as stored, loss mask included (``flexorch.data.targets``: a token that carries no loss is
+        ``~id``); plain text: the ids. What a single-process reference needs to compute the run's loss."""
         locs = self.locate(doc_ids)
         return [t.copy() for t in fetch_documents(resolve_blocks(self.refs_for(locs)), locs)]
 
@@ -121,23 +136,28 @@ def load_corpus(cfg: CorpusConfig, publish=None) -> Corpus:
         raise RuntimeError("the Ray cluster has no CPUs; load_corpus runs Ray Data reads and Ray tasks on CPUs")
     t0 = time.perf_counter()
     with progress_phases(publish, "loading the corpus") as phase:
-        phase(f"loading tokenizer {cfg.tokenizer!r}")
-        tok = get_tokenizer(cfg.tokenizer)
         phase("listing the source")
         listing = corpus_io.list_source(cfg)
-        phase(f"reading {len(listing.files)} {listing.fmt} files under {listing.source}")
-        arrow_refs = corpus_io.read_source(listing, cfg)
+        kind = resolve_kind(listing, cfg)
+        if kind != "tokenized":
+            phase(f"loading tokenizer {cfg.tokenizer!r}")
+            tok = get_tokenizer(cfg.tokenizer)
+        what = "" if kind == "text" else f" ({kind} records)"
+        phase(f"reading {len(listing.files)} {listing.fmt} files{what} under {listing.source}")
+        arrow_refs = corpus_io.read_source(listing, cfg, kind)
         phase(f"tokenizing and packing {len(arrow_refs)} blocks")
-        block_refs, metas = corpus_io.pack_blocks(arrow_refs, listing, cfg)
+        block_refs, metas = corpus_io.pack_blocks(arrow_refs, listing, cfg, kind)
         del arrow_refs  # the packed blocks replace the raw Arrow blocks in the object store
         phase("indexing")
-        index = corpus_io.assemble_index(cfg, listing, metas, block_refs, tok.name)
+        name = "pre-tokenized" if kind == "tokenized" else tok.name
+        index = corpus_io.assemble_index(cfg, listing, metas, block_refs, name, kind)
     index["stats"]["load_s"] = round(time.perf_counter() - t0, 3)
     if publish is not None:
         n, tokens = len(index["keys"]), int(index["lengths"].sum())
         msg = f"loaded the corpus: {n:,} documents, {tokens:,} tokens in {time.perf_counter() - t0:.0f} s"
         publish({"event": "progress", "message": msg})
-    return Corpus(**index, tokenizer_name=tok.name, vocab_size=tok.vocab_size)
+    vocab = index["stats"]["max_token_id"] + 1 if kind == "tokenized" else tok.vocab_size
+    return Corpus(**index, tokenizer_name=name, vocab_size=vocab)
 
 
 @contextmanager

@@ -25,7 +25,8 @@ JSONL_SUFFIXES = (".jsonl", ".ndjson")
 
 class Listing(NamedTuple):
     """What `list_source` found: the absolute `source`, the directory `base` the keys are relative to, the `files`
-    to read as `fmt` ('text', 'jsonl' or 'parquet'), and counts of the names it left out."""
+    to read as `fmt` ('text', 'jsonl', 'parquet' or 'hf_dataset': Arrow stream files), and counts of the names it
+    left out."""
 
     source: str
     base: str
@@ -43,6 +44,13 @@ def list_source(cfg: CorpusConfig) -> Listing:
     root = Path(os.path.abspath(Path(cfg.source or root).expanduser()))
     if not root.exists():
         raise DataError(f"{root} does not exist (give a directory of text files, a JSONL file or a Parquet file)")
+    if root.is_dir() and cfg.format in ("auto", "hf_dataset") and _is_hf_dataset(root):
+        return _hf_dataset(root, cfg)
+    if cfg.format == "hf_dataset":
+        raise DataError(
+            f"{root} is not a Hugging Face datasets directory (no state.json or dataset_dict.json: write it with "
+            "Dataset.save_to_disk), or set format to how the data is stored"
+        )
     if root.is_file():
         if root.stat().st_size == 0:
             raise DataError(f"{root} is empty (0 bytes): no documents to read; point source at your data")
@@ -82,3 +90,30 @@ def _sniff(path: Path) -> str:
         except ValueError:
             return "text"
     return "text"
+
+
+def _is_hf_dataset(root: Path) -> bool:
+    return (root / "state.json").is_file() or (root / "dataset_dict.json").is_file()
+
+
+def _hf_dataset(root: Path, cfg: CorpusConfig) -> Listing:
+    """The Arrow files of a ``datasets`` ``save_to_disk`` directory (a ``DatasetDict``: of split ``cfg.split``),
+    in the order its ``state.json`` lists them (the dataset's row order)."""
+    if (root / "dataset_dict.json").is_file():
+        splits = json.loads((root / "dataset_dict.json").read_text()).get("splits", [])
+        if cfg.split not in splits:
+            raise DataError(
+                f"{root} is a DatasetDict with splits {', '.join(splits) or '(none)'}; set [data] split to one of them "
+                f"(it is {cfg.split!r})"
+            )
+        root = root / cfg.split
+    try:
+        state = json.loads((root / "state.json").read_text())
+        names = [d["filename"] for d in state["_data_files"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{root}/state.json does not list the dataset's Arrow files ({type(e).__name__}: {e})") from e
+    files = [str(root / n) for n in names]
+    missing = [f for f in files if not os.path.isfile(f)]
+    if missing or not files:
+        raise DataError(f"{root}: the dataset's Arrow file {missing[0] if missing else '(none listed)'} is missing")
+    return Listing(str(root), str(root), files, "hf_dataset", 0, 0)

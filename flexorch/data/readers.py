@@ -33,7 +33,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from flexorch.data.lengths import DataError
 from flexorch.data.listing import Listing, list_source
+from flexorch.data.record_kinds import BadRecord, encode_record, exchange_pieces, kind_fields
 from flexorch.data.source_records import bad_record_error, block_records, check_parquet_field, is_utf8
+from flexorch.data.targets import count_targets, token_ids
 from flexorch.data.tokenizer import get_tokenizer
 
 if TYPE_CHECKING:
@@ -51,6 +53,8 @@ __all__ = [
 _OK, _SPLIT, _BINARY, _EMPTY, _OVER_LONG, _REJECT, _NO_TEXT, _BAD = range(8)
 _REASONS = {_BINARY: "skipped_binary", _EMPTY: "skipped_empty", _NO_TEXT: "skipped_no_text", _BAD: "bad_records"}
 _REASONS |= {_OVER_LONG: "dropped_over_long", _SPLIT: "split_docs"}
+_NO_FIELD = {"chat": "messages_field", "prompt_completion": "completion_field", "tokenized": "input_ids_field"}
+"""The setting that names the field a record of each kind must have (``text_field`` for text)."""
 # Logger -> the least level it is held at during a read. Turning progress bars off makes Ray Data warn once per
 # process that they are off (a WARNING from its progress module), hence ERROR there.
 _QUIET_LOGGERS = {"ray.data": logging.WARNING, "ray.data._internal.progress": logging.ERROR}
@@ -81,22 +85,30 @@ def quiet_ray_data():
                 lg.setLevel(level)
 
 
-def read_source(listing: Listing, cfg: CorpusConfig) -> list[ray.ObjectRef]:
-    """Read the listed files with Ray Data (quietly); refs to the Arrow blocks, a file's records in file order."""
+def field_of(kind: str, cfg: CorpusConfig) -> str:
+    """The field every record of ``kind`` must have."""
+    return getattr(cfg, _NO_FIELD.get(kind, "text_field"))
+
+
+def read_source(listing: Listing, cfg: CorpusConfig, kind: str = "text") -> list[ray.ObjectRef]:
+    """Read the listed files with Ray Data (quietly); refs to the Arrow blocks, a file's records in file order.
+    ``kind``: what a record holds (``flexorch.data.record_kinds.resolve_kind``): which Parquet columns are read."""
+    import pyarrow.parquet as pq
     import ray.data
 
     files, fmt = listing.files, listing.fmt
     n_blocks = int(min(max(1, -(-sum(map(os.path.getsize, files)) // cfg.block_tokens)), 10_000))
     if fmt == "parquet":
-        check_parquet_field(files, cfg.text_field)
+        check_parquet_field(files, field_of(kind, cfg))
     try:
         with quiet_ray_data():
-            if fmt in ("text", "jsonl"):  # JSONL: whole files, split into lines (records) by _pack_block
+            if fmt in ("text", "jsonl", "hf_dataset"):  # whole files, split into records by _pack_block
                 n_blocks = min(n_blocks, len(files))
                 ds = ray.data.read_binary_files(files, include_paths=True, override_num_blocks=n_blocks)
             else:
                 ds = ray.data.read_parquet(files, include_paths=True, file_extensions=None)
-                ds = ds.select_columns([cfg.text_field, "path"])
+                have = set(pq.read_schema(files[0]).names)
+                ds = ds.select_columns([f for f in kind_fields(kind, cfg) if f in have] + ["path"])
             ds.context.execution_options.preserve_order = True  # the dataset's own copy: record numbers
             return ds.to_arrow_refs()
     except Exception as e:  # noqa: BLE001 - a reader failure becomes one DataError naming the source
@@ -108,13 +120,14 @@ def read_source(listing: Listing, cfg: CorpusConfig) -> list[ray.ObjectRef]:
         ) from e
 
 
-def pack_blocks(arrow_refs: list, listing: Listing, cfg: CorpusConfig) -> tuple[list[list], list[dict]]:
+def pack_blocks(
+    arrow_refs: list, listing: Listing, cfg: CorpusConfig, kind: str = "text"
+) -> tuple[list[list], list[dict]]:
     """One `_pack_block` task per Arrow block: (token block refs per task, which the caller now owns; metadata).
 
     The tasks run on the caller's node (the driver's), so the token blocks live in its object store and survive
     the loss of any worker node (an elastic run keeps reading them after a node is removed)."""
-    spec = (listing.base, listing.fmt, cfg.text_field, cfg.tokenizer, cfg.max_context, cfg.min_tokens, cfg.over_long)
-    spec += (cfg.on_bad_record,)
+    spec = (listing.base, listing.fmt, cfg, kind)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     gens = [_pack_block.options(scheduling_strategy=here).remote(r, spec, cfg.block_tokens) for r in arrow_refs]
     block_refs, metas = [], []
@@ -129,36 +142,59 @@ def pack_blocks(arrow_refs: list, listing: Listing, cfg: CorpusConfig) -> tuple[
 def _pack_block(table, spec: tuple, block_tokens: int):
     """Validate, tokenize and split one Arrow block's documents; yield int32 blocks, then the metadata dict.
 
-    JSONL rows are whole files: their lines are parsed here. With on_bad_record='error' the task stops tokenizing
-    at the first malformed record and returns after that file (the driver raises the error)."""
-    base, fmt, field, tok_spec, max_context, min_tokens, over_long, on_bad = spec
-    tok, prefix = get_tokenizer(tok_spec), base.rstrip("/") + "/"
-    info = {"bad_type": None, "bad_type_in": None, "columns": set(), "bad": []}
+    JSONL and ``datasets`` rows are whole files: their records are read here. With on_bad_record='error' the task
+    stops tokenizing at the first malformed record and returns after that file (the driver raises the error).
+    Records of chat, prompt/completion and tokenized sources store their loss mask in the ids
+    (``flexorch.data.targets``); their documents' target counts go to the metadata."""
+    base, fmt, cfg, kind = spec
+    field, max_context, min_tokens, over_long, on_bad = (
+        cfg.text_field,
+        cfg.max_context,
+        cfg.min_tokens,
+        cfg.over_long,
+        cfg.on_bad_record,
+    )
+    fields = kind_fields(kind, cfg) if kind != "text" else None
+    tok, prefix = get_tokenizer(cfg.tokenizer) if kind != "tokenized" else None, base.rstrip("/") + "/"
+    info = {"bad_type": None, "bad_type_in": None, "columns": set(), "bad": [], "bad_kind": []}
     paths: dict[str, int] = {}
     rec = {"path": [], "row": [], "status": [], "tokens": [], "short": []}
-    doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": []}
-    parts, fill, n_blocks = [], 0, 0
+    doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": [], "targets": []}
+    parts, fill, n_blocks, max_id = [], 0, 0, -1
     rel_of = lambda path: path[len(prefix) :] if path.startswith(prefix) else path  # noqa: E731
-    for r, (path, row, data, malformed) in enumerate(block_records(table, fmt, field, info, rel_of, on_bad == "error")):
+    records = block_records(table, fmt, field, info, rel_of, on_bad == "error", fields)
+    for r, (path, row, data, malformed) in enumerate(records):
         rel = rel_of(path)
         status, n, pieces, short = _OK, 0, [], 0
         if malformed:
             status = _BAD
         elif data is None:
             status = _NO_TEXT
-        elif not data:
+        elif kind == "text" and not data:
             status = _EMPTY
-        elif b"\0" in data or not is_utf8(data):
+        elif kind == "text" and (b"\0" in data or not is_utf8(data)):
             status = _BINARY
-        elif on_bad == "error" and info["bad"]:
+        elif on_bad == "error" and (info["bad"] or info["bad_kind"]):
             pass  # the load fails: no need to tokenize the rest of this file
         else:
-            ids = tok.encode(data)
-            n = len(ids)
-            if n < min_tokens:
+            try:
+                ids = encode_record(kind, data, tok, cfg)
+            except BadRecord as e:
+                status, ids = _BAD, None
+                info["bad_kind"].append((r, str(e)))
+            n = 0 if ids is None else len(ids)
+            if ids is None:
+                pass
+            elif n < min_tokens:
                 status = _EMPTY
             elif n <= max_context:
                 pieces = [ids]
+            elif over_long == "split" and kind != "text":  # only where an answer ends
+                split = exchange_pieces(ids, max_context)
+                if split is None:
+                    status = _OVER_LONG
+                else:
+                    status, (pieces, short) = _SPLIT, split
             elif over_long == "split":
                 status, cut = _SPLIT, [ids[i : i + max_context] for i in range(0, n, max_context)]
                 pieces = [p for p in cut if len(p) >= min_tokens]
@@ -169,35 +205,40 @@ def _pack_block(table, spec: tuple, block_tokens: int):
             if fill and fill + len(piece) > block_tokens:
                 yield np.concatenate(parts)
                 parts, fill, n_blocks = [], 0, n_blocks + 1
-            for key, v in zip(doc, (r, k, n_blocks, fill, len(piece)), strict=True):
+            for key, v in zip(doc, (r, k, n_blocks, fill, len(piece), count_targets(piece)), strict=True):
                 doc[key].append(v)
             parts.append(piece)
             fill += len(piece)
+            if kind == "tokenized":
+                max_id = max(max_id, int(token_ids(piece).max()))
         for key, v in zip(rec, (paths.setdefault(rel, len(paths)), row, status, n, short), strict=True):
             rec[key].append(v)
     if fill:
         yield np.concatenate(parts)
     meta = {f"rec_{k}": np.asarray(v, dtype=np.int64) for k, v in rec.items()}
     meta |= {f"doc_{k}": np.asarray(v, dtype=np.int64) for k, v in doc.items()}
-    columns = sorted(info["columns"]) if fmt == "jsonl" else table.column_names
+    columns = sorted(info["columns"]) if fmt in ("jsonl", "hf_dataset") else table.column_names
     yield (
         meta
-        | {"paths": list(paths), "columns": columns, "bad": info["bad"][:5]}
+        | {"paths": list(paths), "columns": columns, "bad": info["bad"][:5], "bad_kind": info["bad_kind"][:5]}
         | {k: info[k] for k in ("bad_type", "bad_type_in")}
+        | {"max_id": max_id}
     )
 
 
-def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block_refs: list[list], tok_name: str):
+def assemble_index(
+    cfg: CorpusConfig, listing: Listing, metas: list[dict], block_refs: list[list], tok_name: str, kind: str = "text"
+):
     """Driver side: merge the per-block metadata, check it, number the documents by sorted key.
 
-    Returns the `Corpus` fields other than the tokenizer's: keys, lengths, doc_blocks, doc_offsets, block_refs
-    (flattened) and stats (without `load_s`).
+    Returns the `Corpus` fields other than the tokenizer's: keys, lengths, targets (per document, None for text:
+    every token after the first), doc_blocks, doc_offsets, block_refs (flattened) and stats (without `load_s`).
     """
     fmt = listing.fmt
     paths: dict[str, int] = {}
     recs = {k: [] for k in ("path", "row", "status", "tokens", "short")}
-    docs = {k: [] for k in ("rec", "piece", "block", "offset", "length")}
-    n_rec, n_blk, columns = 0, 0, set()
+    docs = {k: [] for k in ("rec", "piece", "block", "offset", "length", "targets")}
+    n_rec, n_blk, columns, bad_kind = 0, 0, set(), []
     for meta, blocks in zip(metas, block_refs, strict=True):
         gid = np.asarray([paths.setdefault(p, len(paths)) for p in meta["paths"]] or [0], dtype=np.int64)
         if meta["bad_type"]:
@@ -207,6 +248,7 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
                 "set text_field to the field that holds the document text"
             )
         columns |= set(meta["columns"]) - {"path"}
+        bad_kind += [(r + n_rec, reason) for r, reason in meta["bad_kind"]]
         for k in recs:
             recs[k].append(gid[meta["rec_path"]] if k == "path" else meta[f"rec_{k}"])
         for k in docs:
@@ -216,7 +258,7 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     doc = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in docs.items()}
     names = list(paths)
     row = np.zeros(n_rec, dtype=np.int64)  # record number inside its file (records arrive in file order)
-    if fmt == "jsonl":  # numbered by _pack_block, which sees whole files
+    if fmt in ("jsonl", "hf_dataset"):  # numbered by _pack_block, which sees whole files
         row = rec["row"]
     elif fmt != "text" and n_rec:
         order = np.argsort(rec["path"], kind="stable")
@@ -234,14 +276,24 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     no_text = status == _NO_TEXT
     if no_text.any():
         per_path, missing = np.bincount(rec["path"], minlength=len(names)), np.bincount(rec["path"][no_text])
+        setting = _NO_FIELD.get(kind, "text_field")
         for p in np.flatnonzero(missing == per_path[: len(missing)]):
             raise DataError(
-                f"{names[p]}: no record has a {cfg.text_field!r} field (fields seen: {', '.join(sorted(columns))}); "
-                "set text_field to the field that holds the document text"
+                f"{names[p]}: no record has a {field_of(kind, cfg)!r} field (fields seen: "
+                f"{', '.join(sorted(columns))}); set {setting} to the field that holds it"
+                + ("" if kind == "text" else f" (records = {kind!r}; set records if they hold something else)")
             )
-    if cfg.on_bad_record == "error" and (status == _BAD).any():
-        rel, line, reason = min(b for meta in metas for b in meta["bad"])
+    parse_bad = [b for meta in metas for b in meta["bad"]]
+    if cfg.on_bad_record == "error" and parse_bad:
+        rel, line, reason = min(parse_bad)
         raise bad_record_error(os.path.join(listing.base, rel), line, reason)
+    if cfg.on_bad_record == "error" and bad_kind:
+        r, reason = min(bad_kind, key=lambda b: (rec["path"][b[0]], row[b[0]]))
+        raise DataError(
+            f"{os.path.join(listing.base, base_key(r))}: {kind} record {base_key(r).rsplit(':', 1)[-1]} does not fit: "
+            f'{reason}; fix or remove it, or set [data] on_bad_record = "skip" to skip such records (they are '
+            "counted in the corpus stats)"
+        )
     bad = (status == _BINARY) | no_text
     if cfg.bad_files == "error" and bad.any():
         raise DataError(
@@ -259,6 +311,7 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     stats |= {"max_context": cfg.max_context, "over_long": cfg.over_long, "files": len(listing.files)}
     stats |= {"skipped_hidden": listing.skipped_hidden, "skipped_extension": listing.skipped_extension}
     stats["records"] = n_rec
+    stats["records_kind"] = kind
     stats |= {name: int((status == s).sum()) for s, name in _REASONS.items()}
     stats |= {"pieces_added": int(np.isin(doc["rec"], np.flatnonzero(status == _SPLIT)).sum())}
     stats |= {"dropped_short_pieces": int(rec["short"].sum())}
@@ -268,6 +321,11 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     ex = {name: examples(status == s) for s, name in _REASONS.items()}
     ex["dropped_short_pieces"] = examples(rec["short"] > 0, lambda r: f"#piece{kept[r]}")
     stats["examples"] = {k: v for k, v in ex.items() if v}
+    if bad_kind:
+        stats["bad_record_reasons"] = sorted(f"{base_key(r)}: {reason}" for r, reason in bad_kind)[:5]
+    stats["targets"] = int(doc["targets"].sum())
+    if kind == "tokenized":
+        stats["max_token_id"] = max(meta["max_id"] for meta in metas)
     if not n_rec:
         raise DataError(
             f"{listing.source} is empty: its {len(listing.files)} file(s) hold no records (0 bytes or blank lines "
@@ -291,6 +349,7 @@ def assemble_index(cfg: CorpusConfig, listing: Listing, metas: list[dict], block
     return {
         "keys": keys,
         "lengths": doc["length"][order],
+        "targets": None if kind == "text" else doc["targets"][order],
         "doc_blocks": doc["block"][order],
         "doc_offsets": doc["offset"][order],
         "block_refs": [ref for blocks in block_refs for ref in blocks],

@@ -21,6 +21,8 @@ __all__ = [
     "column_texts",
     "is_utf8",
     "parse_line",
+    "parse_record",
+    "record_rows",
 ]
 
 
@@ -41,17 +43,33 @@ _ARROW_NAMES = {"int": "int64", "float": "double", "bool": "bool", "list": "list
 """Python JSON value types as Arrow names them (the names the Parquet path reports)."""
 
 
-def block_records(table, fmt: str, field: str, info: dict, rel_of, stop: bool):
+def block_records(table, fmt: str, field: str, info: dict, rel_of, stop: bool, fields: tuple | None = None):
     """(path, record number in its file or -1, text bytes or None, malformed?) per record of an Arrow block.
 
     Malformed: a JSONL record that is not valid JSON, not an object, or whose text field is not a string.
 
     JSONL rows are whole files, split here into lines; `info` collects the fields seen, the malformed records
     ((relative path, line, reason), all of them) and a file whose text field never holds a string (`bad_type`).
-    `stop`: return after the file in which the first malformed record was found."""
+    `stop`: return after the file in which the first malformed record was found.
+
+    ``fields`` (chat, prompt/completion and tokenized records, ``flexorch.data.record_kinds.kind_fields``): the
+    record is yielded as a dict of those fields instead of text bytes, None when it lacks the first one.
+    ``hf_dataset`` rows are whole Arrow stream files, read here; their records are numbered from 0."""
     if "path" not in table.column_names:  # an empty block (an empty file can give one): no records
         return
     paths = table.column("path").to_pylist()
+    if fmt == "hf_dataset":
+        import pyarrow as pa
+
+        for path, data in zip(paths, table.column("bytes").to_pylist(), strict=True):
+            rows = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+            info["columns"].update(rows.column_names)
+            values = record_rows(rows, fields) if fields else column_texts(rows, "parquet", field)[0]
+            yield from ((path, r, v, False) for r, v in enumerate(values))
+        return
+    if fields is not None and fmt != "jsonl":
+        yield from ((p, -1, v, False) for p, v in zip(paths, record_rows(table, fields), strict=True))
+        return
     if fmt != "jsonl":
         datas, info["bad_type"] = column_texts(table, fmt, field)
         yield from ((p, -1, d, False) for p, d in zip(paths, datas, strict=True))
@@ -61,7 +79,10 @@ def block_records(table, fmt: str, field: str, info: dict, rel_of, stop: bool):
         for lineno, raw in enumerate((data or b"").split(b"\n"), 1):
             if not raw.strip():
                 continue  # blank lines are not records
-            text, reason, keys, vtype = parse_line(raw, field)
+            if fields is not None:
+                text, reason, keys, vtype = parse_record(raw, fields)
+            else:
+                text, reason, keys, vtype = parse_line(raw, field)
             info["columns"].update(keys)
             if reason is not None:
                 info["bad"].append((rel_of(path), lineno, reason))
@@ -95,6 +116,29 @@ def parse_line(raw: bytes, field: str) -> tuple[bytes | None, str | None, tuple,
         kind = type(value).__name__
         return None, f"field {field!r} holds a JSON {kind}, not a string (is text_field right?)", tuple(obj), kind
     return value.encode("utf-8", "surrogatepass"), None, tuple(obj), None
+
+
+def parse_record(raw: bytes, fields: tuple) -> tuple[dict | None, str | None, tuple, None]:
+    """One JSONL line of a chat/prompt-completion/tokenized source -> (the dict of ``fields``, or None when the
+    record lacks the first; why it is malformed, or None; the record's field names; None). The values are checked
+    by ``flexorch.data.record_kinds.encode_record``."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        return None, ("not valid UTF-8" if isinstance(e, UnicodeDecodeError) else f"not valid JSON ({e})"), (), None
+    except RecursionError:
+        return None, "not valid JSON (nested too deeply)", (), None
+    if not isinstance(obj, dict):
+        return None, f"a JSON {type(obj).__name__}, not an object", (), None
+    if obj.get(fields[0]) is None:
+        return None, None, tuple(obj), None
+    return {f: obj.get(f) for f in fields}, None, tuple(obj), None
+
+
+def record_rows(table, fields: tuple) -> list[dict | None]:
+    """The rows of an Arrow table as dicts of ``fields`` (a missing column: None), None where the first is null."""
+    cols = {f: table.column(f).to_pylist() if f in table.column_names else [None] * table.num_rows for f in fields}
+    return [None if cols[fields[0]][i] is None else {f: cols[f][i] for f in fields} for i in range(table.num_rows)]
 
 
 def bad_record_error(path: str, line: int, reason: str) -> DataError:

@@ -4,7 +4,10 @@
 or code trains without a download. `get_tokenizer("hf:<dir>")` wraps `transformers.AutoTokenizer` (imported only
 then) on a local tokenizer directory, never downloading: a model's own tokenizer, or the byte-level BPE a run
 trained on its corpus (`'bpe:<N>'` specs become `'hf:<run_dir>/tokenizer'` in `flexorch.data.bpe`).
-Every tokenizer exposes `name`, `vocab_size` and `encode(data: bytes) -> np.ndarray[int32]` (BOS first).
+Every tokenizer exposes `name`, `vocab_size` and `encode(data: bytes) -> np.ndarray[int32]` (BOS first); for
+chat and prompt/completion records (`flexorch.data.record_kinds`) also `bos_id`, `eos_id`, `bos_text` (how BOS
+appears in rendered text, or None), `chat_template` (None: flexorch's built-in one is used), `encode_text(str)`
+(ids without BOS) and `render_chat(messages, add_generation_prompt)`.
 """
 
 from __future__ import annotations
@@ -40,6 +43,11 @@ class ByteTokenizer:
     BOS = 256
     name = "byte"
     vocab_size = 257
+    bos_id, eos_id, bos_text, chat_template = BOS, None, None, None
+
+    def encode_text(self, text: str) -> list[int]:
+        """The UTF-8 bytes of ``text`` as ids (no BOS)."""
+        return list(text.encode("utf-8", "surrogatepass"))
 
     def encode(self, data: bytes) -> np.ndarray:
         out = np.empty(len(data) + 1, dtype=np.int32)
@@ -95,6 +103,19 @@ class HFTokenizer:
         self.name = f"hf:{path}"
         self.vocab_size = len(self._tok)
         self.bos_id = self._tok.bos_token_id
+        self.eos_id = getattr(self._tok, "eos_token_id", None)
+        self.bos_text = getattr(self._tok, "bos_token", None) if self.bos_id is not None else None
+        self.chat_template = getattr(self._tok, "chat_template", None) or None
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of ``text`` without BOS (special tokens written in the text, e.g. a template's ``<|im_end|>``,
+        become their ids)."""
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        """``messages`` rendered as text with the tokenizer's own chat template (Transformers'
+        ``apply_chat_template``, not tokenized)."""
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode(self, data: bytes) -> np.ndarray:
         ids = self._tok(data.decode("utf-8"), add_special_tokens=False)["input_ids"]

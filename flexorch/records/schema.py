@@ -25,7 +25,9 @@ Keys of every record (``source`` is ``"plan"`` or ``"train"``):
   ``solver_crashes`` (optional): MILP solves that died natively while planning the step (each cost that solve);
   ``plan_budget_s`` (optional, null where no planner ran): the planning budget the step's plan was given (a share
   of the previous step's time in a run, ``[plan] budget``); ``gap`` (optional, null without a bound): the plan's
-  ``predicted_ms / bound_ms - 1``, how far from the optimum it can be.
+  ``predicted_ms / bound_ms - 1``, how far from the optimum it can be; ``targets`` (optional, trained steps):
+  the tokens that carried loss, the loss's denominator (``tokens`` for plain text; fewer for chat, prompt/completion
+  and tokenized data with loss masks, whose prompts are computed but not predicted).
 
 A pipelined step (``[pipeline] stages`` set) has ``plan`` and ``timeline`` null and ``shape`` like ``"pp 2x2 ·
 12 units"``; its ``pipeline`` holds ``stages``, ``degree`` (workers per stage, SP inside a stage), ``layers``
@@ -271,6 +273,9 @@ def validate_record(rec, where: str = "record") -> dict:
     _check_fallback(rec, where)
     if rec["source"] == "train":
         _check_keys(rec, _TRAIN, where)
+        t = rec.get("targets")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= rec["tokens"]):
+            raise RecordError(f"{where}: 'targets' must be an integer in 0..tokens ({rec['tokens']}), got {t!r}")
         if len(rec["doc_ids"]) != len(rec["seq_lengths"]):
             raise RecordError(f"{where}: doc_ids and seq_lengths differ in length")
         if len(rec["worker_ids"]) != rec["world_size"]:

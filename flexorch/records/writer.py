@@ -190,13 +190,14 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
     ``outcomes[r]`` is rank r's :class:`flexorch.workers.step_exec.StepOutcome`, or None for a rank lost after the
     update had been applied (the step stands; its ``ranks`` entry is null)."""
     done = [o for o in outcomes if o is not None]
-    tokens = done[0].num_predicted
+    tokens = sum(int(s) - 1 for s in base["seq_lengths"])  # every position the step computed a prediction at
     pipelined = planned.pipelined
     n_mb = 0 if pipelined else len(planned.plan.micro_batches)
     return {
         **base,
         "source": "train",
         "tokens": tokens,
+        "targets": done[0].num_predicted,
         **plan_fields(planned, profile),
         "measured_ms": measured_ms,
         "compute_ms": max(o.compute_end_ms for o in done),

@@ -112,7 +112,7 @@ class PipelineTask:
                     raise ValueError(f"{where}: {over[0]} checkpointed layers on stage {self.stage} of {most} layers")
         if not all(isinstance(d, DocRef) for d in self.docs):
             raise ValueError(f"{where}: docs must be DocRef values")
-        want = sum(d.length - 1 for d in self.docs)
+        want = sum(d.predicted for d in self.docs)
         if self.num_predicted != want:
             raise ValueError(
                 f"{where}: num_predicted is {self.num_predicted}, the {len(self.docs)} documents predict {want} tokens"
@@ -160,7 +160,7 @@ def pipeline_tasks(
             )
     n = staged.num_devices
     stage_of = {r: s for s, rs in enumerate(staged.stage_ranks) for r in rs}
-    num_predicted = sum(d.length - 1 for d in docs)
+    num_predicted = sum(d.predicted for d in docs)
     tasks = []
     for rank in range(n):
         st = stage_of.get(rank)

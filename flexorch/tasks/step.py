@@ -48,11 +48,26 @@ class DocRef:
     """First token inside the block."""
     length: int
     """Tokens of the document."""
+    targets: int | None = None
+    """Tokens that carry loss (predicted from the ones before them; ``flexorch.data.targets``); None: every token
+    after the first (``length - 1``, plain text)."""
 
     def __post_init__(self) -> None:
         for name in ("doc_id", "block", "offset"):
             check_count(f"DocRef.{name} (document {self.doc_id!r})", getattr(self, name))
         check_count(f"DocRef.length (document {self.doc_id})", self.length, 1)
+        if self.targets is not None:
+            check_count(f"DocRef.targets (document {self.doc_id})", self.targets)
+            if self.targets > self.length - 1:
+                raise ValueError(
+                    f"DocRef.targets (document {self.doc_id}) is {self.targets}, more than its {self.length - 1} "
+                    "predicted positions"
+                )
+
+    @property
+    def predicted(self) -> int:
+        """Tokens whose prediction counts in the loss: the document's share of the step's loss denominator."""
+        return self.length - 1 if self.targets is None else self.targets
 
 
 @dataclass(frozen=True)
@@ -108,7 +123,8 @@ class StepTask:
     work: tuple[GroupWork, ...]
     """This rank's groups, in micro-batch order (empty when the plan leaves it idle)."""
     num_predicted: int
-    """Predicted tokens of the whole global batch: the loss denominator, identical on every rank."""
+    """Loss-target tokens of the whole global batch (``DocRef.predicted`` summed): the loss denominator, identical
+    on every rank."""
     micro_batches: int = 0
     """Micro-batches of the whole step; with sharded model state every rank runs each one (an empty one where it
     has no group), since FSDP's gathers span the world. 0: not given (whole replicas only need their own)."""
@@ -141,7 +157,7 @@ class StepTask:
                 )
             if w.degree > 1 and w.ranks not in sets:
                 raise ValueError(f"{where}: micro-batch {w.micro_batch} group {w.ranks} is not in rank_sets")
-            predicted = sum(d.length - 1 for d in w.docs)
+            predicted = sum(d.predicted for d in w.docs)
             if predicted > self.num_predicted:
                 raise ValueError(
                     f"{where}: micro-batch {w.micro_batch} alone predicts {predicted} tokens, more than the batch's "
@@ -178,6 +194,6 @@ def step_tasks(plan, docs: Sequence[DocRef], step: int, recompute=None) -> list[
             work = GroupWork(mi, tuple(g.ranks), g.kind, tuple(docs[i] for i in g.seq_ids), mode)
             for r in g.ranks:
                 per_rank[r].append(work)
-    num_predicted = sum(d.length - 1 for d in docs)
+    num_predicted = sum(d.predicted for d in docs)
     m = len(plan.micro_batches)
     return [StepTask(step, r, n, tuple(rank_sets), tuple(per_rank[r]), num_predicted, m) for r in range(n)]

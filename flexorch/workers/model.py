@@ -38,6 +38,7 @@ __all__ = [
     "initial_parameters",
     "loss_sum",
     "next_token_labels",
+    "stored_token_ids",
     "set_activation_checkpointing",
 ]
 
@@ -232,10 +233,19 @@ def initial_parameters(cfg: ModelConfig, seed: int, shapes):
         yield name, torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=gen)
 
 
+def stored_token_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """The token ids of documents as the corpus stores them (``flexorch.data.targets``: a token that carries no
+    loss is stored as ``~id``, negative): ``~x`` where ``x < 0``; plain ids come back unchanged."""
+    return torch.where(tokens < 0, ~tokens, tokens)
+
+
 def next_token_labels(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Labels ``(T,)``: token i+1 of the same document, ``IGNORE_INDEX`` at the last token of every document."""
+    """Labels ``(T,)``: token i+1 of the same document, ``IGNORE_INDEX`` at the last token of every document and
+    where token i+1 is not a loss target. ``tokens`` as stored (``flexorch.data.targets``: a token that is not a
+    target is ``~id``, negative); plain ids (all >= 0) make every next token a target."""
     offsets = check_cu_seqlens(cu_seqlens, tokens.shape[0])
     labels = torch.roll(tokens, shifts=-1, dims=0).to(torch.int64)
+    labels[labels < 0] = IGNORE_INDEX  # the next token is context only (a prompt, a masked turn)
     last = torch.tensor(offsets[1:], dtype=torch.int64, device=tokens.device) - 1
     labels[last] = IGNORE_INDEX  # documents never predict across a boundary
     return labels

@@ -19,7 +19,7 @@ import torch
 from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
 from flexorch.workers.attention.api import varlen_attn_func
-from flexorch.workers.model import check_token_range, loss_sum, next_token_labels
+from flexorch.workers.model import check_token_range, loss_sum, next_token_labels, stored_token_ids
 from flexorch.workers.model_source import build_model
 from flexorch.workers.optim import build_optimizer, clip_grad_norm_
 
@@ -39,9 +39,10 @@ class PackedBatch:
     max_seqlen: int
     """Longest document."""
     labels: torch.Tensor
-    """(T,) int64 next token of the same document, -100 at each document's last token."""
+    """(T,) int64 next token of the same document, -100 at each document's last token and where the next token is
+    not a loss target."""
     n_predicted: int
-    """Number of positions with a label: sum(len(doc) - 1)."""
+    """Number of positions with a label: sum(len(doc) - 1) for plain text."""
 
 
 def _as_tokens(doc: np.ndarray | torch.Tensor, i: int) -> torch.Tensor:
@@ -52,22 +53,25 @@ def _as_tokens(doc: np.ndarray | torch.Tensor, i: int) -> torch.Tensor:
 
 
 def pack_documents(docs: Sequence[np.ndarray | torch.Tensor]) -> PackedBatch:
-    """Pack documents (1-D integer arrays, each non-empty) into one :class:`PackedBatch`."""
+    """Pack documents (1-D integer arrays, each non-empty, as stored: ``flexorch.data.targets``, a token that is
+    not a loss target is ``~id``) into one :class:`PackedBatch`."""
     if len(docs) == 0:
         raise ValueError("a batch needs at least one document")
     seqs = [_as_tokens(d, i) for i, d in enumerate(docs)]
     lengths = torch.tensor([s.numel() for s in seqs], dtype=torch.int64)
     cu = torch.zeros(len(seqs) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths, 0)
-    tokens = torch.cat(seqs)
+    stored = torch.cat(seqs)
+    tokens = stored_token_ids(stored)
+    labels = next_token_labels(stored, cu)
     starts = torch.repeat_interleave(cu[:-1], lengths)  # (T,) start offset of each token's document
     return PackedBatch(
         tokens=tokens,
         position_ids=torch.arange(tokens.numel(), dtype=torch.int64) - starts,
         cu_seqlens=cu.to(torch.int32),
         max_seqlen=int(lengths.max()),
-        labels=next_token_labels(tokens, cu),
-        n_predicted=int(lengths.sum()) - len(seqs),
+        labels=labels,
+        n_predicted=int((labels != -100).sum()),
     )
 
 
@@ -88,7 +92,7 @@ def reference_step(
     """One training step on one global batch; returns its mean loss over the predicted tokens."""
     batch = pack_documents(docs)
     if batch.n_predicted == 0:
-        raise ValueError(f"the batch's {len(docs)} documents all have length 1: no token to predict")
+        raise ValueError(f"the batch's {len(docs)} documents have no token to predict (length 1, or no target)")
     optimizer.zero_grad(set_to_none=True)
     loss = reference_loss_sum(model, batch) / batch.n_predicted
     loss.backward()
@@ -113,7 +117,7 @@ def reference_train(
     for step, docs in enumerate(batches):
         for i, doc in enumerate(docs):
             try:
-                check_token_range(_as_tokens(doc, i), model_cfg.vocab_size)
+                check_token_range(stored_token_ids(_as_tokens(doc, i)), model_cfg.vocab_size)
             except ValueError as e:
                 raise ValueError(f"step {step}, document {i}: {e}") from None
         losses.append(reference_step(model, optimizer, scheduler, docs, optim_cfg))

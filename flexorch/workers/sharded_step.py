@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from flexorch.config.optim import OptimConfig
 from flexorch.tasks.step import StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
-from flexorch.workers.model import check_token_range
+from flexorch.workers.model import check_token_range, stored_token_ids
 from flexorch.workers.model_source import set_activation_checkpointing
 from flexorch.workers.optim import resident_bytes
 from flexorch.workers.step_exec import (
@@ -88,7 +88,7 @@ def run_sharded_step(
             attn = _idle_attn
         else:
             tokens, cu = _documents(work, blocks)
-            check_token_range(tokens, vocab_size)
+            check_token_range(stored_token_ids(tokens), vocab_size)
             ids, pos, labels, layout = micro_batch_inputs(
                 tokens, cu, work.ranks.index(task.rank), work.degree, work.kind
             )

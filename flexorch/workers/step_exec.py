@@ -24,7 +24,7 @@ from flexorch.tasks.step import GroupWork, StepTask
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
-from flexorch.workers.model import check_token_range, next_token_labels
+from flexorch.workers.model import check_token_range, next_token_labels, stored_token_ids
 from flexorch.workers.model_source import set_activation_checkpointing
 from flexorch.workers.optim import clip_grad_norm_, resident_bytes
 
@@ -87,8 +87,12 @@ def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Te
 def micro_batch_inputs(
     tokens: torch.Tensor, cu_seqlens: list[int], group_rank: int, degree: int, kind: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
-    """(input ids, position ids, labels, layout) of one group rank; padding and document ends get label -100."""
+    """(input ids, position ids, labels, layout) of one group rank; padding, document ends and tokens that are not
+    loss targets get label -100. ``tokens`` as stored (``flexorch.data.targets``): the labels are computed on the
+    whole micro-batch before sharding, so each shard (contiguous for Ulysses, zigzag for ring) keeps exactly its
+    tokens' targets."""
     labels = next_token_labels(tokens, torch.tensor(cu_seqlens, dtype=torch.int64))
+    tokens = stored_token_ids(tokens)
     if kind == "ring" and degree > 1:
         layout = zigzag_layout(cu_seqlens, group_rank, degree)
     else:
@@ -141,7 +145,7 @@ def run_step(
     for work in task.work:
         t_mb = time.perf_counter()
         tokens, cu = _documents(work, blocks)
-        check_token_range(tokens, vocab_size)
+        check_token_range(stored_token_ids(tokens), vocab_size)
         group_rank = work.ranks.index(task.rank)
         ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
         group = group_of(work.ranks) if work.degree > 1 else None

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from flexorch.config.optim import OptimConfig
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import holder_sets
-from flexorch.workers.model import check_token_range
+from flexorch.workers.model import check_token_range, stored_token_ids
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_ops
 from flexorch.workers.pipeline.stage import StageModule
@@ -46,8 +46,8 @@ __all__ = ["run_pipeline_step"]
 def _sequences(task: PipelineTask, blocks: dict[int, np.ndarray], vocab_size: int) -> list[torch.Tensor]:
     out = []
     for d in task.docs:
-        seq = torch.from_numpy(blocks[d.block][d.offset : d.offset + d.length].astype(np.int64))
-        check_token_range(seq, vocab_size)
+        seq = torch.from_numpy(blocks[d.block][d.offset : d.offset + d.length].astype(np.int64))  # as stored
+        check_token_range(stored_token_ids(seq), vocab_size)
         out.append(seq)
     return out
 

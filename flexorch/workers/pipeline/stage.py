@@ -42,7 +42,7 @@ from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.segment import segment_attn_func
 from flexorch.workers.attention.ulysses import head_to_seq, seq_to_head
 from flexorch.workers.chunked_loss import LMHead, head_loss_sum
-from flexorch.workers.model import Block, Decoder, RMSNorm, rope_cos_sin
+from flexorch.workers.model import Block, Decoder, RMSNorm, rope_cos_sin, stored_token_ids
 
 __all__ = ["StageModule", "UnitInput", "KVCache", "shard_tokens"]
 
@@ -51,17 +51,17 @@ class UnitInput:
     """A unit's tokens as the stages need them: ids, positions and labels of its pieces, back to back."""
 
     def __init__(self, pieces, sequences: list[torch.Tensor]):
-        """``pieces``: ``flexorch.solver.pipeline.chunking.Piece`` list; ``sequences[i]``: the token ids (int64) of
-        sequence i."""
+        """``pieces``: ``flexorch.solver.pipeline.chunking.Piece`` list; ``sequences[i]``: the tokens (int64) of
+        sequence i as stored (``flexorch.data.targets``: a token that is not a loss target is ``~id``)."""
         self.pieces = [(p.seq, p.start, p.end) for p in pieces]
         ids, pos, labels = [], [], []
         for seq, a, b in self.pieces:
             s = sequences[seq]
-            ids.append(s[a:b])
+            ids.append(stored_token_ids(s[a:b]))
             pos.append(torch.arange(a, b, dtype=torch.int64))
             lab = torch.full((b - a,), -100, dtype=torch.int64)
             nxt = s[a + 1 : b + 1]  # the token after each position, inside the same sequence
-            lab[: nxt.numel()] = nxt
+            lab[: nxt.numel()] = torch.where(nxt < 0, -100, nxt)  # a next token that is not a target: no loss
             labels.append(lab)
         self.ids, self.pos, self.labels = torch.cat(ids), torch.cat(pos), torch.cat(labels)
         self.lens = [b - a for _, a, b in self.pieces]
