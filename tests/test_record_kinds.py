@@ -197,3 +197,39 @@ def test_labels_mask_the_non_targets_and_every_shard_keeps_exactly_its_tokens_la
                 assert lab[real].tolist() == shard(labels, layout)[real].tolist()
                 got += int((lab != IGNORE_INDEX).sum())
             assert got == int((labels != IGNORE_INDEX).sum()), (kind, degree)
+
+
+def test_the_pre_flight_check_knows_chat_tokenized_and_datasets_sources(tmp_path):
+    from flexorch.data.lengths import DataError
+    from flexorch.data.source_check import check_source
+    from tests.chat_helpers import tokenized_rows, write_jsonl, write_parquet
+
+    check_source(CorpusConfig(source=str(write_jsonl(tmp_path / "c.jsonl", conversations()))))
+    check_source(CorpusConfig(source=str(write_parquet(tmp_path / "t.parquet", tokenized_rows()))))
+    with pytest.raises(DataError, match="no record has a 'messages' field .*records = 'chat'"):
+        check_source(CorpusConfig(source=str(write_jsonl(tmp_path / "x" / "t.jsonl", [{"text": "a"}])), records="chat"))
+    no_ids = write_parquet(tmp_path / "y" / "u.parquet", [{"ids": [1]}])
+    with pytest.raises(DataError, match="has no column 'input_ids'"):
+        check_source(CorpusConfig(source=str(no_ids), records="tokenized"))
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(conversations()).save_to_disk(str(tmp_path / "ds"))
+    check_source(CorpusConfig(source=str(tmp_path / "ds")))
+    with pytest.raises(DataError, match="is not a Hugging Face datasets directory"):
+        check_source(CorpusConfig(source=str(tmp_path / "x"), format="hf_dataset"))
+
+
+def test_the_step_and_start_lines_say_how_many_tokens_carry_loss():
+    from flexorch.cli.train import _describe_setup, format_step
+
+    ev = {
+        "step": 1, "shape": "<2x2>", "solve_s": 0.4, "loss": 5.1, "tokens_per_s": 1000.0, "predicted_ms": 700.0,
+        "compute_ms": 710.0, "measured_ms": 720.0, "eta_s": 3.0, "tokens": 7060, "targets": 527,
+    }  # fmt: skip
+    assert "loss  5.1000 on 527 of 7,060 tokens  tok/s" in format_step(ev, 4)
+    assert "loss  5.1000  tok/s" in format_step({**ev, "targets": 7060}, 4)  # plain text: nothing to add
+    setup = {
+        "corpus": {"tokens": 41244, "records_kind": "chat", "targets": 9876}, "num_docs": 130, "workers": 4,
+        "min_workers": 4, "max_workers": 4, "model_params": 1e6, "batches_per_epoch": 9, "profile": "p",
+        "tokens_per_worker": 512,
+    }  # fmt: skip
+    assert "corpus 130 chat documents, 41,244 tokens, 9,876 of them loss targets;" in _describe_setup(setup)

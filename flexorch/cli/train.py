@@ -121,6 +121,9 @@ def format_membership(ev: dict) -> str:
 def _describe_setup(ev: dict) -> str:
     st = ev["corpus"]
     parts = [f"{ev['num_docs']:,} documents", f"{st.get('tokens', 0):,} tokens"]
+    if st.get("records_kind") not in (None, "text"):  # loss masks: say what the loss is taken over
+        parts[0] = f"{ev['num_docs']:,} {st['records_kind'].replace('_', '/')} documents"
+        parts.append(f"{st.get('targets', 0):,} of them loss targets")
     for key, label in (
         ("split_docs", "split"),
         ("dropped_over_long", "over-long dropped"),

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING
 
 from flexorch.data.lengths import DataError
 from flexorch.data.listing import list_source
-from flexorch.data.source_records import bad_record_error, check_parquet_field, parse_line
+from flexorch.data.record_kinds import kind_fields, resolve_kind
+from flexorch.data.source_records import bad_record_error, check_parquet_field, parse_line, parse_record
 
 if TYPE_CHECKING:
     from flexorch.config.data import CorpusConfig
@@ -38,10 +39,20 @@ def check_source(cfg: CorpusConfig) -> None:
     """
     listing = list_source(cfg)
     files = listing.files
+    kind = resolve_kind(listing, cfg)  # chat, prompt/completion, tokenized: their first field must be there
+    fields = kind_fields(kind, cfg)
+    if listing.fmt == "hf_dataset":
+        import pyarrow as pa
+
+        with pa.memory_map(files[0]) as src:
+            names = pa.ipc.open_stream(src).schema.names
+        if fields[0] not in names:
+            raise DataError(f"{files[0]} has no column {fields[0]!r} (columns: {', '.join(names)}); set the field")
+        return
     if listing.fmt == "parquet":
         import pyarrow.parquet as pq
 
-        check_parquet_field(files, cfg.text_field)
+        check_parquet_field(files, fields[0])
         if not any(pq.read_metadata(f).num_rows for f in files):
             raise DataError(f"{listing.source} is empty: its {len(files)} Parquet file(s) have no rows")
         return
@@ -49,7 +60,9 @@ def check_source(cfg: CorpusConfig) -> None:
     for f in looked:
         try:
             with open(f, "rb") as fh:
-                found, used = _check_text(fh, budget) if listing.fmt == "text" else _check_jsonl(fh, f, cfg, budget)
+                found, used = (
+                    _check_text(fh, budget) if listing.fmt == "text" else _check_jsonl(fh, f, cfg, budget, kind)
+                )
         except OSError as e:
             raise DataError(f"cannot read {f}: {e.strerror or e}") from None
         budget -= used
@@ -74,13 +87,17 @@ def _check_text(fh, budget: int) -> tuple[bool, int]:
     return True, len(head)
 
 
-def _check_jsonl(fh, path: str, cfg: CorpusConfig, budget: int) -> tuple[bool | None, int]:
+def _check_jsonl(fh, path: str, cfg: CorpusConfig, budget: int, kind: str = "text") -> tuple[bool | None, int]:
     used, records, with_field, columns = 0, 0, 0, set()
+    field = kind_fields(kind, cfg)[0]
     for lineno, raw in enumerate(fh, 1):
         used += len(raw)
         if raw.strip():
             records += 1
-            text, reason, keys, vtype = parse_line(raw, cfg.text_field)
+            if kind == "text":
+                text, reason, keys, vtype = parse_line(raw, field)
+            else:  # the record's values are checked by the load (record_kinds.encode_record)
+                text, reason, keys, vtype = parse_record(raw, kind_fields(kind, cfg))
             columns.update(keys)
             with_field += text is not None or vtype is not None
             if reason is not None and cfg.on_bad_record == "error":
@@ -91,7 +108,8 @@ def _check_jsonl(fh, path: str, cfg: CorpusConfig, budget: int) -> tuple[bool | 
             return None, used
     if records and not with_field:
         raise DataError(
-            f"{path}: no record has a {cfg.text_field!r} field (fields seen: {', '.join(sorted(columns))}); "
+            f"{path}: no record has a {field!r} field (fields seen: {', '.join(sorted(columns))}); "
             "set text_field to the field that holds the document text"
+            + ("" if kind == "text" else f" (or the field setting of records = {kind!r})")
         )
     return False, used
