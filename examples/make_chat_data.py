@@ -66,10 +66,8 @@ def main() -> None:
             ]
         rows.append({"messages": turns})
     for module, name, code, answer in functions[:40]:
-        rows.append({"messages": [
-            {"role": "user", "content": f"Here is a function from `{module}`:\n\n```python\n{code}\n```\n\nWhat does `{name}` do?"},
-            {"role": "assistant", "content": answer},
-        ]})  # fmt: skip
+        question = f"Here is a function from `{module}`:\n\n```python\n{code}\n```\n\nWhat does `{name}` do?"
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]})
     rng.shuffle(rows)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
