@@ -85,6 +85,10 @@ def test_skipped_train_record_validates():
     }
     rec = {"schema": SCHEMA, "time": 1.0, **skip_record(base, "infeasible", "the longest sequence needs 3 workers")}
     assert validate_record(rec)["tokens"] == 9 + 4999
+    for bad in (-1, 9 + 4999 + 1, 2.5, True):  # loss targets: at most the positions the step predicted at
+        with pytest.raises(RecordError, match="'targets' must be an integer in 0..tokens"):
+            validate_record({**rec, "targets": bad})
+    assert validate_record({**rec, "targets": 120})["targets"] == 120
     rec["doc_ids"] = [7]
     with pytest.raises(RecordError, match="doc_ids and seq_lengths differ"):
         validate_record(rec)
