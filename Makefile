@@ -16,7 +16,7 @@ setup: $(PY)
 	$(PY) -m pip install -q $(PIP_EXTRA) "torch==2.13.0" -e .
 
 setup-test: $(PY)
-	$(PY) -m pip install -q $(PIP_EXTRA) "torch==2.13.0" -e ".[test,hf]"
+	$(PY) -m pip install -q $(PIP_EXTRA) "torch==2.13.0" -e ".[test,hf,track]"
 
 demo: setup
 	$(VENV)/bin/flexorch train --config examples/train_laptop.toml

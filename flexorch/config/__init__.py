@@ -1,9 +1,9 @@
 """The run configuration: keyword-only dataclasses, validated on construction, read from TOML without Ray or torch.
 
 One module per table of a run file (``model``, ``optim``, ``data``, ``plan``, ``elastic``, ``pipeline``,
-``sharding``), the run itself and the checks across tables in ``run``, reading a file (and the errors for unknown
-or moved keys) in ``load``. "Worker" is the one word for a device slot, in every key and flag. The data plane
-builds from these values (``flexorch.workers.model`` the decoder, ``flexorch.workers.optim`` AdamW,
+``sharding``, ``tracking``), the run itself and the checks across tables in ``run``, reading a file (and the errors
+for unknown or moved keys) in ``load``. "Worker" is the one word for a device slot, in every key and flag. The data
+plane builds from these values (``flexorch.workers.model`` the decoder, ``flexorch.workers.optim`` AdamW,
 ``flexorch.data`` the corpus).
 """
 
@@ -17,6 +17,7 @@ from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import PlanSettings
 from flexorch.config.run import TrainConfig
 from flexorch.config.sharding import ShardingSettings
+from flexorch.config.tracking import TrackingSettings
 
 __all__ = [
     "MODEL_PRESETS",
@@ -29,6 +30,7 @@ __all__ = [
     "PipelineSettings",
     "PlanSettings",
     "ShardingSettings",
+    "TrackingSettings",
     "TrainConfig",
     "config_from_dict",
     "load_train_config",

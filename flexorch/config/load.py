@@ -21,6 +21,7 @@ from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import PlanSettings
 from flexorch.config.run import TrainConfig
 from flexorch.config.sharding import ShardingSettings
+from flexorch.config.tracking import TrackingSettings
 
 __all__ = ["MOVED_KEYS", "config_from_dict", "load_train_config"]
 
@@ -31,6 +32,7 @@ TABLES = {
     "elastic": ElasticSettings,
     "pipeline": PipelineSettings,
     "sharding": ShardingSettings,
+    "tracking": TrackingSettings,
 }
 """The tables built field by field (``[model]`` also takes ``preset``)."""
 

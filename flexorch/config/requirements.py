@@ -1,15 +1,16 @@
 """The package versions a run's optional parts need, checked from the installed metadata before Ray starts.
 
-A run that needs a package flexorch does not install by default (Transformers for ``[model] hf``, tokenizers for
-a Hugging Face or trained BPE tokenizer) or a feature of a newer torch (FSDP2 for ``[sharding] mode = "fsdp"`` /
-``"hsdp"``) fails here, with the package, the version installed and the version needed, instead of deep inside
-the first world a worker forms. The installed metadata is read, nothing imported (milliseconds, and it works where
-the package itself would fail to import); only a package importable without metadata is imported for its
-``__version__``.
+A run that needs a package flexorch does not install by default (Transformers for ``[model] hf``, tokenizers for a
+Hugging Face or trained BPE tokenizer, an experiment tracker the ``[tracking]`` table asks for) or a feature of a
+newer torch (FSDP2 for ``[sharding] mode = "fsdp"`` / ``"hsdp"``) fails here, with the package, the version
+installed and the version needed, instead of deep inside the first world a worker forms. The installed metadata is
+read, nothing imported (milliseconds, and it works where the package itself would fail to import); only a package
+importable without metadata is imported for its ``__version__``.
 
 The minima are the oldest versions the suite has passed with: Transformers 5.17 (the HF model and tokenizer tests,
 activation checkpointing included; 5.24 is the ``hf`` extra's pin), torch 2.11 (the data plane and a sharded step
-on a lent GPU image; ``flexorch.workers.fsdp`` carries its fallback for a hook 2.13 added).
+on a lent GPU image; ``flexorch.workers.fsdp`` carries its fallback for a hook 2.13 added). The trackers' minima
+are the ``track`` extra's floors; the suite ran with tensorboard 2.21, mlflow-skinny 3.17 and wandb 0.31.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class Requirement:
     """The setting that needs it, as the run file spells it."""
     install: str
     """What to run to get it."""
+    alternatives: tuple[str, ...] = ()
+    """Other distributions that install the same module (the full ``mlflow`` for ``mlflow-skinny``)."""
 
 
 _HF_INSTALL = "pip install 'flexorch[hf]' (or pip install -e '.[hf]' in a checkout)"
@@ -52,6 +55,23 @@ def requirements_of(cfg) -> list[Requirement]:
     tok = cfg.data.tokenizer
     if tok.startswith(("hf:", "bpe:")) or (cfg.model.hf and tok == "auto"):
         reqs.append(Requirement("tokenizers", "0.23", f"[data] tokenizer = {tok!r}", _HF_INSTALL))
+    return reqs + _tracker_requirements(cfg.tracking)
+
+
+def _tracker_requirements(t) -> list[Requirement]:
+    """The trackers a ``[tracking]`` table asks for by name (``tensorboard`` left out is on only when installed)."""
+    from flexorch.config.tracking import TRACK_INSTALL
+
+    reqs = []
+    if t.tensorboard:
+        reqs.append(Requirement("tensorboard", "2.20", "[tracking] tensorboard = true", TRACK_INSTALL))
+    if t.mlflow_database:  # SQLAlchemy stores are in the full package only
+        reqs.append(Requirement("mlflow", "3.0", f"[tracking] mlflow = {t.mlflow!r}", "pip install 'mlflow>=3.0'"))
+    elif t.mlflow is not None:
+        where = f"[tracking] mlflow = {t.mlflow!r}"
+        reqs.append(Requirement("mlflow-skinny", "3.0", where, TRACK_INSTALL, alternatives=("mlflow",)))
+    if t.wandb is not None:
+        reqs.append(Requirement("wandb", "0.20", f"[tracking] wandb = {t.wandb!r}", TRACK_INSTALL))
     return reqs
 
 
@@ -84,14 +104,23 @@ def check_requirements(cfg, installed: Callable[[str], str] | None = None) -> No
     ``PackageNotFoundError`` when it is absent); tests pass another environment's versions."""
     installed = installed or installed_version
     for req in requirements_of(cfg):
-        try:
-            have = installed(req.package)
-        except metadata.PackageNotFoundError:
+        package, have = _first_installed(req, installed)
+        if have is None:
             raise ConfigError(
                 f"{req.needed_by} needs {req.package} >= {req.minimum}, which is not installed: {req.install}"
-            ) from None
+            )
         if version_tuple(have) < version_tuple(req.minimum):
             raise ConfigError(
-                f"{req.needed_by} needs {req.package} >= {req.minimum}; this environment has {req.package} {have}. "
-                f"Upgrade it: pip install -U '{req.package}>={req.minimum}'"
+                f"{req.needed_by} needs {package} >= {req.minimum}; this environment has {package} {have}. "
+                f"Upgrade it: pip install -U '{package}>={req.minimum}'"
             )
+
+
+def _first_installed(req: Requirement, installed: Callable[[str], str]) -> tuple[str, str | None]:
+    """(distribution, version) of the first of ``req``'s distributions installed, else (its package, None)."""
+    for package in (req.package, *req.alternatives):
+        try:
+            return package, installed(package)
+        except metadata.PackageNotFoundError:
+            continue
+    return req.package, None

@@ -1,6 +1,6 @@
 """One training run: the run keys of a run file and its tables, checked against each other on construction.
 
-A run file (see ``examples/train_laptop.toml``) has top-level run keys and seven tables, each a keyword-only
+A run file (see ``examples/train_laptop.toml``) has top-level run keys and eight tables, each a keyword-only
 dataclass that checks its own keys (``flexorch.config.<module>``)::
 
     steps = 20            # run keys (TrainConfig): steps, workers, batch_size, seed, run_dir, checkpoint_every, ...
@@ -11,6 +11,7 @@ dataclass that checks its own keys (``flexorch.config.<module>``)::
     [elastic]             # elastic.ElasticSettings: min_workers, max_workers, wait_s, max_attempts, ...
     [pipeline]            # pipeline.PipelineSettings: stages, params
     [sharding]            # sharding.ShardingSettings: mode, shard_size, precision, activation_checkpointing
+    [tracking]            # tracking.TrackingSettings: tensorboard, mlflow, wandb, run_name, ...
 
 :class:`TrainConfig` checks what spans tables (``data.max_context`` against ``workers x plan.tokens_per_worker``, a
 static layout or pipeline stages against the model and the workers) and derives the elastic bounds in force.
@@ -31,6 +32,7 @@ from flexorch.config.optim import OptimConfig
 from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import AUTO_CPU_TOKENS, PlanSettings
 from flexorch.config.sharding import ShardingSettings
+from flexorch.config.tracking import TrackingSettings
 from flexorch.solver.pipeline.stage_count import check_stage_count
 
 __all__ = ["TrainConfig"]
@@ -43,6 +45,7 @@ _TABLES = {
     "elastic": ElasticSettings,
     "pipeline": PipelineSettings,
     "sharding": ShardingSettings,
+    "tracking": TrackingSettings,
 }
 
 
@@ -86,6 +89,8 @@ class TrainConfig:
     """The ``[pipeline]`` table: pipeline stages and where their parameters live."""
     sharding: ShardingSettings = field(default_factory=ShardingSettings)
     """The ``[sharding]`` table: model-state sharding (FSDP2), mixed precision, activation checkpointing."""
+    tracking: TrackingSettings = field(default_factory=TrackingSettings)
+    """The ``[tracking]`` table: TensorBoard, MLflow and Weights & Biases."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -46,6 +46,7 @@ from flexorch.data.bpe import prepare_tokenizer
 from flexorch.data.corpus import load_corpus
 from flexorch.data.stream import DocumentStream
 from flexorch.records.metrics import RunMetrics
+from flexorch.records.trackers import Trackers
 from flexorch.records.writer import StepRecords, skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.step_planner import PlannedStep
@@ -95,6 +96,7 @@ class TrainingDriver:
         self._none_ratio: float | None = None  # activation bytes without / with recompute ('auto' recompute)
         self.workers: WorkerGroup | None = None
         self.planner = None
+        self.trackers: Trackers | None = None  # [tracking]: TensorBoard, MLflow, W&B, fed every record
         self._stop_reason: str | None = None  # set by request_stop: the loop ends after the step in flight
         self._closing = False  # shutdown() came while run() was still going: its failures are not the run's
         self._fallbacks = FallbackWatch(self._publish)  # warns once when many recent steps fell back
@@ -149,6 +151,8 @@ class TrainingDriver:
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if resumed is not None else None)
         self.metrics = RunMetrics(self.run_dir.name)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
+        say = lambda message: self._publish({"event": "progress", "message": message})  # noqa: E731
+        self.trackers = Trackers.open(cfg.tracking, self.run_dir, cfg.to_dict(), self.resumed_from, say=say)
         summary = {
             "event": "setup",
             "corpus": self.corpus.stats,
@@ -363,6 +367,7 @@ class TrainingDriver:
         self.step_no = int(dstate["step"])
         self.skipped_batches = int(dstate.get("skipped_batches", 0))
         self.records.truncate(self.step_no)
+        self.trackers.rewind(self.step_no)
         self.planner.forget()
         world = list(self.workers.worker_ids)
         rec = dict(what=what, rollback=True, lost=sorted(err.lost_workers), reason=str(err), from_step=from_step)
@@ -394,6 +399,7 @@ class TrainingDriver:
             rec["total_ms"] = rec.get("detect_ms", 0.0) + rec["recovery_ms"] + rec["rerun_ms"]
             record["recoveries"] = [*record["recoveries"], rec]
         record = self.records.append(record)
+        self.trackers.log_step(record)
         self.metrics.on_step(record, plan, self.profile)
         self._fallbacks.watch(record)
         for rec in record["recoveries"]:
@@ -466,6 +472,8 @@ class TrainingDriver:
                 raise
             raise err from e
         finally:
+            if self.trackers is not None:  # after the error event: a failed run is marked failed in its trackers
+                self.trackers.close(failed=self._error is not None)
             self.events.done = True
 
     def _keep_work(self, e: Exception) -> Exception:
@@ -505,6 +513,8 @@ class TrainingDriver:
             self._closing = True
             self._stop_reason = self._stop_reason or "shutdown"
         self._refits.close()
+        if self.trackers is not None:
+            self.trackers.close()
         if self.workers is not None:
             self.workers.shutdown()
             self.workers = None
