@@ -233,3 +233,17 @@ def test_the_step_and_start_lines_say_how_many_tokens_carry_loss():
         "tokens_per_worker": 512,
     }  # fmt: skip
     assert "corpus 130 chat documents, 41,244 tokens, 9,876 of them loss targets;" in _describe_setup(setup)
+
+
+def test_flexorch_plan_reads_the_lengths_training_would_see_from_chat_and_tokenized_jsonl(tmp_path):
+    from flexorch.data.lengths import DataError, read_lengths
+    from tests.chat_helpers import prompt_completions, tokenized_rows, write_jsonl
+
+    for kind, rows in (("chat", conversations()), ("prompt_completion", prompt_completions())):
+        got = read_lengths(write_jsonl(tmp_path / f"{kind}.jsonl", rows)).tolist()
+        assert got == [len(encode_record(kind, r, BYTE, CFG)) for r in rows]
+    rows = tokenized_rows()
+    assert read_lengths(write_jsonl(tmp_path / "tok.jsonl", rows)).tolist() == [len(r["input_ids"]) for r in rows]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [conversations()[0], {"messages": [{"role": "user", "content": "?"}]}])
+    with pytest.raises(DataError, match="bad.jsonl:2: chat record does not fit: no assistant turn"):
+        read_lengths(bad)

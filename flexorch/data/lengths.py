@@ -102,7 +102,14 @@ def _lengths_file(path: Path) -> np.ndarray:
 
 
 def _jsonl_lengths(path: Path, field: str) -> np.ndarray:
-    out = []
+    """Byte lengths of `field`; for chat, prompt/completion and tokenized records (sniffed from the first record's
+    fields, ``flexorch.data.record_kinds``), the length of the document training would see with the byte tokenizer
+    (chat: rendered with the built-in template; tokenized: its ids), BOS included."""
+    from flexorch.config.data import CorpusConfig
+    from flexorch.data.record_kinds import BadRecord, encode_record, kind_fields, sniff_kind
+    from flexorch.data.tokenizer import ByteTokenizer
+
+    out, kind, cfg = [], None, CorpusConfig(text_field=field)
     with path.open(encoding="utf-8", errors="strict") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -111,6 +118,15 @@ def _jsonl_lengths(path: Path, field: str) -> np.ndarray:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if kind is None and isinstance(rec, dict):
+                kind = "text" if field in rec else sniff_kind(rec, cfg)
+            if kind not in (None, "text"):
+                try:
+                    values = {k: rec.get(k) for k in kind_fields(kind, cfg)} if isinstance(rec, dict) else {}
+                    out.append(len(encode_record(kind, values, ByteTokenizer(), cfg)))
+                except BadRecord as e:
+                    raise DataError(f"{path}:{lineno}: {kind} record does not fit: {e}") from None
+                continue
             if not isinstance(rec, dict) or field not in rec:
                 raise DataError(f"{path}:{lineno}: no {field!r} field (choose it with --text-field)")
             if not isinstance(rec[field], str):
