@@ -142,3 +142,11 @@ def test_an_over_long_conversation_is_split_between_exchanges_or_dropped_and_cou
     assert text.startswith("<|im_start|>user\n")
     tight = load_corpus(CorpusConfig(source=str(path), max_context=150, on_bad_record="skip"))
     assert tight.stats["dropped_over_long"] >= 1 and int(tight.lengths.max()) <= 150
+
+
+def test_an_over_long_record_without_a_mask_is_cut_like_text(tmp_path):
+    rows = [{"input_ids": list(range(1, 301))}, {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]}]
+    c = load_corpus(CorpusConfig(source=str(write_parquet(tmp_path / "t.parquet", rows)), max_context=128))
+    assert c.keys[:3] == ["t.parquet:0#piece0", "t.parquet:0#piece1", "t.parquet:0#piece2"]
+    assert np.concatenate(c.get_stored(range(3))).tolist() == list(range(1, 301))  # every token a target
+    assert c.stats["split_docs"] == 1 and c.stats["dropped_over_long"] == 0

@@ -98,7 +98,8 @@ class CorpusConfig:
     over_long: str = "split"
     """'split' into consecutive pieces of at most max_context tokens, 'drop' (counted) or 'reject' (an error).
     Data with loss masks splits only where an answer ends, so no answer is separated from its own prompt; an
-    exchange (a prompt and its answer) longer than max_context drops its record (counted)."""
+    exchange (a prompt and its answer) longer than max_context drops its record (counted). A record whose every
+    token carries loss (tokenized without labels, ``loss_on = "all"``) is cut like text."""
     bad_files: str = "skip"
     """Binary/undecodable files and records without text (a null or missing text field): 'skip' (counted in
     stats) or 'error'."""

@@ -189,7 +189,7 @@ def _pack_block(table, spec: tuple, block_tokens: int):
                 status = _EMPTY
             elif n <= max_context:
                 pieces = [ids]
-            elif over_long == "split" and kind != "text":  # only where an answer ends
+            elif over_long == "split" and bool((ids < 0).any()):  # a loss mask: split only where an answer ends
                 split = exchange_pieces(ids, max_context)
                 if split is None:
                     status = _OVER_LONG
