@@ -17,6 +17,7 @@ Times are summed over the steps; speedups are ratios of those sums.
 
     python benchmarks/multi_task.py             # 64 and 256 devices x 3, 5, 8 tasks, 3 steps each
     python benchmarks/multi_task.py --quick     # one small setting, one step (a smoke run)
+    python benchmarks/multi_task.py --svg plan.svg --svg-row 64:5   # also draw that row's first step
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def run(devices: int, num_tasks: int, steps: int, seed: int) -> dict:
     pools = {"wiki": wiki[(wiki > 0) & (wiki <= cap)], "code": code[code <= cap]}
     rng = np.random.default_rng([seed, devices, num_tasks])
     out = {"in_turn": 0.0, "fixed_split": 0.0, "spindle": 0.0, "bound": 0.0, "solve": [], "gap": [], "method": []}
-    for _ in range(steps):
+    for step in range(steps):
         tasks = draw_tasks(pools, num_tasks, rng)
         t = time.perf_counter()
         plan = plan_tasks(tasks, devices, profile)
@@ -83,6 +84,8 @@ def run(devices: int, num_tasks: int, steps: int, seed: int) -> dict:
         out["bound"] += plan.bound_ms
         out["gap"].append(plan.gap)
         out["method"].append(plan.method)
+        if step == 0:
+            out["first"] = (plan, [task.name for task in tasks])
     return out
 
 
@@ -91,8 +94,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="64 devices x 3 tasks, one step")
+    ap.add_argument("--svg", type=Path, help="write the picture of the first step of the first row (or --svg-row)")
+    ap.add_argument("--svg-row", help="DEVICES:TASKS, the row --svg draws (one of the rows run)")
     args = ap.parse_args(argv)
     settings = [(64, 3)] if args.quick else [(n, t) for n in (64, 256) for t in (3, 5, 8)]
+    svg_row = settings[0]
+    if args.svg_row:
+        svg_row = tuple(int(x) for x in args.svg_row.split(":") if x.isdigit())
+        if svg_row not in settings:
+            ap.error(f"--svg-row {args.svg_row} is not one of the rows run: {settings}")
     steps = 1 if args.quick else args.steps
     print(
         f"\nmulti_task: gpt-7b-a100, Wikipedia + code lengths, {steps} step(s) per row (times summed), "
@@ -115,6 +125,13 @@ def main(argv=None) -> int:
             f"| {methods} |",
             flush=True,
         )
+        if args.svg and (devices, num_tasks) == svg_row:
+            from flexorch.dashboards.multitask_svg import multitask_svg
+
+            plan, names = r["first"]
+            title = f"multi_task.py seed {args.seed}, {devices} devices x {num_tasks} tasks, step 1 (gpt-7b-a100)"
+            args.svg.write_text(multitask_svg(plan, task_names=names, title=title))
+            print(f"(picture of {devices}x{num_tasks} step 1: {args.svg})", flush=True)
     return 0
 
 
