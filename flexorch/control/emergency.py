@@ -48,7 +48,7 @@ def save_after_error(
         if others:
             workers.remove(others)
         if getattr(workers, "sharded", False):  # the holders' rows, re-sharded over a world of the holders
-            workers.form_world()
+            _form_world_of_holders(workers)
             restored = workers.restored
             if restored is None or restored["version"] != done:
                 got = None if restored is None else restored["version"]
@@ -59,3 +59,20 @@ def save_after_error(
         last = f"the last checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was written yet"
         return None, f"No emergency checkpoint could be written ({why}); {last}"
     return path, f"An emergency checkpoint of the state after step {done} was written to {path}: {resume}"
+
+
+def _form_world_of_holders(workers: WorkerGroup) -> None:
+    """Form a world of the current members; a member lost while it forms (a newcomer that had its state copied and
+    then died, a node going away) is dropped and the rest try again, as long as no one raised an error of its own.
+    Whether the rest still hold every shard is the restore's check."""
+    for _ in range(len(workers.worker_ids)):
+        try:
+            workers.form_world()
+            return
+        except Exception as e:
+            failure = getattr(e, "failure", None)  # a MembershipFailure: who was lost
+            gone = sorted(set(failure.lost) & set(workers.worker_ids)) if failure is not None else []
+            if not gone or failure.errors or len(gone) == len(workers.worker_ids):
+                raise
+            workers.remove(gone)
+    workers.form_world()
