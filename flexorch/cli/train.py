@@ -69,6 +69,8 @@ def format_step(ev: dict, total: int) -> str:
         f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['compute_ms']:7.1f} ms  "
         f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
     )
+    if ev.get("task_losses"):  # [[tasks]]: each task's own loss (the step's is their weighted mean)
+        line += "  [" + ", ".join(f"{n} {x:.4f}" for n, x in ev["task_losses"].items()) + "]"
     compiled = max((r.get("compile_s") or 0.0 for r in ev.get("ranks") or () if r), default=0.0)
     if compiled >= 0.05:  # the first steps of a compiled model (and a recompile): torch.compile's own time
         line += f"  [compiling the layers: {compiled:.1f} s of it]"
@@ -123,6 +125,13 @@ def _describe_setup(ev: dict) -> str:
     parts = [f"{ev['num_docs']:,} documents", f"{st.get('tokens', 0):,} tokens"]
     if st.get("records_kind") not in (None, "text"):  # loss masks: say what the loss is taken over
         parts[0] = f"{ev['num_docs']:,} {st['records_kind'].replace('_', '/')} documents"
+        parts.append(f"{st.get('targets', 0):,} of them loss targets")
+    if st.get("tasks"):  # [[tasks]]: each task's documents and kind
+        each = [
+            f"{name} {t.get('documents', 0):,} {(t.get('records_kind') or 'text').replace('_', '/')} docs"
+            for name, t in st["tasks"].items()
+        ]
+        parts[0] = f"{len(st['tasks'])} tasks ({'; '.join(each)}): {ev['num_docs']:,} documents"
         parts.append(f"{st.get('targets', 0):,} of them loss targets")
     for key, label in (
         ("split_docs", "split"),

@@ -21,6 +21,7 @@ from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import PlanSettings
 from flexorch.config.run import TrainConfig
 from flexorch.config.sharding import ShardingSettings
+from flexorch.config.tasks import task_from_dict
 from flexorch.config.tracking import TrackingSettings
 
 __all__ = ["MOVED_KEYS", "config_from_dict", "load_train_config"]
@@ -47,7 +48,11 @@ MOVED_KEYS = {
 }
 """Top-level keys of earlier versions and the (table, key) they moved to."""
 
-_RUN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"model", *TABLES}
+_RUN_KEYS = {f.name for f in dataclasses.fields(TrainConfig)} - {"model", "tasks", *TABLES}
+
+MODEL_TRAINING_KEYS = frozenset({"base_trainable", "adapters"})
+"""``[model]`` keys about what trains, allowed beside ``hf = DIR`` (``adapters`` is written back by a saved config;
+a run file sets adapters in ``[[tasks]]``)."""
 
 
 def _table(values: dict, name: str) -> dict:
@@ -78,9 +83,9 @@ def config_from_dict(values: dict) -> TrainConfig:
     if moved:
         where = "; ".join(f"{k} is now [{MOVED_KEYS[k][0]}] {MOVED_KEYS[k][1]}" for k in moved)
         raise ConfigError(f"keys moved into tables: {where} (write them under that table)")
-    unknown = sorted(set(values) - _RUN_KEYS - {"model", *TABLES})
+    unknown = sorted(set(values) - _RUN_KEYS - {"model", "tasks", *TABLES})
     if unknown:
-        tables = " ".join(f"[{t}]" for t in ("model", *TABLES))
+        tables = " ".join(f"[{t}]" for t in ("model", *TABLES)) + " [[tasks]]"
         raise ConfigError(f"unknown keys {unknown}; run keys are {sorted(_RUN_KEYS)} plus {tables}")
     model_table = _table(values, "model")
     try:
@@ -90,8 +95,12 @@ def config_from_dict(values: dict) -> TrainConfig:
     except (KeyError, TypeError, ValueError) as e:
         raise ConfigError(f"[model]: {e}") from None
     tables = {name: _build(cls, _table(values, name), name) for name, cls in TABLES.items()}
+    tasks = values.pop("tasks", None) or []
+    if not isinstance(tasks, list | tuple):
+        raise ConfigError(f"tasks must be [[tasks]] tables (an array of tables), got tasks = {tasks!r}")
+    tasks = tuple(task_from_dict(t, tables["data"], i) for i, t in enumerate(tasks))
     try:
-        return TrainConfig(model=model, **tables, **values)
+        return TrainConfig(model=model, **tables, **values, tasks=tasks)
     except TypeError as e:
         raise ConfigError(str(e)) from None
 
@@ -100,12 +109,13 @@ def _model(table: dict) -> ModelConfig:
     """``[model]``: a preset with overrides, or ``hf = "DIR"`` alone (a Hugging Face model directory; a table
     that also has ``family`` is a saved config read back, whose fields are already the directory's)."""
     if table.get("hf") is not None and "family" not in table:
-        others = sorted(set(table) - {"hf"} - RUN_KEYS)
+        others = sorted(set(table) - {"hf"} - RUN_KEYS - MODEL_TRAINING_KEYS)
         if others:
             raise ConfigError(
                 f"[model]: with hf = {table['hf']!r} the model's shape comes from its config.json; remove {others}"
             )
-        return ModelConfig.from_dict({**hf_model_config(table["hf"]), **{k: table[k] for k in RUN_KEYS & set(table)}})
+        kept = {k: table[k] for k in (RUN_KEYS | MODEL_TRAINING_KEYS) & set(table)}
+        return ModelConfig.from_dict({**hf_model_config(table["hf"]), **kept})
     preset = table.pop("preset", "tiny")
     return ModelConfig.from_dict({**model_config(preset).to_dict(), **table})
 

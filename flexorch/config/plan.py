@@ -60,7 +60,14 @@ class PlanSettings:
     the BatchAda heuristic plan, or with pipeline stages a fully checkpointed one (recorded with status
     'fallback')."""
 
+    tasks: str = "spindle"
+    """How a step of several ``[[tasks]]`` is planned: 'spindle' (devices allocated per task per step by Spindle's
+    malleable allocation and wavefront schedule, arXiv 2409.03365; ``flexorch.solver.multitask``) or 'in_turn'
+    (the tasks one after another on every worker: the baseline Spindle is measured against)."""
+
     def __post_init__(self) -> None:
+        if self.tasks not in ("spindle", "in_turn"):
+            raise ConfigError(f"plan.tasks must be 'spindle' or 'in_turn', got {self.tasks!r}")
         if self.mode != "adaptive":
             kind, _, deg = self.mode.rpartition("-")
             if kind not in STATIC_MODES or not deg.isdigit() or int(deg) < 1 or int(deg) & (int(deg) - 1):

@@ -32,6 +32,7 @@ from flexorch.config.optim import OptimConfig
 from flexorch.config.pipeline import PipelineSettings
 from flexorch.config.plan import AUTO_CPU_TOKENS, PlanSettings
 from flexorch.config.sharding import ShardingSettings
+from flexorch.config.tasks import TaskSettings, batch_counts, lora_specs
 from flexorch.config.tracking import TrackingSettings
 from flexorch.solver.pipeline.stage_count import check_stage_count
 
@@ -91,6 +92,9 @@ class TrainConfig:
     """The ``[sharding]`` table: model-state sharding (FSDP2), mixed precision, activation checkpointing."""
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
     """The ``[tracking]`` table: TensorBoard, MLflow and Weights & Biases."""
+    tasks: tuple[TaskSettings, ...] = ()
+    """The ``[[tasks]]`` tables (``flexorch.config.tasks``): several fine-tuning tasks over one base model, each with
+    its own data, loss weight, batch share and LoRA adapter; empty: one task on ``[data]``, as before."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -116,6 +120,7 @@ class TrainConfig:
         self._check_pipeline()
         self._check_sharding()
         self._check_hf_model()
+        self._check_tasks()
         need = self.data.max_context
         have = self.workers * self.tokens_per_worker
         if not self.pipelined and need > have:
@@ -156,6 +161,54 @@ class TrainConfig:
                 f"plan.mode={self.plan.mode!r} forces an SP layout; it cannot be combined with pipeline.stages = "
                 f"{p!r} (set plan.mode = 'adaptive')"
             )
+
+    def _check_tasks(self) -> None:
+        """``[[tasks]]``: names unique, shares that make whole batches, adapters on modules the model has, something
+        to train in every task; the model gets the adapters (``ModelConfig.adapters``)."""
+        tasks = self.tasks
+        if not isinstance(tasks, tuple) or not all(isinstance(t, TaskSettings) for t in tasks):
+            raise ConfigError(f"tasks must be a tuple of TaskSettings (the [[tasks]] tables), got {tasks!r}")
+        base = getattr(self.model, "base_trainable", True)
+        if not tasks:
+            if not base:
+                raise ConfigError(
+                    "[model] base_trainable = false leaves nothing to train without [[tasks]] that have adapters; "
+                    "add [[tasks]] with lora_rank > 0, or remove base_trainable"
+                )
+            return
+        names = [t.name for t in tasks]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ConfigError(f"[[tasks]] names must be distinct; {twice} appear more than once")
+        batch_counts(tasks, self.batch_size)  # raises on shares that do not sum to 1 or leave a task no document
+        idle = [t.name for t in tasks if t.lora_rank == 0 and not base]
+        if idle:
+            raise ConfigError(
+                f"[[tasks]] {idle[0]!r} has no adapter (lora_rank = 0) and [model] base_trainable = false: it would "
+                "train nothing; give it a lora_rank, or set base_trainable = true"
+            )
+        if self.plan.static is not None:
+            raise ConfigError(
+                f"plan.mode={self.plan.mode!r} forces one SP layout for every document; [[tasks]] are planned per "
+                "task (plan.tasks = 'spindle' or 'in_turn'): set plan.mode = 'adaptive'"
+            )
+        if self.pipelined:
+            raise ConfigError(
+                "[[tasks]] run on SP groups; pipeline stages with several tasks are not supported yet: set "
+                "[pipeline] stages = 1"
+            )
+        shared = {k: getattr(self.data, k) for k in ("tokenizer", "max_context", "block_tokens")}
+        tasks = tuple(dataclasses.replace(t, data=dataclasses.replace(t.data, **shared)) for t in tasks)
+        object.__setattr__(self, "tasks", tasks)  # every task reads with the run's (resolved) tokenizer
+        specs = lora_specs(tasks, self.model)
+        if specs != getattr(self.model, "adapters", ()):
+            object.__setattr__(self, "model", dataclasses.replace(self.model, adapters=specs))
+
+    @property
+    def task_counts(self) -> tuple[int, ...]:
+        """Documents of each task in a full global batch (``flexorch.config.tasks.batch_counts``); () without
+        ``[[tasks]]``."""
+        return batch_counts(self.tasks, self.batch_size)
 
     def _resolve_tokenizer(self) -> None:
         """``[data] tokenizer = 'auto'``: 'byte' for flexorch's decoder, the model directory's own tokenizer

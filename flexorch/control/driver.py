@@ -45,6 +45,7 @@ from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
 from flexorch.data.bpe import prepare_tokenizer
 from flexorch.data.corpus import load_corpus
 from flexorch.data.stream import DocumentStream
+from flexorch.data.task_corpus import TaskStreams, load_task_corpus, multitask_fields, task_fields, tasks_tokenizer
 from flexorch.records.metrics import RunMetrics
 from flexorch.records.trackers import Trackers
 from flexorch.records.writer import StepRecords, skip_record, step_record
@@ -110,7 +111,10 @@ class TrainingDriver:
         note = niced_on_busy_node()
         if note:
             self._publish({"event": "planner", "message": note})
-        if self.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
+        if self.corpus is None and cfg.tasks:  # [[tasks]]: each task's data, one id space (data.task_corpus)
+            self.cfg = cfg = tasks_tokenizer(cfg, self.run_dir)
+            self.corpus = load_task_corpus(cfg.tasks, publish=self._publish)
+        elif self.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
             self.cfg = cfg = cfg.replace(data=prepare_tokenizer(cfg.data, self.run_dir))
             self.corpus = load_corpus(cfg.data, publish=self._publish)
         if self.corpus.vocab_size > cfg.model.vocab_size:
@@ -118,7 +122,10 @@ class TrainingDriver:
                 f"tokenizer {self.corpus.tokenizer_name!r} has {self.corpus.vocab_size} ids but model.vocab_size="
                 f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.corpus.vocab_size}"
             )
-        self.stream = DocumentStream(self.corpus.num_docs, cfg.batch_size, cfg.seed)
+        if cfg.tasks:  # counts[t] documents of every task per batch, each task on its own epochs
+            self.stream = TaskStreams(self.corpus, cfg.task_counts, cfg.seed)
+        else:
+            self.stream = DocumentStream(self.corpus.num_docs, cfg.batch_size, cfg.seed)
         sharded = cfg.sharding_mode != "replicate"
         self.checkpoints = RunCheckpoints(self.run_dir, self.corpus, cfg.keep_checkpoints, sharded=sharded)
         resumed = self.checkpoints.resume() if cfg.resume else None  # checked before any worker starts
@@ -219,7 +226,7 @@ class TrainingDriver:
             if n < 1:  # the elastic policy fails before this; never ask for a plan for no worker
                 raise ElasticError(f"step {self.step_no}: no worker is left to run it")
             t_wait = time.perf_counter()
-            planned = self.planner.plan(batch.step, lengths, n, self._plan_budget())
+            planned = self.planner.plan(batch.step, lengths, n, self._plan_budget(), **self._task_of(batch))
             plan_wait_ms = (time.perf_counter() - t_wait) * 1e3
             base = {
                 "step": self.step_no,
@@ -253,7 +260,8 @@ class TrainingDriver:
                 if self._none_ratio is not None:  # [sharding] activation_checkpointing = "auto"
                     modes = choose_recompute(planned.plan, self.profile, self._none_ratio)
                     base["recompute"] = [list(row) for row in modes]
-                tasks = step_tasks(planned.plan, docs, self.step_no, modes)
+                names, weights = tuple(t.name for t in self.cfg.tasks), tuple(t.weight for t in self.cfg.tasks)
+                tasks = step_tasks(planned.plan, docs, self.step_no, modes, names, weights)
             results, failure, moved, dispatch_ms = self._dispatch(tasks, planned, n, attempt, t_dispatch)
             if failure is None:
                 outcomes = [results[w] for w in self.workers.worker_ids]
@@ -290,6 +298,9 @@ class TrainingDriver:
         measured_ms = (t_done - t_dispatch) * 1e3
         self._last_step_ms = measured_ms
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
+        if self.cfg.tasks:
+            record["tasks"] = task_fields(self.cfg.tasks, docs, record.get("task_losses", {}))
+            record["multitask"] = multitask_fields(planned.plan)
         if not planned.pipelined:
             record["model_state"] = model_state_fields(self.cfg, n)
             self._refit(record)
@@ -326,6 +337,13 @@ class TrainingDriver:
         """Seconds the next plan may take (``[plan] budget``): a share of the last measured step on GPU workers."""
         return self.cfg.plan.budget_for(self._last_step_ms, use_gpu=self.cfg.use_gpu)
 
+    def _task_of(self, batch) -> dict:
+        """``{"task_of": [...]}`` (each document's task) for the planner in a run of ``[[tasks]]``; {} otherwise (a
+        planner of one task is called as before)."""
+        if not self.cfg.tasks:
+            return {}
+        return {"task_of": [int(x) for x in self.corpus.task_of[list(batch.doc_ids)]]}
+
     def _dispatch(self, tasks, planned, n: int, attempt: int, t_dispatch: float):
         """Move stage-local parameters where the step needs them, start every rank's part, plan the next batch
         meanwhile and wait: (results, failure or None, what moved or None, ms until every rank was started)."""
@@ -341,7 +359,8 @@ class TrainingDriver:
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
             nxt = self.stream.peek_after()
             budget = self._plan_budget()  # with GPU workers, a share of the step this solve overlaps
-            self.planner.plan_ahead(nxt.step, [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]], n, budget)
+            nxt_lengths = [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]]
+            self.planner.plan_ahead(nxt.step, nxt_lengths, n, budget, **self._task_of(nxt))
         # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
         waits = 2 * len(planned.plan.plan.units) if planned.pipelined else len(planned.plan.micro_batches)
         results, failure = self.workers.settle(refs, self.cfg.elastic.collective_timeout_s * (waits + 2))

@@ -66,6 +66,11 @@ class PlannerSpec:
     pipeline_stages: int | str
     pipeline_params: str
     timeout_s: float
+    adapter_ranks: tuple[int, ...] = ()
+    """``[[tasks]]``: each task's LoRA rank (0: none); a step's ``task_of`` then gets Spindle's multi-task plan
+    (``flexorch.solver.multitask.execute``). Empty: one task."""
+    task_method: str = "spindle"
+    """How a multi-task step is planned: 'spindle' or 'in_turn' (the tasks one after another on every worker)."""
     """How long a step waits for its plan before the fallback (``plan.timeout_s``)."""
     niceness: int = 0
     """Added to the planner process's niceness (a separate process only). A run's planner gets none: its solve is a
@@ -78,24 +83,42 @@ class PlannerSpec:
         """The spec of a ``TrainConfig``'s run planned with ``profile``."""
         config = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds), solver=cfg.plan.solver)
         stages, params = cfg.pipeline.stages, cfg.pipeline.params
-        return cls(profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s)
+        ranks = tuple(t.lora_rank for t in cfg.tasks)
+        method = cfg.plan.tasks
+        return cls(profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, ranks, method)
 
     def planner_args(self, niceness: int) -> tuple:
         return (self.profile, self.config, self.static, niceness, self.pipeline_stages, self.pipeline_params)
 
-    def fallback(self, lengths: list[int], n: int) -> PlannedStep:
+    def fallback(self, lengths: list[int], n: int, task_of=None) -> PlannedStep:
+        if task_of is not None:
+            return heuristic_plan(
+                self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params,
+                task_of=task_of, adapter_ranks=self.adapter_ranks, task_method=self.task_method,
+            )  # fmt: skip
         return heuristic_plan(self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params)
+
+    def task_kwargs(self, task_of) -> dict:
+        """The multi-task arguments of ``StepPlanner.plan`` for a step's ``task_of`` (none for one task)."""
+        if task_of is None:
+            return {}
+        return {"task_of": list(task_of), "adapter_ranks": self.adapter_ranks, "task_method": self.task_method}
 
 
 class PlannerClient(Protocol):
     """How the driver gets plans: ``plan_ahead`` while a step runs, ``plan`` when the next step starts."""
 
-    def plan(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> PlannedStep:
-        """The plan of stream step ``stream_step`` (its documents' ``lengths``) for ``n`` workers, solved within
-        ``budget_s`` (default: the planner's ``time_limit_s``) when it was not solved ahead."""
+    def plan(
+        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+    ) -> PlannedStep:
+        """The plan of stream step ``stream_step`` (its documents' ``lengths``; ``task_of``: each document's
+        ``[[tasks]]`` task, None for one task) for ``n`` workers, solved within ``budget_s`` (default: the
+        planner's ``time_limit_s``) when it was not solved ahead."""
         ...
 
-    def plan_ahead(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> None:
+    def plan_ahead(
+        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+    ) -> None:
         """Start solving that plan now, within ``budget_s``; a later :meth:`plan` with the same step and ``n``
         takes it."""
         ...
@@ -131,7 +154,7 @@ class _PrefetchingClient:
     def _start(self) -> None:
         raise NotImplementedError
 
-    def _submit(self, lengths: list[int], n: int, budget_s: float | None = None):
+    def _submit(self, lengths: list[int], n: int, budget_s: float | None = None, task_of=None):
         raise NotImplementedError
 
     def _wait(self, handle, timeout_s: float) -> PlannedStep:
@@ -145,14 +168,16 @@ class _PrefetchingClient:
         """True when ``error`` means the planner process is gone (it crashed or was killed)."""
         return False
 
-    def plan(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> PlannedStep:
+    def plan(
+        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+    ) -> PlannedStep:
         if n < 1:
             raise ValueError(f"stream step {stream_step}: no worker is left to plan for (n={n})")
         pending, self._pending = self._pending, None
         if pending is not None and pending[:2] == (stream_step, n):
             handle = pending[2]
         else:
-            handle = self._submit(lengths, n, budget_s)
+            handle = self._submit(lengths, n, budget_s, task_of)
         try:
             return self._wait(handle, self.spec.timeout_s)
         except TimeoutError:
@@ -162,26 +187,30 @@ class _PrefetchingClient:
                 f"the planner gave no plan within plan.timeout_s={self.spec.timeout_s:g} s (restarted it); raise "
                 "plan.timeout_s if the machine is busy"
             )
-            return self._fallback(stream_step, lengths, n, "timeout", why)
+            return self._fallback(stream_step, lengths, n, "timeout", why, task_of)
         except Exception as e:  # noqa: BLE001 - any planner failure costs this step's plan, never the run
             if self._died(e):
                 self._abandon()
                 self._start()
                 why = f"the planner process died ({type(e).__name__}; restarted it)"
-                return self._fallback(stream_step, lengths, n, "crash", why)
+                return self._fallback(stream_step, lengths, n, "crash", why, task_of)
             cause = getattr(e, "cause", None) or e
             why = f"the planner raised {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-            return self._fallback(stream_step, lengths, n, "error", why)
+            return self._fallback(stream_step, lengths, n, "error", why, task_of)
 
-    def _fallback(self, stream_step: int, lengths: list[int], n: int, reason: str, why: str) -> PlannedStep:
+    def _fallback(
+        self, stream_step: int, lengths: list[int], n: int, reason: str, why: str, task_of=None
+    ) -> PlannedStep:
         self.publish(
             {"event": "planner", "message": f"stream step {stream_step}: {why}; this step runs the heuristic plan"}
         )
-        planned = self.spec.fallback(lengths, n)
+        planned = self.spec.fallback(lengths, n, task_of)
         return dataclasses.replace(planned, fallback_reason=reason, fallback_message=why)
 
-    def plan_ahead(self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None) -> None:
-        self._pending = (stream_step, n, self._submit(lengths, n, budget_s))
+    def plan_ahead(
+        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+    ) -> None:
+        self._pending = (stream_step, n, self._submit(lengths, n, budget_s, task_of))
 
     def forget(self) -> None:
         self._pending = None
@@ -205,8 +234,8 @@ class RayPlannerClient(_PrefetchingClient):
         args = self.spec.planner_args(self.spec.niceness)
         self.actor = StepPlannerActor.options(scheduling_strategy=here).remote(*args)
 
-    def _submit(self, lengths, n, budget_s=None):
-        return self.actor.plan.remote(lengths, n, time_limit_s=budget_s)
+    def _submit(self, lengths, n, budget_s=None, task_of=None):
+        return self.actor.plan.remote(lengths, n, time_limit_s=budget_s, **self.spec.task_kwargs(task_of))
 
     def _push_profile(self, profile):
         self.actor.set_profile.remote(profile)  # an actor runs one caller's calls in order: before the next solve
@@ -256,8 +285,9 @@ class LocalPlannerClient(_PrefetchingClient):
     def _push_profile(self, profile):
         self._profile = profile
 
-    def _submit(self, lengths, n, budget_s=None):
+    def _submit(self, lengths, n, budget_s=None, task_of=None):
         future: concurrent.futures.Future = concurrent.futures.Future()
+        kwargs = self.spec.task_kwargs(task_of)
         planner, lock, profile, self._profile = self.planner, self._lock, self._profile, None
 
         def solve() -> None:
@@ -265,7 +295,7 @@ class LocalPlannerClient(_PrefetchingClient):
                 if profile is not None:
                     planner.set_profile(profile)
                 try:
-                    future.set_result(planner.plan(lengths, n, time_limit_s=budget_s))
+                    future.set_result(planner.plan(lengths, n, time_limit_s=budget_s, **kwargs))
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting step
                     future.set_exception(e)
 

@@ -56,7 +56,19 @@ class Corpus:
     """The index of a loaded corpus (keys, lengths, locations) plus refs to its token blocks in the object store."""
 
     def __init__(
-        self, *, keys, lengths, doc_blocks, doc_offsets, block_refs, stats, tokenizer_name, vocab_size, targets=None
+        self,
+        *,
+        keys,
+        lengths,
+        doc_blocks,
+        doc_offsets,
+        block_refs,
+        stats,
+        tokenizer_name,
+        vocab_size,
+        targets=None,
+        task_of=None,
+        task_names=(),
     ):
         self.keys: list[str] = keys
         self.lengths: np.ndarray = lengths
@@ -69,6 +81,9 @@ class Corpus:
         self.stats: dict = stats
         self.tokenizer_name: str = tokenizer_name
         self.vocab_size: int = vocab_size
+        self.task_of: np.ndarray | None = task_of
+        """The ``[[tasks]]`` task of each document (``flexorch.data.task_corpus``); None: one task."""
+        self.task_names: tuple[str, ...] = tuple(task_names)
 
     @property
     def num_docs(self) -> int:
@@ -82,8 +97,10 @@ class Corpus:
             raise IndexError(f"document id {bad} is out of range: the corpus has ids 0..{self.num_docs - 1}")
         b, o, n = self.doc_blocks[ids], self.doc_offsets[ids], self.lengths[ids]
         t = [None] * len(ids) if self.targets is None else [int(x) for x in self.targets[ids]]
+        k = [0] * len(ids) if self.task_of is None else [int(x) for x in self.task_of[ids]]
         return [
-            DocRef(int(i), int(bi), int(oi), int(ni), ti) for i, bi, oi, ni, ti in zip(ids, b, o, n, t, strict=True)
+            DocRef(int(i), int(bi), int(oi), int(ni), ti, ki)
+            for i, bi, oi, ni, ti, ki in zip(ids, b, o, n, t, k, strict=True)
         ]
 
     def refs_for(self, locations) -> dict[int, ray.ObjectRef]:

@@ -209,6 +209,7 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
         "lr": done[0].lr,
         "grad_norm": done[0].grad_norm,
         "ranks": [_rank_entry(o, n_mb, pipelined) for o in outcomes],
+        **({"task_losses": dict(done[0].task_losses)} if getattr(done[0], "task_losses", None) else {}),
     }
 
 

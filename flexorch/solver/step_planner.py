@@ -6,6 +6,10 @@ invariant tests) or :func:`~flexorch.solver.pipeline.staged.plan_staged` (pipeli
 predicted step times to every answer. :func:`heuristic_plan` is the MILP-free fallback. Pure: the control plane
 runs a :class:`StepPlanner` in its own Ray actor (:mod:`flexorch.control.planner_client`) so a solve overlaps a
 step.
+
+A step of several tasks (``task_of``: each sequence's task) is planned by Spindle's schedule with an SP plan per
+part (:func:`flexorch.solver.multitask.execute.plan_task_step`; the MILP planner per part here, BatchAda in
+:func:`heuristic_plan`): one ``Plan`` whose every group runs one task's sequences.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 from flexorch.solver.baselines import BaselineRun, baseline_plans, baseline_times_ms, static_plan
 from flexorch.solver.cost_model import ULYSSES, kind_allowed
 from flexorch.solver.errors import InfeasibleBatchError, PlanningError
+from flexorch.solver.multitask.execute import plan_task_step
 from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipeline_baselines, plan_staged
 from flexorch.solver.plan import Plan
 from flexorch.solver.planner import Planner, PlannerConfig
@@ -43,7 +48,8 @@ class PlannedStep:
     solve_s: float = 0.0
     status: str = ""
     """How the plan was found: 'milp', 'static', 'fallback' (the inner planner ran out of time), 'batchada' (the
-    floor won), 'static-<kind>-<d>', 'pipeline', 'pipeline-<baseline>' (a baseline schedule won), 'infeasible'."""
+    floor won), 'static-<kind>-<d>', 'pipeline', 'pipeline-<baseline>' (a baseline schedule won), 'infeasible';
+    for several tasks the method: 'spindle', 'in_turn', 'fixed_split'."""
     baselines_ms: dict = field(default_factory=dict)
     """Predicted step time of each static layout and BatchAda, or of plain 1F1B and Seq1F1B on the same stages for a
     pipelined step (None where infeasible, or where the time limit left no time to plan that layout: the layouts most
@@ -184,16 +190,31 @@ class StepPlanner:
             self._planner.inject_crashes(crashes)
 
     def plan(
-        self, lengths, num_devices: int, with_baselines: bool = True, time_limit_s: float | None = None
+        self,
+        lengths,
+        num_devices: int,
+        with_baselines: bool = True,
+        time_limit_s: float | None = None,
+        *,
+        task_of=None,
+        adapter_ranks=None,
+        task_method: str = "spindle",
     ) -> PlannedStep:
         """Plan one batch within ``time_limit_s`` (default ``config.time_limit_s``) of wall time, everything included
-        (the MILP planner, the BatchAda floor, the baselines' predictions); the answer says the budget it had."""
+        (the MILP planner, the BatchAda floor, the baselines' predictions); the answer says the budget it had.
+
+        ``task_of`` (each sequence's task 0..T-1) makes it a step of several tasks, ``adapter_ranks[t]`` task t's
+        LoRA rank: planned by ``task_method`` ('spindle', 'in_turn' or 'fixed_split'; see :meth:`_plan_tasks`)."""
         limit = self.config.time_limit_s if time_limit_s is None else float(time_limit_s)
         if not limit > 0:
             raise ValueError(f"time_limit_s must be > 0 seconds, got {time_limit_s!r}")
-        return dataclasses.replace(self._plan(lengths, num_devices, with_baselines, limit), budget_s=limit)
+        tasks = None
+        if task_of is not None:
+            _check_task_mode(self.static, self.pipeline_stages)
+            tasks = (task_of, adapter_ranks, task_method)
+        return dataclasses.replace(self._plan(lengths, num_devices, with_baselines, limit, tasks), budget_s=limit)
 
-    def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float) -> PlannedStep:
+    def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float, tasks=None) -> PlannedStep:
         if self._hangs > 0:
             self._hangs -= 1
             time.sleep(10**6)
@@ -203,6 +224,8 @@ class StepPlanner:
         crashes = 0
         try:
             check_num_devices(num_devices)
+            if tasks is not None:
+                return self._plan_tasks(lengths, num_devices, with_baselines, limit, deadline, t0, *tasks)
             if self.pipeline_stages != 1:
                 return self._plan_pipeline(lengths, num_devices, t0, limit)
             if self.static is None:
@@ -253,6 +276,76 @@ class StepPlanner:
             )
         return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
 
+    def _plan_tasks(
+        self, lengths, num_devices: int, with_baselines: bool, limit: float, deadline: float, t0: float, *tasks
+    ) -> PlannedStep:
+        """A step of several tasks: ``plan_task_step`` by ``task_method`` with this planner's MILP for every part's
+        SP plan (the time left shared by the parts, :meth:`_part_plan`); ``with_baselines``, the tasks in turn with
+        the same SP planner in the last ~40 % of the budget, for ``baselines_ms['in_turn']``.
+
+        ``predicted_ms`` is ``step_time_ms`` of the plan: micro-batches one after another, each as long as its
+        slowest group. That models the waves faithfully only where parts side by side have micro-batches of equal
+        time: a barrier between micro-batches charges a long part's one micro-batch beside a short part's several
+        as the long one plus all but the first of the short ones, where the workers (no barrier, each rank in plan
+        order) overlap them; ``plan.meta['dataflow_ms']`` is that barrier-free time (within a few per cent of
+        Spindle's estimate ``makespan_ms`` in our examples), ``plan.meta['bound_ms']`` Spindle's bound C* in its own
+        cost model; ``bound_ms`` here is 0. Sharded workers (FSDP: every rank runs every micro-batch, world-wide
+        collectives per layer) do meet at every micro-batch, where ``predicted_ms`` is the right figure. So the
+        in-turn plan is a baseline here, never swapped in on the simulator's word: that would undo Spindle's plans
+        exactly where their waves gain most (``tests/test_multitask_execute.py`` shows a step both ways)."""
+        task_of, adapter_ranks, method = tasks
+        used = {"crashes": 0, "short": 0, "parts": 0}
+
+        def sp(lens, n, due):
+            return self._part_plan(lens, n, due, used)
+
+        both = with_baselines and method != "in_turn"
+        first_due = time.monotonic() + 0.58 * (deadline - time.monotonic()) if both else deadline - 0.02 * limit
+        args = (lengths, task_of, num_devices, self.profile)
+        kw = {"adapter_ranks": adapter_ranks, "sp_planner": sp}
+        plan, _ = plan_task_step(*args, method=method, deadline=first_due, **kw)
+        predicted, baselines = step_time_ms(plan, self.profile), {}
+        if both:
+            turn, info = plan_task_step(*args, method="in_turn", deadline=deadline - 0.02 * limit, **kw)
+            baselines["in_turn"] = info["simulated_ms"]
+            plan.meta["in_turn_dataflow_ms"] = info["dataflow_ms"]
+        elif with_baselines:
+            baselines["in_turn"] = predicted
+        short = ""
+        if used["short"]:
+            short = (
+                f"{used['short']} of {used['parts']} task parts ran out of planning time (plan.time_limit_s="
+                f"{limit:g} s) and run their best static layout; raise plan.time_limit_s or give the planner more CPU"
+            )
+        return PlannedStep(
+            plan,
+            predicted,
+            0.0,
+            time.perf_counter() - t0,
+            method,
+            baselines,
+            fallback_reason="timeout" if short else None,
+            fallback_message=short,
+            solver_crashes=used["crashes"],
+        )
+
+    def _part_plan(self, lengths, n: int, due: float | None, used: dict) -> Plan:
+        """One task part's SP plan on n devices by ``due``: the MILP planner with the static layouts (BatchAda)
+        planned while it solves, the better of the two; BatchAda alone when too little time is left."""
+        due = time.monotonic() + self.config.time_limit_s if due is None else due
+        used["parts"] += 1
+        if due - time.monotonic() < _MIN_PART_S:
+            used["short"] += 1
+            return baseline_plans(lengths, n, self.profile, deadline=due)["batchada"]
+        run = BaselineRun(lengths, n, self.profile)
+        sp = self._planner.plan(lengths, n, deadline=due - 0.25 * (due - time.monotonic()), idle=run.advance)
+        used["crashes"] += sp.solver_crashes
+        run.advance(due)
+        statics, ms, _ = run.result()
+        if sp.status == "fallback":
+            used["short"] += 1
+        return statics["batchada"] if ms["batchada"] < sp.predicted_ms else sp.plan
+
     def _plan_pipeline(self, lengths, num_devices: int, t0: float, limit: float) -> PlannedStep:
         """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
         baseline's schedule is faster it runs instead (status ``pipeline-1f1b`` / ``pipeline-seq1f1b-4``)."""
@@ -274,6 +367,18 @@ class StepPlanner:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_MIN_PART_S = 0.02
+"""A task part's MILP planner is not started with less time than this left: its BatchAda plan is the answer."""
+
+
+def _check_task_mode(static, pipeline_stages) -> None:
+    """Several tasks are planned with adaptive SP groups only."""
+    if pipeline_stages != 1:
+        raise PlanningError("pipeline stages with several tasks are not supported yet")
+    if static is not None:
+        raise PlanningError(f"a static layout ({static[0]} x{static[1]}) with several tasks is not supported yet")
 
 
 def _timeout_reason(sp, limit: float, skipped: list[str]) -> str:
@@ -308,12 +413,23 @@ def heuristic_plan(
     static: tuple[str, int] | None,
     pipeline_stages: int | str = 1,
     pipeline_params: str = "stage",
+    *,
+    task_of=None,
+    adapter_ranks=None,
+    task_method: str = "spindle",
 ) -> PlannedStep:
     """Without a MILP: the BatchAda plan (or the forced static layout, or a fully checkpointed pipeline), for when
-    the planner actor is stuck."""
+    the planner actor is stuck. With ``task_of`` (several tasks): ``plan_task_step`` with BatchAda per part."""
     t0 = time.perf_counter()
+    if task_of is not None:
+        _check_task_mode(static, pipeline_stages)
     try:
         check_num_devices(num_devices)
+        if task_of is not None:
+            plan, _ = plan_task_step(
+                lengths, task_of, num_devices, profile, adapter_ranks=adapter_ranks, method=task_method
+            )
+            return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
     except PlanningError as e:
         return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
     if pipeline_stages != 1:

@@ -51,9 +51,12 @@ class DocRef:
     targets: int | None = None
     """Tokens that carry loss (predicted from the ones before them; ``flexorch.data.targets``); None: every token
     after the first (``length - 1``, plain text)."""
+    task: int = 0
+    """Index of the ``[[tasks]]`` task the document belongs to (0 in a run of one task): the adapter its tokens run
+    through and the weight of their loss."""
 
     def __post_init__(self) -> None:
-        for name in ("doc_id", "block", "offset"):
+        for name in ("doc_id", "block", "offset", "task"):
             check_count(f"DocRef.{name} (document {self.doc_id!r})", getattr(self, name))
         check_count(f"DocRef.length (document {self.doc_id})", self.length, 1)
         if self.targets is not None:
@@ -102,6 +105,16 @@ class GroupWork:
             )
         if not isinstance(self.docs, tuple) or not all(isinstance(doc, DocRef) for doc in self.docs):
             raise ValueError(f"GroupWork (micro-batch {self.micro_batch}) docs must be a tuple of DocRef")
+        if len({doc.task for doc in self.docs}) > 1:
+            raise ValueError(
+                f"GroupWork (micro-batch {self.micro_batch}) on ranks {self.ranks} mixes documents of tasks "
+                f"{sorted({doc.task for doc in self.docs})}; a group runs one task's adapter"
+            )
+
+    @property
+    def task(self) -> int:
+        """The ``[[tasks]]`` task of the group's documents (0 in a run of one task)."""
+        return self.docs[0].task if self.docs else 0
 
     @property
     def degree(self) -> int:
@@ -128,6 +141,12 @@ class StepTask:
     micro_batches: int = 0
     """Micro-batches of the whole step; with sharded model state every rank runs each one (an empty one where it
     has no group), since FSDP's gathers span the world. 0: not given (whole replicas only need their own)."""
+    task_names: tuple[str, ...] = ()
+    """The run's ``[[tasks]]`` in order (the adapter each group activates); empty: one task, no adapters."""
+    task_weights: tuple[float, ...] = ()
+    """Each task's weight in the loss, normalised to sum to 1 (``[[tasks]] weight``)."""
+    task_predicted: tuple[int, ...] = ()
+    """Each task's loss-target tokens in the whole global batch (they sum to ``num_predicted``)."""
 
     def __post_init__(self) -> None:
         check_count("StepTask.step", self.step)
@@ -164,15 +183,39 @@ class StepTask:
                     f"num_predicted {self.num_predicted}"
                 )
             last = w.micro_batch
+        k = len(self.task_names)
+        if (len(self.task_weights), len(self.task_predicted)) != (k, k):
+            raise ValueError(
+                f"{where}: task_weights {self.task_weights} and task_predicted {self.task_predicted} need one entry "
+                f"per task of {self.task_names}"
+            )
+        if k and sum(self.task_predicted) != self.num_predicted:
+            raise ValueError(
+                f"{where}: the tasks' targets {self.task_predicted} do not sum to num_predicted {self.num_predicted}"
+            )
+        bad = [w.task for w in self.work if w.task >= max(k, 1)]
+        if bad:
+            raise ValueError(f"{where}: a group runs task {bad[0]}, the run has tasks {self.task_names or ('one',)}")
         if self.micro_batches and last >= self.micro_batches:
             raise ValueError(f"{where}: micro-batch {last} is outside the step's {self.micro_batches} micro-batches")
+
+    def loss_scale(self, t: int) -> float:
+        """What a group of task ``t`` multiplies its summed loss by, so that after the world's division by
+        ``num_predicted`` the step's loss is ``sum_t weight_t * (task t's summed loss / task t's targets)``; 1.0 in a
+        run of one task (every token weighs the same, as before)."""
+        if not self.task_names:
+            return 1.0
+        n_t = self.task_predicted[t]
+        return self.task_weights[t] * self.num_predicted / n_t if n_t else 0.0
 
     def blocks(self) -> set[int]:
         """Object-store blocks this rank reads."""
         return {d.block for w in self.work for d in w.docs}
 
 
-def step_tasks(plan, docs: Sequence[DocRef], step: int, recompute=None) -> list[StepTask]:
+def step_tasks(
+    plan, docs: Sequence[DocRef], step: int, recompute=None, task_names=(), task_weights=()
+) -> list[StepTask]:
     """One :class:`StepTask` per rank of ``plan``; ``docs[i]`` is the plan's sequence ``i``.
 
     ``plan`` is a ``solver.plan.Plan`` whose ``seq_lengths`` must equal the documents' lengths. ``recompute``
@@ -196,4 +239,19 @@ def step_tasks(plan, docs: Sequence[DocRef], step: int, recompute=None) -> list[
                 per_rank[r].append(work)
     num_predicted = sum(d.predicted for d in docs)
     m = len(plan.micro_batches)
-    return [StepTask(step, r, n, tuple(rank_sets), tuple(per_rank[r]), num_predicted, m) for r in range(n)]
+    names = tuple(task_names)
+    weights: tuple[float, ...] = ()
+    per_task: tuple[int, ...] = ()
+    if names:
+        if len(task_weights) != len(names) or min(task_weights) <= 0:
+            raise ValueError(f"need a weight > 0 per task of {names}, got {list(task_weights)}")
+        total = float(sum(task_weights))
+        weights = tuple(float(w) / total for w in task_weights)
+        counts = [0] * len(names)
+        for d in docs:
+            counts[d.task] += d.predicted
+        per_task = tuple(counts)
+    return [
+        StepTask(step, r, n, tuple(rank_sets), tuple(per_rank[r]), num_predicted, m, names, weights, per_task)
+        for r in range(n)
+    ]

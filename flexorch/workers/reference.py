@@ -23,7 +23,14 @@ from flexorch.workers.model import check_token_range, loss_sum, next_token_label
 from flexorch.workers.model_source import build_model
 from flexorch.workers.optim import build_optimizer, clip_grad_norm_
 
-__all__ = ["PackedBatch", "pack_documents", "reference_loss_sum", "reference_step", "reference_train"]
+__all__ = [
+    "PackedBatch",
+    "pack_documents",
+    "reference_loss_sum",
+    "reference_step",
+    "reference_train",
+    "reference_train_tasks",
+]
 
 
 @dataclass(frozen=True)
@@ -122,3 +129,49 @@ def reference_train(
                 raise ValueError(f"step {step}, document {i}: {e}") from None
         losses.append(reference_step(model, optimizer, scheduler, docs, optim_cfg))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def reference_train_tasks(
+    model_cfg: ModelConfig,
+    optim_cfg: OptimConfig,
+    batches: Sequence[Sequence[tuple[int, np.ndarray | torch.Tensor]]],
+    seed: int,
+    task_names: Sequence[str],
+    task_weights: Sequence[float],
+) -> tuple[list[float], list[dict[str, float]], dict[str, torch.Tensor]]:
+    """The reference of a run of ``[[tasks]]``: each step's documents (``(task index, tokens)`` pairs) are packed
+    per task and run with that task's adapter active (``flexorch.workers.lora``); the step's loss is
+    ``sum_t w_t * (task t's summed loss / task t's targets)`` with the weights normalised to sum to 1, then one
+    clip and one AdamW step, as a distributed step must give for any plan. Returns the step losses, each step's
+    per-task mean losses and the final state dict."""
+    from flexorch.workers.lora import set_active_task
+
+    model = build_model(model_cfg, seed)
+    optimizer, scheduler = build_optimizer(model, optim_cfg)
+    total_w = float(sum(task_weights))
+    losses: list[float] = []
+    per_task: list[dict[str, float]] = []
+    for docs in batches:
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), dtype=torch.float64)
+        means: dict[str, float] = {}
+        for t, name in enumerate(task_names):
+            mine = [d for k, d in docs if k == t]
+            if not mine:
+                continue
+            batch = pack_documents(mine)
+            set_active_task(model, name)
+            summed = reference_loss_sum(model, batch)
+            means[name] = float(summed.detach()) / batch.n_predicted if batch.n_predicted else 0.0
+            if batch.n_predicted:
+                part = summed * (float(task_weights[t]) / total_w / batch.n_predicted)
+                part.backward()
+                step_loss += part.detach().double()
+        set_active_task(model, None)
+        if optim_cfg.grad_clip is not None:
+            clip_grad_norm_([p for p in model.parameters() if p.grad is not None], optim_cfg.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(float(step_loss))
+        per_task.append(means)
+    return losses, per_task, {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -32,7 +32,9 @@ from flexorch.workers.optim import resident_bytes
 from flexorch.workers.step_exec import (
     GroupGetter,
     StepOutcome,
+    TaskLosses,
     _documents,
+    begin_group,
     default_device,
     group_attention,
     micro_batch_inputs,
@@ -75,6 +77,7 @@ def run_sharded_step(
     local_loss = torch.zeros((), dtype=torch.float64)
     local_pred = 0
     by_mb = {w.micro_batch: w for w in task.work}
+    per_task = TaskLosses(task)
     for mb in range(task.micro_batches):
         if gather == "step":  # gathered once, kept to the step's end; one reduce-scatter after the last backward
             last = mb == task.micro_batches - 1
@@ -95,10 +98,14 @@ def run_sharded_step(
             attn = group_attention(layout, work, group_of(work.ranks) if work.degree > 1 else None, backend)
             if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
                 set_activation_checkpointing(model, work.recompute)
+        scale = begin_group(model, task, work)  # [[tasks]]: this group's adapter and loss weight
         with saved_tensor_meter(params) as meter:
             loss = model(ids.to(device), pos.to(device), attn, labels=labels.to(device))  # head + loss, chunked
         out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
         hook("micro_batch")
+        per_task.add(work, loss)
+        if scale != 1.0:
+            loss = loss * scale
         loss.backward()  # FSDP reduce-scatters each layer's gradient (a sum over the mesh) into the shards
         local_loss += loss.detach().double().cpu()
         local_pred += int((labels != -100).sum())
@@ -111,8 +118,9 @@ def run_sharded_step(
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
 
     return finish_sharded_step(
-        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook, t0, model=model
-    )
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook, t0, model=model,
+        task_losses=per_task,
+    )  # fmt: skip
 
 
 def finish_sharded_step(
@@ -130,6 +138,7 @@ def finish_sharded_step(
     *,
     model: torch.nn.Module,
     counts_norm: bool | None = None,
+    task_losses: TaskLosses | None = None,
 ) -> StepOutcome:
     """The end of a sharded step (SP, or a pipeline stage's shard): sum the loss and predicted-token count over the
     world, check the count, divide the (reduce-scattered, summed) gradient shards by it, clip by the global norm and
@@ -143,10 +152,13 @@ def finish_sharded_step(
     norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.zeros(())
     norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # this mesh's gradient norm (unscaled)
     counts = task.rank == 0 if counts_norm is None else counts_norm
-    stats = [float(local_loss), float(local_pred), norm**2 if counts else 0.0]
+    extra = task_losses.sums if task_losses is not None else []  # [[tasks]]: each task's loss sum rides along
+    stats = [float(local_loss), float(local_pred), norm**2 if counts else 0.0, *extra]
     stats = torch.tensor(stats, dtype=torch.float64, device=device)
     if world is not None and task.world_size > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=world)
+    if task_losses is not None:
+        task_losses.fill(out, stats[3:].tolist())
     total_pred = int(round(float(stats[1])))
     if total_pred != task.num_predicted:
         raise RuntimeError(

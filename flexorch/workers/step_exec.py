@@ -70,6 +70,9 @@ class StepOutcome:
     param_bytes: int = 0
     """Bytes of parameters, gradients and optimizer state this rank held (``flexorch.workers.optim.resident_bytes``;
     sharded: its shards; pipelined: during the step)."""
+    task_losses: dict[str, float] = field(default_factory=dict)
+    """``[[tasks]]``: each task's mean cross-entropy per target token over the global batch (identical on every
+    rank); empty in a run of one task."""
     compile_s: float = 0.0
     """Seconds ``torch.compile`` spent compiling during this step (the first steps of a compiled model, and a
     recompile; ``flexorch.workers.compile.compile_seconds``)."""
@@ -113,6 +116,37 @@ def group_attention(layout: Layout, work: GroupWork, group: dist.ProcessGroup | 
     )
 
 
+def begin_group(model: torch.nn.Module, task: StepTask, work: GroupWork | None) -> float:
+    """Activate the adapter of ``work``'s task (``[[tasks]]``; no task: the base alone) and return the factor its
+    summed loss is multiplied by before the backward (:meth:`StepTask.loss_scale`; 1.0 in a run of one task)."""
+    if not task.task_names:
+        return 1.0
+    from flexorch.workers.lora import set_active_task
+
+    set_active_task(model, task.task_names[work.task] if work is not None else None)
+    return task.loss_scale(work.task) if work is not None else 0.0
+
+
+class TaskLosses:
+    """Each task's summed cross-entropy on this rank (unscaled), summed over the world with the step's stats."""
+
+    def __init__(self, task: StepTask):
+        self.task = task
+        self.sums = [0.0] * len(task.task_names)
+
+    def add(self, work: GroupWork | None, loss: torch.Tensor) -> None:
+        if self.sums and work is not None:
+            self.sums[work.task] += float(loss.detach())
+
+    def fill(self, out: StepOutcome, summed) -> None:
+        """``summed``: the world's sums (same order); each task's mean over its targets into ``out``."""
+        t = self.task
+        out.task_losses = {
+            name: float(x) / n if n else 0.0
+            for name, x, n in zip(t.task_names, summed, t.task_predicted, strict=True)
+        }
+
+
 def run_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -142,6 +176,7 @@ def run_step(
     local_loss = torch.zeros((), dtype=torch.float64)
     local_pred = 0
     params = [p for p in model.parameters() if p.requires_grad]
+    per_task = TaskLosses(task)
     for work in task.work:
         t_mb = time.perf_counter()
         tokens, cu = _documents(work, blocks)
@@ -152,10 +187,14 @@ def run_step(
         attn = group_attention(layout, work, group, backend)
         if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
             set_activation_checkpointing(model, work.recompute)
+        scale = begin_group(model, task, work)  # [[tasks]]: this group's adapter and loss weight
         with saved_tensor_meter(params) as meter:  # activation bytes held for backward: the plan's memory
             loss = model(ids.to(device), pos.to(device), attn, labels=labels.to(device))  # head + loss, chunked
         out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
         hook("micro_batch")
+        per_task.add(work, loss)
+        if scale != 1.0:
+            loss = loss * scale
         loss.backward()
         local_loss += loss.detach().double().cpu()
         local_pred += int((labels != -100).sum())
@@ -167,8 +206,9 @@ def run_step(
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
 
     out = sync_and_step(
-        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0
-    )
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0,
+        task_losses=per_task,
+    )  # fmt: skip
     out.param_bytes = resident_bytes(model, optimizer)
     return out
 
@@ -199,6 +239,7 @@ def sync_and_step(
     hook: Callable[[str], None],
     t0: float,
     buckets: list[GradBucket] | None = None,
+    task_losses: TaskLosses | None = None,
 ) -> StepOutcome:
     """The end of every step (SP or pipelined): sum the gradients, loss and predicted-token count over the world,
     check the count against the task's, divide, clip (global norm over every parameter) and step the optimizer.
@@ -225,9 +266,13 @@ def sync_and_step(
             norm_sq += float((flat.double() ** 2).sum())
         reduced.append((b.params, flat))
     # the loss sum and token count (and, sharded, the squared gradient norm) ride in a small float64 buffer
-    stats = torch.tensor([float(local_loss), float(local_pred), norm_sq], dtype=torch.float64, device=device)
+    extra = task_losses.sums if task_losses is not None else []  # [[tasks]]: each task's loss sum rides along
+    stats = [float(local_loss), float(local_pred), norm_sq, *extra]
+    stats = torch.tensor(stats, dtype=torch.float64, device=device)
     if world is not None and task.world_size > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=world)
+    if task_losses is not None:
+        task_losses.fill(out, stats[3:].tolist())
     total_pred = int(round(float(stats[1])))
     if total_pred != task.num_predicted:
         raise RuntimeError(

@@ -11,6 +11,10 @@ Beyond the paper (``search.py``): the bi-point pieces at C* and at a few larger 
 and single counts, are allotments a local search chooses from, one MetaOp at a time, each choice priced by the
 scheduler; the baselines' allotments are starting points, so the search ends no worse than them. Should a baseline
 still be better, the plan is that baseline, with ``method`` and ``note`` saying so.
+
+``split_layers=False``: every MetaOp runs whole, all its layers on one device block (one part per MetaOp; the
+baselines are whole already). What workers can execute today (``execute.py``); C* stays a bound (it is one for
+the larger set of schedules that may split layers).
 """
 
 from __future__ import annotations
@@ -36,9 +40,16 @@ def _makespan(parts) -> float:
 
 
 def plan_metaops(
-    metaops, num_devices: int, *, slacks=SLACKS, max_evals: int = 1500, started: float | None = None
+    metaops,
+    num_devices: int,
+    *,
+    slacks=SLACKS,
+    max_evals: int = 1500,
+    started: float | None = None,
+    split_layers: bool = True,
 ) -> MultiTaskPlan:
-    """Plan given MetaOps (tasks numbered 0..T-1, levels 0..k-1 per task)."""
+    """Plan given MetaOps (tasks numbered 0..T-1, levels 0..k-1 per task); without `split_layers`, one part per
+    MetaOp."""
     started = time.perf_counter() if started is None else started
     metaops: tuple[MetaOp, ...] = tuple(metaops)
     if not isinstance(num_devices, int) or num_devices < 1:
@@ -54,7 +65,7 @@ def plan_metaops(
             f"not up to {top} (the largest power of two <= {num_devices})"
         )
     alloc = continuous_allocation(metaops, num_devices)
-    makespan, parts, note = search_schedule(metaops, num_devices, alloc.makespan_ms, slacks, max_evals)
+    makespan, parts, note = search_schedule(metaops, num_devices, alloc.makespan_ms, slacks, max_evals, split_layers)
     best = (makespan, "spindle", parts, note)
     baselines = {"in_turn": in_turn_parts(metaops, num_devices), "fixed_split": fixed_split_parts(metaops, num_devices)}
     baselines_ms = {k: _makespan(p) if p else float("inf") for k, p in baselines.items()}
@@ -75,11 +86,19 @@ def plan_metaops(
     )
 
 
-def plan_tasks(tasks, num_devices: int, profile: Profile, *, slacks=SLACKS, max_evals: int = 1500) -> MultiTaskPlan:
-    """Spindle's plan for one step of `tasks` (``TaskBatch``) on `num_devices` devices under `profile`."""
+def plan_tasks(
+    tasks, num_devices: int, profile: Profile, *, slacks=SLACKS, max_evals: int = 1500, split_layers: bool = True
+) -> MultiTaskPlan:
+    """Spindle's plan for one step of `tasks` (``TaskBatch``) on `num_devices` devices under `profile`; without
+    `split_layers`, every MetaOp whole on one block."""
     started = time.perf_counter()
     if not tasks:
         raise PlanningError("plan_tasks needs at least one task")
     return plan_metaops(
-        build_metaops(tasks, num_devices, profile), num_devices, slacks=slacks, max_evals=max_evals, started=started
+        build_metaops(tasks, num_devices, profile),
+        num_devices,
+        slacks=slacks,
+        max_evals=max_evals,
+        started=started,
+        split_layers=split_layers,
     )

@@ -8,6 +8,11 @@ layers on one block). Starting from each of the bi-point allotments, the all-dev
 and the fixed split, one MetaOp's allotment is changed at a time, keeping a change when the scheduled
 makespan falls (the best such change each pass), until none does; from every start in turn, until ``max_evals``
 distinct schedules were tried in all.
+
+``split_layers=False`` keeps only whole allotments, one count for all of a MetaOp's layers: the bi-point
+allotments of two pieces are not offered (one of a single piece is), so every MetaOp becomes exactly one part. The
+workers execute such plans today (``execute.py``); running a task's layers on two device sets would need its
+activations moved between them mid-model, which is not built.
 """
 
 from __future__ import annotations
@@ -22,14 +27,17 @@ from flexorch.solver.multitask.waves import schedule
 __all__ = ["allotment_options", "search_schedule"]
 
 
-def allotment_options(metaops, num_devices: int, c_star: float, slacks) -> list[list[tuple[Piece, ...]]]:
-    """Per MetaOp, its distinct allotments (tuples of pieces); the bi-point ones first, by slack."""
+def allotment_options(
+    metaops, num_devices: int, c_star: float, slacks, split_layers: bool = True
+) -> list[list[tuple[Piece, ...]]]:
+    """Per MetaOp, its distinct allotments (tuples of pieces); the bi-point ones first, by slack. Without
+    `split_layers`, only allotments of one piece (all the MetaOp's layers on one count)."""
     options: list[list[tuple[Piece, ...]]] = [[] for _ in metaops]
     for s in slacks:
         pieces = bi_point(metaops, continuous_allocation(metaops, num_devices, c_star * (1 + s)))
         for i, m in enumerate(metaops):
             mine = tuple(p for p in pieces if (p.task, p.level) == (m.task, m.level))
-            if mine not in options[i]:
+            if (split_layers or len(mine) == 1) and mine not in options[i]:
                 options[i].append(mine)
     for i, m in enumerate(metaops):
         prev = math.inf
@@ -45,9 +53,9 @@ def _makespan(parts) -> float:
     return max(p.end_ms for p in parts)
 
 
-def search_schedule(metaops, num_devices: int, c_star: float, slacks, max_evals: int = 1500):
-    """(makespan, parts, note) of the best schedule found."""
-    options = allotment_options(metaops, num_devices, c_star, slacks)
+def search_schedule(metaops, num_devices: int, c_star: float, slacks, max_evals: int = 1500, split_layers: bool = True):
+    """(makespan, parts, note) of the best schedule found (whole MetaOps only without `split_layers`)."""
+    options = allotment_options(metaops, num_devices, c_star, slacks, split_layers)
     top = 1 << (num_devices.bit_length() - 1)
     starts = {f"bi-point, slack {s:g}": [k] * len(metaops) for k, s in enumerate(slacks)}
     starts = {k: [min(j, len(options[i]) - 1) for i, j in enumerate(v)] for k, v in starts.items()}
@@ -80,6 +88,8 @@ def search_schedule(metaops, num_devices: int, c_star: float, slacks, max_evals:
                 for j in range(len(options[i]))
                 if j != current[i]
             ]
+            if not trials:  # one allotment per MetaOp (e.g. one device): nothing to change
+                break
             trial = min(trials, key=lambda c: run(c)[0] if len(cache) < max_evals or tuple(c) in cache else math.inf)
             if not run(trial)[0] < run(current)[0] * (1 - 1e-9):
                 break
