@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from flexorch.config.adapters import LoraSpec, check_adapters, with_adapter_shapes
+
 __all__ = ["MODEL_PRESETS", "RUN_KEYS", "ModelConfig", "model_config"]
 
 
@@ -65,6 +67,12 @@ class ModelConfig:
     """The varlen attention kernel: ``auto`` (on a GPU, the fastest of the kernels that match the ``math`` reference
     there, measured at worker start: ``flexorch.workers.attention.choice``) or one of ``flash_attn``,
     ``torch_cudnn``, ``torch_flash``, ``torch_cpu``, ``math``. Not part of the model's shape."""
+    adapters: tuple[LoraSpec, ...] = ()
+    """Per-task LoRA adapters on the decoder layers (``flexorch.config.adapters``, built by
+    ``flexorch.workers.lora``; a run sets them from ``[[tasks]]``); part of the model's shape (its parameters)."""
+    base_trainable: bool = True
+    """The base model's parameters train; false: only the adapters do (every other parameter is built with
+    ``requires_grad=False``)."""
 
     def __post_init__(self) -> None:
         c = self.loss_chunk_tokens
@@ -98,6 +106,19 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} (dim / num_heads) must be even for RoPE")
+        if not isinstance(self.base_trainable, bool):
+            raise ValueError(f"ModelConfig.base_trainable must be true or false, got {self.base_trainable!r}")
+        self._set_adapters()
+
+    def _set_adapters(self) -> None:
+        """``adapters`` as a tuple of :class:`LoraSpec` (dicts, as ``to_dict`` and JSON give them back, are
+        converted), checked against this model's decoder layers."""
+        a = self.adapters
+        if isinstance(a, str | bytes | Mapping) or not isinstance(a, tuple | list):
+            raise ValueError(f"ModelConfig.adapters must be a list of LoRA adapters (LoraSpec), got {a!r}")
+        specs = tuple(s if isinstance(s, LoraSpec) else LoraSpec.from_dict(s) for s in a)
+        check_adapters(self, specs)
+        object.__setattr__(self, "adapters", specs)
 
     @property
     def head_dim(self) -> int:
@@ -105,8 +126,8 @@ class ModelConfig:
         return self.dim // self.num_heads
 
     def num_params(self) -> int:
-        """Parameter count computed from the shape (equals the built model's)."""
-        if self.hf is not None:
+        """Parameter count computed from the shape (equals the built model's), adapters included."""
+        if self.hf is not None or self.adapters:
             return sum(math.prod(shape) for _, shape in self.param_shapes())
         kv = self.num_kv_heads * self.head_dim
         attn = 2 * self.dim * self.dim + 2 * self.dim * kv  # wq, wo + wk, wv
@@ -117,7 +138,11 @@ class ModelConfig:
         return embed + self.num_layers * per_layer + self.dim + head  # + final norm
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, shape)`` of every parameter in the built model's ``named_parameters`` order."""
+        """``(name, shape)`` of every parameter in the built model's ``named_parameters`` order: the base model's,
+        with each decoder layer's adapter parameters right after that layer's own (``flexorch.config.adapters``)."""
+        return with_adapter_shapes(self._base_param_shapes(), self.adapters)
+
+    def _base_param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         if self.hf is not None:
             from flexorch.config.hf import hf_param_shapes
 

@@ -29,6 +29,13 @@ from torch import nn
 
 from flexorch.config.model import ModelConfig
 from flexorch.workers.chunked_loss import head_loss_sum
+from flexorch.workers.lora import (
+    add_adapters,
+    apply_base_trainable,
+    initial_adapter_param,
+    is_adapter_param,
+    with_adapter_values,
+)
 from flexorch.workers.model import call_attention, check_token_range, loss_sum
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFDecoder", "flexorch_attention", "hf_random_init", "hf_weights", "meta_hf_decoder"]
@@ -188,12 +195,17 @@ def hf_config(cfg: ModelConfig):
 
 
 def meta_hf_decoder(cfg: ModelConfig) -> HFDecoder:
-    """The model on the meta device (no memory): allocate it with ``to_empty`` and fill it, or shard it first."""
+    """The model on the meta device (no memory): allocate it with ``to_empty`` and fill it, or shard it first.
+    ``cfg.adapters``: each decoder layer also holds the tasks' LoRA adapters (``flexorch.workers.lora``);
+    ``cfg.base_trainable`` false: only they require gradients."""
     tf = transformers_module()
     conf = hf_config(cfg)
     with torch.device("meta"):
         lm = tf.AutoModelForCausalLM.from_config(conf, attn_implementation=ATTN_IMPLEMENTATION, dtype=torch.float32)
-    model = HFDecoder(lm, cfg)
+        model = HFDecoder(lm, cfg)
+        if cfg.adapters:
+            add_adapters(model, cfg.adapters)
+    apply_base_trainable(model, cfg.base_trainable)
     names = [n for n, _ in model.named_parameters()]
     expected = [n for n, _ in cfg.param_shapes()]
     if names != expected:  # the config layer's shapes drive checks, init and re-sharding: they must be the model's
@@ -201,10 +213,11 @@ def meta_hf_decoder(cfg: ModelConfig) -> HFDecoder:
     return model
 
 
-def hf_weights(cfg: ModelConfig, shapes, rows=None):
+def hf_weights(cfg: ModelConfig, shapes, rows=None, *, seed: int = 0):
     """Yield ``(name, float32 CPU tensor)`` of each parameter in ``shapes`` from the directory's safetensors files,
     one tensor at a time; with ``rows(name) -> (start, stop) | None`` only those rows are read from disk (a sharded
-    worker's), and parameters mapped to None are skipped."""
+    worker's), and parameters mapped to None are skipped. Adapter parameters are not in the files: they are
+    generated (``flexorch.workers.lora.initial_adapter_value`` with ``seed``), those rows of them likewise."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -215,6 +228,9 @@ def hf_weights(cfg: ModelConfig, shapes, rows=None):
     for name, shape in shapes:
         span = rows(name) if rows is not None else (0, shape[0])
         if span is None:
+            continue
+        if is_adapter_param(name):
+            yield name, initial_adapter_param(name, shape, seed, cfg.adapters)[span[0] : span[1]]
             continue
         with safe_open(str(files[name]), framework="pt") as f:
             stored = f.get_slice(name)
@@ -227,7 +243,12 @@ def hf_weights(cfg: ModelConfig, shapes, rows=None):
 def hf_random_init(cfg: ModelConfig, seed: int, shapes):
     """Yield ``(name, float32 CPU tensor)`` of each whole parameter in ``shapes``, Transformers' initialisation
     scheme (normal(0, initializer_range) matrices and embeddings, zero biases, unit norms) drawn in order from a
-    generator seeded with ``seed``."""
+    generator seeded with ``seed``. Adapter parameters come from generators of their own
+    (``flexorch.workers.lora.initial_adapter_value``): the base values are those of the model without them."""
+    return with_adapter_values(lambda base: _random_base(cfg, seed, base), shapes, seed, cfg.adapters)
+
+
+def _random_base(cfg: ModelConfig, seed: int, shapes):
     gen = torch.Generator().manual_seed(seed)
     for name, shape in shapes:
         if name.endswith(".bias"):

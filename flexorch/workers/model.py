@@ -25,6 +25,7 @@ from torch import nn
 from flexorch.config.model import ModelConfig
 from flexorch.workers.attention.sharding import check_cu_seqlens
 from flexorch.workers.chunked_loss import IGNORE_INDEX, LMHead, head_loss_sum
+from flexorch.workers.lora import add_adapters, apply_base_trainable, with_adapter_values
 from flexorch.workers.recompute import MODES as RECOMPUTE_MODES
 from flexorch.workers.recompute import checkpointed
 
@@ -162,7 +163,11 @@ def set_activation_checkpointing(model: nn.Module, mode: str) -> None:
 
 
 class Decoder(nn.Module):
-    """Token embedding, ``num_layers`` blocks, final RMSNorm, LM head. Build it with :func:`init_model`."""
+    """Token embedding, ``num_layers`` blocks, final RMSNorm, LM head. Build it with :func:`init_model`.
+
+    ``cfg.adapters``: each block also holds the tasks' LoRA adapters (``flexorch.workers.lora``: a ``lora``
+    submodule after the block's own, a hook on each target linear map); ``cfg.base_trainable`` false: only they
+    require gradients."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -171,6 +176,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = None if cfg.tie_embeddings else LMHead(cfg.dim, cfg.vocab_size)
+        if cfg.adapters:
+            add_adapters(self, cfg.adapters)
+        apply_base_trainable(self, cfg.base_trainable)
 
     def forward(
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn: AttnFn, labels: torch.Tensor | None = None
@@ -222,7 +230,12 @@ def initial_parameters(cfg: ModelConfig, seed: int, shapes):
     """Yield ``(name, float32 CPU tensor)`` of each parameter's initial value, one at a time, in the order of
     ``shapes`` (``(name, shape)`` in ``named_parameters`` order): what :func:`init_model` copies in. A sharded
     worker keeps its rows of each and drops the rest, so no process ever holds the whole initial model, and the
-    values are the same whatever the sharding."""
+    values are the same whatever the sharding. Adapter parameters (``cfg.adapters``) come from generators of their
+    own (``flexorch.workers.lora.initial_adapter_value``): the base values are those of the model without them."""
+    return with_adapter_values(functools.partial(_base_initial, cfg, seed), shapes, seed, cfg.adapters)
+
+
+def _base_initial(cfg: ModelConfig, seed: int, shapes):
     gen = torch.Generator().manual_seed(seed)
     residual_std = cfg.init_std / math.sqrt(2 * cfg.num_layers)
     for name, shape in shapes:

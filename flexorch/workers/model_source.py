@@ -34,7 +34,7 @@ def initial_parameters(cfg: ModelConfig, seed: int, shapes, rows=None):
     if cfg.hf is not None and cfg.hf_weights:
         from flexorch.workers.hf_model import hf_weights
 
-        yield from hf_weights(cfg, shapes, rows)
+        yield from hf_weights(cfg, shapes, rows, seed=seed)
         return
     if cfg.hf is None:
         values = own.initial_parameters(cfg, seed, shapes)
