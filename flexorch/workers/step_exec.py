@@ -142,8 +142,7 @@ class TaskLosses:
         """``summed``: the world's sums (same order); each task's mean over its targets into ``out``."""
         t = self.task
         out.task_losses = {
-            name: float(x) / n if n else 0.0
-            for name, x, n in zip(t.task_names, summed, t.task_predicted, strict=True)
+            name: float(x) / n if n else 0.0 for name, x, n in zip(t.task_names, summed, t.task_predicted, strict=True)
         }
 
 
