@@ -317,6 +317,26 @@ def test_a_frozen_base_trains_only_the_adapters():
     assert all(p.requires_grad for p in init_model(dataclasses.replace(cfg, base_trainable=True), 0).parameters())
 
 
+def test_calibration_probes_a_frozen_base_through_the_costliest_adapter_and_restore_the_task():
+    """A probe's backward needs a gradient: with the base frozen it must run through an adapter (seen on
+    2026-11-27: `flexorch train` of three tasks failed every probe with "element 0 of tensors does not require
+    grad"); the adapter with the most parameters is the one probed, so the time includes the costliest."""
+    from flexorch.workers.calibrate import Probe, run_probes
+    from flexorch.workers.lora import probing_task
+
+    model = init_model(ModelConfig(adapters=OURS, base_trainable=False), 0)
+    set_active_task(model, None)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        run_probes(model, [Probe(1, "ulysses", (9, 5), repeats=1)], 0, 1, None, None, 257)
+    set_active_task(model, "chat")
+    with probing_task(model) as chosen:
+        assert chosen == active_task(model) == "code"  # wo, w1, w2 at rank 2 outweigh wq, wv at rank 4
+        (ms,) = run_probes(model, [Probe(1, "ulysses", (9, 5), repeats=1)], 0, 1, None, None, 257)
+    assert ms > 0 and active_task(model) == "chat"
+    with probing_task(init_model(ModelConfig(), 0)) as none:
+        assert none is None
+
+
 def test_a_deep_copy_applies_its_own_adapters():
     model = init_model(ModelConfig(adapters=OURS), 0)
     twin = copy.deepcopy(model)

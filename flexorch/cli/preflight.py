@@ -27,7 +27,16 @@ def preflight(cfg: TrainConfig) -> list[str]:
 
     check_requirements(cfg)
     notes: list[str] = []
-    check_source(cfg.data)
+    if cfg.tasks:  # [[tasks]]: every task's own data (the run's [data] only gives their defaults)
+        from flexorch.data.lengths import DataError
+
+        for task in cfg.tasks:
+            try:
+                check_source(task.data)
+            except DataError as e:
+                raise DataError(f"[[tasks]] {task.name!r}: {e}") from None
+    else:
+        check_source(cfg.data)
     spec = cfg.data.tokenizer
     if spec.startswith("hf:") and not Path(spec[3:]).expanduser().is_dir():
         raise ConfigError(f"[data] tokenizer = {spec!r}: directory {spec[3:]!r} does not exist")

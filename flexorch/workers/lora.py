@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +49,7 @@ __all__ = [
     "initial_adapter_param",
     "initial_adapter_value",
     "is_adapter_param",
+    "probing_task",
     "set_active_task",
     "with_adapter_values",
 ]
@@ -257,3 +259,26 @@ def with_adapter_values(base, shapes, seed: int, specs):
             if got != name:
                 raise RuntimeError(f"initial values out of order: expected {name}, got {got}")
             yield name, value
+
+
+@contextmanager
+def probing_task(model: nn.Module):
+    """Within the block, the adapter with the most parameters is active (none when the model has no adapters): what a
+    calibration probe or a memory measurement runs, so the time and bytes it measures include the costliest adapter
+    (and, with a frozen base, the loss has a gradient to run the backward with). The task active before is restored."""
+    tasks = adapter_tasks(model)
+    if not tasks:
+        yield None
+        return
+    sizes = dict.fromkeys(tasks, 0)
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if "lora" in parts:
+            sizes[parts[parts.index("lora") + 1]] += p.numel()
+    before = active_task(model)
+    chosen = max(tasks, key=lambda t: sizes[t])
+    set_active_task(model, chosen)
+    try:
+        yield chosen
+    finally:
+        set_active_task(model, before)

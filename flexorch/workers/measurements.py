@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from flexorch.workers.lora import probing_task
 from flexorch.workers.model import init_model
 from flexorch.workers.model_source import set_activation_checkpointing
 from flexorch.workers.recompute import built_mode
@@ -30,9 +31,10 @@ class WorkerMeasurements:
         ]
         reg.ensure(sets)
         world = reg.world if n > 1 else None
-        return run_probes(
-            self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
-        )
+        with probing_task(self.model):  # [[tasks]]: probes run through the costliest adapter
+            return run_probes(
+                self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
+            )
 
     def device_memory(self) -> dict | None:
         """``{"free_at_start", "total"}`` bytes of this worker's CUDA device when it started; None on a CPU."""
@@ -51,7 +53,8 @@ class WorkerMeasurements:
         if mode is not None:
             set_activation_checkpointing(self.model, mode)
         try:
-            return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
+            with probing_task(self.model):
+                return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
         finally:
             if mode is not None:
                 set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
