@@ -257,6 +257,97 @@ def _causal(q, k, v, n):
     return varlen_attn_func(q, k, v, torch.tensor([0, n], dtype=torch.int32), n)
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # inside PEFT
+def test_an_export_with_adapters_is_the_base_model_plus_one_peft_adapter_per_task(tmp_path, capsys):
+    """`flexorch export` of a run with per-task LoRA adapters: the safetensors are the base model alone (no `.lora.`
+    tensor; from_pretrained reports no missing or unexpected key) and each task's adapter is a PEFT directory,
+    `adapters/<task>/`. Transformers' model with PEFT's adapter (code we did not write, with Transformers' own
+    attention) gives flexorch's logits with that task active; the base alone, flexorch's with none."""
+    peft = pytest.importorskip("peft")
+    from flexorch.cli.main import main
+    from flexorch.config.adapters import LoraSpec
+    from flexorch.control.checkpoint import save_checkpoint
+    from flexorch.workers.lora import set_active_task
+    from flexorch.workers.model_source import build_model
+
+    specs = (  # every linear map of a Llama layer, q_proj in both tasks; B != 0, so an adapter changes the logits
+        LoraSpec("chat", 4, 8.0, ("q_proj", "v_proj"), init_b_std=0.02),
+        LoraSpec("code", 2, 3.0, ("q_proj", "k_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), init_b_std=0.02),
+    )
+    cfg = ModelConfig.from_dict({**hf_model_config(str(_dir(tmp_path, "llama"))), "adapters": specs})
+    ours = build_model(cfg, 7).eval()
+    state = ours.state_dict()
+    worker = {"model": state, "optimizer": {}, "scheduler": {}, "rng": {}}
+    ckpt = save_checkpoint(tmp_path / "run", 1, worker, {"config": {"model": cfg.to_dict(), "data": {}}}).path
+    out = tmp_path / "out"
+    assert main(["export", ckpt, str(out)]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    for s in specs:
+        assert sum(f"adapter {s.task} -> {out / 'adapters' / s.task}/" in line for line in printed) == 1, printed
+
+    saved = load_file(out / "model.safetensors")
+    assert not [n for n in saved if ".lora." in n]
+    assert sorted(saved) == sorted(n for n in state if ".lora." not in n)
+
+    def base():
+        lm, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out, local_files_only=True, output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        return lm.eval()
+
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(0))
+
+    def mine(task):
+        set_active_task(ours, task)
+        with torch.no_grad():
+            return ours(ids[0], torch.arange(9), functools.partial(_causal, n=9))
+
+    with torch.no_grad():
+        torch.testing.assert_close(base()(input_ids=ids).logits[0], mine(None), rtol=1e-5, atol=1e-5)
+    for s in specs:
+        where = out / "adapters" / s.task
+        conf = json.loads((where / "adapter_config.json").read_text())
+        assert (conf["peft_type"], conf["r"], conf["lora_alpha"], conf["lora_dropout"]) == ("LORA", s.rank, s.alpha, 0)
+        assert sorted(conf["target_modules"]) == sorted(s.targets)
+        twin = peft.PeftModel.from_pretrained(base(), where).eval()
+        theirs = dict(twin.named_parameters())
+        ours_lora = {n: p for n, p in ours.named_parameters() if f".lora.{s.task}." in n}
+        assert len(ours_lora) == len([n for n in theirs if ".lora_" in n]) == 2 * len(s.targets) * 2
+        for name, p in ours_lora.items():  # model.layers.0.lora.code.q_proj.A -> ....q_proj.lora_A.default.weight
+            layer, _, rest = name.partition(".lora.")
+            _, target, which = rest.split(".")
+            (twin_name,) = [n for n in theirs if n.startswith(f"base_model.model.{layer}.") and
+                            n.endswith(f".{target}.lora_{which}.default.weight")]  # fmt: skip
+            assert torch.equal(theirs[twin_name], p.detach()), name
+        with torch.no_grad():
+            adapted = twin(input_ids=ids).logits[0]
+        torch.testing.assert_close(adapted, mine(s.task), rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(adapted, mine(None), rtol=1e-3, atol=1e-3), "the adapter changes the logits"
+
+
+def test_an_export_of_our_decoder_with_adapters_is_one_state_dict_and_says_so(tmp_path, capsys):
+    """flexorch's own decoder has no Transformers layout to export to: `export_hf` refuses it, naming its adapters,
+    and `flexorch export` writes one state dict that keeps them under flexorch's names."""
+    from flexorch.cli.main import main
+    from flexorch.config.adapters import LoraSpec
+    from flexorch.control.checkpoint import CheckpointError, save_checkpoint
+    from flexorch.control.hf_export import export_hf
+    from flexorch.workers.model_source import build_model
+
+    cfg = ModelConfig(vocab_size=64, dim=32, num_layers=1, num_heads=4, num_kv_heads=2, ffn_dim=48,
+                      adapters=(LoraSpec("chat", 2, 4.0, ("wq", "w2")),))  # fmt: skip
+    state = build_model(cfg, 0).state_dict()
+    worker = {"model": state, "optimizer": {}, "scheduler": {}, "rng": {}}
+    ckpt = save_checkpoint(tmp_path / "run", 1, worker, {"config": {"model": cfg.to_dict(), "data": {}}}).path
+    with pytest.raises(CheckpointError, match=r"own decoder.*LoRA adapters \(tasks chat\).*model\.pt"):
+        export_hf(ckpt, tmp_path / "hf")
+    assert main(["export", ckpt, str(tmp_path / "model.pt")]) == 0
+    assert "LoRA adapters of tasks chat under flexorch's names" in capsys.readouterr().out
+    back = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert sorted(back) == sorted(state) and "layers.0.lora.chat.wq.A" in back
+
+
 def test_an_idle_ranks_empty_micro_batch_returns_no_view_from_the_fsdp_root(tmp_path):
     # FSDP2 warns when a wrapped module returns a view (an in-place op on it would drop the pre-backward hook): an
     # idle rank's (0, vocab) logits were a slice of the dummy token's, and every FSDP worker warned after each world

@@ -322,3 +322,30 @@ def test_tasks_with_pipeline_stages_or_a_static_layout_are_refused():
         StepPlanner(PROFILE, cfg, static=("ulysses", 2)).plan([100, 200], 4, task_of=[0, 1], adapter_ranks=[0, 0])
     with pytest.raises(PlanningError, match="pipeline stages with several tasks"):
         heuristic_plan(PROFILE, [100, 200], 4, None, 2, task_of=[0, 1], adapter_ranks=[0, 0])
+
+
+@pytest.mark.parametrize("barrier", [False, True])
+def test_the_step_runs_the_tasks_in_turn_where_they_are_faster_in_the_workers_time_model(monkeypatch, barrier):
+    """Spindle's choice is made in its own estimates; the executable plan is then timed as the workers run it
+    (barrier-free on replicated workers, a barrier per micro-batch with sharded state) against the tasks in turn,
+    and the faster one runs (seen on 2 workers: the Spindle plan 7 % slower than in turn)."""
+    import flexorch.solver.step_planner as sp_mod
+
+    real = sp_mod.plan_task_step
+    key = "simulated_ms" if barrier else "dataflow_ms"
+
+    def slower_spindle(*args, method, **kw):  # make Spindle's executable plan look 2x slower in one time model
+        plan, info = real(*args, method=method, **kw)
+        if method == "spindle":
+            info = {**info, key: 2 * info[key] + 1.0}
+        return plan, info
+
+    monkeypatch.setattr(sp_mod, "plan_task_step", slower_spindle)
+    lengths, task_of = skewed_batch()
+    with StepPlanner(PROFILE, PlannerConfig(time_limit_s=1.0, isolate=False)) as planner:
+        got = planner.plan(lengths, 8, task_of=task_of, adapter_ranks=[16, 8, 0], task_barrier=barrier)
+        other = planner.plan(lengths, 8, task_of=task_of, adapter_ranks=[16, 8, 0], task_barrier=not barrier)
+    assert got.status == "spindle-in_turn" and got.plan.meta["multitask"] == "in_turn"
+    assert "tasks in turn:" in got.plan.meta["note"] and got.plan.meta[f"spindle_{key}"] > 0
+    check_executable(got.plan, got.plan.meta, task_of, 8)
+    assert other.status == "spindle"  # the other time model still prefers Spindle's plan

@@ -96,14 +96,21 @@ def _groups(records):
 
 
 def test_three_tasks_with_a_frozen_base_train_exactly_their_adapters_on_spindle_plans(env):
-    cfg, corpus, records, replicas = _run(env, "frozen", ModelConfig(loss_chunk_tokens=24, base_trainable=False))
+    model = ModelConfig(loss_chunk_tokens=24, base_trainable=False)
+    cfg, corpus, records, replicas = _run(env, "frozen", model, checkpoint_every=1)
     for r in records:  # every group runs one task's documents; Spindle placed the tasks on their own devices
         task_of = corpus.task_of[r["doc_ids"]]
         for _, seq_ids in _groups([r]):
             assert len({int(task_of[i]) for i in seq_ids}) == 1
-        assert r["status"] in ("spindle", "fallback") and r["plan"]["micro_batches"]
+        assert r["status"] in ("spindle", "spindle-in_turn", "fallback") and r["plan"]["micro_batches"]
     assert max(d for d, _ in _groups(records)) > 1, "the long documents ran on SP groups"
     _check(cfg, corpus, records, replicas)
+    # --resume from the checkpoint after step 1: it holds every task's stream position, so the resumed run trains
+    # step 1 again on the same documents of each task, then step 2 on each task's next ones
+    more, replicas = run_driver(cfg.replace(steps=3, resume=True), corpus)
+    assert [r["step"] for r in more] == [1, 2] and more[0]["doc_ids"] == records[1]["doc_ids"]
+    assert more[0]["loss"] == pytest.approx(records[1]["loss"], rel=1e-6)
+    _check(cfg.replace(steps=3), corpus, records[:1] + more, replicas)
 
 
 def test_three_tasks_training_the_base_too_equal_the_reference_with_fsdp_sharded_state(env):

@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser(
         "export",
         help="consolidate a checkpoint (sharded or not): one model file, or for a Hugging Face model ([model] hf) a "
-        "directory that AutoModelForCausalLM.from_pretrained loads",
+        "directory that AutoModelForCausalLM.from_pretrained loads, with each task's LoRA adapter as a PEFT adapter "
+        "in adapters/<task>/",
     )
     export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its newest)")
     export.add_argument(
@@ -314,7 +315,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if newest is None:
             raise ValueError(f"{src} has no complete checkpoint")
         src = Path(newest.path)
-    if checkpoint_config(src)["model"].get("hf") is not None:
+    model = checkpoint_config(src)["model"]
+    if model.get("hf") is not None:
         from flexorch.control.hf_export import export_hf
 
         got = export_hf(src, args.out)
@@ -324,12 +326,24 @@ def _cmd_export(args: argparse.Namespace) -> int:
             f"file(s), {tok}): "
             f"{got['tensors']} tensors, {got['parameters']:,} parameters, {got['bytes'] / 2**20:.1f} MiB"
         )
+        for a in got["adapters"]:
+            print(
+                f"  adapter {a['task']} -> {a['path']}/ (PEFT LoRA, r={a['rank']}, alpha={a['alpha']:g}, "
+                f"{', '.join(a['targets'])}; {a['tensors']} tensors): "
+                f"PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained('{args.out}'), '{a['path']}')"
+            )
         return 0
     got = export_model(src, args.out)
     print(
         f"exported {src} -> {args.out}: {got['tensors']} tensors, {got['parameters']:,} parameters, "
         f"{got['bytes'] / 2**20:.1f} MiB"
     )
+    tasks = [a["task"] for a in model.get("adapters") or ()]
+    if tasks:
+        print(
+            f"  with the LoRA adapters of tasks {', '.join(tasks)} under flexorch's names "
+            "(layers.<i>.lora.<task>.<target>.A/B); PEFT adapter directories are written for [model] hf runs only"
+        )
     return 0
 
 

@@ -14,7 +14,9 @@ import json
 import shutil
 from pathlib import Path
 
+from flexorch.config.adapters import LoraSpec
 from flexorch.control.checkpoint import CheckpointError, checkpoint_config, consolidated_state
+from flexorch.workers.lora import is_adapter_param
 
 __all__ = ["export_hf"]
 
@@ -31,17 +33,22 @@ MAX_SHARD_BYTES = 5 * 10**9
 
 def export_hf(checkpoint: Path | str, out: Path | str, max_shard_bytes: int = MAX_SHARD_BYTES) -> dict:
     """Write ``out`` (a new or empty directory) from ``checkpoint``; returns ``{"parameters", "tensors", "bytes",
-    "files", "tokenizer"}`` (``files``: the safetensors files written; ``tokenizer``: where its files came from, or
-    None)."""
+    "files", "tokenizer", "adapters"}`` (``files``: the safetensors files written; ``parameters``, ``tensors``,
+    ``bytes``: theirs, the base model's; ``tokenizer``: where its files came from, or None; ``adapters``: one dict
+    per task's PEFT adapter written, :func:`~flexorch.control.peft_export.write_peft_adapters`, empty without
+    adapters)."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     cfg = checkpoint_config(checkpoint)
     model, data = cfg["model"], cfg["data"]
+    specs = [LoraSpec.from_dict(a) for a in model.get("adapters") or ()]
     if model.get("hf") is None:
+        tasks = f" and its LoRA adapters (tasks {', '.join(s.task for s in specs)})" if specs else ""
         raise CheckpointError(
-            f"{checkpoint} is a checkpoint of flexorch's own decoder, not a Hugging Face model; export it as one "
-            "file with `flexorch export CHECKPOINT model.pt`"
+            f"{checkpoint} is a checkpoint of flexorch's own decoder, not a Hugging Face model; export it{tasks} as "
+            "one file with `flexorch export CHECKPOINT model.pt`, where adapters keep flexorch's names "
+            "(layers.<i>.lora.<task>.<target>.A/B); only a [model] hf run's adapters are written as PEFT adapters"
         )
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
@@ -49,7 +56,12 @@ def export_hf(checkpoint: Path | str, out: Path | str, max_shard_bytes: int = MA
     source = Path(model["hf"])
     if not (source / "config.json").is_file():
         raise CheckpointError(f"the run's model directory {source} is gone (no config.json): it holds the config")
-    state = {name: t.contiguous() for name, t in consolidated_state(checkpoint).items()}
+    if specs:
+        from flexorch.control.peft_export import peft_module
+
+        peft_module()  # missing PEFT is an error before anything is written
+    everything = consolidated_state(checkpoint)
+    state = {name: t.contiguous() for name, t in everything.items() if not is_adapter_param(name)}
     out.mkdir(parents=True, exist_ok=True)
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
     for file, names in split.filename_to_tensors.items():
@@ -70,10 +82,16 @@ def export_hf(checkpoint: Path | str, out: Path | str, max_shard_bytes: int = MA
         for f in copied:
             shutil.copy2(tok_dir / f, out / f)
         tokenizer = str(tok_dir) if copied else None
+    adapters = []
+    if specs:
+        from flexorch.control.peft_export import write_peft_adapters
+
+        adapters = write_peft_adapters(out, specs, {n: t for n, t in everything.items() if is_adapter_param(n)})
     return {
         "parameters": int(sum(t.numel() for t in state.values())),
         "tensors": len(state),
         "bytes": sum((out / f).stat().st_size for f in split.filename_to_tensors),
         "files": sorted(split.filename_to_tensors),
         "tokenizer": tokenizer,
+        "adapters": adapters,
     }

@@ -71,6 +71,9 @@ class PlannerSpec:
     (``flexorch.solver.multitask.execute``). Empty: one task."""
     task_method: str = "spindle"
     """How a multi-task step is planned: 'spindle' or 'in_turn' (the tasks one after another on every worker)."""
+    task_barrier: bool = False
+    """Sharded model state: the workers meet at every micro-batch, which is how a multi-task plan is timed against
+    the tasks in turn (replicated workers run without a barrier)."""
     """How long a step waits for its plan before the fallback (``plan.timeout_s``)."""
     niceness: int = 0
     """Added to the planner process's niceness (a separate process only). A run's planner gets none: its solve is a
@@ -85,7 +88,8 @@ class PlannerSpec:
         stages, params = cfg.pipeline.stages, cfg.pipeline.params
         ranks = tuple(t.lora_rank for t in cfg.tasks)
         method = cfg.plan.tasks
-        return cls(profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, ranks, method)
+        sharded = cfg.sharding_mode != "replicate"
+        return cls(profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, ranks, method, sharded)
 
     def planner_args(self, niceness: int) -> tuple:
         return (self.profile, self.config, self.static, niceness, self.pipeline_stages, self.pipeline_params)
@@ -102,7 +106,12 @@ class PlannerSpec:
         """The multi-task arguments of ``StepPlanner.plan`` for a step's ``task_of`` (none for one task)."""
         if task_of is None:
             return {}
-        return {"task_of": list(task_of), "adapter_ranks": self.adapter_ranks, "task_method": self.task_method}
+        return {
+            "task_of": list(task_of),
+            "adapter_ranks": self.adapter_ranks,
+            "task_method": self.task_method,
+            "task_barrier": self.task_barrier,
+        }
 
 
 class PlannerClient(Protocol):
