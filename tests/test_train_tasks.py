@@ -52,11 +52,11 @@ def _tasks(data, weights=(1.0, 2.0, 1.0)):
     )
 
 
-def _run(env, tag: str, model: ModelConfig, **kw):
+def _run(env, tag: str, model: ModelConfig, faults=(), **kw):
     root, data, profile = env
     cfg = train_config(data["code"], root / f"run-{tag}", profile, steps=2, model=model, tasks=_tasks(data), **kw)
     corpus = load_task_corpus(cfg.tasks)
-    records, replicas = run_driver(cfg, corpus)
+    records, replicas = run_driver(cfg, corpus, faults)
     return cfg, corpus, records, replicas
 
 
@@ -95,9 +95,15 @@ def _groups(records):
     return [(g["degree"], g["seq_ids"]) for r in records for mb in r["plan"]["micro_batches"] for g in mb]
 
 
-def test_three_tasks_with_a_frozen_base_train_exactly_their_adapters_on_spindle_plans(env):
+def test_three_tasks_with_a_frozen_base_train_exactly_their_adapters_on_spindle_plans_through_a_shrink_and_resume(env):
     model = ModelConfig(loss_chunk_tokens=24, base_trainable=False)
-    cfg, corpus, records, replicas = _run(env, "frozen", model, checkpoint_every=1)
+    # worker 2 dies in step 1's first micro-batch: the step is planned again for the 3 workers left and re-run
+    elastic = {"min_workers": 2}
+    faults = [(2, "micro_batch", 1, 1, "exit")]
+    plan = {"tokens_per_worker": 128}  # a 256-token document fits 2 of the 3 workers left
+    cfg, corpus, records, replicas = _run(env, "frozen", model, faults, checkpoint_every=1, elastic=elastic, plan=plan)
+    assert [r["world_size"] for r in records] == [4, 3] and records[1]["recoveries"]
+    assert {p[2] for p in records[1]["multitask"]["parts"]} <= {1, 2, 3}, "Spindle's blocks lie within 3 workers"
     for r in records:  # every group runs one task's documents; Spindle placed the tasks on their own devices
         task_of = corpus.task_of[r["doc_ids"]]
         for _, seq_ids in _groups([r]):
