@@ -3,6 +3,8 @@ fast): bad input is a clear error before any worker starts."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from flexorch.config import ConfigError, ModelConfig, config_from_dict
@@ -160,3 +162,23 @@ def test_membership_lines_for_a_roll_back_and_an_uneven_world():
               ["Shrink"], "world_before": [0, 1, 2, 3], "world_after": [0, 2, 3], "recovery_ms": 240.0,
               "step_completed": False, "layout": "hsdp: 3 workers do not split ..."}  # fmt: skip
     assert format_membership(shrink).endswith("in 240 ms; re-running the step; hsdp: 3 workers do not split ...")
+
+
+def test_model_state_of_a_frozen_base_and_of_hugging_face_layer_names():
+    """A frozen base keeps its weights only (4 bytes each, no gradient, no moments) while the tasks' adapters keep
+    16; a Hugging Face model's decoder layers (``model.layers.<i>.``) are gathered one at a time like ours."""
+    from flexorch.config.adapters import LoraSpec
+
+    cfg = ModelConfig(adapters=(LoraSpec("chat", 4, 8.0, ("wq", "wv")),), base_trainable=False)
+    shapes = cfg.param_shapes()
+    adapters = sum(math.prod(s) for n, s in shapes if ".lora." in n)
+    base = sum(math.prod(s) for n, s in shapes if ".lora." not in n)
+    frozen = lambda name: ".lora." not in name  # noqa: E731
+    assert model_state_bytes(shapes, 1, sharded=False, frozen=frozen).resident == 4 * base + 16 * adapters
+    four = model_state_bytes(shapes, 4, sharded=True, frozen=frozen)
+    trained = model_state_bytes(shapes, 4, sharded=True)
+    assert four.resident < 0.3 * trained.resident and four.in_flight < trained.in_flight
+    deep = [(f"model.{n}", s) for n, s in ModelConfig(num_layers=32).param_shapes()]  # HF-style names
+    hf = model_state_bytes(deep, 4, sharded=True)
+    assert hf.in_flight == model_state_bytes([(n[6:], s) for n, s in deep], 4, sharded=True).in_flight
+    assert hf.in_flight < 0.2 * 8 * sum(math.prod(s) for _, s in deep)  # one layer of 32 gathered, not the model

@@ -104,6 +104,9 @@ def test_three_tasks_with_a_frozen_base_train_exactly_their_adapters_on_spindle_
     cfg, corpus, records, replicas = _run(env, "frozen", model, faults, checkpoint_every=1, elastic=elastic, plan=plan)
     assert [r["world_size"] for r in records] == [4, 3] and records[1]["recoveries"]
     assert {p[2] for p in records[1]["multitask"]["parts"]} <= {1, 2, 3}, "Spindle's blocks lie within 3 workers"
+    for r in records:  # the planner's model state: the frozen base's weights alone, the adapters with their AdamW
+        held = [rank["state_bytes"] for rank in r["ranks"]]
+        assert held == pytest.approx([r["model_state"]["plan_resident_bytes"]] * len(held), rel=1e-3)
     for r in records:  # every group runs one task's documents; Spindle placed the tasks on their own devices
         task_of = corpus.task_of[r["doc_ids"]]
         for _, seq_ids in _groups([r]):

@@ -55,9 +55,10 @@ def model_state_plan(cfg, world_size: int):
     if cfg.pipelined and mode != "replicate":  # a stage's parts over its workers; the stage model takes its share
         shards = max(1, world_size // cfg.pipeline.stages)
     param_bytes = 2 if cfg.precision == "bf16" else 4
+    frozen = None if cfg.model.base_trainable else (lambda name: ".lora." not in name)  # the tasks' adapters train
     return model_state_bytes(
         cfg.model.param_shapes(), shards, sharded=mode != "replicate", param_bytes=param_bytes,
-        gather=cfg.sharding.gather,
+        gather=cfg.sharding.gather, frozen=frozen,
     )  # fmt: skip
 
 
