@@ -5,7 +5,9 @@ checks what Plotly actually drew: one bar per SP group of the selected step in t
 picture, one table row per step, clicking a row selects that step; a malformed record shows an error banner, not a
 blank page. Pipelined steps (``tests/data/recorded_pipeline_plan``, written by a real `flexorch plan
 --pipeline-stages`, and a trained step built from it) are drawn stages x time, one bar per forward and backward op,
-with a note; a run mixing both kinds switches between the pictures. Screenshots are kept in
+with a note; a run mixing both kinds switches between the pictures. A run of several ``[[tasks]]`` (hand-built records
+after the schema) colours each group by its task, with the tasks and their losses in the legend and a panel of the
+tasks' numbers and placement. Screenshots are kept in
 ``build/test-artifacts/`` (or ``$FLEXORCH_TEST_ARTIFACTS``).
 
 Without Chromium the test is skipped, unless ``FLEXORCH_REQUIRE_BROWSER=1`` (CI sets it after installing it), where a
@@ -31,7 +33,7 @@ from flexorch.records.writer import measured_bubble_share
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import get_profile
 from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
-from tests.test_viewer_server import recorded_run_with_recoveries
+from tests.test_viewer_server import multitask_run, recorded_run_with_recoveries
 
 RECORDED = Path(__file__).parent / "data" / "recorded_run"
 ROOT = Path(__file__).resolve().parents[1]
@@ -443,5 +445,85 @@ def test_a_run_without_recoveries_hides_the_summary(browser):
         _wait(browser, "return document.querySelectorAll('#step-table tbody tr').length > 0")
         assert browser.execute_script("return document.getElementById('recoveries').offsetParent") is None
         assert browser.execute_script("return document.querySelectorAll('#recovery-table tbody tr').length") == 0
+    finally:
+        server.stop()
+
+
+def _legend(driver, div: str) -> list[str]:
+    return driver.execute_script(
+        f"return [...document.querySelectorAll('#{div} g.legend text.legendtext')].map(t => t.textContent)"
+    )
+
+
+def _colours(driver, div: str) -> dict[str, str]:
+    return driver.execute_script(
+        f"return Object.fromEntries(document.getElementById('{div}').data.map(t => [t.name, t.marker.color]))"
+    )
+
+
+def test_multitask_run_colours_groups_by_task_with_a_legend_of_losses(browser, tmp_path):
+    records = multitask_run(tmp_path)
+    last = records[-1]
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, f"return document.getElementById('plan-measured').dataset.step === '{last['step']}'")
+        for div in ("plan-predicted", "plan-measured"):
+            assert browser.execute_script(f"return document.getElementById('{div}').dataset.colour") == "task"
+            assert _bars(browser, div) == _groups(last)
+            # the legend: each task's name and its loss this step, in task order
+            assert _legend(browser, div) == ["chat · loss 2.2500", "code · loss 3.0000"]
+            traces = browser.execute_script(
+                f"return document.getElementById('{div}').data.map(t => [t.name, t.y.length, t.text])"
+            )
+            assert [(name, n) for name, n, _ in traces] == [("chat · loss 2.2500", 2), ("code · loss 3.0000", 2)]
+            assert traces[0][2] == ["chat · 2 ulysses · 2 seq", "chat · 1 seq"]
+        colours = _colours(browser, "plan-predicted")
+        assert colours["chat · loss 2.2500"] != colours["code · loss 3.0000"]
+        # the per-step panel: how the tasks were placed, then each task's numbers
+        placement = browser.execute_script("return document.getElementById('task-placement').textContent")
+        assert placement.startswith("2 tasks, placed Spindle (each task on its own block of workers")
+        assert "Spindle's cost model: bound 240.0 ms, makespan 251.0 ms, gap 4.6 %" in placement
+        assert "the plan: simulated 250.0 ms, dataflow 249.0 ms" in placement
+        rows = browser.execute_script(
+            "return [...document.querySelectorAll('#task-table tbody tr')]"
+            ".map(r => [...r.cells].map(c => c.textContent))"
+        )
+        assert rows == [
+            ["chat", "ranks 0-1", "0.0 + 52.0", "3", "500", "380", "2.2500", "2"],
+            ["code", "ranks 2-3", "0.0 + 251.0", "3", "1,960", "1,957", "3.0000", "2"],
+        ]
+        summary = browser.execute_script("return document.getElementById('step-summary').textContent")
+        assert summary.endswith(" · 2 tasks (spindle)")
+        # the step table's tasks column: the method and gap, then each task's loss, documents and targets
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('#step-table tbody tr')].map(r => r.cells[13].innerText)"
+        )
+        assert cells[0].split("\n") == [
+            "spindle, gap 4.6 %",
+            "chat 2.5000 · 3 docs · 380 targets",
+            "code 3.2500 · 3 docs · 1,957 targets",
+        ]
+        second = cells[1].split("\n")
+        assert second[1:] == ["chat 2.2500 · 3 docs · 380 targets", "code 3.0000 · 3 docs · 1,957 targets"]
+        browser.save_screenshot(str(_artifacts() / "plan_viewer_tasks.png"))
+        # the first step, picked in the table: its own losses in the legend
+        browser.execute_script("document.querySelectorAll('#step-table tbody tr')[0].click()")
+        _wait(browser, "return document.getElementById('plan-predicted').dataset.step === '0'")
+        _wait(browser, "return document.getElementById('plan-measured').dataset.step === '0'")
+        assert _legend(browser, "plan-measured") == ["chat · loss 2.5000", "code · loss 3.2500"]
+    finally:
+        server.stop()
+
+
+def test_a_run_without_tasks_shows_no_task_column_panel_or_colours(browser):
+    server = ViewerServer(RECORDED, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, "return document.getElementById('plan-predicted').dataset.layout === 'sp'")
+        assert browser.execute_script("return document.getElementById('plan-predicted').dataset.colour") == "degree"
+        assert all(t.startswith("degree ") for t in _legend(browser, "plan-predicted"))
+        assert browser.execute_script("return document.getElementById('tasks-note').offsetParent") is None
+        assert browser.execute_script("return document.querySelector('#step-table th.tasks').offsetParent") is None
     finally:
         server.stop()

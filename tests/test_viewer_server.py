@@ -11,13 +11,15 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flexorch.cli.main import main
 from flexorch.cli.plan import PlanRunConfig, run_plan
 from flexorch.cli.train import format_step
+from flexorch.dashboards.plan_svg import task_colour
 from flexorch.dashboards.viewer import ViewerServer
-from flexorch.dashboards.viewer_data import read_run, step_view
+from flexorch.dashboards.viewer_data import read_run, seq_tasks, step_view
 from flexorch.records.schema import validate_record
 from flexorch.records.writer import measured_bubble_share
 from flexorch.solver.planner import PlannerConfig
@@ -348,3 +350,226 @@ def test_recovery_phases_reach_the_page_json(tmp_path):
     # the figures the CLI's progress line prints for that step, from the same record
     line = format_step({**records[1], "eta_s": 0.0}, len(records))
     assert line.endswith("[recovered in 12.0 s: detect 10.1 s, re-form 0.4 s, re-run 1.5 s]")
+
+
+# ---------------------------------------------------------------- a step of several [[tasks]]
+MT_TASKS = {  # chat's 3 documents are the batch's sequences 0-2, code's 3 are 3-5 (TaskStreams._combine's order)
+    "chat": {"docs": 3, "tokens": 500, "targets": 380, "loss": 2.5},
+    "code": {"docs": 3, "tokens": 1960, "targets": 1957, "loss": 3.25},
+}
+MULTITASK = {
+    "multitask": "spindle",
+    "parts": [[0, 0, 2, 0.0, 52.0], [1, 2, 2, 0.0, 251.0]],
+    "bound_ms": 240.0,
+    "makespan_ms": 251.0,
+    "gap": 251.0 / 240.0 - 1.0,
+    "simulated_ms": 250.0,
+    "dataflow_ms": 249.0,
+    "solve_s": 0.012,
+}
+
+
+def multitask_record(step: int = 0) -> dict:
+    """A trained step of two ``[[tasks]]``, built by hand after ``flexorch.step/4`` (with ``tasks``, ``task_losses``
+    and ``multitask``): Spindle put chat on ranks 0-1 and code on ranks 2-3; two micro-batches, each with a group of
+    each task (in the second, code's group comes first); rank 1 sits the second micro-batch out."""
+    lengths = [300, 120, 80, 900, 1000, 60]
+    micro_batches = [
+        [
+            {"degree": 2, "kind": "ulysses", "ranks": [0, 1], "seq_ids": [0, 1], "seq_lengths": [300, 120]},
+            {"degree": 2, "kind": "ring", "ranks": [2, 3], "seq_ids": [3], "seq_lengths": [900]},
+        ],
+        [
+            {"degree": 2, "kind": "ring", "ranks": [2, 3], "seq_ids": [5, 4], "seq_lengths": [60, 1000]},
+            {"degree": 1, "kind": "ulysses", "ranks": [0], "seq_ids": [2], "seq_lengths": [80]},
+        ],
+    ]
+    timeline = [
+        {"micro_batch": 0, "group": 0, "start_ms": 0.0, "time_ms": 40.0},
+        {"micro_batch": 0, "group": 1, "start_ms": 0.0, "time_ms": 120.0},
+        {"micro_batch": 1, "group": 0, "start_ms": 120.0, "time_ms": 130.0},
+        {"micro_batch": 1, "group": 1, "start_ms": 120.0, "time_ms": 10.0},
+    ]
+    times = [([41.0, 11.0], [0.0, 125.0]), ([42.0, None], [0.0, None]), ([118.0, 131.0], [0.0, 121.0])]
+    times.append(([121.0, 129.0], [1.0, 122.0]))
+    ranks = [
+        {
+            "micro_batch_ms": ms,
+            "micro_batch_start_ms": starts,
+            "compute_end_ms": max(s + m for s, m in zip(starts, ms, strict=True) if m is not None),
+            "local_tokens": 100,
+            "peak_local_tokens": 100,
+            "peak_activation_bytes": 1 << 20,
+        }
+        for ms, starts in times
+    ]
+    return validate_record(
+        {
+            "schema": "flexorch.step/4",
+            "source": "train",
+            "step": step,
+            "time": 1_795_000_000.0 + step,
+            "epoch": 0,
+            "batch_index": step,
+            "doc_ids": [2, 0, 5, 11, 14, 9],
+            "seq_lengths": lengths,
+            "tokens": sum(n - 1 for n in lengths),
+            "targets": 380 + 1957,
+            "world_size": 4,
+            "worker_ids": [0, 1, 2, 3],
+            "mode": "adaptive",
+            "status": "spindle",
+            "skipped": False,
+            "reason": None,
+            "shape": "<2, 2> | <2, 1>",
+            "plan": {"num_devices": 4, "micro_batches": micro_batches},
+            "timeline": timeline,
+            "solve_s": 0.012,
+            "predicted_ms": 250.0,
+            "bound_ms": 0.0,
+            "baselines_ms": {},
+            "pipeline": None,
+            "recoveries": [],
+            "plan_wait_ms": 0.0,
+            "measured_ms": 290.0,
+            "compute_ms": 260.0,
+            "sync_ms": 10.0,
+            "optim_ms": 5.0,
+            "dispatch_ms": 3.0,
+            "overhead_ms": 1.0,
+            "loss": 2.875,
+            "tokens_per_s": 8000.0,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "ranks": ranks,
+            "task_losses": {n: t["loss"] for n, t in MT_TASKS.items()},
+            "tasks": json.loads(json.dumps(MT_TASKS)),
+            "multitask": json.loads(json.dumps(MULTITASK)),
+        }
+    )
+
+
+def multitask_run(run_dir: Path) -> list[dict]:
+    """Two steps of two tasks in ``run_dir/steps.jsonl`` (the second with other losses); returned as records."""
+    records = [multitask_record(0), multitask_record(1)]
+    records[1]["tasks"]["chat"]["loss"] = records[1]["task_losses"]["chat"] = 2.25
+    records[1]["tasks"]["code"]["loss"] = records[1]["task_losses"]["code"] = 3.0
+    records[1]["loss"] = 2.625
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def test_each_group_of_a_multitask_step_takes_the_task_of_its_sequences():
+    rec = multitask_record()
+    assert seq_tasks(rec) == [0, 0, 0, 1, 1, 1]
+    view = step_view(rec)
+    assert [(g["micro_batch"], g["group"], g["task"]) for g in view["groups"]] == [
+        (0, 0, 0),
+        (0, 1, 1),
+        (1, 0, 1),  # code's group comes first in the second micro-batch: the task follows the sequences
+        (1, 1, 0),
+    ]
+    # the legend: each task in order with its colour (the SVG pictures' palette), loss, documents and placement
+    assert view["tasks"] == [
+        {
+            "index": 0,
+            "name": "chat",
+            "colour": task_colour(0),
+            "docs": 3,
+            "tokens": 500,
+            "targets": 380,
+            "loss": 2.5,
+            "sequences": [0, 1, 2],
+            "groups": 2,
+            "ranks": [0, 1],
+        },
+        {
+            "index": 1,
+            "name": "code",
+            "colour": task_colour(1),
+            "docs": 3,
+            "tokens": 1960,
+            "targets": 1957,
+            "loss": 3.25,
+            "sequences": [3, 4, 5],
+            "groups": 2,
+            "ranks": [2, 3],
+        },
+    ]
+    assert task_colour(0) != task_colour(1) and view["task_note"] is None
+    mt = view["multitask"]
+    assert mt["method"] == "spindle" and mt["bound_ms"] == 240.0 and mt["gap"] == pytest.approx(11 / 240)
+    assert (mt["makespan_ms"], mt["simulated_ms"], mt["dataflow_ms"], mt["solve_s"]) == (251.0, 250.0, 249.0, 0.012)
+    assert mt["parts"] == [
+        {"task": 0, "name": "chat", "first_rank": 0, "devices": 2, "ranks": [0, 1], "start_ms": 0.0, "time_ms": 52.0},
+        {"task": 1, "name": "code", "first_rank": 2, "devices": 2, "ranks": [2, 3], "start_ms": 0.0, "time_ms": 251.0},
+    ]
+    # the measured bars are as for any step; rank 1 sat the second micro-batch out
+    assert [g["measured_ms"] for g in view["groups"]] == [42.0, 121.0, 131.0, 11.0]
+    # a record without tasks: no task anywhere, the rest of its view as before
+    plain = step_view(json.loads((RECORDED / "steps.jsonl").read_text().splitlines()[0]))
+    assert (plain["tasks"], plain["multitask"], plain["task_note"]) == (None, None, None)
+    assert all(g["task"] is None for g in plain["groups"])
+
+
+def test_multitask_views_reach_the_page_json(tmp_path):
+    records = multitask_run(tmp_path)
+    server = ViewerServer(tmp_path, port=0).start()
+    try:
+        data = json.loads(_get(server.url + "api/steps")[2])
+    finally:
+        server.stop()
+    assert data["error"] is None and data["total"] == 2
+    for rec, view in zip(records, data["records"], strict=True):
+        assert [t["name"] for t in view["tasks"]] == list(rec["tasks"])
+        assert [t["loss"] for t in view["tasks"]] == list(rec["task_losses"].values())
+        assert [g["task"] for g in view["groups"]] == [0, 1, 1, 0] and view["multitask"]["method"] == "spindle"
+
+
+def test_task_docs_that_do_not_add_up_leave_the_groups_without_a_task():
+    rec = multitask_record()
+    rec["tasks"]["code"]["docs"] = 2  # 5 documents for the batch's 6 sequences: no task can be told
+    rec["tasks"]["chat"]["loss"] = float("nan")  # a diverged task: no number (NaN would break the page's JSON)
+    assert seq_tasks(rec) is None
+    view = step_view(rec)
+    assert all(g["task"] is None for g in view["groups"])
+    assert [(t["name"], t["loss"], t["sequences"]) for t in view["tasks"]] == [("chat", None, []), ("code", 3.25, [])]
+    assert "do not add up to the batch's 6 sequences" in view["task_note"]
+    json.dumps(view, allow_nan=False)
+    # a group that mixes tasks is no one task's, and says so
+    rec = multitask_record()
+    rec["plan"]["micro_batches"][0][0]["seq_ids"] = [0, 3]
+    rec["plan"]["micro_batches"][0][1]["seq_ids"] = [1]
+    view = step_view(rec)
+    assert [g["task"] for g in view["groups"]] == [None, 0, 1, 0] and "several tasks" in view["task_note"]
+    # malformed optional keys draw no tasks rather than failing the page
+    for bad in ({"tasks": [1, 2]}, {"tasks": {"chat": 3}}, {"tasks": {}}):
+        view = step_view({**multitask_record(), **bad})
+        assert view["tasks"] is None and all(g["task"] is None for g in view["groups"])
+    view = step_view({**multitask_record(), "multitask": {"multitask": "in_turn", "parts": [["x"], [0, 0, 4, 0, 1]]}})
+    assert view["multitask"]["method"] == "in_turn" and len(view["multitask"]["parts"]) == 1
+    assert view["multitask"]["bound_ms"] is None
+
+
+class _TaskCorpus:  # what TaskStreams reads of a Corpus of several tasks
+    def __init__(self, sizes):
+        self.task_of = np.concatenate([np.full(n, t, dtype=np.int32) for t, n in enumerate(sizes)])
+        self.task_names = tuple(f"t{t}" for t in range(len(sizes)))
+
+
+def test_the_task_of_each_sequence_is_the_one_task_streams_put_there():
+    """The viewer's derivation (cumulative ``tasks[t].docs``) against ``TaskStreams``' own batches: each task's
+    documents, task 0's first; with tasks of different sizes, so short batches at a task's epoch end count too."""
+    from flexorch.data.task_corpus import TaskStreams
+
+    corpus = _TaskCorpus([7, 3, 11])
+    streams = TaskStreams(corpus, [3, 2, 4], seed=5)
+    short = 0
+    for _ in range(12):
+        batch = streams.next_batch()
+        truth = corpus.task_of[list(batch.doc_ids)].tolist()
+        docs = np.bincount(truth, minlength=3).tolist()
+        short += docs != [3, 2, 4]
+        rec = {"tasks": {n: {"docs": d} for n, d in zip(corpus.task_names, docs, strict=True)}}
+        assert seq_tasks({**rec, "seq_lengths": [1] * len(truth)}) == truth
+    assert short > 0

@@ -2,10 +2,11 @@
 
 Pure Python (no plotting dependency): ``multitask_svg`` returns SVG text that any browser shows. Each part of the
 plan (some layers of one task's MetaOp on an aligned block of ranks) is one rectangle spanning its block's rows,
-coloured by task and labelled ``task Lk xlayers`` where it is wide enough; hovering shows its numbers. Dashed lines
-mark the wave starts; a red line marks the makespan; idle device time is white. Under Spindle's schedule, on the
-same time scale, come the two baselines (``multitask.baselines``): the tasks in turn on all devices and the fixed
-split, so the picture shows where Spindle's schedule saves time.
+coloured by task (``plan_svg.task_colour``: the dashboards' one palette, so a task has the same colour here, in
+``plan_svg``'s task mode and in the plan viewer) and labelled ``task Lk xlayers`` where it is wide enough; hovering
+shows its numbers. Dashed lines mark the wave starts; a red line marks the makespan; idle device time is white.
+Under Spindle's schedule, on the same time scale, come the two baselines (``multitask.baselines``): the tasks in
+turn on all devices and the fixed split, so the picture shows where Spindle's schedule saves time.
 
 Every part rectangle carries ``class="part"`` and ``data-*`` attributes (panel, task, level, layers, first rank,
 count, start and time in ms) so tests and tools can read the picture back.
@@ -16,33 +17,13 @@ from __future__ import annotations
 import math
 from html import escape
 
+from flexorch.dashboards.plan_svg import task_colour
 from flexorch.solver.multitask.baselines import fixed_split_parts, in_turn_parts
 from flexorch.solver.multitask.plan import MultiTaskPlan, Part, waves_of
 
 __all__ = ["multitask_svg", "task_colour"]
 
-_PALETTE = (
-    "#4e79a7",
-    "#f28e2b",
-    "#e15759",
-    "#76b7b2",
-    "#59a14f",
-    "#edc948",
-    "#b07aa1",
-    "#ff9da7",
-    "#9c755f",
-    "#17becf",
-    "#bcbd22",
-    "#8c564b",
-)
 _LEFT, _WIDTH, _PANEL_H = 70.0, 900.0, 320.0
-
-
-def task_colour(task: int) -> str:
-    """A fixed colour per task index: a 12-colour palette, then golden-angle hues (distinct for any count)."""
-    if task < len(_PALETTE):
-        return _PALETTE[task]
-    return f"hsl({(task * 137.508) % 360:.0f},55%,45%)"
 
 
 def _text_colour(fill: str) -> str:

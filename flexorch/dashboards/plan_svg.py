@@ -3,19 +3,25 @@
 Pure Python (no plotting dependency): `render_svg` returns SVG text that any browser shows. Boxes are coloured
 by SP degree; a box's label gives degree, attention kind and how many sequences it runs; dashed lines mark the
 micro-batch boundaries; idle device time is white.
+
+A step of several ``[[tasks]]`` can be coloured by task instead (``task_of``: each sequence's task index, as the
+planner's ``task_of``): every SP group runs one task's sequences, so each box takes its task's colour
+(:func:`task_colour`, the palette the multi-task picture and the plan viewer use too) and the legend names the
+tasks. :data:`PALETTE` is the one Tableau palette of the dashboards' SVG pictures.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from html import escape
 
 from flexorch.solver.plan import Plan
 from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import group_timings, micro_batch_times_ms
 
-__all__ = ["render_svg", "render_steps_svg"]
+__all__ = ["MIXED_COLOUR", "PALETTE", "render_steps_svg", "render_svg", "task_colour"]
 
-_COLOURS = [
+PALETTE = (
     "#4e79a7",
     "#f28e2b",
     "#e15759",
@@ -27,14 +33,34 @@ _COLOURS = [
     "#9c755f",
     "#bab0ac",
     "#86bcb6",
-]
+)
+"""Tableau's palette: SP degree 2^i takes colour i here (and in the plan viewer's page), task t colour t."""
+
+MIXED_COLOUR = "#777"
+"""A box whose colour the palette cannot give: a degree past it, a group whose sequences belong to several tasks."""
+
+
+def task_colour(task: int) -> str:
+    """A fixed colour per task index: :data:`PALETTE`, then golden-angle hues (distinct for any count)."""
+    if 0 <= task < len(PALETTE):
+        return PALETTE[task]
+    return f"hsl({(task * 137.508) % 360:.0f},55%,45%)"
 
 
 def _colour(degree: int) -> str:
-    return _COLOURS[degree.bit_length() - 1 if degree > 0 else 0] if degree.bit_length() <= len(_COLOURS) else "#777"
+    i = degree.bit_length() - 1 if degree > 0 else 0
+    return PALETTE[i] if degree.bit_length() <= len(PALETTE) else MIXED_COLOUR
 
 
-def _panel(plan: Plan, profile: Profile, title: str, y0: float, width: float, ms_scale: float) -> tuple[list, float]:
+def _group_task(seq_ids, task_of) -> int | None:
+    """The task of a group's sequences, None where they belong to several."""
+    tasks = {int(task_of[i]) for i in seq_ids}
+    return tasks.pop() if len(tasks) == 1 else None
+
+
+def _panel(
+    plan: Plan, profile: Profile, title: str, y0: float, width: float, ms_scale: float, task_of=None, names=None
+) -> tuple[list, float]:
     n = plan.num_devices
     row = max(2.0, min(12.0, 480.0 / n))
     left, top = 70.0, y0 + 28.0
@@ -51,8 +77,14 @@ def _panel(plan: Plan, profile: Profile, title: str, y0: float, width: float, ms
             f"micro-batch {g.micro_batch}, ranks {grp.ranks[0]}-{grp.ranks[-1]}, degree {g.degree} {g.kind}, "
             f"{len(grp.seq_ids)} seqs, {g.time_ms:.0f} ms"
         )
+        fill, attrs = _colour(g.degree), ""
+        if names is not None:  # task mode: a step without tasks (task_of None) is no task's, grey
+            task = None if task_of is None else _group_task(grp.seq_ids, task_of)
+            fill = MIXED_COLOUR if task is None else task_colour(task)
+            tip = f"{'several tasks' if task is None else names(task)}: {tip}"
+            attrs = f' class="group" data-task="{"" if task is None else task}"'
         parts.append(
-            f'<rect x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{h:.2f}" fill="{_colour(g.degree)}" '
+            f'<rect{attrs} x="{x:.2f}" y="{y:.2f}" width="{w:.2f}" height="{h:.2f}" fill="{fill}" '
             f'stroke="white" stroke-width="0.5"><title>{escape(tip)}</title></rect>'
         )
         if h >= 11 and w >= 60:
@@ -72,13 +104,62 @@ def _panel(plan: Plan, profile: Profile, title: str, y0: float, width: float, ms
     return parts, top + height + 22
 
 
-def render_steps_svg(steps: list[tuple[str, Plan]], profile: Profile, width: float = 900.0) -> str:
-    """One panel per (title, plan), sharing one time scale so steps compare by width."""
+def _check_task_of(steps, task_of) -> list:
+    if len(task_of) != len(steps):
+        raise ValueError(f"task_of needs one entry per step ({len(steps)}), got {len(task_of)}")
+    for (title, plan), tasks in zip(steps, task_of, strict=True):
+        if tasks is not None and len(tasks) != len(plan.seq_lengths):
+            raise ValueError(
+                f"task_of of step {title!r} has {len(tasks)} tasks for the plan's {len(plan.seq_lengths)} sequences"
+            )
+    return list(task_of)
+
+
+def _task_legend(parts: list, steps, by_task, name, legend_y: float, width: float) -> float:
+    """One swatch per task drawn (and a grey one where a box is no single task's); returns the last row's y."""
+    used = sorted({int(t) for tasks in by_task if tasks is not None for t in tasks})
+    entries = [(task_colour(t), name(t), f' class="legend" data-task="{t}"') for t in used]
+    mixed = any(
+        tasks is None or _group_task(g.seq_ids, tasks) is None
+        for (_, p), tasks in zip(steps, by_task, strict=True)
+        for mb in p.micro_batches
+        for g in mb.groups
+    )
+    if mixed:  # a step drawn without tasks beside task steps, or a group of several tasks
+        entries.append((MIXED_COLOUR, "several tasks / no task", ' class="legend"'))
+    x = 70.0
+    for fill, label, attrs in entries:
+        if x > 70.0 and x + 24 + 6 * len(label) > width + 70:
+            x, legend_y = 70.0, legend_y + 16
+        parts.append(f'<rect{attrs} x="{x:.1f}" y="{legend_y - 9:.1f}" width="10" height="10" fill="{fill}"/>')
+        parts.append(f'<text x="{x + 14:.1f}" y="{legend_y:.1f}" font-size="10">{escape(label)}</text>')
+        x += max(70.0, 24 + 6 * len(label))
+    return legend_y
+
+
+def render_steps_svg(
+    steps: list[tuple[str, Plan]],
+    profile: Profile,
+    width: float = 900.0,
+    task_of: Sequence | None = None,
+    task_names: Sequence[str] | None = None,
+) -> str:
+    """One panel per (title, plan), sharing one time scale so steps compare by width.
+
+    ``task_of`` (optional, one entry per step: each sequence's task index, or None for a step of no task) colours
+    each group by its task and puts the tasks in the legend (``task_names``, default ``task 0``, ...); a group of
+    several tasks, or of a step without them, is grey."""
     longest = max(sum(micro_batch_times_ms(p, profile)) for _, p in steps)
     scale = width / longest if longest > 0 else 1.0
+    by_task = _check_task_of(steps, task_of) if task_of is not None else [None] * len(steps)
+    names = list(task_names or [])
+
+    def name(t: int) -> str:
+        return str(names[t]) if t < len(names) else f"task {t}"
+
     parts, y = [], 10.0
-    for title, plan in steps:
-        panel, y = _panel(plan, profile, title, y, width, scale)
+    for (title, plan), tasks in zip(steps, by_task, strict=True):
+        panel, y = _panel(plan, profile, title, y, width, scale, tasks, name if task_of is not None else None)
         parts.extend(panel)
     ticks = 5
     for i in range(ticks + 1):
@@ -86,10 +167,13 @@ def render_steps_svg(steps: list[tuple[str, Plan]], profile: Profile, width: flo
         x = 70 + ms * scale
         parts.append(f'<text x="{x:.1f}" y="{y:.1f}" font-size="10" text-anchor="middle">{ms / 1000:.2f} s</text>')
     legend_y = y + 18
-    for i, d in enumerate(sorted({g.degree for _, p in steps for mb in p.micro_batches for g in mb.groups})):
-        x = 70 + i * 70
-        parts.append(f'<rect x="{x}" y="{legend_y - 9}" width="10" height="10" fill="{_colour(d)}"/>')
-        parts.append(f'<text x="{x + 14}" y="{legend_y}" font-size="10">SP {d}</text>')
+    if any(t is not None for t in by_task):
+        legend_y = _task_legend(parts, steps, by_task, name, legend_y, width)
+    else:
+        for i, d in enumerate(sorted({g.degree for _, p in steps for mb in p.micro_batches for g in mb.groups})):
+            x = 70 + i * 70
+            parts.append(f'<rect x="{x}" y="{legend_y - 9}" width="10" height="10" fill="{_colour(d)}"/>')
+            parts.append(f'<text x="{x + 14}" y="{legend_y}" font-size="10">SP {d}</text>')
     total_h = legend_y + 12
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 100:.0f}" height="{total_h:.0f}" '
@@ -98,6 +182,8 @@ def render_steps_svg(steps: list[tuple[str, Plan]], profile: Profile, width: flo
     return head + "".join(parts) + "</svg>\n"
 
 
-def render_svg(plan: Plan, profile: Profile, title: str = "plan") -> str:
-    """A single plan's picture."""
-    return render_steps_svg([(title, plan)], profile)
+def render_svg(plan: Plan, profile: Profile, title: str = "plan", task_of=None, task_names=None) -> str:
+    """A single plan's picture (``task_of``: each sequence's task, to colour the groups by task)."""
+    return render_steps_svg(
+        [(title, plan)], profile, task_of=None if task_of is None else [task_of], task_names=task_names
+    )

@@ -14,6 +14,12 @@ a chart of predicted vs measured step time over the run, and a table of all step
 is none): the workers lost or joined, what was done, and the time it cost in the CLI's words (``recovered in 12.0 s:
 detect 10.1 s, re-form 0.4 s, re-run 1.5 s``, detected by heartbeat or Ray), a grow's admission time, a roll-back's
 steps. A malformed record is shown as an error banner naming the line, above the steps read before it.
+
+A step of several ``[[tasks]]`` (its record has ``tasks``) colours each SP group by the task it ran instead of by
+degree (the legend: each task's name and loss this step; the colours are ``plan_svg.task_colour``'s, as in the SVG
+pictures); a panel above the pictures says how the tasks were placed (``multitask``: Spindle or in turn, Spindle's
+bound, makespan and gap, the plan's simulated and dataflow times) and each task's ranks, documents, tokens, loss
+targets and loss, and the step table gets a column of the same per step. Records without tasks look as before.
 """
 
 from __future__ import annotations

@@ -7,18 +7,25 @@ cost model's timeline) and, for trained steps, measured start and length (slowes
 each rank's per-micro-batch timings). A pipelined step (``pipeline`` set) has no groups; its ``pipeline`` view
 has one bar per forward and backward op of each stage and unit, predicted (the pipeline simulator's schedule) and,
 for trained steps, measured (from the ops its stage's ranks reported).
+
+A step of several ``[[tasks]]`` (its record has ``tasks``) also gets each group's task and the tasks' legend
+(:func:`task_view`): the record does not say which task each sequence is, but a batch holds ``tasks[name].docs``
+documents of each task in task order (``TaskStreams._combine``: first all of task 0's, then task 1's, ...), so
+sequence i is the task whose cumulative range of documents covers i (:func:`seq_tasks`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
+from flexorch.dashboards.plan_svg import task_colour
 from flexorch.records.schema import RecordError, validate_record
 from flexorch.records.writer import measured_bubble_share
 
-__all__ = ["read_run", "step_view", "pipeline_view"]
+__all__ = ["read_run", "step_view", "pipeline_view", "seq_tasks", "task_view"]
 
 PARTIAL_LINE_GRACE_S = 10.0
 """A last line without its newline is taken as being written for this long, then reported as malformed."""
@@ -139,10 +146,122 @@ def pipeline_view(rec: dict) -> dict:
     }
 
 
+def _number(v) -> float | None:
+    """A finite number as is; null for anything else (a NaN loss would make the page's JSON unreadable)."""
+    return v if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def _task_entries(rec: dict) -> list[tuple[str, dict]] | None:
+    """The record's ``tasks`` as (name, entry) in task order, or None (no tasks, or not an object of objects)."""
+    tasks = rec.get("tasks")
+    if not isinstance(tasks, dict) or not tasks or not all(isinstance(e, dict) for e in tasks.values()):
+        return None
+    return list(tasks.items())
+
+
+def seq_tasks(rec: dict) -> list[int] | None:
+    """Each sequence's task index (``seq_lengths`` order: what a plan's ``seq_ids`` index), derived from the record's
+    ``tasks``: the batch holds ``tasks[t].docs`` documents of each task, task 0's first. None for a record without
+    tasks, or whose tasks' documents do not add up to its sequences (then no task can be told)."""
+    entries = _task_entries(rec)
+    if entries is None:
+        return None
+    counts = [e.get("docs") for _, e in entries]
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in counts):
+        return None
+    if sum(counts) != len(rec["seq_lengths"]):
+        return None
+    return [t for t, c in enumerate(counts) for _ in range(c)]
+
+
+def _group_task(seq_ids: list[int], of: list[int]) -> int | None:
+    tasks = {of[i] for i in seq_ids}
+    return tasks.pop() if len(tasks) == 1 else None
+
+
+_MULTITASK_NUMBERS = ("bound_ms", "makespan_ms", "gap", "simulated_ms", "dataflow_ms", "solve_s")
+
+
+def _multitask_view(rec: dict, names: list[str]) -> dict | None:
+    """The record's ``multitask`` with its parts as objects (task index and name, first rank, devices, ranks, start
+    and time in Spindle's cost model); null without one."""
+    mt = rec.get("multitask")
+    if not isinstance(mt, dict):
+        return None
+    parts = []
+    for p in mt.get("parts") or []:
+        if not isinstance(p, list | tuple) or len(p) < 5:
+            continue
+        task, first, devices, start, ms = p[:5]
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (task, first, devices)):
+            continue
+        parts.append(
+            {
+                "task": task,
+                "name": names[task] if 0 <= task < len(names) else f"task {task}",
+                "first_rank": first,
+                "devices": devices,
+                "ranks": [first, first + devices - 1],
+                "start_ms": _number(start),
+                "time_ms": _number(ms),
+            }
+        )
+    method = mt.get("multitask")
+    out = {"method": method if isinstance(method, str) else None, "parts": parts}
+    out.update({k: _number(mt.get(k)) for k in _MULTITASK_NUMBERS})
+    return out
+
+
+def task_view(rec: dict, groups: list[dict] | None = None) -> dict | None:
+    """The tasks of a record of several ``[[tasks]]`` as the page shows them, or None for a record without tasks.
+
+    ``tasks``: per task in order its ``index``, ``name``, ``colour`` (``plan_svg.task_colour``, as the SVG
+    pictures), ``docs``, ``tokens``, ``targets``, ``loss`` (null where not a finite number), ``sequences`` (the
+    batch's sequence ids of its documents), ``groups`` (how many of ``groups`` ran it) and ``ranks`` (the ranks
+    they used); ``multitask`` (:func:`_multitask_view`); ``task_note``: why some groups have no task (the tasks'
+    documents do not add up to the batch, or a group mixes tasks), else null."""
+    entries = _task_entries(rec)
+    if entries is None:
+        return None
+    names = [str(n) for n, _ in entries]
+    of = seq_tasks(rec)
+    losses = rec.get("task_losses") if isinstance(rec.get("task_losses"), dict) else {}
+    tasks = []
+    for t, (name, e) in enumerate(entries):
+        mine = [g for g in groups or [] if g.get("task") == t]
+        tasks.append(
+            {
+                "index": t,
+                "name": names[t],
+                "colour": task_colour(t),
+                "docs": e.get("docs"),
+                "tokens": e.get("tokens"),
+                "targets": e.get("targets"),
+                "loss": _number(e.get("loss") if e.get("loss") is not None else losses.get(name)),
+                "sequences": [i for i, k in enumerate(of or []) if k == t],
+                "groups": len(mine),
+                "ranks": sorted({r for g in mine for r in g["ranks"]}),
+            }
+        )
+    note = None
+    if of is None:
+        docs = [e.get("docs") for _, e in entries]
+        note = (
+            f"the tasks' documents ({', '.join(f'{n} {d}' for n, d in zip(names, docs, strict=True))}) do not add "
+            f"up to the batch's {len(rec['seq_lengths'])} sequences: the groups are not coloured by task"
+        )
+    elif groups is not None and any(g.get("task") is None for g in groups):
+        note = "some groups run the sequences of several tasks (a plan of one task per group should not)"
+    return {"tasks": tasks, "multitask": _multitask_view(rec, names), "task_note": note}
+
+
 def step_view(rec: dict) -> dict:
     """One validated record as the page draws it (the record's summary fields plus ``groups`` for SP steps, or
-    ``pipeline`` (:func:`pipeline_view`; null for SP steps) for pipelined ones)."""
+    ``pipeline`` (:func:`pipeline_view`; null for SP steps) for pipelined ones). ``tasks``, ``multitask`` and
+    ``task_note`` are :func:`task_view`'s (all null for a record without tasks), and each group's ``task`` the index
+    of the task it ran (null without tasks, or where that cannot be told)."""
     groups = []
+    of = seq_tasks(rec)
     if rec["plan"] is not None:
         when = {(t["micro_batch"], t["group"]): t for t in rec["timeline"]}
         trained = rec["source"] == "train"
@@ -166,6 +285,7 @@ def step_view(rec: dict) -> dict:
                         "predicted_ms": t["time_ms"],
                         "measured_start_ms": m_start,
                         "measured_ms": m_ms,
+                        "task": None if of is None else _group_task(g["seq_ids"], of),
                     }
                 )
     keys = (
@@ -178,4 +298,5 @@ def step_view(rec: dict) -> dict:
     view["micro_batches"] = len(rec["plan"]["micro_batches"]) if rec["plan"] else 0
     view["groups"] = groups
     view["pipeline"] = pipeline_view(rec) if rec.get("pipeline") is not None else None
+    view.update(task_view(rec, groups) or {"tasks": None, "multitask": None, "task_note": None})
     return view

@@ -1,6 +1,7 @@
 // flexorch plan viewer: polls /api/steps and draws the selected step (devices x time for SP steps, stages x time
-// for pipelined ones), its baselines, the run's step times and the step table with Plotly.js. Data shapes: see
-// flexorch/dashboards/viewer_data.py (step_view, pipeline_view).
+// for pipelined ones), its baselines, the run's step times and the step table with Plotly.js; a step of several
+// [[tasks]] colours its groups by task, with a legend of the tasks' losses and a panel of how they were placed.
+// Data shapes: see flexorch/dashboards/viewer_data.py (step_view, pipeline_view, task_view).
 "use strict";
 
 const COLOURS = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7",
@@ -25,36 +26,61 @@ function showError(msg) {
 }
 
 // ---------------------------------------------------------------- devices x time, one bar per SP group
+function byTask(view) {  // a step of several [[tasks]] whose groups' tasks are known: colour = task
+  return Array.isArray(view.tasks) && view.tasks.length > 0 && view.groups.some((g) => g.task !== null);
+}
+
+function taskLegend(t) {  // a task's legend entry: its name and its loss this step
+  return t.loss === null || t.loss === undefined ? t.name : `${t.name} · loss ${fmt(t.loss, 4)}`;
+}
+
+function groupTrace(gs, which, name, color, label, hoverHead) {
+  return {
+    type: "bar",
+    orientation: "h",
+    name,
+    y: gs.map((g) => g.first_rank + (g.degree - 1) / 2),
+    width: gs.map((g) => g.degree * 0.92),
+    base: gs.map((g) => g[`${which}_start_ms`] ?? 0),
+    x: gs.map((g) => Math.max(g[`${which}_ms`], 1e-3)),
+    marker: { color, line: { color: "white", width: 0.5 } },
+    text: gs.map(label),
+    textposition: "inside",
+    insidetextanchor: "start",
+    textangle: 0,
+    customdata: gs.map((g) => [g.micro_batch, g.ranks.join(","), g.kind, g.sequences, g.tokens, g.longest,
+      g[`${which}_ms`], g.degree, hoverHead(g)]),
+    hovertemplate:  // %{x} of a bar with a base is where it ends: the length comes from customdata
+      "%{customdata[8]}micro-batch %{customdata[0]}, ranks %{customdata[1]}<br>degree %{customdata[7]}" +
+      " %{customdata[2]}, %{customdata[3]} sequences, %{customdata[4]} tokens (longest %{customdata[5]})" +
+      "<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
+  };
+}
+
+function groupLabel(g) {
+  return g.degree > 1 ? `${g.degree} ${g.kind} · ${g.sequences} seq` : `${g.sequences} seq`;
+}
+
 function planTraces(view, which) {
+  const shown = view.groups.filter((g) => g[`${which}_ms`] !== null);
+  if (byTask(view)) {  // one trace per task, in task order (the legend: task names and losses); then any unknown
+    const traces = view.tasks.map((t) => {
+      const gs = shown.filter((g) => g.task === t.index);
+      const head = `${t.name}${t.loss === null ? "" : ` (loss ${fmt(t.loss, 4)})`}<br>`;
+      return gs.length ? groupTrace(gs, which, taskLegend(t), t.colour, (g) => `${t.name} · ${groupLabel(g)}`,
+        () => head) : null;
+    }).filter((tr) => tr !== null);
+    const unknown = shown.filter((g) => g.task === null);
+    if (unknown.length) traces.push(groupTrace(unknown, which, "several tasks", "#777", groupLabel, () => ""));
+    return traces;
+  }
   const byDegree = new Map();
-  for (const g of view.groups) {
-    if (g[`${which}_ms`] === null) continue;
+  for (const g of shown) {
     if (!byDegree.has(g.degree)) byDegree.set(g.degree, []);
     byDegree.get(g.degree).push(g);
   }
-  return [...byDegree.keys()].sort((a, b) => b - a).map((d) => {
-    const gs = byDegree.get(d);
-    return {
-      type: "bar",
-      orientation: "h",
-      name: `degree ${d}`,
-      y: gs.map((g) => g.first_rank + (g.degree - 1) / 2),
-      width: gs.map((g) => g.degree * 0.92),
-      base: gs.map((g) => g[`${which}_start_ms`] ?? 0),
-      x: gs.map((g) => Math.max(g[`${which}_ms`], 1e-3)),
-      marker: { color: colour(d), line: { color: "white", width: 0.5 } },
-      text: gs.map((g) => (g.degree > 1 ? `${g.degree} ${g.kind} · ${g.sequences} seq` : `${g.sequences} seq`)),
-      textposition: "inside",
-      insidetextanchor: "start",
-      textangle: 0,
-      customdata: gs.map((g) => [g.micro_batch, g.ranks.join(","), g.kind, g.sequences, g.tokens, g.longest,
-        g[`${which}_ms`]]),
-      hovertemplate:  // %{x} of a bar with a base is where it ends: the length comes from customdata
-        "micro-batch %{customdata[0]}, ranks %{customdata[1]}<br>degree " + d +
-        " %{customdata[2]}, %{customdata[3]} sequences, %{customdata[4]} tokens (longest %{customdata[5]})" +
-        "<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
-    };
-  });
+  return [...byDegree.keys()].sort((a, b) => b - a).map((d) =>
+    groupTrace(byDegree.get(d), which, `degree ${d}`, colour(d), groupLabel, () => ""));
 }
 
 function microBatchLines(view, which) {
@@ -84,9 +110,12 @@ function drawPlan(div, view, which, title) {
     legend: { orientation: "h", y: -0.18 },
     showlegend: true,
   };
+  const tasks = byTask(view);
+  if (tasks) layout.legend = { orientation: "h", y: -0.22, title: { text: "task:", side: "left" } };
   return Plotly.react(div, planTraces(view, which), layout, { displayModeBar: false, responsive: true }).then(() => {
     div.dataset.step = String(view.step);
     div.dataset.layout = "sp";
+    div.dataset.colour = tasks ? "task" : "degree";
     div.dataset.ops = "0";
     div.dataset.groups = String(view.groups.filter((g) => g[`${which}_ms`] !== null).length);
   });
@@ -176,6 +205,7 @@ function drawPipeline(div, view, which, title) {
   return Plotly.react(div, pipelineTraces(view, which), layout, { displayModeBar: false, responsive: true }).then(() => {
     div.dataset.step = String(view.step);
     div.dataset.layout = "pipeline";
+    div.dataset.colour = "chain";
     div.dataset.groups = "0";
     div.dataset.ops = String(pipe.ops.filter((o) => o[`${which}_ms`] !== null).length);
   });
@@ -198,6 +228,91 @@ function pipelineNote(view) {
     `${ckpt} of ${p.units * p.stages} backward(s) recompute checkpointed layers. One bar per forward (light) and ` +
     "backward (dark) of a unit on a stage, labelled with the unit; one colour per sequence chain (the segments of " +
     "a split sequence share it)." + baseline;
+}
+
+// ---------------------------------------------------------------- several [[tasks]]: placement, losses, legend
+const METHODS = {
+  spindle: "Spindle (each task on its own block of workers, in waves)",
+  in_turn: "in turn (each task on every worker, one after another)",
+};
+
+function hasTasks(v) {
+  return Array.isArray(v.tasks) && v.tasks.length > 0;
+}
+
+function msText(v) {
+  return `${fmt(v, 1)} ms`;
+}
+
+function multitaskText(mt) {  // how the plan placed the tasks: the method, Spindle's bound and gap, the plan's times
+  if (!mt) return "";
+  const out = [`placed ${METHODS[mt.method] ?? (mt.method || "?")}`];
+  const spindle = [];
+  if (isNum(mt.bound_ms)) spindle.push(`bound ${msText(mt.bound_ms)}`);
+  if (isNum(mt.makespan_ms)) spindle.push(`makespan ${msText(mt.makespan_ms)}`);
+  if (isNum(mt.gap)) spindle.push(`gap ${fmt(mt.gap * 100, 1)} %`);
+  if (spindle.length) out.push(`Spindle's cost model: ${spindle.join(", ")}`);
+  const plan = [];
+  if (isNum(mt.simulated_ms)) plan.push(`simulated ${msText(mt.simulated_ms)}`);
+  if (isNum(mt.dataflow_ms)) plan.push(`dataflow ${msText(mt.dataflow_ms)}`);
+  if (plan.length) out.push(`the plan: ${plan.join(", ")}`);
+  if (isNum(mt.solve_s)) out.push(`solve ${fmt(mt.solve_s * 1000, 0)} ms`);
+  return out.join(" · ");
+}
+
+function taskLine(t) {  // one task in the step table: loss, documents, loss targets
+  const loss = t.loss === null ? "" : ` ${fmt(t.loss, 4)}`;
+  return `${t.name}${loss} · ${fmt(t.docs)} docs · ${fmt(t.targets)} targets`;
+}
+
+function taskCell(v) {
+  if (!hasTasks(v)) return "";
+  const mt = v.multitask;
+  const head = mt ? [[mt.method, isNum(mt.gap) ? `gap ${fmt(mt.gap * 100, 1)} %` : ""].filter((s) => s).join(", ")] : [];
+  return head.concat(v.tasks.map(taskLine)).join("\n");
+}
+
+function cell(tr, text, cls) {
+  const td = document.createElement("td");
+  td.textContent = String(text ?? "");
+  if (cls) td.className = cls;
+  tr.appendChild(td);
+  return td;
+}
+
+function drawTasks(v) {  // the per-step panel: how the tasks were placed, and each task's numbers (its legend)
+  const show = !v.skipped && hasTasks(v);
+  $("tasks-note").style.display = show ? "block" : "none";
+  const body = $("task-table").querySelector("tbody");
+  body.innerHTML = "";
+  if (!show) return;
+  const n = v.tasks.length;
+  $("task-placement").textContent = `${n} task${n > 1 ? "s" : ""}` +
+    (v.multitask ? `, ${multitaskText(v.multitask)}` : "") + ". Colour = task (legend under the pictures).";
+  $("task-problem").textContent = v.task_note ? `Note: ${v.task_note}.` : "";
+  $("task-problem").style.display = v.task_note ? "block" : "none";
+  const parts = (v.multitask && v.multitask.parts) || [];
+  for (const t of v.tasks) {
+    const tr = document.createElement("tr");
+    tr.dataset.task = String(t.index);
+    const sw = document.createElement("span");
+    sw.className = "swatch";
+    sw.style.background = t.colour;
+    const name = cell(tr, t.name, "name");
+    name.prepend(sw);
+    const mine = parts.filter((p) => p.task === t.index);
+    const ranks = mine.length
+      ? mine.map((p) => rankSpan([...Array(p.devices).keys()].map((k) => p.first_rank + k))).join("; ")
+      : rankSpan(t.ranks);
+    cell(tr, ranks, "name");
+    cell(tr, mine.map((p) => `${fmt(p.start_ms, 1)} + ${fmt(p.time_ms, 1)}`).join("; "));
+    cell(tr, fmt(t.docs));
+    cell(tr, fmt(t.tokens));
+    cell(tr, fmt(t.targets));
+    cell(tr, t.loss === null ? "" : fmt(t.loss, 4));
+    cell(tr, t.groups);
+    body.appendChild(tr);
+  }
 }
 
 function drawBaselines(view) {
@@ -345,7 +460,7 @@ function addRows(views, offset) {
     const status = v.fallback && !v.skipped ? `${v.status} (${v.fallback.reason})` : v.status;
     const cells = [v.step, v.source, v.world_size, v.shape ?? "(skipped)", status, v.sequences, fmt(v.longest),
       fmt(v.solve_s * 1000), fmt(v.predicted_ms, 1), fmt(v.measured_ms, 1), fmt(v.loss, 4), fmt(v.tokens_per_s),
-      recov];
+      recov, taskCell(v)];
     cells.forEach((c, j) => {
       const td = document.createElement("td");
       td.textContent = String(c ?? "");
@@ -355,8 +470,10 @@ function addRows(views, offset) {
         td.className = "recoveries";
         td.title = recoveriesOf(v).map((r) => r.reason).filter((s) => s).join("\n");
       }
+      if (j === 13) td.className = "tasks";  // shown once a step of the run has tasks
       tr.appendChild(td);
     });
+    if (hasTasks(v)) $("step-table").classList.add("has-tasks");
     tr.addEventListener("click", () => { state.follow = false; $("follow").checked = false; select(offset + i); });
     body.appendChild(tr);
   });
@@ -378,9 +495,11 @@ function select(i) {
     : `step ${v.step}: ${v.world_size} devices, ${v.sequences} sequences (longest ${fmt(v.longest)}), ` +
       (piped ? `${v.pipeline.units} pipeline unit(s)` : `${v.micro_batches} micro-batch(es)`) + `, shape ${v.shape}` +
       (v.fallback ? ` · not the planner's plan (${v.fallback.reason}): ${v.fallback.message}` : "") +
-      (v.solver_crashes ? ` · ${v.solver_crashes} MILP solve(s) crashed` : "");
+      (v.solver_crashes ? ` · ${v.solver_crashes} MILP solve(s) crashed` : "") +
+      (hasTasks(v) ? ` · ${v.tasks.length} tasks` + (v.multitask ? ` (${v.multitask.method})` : "") : "");
   $("pipeline-note").style.display = piped ? "block" : "none";
   $("pipeline-note").textContent = piped ? pipelineNote(v) : "";
+  drawTasks(v);
   const trained = v.source === "train";
   if (v.skipped) {
     Plotly.purge($("plan-predicted"));
@@ -425,6 +544,7 @@ async function poll() {
         state.selected = -1;
         $("step-table").querySelector("tbody").innerHTML = "";
         $("recovery-table").querySelector("tbody").innerHTML = "";
+        $("step-table").classList.remove("has-tasks");
         $("recoveries").style.display = "none";
         wait = 0;
       } else if (data.records.length) {

@@ -1,0 +1,86 @@
+"""The static plan picture (``flexorch/dashboards/plan_svg.py``, `flexorch plan --svg`): boxes coloured by SP degree,
+or, for a step of several tasks (``task_of``), by each group's task with the tasks in the legend; and the one palette
+the dashboards' SVG pictures share. Pure and fast."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+
+from flexorch.dashboards import multitask_svg, plan_svg
+from flexorch.dashboards.plan_svg import MIXED_COLOUR, PALETTE, render_steps_svg, render_svg, task_colour
+from flexorch.solver.multitask.execute import plan_task_step, task_groups
+from flexorch.solver.profiles import get_profile
+from flexorch.solver.step_planner import heuristic_plan
+
+NS = "{http://www.w3.org/2000/svg}"
+PROFILE = get_profile("gpt-7b-a100")
+LENGTHS = [20_000, 9_000, 3_000, 1_200, 800, 700, 600, 500, 400, 300]
+TASK_OF = [0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+NAMES = ["chat", "code", "docs"]
+
+
+@pytest.fixture(scope="module")
+def task_plan():
+    plan, _ = plan_task_step(LENGTHS, TASK_OF, 8, PROFILE, adapter_ranks=(8, 4, 2))
+    return plan
+
+
+def _boxes(root) -> list:
+    """The group boxes (white-stroked rects), in drawing order."""
+    return [r for r in root.iter(f"{NS}rect") if r.get("stroke") == "white"]
+
+
+def test_degree_mode_colours_by_degree_and_has_no_task_marks():
+    plan = heuristic_plan(PROFILE, np.random.default_rng(1).lognormal(8, 1.2, 24).astype(int) + 16, 16, None).plan
+    svg = render_svg(plan, PROFILE, "step 0")
+    root = ET.fromstring(svg)
+    degrees = [g.degree for mb in plan.micro_batches for g in mb.groups]
+    assert [b.get("fill") for b in _boxes(root)] == [PALETTE[d.bit_length() - 1] for d in degrees]
+    assert "data-task" not in svg and 'class="legend"' not in svg
+    legend = [t.text for t in root.iter(f"{NS}text") if (t.text or "").startswith("SP ")]
+    assert legend == [f"SP {d}" for d in sorted(set(degrees))]
+
+
+def test_task_mode_colours_each_group_by_its_task(task_plan):
+    svg = render_svg(task_plan, PROFILE, "tasks", task_of=TASK_OF, task_names=NAMES)
+    root = ET.fromstring(svg)
+    want = [t for row in task_groups(task_plan, TASK_OF) for t in row]
+    boxes = _boxes(root)
+    assert len(set(want)) == 3 and [int(b.get("data-task")) for b in boxes] == want
+    assert [b.get("fill") for b in boxes] == [task_colour(t) for t in want]
+    assert all(NAMES[t] in b.find(f"{NS}title").text for b, t in zip(boxes, want, strict=True))
+    legend = [r for r in root.iter(f"{NS}rect") if r.get("class") == "legend"]
+    assert [(int(r.get("data-task")), r.get("fill")) for r in legend] == [(t, task_colour(t)) for t in range(3)]
+    texts = [t.text for t in root.iter(f"{NS}text")]
+    assert all(n in texts for n in NAMES) and not any((t or "").startswith("SP ") for t in texts)
+    # without names the tasks are numbered; a group of several tasks is grey, and the legend says so
+    mixed = list(TASK_OF)
+    first = task_plan.micro_batches[0].groups[0].seq_ids
+    assert len(first) > 1
+    mixed[first[0]] = 2 if mixed[first[0]] != 2 else 0
+    root = ET.fromstring(render_steps_svg([("a", task_plan)], PROFILE, task_of=[mixed]))
+    assert _boxes(root)[0].get("fill") == MIXED_COLOUR and _boxes(root)[0].get("data-task") == ""
+    texts = [t.text for t in root.iter(f"{NS}text")]
+    assert "task 0" in texts and "several tasks / no task" in texts
+
+
+def test_task_mode_beside_a_step_without_tasks_and_bad_lengths(task_plan):
+    plain = heuristic_plan(PROFILE, LENGTHS, 8, None).plan
+    root = ET.fromstring(render_steps_svg([("tasks", task_plan), ("plain", plain)], PROFILE, task_of=[TASK_OF, None]))
+    n_task = sum(len(mb.groups) for mb in task_plan.micro_batches)
+    boxes = _boxes(root)
+    assert all(b.get("fill") == MIXED_COLOUR for b in boxes[n_task:])  # the step without tasks: grey
+    with pytest.raises(ValueError, match="one entry per step"):
+        render_steps_svg([("tasks", task_plan)], PROFILE, task_of=[TASK_OF, TASK_OF])
+    with pytest.raises(ValueError, match="9 tasks for the plan's 10 sequences"):
+        render_svg(task_plan, PROFILE, task_of=TASK_OF[:-1])
+
+
+def test_one_palette_for_every_picture():
+    assert multitask_svg.task_colour is plan_svg.task_colour
+    assert [task_colour(t) for t in range(len(PALETTE))] == list(PALETTE)
+    assert len({task_colour(t) for t in range(40)}) == 40
+    assert not hasattr(multitask_svg, "_PALETTE")  # no second copy
