@@ -177,8 +177,9 @@ def test_step_records_get_per_task_documents_tokens_targets_and_losses():
         def __init__(self, name):
             self.name = name
 
-    out = task_fields([T("a"), T("b")], [_doc(0, 0), _doc(1, 1, length=5, targets=2)], {"a": 1.5, "b": 2.5})
+    docs = [_doc(0, 0), _doc(1, 1, length=5, targets=2)]
+    out = task_fields([T("a"), T("b")], docs, {"a": 1.5, "b": 2.5}, {"a": 0, "b": 3})
     assert out == {
-        "a": {"docs": 1, "tokens": 9, "targets": 8, "loss": 1.5},
-        "b": {"docs": 1, "tokens": 5, "targets": 2, "loss": 2.5},
+        "a": {"docs": 1, "tokens": 9, "targets": 8, "loss": 1.5, "epoch": 0},
+        "b": {"docs": 1, "tokens": 5, "targets": 2, "loss": 2.5, "epoch": 3},
     }

@@ -79,6 +79,7 @@ def _check(cfg, corpus, records, replicas, whole=True):
         assert {n: e["loss"] for n, e in r["tasks"].items()} == pytest.approx(ref, rel=1e-5, abs=1e-6)
         assert sum(e["targets"] for e in r["tasks"].values()) == r["targets"]
         assert [e["docs"] for e in r["tasks"].values()] == list(cfg.task_counts)
+        assert all(e["epoch"] == 0 for e in r["tasks"].values())  # each task's first pass over its data
     ref_params = {k: v.numpy() for k, v in ref_state.items()}
     assert_params_close(replicas, ref_params, whole=whole)
     initial = {k: v.detach().numpy() for k, v in build_model(cfg.model, cfg.seed).state_dict().items()}
@@ -130,19 +131,21 @@ def test_three_tasks_training_the_base_too_equal_the_reference_with_fsdp_sharded
     _check(cfg, corpus, records, replicas, whole=False)
 
 
-def test_three_tasks_on_a_hugging_face_llama_in_turn_equal_the_reference(env, tmp_path):
+@pytest.mark.parametrize("base_trainable", [False, True])
+def test_three_tasks_on_a_hugging_face_llama_in_turn_equal_the_reference(env, tmp_path, base_trainable):
     pytest.importorskip("transformers")
     from flexorch.config.hf import hf_model_config
     from tests.test_train_hf import write_model_dir
 
     model_dir = write_model_dir(tmp_path / "llama", "llama")
-    model = ModelConfig.from_dict({**hf_model_config(str(model_dir)), "loss_chunk_tokens": 24, "base_trainable": False})
+    extra = {"loss_chunk_tokens": 24, "base_trainable": base_trainable}
+    model = ModelConfig.from_dict({**hf_model_config(str(model_dir)), **extra})
     root, data, profile = env
     hf_targets = {"chat": None, "code": ("q_proj", "k_proj", "down_proj"), "qa": ("v_proj",)}
     tasks = tuple(TaskSettings(**{**t.__dict__, "lora_targets": hf_targets[t.name]}) for t in _tasks(data))
     cfg = train_config(
-        data["code"], root / "run-hf", profile, steps=2, model=model, tasks=tasks, plan={"tasks": "in_turn"},
-        data=CorpusConfig(max_context=MAX_CONTEXT, tokenizer="byte"),
+        data["code"], root / f"run-hf-{base_trainable}", profile, steps=2, model=model, tasks=tasks,
+        plan={"tasks": "in_turn"}, data=CorpusConfig(max_context=MAX_CONTEXT, tokenizer="byte"),
     )  # fmt: skip
     corpus = load_task_corpus(cfg.tasks)
     records, replicas = run_driver(cfg, corpus)

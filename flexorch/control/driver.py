@@ -217,6 +217,7 @@ class TrainingDriver:
             return self._roll_back(e, "admit joining workers", [])
         boundary_ms = (time.perf_counter() - t_start) * 1e3
         batch = self.stream.peek()  # taken (next_batch) only once the step is done or skipped
+        task_epochs = self.stream.epochs() if self.cfg.tasks else None  # [[tasks]]: each task's own epoch
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
         carried, self._rolled_back = self._rolled_back, []
         recoveries = carried + ([joined] if joined else [])
@@ -299,7 +300,7 @@ class TrainingDriver:
         self._last_step_ms = measured_ms
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
         if self.cfg.tasks:
-            record["tasks"] = task_fields(self.cfg.tasks, docs, record.get("task_losses", {}))
+            record["tasks"] = task_fields(self.cfg.tasks, docs, record.get("task_losses", {}), task_epochs)
             record["multitask"] = multitask_fields(planned.plan)
         if not planned.pipelined:
             record["model_state"] = model_state_fields(self.cfg, n)

@@ -163,9 +163,12 @@ def tasks_tokenizer(cfg, run_dir):
     return cfg.replace(data=dataclasses.replace(cfg.data, tokenizer=spec))  # TrainConfig hands it to every task
 
 
-def task_fields(tasks, docs, losses: dict) -> dict:
-    """A step record's ``tasks``: per task, its documents, tokens, loss-target tokens and mean loss."""
+def task_fields(tasks, docs, losses: dict, epochs: dict | None = None) -> dict:
+    """A step record's ``tasks``: per task, its documents, tokens, loss-target tokens, mean loss and (``epochs``:
+    :meth:`TaskStreams.epochs` when the batch was drawn) the task's own epoch."""
     out = {t.name: {"docs": 0, "tokens": 0, "targets": 0, "loss": losses.get(t.name)} for t in tasks}
+    for name, epoch in (epochs or {}).items():
+        out[name]["epoch"] = int(epoch)
     names = [t.name for t in tasks]
     for d in docs:
         entry = out[names[d.task]]

@@ -73,11 +73,12 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   mode ('none' or 'full') in the plan's order; a recovery after a worker ran out of device memory has
   ``out_of_memory`` (``workers``, the activation budget per worker before and after the cut, in bytes and tokens).
 * ``tasks``, ``task_losses`` and ``multitask`` (optional, runs of ``[[tasks]]``): per task its ``docs``, ``tokens``,
-  ``targets`` and mean ``loss`` this step; ``task_losses`` the same losses by task name (what the trackers log as
-  ``loss/<task>``); ``multitask`` how the plan placed the tasks (``multitask``: 'spindle' or 'in_turn', ``parts``
-  ``[[task, first rank, devices, start_ms, time_ms], ...]``, Spindle's ``bound_ms`` and ``makespan_ms`` in its own
-  cost model, ``gap``, the plan's ``simulated_ms`` and barrier-free ``dataflow_ms``, ``solve_s``). A step's
-  ``loss`` is then ``sum_t weight_t * loss_t`` with the tasks' weights normalised to sum to 1.
+  ``targets``, mean ``loss`` and ``epoch`` (the task's own pass over its data; ``epoch`` above is the first task's)
+  this step, the batch holding each task's documents in task order; ``task_losses`` the same losses by task name (what
+  the trackers log as ``loss/<task>``); ``multitask`` how the plan placed the tasks (``multitask``: 'spindle' or
+  'in_turn', ``parts`` ``[[task, first rank, devices, start_ms, time_ms], ...]``, Spindle's ``bound_ms`` and
+  ``makespan_ms`` in its own cost model, ``gap``, the plan's ``simulated_ms`` and barrier-free ``dataflow_ms``,
+  ``solve_s``). A step's ``loss`` is then ``sum_t weight_t * loss_t`` with the tasks' weights normalised to sum to 1.
 
 History: version 2 (train only) added ``worker_ids`` and ``recoveries``; version 3 made one schema for `plan` and
 `train`: ``source``, ``timeline``, and `plan`'s ``makespan_ms``/``baselines``/``micro_batches`` became
