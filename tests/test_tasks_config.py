@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from flexorch.config import ConfigError
+from flexorch.config.adapters import target_modules
 from flexorch.config.load import config_from_dict
-from flexorch.config.tasks import batch_counts, model_targets
+from flexorch.config.tasks import batch_counts
 from flexorch.data.corpus import Corpus
 from flexorch.data.task_corpus import TaskStreams, combine_corpora, task_fields
 from flexorch.tasks.step import DocRef, GroupWork, StepTask, step_tasks
@@ -91,7 +92,7 @@ def test_batch_counts_round_by_largest_remainder_and_sum_to_the_batch():
 
 def test_lora_targets_come_from_the_model_shape_without_torch():
     cfg = config_from_dict({"workers": 2})
-    assert model_targets(cfg.model) == ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+    assert target_modules(cfg.model) == ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 
 
 def _corpus(n_docs: int, start_len: int, blocks: int = 2) -> Corpus:

@@ -37,7 +37,6 @@ __all__ = [
     "batch_counts",
     "default_targets",
     "lora_specs",
-    "model_targets",
     "task_from_dict",
 ]
 
@@ -174,26 +173,11 @@ def batch_counts(tasks, batch_size: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def model_targets(model_cfg) -> tuple[str, ...]:
-    """Leaf names of the linear maps (2-D weights) of a decoder layer of this model, from its parameter names (no
-    torch): ``wq, wk, wv, wo, w1, w2, w3`` for flexorch's decoder; ``q_proj, ..., down_proj`` for a Llama."""
-    names = []
-    for name, shape in model_cfg.param_shapes():
-        parts = name.split(".")
-        if len(shape) != 2 or parts[-1] != "weight" or "layers" not in parts or ".lora." in name:
-            continue
-        i = parts.index("layers")
-        if parts[i + 1] != "0":
-            continue
-        leaf = parts[-2]
-        if leaf not in names:
-            names.append(leaf)
-    return tuple(names)
-
-
 def default_targets(model_cfg) -> tuple[str, ...]:
     """The query and value projections (LoRA's own choice, arXiv 2106.09685 §7.1; PEFT's default for Llama)."""
-    have = model_targets(model_cfg)
+    from flexorch.config.adapters import target_modules
+
+    have = target_modules(model_cfg)
     for pair in (("wq", "wv"), ("q_proj", "v_proj")):
         if set(pair) <= set(have):
             return pair
@@ -201,23 +185,21 @@ def default_targets(model_cfg) -> tuple[str, ...]:
 
 
 def lora_specs(tasks, model_cfg) -> tuple:
-    """``flexorch.config.adapters.LoraSpec`` of every task with an adapter, its targets checked against this model
-    (an unknown name is a ConfigError listing the model's)."""
-    from flexorch.config.adapters import LoraSpec
+    """``flexorch.config.adapters.LoraSpec`` of every task with an adapter, checked against this model
+    (``check_adapters``: an unknown target is a ConfigError listing the model's)."""
+    from flexorch.config.adapters import LoraSpec, check_adapters
 
-    have = model_targets(model_cfg)
-    out = []
+    specs = []
     for t in tasks:
         if t.lora_rank == 0:
             continue
-        targets = t.lora_targets or default_targets(model_cfg)
-        unknown = [x for x in targets if x not in have]
-        if unknown:
-            raise ConfigError(
-                f"[[tasks]] {t.name!r}: unknown LoRA target module {unknown[0]!r}; this model's decoder layers have "
-                f"{', '.join(have)} (set lora_targets to some of them)"
-            )
-        if len(set(targets)) != len(targets):
-            raise ConfigError(f"[[tasks]] {t.name!r}: lora_targets {list(targets)} names a module twice")
-        out.append(LoraSpec(task=t.name, rank=t.lora_rank, alpha=t.alpha, targets=tuple(targets)))
-    return tuple(out)
+        targets = tuple(t.lora_targets or default_targets(model_cfg))
+        try:
+            specs.append(LoraSpec(task=t.name, rank=t.lora_rank, alpha=t.alpha, targets=targets))
+        except ValueError as e:
+            raise ConfigError(f"[[tasks]] {t.name!r}: {e}") from None
+    try:
+        check_adapters(model_cfg, specs)
+    except ValueError as e:
+        raise ConfigError(f"[[tasks]]: {e}") from None
+    return tuple(specs)
