@@ -50,7 +50,8 @@ class ShardingSettings:
     """'none', 'full' (recompute every decoder layer in the backward), 'selective' (recompute each layer's MLP
     and its norm, keep attention's outputs: attention's collectives are not run again), or 'auto': chosen per
     micro-batch and SP group, 'none' where the group's tokens fit the activation budget without recompute, else
-    'full' (``flexorch.control.recompute_choice``); the planner packs micro-batches as for 'full'."""
+    'full'; the planner packs each step both for full's bytes and for the bytes without recompute and runs the
+    faster (``flexorch.solver.recompute``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

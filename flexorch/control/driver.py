@@ -38,7 +38,7 @@ from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
 from flexorch.control.memory_budget import capped, lowered_after_oom, resolve_device_budget
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
-from flexorch.control.recompute_choice import choose_recompute, none_over_full
+from flexorch.control.recompute_choice import with_recompute_ratios
 from flexorch.control.refitting import RunRefit
 from flexorch.control.transitions import EventLog, Ran, Transition
 from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
@@ -50,6 +50,7 @@ from flexorch.records.metrics import RunMetrics
 from flexorch.records.trackers import Trackers
 from flexorch.records.writer import StepRecords, skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.recompute import recompute_modes
 from flexorch.solver.step_planner import PlannedStep
 from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
 from flexorch.tasks.placement import PartsLostError
@@ -94,7 +95,6 @@ class TrainingDriver:
         self._refits = RunRefit(self.cfg.plan.refit_every)  # the run's groups and steps, and the refit on them
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self._budget_cap: float | None = None  # the memory budget an out-of-memory step lowered to (bytes)
-        self._none_ratio: float | None = None  # activation bytes without / with recompute ('auto' recompute)
         self.workers: WorkerGroup | None = None
         self.planner = None
         self.trackers: Trackers | None = None  # [tracking]: TensorBoard, MLflow, W&B, fed every record
@@ -153,12 +153,12 @@ class TrainingDriver:
         cfg = self.cfg
         act_budget = budget.activation_bytes if budget is not None else None
         self.profile = run_profile(cfg, self.workers, self.run_dir, self._publish, act_budget)
-        self._none_ratio = none_over_full(cfg, self.workers)  # 'auto' recompute: none where it fits
+        say = lambda message: self._publish({"event": "progress", "message": message})  # noqa: E731
+        self.profile = with_recompute_ratios(cfg, self.workers, self.profile, say)  # 'auto' recompute's terms
         self.planner = self._planner_factory(PlannerSpec.for_run(cfg, self.profile), self._publish)
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if resumed is not None else None)
         self.metrics = RunMetrics(self.run_dir.name)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
-        say = lambda message: self._publish({"event": "progress", "message": message})  # noqa: E731
         self.trackers = Trackers.open(cfg.tracking, self.run_dir, cfg.to_dict(), self.resumed_from, say=say)
         summary = {
             "event": "setup",
@@ -257,10 +257,11 @@ class TrainingDriver:
                     planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
                 )
             else:
-                modes = None
-                if self._none_ratio is not None:  # [sharding] activation_checkpointing = "auto"
-                    modes = choose_recompute(planned.plan, self.profile, self._none_ratio)
+                modes = recompute_modes(planned.plan, self.profile)  # 'auto' recompute: each group's mode
+                if modes is not None:
                     base["recompute"] = [list(row) for row in modes]
+                    if "recompute_packing" in planned.plan.meta:
+                        base["recompute_packing"] = dict(planned.plan.meta["recompute_packing"])
                 names, weights = tuple(t.name for t in self.cfg.tasks), tuple(t.weight for t in self.cfg.tasks)
                 tasks = step_tasks(planned.plan, docs, self.step_no, modes, names, weights)
             results, failure, moved, dispatch_ms = self._dispatch(tasks, planned, n, attempt, t_dispatch)

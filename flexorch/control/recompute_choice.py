@@ -1,55 +1,43 @@
-"""``[sharding] activation_checkpointing = "auto"``: recompute only where memory needs it, per micro-batch.
+"""``[sharding] activation_checkpointing = "auto"``: what the planner needs to choose recompute per SP group
+(``flexorch.solver.recompute``), measured on the workers' own model at start.
 
-Recomputing a layer in the backward costs about a third more compute (on one H200, a 40,596-token micro-batch of a
-1.1B Llama: 1,452 ms with full recompute, 1,129 without, compiled; ``benchmarks/gpu_profile.py``), and keeping its
-activations costs memory (54 GiB against 8.4 GiB there). With 'auto' the planner packs micro-batches for the
-activation bytes of full recompute (the most tokens a worker holds), and then each SP group of each micro-batch
-runs without recompute when its tokens fit the activation budget at the bytes per token measured without
-recompute, else with full recompute. Every member of a group runs the same mode (a recompute runs the group's
-sequence-parallel collectives again); groups of one micro-batch may differ (their collectives are their own, and
-FSDP gathers each layer once per backward either way).
-
-The bytes a device holds per token of its shard without recompute are the planner's bytes per token (those of full
-recompute: calibrated, or a fixed profile's) times the ratio of the two modes measured on the workers' own model
-(``Worker.activation_bytes_per_token``), plus a Ulysses group's all-to-all copies
-(``Profile.act_bytes_per_local_token``); a group's shard is ``ceil(tokens / degree)``.
+* ``none_act_ratio``: activation bytes per token a layer keeps without recompute over those with full recompute,
+  the largest any worker measures (``Worker.activation_bytes_per_token``; memory errs on the safe side);
+* ``none_time_ratio``: the forward + backward time of one document without recompute over its time with full
+  recompute, the median over the workers of each worker's median of 3 (``Worker.recompute_times``, all workers at
+  once, as calibration's probes run). The document is as long as a worker holds without recompute, at most
+  :data:`TIME_PROBE_TOKENS`. Clipped to at most 1: a recompute never runs less.
 """
 
 from __future__ import annotations
 
-import math
+import statistics
 
-__all__ = ["choose_recompute", "describe", "none_over_full"]
+__all__ = ["TIME_PROBE_TOKENS", "with_recompute_ratios"]
+
+TIME_PROBE_TOKENS = 2048
+"""The longest document timed for ``none_time_ratio``."""
 
 
-def none_over_full(cfg, group) -> float | None:
-    """With 'auto' recompute (SP steps): activation bytes per token without recompute over those with full
-    recompute, the largest ratio any worker measures on its model; None otherwise."""
+def with_recompute_ratios(cfg, group, profile, say=None):
+    """``profile`` with ``none_act_ratio`` and ``none_time_ratio`` measured on ``group``'s workers when the run
+    uses 'auto' recompute on SP steps; ``profile`` unchanged otherwise. ``say(message)`` reports what was measured."""
     if cfg.sharding.activation_checkpointing != "auto" or cfg.pipelined:
-        return None
+        return profile
     none = group.call("activation_bytes_per_token", "none")
     full = group.call("activation_bytes_per_token", "full")
-    return float(max(a / b for a, b in zip(none, full, strict=True)))
-
-
-def choose_recompute(plan, profile, none_ratio: float) -> tuple[tuple[str, ...], ...]:
-    """Per micro-batch of ``plan`` (a ``solver.plan.Plan``), each group's mode in the plan's order: 'none' when
-    its shard's activations without recompute (``none_ratio`` x the profile's bytes per token) fit ``profile``'s
-    activation budget, else 'full'."""
+    act_ratio = float(max(a / b for a, b in zip(none, full, strict=True)))
     room = profile.memory_budget_bytes - profile.model_state_bytes
-    act_bytes_none = none_ratio * profile.act_bytes_per_token
-    modes = []
-    for mb in plan.micro_batches:
-        row = []
-        for g in mb.groups:
-            shard = math.ceil(sum(plan.seq_lengths[i] for i in g.seq_ids) / g.degree)
-            copies = profile.act_bytes_per_local_token(g.kind, g.degree) - profile.act_bytes_per_token
-            row.append("none" if shard * (act_bytes_none + copies) <= room else "full")
-        modes.append(tuple(row))
-    return tuple(modes)
-
-
-def describe(modes) -> str:
-    """E.g. 'recompute: none in 5 of 6 groups'."""
-    flat = [m for row in modes for m in row]
-    return f"recompute: none in {flat.count('none')} of {len(flat)} groups"
+    tokens = int(max(16, min(TIME_PROBE_TOKENS, room // (act_ratio * profile.act_bytes_per_token))))
+    times = group.call("recompute_times", tokens)
+    ratios = [n / f for n, f in times if f > 0]
+    time_ratio = min(1.0, statistics.median(ratios)) if ratios else 1.0
+    if say is not None:
+        ms_none = statistics.median(t[0] for t in times)
+        ms_full = statistics.median(t[1] for t in times)
+        say(
+            f"recompute 'auto': without recompute a token keeps {act_ratio:.2f}x the activations and a "
+            f"{tokens:,}-token document takes {ms_none:.1f} ms against {ms_full:.1f} ms with full recompute "
+            f"(time ratio {time_ratio:.3f})"
+        )
+    return profile.with_overrides(none_act_ratio=max(1.0, act_ratio), none_time_ratio=time_ratio)

@@ -31,8 +31,9 @@ class RunRefit:
         """Keep a trained SP step's groups and step (not after a recovery: a new world warms up); after every
         ``every``-th step start a refit of ``profile`` on the window, unless one is in flight."""
         if self._warm and not record["recoveries"]:
-            step = step_of_record(record)
-            self.window.add([*samples_of_record(record), *([step] if step is not None else [])])
+            ratio = profile.none_time_ratio  # 'auto' recompute: groups run without it count at full's time
+            step = step_of_record(record, ratio)
+            self.window.add([*samples_of_record(record, ratio), *([step] if step is not None else [])])
         self._warm = True
         if (step_no + 1) % self.every or self._inflight is not None:
             return

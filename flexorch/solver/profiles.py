@@ -76,6 +76,13 @@ class Profile:
     p2p_latency_ms: dict[int, float] = field(default_factory=dict)
     """Fixed latency (ms) a ring group of d devices pays once per micro-batch for all its K/V exchanges (d-1 per
     layer forward, ~d backward), whatever its tokens; defaults to `a2a_latency_ms` when empty (like `p2p_gbps`)."""
+    none_act_ratio: float = 0.0
+    """``[sharding] activation_checkpointing = "auto"``: activation bytes per token a layer keeps without recompute
+    over ``act_bytes_per_token`` (those of full recompute), measured on the workers' model
+    (``flexorch.solver.recompute``); 0: every group runs the run's one recompute mode."""
+    none_time_ratio: float = 1.0
+    """With ``none_act_ratio``: a group's time without recompute over its time with full recompute (the time terms
+    above are full recompute's), measured on the workers; 1: not measured."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -91,6 +98,12 @@ class Profile:
             )
         if self.act_bytes_per_token <= 0:
             problems.append(f"act_bytes_per_token must be > 0, got {self.act_bytes_per_token!r}")
+        r = self.none_act_ratio
+        if not isinstance(r, int | float) or not math.isfinite(r) or (r != 0 and r < 1):
+            problems.append(f"none_act_ratio must be 0 (unused) or >= 1 (no recompute keeps more), got {r!r}")
+        r = self.none_time_ratio
+        if not isinstance(r, int | float) or not 0 < r <= 1:
+            problems.append(f"none_time_ratio must be in (0, 1] (no recompute runs less), got {r!r}")
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "bytes_per_element"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -49,24 +49,36 @@ MIN_GROUP = 4
 """Groups of one (kind, degree) needed before its latency and bandwidth are refitted."""
 
 
-def samples_of_record(record: dict) -> list[ComputeSample | GroupSample]:
+def _time_scales(record: dict, none_time_ratio: float) -> list[list[float]] | None:
+    """Per micro-batch, each group's time factor against full recompute: ``none_time_ratio`` for a group the record
+    ran without recompute ('auto' recompute's ``recompute``), 1 for the others; None without per-group modes."""
+    modes = record.get("recompute")
+    if not modes or none_time_ratio == 1.0:
+        return None
+    return [[none_time_ratio if m == "none" else 1.0 for m in row] for row in modes]
+
+
+def samples_of_record(record: dict, none_time_ratio: float = 1.0) -> list[ComputeSample | GroupSample]:
     """One sample per group of a trained SP step's record: its sequences, degree, kind and measured time (the slowest
     of its ranks' ``micro_batch_ms``). Empty for pipelined, skipped and plan-only records, and for groups a lost rank
-    did not report."""
+    did not report. A group run without recompute ('auto' recompute) counts as its time divided by
+    ``none_time_ratio``: what it would have taken with full recompute, the mode the time terms describe."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return []
     ranks = record.get("ranks") or []
+    scales = _time_scales(record, none_time_ratio)
     out: list[ComputeSample | GroupSample] = []
     for mi, mb in enumerate(record["plan"]["micro_batches"]):
-        for g in mb:
+        for gi, g in enumerate(mb):
             times = [ranks[r]["micro_batch_ms"][mi] if r < len(ranks) and ranks[r] else None for r in g["ranks"]]
             if any(t is None or not t > 0 for t in times):
                 continue
             lengths = tuple(int(s) for s in g["seq_lengths"])
+            ms = float(max(times)) / (1.0 if scales is None else scales[mi][gi])
             if g["degree"] == 1:
-                out.append(ComputeSample(seq_lengths=lengths, ms=float(max(times))))
+                out.append(ComputeSample(seq_lengths=lengths, ms=ms))
             else:
-                out.append(GroupSample(seq_lengths=lengths, degree=g["degree"], kind=g["kind"], ms=float(max(times))))
+                out.append(GroupSample(seq_lengths=lengths, degree=g["degree"], kind=g["kind"], ms=ms))
     return out
 
 
@@ -77,18 +89,28 @@ class StepSample:
 
     micro_batches: tuple[tuple[tuple[tuple[int, ...], int, str], ...], ...]
     ms: float
+    scales: tuple[tuple[float, ...], ...] = ()
+    """Per micro-batch, each group's time factor ('auto' recompute: ``none_time_ratio`` where it ran without
+    recompute); empty: 1 everywhere."""
 
     def predict_ms(self, profile: Profile) -> float:
         """The planner's prediction: micro-batches one after another, each as long as its slowest group
-        (``solver.simulator.step_time_ms`` on the plan that ran)."""
+        (``solver.simulator.step_time_ms`` on the plan that ran, each group in its recompute mode)."""
         return sum(
-            max((group_time_ms(lengths, d, kind, profile) for lengths, d, kind in mb), default=0.0)
-            for mb in self.micro_batches
+            max(
+                (
+                    group_time_ms(lengths, d, kind, profile) * (self.scales[mi][gi] if self.scales else 1.0)
+                    for gi, (lengths, d, kind) in enumerate(mb)
+                ),
+                default=0.0,
+            )
+            for mi, mb in enumerate(self.micro_batches)
         )
 
 
-def step_of_record(record: dict) -> StepSample | None:
-    """The step of a trained SP step's record, None for pipelined, skipped and plan-only records."""
+def step_of_record(record: dict, none_time_ratio: float = 1.0) -> StepSample | None:
+    """The step of a trained SP step's record, None for pipelined, skipped and plan-only records; its groups run
+    without recompute are priced at ``none_time_ratio`` of their time with it."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return None
     ms = record.get("compute_ms")
@@ -98,7 +120,8 @@ def step_of_record(record: dict) -> StepSample | None:
         tuple((tuple(int(s) for s in g["seq_lengths"]), int(g["degree"]), str(g["kind"])) for g in mb)
         for mb in record["plan"]["micro_batches"]
     )
-    return StepSample(micro_batches=mbs, ms=float(ms))
+    scales = _time_scales(record, none_time_ratio)
+    return StepSample(micro_batches=mbs, ms=float(ms), scales=tuple(map(tuple, scales or ())))
 
 
 class GroupWindow:

@@ -31,22 +31,36 @@ class GroupTiming:
     time_ms: float
 
 
+def _mode_scales(plan: Plan, profile: Profile):
+    """Per micro-batch, each group's time factor: ``profile.none_time_ratio`` for a group the plan runs without
+    recompute (``plan.meta['recompute']``, ``solver.recompute``), else 1; None when the plan carries no modes."""
+    modes = plan.meta.get("recompute")
+    if not modes or profile.none_time_ratio == 1.0:
+        return None
+    return [[profile.none_time_ratio if m == "none" else 1.0 for m in row] for row in modes]
+
+
 def micro_batch_times_ms(plan: Plan, profile: Profile) -> list[float]:
     """Makespan of each micro-batch: its slowest group (``group_time_ms``, computed per (degree, kind) at once: the
-    groups of one type share their overhead, and their sequence times are one vectorised call)."""
+    groups of one type share their overhead, and their sequence times are one vectorised call), a group run
+    without recompute scaled by ``profile.none_time_ratio``."""
     lengths = np.asarray(plan.seq_lengths, dtype=np.int64)
+    scales = _mode_scales(plan, profile)
     out = []
-    for mb in plan.micro_batches:
+    for mi, mb in enumerate(plan.micro_batches):
         by_type: dict[tuple[int, str], list[tuple[int, ...]]] = {}
-        for g in mb.groups:
+        scale_of: dict[tuple[int, str], list[float]] = {}
+        for gi, g in enumerate(mb.groups):
             by_type.setdefault((g.degree, g.kind), []).append(g.seq_ids)
+            scale_of.setdefault((g.degree, g.kind), []).append(1.0 if scales is None else scales[mi][gi])
         worst = 0.0
         for (d, kind), groups in by_type.items():
             sizes = np.fromiter((len(ids) for ids in groups), dtype=np.int64, count=len(groups))
             ids = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
             times = seq_times_ms(lengths[ids], d, kind, profile)
             sums = np.add.reduceat(times, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-            worst = max(worst, group_overhead_ms(d, kind, profile) + float(sums.max()))
+            spans = (group_overhead_ms(d, kind, profile) + sums) * np.asarray(scale_of[(d, kind)])
+            worst = max(worst, float(spans.max()))
         out.append(worst)
     return out
 
@@ -60,10 +74,12 @@ def group_timings(plan: Plan, profile: Profile) -> list[GroupTiming]:
     """Start and duration of every group (for pictures of a step: devices x time)."""
     out = []
     start = 0.0
+    scales = _mode_scales(plan, profile)
     for mi, mb in enumerate(plan.micro_batches):
         span = 0.0
         for gi, g in enumerate(mb.groups):
             t = group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile)
+            t *= 1.0 if scales is None else scales[mi][gi]
             out.append(GroupTiming(mi, gi, g.degree, g.kind, g.ranks[0], start, t))
             span = max(span, t)
         start += span

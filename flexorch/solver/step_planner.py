@@ -28,6 +28,7 @@ from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipelin
 from flexorch.solver.plan import Plan
 from flexorch.solver.planner import Planner, PlannerConfig
 from flexorch.solver.profiles import Profile
+from flexorch.solver.recompute import choose_modes, choose_packing, none_bytes_profile, uses_auto, with_modes
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.validation import check_num_devices
 
@@ -238,9 +239,16 @@ class StepPlanner:
                     else min(0.4 * limit, max(0.1 * limit, 1.5 * self._baselines_s))
                 )
                 run = BaselineRun(lengths, num_devices, self.profile)
-                sp = self._planner.plan(lengths, num_devices, deadline=deadline - keep, idle=run.advance)
+                auto = uses_auto(self.profile)  # [sharding] activation_checkpointing = "auto": two packings
+                due = deadline - keep
+                first = start + 0.5 * (due - start) if auto else due
+                sp = self._planner.plan(lengths, num_devices, deadline=first, idle=run.advance)
                 crashes = sp.solver_crashes
                 plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
+                none_plan = None
+                if auto and "full" in (m for row in choose_modes(plan, self.profile) for m in row):
+                    none_plan, none_crashes = self._none_packing(lengths, num_devices, due, run)
+                    crashes += none_crashes
                 b0 = time.monotonic()
                 run.advance(deadline - 0.02 * limit)  # 2 % of the budget for the answer itself
                 statics, baselines, skipped = run.result()
@@ -248,6 +256,10 @@ class StepPlanner:
                 floor, floor_ms = statics["batchada"], baselines["batchada"]
                 if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
                     plan, predicted, status = floor, floor_ms, "batchada"
+                if auto:  # each group in its mode; the faster packing in that time model
+                    plan, packing = choose_packing(plan, none_plan, self.profile)
+                    predicted = packing[f"{packing['packing']}_ms"]
+                    bound *= self.profile.none_time_ratio  # no group runs faster than that share of full's time
                 fallback = _timeout_reason(sp, limit, skipped)
                 return PlannedStep(
                     plan,
@@ -267,6 +279,7 @@ class StepPlanner:
                     f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
                     f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
                 )
+            plan = self._with_recompute(plan)
             predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
             baselines = (
                 baseline_times_ms(lengths, num_devices, self.profile, deadline=deadline) if with_baselines else {}
@@ -325,6 +338,8 @@ class StepPlanner:
                 plan, predicted, status = turn, info["simulated_ms"], f"{method}-in_turn"
         elif with_baselines:
             baselines["in_turn"] = predicted
+        if uses_auto(self.profile):  # each group in its recompute mode (full's packing only)
+            predicted = step_time_ms(self._with_recompute(plan), self.profile)
         short = ""
         if used["short"]:
             short = (
@@ -342,6 +357,27 @@ class StepPlanner:
             fallback_message=short,
             solver_crashes=used["crashes"],
         )
+
+    def _none_packing(self, lengths, n: int, due: float, run: BaselineRun) -> tuple[Plan | None, int]:
+        """'auto' recompute: the MILP plan packed for the activation bytes without recompute by ``due`` (None when
+        no document fits a group without recompute, or time ran out first), and the solver crashes it cost."""
+        if due - time.monotonic() < _MIN_PART_S:
+            return None, 0
+        full_profile = self._planner.profile
+        self._planner.profile = none_bytes_profile(full_profile)
+        try:
+            sp = self._planner.plan(lengths, n, deadline=due, idle=run.advance)
+        except PlanningError:  # a document needs more devices than the world has without recompute
+            return None, 0
+        finally:
+            self._planner.profile = full_profile
+        return (None if sp.status == "fallback" else sp.plan), sp.solver_crashes
+
+    def _with_recompute(self, plan: Plan) -> Plan:
+        """``plan`` carrying each group's recompute mode when the profile plans them ('auto'), else as it is."""
+        if plan is not None and uses_auto(self.profile):
+            with_modes(plan, choose_modes(plan, self.profile))
+        return plan
 
     def _part_plan(self, lengths, n: int, due: float | None, used: dict) -> Plan:
         """One task part's SP plan on n devices by ``due``: the MILP planner with the static layouts (BatchAda)
@@ -443,6 +479,7 @@ def heuristic_plan(
             plan, _ = plan_task_step(
                 lengths, task_of, num_devices, profile, adapter_ranks=adapter_ranks, method=task_method
             )
+            plan = _recompute_modes(plan, profile)
             return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
     except PlanningError as e:
         return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
@@ -461,4 +498,10 @@ def heuristic_plan(
     if plan is None:
         error = f"no heuristic plan fits this batch on {num_devices} workers (the planner timed out)"
         return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error)
+    plan = _recompute_modes(plan, profile)
     return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
+
+
+def _recompute_modes(plan: Plan, profile: Profile) -> Plan:
+    """``plan`` with each group's recompute mode where ``profile`` plans them ('auto' recompute)."""
+    return with_modes(plan, choose_modes(plan, profile)) if uses_auto(profile) else plan

@@ -1,0 +1,205 @@
+"""'auto' recompute in the planner (``flexorch.solver.recompute``): each group's mode from the memory budget, the
+time model that prices each group in its mode, the two packings the planner compares, the refit's view of them."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from flexorch.solver.errors import ProfileError
+from flexorch.solver.plan import Group, MicroBatch, Plan
+from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.recompute import choose_modes, choose_packing, none_bytes_profile, recompute_modes, with_modes
+from flexorch.solver.refit import samples_of_record, step_of_record
+from flexorch.solver.simulator import group_timings, step_time_ms
+from flexorch.solver.step_planner import StepPlanner, heuristic_plan, planner_profile
+from tests.solver_helpers import TINY
+
+BASE = planner_profile(
+    TINY.with_overrides(hidden=64, act_bytes_per_token=2560.0, a2a_latency_ms={2: 5.0, 4: 9.0}),
+    num_heads=4,
+    num_kv_heads=2,
+    tokens_per_worker=256,
+)
+
+
+def G(ranks, seq_ids, kind):
+    return Group(len(ranks), kind, tuple(ranks), tuple(seq_ids))
+
+
+def _auto(act_ratio=4.0, time_ratio=0.75, **kw):
+    return BASE.with_overrides(none_act_ratio=act_ratio, none_time_ratio=time_ratio, **kw)
+
+
+def _plan(profile, micro_batches, lengths, n=4):
+    return Plan.for_profile(num_devices=n, seq_lengths=lengths, micro_batches=micro_batches, profile=profile)
+
+
+def test_each_group_runs_without_recompute_exactly_when_its_shard_fits_the_budget():
+    p = _auto(act_ratio=4.0)
+    room = p.memory_budget_bytes - p.model_state_bytes
+    fits_alone = int(room // (4.0 * p.act_bytes_per_token))  # one device, no all-to-all copies
+    lengths = [fits_alone, fits_alone + 1, 2 * fits_alone, 40]
+    plan = _plan(
+        p,
+        [
+            MicroBatch((G((0,), (0,), "ulysses"), G((1,), (1,), "ulysses"), G((2, 3), (3,), "ring"))),
+            MicroBatch((G((0, 1), (2,), "ring"),)),
+        ],
+        lengths,
+    )
+    modes = choose_modes(plan, p)
+    # a ring group of 2 holds ceil(tokens / 2) per device, with no copies
+    assert modes == (("none", "full", "none"), ("none",))
+    copies = p.act_bytes_per_local_token("ulysses", 2) - p.act_bytes_per_token
+    ulysses = _plan(p, [MicroBatch((G((0, 1), (0,), "ulysses"),))], [2 * fits_alone])
+    want = "none" if fits_alone * (4.0 * p.act_bytes_per_token + copies) <= room else "full"
+    assert choose_modes(ulysses, p) == ((want,),) and want == "full"  # the copies tip it over
+
+
+def test_a_group_without_recompute_is_timed_at_the_measured_share_of_its_full_time():
+    p = _auto(time_ratio=0.6)
+    lengths = [100, 120, 30]
+    plan = _plan(
+        p, [MicroBatch((G((0,), (0,), "ulysses"), G((1,), (1,), "ulysses"), G((2,), (2,), "ulysses")))], lengths, n=3
+    )
+    full = step_time_ms(plan, p)
+    mine = [t.time_ms for t in group_timings(plan, p)]
+    with_modes(plan, (("none", "full", "none"),))
+    assert step_time_ms(plan, p) == pytest.approx(max(0.6 * mine[0], mine[1], 0.6 * mine[2]))
+    assert [t.time_ms for t in group_timings(plan, p)] == pytest.approx([0.6 * mine[0], mine[1], 0.6 * mine[2]])
+    with_modes(plan, (("none", "none", "none"),))
+    assert step_time_ms(plan, p) == pytest.approx(0.6 * full)
+    assert step_time_ms(plan, BASE) == pytest.approx(full), "a profile without the ratio times every mode alike"
+
+
+def _long_tailed(seed, n=24, top=240):
+    rng = np.random.default_rng(seed)
+    return np.clip(rng.lognormal(4.0, 1.0, size=n).astype(int), 8, top).tolist()
+
+
+def _check_chosen(out, p):
+    plan = out.plan
+    modes = plan.meta["recompute"]
+    info = plan.meta["recompute_packing"]
+    assert [len(row) for row in modes] == [len(mb.groups) for mb in plan.micro_batches]
+    assert modes == choose_modes(plan, p), "every group runs without recompute exactly where it fits"
+    assert out.predicted_ms == pytest.approx(step_time_ms(plan, p)) == pytest.approx(info[f"{info['packing']}_ms"])
+    if info["none_ms"] is not None:
+        assert out.predicted_ms == pytest.approx(min(info["full_ms"], info["none_ms"]))
+    assert out.bound_ms <= out.predicted_ms + 1e-9
+    return info
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_many_fixed_costs_per_micro_batch_keep_full_recompute_s_packing(seed):
+    # b1 dominates: packing for the bytes without recompute (4x the bytes: about 4x the micro-batches) costs more
+    # fixed costs than recompute saves
+    p = _auto(act_ratio=4.0, time_ratio=0.9, b1_ms=200.0)
+    out = StepPlanner(p, PlannerConfig(time_limit_s=0.5)).plan(_long_tailed(seed), 4)
+    info = _check_chosen(out, p)
+    assert info["packing"] == "full" and info["none_ms"] > info["full_ms"]
+    assert "full" in {m for row in out.plan.meta["recompute"] for m in row}
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cheap_micro_batches_and_a_costly_recompute_pack_for_no_recompute(seed):
+    p = _auto(act_ratio=1.5, time_ratio=0.5, b1_ms=0.01)
+    out = StepPlanner(p, PlannerConfig(time_limit_s=0.5)).plan(_long_tailed(seed), 4)
+    info = _check_chosen(out, p)
+    assert info["packing"] == "none" and info["none_ms"] < info["full_ms"]
+    assert {m for row in out.plan.meta["recompute"] for m in row} == {"none"}
+    # the plan holds what a device keeps without recompute in every group
+    tight = none_bytes_profile(p)
+    for mb in out.plan.micro_batches:
+        for g in mb.groups:
+            tokens = sum(out.plan.seq_lengths[i] for i in g.seq_ids)
+            assert math.ceil(tokens / g.degree) <= tight.local_token_cap(g.kind, g.degree)
+
+
+def test_a_step_that_fits_without_recompute_everywhere_is_planned_once():
+    p = _auto(act_ratio=1.01)
+    out = StepPlanner(p, PlannerConfig(time_limit_s=0.3)).plan([40, 60, 30, 20], 4)
+    info = _check_chosen(out, p)
+    assert info == {"packing": "full", "full_ms": pytest.approx(out.predicted_ms), "none_ms": None}
+    assert {m for row in out.plan.meta["recompute"] for m in row} == {"none"}
+
+
+def test_a_document_too_long_to_run_without_recompute_still_plans():
+    # no group of the world holds the 1000-token document without recompute: only full's packing exists
+    p = _auto(act_ratio=8.0)
+    out = StepPlanner(p, PlannerConfig(time_limit_s=0.3)).plan([1000, 40, 50], 4)
+    info = _check_chosen(out, p)
+    assert info["packing"] == "full" and info["none_ms"] is None
+
+
+def test_static_layouts_fallbacks_and_task_steps_carry_modes_too():
+    p = _auto(act_ratio=4.0, time_ratio=0.7)
+    lengths = [10, 200, 40, 256]
+    static = StepPlanner(p, PlannerConfig(), static=("ring", 2)).plan(lengths, 4)
+    assert static.plan.meta["recompute"] == choose_modes(static.plan, p)
+    assert static.predicted_ms == pytest.approx(step_time_ms(static.plan, p))
+    fallback = heuristic_plan(p, lengths, 4, None)
+    assert fallback.plan.meta["recompute"] == choose_modes(fallback.plan, p)
+    tasks = StepPlanner(p, PlannerConfig(time_limit_s=0.5)).plan(lengths, 4, task_of=[0, 1, 0, 1], adapter_ranks=[4, 4])
+    assert tasks.plan.meta["recompute"] == choose_modes(tasks.plan, p)
+    assert tasks.predicted_ms == pytest.approx(step_time_ms(tasks.plan, p))
+    plain = StepPlanner(BASE, PlannerConfig(time_limit_s=0.3)).plan(lengths, 4)
+    assert "recompute" not in plain.plan.meta and recompute_modes(plain.plan, BASE) is None
+    assert recompute_modes(plain.plan, p) == choose_modes(plain.plan, p), "a plan made without modes gets them"
+
+
+def test_the_faster_packing_wins_and_says_what_it_compared():
+    p = _auto(time_ratio=0.5)
+    a = _plan(p, [MicroBatch((G((0,), (0,), "ulysses"),)), MicroBatch((G((0,), (1,), "ulysses"),))], [200, 10], 1)
+    b = _plan(p, [MicroBatch((G((0,), (0,), "ulysses"),)), MicroBatch((G((0,), (1,), "ulysses"),))], [200, 10], 1)
+    chosen, info = choose_packing(a, b, p)
+    assert chosen is a and info["packing"] == "full" and info["none_ms"] == pytest.approx(info["full_ms"])
+    chosen, info = choose_packing(a, None, p)
+    assert info["none_ms"] is None and chosen.meta["recompute_packing"] is info
+
+
+def test_profiles_refuse_impossible_ratios():
+    with pytest.raises(ProfileError, match="none_act_ratio"):
+        BASE.with_overrides(none_act_ratio=0.5)
+    with pytest.raises(ProfileError, match="none_time_ratio"):
+        BASE.with_overrides(none_time_ratio=1.2)
+    with pytest.raises(ProfileError, match="none_time_ratio"):
+        BASE.with_overrides(none_time_ratio=0.0)
+    assert _auto().to_json()  # the ratios travel with the profile
+
+
+def _record(modes):
+    # two micro-batches: a degree-1 group and a ring group of 2; then one degree-1 group
+    plan = {
+        "micro_batches": [
+            [
+                {"degree": 1, "kind": "ulysses", "ranks": [0], "seq_ids": [0], "seq_lengths": [100]},
+                {"degree": 2, "kind": "ring", "ranks": [1, 2], "seq_ids": [1], "seq_lengths": [300]},
+            ],
+            [{"degree": 1, "kind": "ulysses", "ranks": [0], "seq_ids": [2], "seq_lengths": [50]}],
+        ]
+    }
+    ranks = [{"micro_batch_ms": [30.0, 12.0]}, {"micro_batch_ms": [60.0, None]}, {"micro_batch_ms": [62.0, None]}]
+    rec = {"source": "train", "pipeline": None, "plan": plan, "ranks": ranks, "compute_ms": 80.0}
+    if modes is not None:
+        rec["recompute"] = modes
+    return rec
+
+
+def test_the_refit_counts_a_group_run_without_recompute_at_full_recompute_s_time():
+    rec = _record([["none", "full"], ["none"]])
+    got = samples_of_record(rec, 0.75)
+    assert [s.ms for s in got] == pytest.approx([30.0 / 0.75, 62.0, 12.0 / 0.75])
+    assert [s.ms for s in samples_of_record(rec)] == pytest.approx([30.0, 62.0, 12.0]), "no ratio: as measured"
+    assert [s.ms for s in samples_of_record(_record(None), 0.75)] == pytest.approx([30.0, 62.0, 12.0])
+    step = step_of_record(rec, 0.75)
+    p = BASE
+    from flexorch.solver.cost_model import group_time_ms
+
+    want = max(0.75 * group_time_ms([100], 1, "ulysses", p), group_time_ms([300], 2, "ring", p))
+    want += 0.75 * group_time_ms([50], 1, "ulysses", p)
+    assert step.predict_ms(p) == pytest.approx(want)
+    assert step_of_record(_record(None), 0.75).scales == ()
