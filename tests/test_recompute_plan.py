@@ -11,7 +11,14 @@ import pytest
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.plan import Group, MicroBatch, Plan
 from flexorch.solver.planner import PlannerConfig
-from flexorch.solver.recompute import choose_modes, choose_packing, none_bytes_profile, recompute_modes, with_modes
+from flexorch.solver.recompute import (
+    choose_modes,
+    choose_packing,
+    none_bytes_profile,
+    recompute_modes,
+    too_long_without_recompute,
+    with_modes,
+)
 from flexorch.solver.refit import samples_of_record, step_of_record
 from flexorch.solver.simulator import group_timings, step_time_ms
 from flexorch.solver.step_planner import StepPlanner, heuristic_plan, planner_profile
@@ -127,12 +134,25 @@ def test_a_step_that_fits_without_recompute_everywhere_is_planned_once():
     assert {m for row in out.plan.meta["recompute"] for m in row} == {"none"}
 
 
-def test_a_document_too_long_to_run_without_recompute_still_plans():
-    # no group of the world holds the 1000-token document without recompute: only full's packing exists
-    p = _auto(act_ratio=8.0)
-    out = StepPlanner(p, PlannerConfig(time_limit_s=0.3)).plan([1000, 40, 50], 4)
+def test_documents_too_long_to_run_without_recompute_get_micro_batches_of_their_own():
+    # no group of the 4 devices holds a 600-token document without recompute (2x the bytes: 4 x 141 tokens): the
+    # none packing runs the two long ones first, packed for full recompute's bytes, then the rest without recompute
+    p = _auto(act_ratio=2.0, time_ratio=0.4, b1_ms=0.01)
+    lengths = [130, 600, 140, 125, 100, 120, 135, 110, 700, 40, 60, 80]
+    assert too_long_without_recompute(lengths, 4, p) == [1, 8]
+    out = StepPlanner(p, PlannerConfig(time_limit_s=1.0)).plan(lengths, 4)
     info = _check_chosen(out, p)
-    assert info["packing"] == "full" and info["none_ms"] is None
+    assert info["packing"] == "none" and info["none_ms"] < info["full_ms"]
+    plan, modes = out.plan, out.plan.meta["recompute"]
+    docs = [{i for g in mb.groups for i in g.seq_ids} for mb in plan.micro_batches]
+    first_short = next(k for k, ids in enumerate(docs) if not ids & {1, 8})
+    assert set().union(*docs[:first_short]) == {1, 8}, "the long documents' micro-batches come first, alone"
+    assert all(not ids & {1, 8} for ids in docs[first_short:])
+    assert all(m == "full" for row in modes[:first_short] for m in row)
+    assert all(m == "none" for row in modes[first_short:] for m in row)
+    assert out.bound_ms == 0.0 and out.gap is None, "no bound is claimed for a plan that recomputes"
+    only_long = StepPlanner(p, PlannerConfig(time_limit_s=0.3)).plan([700, 600], 4)
+    assert _check_chosen(only_long, p)["none_ms"] is None  # nothing to pack without recompute
 
 
 def test_static_layouts_fallbacks_and_task_steps_carry_modes_too():
@@ -203,3 +223,18 @@ def test_the_refit_counts_a_group_run_without_recompute_at_full_recompute_s_time
     want += 0.75 * group_time_ms([50], 1, "ulysses", p)
     assert step.predict_ms(p) == pytest.approx(want)
     assert step_of_record(_record(None), 0.75).scales == ()
+
+
+def test_the_step_line_says_how_many_groups_ran_without_recompute_and_the_packing():
+    from flexorch.cli.train import format_step
+
+    ev = {
+        "step": 0, "shape": "<2> | <1>", "solve_s": 0.1, "loss": 5.0, "tokens_per_s": 100.0, "predicted_ms": 10.0,
+        "compute_ms": 10.0, "measured_ms": 12.0, "eta_s": 1.0, "recompute": [["none", "full"], ["none"]],
+        "recompute_packing": {"packing": "full", "full_ms": 10.0, "none_ms": 12.0},
+    }  # fmt: skip
+    assert format_step(ev, 10).endswith("[recompute: none in 2 of 3 groups]")
+    ev["recompute"], ev["recompute_packing"]["packing"] = [["none"], ["none"], ["none"]], "none"
+    assert format_step(ev, 10).endswith("[recompute: none in 3 of 3 groups (packed for no recompute)]")
+    del ev["recompute"]
+    assert "recompute" not in format_step(ev, 10)

@@ -180,18 +180,34 @@ def test_auto_recompute_runs_each_group_in_its_own_mode_and_matches_the_referenc
     # [sharding] activation_checkpointing = "auto": groups whose shard fits the budget without recompute run
     # 'none', the others 'full', in the same step (under FSDP too: every rank still runs every micro-batch)
     from flexorch.config.sharding import ShardingSettings
-    from tests.train_helpers import check_against_reference, run_driver
+    from tests.train_helpers import check_against_reference
 
     root, corpus_dir, profile, corpus = env
     cfg = train_config(
         corpus_dir, root / f"auto-recompute-{mode}", profile, steps=3,
         sharding=ShardingSettings(mode=mode, activation_checkpointing="auto"),
     )  # fmt: skip
-    records, replicas = run_driver(cfg, corpus)
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        events = driver.poll(0)[0]
+        records = [driver.step().record for _ in range(cfg.steps)]
+        replicas = driver.replica_parameters()
+        profile = driver.profile
+    finally:
+        driver.shutdown()
+    # the workers measured what the planner prices a group without recompute at
+    assert profile.none_act_ratio > 1 and 0 < profile.none_time_ratio <= 1
+    assert any("recompute 'auto'" in e.get("message", "") for e in events)
     modes = [m for r in records for row in r["recompute"] for m in row]
     assert "none" in modes and "full" in modes, modes
     for r in records:  # one mode per group, in the plan's order
         assert [len(row) for row in r["recompute"]] == [len(mb) for mb in r["plan"]["micro_batches"]]
+        packing = r.get("recompute_packing")
+        if packing is not None:  # the planner's own plan (not a fallback): the faster packing, its time predicted
+            assert packing["packing"] in ("full", "none")
+            assert r["predicted_ms"] == pytest.approx(packing[f"{packing['packing']}_ms"])
+    assert any(r.get("recompute_packing") for r in records)
     check_against_reference(cfg, corpus, records, replicas)
 
 

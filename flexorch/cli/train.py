@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import ray
 
 from flexorch.config import TrainConfig
+from flexorch.solver.recompute import describe as describe_recompute
 
 __all__ = ["run_train", "run_profile", "ray_session", "format_step", "format_membership"]
 
@@ -71,6 +72,9 @@ def format_step(ev: dict, total: int) -> str:
     )
     if ev.get("task_losses"):  # [[tasks]]: each task's own loss (the step's is their weighted mean)
         line += "  [" + ", ".join(f"{n} {x:.4f}" for n, x in ev["task_losses"].items()) + "]"
+    if ev.get("recompute"):  # 'auto' recompute: how many groups ran without, and the packing the planner chose
+        packed = " (packed for no recompute)" if (ev.get("recompute_packing") or {}).get("packing") == "none" else ""
+        line += f"  [{describe_recompute(ev['recompute'])}{packed}]"
     compiled = max((r.get("compile_s") or 0.0 for r in ev.get("ranks") or () if r), default=0.0)
     if compiled >= 0.05:  # the first steps of a compiled model (and a recompile): torch.compile's own time
         line += f"  [compiling the layers: {compiled:.1f} s of it]"

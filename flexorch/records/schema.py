@@ -73,8 +73,9 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   mode ('none' or 'full') in the plan's order; ``recompute_packing`` (optional, adaptive SP plans with 'auto') the
   planner's two packings (``flexorch.solver.recompute``): ``packing`` ('full': micro-batches packed for full
   recompute's bytes, each group without recompute where it fits; 'none': packed for the bytes without recompute),
-  ``full_ms`` and ``none_ms`` (null: not planned, every group of full's packing already ran without); a recovery after a worker ran out of device memory has
-  ``out_of_memory`` (``workers``, the activation budget per worker before and after the cut, in bytes and tokens).
+  ``full_ms`` and ``none_ms`` (null: not planned, every group of full's packing already ran without); a recovery
+  after a worker ran out of device memory has ``out_of_memory`` (``workers``, the activation budget per worker
+  before and after the cut, in bytes and tokens).
 * ``tasks``, ``task_losses`` and ``multitask`` (optional, runs of ``[[tasks]]``): per task its ``docs``, ``tokens``,
   ``targets``, mean ``loss`` and ``epoch`` (the task's own pass over its data; ``epoch`` above is the first task's)
   this step, the batch holding each task's documents in task order; ``task_losses`` the same losses by task name (what

@@ -14,7 +14,8 @@ Two ways to pack a step, and the planner plans both and keeps the faster in this
   micro-batches, so the fewest fixed costs per micro-batch), then every group whose shard fits without recompute
   runs without it (:func:`choose_modes`);
 * **none's packing**: micro-batches packed for the bytes without recompute (more of them, smaller), every group
-  without recompute.
+  without recompute; documents too long for any group of the world without recompute are packed for full
+  recompute's bytes in micro-batches of their own before the others (:func:`too_long_without_recompute`).
 
 Korthikanti et al. (arXiv 2205.05198) choose what to recompute per layer for one fixed micro-batch size; here the
 choice is per group and trades against the micro-batch size, as InfiniPipe's checkpointing ILP trades it against
@@ -35,9 +36,11 @@ from flexorch.solver.profiles import Profile
 __all__ = [
     "choose_modes",
     "choose_packing",
+    "concatenated",
     "describe",
     "none_bytes_profile",
     "recompute_modes",
+    "too_long_without_recompute",
     "uses_auto",
     "with_modes",
 ]
@@ -52,6 +55,28 @@ def none_bytes_profile(profile: Profile) -> Profile:
     """``profile`` with the activation bytes per token a layer keeps without recompute: micro-batches packed with
     it fit every group without recompute. Times are unchanged (the same factor for every group: the same plans)."""
     return profile.with_overrides(act_bytes_per_token=profile.act_bytes_per_token * profile.none_act_ratio)
+
+
+def too_long_without_recompute(lengths, num_devices: int, profile: Profile) -> list[int]:
+    """Indices of the documents no group of ``num_devices`` holds without recompute (a ring group of the largest
+    power of two <= ``num_devices`` holds the most tokens)."""
+    d = 1 << (int(num_devices).bit_length() - 1)
+    limit = none_bytes_profile(profile).group_token_cap("ring", d)
+    return [i for i, s in enumerate(lengths) if int(s) > limit]
+
+
+def concatenated(profile: Profile, lengths, parts) -> Plan:
+    """One plan of the batch ``lengths`` whose micro-batches are those of each part in turn; ``parts``:
+    ``(plan, ids)`` pairs, ``ids[j]`` the batch index of the part's sequence j (every index in exactly one part)."""
+    from flexorch.solver.plan import Group, MicroBatch
+
+    micro_batches = [
+        MicroBatch(tuple(Group(g.degree, g.kind, g.ranks, tuple(ids[j] for j in g.seq_ids)) for g in mb.groups))
+        for part, ids in parts
+        for mb in part.micro_batches
+    ]
+    n = parts[0][0].num_devices
+    return Plan.for_profile(num_devices=n, seq_lengths=lengths, micro_batches=micro_batches, profile=profile)
 
 
 def choose_modes(plan: Plan, profile: Profile) -> tuple[tuple[str, ...], ...]:

@@ -28,7 +28,15 @@ from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipelin
 from flexorch.solver.plan import Plan
 from flexorch.solver.planner import Planner, PlannerConfig
 from flexorch.solver.profiles import Profile
-from flexorch.solver.recompute import choose_modes, choose_packing, none_bytes_profile, uses_auto, with_modes
+from flexorch.solver.recompute import (
+    choose_modes,
+    choose_packing,
+    concatenated,
+    none_bytes_profile,
+    too_long_without_recompute,
+    uses_auto,
+    with_modes,
+)
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.validation import check_num_devices
 
@@ -259,7 +267,10 @@ class StepPlanner:
                 if auto:  # each group in its mode; the faster packing in that time model
                     plan, packing = choose_packing(plan, none_plan, self.profile)
                     predicted = packing[f"{packing['packing']}_ms"]
-                    bound *= self.profile.none_time_ratio  # no group runs faster than that share of full's time
+                    # a plan runs no faster than none_time_ratio x its time in full's model, which is >= the bound:
+                    # a bound near a plan that runs every group without recompute; none for one that recomputes
+                    every_none = all(m == "none" for row in plan.meta["recompute"] for m in row)
+                    bound = bound * self.profile.none_time_ratio if every_none else 0.0
                 fallback = _timeout_reason(sp, limit, skipped)
                 return PlannedStep(
                     plan,
@@ -359,19 +370,32 @@ class StepPlanner:
         )
 
     def _none_packing(self, lengths, n: int, due: float, run: BaselineRun) -> tuple[Plan | None, int]:
-        """'auto' recompute: the MILP plan packed for the activation bytes without recompute by ``due`` (None when
-        no document fits a group without recompute, or time ran out first), and the solver crashes it cost."""
-        if due - time.monotonic() < _MIN_PART_S:
+        """'auto' recompute: the MILP plan packed for the activation bytes without recompute by ``due``, the
+        documents too long for that in micro-batches of their own packed for full recompute's bytes first (None
+        when every document is too long, or time ran out first); and the solver crashes it cost."""
+        long = set(too_long_without_recompute(lengths, n, self.profile))
+        if len(long) == len(lengths) or due - time.monotonic() < _MIN_PART_S:
             return None, 0
+        short = [i for i in range(len(lengths)) if i not in long]
+        parts, crashes = [], 0
         full_profile = self._planner.profile
-        self._planner.profile = none_bytes_profile(full_profile)
         try:
-            sp = self._planner.plan(lengths, n, deadline=due, idle=run.advance)
-        except PlanningError:  # a document needs more devices than the world has without recompute
-            return None, 0
+            for ids, profile in ((sorted(long), full_profile), (short, none_bytes_profile(full_profile))):
+                if not ids:
+                    continue
+                self._planner.profile = profile
+                left = due - time.monotonic()  # the long documents (few) get a quarter of the time left
+                until = due if ids is short else time.monotonic() + 0.25 * left
+                sp = self._planner.plan([lengths[i] for i in ids], n, deadline=until, idle=run.advance)
+                crashes += sp.solver_crashes
+                if sp.status == "fallback":
+                    return None, crashes
+                parts.append((sp.plan, ids))
         finally:
             self._planner.profile = full_profile
-        return (None if sp.status == "fallback" else sp.plan), sp.solver_crashes
+        if len(parts) == 1:
+            return parts[0][0], crashes
+        return concatenated(full_profile, lengths, parts), crashes
 
     def _with_recompute(self, plan: Plan) -> Plan:
         """``plan`` carrying each group's recompute mode when the profile plans them ('auto'), else as it is."""
