@@ -3,6 +3,7 @@
     bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD     # on the GPU machine (../shared/tools/gpu-pack)
     python3 benchmarks/gpu_throughput.py                        # 1.1B Llama at 16K context, 10 steps: ~4 minutes
     python3 benchmarks/gpu_throughput.py --rows 1.1b@16384,1.1b@65536,3b@16384
+    python3 benchmarks/gpu_throughput.py --rows 1.1b@16384,1.1b@65536 --steps 6 --budget-s 520   # one device call
     python3 benchmarks/gpu_throughput.py --dry                  # CPU, a tiny Llama, 3 steps: the same code paths
 
 Each row is a Llama shape from a ``config.json`` (random init) and a ``max_context``:
@@ -131,8 +132,20 @@ def summarise_flexorch(res: dict, params: int, shape: dict) -> dict:
         "budget": next((ln for ln in res["log"].splitlines() if "memory budget from the device" in ln), None),
         "recompute_none_groups": sum(m == "none" for s in kept for row in s.get("recompute") or [] for m in row),
         "recompute_groups": sum(len(row) for s in kept for row in s.get("recompute") or []),
+        "packed_for_none": sum((s.get("recompute_packing") or {}).get("packing") == "none" for s in kept),
+        "recompute_measured": next((ln for ln in res["log"].splitlines() if "recompute 'auto':" in ln), None),
+        "used_of_free_pct": used_of_free(res["log"], state + peak_act),
         "wall_s": res["wall_s"],
     }
+
+
+def used_of_free(log: str, used_bytes: float) -> float | None:
+    """Peak bytes the worker held (model state + activations) over the device's free memory at start (from the
+    budget line of ``tokens_per_worker = "auto"``), in per cent; None without that line."""
+    import re
+
+    m = re.search(r"memory budget from the device: ([0-9.]+) GiB free", log)
+    return 100 * used_bytes / (float(m.group(1)) * 2**30) if m else None
 
 
 def step_flops(steps: list[dict], params: int, shape: dict) -> float:
@@ -219,11 +232,18 @@ def main(argv=None) -> int:
     ap.add_argument("--plain-recompute", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--no-plain", action="store_true", help="skip the plain loop")
     ap.add_argument("--timeout-s", type=float, default=420.0, help="per flexorch run")
+    ap.add_argument("--plain-steps", type=int, default=None, help="steps of the plain loop (default: all)")
+    ap.add_argument(
+        "--budget-s", type=float, default=None,
+        help="wall seconds for everything: a row after the first is skipped (and said so) when the time left is below "
+        "what the last row took, so one device call returns with what it measured",
+    )  # fmt: skip
     ap.add_argument("--out", default="runs/gpu_throughput")
     ap.add_argument("--dry", action="store_true", help="CPU, a tiny Llama, 3 steps")
     args = ap.parse_args(argv)
     if args.dry:
-        args.rows, args.steps, args.batch_size, args.tokens_per_worker = "tiny@256", 3, 4, "512"
+        rows = args.rows if all(r.startswith("tiny@") for r in args.rows.split(",")) else "tiny@256"
+        args.rows, args.steps, args.batch_size, args.tokens_per_worker = rows, 3, 4, "512"
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry else "cpu")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -231,7 +251,15 @@ def main(argv=None) -> int:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"gpu_throughput on {gpu}" + (f": bf16 matmul measured {peak:.0f} TFLOP/s" if peak else ""), flush=True)
     results = []
+    started, row_s = time.monotonic(), None
     for row in args.rows.split(","):
+        left = None if args.budget_s is None else args.budget_s - (time.monotonic() - started)
+        if left is not None and row_s is not None and left < row_s:
+            results.append({"row": row, "params": 0, "failed": f"skipped: {left:.0f} s left of --budget-s, a row "
+                            f"took {row_s:.0f} s"})  # fmt: skip
+            print(f"{row} skipped ({left:.0f} s left)", flush=True)
+            continue
+        row_t0 = time.monotonic()
         shape_name, _, ctx = row.partition("@")
         context = int(ctx)
         shape = SHAPES[shape_name]
@@ -252,6 +280,7 @@ def main(argv=None) -> int:
                 lengths = [s["seq_lengths"] for s in res["steps"]]
                 print(f"{row} flexorch: {json.dumps(r['flexorch'])}", flush=True)
                 if not args.no_plain:
+                    lengths = lengths[: args.plain_steps] if args.plain_steps else lengths
                     r["plain"] = plain_loop(tmp / "model", lengths, device, args.plain_recompute)
                     r["plain"]["tflops"] = step_flops(
                         [{"seq_lengths": x} for x in lengths[1:]], params, shape
@@ -262,6 +291,7 @@ def main(argv=None) -> int:
                 r["failed"] = f"{type(e).__name__}: {e}"
                 print(f"{row} failed: {r['failed'][-2000:]}", flush=True)
             results.append(r)
+            row_s = time.monotonic() - row_t0
             (out / "gpu_throughput.json").write_text(json.dumps({"device": gpu, "matmul": peak, "rows": results}))
     print(table(results, gpu, peak))
     return 1 if any("failed" in r for r in results) else 0
@@ -271,9 +301,9 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
     lines = [
         f"\n{gpu}; MFU against {PEAK_TFLOPS:.0f} TFLOP/s (datasheet dense bf16)"
         + (f"; the matmul measured {peak:.0f}" if peak else ""),
-        "| row | params | flexorch tok/s | MFU | micro-batches | peak act GiB | state GiB | no-recompute groups | "
-        "OOM steps | plain tok/s | plain MFU | ratio |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| row | params | flexorch tok/s | MFU | micro-batches | peak act GiB | state GiB | used of free | "
+        "no-recompute groups | packed for none | OOM steps | plain tok/s | plain MFU | ratio |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "failed" in r:
@@ -288,10 +318,17 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
         lines.append(
             f"| {r['row']} | {r['params'] / 1e9:.2f}B | {f['tokens_per_s']:,.0f} | {f['mfu_pct']:.1f} % | "
             f"{f['micro_batches']} | {f['peak_activation_gib']:.1f} | {f['state_gib']:.1f} | "
-            f"{f['recompute_none_groups']}/{f['recompute_groups']} | {f['out_of_memory_steps']} | {plain} |"
+            + ("-" if f.get("used_of_free_pct") is None else f"{f['used_of_free_pct']:.0f} %")
+            + f" | {f['recompute_none_groups']}/{f['recompute_groups']} | {f.get('packed_for_none', 0)} | "
+            f"{f['out_of_memory_steps']} | {plain} |"
         )
-    budgets = [f"- {r['row']}: {r['flexorch']['budget']}" for r in results if r.get("flexorch", {}).get("budget")]
-    return "\n".join(lines + budgets)
+    notes = [
+        f"- {r['row']}: {r['flexorch'][key]}"
+        for r in results
+        for key in ("budget", "recompute_measured")
+        if r.get("flexorch", {}).get(key)
+    ]
+    return "\n".join(lines + notes)
 
 
 if __name__ == "__main__":
