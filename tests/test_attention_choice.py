@@ -102,6 +102,7 @@ def test_the_choice_checks_then_times_and_sets_the_default():
         assert max(c.errors.values()) < 1e-10 and not c.refused and c.tokens == 96
         assert kernels.default_backend(cpu, torch.float64) == c.name
         assert "measured" in c.describe() and c.name in c.describe()
+        assert c.seconds > 0 and c.describe().endswith(f"chosen in {c.seconds:.1f} s")  # what it adds to a start
     finally:
         kernels.set_default_backend(cpu, torch.float64, None)
     assert kernels.default_backend(cpu, torch.float64) == "torch_cpu"

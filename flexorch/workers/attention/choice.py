@@ -67,6 +67,8 @@ class Choice:
     """Candidates not used, and why."""
     tokens: int = 0
     """Tokens of the probe batch."""
+    seconds: float = 0.0
+    """Wall time of the whole choice (every check and timing): what it adds to a worker's start."""
 
     def describe(self) -> str:
         if not self.ms:
@@ -75,7 +77,7 @@ class Choice:
         text = f"attention kernel {self.name}, measured: {timed} (forward + backward, {self.tokens:,} tokens)"
         if self.refused:
             text += "; not used: " + "; ".join(f"{k}: {v}" for k, v in self.refused.items())
-        return text
+        return text + f"; chosen in {self.seconds:.1f} s"
 
 
 def _offsets(lengths) -> Seqlens:
@@ -142,6 +144,7 @@ def choose_backend(
     if len(candidates) == 1:
         set_default_backend(device, dtype, candidates[0])
         return Choice(candidates[0])
+    t0 = time.perf_counter()
     errors, refused, ms = {}, {}, {}
     q, k, v, dout = _inputs(probe, heads, kv_heads, head_dim, device, dtype, seed=1)
     cu, scale = _offsets(probe), head_dim**-0.5
@@ -161,7 +164,7 @@ def choose_backend(
         raise RuntimeError(f"no attention kernel matches the reference on {device} in {dtype}: {refused}")
     name = min(ms, key=ms.get)
     set_default_backend(device, dtype, name)
-    return Choice(name, ms, errors, refused, sum(probe))
+    return Choice(name, ms, errors, refused, sum(probe), time.perf_counter() - t0)
 
 
 def set_attention(cfg: ModelConfig, device: torch.device | None, precision: str) -> str:
