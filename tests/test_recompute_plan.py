@@ -14,6 +14,7 @@ from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.recompute import (
     choose_modes,
     choose_packing,
+    describe,
     none_bytes_profile,
     recompute_modes,
     too_long_without_recompute,
@@ -66,6 +67,39 @@ def test_each_group_runs_without_recompute_exactly_when_its_shard_fits_the_budge
     assert choose_modes(ulysses, p) == ((want,),) and want == "full"  # the copies tip it over
 
 
+def test_selective_recompute_runs_where_no_recompute_does_not_fit_and_selective_does():
+    # flexorch's decoder can recompute only its MLPs: between the two in bytes and in time
+    p = _auto(act_ratio=4.0, time_ratio=0.75).with_overrides(selective_act_ratio=2.0, selective_time_ratio=0.9)
+    room = p.memory_budget_bytes - p.model_state_bytes
+    none_cap = int(room // (4.0 * p.act_bytes_per_token))
+    sel_cap = int(room // (2.0 * p.act_bytes_per_token))
+    lengths = [none_cap, none_cap + 1, sel_cap + 1]
+    mbs = [MicroBatch((G((0,), (0,), "ulysses"), G((1,), (1,), "ulysses"), G((2,), (2,), "ulysses")))]
+    plan = _plan(p, mbs, lengths, n=3)
+    assert choose_modes(plan, p) == (("none", "selective", "full"),)
+    # where selective measured faster than no recompute (it should not, but a measurement decides), it is chosen
+    odd = p.with_overrides(selective_time_ratio=0.7)
+    assert choose_modes(plan, odd) == (("selective", "selective", "full"),)
+    assert choose_modes(plan, p.with_overrides(selective_act_ratio=0.0)) == (("none", "full", "full"),)
+    times = [t.time_ms for t in group_timings(plan, BASE)]
+    with_modes(plan, choose_modes(plan, p))
+    assert step_time_ms(plan, p) == pytest.approx(max(0.75 * times[0], 0.9 * times[1], times[2]))
+    assert describe(plan.meta["recompute"]) == "recompute: none in 1, selective in 1 of 3 groups"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_step_packed_for_selective_recompute_s_bytes_when_that_is_fastest(seed):
+    # no recompute keeps 8x full's bytes (SP over slow links for most documents), selective 1.3x at 0.6 of the time
+    p = _auto(act_ratio=8.0, time_ratio=0.55, b1_ms=0.01).with_overrides(
+        selective_act_ratio=1.3, selective_time_ratio=0.6
+    )
+    out = StepPlanner(p, PlannerConfig(time_limit_s=1.0)).plan(_long_tailed(seed), 4)
+    info = _check_chosen(out, p)
+    assert set(info) == {"packing", "full_ms", "none_ms", "selective_ms"}
+    assert info["packing"] == "selective" and info["selective_ms"] < min(info["full_ms"], info["none_ms"])
+    assert "full" not in {m for row in out.plan.meta["recompute"] for m in row}
+
+
 def test_a_group_without_recompute_is_timed_at_the_measured_share_of_its_full_time():
     p = _auto(time_ratio=0.6)
     lengths = [100, 120, 30]
@@ -94,8 +128,8 @@ def _check_chosen(out, p):
     assert [len(row) for row in modes] == [len(mb.groups) for mb in plan.micro_batches]
     assert modes == choose_modes(plan, p), "every group runs without recompute exactly where it fits"
     assert out.predicted_ms == pytest.approx(step_time_ms(plan, p)) == pytest.approx(info[f"{info['packing']}_ms"])
-    if info["none_ms"] is not None:
-        assert out.predicted_ms == pytest.approx(min(info["full_ms"], info["none_ms"]))
+    planned = [v for k, v in info.items() if k.endswith("_ms") and v is not None]
+    assert out.predicted_ms == pytest.approx(min(planned)), "the fastest packing planned runs"
     assert out.bound_ms <= out.predicted_ms + 1e-9
     return info
 
@@ -130,7 +164,7 @@ def test_a_step_that_fits_without_recompute_everywhere_is_planned_once():
     p = _auto(act_ratio=1.01)
     out = StepPlanner(p, PlannerConfig(time_limit_s=0.3)).plan([40, 60, 30, 20], 4)
     info = _check_chosen(out, p)
-    assert info == {"packing": "full", "full_ms": pytest.approx(out.predicted_ms), "none_ms": None}
+    assert info == {"packing": "full", "full_ms": pytest.approx(out.predicted_ms)}  # no other packing planned
     assert {m for row in out.plan.meta["recompute"] for m in row} == {"none"}
 
 
@@ -171,14 +205,25 @@ def test_static_layouts_fallbacks_and_task_steps_carry_modes_too():
     assert recompute_modes(plain.plan, p) == choose_modes(plain.plan, p), "a plan made without modes gets them"
 
 
-def test_the_faster_packing_wins_and_says_what_it_compared():
+def test_the_fastest_packing_wins_and_says_what_it_compared():
     p = _auto(time_ratio=0.5)
-    a = _plan(p, [MicroBatch((G((0,), (0,), "ulysses"),)), MicroBatch((G((0,), (1,), "ulysses"),))], [200, 10], 1)
-    b = _plan(p, [MicroBatch((G((0,), (0,), "ulysses"),)), MicroBatch((G((0,), (1,), "ulysses"),))], [200, 10], 1)
-    chosen, info = choose_packing(a, b, p)
-    assert chosen is a and info["packing"] == "full" and info["none_ms"] == pytest.approx(info["full_ms"])
-    chosen, info = choose_packing(a, None, p)
-    assert info["none_ms"] is None and chosen.meta["recompute_packing"] is info
+
+    def two_micro_batches():
+        mbs = [MicroBatch((G((0,), (0,), "ulysses"),)), MicroBatch((G((0,), (1,), "ulysses"),))]
+        return _plan(p, mbs, [200, 10], 1)
+
+    def one_micro_batch():
+        return _plan(p, [MicroBatch((G((0,), (0, 1), "ulysses"),))], [200, 10], 1)
+
+    a, b = two_micro_batches(), two_micro_batches()
+    chosen, info = choose_packing(a, {"none": b}, p)
+    assert chosen is a and info["packing"] == "full" and info["none_ms"] == pytest.approx(info["full_ms"])  # a tie
+    chosen, info = choose_packing(a, {"none": None}, p)
+    assert info == {"packing": "full", "full_ms": pytest.approx(step_time_ms(a, p)), "none_ms": None}
+    assert chosen.meta["recompute_packing"] is info
+    c = one_micro_batch()  # one fixed cost fewer, every group in the same mode
+    chosen, info = choose_packing(two_micro_batches(), {"none": None, "selective": c}, p)
+    assert chosen is c and info["packing"] == "selective" and info["selective_ms"] < info["full_ms"]
 
 
 def test_profiles_refuse_impossible_ratios():
@@ -188,6 +233,10 @@ def test_profiles_refuse_impossible_ratios():
         BASE.with_overrides(none_time_ratio=1.2)
     with pytest.raises(ProfileError, match="none_time_ratio"):
         BASE.with_overrides(none_time_ratio=0.0)
+    with pytest.raises(ProfileError, match="selective_act_ratio"):
+        BASE.with_overrides(selective_act_ratio=0.9)
+    with pytest.raises(ProfileError, match="selective_time_ratio"):
+        BASE.with_overrides(selective_time_ratio=1.5)
     assert _auto().to_json()  # the ratios travel with the profile
 
 
@@ -210,19 +259,20 @@ def _record(modes):
 
 
 def test_the_refit_counts_a_group_run_without_recompute_at_full_recompute_s_time():
-    rec = _record([["none", "full"], ["none"]])
-    got = samples_of_record(rec, 0.75)
-    assert [s.ms for s in got] == pytest.approx([30.0 / 0.75, 62.0, 12.0 / 0.75])
+    rec = _record([["none", "full"], ["selective"]])
+    ratios = {"none": 0.75, "selective": 0.9, "full": 1.0}
+    got = samples_of_record(rec, ratios)
+    assert [s.ms for s in got] == pytest.approx([30.0 / 0.75, 62.0, 12.0 / 0.9])
     assert [s.ms for s in samples_of_record(rec)] == pytest.approx([30.0, 62.0, 12.0]), "no ratio: as measured"
-    assert [s.ms for s in samples_of_record(_record(None), 0.75)] == pytest.approx([30.0, 62.0, 12.0])
-    step = step_of_record(rec, 0.75)
+    assert [s.ms for s in samples_of_record(_record(None), ratios)] == pytest.approx([30.0, 62.0, 12.0])
+    step = step_of_record(rec, ratios)
     p = BASE
     from flexorch.solver.cost_model import group_time_ms
 
     want = max(0.75 * group_time_ms([100], 1, "ulysses", p), group_time_ms([300], 2, "ring", p))
-    want += 0.75 * group_time_ms([50], 1, "ulysses", p)
+    want += 0.9 * group_time_ms([50], 1, "ulysses", p)
     assert step.predict_ms(p) == pytest.approx(want)
-    assert step_of_record(_record(None), 0.75).scales == ()
+    assert step_of_record(_record(None), ratios).scales == ()
 
 
 def test_the_step_line_says_how_many_groups_ran_without_recompute_and_the_packing():

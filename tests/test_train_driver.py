@@ -196,11 +196,12 @@ def test_auto_recompute_runs_each_group_in_its_own_mode_and_matches_the_referenc
         profile = driver.profile
     finally:
         driver.shutdown()
-    # the workers measured what the planner prices a group without recompute at
-    assert profile.none_act_ratio > 1 and 0 < profile.none_time_ratio <= 1
+    # the workers measured what the planner prices a group without recompute, and with selective recompute, at
+    assert profile.none_act_ratio > profile.selective_act_ratio > 1
+    assert 0 < profile.none_time_ratio <= 1 and 0 < profile.selective_time_ratio <= 1
     assert any("recompute 'auto'" in e.get("message", "") for e in events)
     modes = [m for r in records for row in r["recompute"] for m in row]
-    assert "none" in modes and "full" in modes, modes
+    assert "none" in modes and len(set(modes)) >= 2 and set(modes) <= {"none", "selective", "full"}, modes
     for r in records:  # one mode per group, in the plan's order
         assert [len(row) for row in r["recompute"]] == [len(mb) for mb in r["plan"]["micro_batches"]]
         packing = r.get("recompute_packing")

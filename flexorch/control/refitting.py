@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 
 from flexorch.solver.profiles import Profile
+from flexorch.solver.recompute import time_ratios
 from flexorch.solver.refit import GroupWindow, RefitReport, refit_times, samples_of_record, step_of_record
 
 __all__ = ["RunRefit"]
@@ -31,9 +32,9 @@ class RunRefit:
         """Keep a trained SP step's groups and step (not after a recovery: a new world warms up); after every
         ``every``-th step start a refit of ``profile`` on the window, unless one is in flight."""
         if self._warm and not record["recoveries"]:
-            ratio = profile.none_time_ratio  # 'auto' recompute: groups run without it count at full's time
-            step = step_of_record(record, ratio)
-            self.window.add([*samples_of_record(record, ratio), *([step] if step is not None else [])])
+            ratios = time_ratios(profile)  # 'auto' recompute: each group counts at full recompute's time
+            step = step_of_record(record, ratios)
+            self.window.add([*samples_of_record(record, ratios), *([step] if step is not None else [])])
         self._warm = True
         if (step_no + 1) % self.every or self._inflight is not None:
             return

@@ -83,6 +83,11 @@ class Profile:
     none_time_ratio: float = 1.0
     """With ``none_act_ratio``: a group's time without recompute over its time with full recompute (the time terms
     above are full recompute's), measured on the workers; 1: not measured."""
+    selective_act_ratio: float = 0.0
+    """With ``none_act_ratio``, on a model that can recompute only its MLPs (flexorch's decoder): activation bytes per
+    token with selective recompute over ``act_bytes_per_token``; 0: selective is not a choice."""
+    selective_time_ratio: float = 1.0
+    """With ``selective_act_ratio``: a group's time with selective recompute over its time with full recompute."""
 
     def __post_init__(self) -> None:
         problems = []
@@ -101,9 +106,13 @@ class Profile:
         r = self.none_act_ratio
         if not isinstance(r, int | float) or not math.isfinite(r) or (r != 0 and r < 1):
             problems.append(f"none_act_ratio must be 0 (unused) or >= 1 (no recompute keeps more), got {r!r}")
-        r = self.none_time_ratio
-        if not isinstance(r, int | float) or not 0 < r <= 1:
-            problems.append(f"none_time_ratio must be in (0, 1] (no recompute runs less), got {r!r}")
+        for f in ("none", "selective"):
+            r = getattr(self, f"{f}_act_ratio")
+            if f == "selective" and (not isinstance(r, int | float) or not math.isfinite(r) or (r != 0 and r < 1)):
+                problems.append(f"selective_act_ratio must be 0 (unused) or >= 1 (it keeps more than full), got {r!r}")
+            r = getattr(self, f"{f}_time_ratio")
+            if not isinstance(r, int | float) or not 0 < r <= 1:
+                problems.append(f"{f}_time_ratio must be in (0, 1] (it recomputes less than full), got {r!r}")
         for f in ("num_layers", "hidden", "num_heads", "num_kv_heads", "bytes_per_element"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:

@@ -34,16 +34,23 @@ from flexorch.solver.plan import Plan
 from flexorch.solver.profiles import Profile
 
 __all__ = [
+    "PACKINGS",
     "choose_modes",
     "choose_packing",
     "concatenated",
     "describe",
+    "mode_bytes_profile",
     "none_bytes_profile",
     "recompute_modes",
+    "time_ratios",
+    "too_long_for",
     "too_long_without_recompute",
     "uses_auto",
     "with_modes",
 ]
+
+PACKINGS = ("full", "none", "selective")
+"""The activation bytes a step may be packed for, in the order the planner plans them."""
 
 
 def uses_auto(profile: Profile) -> bool:
@@ -51,18 +58,38 @@ def uses_auto(profile: Profile) -> bool:
     return profile.none_act_ratio > 0
 
 
+def _act_ratio(profile: Profile, mode: str) -> float:
+    """Bytes a token keeps in ``mode`` over full recompute's (0: the mode is not available)."""
+    return {"full": 1.0, "none": profile.none_act_ratio, "selective": profile.selective_act_ratio}[mode]
+
+
+def time_ratios(profile: Profile) -> dict[str, float]:
+    """A group's time in each mode over its time with full recompute."""
+    return {"full": 1.0, "none": profile.none_time_ratio, "selective": profile.selective_time_ratio}
+
+
+def mode_bytes_profile(profile: Profile, mode: str) -> Profile:
+    """``profile`` with the activation bytes per token a layer keeps in ``mode``: micro-batches packed with it fit
+    every group in that mode. Times are unchanged (the same factor for every group: the same plans)."""
+    return profile.with_overrides(act_bytes_per_token=profile.act_bytes_per_token * _act_ratio(profile, mode))
+
+
 def none_bytes_profile(profile: Profile) -> Profile:
-    """``profile`` with the activation bytes per token a layer keeps without recompute: micro-batches packed with
-    it fit every group without recompute. Times are unchanged (the same factor for every group: the same plans)."""
-    return profile.with_overrides(act_bytes_per_token=profile.act_bytes_per_token * profile.none_act_ratio)
+    """:func:`mode_bytes_profile` for no recompute."""
+    return mode_bytes_profile(profile, "none")
+
+
+def too_long_for(mode: str, lengths, num_devices: int, profile: Profile) -> list[int]:
+    """Indices of the documents no group of ``num_devices`` holds in ``mode`` (a ring group of the largest power of
+    two <= ``num_devices`` holds the most tokens)."""
+    d = 1 << (int(num_devices).bit_length() - 1)
+    limit = mode_bytes_profile(profile, mode).group_token_cap("ring", d)
+    return [i for i, s in enumerate(lengths) if int(s) > limit]
 
 
 def too_long_without_recompute(lengths, num_devices: int, profile: Profile) -> list[int]:
-    """Indices of the documents no group of ``num_devices`` holds without recompute (a ring group of the largest
-    power of two <= ``num_devices`` holds the most tokens)."""
-    d = 1 << (int(num_devices).bit_length() - 1)
-    limit = none_bytes_profile(profile).group_token_cap("ring", d)
-    return [i for i, s in enumerate(lengths) if int(s) > limit]
+    """:func:`too_long_for` no recompute."""
+    return too_long_for("none", lengths, num_devices, profile)
 
 
 def concatenated(profile: Profile, lengths, parts) -> Plan:
@@ -80,17 +107,21 @@ def concatenated(profile: Profile, lengths, parts) -> Plan:
 
 
 def choose_modes(plan: Plan, profile: Profile) -> tuple[tuple[str, ...], ...]:
-    """Per micro-batch of ``plan``, each group's mode in the plan's order: 'none' when its shard's activations
-    without recompute fit ``profile``'s activation budget, else 'full'."""
+    """Per micro-batch of ``plan``, each group's mode in the plan's order: of the modes whose activations for the
+    group's shard fit ``profile``'s activation budget ('full' always does: the plan was packed for it), the one
+    measured fastest ('none', then 'selective', then 'full' on a tie)."""
     room = profile.memory_budget_bytes - profile.model_state_bytes
-    act_none = profile.none_act_ratio * profile.act_bytes_per_token
+    ratios = time_ratios(profile)
+    order = [m for m in ("none", "selective") if _act_ratio(profile, m) > 0]
+    order = sorted(order, key=lambda m: (ratios[m], order.index(m)))
     modes = []
     for mb in plan.micro_batches:
         row = []
         for g in mb.groups:
             shard = math.ceil(sum(plan.seq_lengths[i] for i in g.seq_ids) / g.degree)
             copies = profile.act_bytes_per_local_token(g.kind, g.degree) - profile.act_bytes_per_token
-            row.append("none" if shard * (act_none + copies) <= room else "full")
+            fits = (m for m in order if shard * (_act_ratio(profile, m) * profile.act_bytes_per_token + copies) <= room)
+            row.append(next(fits, "full"))
         modes.append(tuple(row))
     return tuple(modes)
 
@@ -102,24 +133,24 @@ def with_modes(plan: Plan, modes) -> Plan:
     return plan
 
 
-def choose_packing(full_plan: Plan, none_plan: Plan | None, profile: Profile) -> tuple[Plan, dict]:
-    """The faster, in the recompute-aware time model, of ``full_plan`` (packed for full recompute's bytes, each
-    group in :func:`choose_modes`' mode) and ``none_plan`` (packed for the bytes without recompute; None: not
-    planned), carrying its modes; and what was compared: ``{"packing": "full"|"none", "full_ms", "none_ms"}``."""
+def choose_packing(full_plan: Plan, others: dict, profile: Profile) -> tuple[Plan, dict]:
+    """The fastest, in the recompute-aware time model, of ``full_plan`` (packed for full recompute's bytes) and
+    ``others`` (``{mode: plan packed for that mode's bytes, or None: not planned}``), each group in
+    :func:`choose_modes`' mode, carrying its modes; and what was compared:
+    ``{"packing": the winner's mode, "full_ms", "<mode>_ms" (None: not planned), ...}``."""
     from flexorch.solver.simulator import step_time_ms
 
-    with_modes(full_plan, choose_modes(full_plan, profile))
-    full_ms = step_time_ms(full_plan, profile)
-    info = {"packing": "full", "full_ms": full_ms, "none_ms": None}
-    if none_plan is not None:
-        with_modes(none_plan, choose_modes(none_plan, profile))
-        info["none_ms"] = none_ms = step_time_ms(none_plan, profile)
-        if none_ms < full_ms:
-            info["packing"] = "none"
-            none_plan.meta["recompute_packing"] = info
-            return none_plan, info
-    full_plan.meta["recompute_packing"] = info
-    return full_plan, info
+    best, info = full_plan, {"packing": "full"}
+    for mode, plan in (("full", full_plan), *others.items()):
+        if plan is None:
+            info[f"{mode}_ms"] = None
+            continue
+        with_modes(plan, choose_modes(plan, profile))
+        info[f"{mode}_ms"] = ms = step_time_ms(plan, profile)
+        if ms < info[f"{info['packing']}_ms"]:
+            best, info["packing"] = plan, mode
+    best.meta["recompute_packing"] = info
+    return best, info
 
 
 def recompute_modes(plan: Plan, profile: Profile):
@@ -134,6 +165,7 @@ def recompute_modes(plan: Plan, profile: Profile):
 
 
 def describe(modes) -> str:
-    """E.g. 'recompute: none in 5 of 6 groups'."""
+    """E.g. 'recompute: none in 5 of 6 groups' or 'recompute: none in 3, selective in 2 of 6 groups'."""
     flat = [m for row in modes for m in row]
-    return f"recompute: none in {flat.count('none')} of {len(flat)} groups"
+    parts = [f"none in {flat.count('none')}"] + [f"selective in {flat.count('selective')}"] * ("selective" in flat)
+    return f"recompute: {', '.join(parts)} of {len(flat)} groups"

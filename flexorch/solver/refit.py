@@ -49,24 +49,25 @@ MIN_GROUP = 4
 """Groups of one (kind, degree) needed before its latency and bandwidth are refitted."""
 
 
-def _time_scales(record: dict, none_time_ratio: float) -> list[list[float]] | None:
-    """Per micro-batch, each group's time factor against full recompute: ``none_time_ratio`` for a group the record
-    ran without recompute ('auto' recompute's ``recompute``), 1 for the others; None without per-group modes."""
+def _time_scales(record: dict, ratios: dict[str, float] | None) -> list[list[float]] | None:
+    """Per micro-batch, each group's time factor against full recompute: ``ratios[mode]`` for the mode the record ran
+    it in ('auto' recompute's ``recompute``; ``solver.recompute.time_ratios``); None without per-group modes."""
     modes = record.get("recompute")
-    if not modes or none_time_ratio == 1.0:
+    if not modes or not ratios:
         return None
-    return [[none_time_ratio if m == "none" else 1.0 for m in row] for row in modes]
+    return [[ratios.get(m, 1.0) for m in row] for row in modes]
 
 
-def samples_of_record(record: dict, none_time_ratio: float = 1.0) -> list[ComputeSample | GroupSample]:
+def samples_of_record(record: dict, ratios: dict[str, float] | None = None) -> list[ComputeSample | GroupSample]:
     """One sample per group of a trained SP step's record: its sequences, degree, kind and measured time (the slowest
     of its ranks' ``micro_batch_ms``). Empty for pipelined, skipped and plan-only records, and for groups a lost rank
-    did not report. A group run without recompute ('auto' recompute) counts as its time divided by
-    ``none_time_ratio``: what it would have taken with full recompute, the mode the time terms describe."""
+    did not report. A group run without recompute or with selective recompute ('auto' recompute) counts as its time
+    divided by its mode's ratio in ``ratios``: what it would have taken with full recompute, the mode the time terms
+    describe."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return []
     ranks = record.get("ranks") or []
-    scales = _time_scales(record, none_time_ratio)
+    scales = _time_scales(record, ratios)
     out: list[ComputeSample | GroupSample] = []
     for mi, mb in enumerate(record["plan"]["micro_batches"]):
         for gi, g in enumerate(mb):
@@ -90,8 +91,7 @@ class StepSample:
     micro_batches: tuple[tuple[tuple[tuple[int, ...], int, str], ...], ...]
     ms: float
     scales: tuple[tuple[float, ...], ...] = ()
-    """Per micro-batch, each group's time factor ('auto' recompute: ``none_time_ratio`` where it ran without
-    recompute); empty: 1 everywhere."""
+    """Per micro-batch, each group's time factor ('auto' recompute: its mode's time ratio); empty: 1 everywhere."""
 
     def predict_ms(self, profile: Profile) -> float:
         """The planner's prediction: micro-batches one after another, each as long as its slowest group
@@ -108,9 +108,9 @@ class StepSample:
         )
 
 
-def step_of_record(record: dict, none_time_ratio: float = 1.0) -> StepSample | None:
-    """The step of a trained SP step's record, None for pipelined, skipped and plan-only records; its groups run
-    without recompute are priced at ``none_time_ratio`` of their time with it."""
+def step_of_record(record: dict, ratios: dict[str, float] | None = None) -> StepSample | None:
+    """The step of a trained SP step's record, None for pipelined, skipped and plan-only records; a group run in a
+    mode other than full recompute is priced at ``ratios[mode]`` of its time with full recompute."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return None
     ms = record.get("compute_ms")
@@ -120,7 +120,7 @@ def step_of_record(record: dict, none_time_ratio: float = 1.0) -> StepSample | N
         tuple((tuple(int(s) for s in g["seq_lengths"]), int(g["degree"]), str(g["kind"])) for g in mb)
         for mb in record["plan"]["micro_batches"]
     )
-    scales = _time_scales(record, none_time_ratio)
+    scales = _time_scales(record, ratios)
     return StepSample(micro_batches=mbs, ms=float(ms), scales=tuple(map(tuple, scales or ())))
 
 

@@ -32,18 +32,20 @@ class GroupTiming:
 
 
 def _mode_scales(plan: Plan, profile: Profile):
-    """Per micro-batch, each group's time factor: ``profile.none_time_ratio`` for a group the plan runs without
-    recompute (``plan.meta['recompute']``, ``solver.recompute``), else 1; None when the plan carries no modes."""
+    """Per micro-batch, each group's time factor: its mode's time over full recompute's (``plan.meta['recompute']``,
+    ``solver.recompute``: ``profile.none_time_ratio`` without recompute, ``selective_time_ratio`` with selective);
+    None when the plan carries no modes."""
     modes = plan.meta.get("recompute")
-    if not modes or profile.none_time_ratio == 1.0:
+    if not modes:
         return None
-    return [[profile.none_time_ratio if m == "none" else 1.0 for m in row] for row in modes]
+    ratio = {"full": 1.0, "none": profile.none_time_ratio, "selective": profile.selective_time_ratio}
+    return [[ratio[m] for m in row] for row in modes]
 
 
 def micro_batch_times_ms(plan: Plan, profile: Profile) -> list[float]:
     """Makespan of each micro-batch: its slowest group (``group_time_ms``, computed per (degree, kind) at once: the
     groups of one type share their overhead, and their sequence times are one vectorised call), a group run
-    without recompute scaled by ``profile.none_time_ratio``."""
+    without recompute or with selective recompute scaled by its mode's time ratio (``_mode_scales``)."""
     lengths = np.asarray(plan.seq_lengths, dtype=np.int64)
     scales = _mode_scales(plan, profile)
     out = []

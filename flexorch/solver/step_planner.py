@@ -29,11 +29,13 @@ from flexorch.solver.plan import Plan
 from flexorch.solver.planner import Planner, PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.recompute import (
+    PACKINGS,
     choose_modes,
     choose_packing,
     concatenated,
-    none_bytes_profile,
-    too_long_without_recompute,
+    mode_bytes_profile,
+    time_ratios,
+    too_long_for,
     uses_auto,
     with_modes,
 )
@@ -247,16 +249,20 @@ class StepPlanner:
                     else min(0.4 * limit, max(0.1 * limit, 1.5 * self._baselines_s))
                 )
                 run = BaselineRun(lengths, num_devices, self.profile)
-                auto = uses_auto(self.profile)  # [sharding] activation_checkpointing = "auto": two packings
+                auto = uses_auto(self.profile)  # [sharding] activation_checkpointing = "auto": several packings
                 due = deadline - keep
                 first = start + 0.5 * (due - start) if auto else due
                 sp = self._planner.plan(lengths, num_devices, deadline=first, idle=run.advance)
                 crashes = sp.solver_crashes
                 plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
-                none_plan = None
-                if auto and "full" in (m for row in choose_modes(plan, self.profile) for m in row):
-                    none_plan, none_crashes = self._none_packing(lengths, num_devices, due, run)
-                    crashes += none_crashes
+                others = {}
+                if auto:  # packed for the bytes of a mode some group of full's packing could not run in
+                    ran = {m for row in choose_modes(plan, self.profile) for m in row}
+                    todo = [m for m in PACKINGS[1:] if _worth_packing(m, ran, self.profile)]
+                    for i, mode in enumerate(todo):
+                        until = time.monotonic() + (due - time.monotonic()) / (len(todo) - i)
+                        others[mode], more = self._mode_packing(mode, lengths, num_devices, until, run)
+                        crashes += more
                 b0 = time.monotonic()
                 run.advance(deadline - 0.02 * limit)  # 2 % of the budget for the answer itself
                 statics, baselines, skipped = run.result()
@@ -264,13 +270,10 @@ class StepPlanner:
                 floor, floor_ms = statics["batchada"], baselines["batchada"]
                 if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
                     plan, predicted, status = floor, floor_ms, "batchada"
-                if auto:  # each group in its mode; the faster packing in that time model
-                    plan, packing = choose_packing(plan, none_plan, self.profile)
+                if auto:  # each group in its mode; the fastest packing in that time model
+                    plan, packing = choose_packing(plan, others, self.profile)
                     predicted = packing[f"{packing['packing']}_ms"]
-                    # a plan runs no faster than none_time_ratio x its time in full's model, which is >= the bound:
-                    # a bound near a plan that runs every group without recompute; none for one that recomputes
-                    every_none = all(m == "none" for row in plan.meta["recompute"] for m in row)
-                    bound = bound * self.profile.none_time_ratio if every_none else 0.0
+                    bound = _recompute_bound(plan, bound, self.profile)
                 fallback = _timeout_reason(sp, limit, skipped)
                 return PlannedStep(
                     plan,
@@ -369,18 +372,18 @@ class StepPlanner:
             solver_crashes=used["crashes"],
         )
 
-    def _none_packing(self, lengths, n: int, due: float, run: BaselineRun) -> tuple[Plan | None, int]:
-        """'auto' recompute: the MILP plan packed for the activation bytes without recompute by ``due``, the
-        documents too long for that in micro-batches of their own packed for full recompute's bytes first (None
-        when every document is too long, or time ran out first); and the solver crashes it cost."""
-        long = set(too_long_without_recompute(lengths, n, self.profile))
+    def _mode_packing(self, mode: str, lengths, n: int, due: float, run: BaselineRun) -> tuple[Plan | None, int]:
+        """'auto' recompute: the MILP plan packed for the activation bytes of ``mode`` by ``due``, the documents too
+        long for that in micro-batches of their own packed for full recompute's bytes first (None when every
+        document is too long, or time ran out first); and the solver crashes it cost."""
+        long = set(too_long_for(mode, lengths, n, self.profile))
         if len(long) == len(lengths) or due - time.monotonic() < _MIN_PART_S:
             return None, 0
         short = [i for i in range(len(lengths)) if i not in long]
         parts, crashes = [], 0
         full_profile = self._planner.profile
         try:
-            for ids, profile in ((sorted(long), full_profile), (short, none_bytes_profile(full_profile))):
+            for ids, profile in ((sorted(long), full_profile), (short, mode_bytes_profile(full_profile, mode))):
                 if not ids:
                     continue
                 self._planner.profile = profile
@@ -524,6 +527,26 @@ def heuristic_plan(
         return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error)
     plan = _recompute_modes(plan, profile)
     return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
+
+
+def _worth_packing(mode: str, ran: set[str], profile: Profile) -> bool:
+    """Whether packing a step for ``mode``'s bytes can beat full's packing whose groups ran in the modes ``ran``:
+    the mode is available and some group ran in a mode slower than it."""
+    ratios = time_ratios(profile)
+    available = profile.none_act_ratio > 0 if mode == "none" else profile.selective_act_ratio > 0
+    return available and any(ratios[m] > ratios[mode] for m in ran)
+
+
+def _recompute_bound(plan: Plan, bound: float, profile: Profile) -> float:
+    """A lower bound under 'auto' recompute, from ``bound`` (full recompute's, for any plan): no plan runs faster than
+    the fastest mode's time ratio x its full-recompute time, so ``ratio x bound`` holds; claimed (as a bound near the
+    plan) only when every group of ``plan`` runs in that fastest mode, else 0 (none computed)."""
+    ratios = time_ratios(profile)
+    fastest = min((m for m in ("none", "selective") if m != "selective" or profile.selective_act_ratio > 0),
+                  key=ratios.get)  # fmt: skip
+    fastest = min(fastest, "full", key=ratios.get)
+    every = all(m == fastest for row in plan.meta["recompute"] for m in row)
+    return bound * ratios[fastest] if every else 0.0
 
 
 def _recompute_modes(plan: Plan, profile: Profile) -> Plan:

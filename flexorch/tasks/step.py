@@ -86,13 +86,15 @@ class GroupWork:
     docs: tuple[DocRef, ...]
     """The group's documents in plan order (every member holds the same list and shards it)."""
     recompute: str | None = None
-    """'none' or 'full': the activation checkpointing this group runs this micro-batch with (every member the
-    same: a recompute runs the group's collectives again); None: the model's own mode."""
+    """'none', 'selective' or 'full': the activation checkpointing this group runs this micro-batch with (every
+    member the same: a recompute runs the group's collectives again); None: the model's own mode."""
 
     def __post_init__(self) -> None:
         check_count("GroupWork.micro_batch", self.micro_batch)
-        if self.recompute not in (None, "none", "full"):
-            raise ValueError(f"GroupWork (micro-batch {self.micro_batch}) recompute must be 'none', 'full' or None")
+        if self.recompute not in (None, "none", "selective", "full"):
+            raise ValueError(
+                f"GroupWork (micro-batch {self.micro_batch}) recompute must be 'none', 'selective', 'full' or None"
+            )
         check_ranks(f"GroupWork (micro-batch {self.micro_batch}) ranks", self.ranks)
         d = len(self.ranks)
         if d & (d - 1):

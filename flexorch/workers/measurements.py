@@ -36,22 +36,22 @@ class WorkerMeasurements:
                 self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
             )
 
-    def recompute_times(self, tokens: int, repeats: int = 3) -> tuple[float, float]:
-        """(ms without recompute, ms with full recompute) of forward + backward of one document of ``tokens``
-        tokens on this worker alone (every rank of the world at once, as calibration's degree-1 probes run;
-        medians of ``repeats`` after a warm-up), for 'auto' recompute's time model
-        (``flexorch.control.recompute_choice``). Gradients are dropped; the model is back in its built mode after."""
+    def recompute_times(self, tokens: int, modes=("none", "full"), repeats: int = 3) -> list[float]:
+        """Ms of forward + backward of one document of ``tokens`` tokens in each recompute mode of ``modes``, on this
+        worker alone (every rank of the world at once, as calibration's degree-1 probes run; medians of ``repeats``
+        after a warm-up), for 'auto' recompute's time model (``flexorch.control.recompute_choice``). Gradients are
+        dropped; the model is back in its built mode after."""
         from flexorch.workers.calibrate import Probe
 
         probe = [Probe(1, "ulysses", (int(tokens),), repeats=repeats)]
         out = []
         try:
-            for mode in ("none", "full"):
+            for mode in modes:
                 set_activation_checkpointing(self.model, mode)
                 out.append(self.probe(probe)[0])
         finally:
             set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
-        return out[0], out[1]
+        return out
 
     def device_memory(self) -> dict | None:
         """``{"free_at_start", "total"}`` bytes of this worker's CUDA device when it started; None on a CPU."""
