@@ -49,9 +49,9 @@ class ShardingSettings:
     activation_checkpointing: str = "none"
     """'none', 'full' (recompute every decoder layer in the backward), 'selective' (recompute each layer's MLP
     and its norm, keep attention's outputs: attention's collectives are not run again), or 'auto': chosen per
-    micro-batch and SP group, 'none' where the group's tokens fit the activation budget without recompute, else
-    'full'; the planner packs each step both for full's bytes and for the bytes without recompute and runs the
-    faster (``flexorch.solver.recompute``)."""
+    micro-batch and SP group, the fastest mode whose activations for the group's tokens fit the budget ('none',
+    then 'selective' on flexorch's decoder, else 'full'); the planner packs each step for full's bytes and for each
+    faster mode's and runs the fastest (``flexorch.solver.recompute``)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

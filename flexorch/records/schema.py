@@ -70,10 +70,11 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   ``activation_checkpointing``) and the plan's model-state bytes per worker (``plan_resident_bytes``, what the
   ranks' ``state_bytes`` measure, and ``plan_in_flight_bytes``, FSDP's gathered layers during the step);
 * ``recompute`` (optional, with ``[sharding] activation_checkpointing = "auto"``): per micro-batch, each group's
-  mode ('none' or 'full') in the plan's order; ``recompute_packing`` (optional, adaptive SP plans with 'auto') the
-  planner's two packings (``flexorch.solver.recompute``): ``packing`` ('full': micro-batches packed for full
-  recompute's bytes, each group without recompute where it fits; 'none': packed for the bytes without recompute),
-  ``full_ms`` and ``none_ms`` (null: not planned, every group of full's packing already ran without); a recovery
+  mode ('none', 'selective' or 'full') in the plan's order; ``recompute_packing`` (optional, adaptive SP plans with
+  'auto') the planner's packings (``flexorch.solver.recompute``): ``packing``, the one that ran ('full':
+  micro-batches packed for full recompute's bytes, each group in the fastest mode that fits; 'none' / 'selective':
+  packed for that mode's bytes), ``full_ms`` and, for each other packing planned, ``none_ms`` / ``selective_ms``
+  (null: planned, but no plan came of it; absent: not planned, no group of full's packing needed it); a recovery
   after a worker ran out of device memory has ``out_of_memory`` (``workers``, the activation budget per worker
   before and after the cut, in bytes and tokens).
 * ``tasks``, ``task_losses`` and ``multitask`` (optional, runs of ``[[tasks]]``): per task its ``docs``, ``tokens``,

@@ -1,29 +1,32 @@
-"""Recompute per SP group (``[sharding] activation_checkpointing = "auto"``): each group of each micro-batch runs
-without recompute where its shard fits the activation budget at the bytes it keeps then, else with full recompute.
+"""Recompute per SP group (``[sharding] activation_checkpointing = "auto"``): each group of each micro-batch runs in
+the fastest recompute mode whose activations for its shard fit the budget: none, selective (flexorch's decoder:
+only the MLPs are run again) or full.
 
 Recomputing a layer in the backward runs its forward twice: a third more compute (on one H200, a 40,596-token
 micro-batch of a 1.1B Llama: 1,452 ms with full recompute, 1,129 without, compiled; ``benchmarks/gpu_profile.py``),
 for 8.4 GiB of activations instead of 54 GiB there. The profile's time and memory terms are full recompute's
-(the mode the workers calibrate in); ``Profile.none_act_ratio`` and ``Profile.none_time_ratio``, measured on the
-workers' own model at start, say what a token keeps and what a group takes without it.
+(the mode the workers calibrate in); ``Profile.none_act_ratio`` / ``none_time_ratio`` (and ``selective_*``),
+measured on the workers' own model at start (``flexorch.control.recompute_choice``), say what a token keeps and
+what a group takes in the other modes.
 
-Two ways to pack a step, and the planner plans both and keeps the faster in this time model
+A step can be packed several ways, and the planner plans them and keeps the fastest in this time model
 (:func:`choose_packing`):
 
 * **full's packing**: micro-batches packed for full recompute's bytes (the most tokens a worker holds: fewest
-  micro-batches, so the fewest fixed costs per micro-batch), then every group whose shard fits without recompute
-  runs without it (:func:`choose_modes`);
-* **none's packing**: micro-batches packed for the bytes without recompute (more of them, smaller), every group
-  without recompute; documents too long for any group of the world without recompute are packed for full
-  recompute's bytes in micro-batches of their own before the others (:func:`too_long_without_recompute`).
+  micro-batches, so the fewest fixed costs per micro-batch), then every group runs in the fastest mode that fits
+  (:func:`choose_modes`);
+* **none's / selective's packing**: micro-batches packed for that mode's bytes (more of them, smaller), every group
+  in that mode or faster; documents too long for any group of the world in that mode are packed for full
+  recompute's bytes in micro-batches of their own before the others (:func:`too_long_for`). Planned only when some
+  group of full's packing runs in a slower mode.
 
 Korthikanti et al. (arXiv 2205.05198) choose what to recompute per layer for one fixed micro-batch size; here the
 choice is per group and trades against the micro-batch size, as InfiniPipe's checkpointing ILP trades it against
-pipeline chunks (arXiv 2509.21275; ``flexorch.solver.pipeline``). A group's time without recompute is
-``none_time_ratio`` x its time with it, fixed cost included (the ratio is measured on a whole micro-batch).
-Members of a group share its mode (a recompute runs the group's sequence-parallel collectives again); groups of one
-micro-batch may differ (their collectives are their own). A shard is ``ceil(tokens / degree)``; a Ulysses group
-also holds its all-to-all copies (``Profile.act_bytes_per_local_token``).
+pipeline chunks (arXiv 2509.21275; ``flexorch.solver.pipeline``). A group's time in a mode is its time ratio x its
+time with full recompute, fixed cost included (the ratio is measured on a whole micro-batch). Members of a group
+share its mode (a recompute runs the group's sequence-parallel collectives again); groups of one micro-batch may
+differ (their collectives are their own). A shard is ``ceil(tokens / degree)``; a Ulysses group also holds its
+all-to-all copies (``Profile.act_bytes_per_local_token``).
 """
 
 from __future__ import annotations
