@@ -133,7 +133,7 @@ def summarise_flexorch(res: dict, params: int, shape: dict) -> dict:
         "recompute_none_groups": sum(m == "none" for s in kept for row in s.get("recompute") or [] for m in row),
         "recompute_groups": sum(len(row) for s in kept for row in s.get("recompute") or []),
         "packed_for_none": sum((s.get("recompute_packing") or {}).get("packing") == "none" for s in kept),
-        "recompute_measured": next((ln for ln in res["log"].splitlines() if "recompute 'auto':" in ln), None),
+        "recompute_measured": next((ln for ln in res["log"].splitlines() if "recompute 'auto'" in ln), None),
         "used_of_free_pct": used_of_free(res["log"], state + peak_act),
         "wall_s": res["wall_s"],
     }

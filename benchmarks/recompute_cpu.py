@@ -1,10 +1,10 @@
 """Recompute modes at one memory budget, measured side by side on real CPU workers: full, selective, none and 'auto'
 (``flexorch.solver.recompute``) train the same model on the same batches (same seed, same stream), adaptive plans.
 
-The budget is one number of activation bytes per worker for every mode: ``--tokens-per-worker`` tokens at full
-recompute's bytes. 'auto' runs first and measures what a token keeps without recompute and with selective recompute
-(``none_act_ratio``, ``selective_act_ratio``); the fixed modes then get that budget in their own tokens
-(``tokens / ratio``), so a mode that keeps more per token holds fewer tokens. Each mode calibrates its own profile
+The budget is one number of activation bytes per worker for every mode: what ``--tokens-per-worker`` tokens take
+at full recompute's bytes. 'auto' runs first and measures what a token keeps without recompute and with selective
+recompute (``none_act_ratio``, ``selective_act_ratio``); the fixed modes then get the same bytes in their own tokens
+(:func:`same_bytes`), so a mode that keeps more per token holds fewer tokens. Each mode calibrates its own profile
 (its bytes and times are its own). A mode that cannot run a batch (a document longer than the world holds in it) is
 reported infeasible. The drivers stay up and take their steps in turn (rotating the order) so noise hits them alike.
 
@@ -39,6 +39,18 @@ from flexorch.control.driver import TrainingDriver  # noqa: E402
 from flexorch.data.corpus import load_corpus  # noqa: E402
 
 MODES = ("auto", "full", "selective", "none")
+
+
+def same_bytes(profile, ratio: float) -> int:
+    """``tokens_per_worker`` that gives a mode keeping ``ratio`` x full's bytes per token the activation bytes
+    ``profile`` (the 'auto' run's planner profile) has: the planner budgets ``(tokens + 0.5)`` x the costliest bytes
+    per local token (a Ulysses group's, with its all-to-all copies; ``solver.step_planner.planner_profile``)."""
+    room = profile.memory_budget_bytes - profile.model_state_bytes
+    d, extra = 2, 0.0
+    while d <= profile.num_heads:
+        extra = max(extra, profile.act_bytes_per_local_token("ulysses", d) - profile.act_bytes_per_token)
+        d *= 2
+    return int(room / (ratio * profile.act_bytes_per_token + extra) - 0.5)
 
 
 def start(mode: str, base: TrainConfig, corpus, tokens: int) -> TrainingDriver:
@@ -91,12 +103,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     drivers = {"auto": start("auto", base, corpus, args.tokens_per_worker)}
     p = drivers["auto"].profile
-    tokens = {
-        "auto": args.tokens_per_worker,
-        "full": args.tokens_per_worker,
-        "selective": int(args.tokens_per_worker / p.selective_act_ratio),
-        "none": int(args.tokens_per_worker / p.none_act_ratio),
-    }
+    tokens = {"auto": args.tokens_per_worker, "full": args.tokens_per_worker}
+    tokens.update({m: same_bytes(p, r) for m, r in (("selective", p.selective_act_ratio), ("none", p.none_act_ratio))})
     print(
         f"'auto' measured: none keeps {p.none_act_ratio:.2f}x full's bytes at {p.none_time_ratio:.3f} of its time, "
         f"selective {p.selective_act_ratio:.2f}x at {p.selective_time_ratio:.3f}; the budget in each mode's tokens: "
