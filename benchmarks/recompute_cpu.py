@@ -31,12 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from train_cpu import step_mode, write_workload  # noqa: E402
+from train_cpu import step_mode, workload_config  # noqa: E402
 
-from flexorch.config import CorpusConfig, ModelConfig, OptimConfig, PlanSettings, TrainConfig  # noqa: E402
+from flexorch.config import TrainConfig  # noqa: E402
 from flexorch.config.sharding import ShardingSettings  # noqa: E402
 from flexorch.control.driver import TrainingDriver  # noqa: E402
-from flexorch.data.corpus import load_corpus  # noqa: E402
 
 MODES = ("auto", "full", "selective", "none")
 
@@ -82,24 +81,7 @@ def main(argv=None) -> int:
 
     os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
     ray.init(address="local", num_cpus=len(MODES) * args.workers + 2, include_dashboard=False, logging_level="ERROR")
-    data_dir = args.out / "corpus"
-    write_workload(data_dir, args.batch * (args.steps + 2), args.scale, args.max_context, seed=1)
-    base = TrainConfig(
-        steps=args.steps,
-        workers=args.workers,
-        batch_size=args.batch,
-        run_dir=str(args.out),
-        model=ModelConfig(num_layers=args.layers),
-        optim=OptimConfig(lr=1e-3, warmup_steps=1),
-        data=CorpusConfig(source=str(data_dir), max_context=args.max_context),
-        plan=PlanSettings(tokens_per_worker=args.tokens_per_worker, time_limit_s=args.time_limit),
-    )
-    corpus = load_corpus(base.data)
-    print(
-        f"workload: {corpus.num_docs} documents, {int(corpus.lengths.sum()):,} tokens, longest "
-        f"{int(corpus.lengths.max())}; {args.workers} workers; batch {args.batch}; {args.layers} layers",
-        flush=True,
-    )
+    base, corpus = workload_config(args, args.steps)
     t0 = time.perf_counter()
     drivers = {"auto": start("auto", base, corpus, args.tokens_per_worker)}
     p = drivers["auto"].profile

@@ -72,6 +72,31 @@ def write_workload(out: Path, n_docs: int, scale: float, max_context: int, seed:
     return [int(s) + 1 for s in sizes]
 
 
+def workload_config(args, steps: int) -> tuple[TrainConfig, object]:
+    """The workload written to ``args.out / "corpus"`` (``steps + 2`` batches of documents), the run's base config
+    (adaptive plans, ``args``' workers, batch, layers, context, budget and planning time) and the loaded corpus."""
+    data_dir = args.out / "corpus"
+    write_workload(data_dir, args.batch * (steps + 2), args.scale, args.max_context, seed=1)
+    base = TrainConfig(
+        steps=steps,
+        workers=args.workers,
+        batch_size=args.batch,
+        run_dir=str(args.out),
+        model=ModelConfig(num_layers=args.layers),
+        optim=OptimConfig(lr=1e-3, warmup_steps=1),
+        data=CorpusConfig(source=str(data_dir), max_context=args.max_context),
+        plan=PlanSettings(tokens_per_worker=args.tokens_per_worker, time_limit_s=args.time_limit),
+    )
+    corpus = load_corpus(base.data)
+    print(
+        f"workload: {corpus.num_docs} documents, {int(corpus.lengths.sum()):,} tokens, longest "
+        f"{int(corpus.lengths.max())}; {args.workers} workers x {args.tokens_per_worker} tokens; batch {args.batch}; "
+        f"{args.layers} layers",
+        flush=True,
+    )
+    return base, corpus
+
+
 def start_mode(mode: str, base: TrainConfig, corpus) -> TrainingDriver:
     if mode.startswith("pp-"):  # a pipelined run: adaptive planning of pipelines over that many stages
         stages, _, placement = mode.removeprefix("pp-").partition("-")  # 'pp-2' or 'pp-2-replicated'
@@ -189,23 +214,7 @@ def main(argv=None) -> int:
     n_pipelined = len([p for p in args.pipeline.split(",") if p]) * len(args.pipeline_params.split(","))
     slots = (7 + n_pipelined) * args.workers + 2
     ray.init(address="local", num_cpus=slots, include_dashboard=False, logging_level="ERROR")
-    data_dir = args.out / "corpus"
-    write_workload(data_dir, args.batch * (steps + 2), args.scale, args.max_context, seed=1)
-    base = TrainConfig(
-        steps=steps,
-        workers=args.workers,
-        batch_size=args.batch,
-        run_dir=str(args.out),
-        model=ModelConfig(num_layers=args.layers),
-        optim=OptimConfig(lr=1e-3, warmup_steps=1),
-        data=CorpusConfig(source=str(data_dir), max_context=args.max_context),
-        plan=PlanSettings(tokens_per_worker=args.tokens_per_worker, time_limit_s=args.time_limit),
-    )
-    corpus = load_corpus(base.data)
-    print(
-        f"workload: {corpus.num_docs} documents, {int(corpus.lengths.sum()):,} tokens, longest "
-        f"{int(corpus.lengths.max())}; {args.workers} workers x {args.tokens_per_worker} tokens; batch {args.batch}"
-    )
+    base, corpus = workload_config(args, steps)
     # calibrate once (the adaptive run's setup), then every layout plans with the same profile; all layouts stay
     # up and take their steps in turn (rotating the order), so machine noise hits them alike
     t0 = time.perf_counter()
