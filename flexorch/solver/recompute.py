@@ -42,14 +42,19 @@ __all__ = [
     "choose_packing",
     "concatenated",
     "describe",
+    "faster_modes",
     "mode_bytes_profile",
+    "mode_packing",
     "none_bytes_profile",
+    "recompute_bound",
     "recompute_modes",
     "time_ratios",
     "too_long_for",
     "too_long_without_recompute",
     "uses_auto",
+    "with_chosen_modes",
     "with_modes",
+    "worth_packing",
 ]
 
 PACKINGS = ("full", "none", "selective")
@@ -64,6 +69,14 @@ def uses_auto(profile: Profile) -> bool:
 def _act_ratio(profile: Profile, mode: str) -> float:
     """Bytes a token keeps in ``mode`` over full recompute's (0: the mode is not available)."""
     return {"full": 1.0, "none": profile.none_act_ratio, "selective": profile.selective_act_ratio}[mode]
+
+
+def faster_modes(profile: Profile) -> list[str]:
+    """The modes faster than full recompute that ``profile`` measured, fastest first ('none' before 'selective' on a
+    tie)."""
+    ratios = time_ratios(profile)
+    modes = [m for m in ("none", "selective") if _act_ratio(profile, m) > 0]
+    return sorted(modes, key=lambda m: ratios[m])  # stable: 'none' first on a tie
 
 
 def time_ratios(profile: Profile) -> dict[str, float]:
@@ -114,9 +127,7 @@ def choose_modes(plan: Plan, profile: Profile) -> tuple[tuple[str, ...], ...]:
     group's shard fit ``profile``'s activation budget ('full' always does: the plan was packed for it), the one
     measured fastest ('none', then 'selective', then 'full' on a tie)."""
     room = profile.memory_budget_bytes - profile.model_state_bytes
-    ratios = time_ratios(profile)
-    order = [m for m in ("none", "selective") if _act_ratio(profile, m) > 0]
-    order = sorted(order, key=lambda m: (ratios[m], order.index(m)))
+    order = faster_modes(profile)
     modes = []
     for mb in plan.micro_batches:
         row = []
@@ -156,6 +167,61 @@ def choose_packing(full_plan: Plan, others: dict, profile: Profile) -> tuple[Pla
     return best, info
 
 
+def with_chosen_modes(plan: Plan, profile: Profile) -> Plan:
+    """``plan`` carrying each group's :func:`choose_modes` mode where ``profile`` plans them ('auto'), else as it
+    is."""
+    return with_modes(plan, choose_modes(plan, profile)) if plan is not None and uses_auto(profile) else plan
+
+
+def worth_packing(mode: str, ran: set[str], profile: Profile) -> bool:
+    """Whether packing a step for ``mode``'s bytes can beat full's packing whose groups ran in the modes ``ran``:
+    the mode is available and some group ran in a mode slower than it."""
+    ratios = time_ratios(profile)
+    return mode in faster_modes(profile) and any(ratios[m] > ratios[mode] for m in ran)
+
+
+def recompute_bound(plan: Plan, bound: float, profile: Profile) -> float:
+    """A lower bound under 'auto' recompute, from ``bound`` (full recompute's, for any plan): no plan runs faster than
+    the fastest mode's time ratio x its full-recompute time, so ``ratio x bound`` holds; claimed (as a bound near the
+    plan) only when every group of ``plan`` runs in that fastest mode, else 0 (none computed)."""
+    ratios = time_ratios(profile)
+    fastest = min([*faster_modes(profile), "full"], key=ratios.get)
+    every = all(m == fastest for row in plan.meta["recompute"] for m in row)
+    return bound * ratios[fastest] if every else 0.0
+
+
+def mode_packing(planner, mode: str, lengths, n: int, due: float, idle=None) -> tuple[Plan | None, int]:
+    """The MILP plan of ``planner`` (a ``solver.planner.Planner`` planning with full recompute's profile) packed for
+    ``mode``'s activation bytes by ``due``, the documents too long for that in micro-batches of their own packed
+    for full recompute's bytes first; None when every document is too long, or a solve ran out of time. Also the
+    solver crashes it cost. ``idle``: the caller's work while the solves run (``Planner.plan``)."""
+    import time
+
+    full_profile = planner.profile
+    long = set(too_long_for(mode, lengths, n, full_profile))
+    if len(long) == len(lengths):
+        return None, 0
+    short = [i for i in range(len(lengths)) if i not in long]
+    parts, crashes = [], 0
+    try:
+        for ids, profile in ((sorted(long), full_profile), (short, mode_bytes_profile(full_profile, mode))):
+            if not ids:
+                continue
+            planner.profile = profile
+            left = due - time.monotonic()  # the long documents (few) get a quarter of the time left
+            until = due if ids is short else time.monotonic() + 0.25 * left
+            sp = planner.plan([lengths[i] for i in ids], n, deadline=until, idle=idle)
+            crashes += sp.solver_crashes
+            if sp.status == "fallback":
+                return None, crashes
+            parts.append((sp.plan, ids))
+    finally:
+        planner.profile = full_profile
+    if len(parts) == 1:
+        return parts[0][0], crashes
+    return concatenated(full_profile, lengths, parts), crashes
+
+
 def recompute_modes(plan: Plan, profile: Profile):
     """The modes ``plan``'s groups run in: those the planner chose (``plan.meta['recompute']``), else chosen now
     (a plan made without them, e.g. before the profile measured its ratios); None when ``profile`` does not plan
@@ -164,7 +230,7 @@ def recompute_modes(plan: Plan, profile: Profile):
         return plan.meta["recompute"]
     if not uses_auto(profile):
         return None
-    return with_modes(plan, choose_modes(plan, profile)).meta["recompute"]
+    return with_chosen_modes(plan, profile).meta["recompute"]
 
 
 def describe(modes) -> str:

@@ -32,12 +32,11 @@ from flexorch.solver.recompute import (
     PACKINGS,
     choose_modes,
     choose_packing,
-    concatenated,
-    mode_bytes_profile,
-    time_ratios,
-    too_long_for,
+    mode_packing,
+    recompute_bound,
     uses_auto,
-    with_modes,
+    with_chosen_modes,
+    worth_packing,
 )
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.validation import check_num_devices
@@ -258,10 +257,14 @@ class StepPlanner:
                 others = {}
                 if auto:  # packed for the bytes of a mode some group of full's packing could not run in
                     ran = {m for row in choose_modes(plan, self.profile) for m in row}
-                    todo = [m for m in PACKINGS[1:] if _worth_packing(m, ran, self.profile)]
+                    todo = [m for m in PACKINGS[1:] if worth_packing(m, ran, self.profile)]
                     for i, mode in enumerate(todo):
                         until = time.monotonic() + (due - time.monotonic()) / (len(todo) - i)
-                        others[mode], more = self._mode_packing(mode, lengths, num_devices, until, run)
+                        others[mode], more = (
+                            mode_packing(self._planner, mode, lengths, num_devices, until, run.advance)
+                            if until - time.monotonic() >= _MIN_PART_S
+                            else (None, 0)  # no time left to plan it
+                        )
                         crashes += more
                 b0 = time.monotonic()
                 run.advance(deadline - 0.02 * limit)  # 2 % of the budget for the answer itself
@@ -273,7 +276,7 @@ class StepPlanner:
                 if auto:  # each group in its mode; the fastest packing in that time model
                     plan, packing = choose_packing(plan, others, self.profile)
                     predicted = packing[f"{packing['packing']}_ms"]
-                    bound = _recompute_bound(plan, bound, self.profile)
+                    bound = recompute_bound(plan, bound, self.profile)
                 fallback = _timeout_reason(sp, limit, skipped)
                 return PlannedStep(
                     plan,
@@ -293,7 +296,7 @@ class StepPlanner:
                     f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
                     f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
                 )
-            plan = self._with_recompute(plan)
+            plan = with_chosen_modes(plan, self.profile)
             predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
             baselines = (
                 baseline_times_ms(lengths, num_devices, self.profile, deadline=deadline) if with_baselines else {}
@@ -353,7 +356,7 @@ class StepPlanner:
         elif with_baselines:
             baselines["in_turn"] = predicted
         if uses_auto(self.profile):  # each group in its recompute mode (full's packing only)
-            predicted = step_time_ms(self._with_recompute(plan), self.profile)
+            predicted = step_time_ms(with_chosen_modes(plan, self.profile), self.profile)
         short = ""
         if used["short"]:
             short = (
@@ -371,40 +374,6 @@ class StepPlanner:
             fallback_message=short,
             solver_crashes=used["crashes"],
         )
-
-    def _mode_packing(self, mode: str, lengths, n: int, due: float, run: BaselineRun) -> tuple[Plan | None, int]:
-        """'auto' recompute: the MILP plan packed for the activation bytes of ``mode`` by ``due``, the documents too
-        long for that in micro-batches of their own packed for full recompute's bytes first (None when every
-        document is too long, or time ran out first); and the solver crashes it cost."""
-        long = set(too_long_for(mode, lengths, n, self.profile))
-        if len(long) == len(lengths) or due - time.monotonic() < _MIN_PART_S:
-            return None, 0
-        short = [i for i in range(len(lengths)) if i not in long]
-        parts, crashes = [], 0
-        full_profile = self._planner.profile
-        try:
-            for ids, profile in ((sorted(long), full_profile), (short, mode_bytes_profile(full_profile, mode))):
-                if not ids:
-                    continue
-                self._planner.profile = profile
-                left = due - time.monotonic()  # the long documents (few) get a quarter of the time left
-                until = due if ids is short else time.monotonic() + 0.25 * left
-                sp = self._planner.plan([lengths[i] for i in ids], n, deadline=until, idle=run.advance)
-                crashes += sp.solver_crashes
-                if sp.status == "fallback":
-                    return None, crashes
-                parts.append((sp.plan, ids))
-        finally:
-            self._planner.profile = full_profile
-        if len(parts) == 1:
-            return parts[0][0], crashes
-        return concatenated(full_profile, lengths, parts), crashes
-
-    def _with_recompute(self, plan: Plan) -> Plan:
-        """``plan`` carrying each group's recompute mode when the profile plans them ('auto'), else as it is."""
-        if plan is not None and uses_auto(self.profile):
-            with_modes(plan, choose_modes(plan, self.profile))
-        return plan
 
     def _part_plan(self, lengths, n: int, due: float | None, used: dict) -> Plan:
         """One task part's SP plan on n devices by ``due``: the MILP planner with the static layouts (BatchAda)
@@ -506,7 +475,7 @@ def heuristic_plan(
             plan, _ = plan_task_step(
                 lengths, task_of, num_devices, profile, adapter_ranks=adapter_ranks, method=task_method
             )
-            plan = _recompute_modes(plan, profile)
+            plan = with_chosen_modes(plan, profile)
             return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
     except PlanningError as e:
         return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
@@ -525,30 +494,5 @@ def heuristic_plan(
     if plan is None:
         error = f"no heuristic plan fits this batch on {num_devices} workers (the planner timed out)"
         return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error)
-    plan = _recompute_modes(plan, profile)
+    plan = with_chosen_modes(plan, profile)
     return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
-
-
-def _worth_packing(mode: str, ran: set[str], profile: Profile) -> bool:
-    """Whether packing a step for ``mode``'s bytes can beat full's packing whose groups ran in the modes ``ran``:
-    the mode is available and some group ran in a mode slower than it."""
-    ratios = time_ratios(profile)
-    available = profile.none_act_ratio > 0 if mode == "none" else profile.selective_act_ratio > 0
-    return available and any(ratios[m] > ratios[mode] for m in ran)
-
-
-def _recompute_bound(plan: Plan, bound: float, profile: Profile) -> float:
-    """A lower bound under 'auto' recompute, from ``bound`` (full recompute's, for any plan): no plan runs faster than
-    the fastest mode's time ratio x its full-recompute time, so ``ratio x bound`` holds; claimed (as a bound near the
-    plan) only when every group of ``plan`` runs in that fastest mode, else 0 (none computed)."""
-    ratios = time_ratios(profile)
-    fastest = min((m for m in ("none", "selective") if m != "selective" or profile.selective_act_ratio > 0),
-                  key=ratios.get)  # fmt: skip
-    fastest = min(fastest, "full", key=ratios.get)
-    every = all(m == fastest for row in plan.meta["recompute"] for m in row)
-    return bound * ratios[fastest] if every else 0.0
-
-
-def _recompute_modes(plan: Plan, profile: Profile) -> Plan:
-    """``plan`` with each group's recompute mode where ``profile`` plans them ('auto' recompute)."""
-    return with_modes(plan, choose_modes(plan, profile)) if uses_auto(profile) else plan
