@@ -191,14 +191,18 @@ def test_auto_recompute_runs_each_group_in_its_own_mode_and_matches_the_referenc
     try:
         driver.setup()
         events = driver.poll(0)[0]
+        measured = driver.profile
+        # the time ratios measured on 2 shared cores decide which packing wins; pinned here (as if measured) so the
+        # plans do not depend on that noise: the bytes stay the measured ones
+        driver.profile = measured.with_overrides(none_time_ratio=0.75, selective_time_ratio=0.9)
+        driver.planner.set_profile(driver.profile)
         records = [driver.step().record for _ in range(cfg.steps)]
         replicas = driver.replica_parameters()
-        profile = driver.profile
     finally:
         driver.shutdown()
     # the workers measured what the planner prices a group without recompute, and with selective recompute, at
-    assert profile.none_act_ratio > profile.selective_act_ratio > 1
-    assert 0 < profile.none_time_ratio <= 1 and 0 < profile.selective_time_ratio <= 1
+    assert measured.none_act_ratio > measured.selective_act_ratio > 1
+    assert 0 < measured.none_time_ratio <= 1 and 0 < measured.selective_time_ratio <= 1
     assert any("recompute 'auto'" in e.get("message", "") for e in events)
     modes = [m for r in records for row in r["recompute"] for m in row]
     assert "none" in modes and len(set(modes)) >= 2 and set(modes) <= {"none", "selective", "full"}, modes
