@@ -146,6 +146,20 @@ def test_a_long_setup_call_publishes_who_is_still_working(ray_cluster, monkeypat
         g.shutdown()
 
 
+def test_a_call_that_outlasts_its_limit_says_so_rather_than_lost(ray_cluster, monkeypatch):
+    # calibration's one probe call on 2 cores outlasted collective_timeout_s + 30 s; its busy workers were killed
+    # and reported as "lost workers [0, 1, 2, 3]", which reads like a crash
+    monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in())
+    g = group(2, [])
+    try:
+        with pytest.raises(wg.MembershipFailure) as e:
+            g.call_all({0: g.actor(0).slow.remote(0.0), 1: g.actor(1).slow.remote(60.0)}, "probe", 1.5)
+        assert e.value.failure.timed_out == {1} and e.value.failure.lost == {1}
+        assert str(e.value) == "could not probe: workers [1] did not finish within its limit of 1.5 s and were killed"
+    finally:
+        g.shutdown()
+
+
 def test_corpus_loading_reports_its_phases(ray_cluster, tmp_path):
     from flexorch.config import CorpusConfig
     from flexorch.data.corpus import load_corpus
@@ -192,7 +206,7 @@ class _ProbeGroup:
         return [ms] * self.size
 
 
-def test_calibration_publishes_its_phases(tmp_path):
+def test_calibration_publishes_its_phases(tmp_path, monkeypatch):
     from flexorch.control.calibration import calibrate
     from tests.train_helpers import train_config
 
@@ -203,6 +217,48 @@ def test_calibration_publishes_its_phases(tmp_path):
     assert said[0].startswith("calibrating the cost model on 2 workers: ") and "runs each" in said[0], said
     assert said[1].startswith("calibrating: probes done after"), said
     assert np.isfinite(report["median_rel_error"]) and profile.a2_ms > 0
+    events.clear()
+    monkeypatch.setattr(wg, "PROGRESS_EVERY_S", 0.0)  # a slow machine: progress at every probe
+    calibrate(_ProbeGroup(), cfg, repeats=1, publish=events.append)
+    said = messages(events)
+    n = len(report["probes"])
+    ticks = [m for m in said if m.startswith("calibrating: probe ")]
+    assert len(ticks) == n and ticks[-1].startswith(f"calibrating: probe {n} of {n} (") and " s" in ticks[-1], said
+
+
+def test_calibration_probes_stay_within_the_longest_document_the_data_holds():
+    from flexorch.control.calibration import calibration_probes
+
+    compute, groups = calibration_probes(4096, 4, ("ulysses", "ring"), max_context=512)
+    uncapped = calibration_probes(4096, 4, ("ulysses", "ring"))[1]
+    assert max(max(p.lengths) for p in compute + groups) == 512
+    assert max(max(p.lengths) for p in uncapped) == 16384  # what timed out on 2 cores
+    # a group probe still moves a full micro-batch's tokens, as documents of at most max_context
+    moved = [(p.degree, p.kind, sum(p.lengths)) for p in groups]
+    assert moved == [(p.degree, p.kind, sum(p.lengths)) for p in uncapped]
+    assert all(max(p.lengths) - min(p.lengths) <= 1 for p in groups)
+
+
+def test_a_calibration_probe_that_outlasts_the_call_limit_is_a_clear_error(tmp_path):
+    from flexorch.control.calibration import calibrate, calibration_probes
+    from flexorch.control.membership import Failure
+    from tests.train_helpers import train_config
+
+    class TooSlow(_ProbeGroup):
+        def call(self, method: str, *args) -> list:
+            if method == "probe" and args[0][0].degree > 1:
+                failure = Failure(frozenset({0, 1}), timed_out=frozenset({0, 1}))
+                raise wg.MembershipFailure("probe", failure, 150.0)
+            return super().call(method, *args)
+
+    cfg = train_config(tmp_path, tmp_path / "run", tmp_path / "unused.json", plan={"profile": "auto"})
+    with pytest.raises(WorkerGroupError) as e:
+        calibrate(TooSlow(), cfg, repeats=1)
+    msg = str(e.value)
+    compute, _ = calibration_probes(cfg.tokens_per_worker, 2, cfg.plan.kinds, max_context=cfg.data.max_context)
+    assert msg.startswith(f"calibration probe {len(compute) + 1} of "), msg  # the first group probe
+    assert "each worker in ulysses groups of 2, 2 runs)" in msg, msg
+    assert "workers [0, 1] did not finish within its limit of 150 s" in msg and "collective_timeout_s" in msg, msg
 
 
 def test_one_worker_calibrates_without_warnings_about_groups_it_cannot_form(tmp_path):

@@ -78,10 +78,21 @@ def model_state_fields(cfg, world_size: int) -> dict:
     }
 
 
-def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int = 5) -> tuple[list, list]:
-    """(compute probes, group probes) sized to the per-worker token budget."""
+def calibration_probes(
+    tokens_per_worker: int, workers: int, kinds, repeats: int = 5, max_context: int | None = None
+) -> tuple[list, list]:
+    """(compute probes, group probes) sized to the per-worker token budget, with no document longer than
+    ``max_context`` (the run never sees one): a group probe's tokens are then several documents of at most
+    ``max_context``, so its collectives move what a full micro-batch moves without the cost of a document the data
+    cannot hold (a 16K-token probe document for a 512-token corpus outlasted the call's time limit on 2 cores)."""
     cap = tokens_per_worker
-    singles = sorted({max(16, cap // k) for k in (16, 8, 4, 2, 1)})
+    longest = max_context or cap * workers
+
+    def docs(total: int) -> tuple[int, ...]:  # total tokens as near-equal documents of at most `longest`
+        n = -(-total // longest)
+        return tuple(total // n + (i < total % n) for i in range(n))
+
+    singles = sorted({min(longest, max(16, cap // k)) for k in (16, 8, 4, 2, 1)})
     packed = [(16,) * max(1, cap // 32), (32,) * max(1, cap // 64), (64,) * max(1, cap // 128)]
     compute = [Probe(1, "ulysses", (s,), repeats) for s in singles] + [Probe(1, "ulysses", p, repeats) for p in packed]
     groups = []
@@ -89,10 +100,41 @@ def calibration_probes(tokens_per_worker: int, workers: int, kinds, repeats: int
     while d <= workers:
         for kind in kinds:
             for per_rank in sorted({max(16, cap // 8), max(16, cap // 2), cap}):
-                groups.append(Probe(d, kind, (per_rank * d,), repeats))
+                groups.append(Probe(d, kind, docs(per_rank * d), repeats))
             groups.append(Probe(d, kind, (32,) * max(1, d * cap // 128), repeats))
         d *= 2
     return compute, groups
+
+
+def _probe_text(p: Probe) -> str:
+    docs = f"{len(p.lengths)} documents" if len(p.lengths) > 1 else "1 document"
+    where = "alone" if p.degree == 1 else f"in {p.kind} groups of {p.degree}"
+    return f"{sum(p.lengths):,} tokens as {docs}, each worker {where}"
+
+
+def run_calibration_probes(group, probes, publish, t0: float) -> list[list[float]]:
+    """Every probe on every rank, one call each (each call has the group's time limit, so a slow machine does not
+    add the probes up against one limit); [rank][probe] median ms. Progress every ``PROGRESS_EVERY_S``. A probe that
+    outlasts the limit is a clear error that says which probe and what to change."""
+    from flexorch.control.worker_group import PROGRESS_EVERY_S, MembershipFailure, WorkerGroupError
+
+    per_rank, said = [], time.perf_counter()
+    for i, p in enumerate(probes):
+        if time.perf_counter() - said >= PROGRESS_EVERY_S:
+            said = time.perf_counter()
+            msg = f"calibrating: probe {i + 1} of {len(probes)} ({_probe_text(p)}) after {said - t0:.0f} s"
+            publish({"event": "progress", "message": msg})
+        try:
+            per_rank.append([ms for (ms,) in group.call("probe", [p])])  # [rank] median ms of this probe
+        except MembershipFailure as e:
+            if not e.failure.timed_out:
+                raise
+            raise WorkerGroupError(
+                f"calibration probe {i + 1} of {len(probes)} ({_probe_text(p)}, {p.repeats + 1} runs) did not "
+                f"finish in time: {e}. Raise [elastic] collective_timeout_s, lower plan.tokens_per_worker or "
+                f"data.max_context, or set plan.profile to a calibrated profile file (flexorch profile)"
+            ) from e
+    return [list(ms) for ms in zip(*per_rank, strict=True)]
 
 
 def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, dict]:
@@ -102,13 +144,13 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
     publish = publish or (lambda event: None)
     model = cfg.model
     kinds = tuple(cfg.plan.kinds)
-    compute, groups = calibration_probes(cfg.tokens_per_worker, group.size, kinds, repeats)
+    compute, groups = calibration_probes(cfg.tokens_per_worker, group.size, kinds, repeats, cfg.data.max_context)
     msg = (
         f"calibrating the cost model on {group.size} workers: {len(compute)} compute and {len(groups)} group "
         f"probes, {repeats} runs each"
     )
     publish({"event": "progress", "message": msg})
-    per_rank = group.call("probe", compute + groups)  # [rank][probe] median ms
+    per_rank = run_calibration_probes(group, compute + groups, publish, t0)  # [rank][probe] median ms
     msg = f"calibrating: probes done after {time.perf_counter() - t0:.0f} s; measuring activation memory"
     publish({"event": "progress", "message": msg})
     ms = np.max(np.array(per_rank), axis=0)  # a group is as slow as its slowest member

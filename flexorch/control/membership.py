@@ -90,6 +90,9 @@ class Failure:
     out_of_memory: frozenset[int] = frozenset()
     """Alive workers whose device ran out of memory in the step (``StepOutOfMemoryError``): the step is re-planned
     with a smaller memory budget and run again."""
+    timed_out: frozenset[int] = frozenset()
+    """The part of ``lost`` that was killed because the call outlasted its time limit while nothing else had failed
+    (hung, or still working on a call too long for the limit): the message says so instead of "lost"."""
 
 
 @dataclass(frozen=True)

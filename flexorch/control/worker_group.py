@@ -55,11 +55,14 @@ class WorkerGroupError(RuntimeError):
 class MembershipFailure(WorkerGroupError):
     """A call on the workers failed; ``failure`` says who was lost and in which state the others are."""
 
-    def __init__(self, what: str, failure: Failure):
+    def __init__(self, what: str, failure: Failure, timeout_s: float | None = None):
         self.failure = failure
         parts = []
-        if failure.lost:
-            parts.append(f"lost workers {sorted(failure.lost)}")
+        if failure.lost - failure.timed_out:
+            parts.append(f"lost workers {sorted(failure.lost - failure.timed_out)}")
+        if failure.timed_out:
+            limit = f" within its limit of {timeout_s:.3g} s" if timeout_s is not None else " in time"
+            parts.append(f"workers {sorted(failure.timed_out)} did not finish{limit} and were killed")
         if failure.peer_errors:
             parts.append(f"workers {sorted(failure.peer_errors)} left the broken world")
         parts += [f"worker {w}: {m}" for w, m in failure.errors]
@@ -360,14 +363,19 @@ class RayWorkerGroup:
                 # a worker's own error ends the run (it is not retried), so peers get a short grace only
                 grace = ERROR_GRACE_S if errors else self.timeout_s + 5.0
                 deadline = min(deadline, time.monotonic() + grace)
+        timed_out = set()
         for wid in pending.values():  # hung past the collective timeout
             if errors and self.heartbeats.beating(wid):
                 continue  # alive, in a bounded wait: left running, its state may be kept (control.emergency)
             ray.kill(self._actors[wid], no_restart=True)
             lost.add(wid)
+            if self.failed_at is None:  # nothing else failed: the call itself ran past its limit
+                timed_out.add(wid)
         if not (lost or peer or errors or oom):
             return results, None
-        return results, Failure(frozenset(lost), frozenset(peer), tuple(errors), frozenset(results), frozenset(oom))
+        return results, Failure(
+            frozenset(lost), frozenset(peer), tuple(errors), frozenset(results), frozenset(oom), frozenset(timed_out)
+        )
 
     def _abort_pending(self, worker_ids) -> None:
         """Tell workers still in a call on a broken world to shut its sockets down (``Worker.abort_world``, on
@@ -385,7 +393,7 @@ class RayWorkerGroup:
         """:meth:`settle`, raising :class:`MembershipFailure` on any failure."""
         results, failure = self.settle(refs, timeout_s, what)
         if failure is not None:
-            raise MembershipFailure(what, failure)
+            raise MembershipFailure(what, failure, timeout_s)
         return results
 
     def sync_state(self, source: int, targets) -> None:
