@@ -239,6 +239,36 @@ def test_calibration_probes_stay_within_the_longest_document_the_data_holds():
     assert all(max(p.lengths) - min(p.lengths) <= 1 for p in groups)
 
 
+def test_calibration_probes_are_cut_to_a_bounded_run_and_the_fit_still_holds(tmp_path, monkeypatch):
+    # a device-sized budget (an H200's ~870K tokens at full recompute) made packed probes of 430K tokens, 100 s each;
+    # each probe is now cut to about PROBE_RUN_S a run, predicted from the largest probe of its degree so far
+    from flexorch.control import calibration
+    from flexorch.data.corpus import CorpusConfig
+    from tests.train_helpers import train_config
+
+    plan = {"profile": "auto", "tokens_per_worker": 8192}
+    cfg = train_config(
+        tmp_path, tmp_path / "run", tmp_path / "unused.json", plan=plan, data=CorpusConfig(max_context=4096)
+    )
+    _, whole = calibrate_report(cfg)
+    monkeypatch.setattr(calibration, "PROBE_RUN_S", 0.05)  # 50 ms: the fake's 4096-token document takes ~172 ms
+    profile, cut = calibrate_report(cfg)
+    largest = max(sum(p["seq_lengths"]) for p in whole["probes"])
+    assert max(sum(p["seq_lengths"]) for p in cut["probes"]) < largest / 2
+    assert len(cut["probes"]) == len(whole["probes"])  # every probe still runs, smaller
+    # probes after the first of their degree are kept near the bound (the fake's cost is exact, so it fits exactly)
+    assert max(p["ms"] for p in cut["probes"]) < 2 * 50
+    assert profile.a1_ms == pytest.approx(1e-5, rel=0.05) and profile.a2_ms == pytest.approx(1e-3, rel=0.05)
+    assert cut["median_rel_error"] < 0.01
+    assert "probes cut to about 0.05 s a run" in cut["message"] and "cut to" not in whole["message"]
+
+
+def calibrate_report(cfg):
+    from flexorch.control.calibration import calibrate
+
+    return calibrate(_ProbeGroup(), cfg, repeats=1)
+
+
 def test_a_calibration_probe_that_outlasts_the_call_limit_is_a_clear_error(tmp_path):
     from flexorch.control.calibration import calibrate, calibration_probes
     from flexorch.control.membership import Failure

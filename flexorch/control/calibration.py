@@ -16,6 +16,8 @@ probe.
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import time
 from pathlib import Path
@@ -92,7 +94,7 @@ def calibration_probes(
         n = -(-total // longest)
         return tuple(total // n + (i < total % n) for i in range(n))
 
-    singles = sorted({min(longest, max(16, cap // k)) for k in (16, 8, 4, 2, 1)})
+    singles = sorted({max(16, min(longest, cap) // k) for k in (16, 8, 4, 2, 1)})  # a1's range: up to the longest
     packed = [(16,) * max(1, cap // 32), (32,) * max(1, cap // 64), (64,) * max(1, cap // 128)]
     compute = [Probe(1, "ulysses", (s,), repeats) for s in singles] + [Probe(1, "ulysses", p, repeats) for p in packed]
     groups = []
@@ -112,14 +114,41 @@ def _probe_text(p: Probe) -> str:
     return f"{sum(p.lengths):,} tokens as {docs}, each worker {where}"
 
 
-def run_calibration_probes(group, probes, publish, t0: float) -> list[list[float]]:
+PROBE_RUN_S = 2.0
+"""The longest one run of a probe should take: a probe predicted longer (from the largest probe of its degree run so
+far) is cut to fewer tokens. A device budget of ~870K tokens (an H200's free memory at full recompute's bytes for a
+1.1B model) made packed probes of 430K tokens, 17 s a run and 100 s a probe; the fit needs the shapes, not the
+size (its terms are per token and per token squared)."""
+
+
+def _per_rank(p: Probe) -> int:
+    return max(1, sum(p.lengths) // p.degree)
+
+
+def _cut(p: Probe, per_rank: int) -> Probe:
+    """``p`` with at most ``per_rank`` tokens per rank (at least 16): documents dropped from its end, or its one
+    document shortened."""
+    total = max(16, per_rank) * p.degree
+    if sum(p.lengths) <= total:
+        return p
+    keep = list(itertools.takewhile(lambda n: n <= total, itertools.accumulate(p.lengths)))
+    lengths = p.lengths[: len(keep)] if keep else (total,)
+    return dataclasses.replace(p, lengths=tuple(lengths))
+
+
+def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Probe], list[list[float]]]:
     """Every probe on every rank, one call each (each call has the group's time limit, so a slow machine does not
-    add the probes up against one limit); [rank][probe] median ms. Progress every ``PROGRESS_EVERY_S``. A probe that
-    outlasts the limit is a clear error that says which probe and what to change."""
+    add the probes up against one limit), each cut to about ``PROBE_RUN_S`` a run; (the probes as run, [rank][probe]
+    median ms). Progress every ``PROGRESS_EVERY_S``. A probe that outlasts the limit is a clear error that says
+    which probe and what to change."""
     from flexorch.control.worker_group import PROGRESS_EVERY_S, MembershipFailure, WorkerGroupError
 
-    per_rank, said = [], time.perf_counter()
+    per_rank, ran, said = [], [], time.perf_counter()
+    rate: dict[int, tuple[int, float]] = {}  # degree -> (tokens per rank, ms per token) of its largest probe so far
     for i, p in enumerate(probes):
+        tokens, ms_per_token = rate.get(p.degree) or rate.get(1) or (0, 0.0)
+        if ms_per_token > 0 and _per_rank(p) * ms_per_token > PROBE_RUN_S * 1e3:
+            p = _cut(p, int(PROBE_RUN_S * 1e3 / ms_per_token))
         if time.perf_counter() - said >= PROGRESS_EVERY_S:
             said = time.perf_counter()
             msg = f"calibrating: probe {i + 1} of {len(probes)} ({_probe_text(p)}) after {said - t0:.0f} s"
@@ -134,7 +163,10 @@ def run_calibration_probes(group, probes, publish, t0: float) -> list[list[float
                 f"finish in time: {e}. Raise [elastic] collective_timeout_s, lower plan.tokens_per_worker or "
                 f"data.max_context, or set plan.profile to a calibrated profile file (flexorch profile)"
             ) from e
-    return [list(ms) for ms in zip(*per_rank, strict=True)]
+        ran.append(p)
+        if _per_rank(p) >= rate.get(p.degree, (0, 0.0))[0]:
+            rate[p.degree] = (_per_rank(p), max(per_rank[-1]) / _per_rank(p))
+    return ran, [list(ms) for ms in zip(*per_rank, strict=True)]
 
 
 def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, dict]:
@@ -150,7 +182,9 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         f"probes, {repeats} runs each"
     )
     publish({"event": "progress", "message": msg})
-    per_rank = run_calibration_probes(group, compute + groups, publish, t0)  # [rank][probe] median ms
+    ran, per_rank = run_calibration_probes(group, compute + groups, publish, t0)  # [rank][probe] median ms
+    cut = sum(a != b for a, b in zip(ran, compute + groups, strict=True))
+    compute, groups = ran[: len(compute)], ran[len(compute) :]
     msg = f"calibrating: probes done after {time.perf_counter() - t0:.0f} s; measuring activation memory"
     publish({"event": "progress", "message": msg})
     ms = np.max(np.array(per_rank), axis=0)  # a group is as slow as its slowest member
@@ -215,6 +249,8 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         f"{len(errors)} probes: median {100 * report['median_rel_error']:.1f} %, max "
         f"{100 * report['max_rel_error']:.1f} %"
     )
+    if cut:
+        report["message"] += f"; {cut} of {len(ran)} probes cut to about {PROBE_RUN_S:g} s a run"
     if notes:
         report["message"] += "".join(f"\nwarning: {n}" for n in notes)
     return profile, report
