@@ -131,6 +131,9 @@ def test_the_start_line_says_which_attention_kernel_and_how_many_compiled_layers
         "kernels": {"attention": "attention kernel torch_cudnn, measured: ...", "compiled_layers": 22},
     }  # fmt: skip
     line = _describe_setup(ev)
-    assert line.endswith("(86982 tokens per worker); attention kernel torch_cudnn, measured: ...; 22 layers compiled")
+    assert line.endswith("(86,982 tokens per worker); attention kernel torch_cudnn, measured: ...; 22 layers compiled")
     ev["kernels"] = {"attention": "attention kernel torch_cpu", "compiled_layers": 0}
     assert _describe_setup(ev).endswith("tokens per worker); attention kernel torch_cpu")
+    # a small model's Ulysses copies: plan.tokens_per_worker (3,072) is the costliest group's, alone holds more
+    ev.update(tokens_per_worker=5379, group_tokens_per_worker=3072)
+    assert "(activations for 5,379 tokens per worker alone, 3,072 in the costliest SP group);" in _describe_setup(ev)

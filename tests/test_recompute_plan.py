@@ -291,5 +291,8 @@ def test_the_step_line_says_how_many_groups_ran_without_recompute_and_the_packin
     assert format_step(ev, 10).endswith("[recompute: none in 2 of 3 groups]")
     ev["recompute"], ev["recompute_packing"]["packing"] = [["none"], ["none"], ["none"]], "none"
     assert format_step(ev, 10).endswith("[recompute: none in 3 of 3 groups (packed for no recompute)]")
+    ev["recompute"], ev["recompute_packing"]["packing"] = [["selective"], ["selective"], ["none"]], "selective"
+    line = format_step(ev, 10)
+    assert line.endswith("[recompute: none in 1, selective in 2 of 3 groups (packed for selective recompute)]")
     del ev["recompute"]
     assert "recompute" not in format_step(ev, 10)

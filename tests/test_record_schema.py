@@ -54,12 +54,22 @@ def _broken(rec, change):
         (lambda r: r.update(timeline=None), "'timeline' is null but the record has a plan"),
         (lambda r: r.update(skipped=True), "a skipped step has no plan"),
         (lambda r: r.update(predicted_ms=float("nan")), "expected a finite number"),
+        # 'auto' recompute: one mode per group of the plan
+        (lambda r: r.update(recompute=[["none"]]), "'recompute' must be null or one mode (none, selective, full)"),
+        (lambda r: r.update(recompute=[["fast"] * len(mb) for mb in r["plan"]["micro_batches"]]), "got [['fast'"),
     ],
 )
 def test_damage_is_named(plan_records, change, message):
     with pytest.raises(RecordError, match="^step 0: ") as e:
         validate_record(_broken(plan_records[0], change), "step 0")
     assert message in str(e.value)
+
+
+def test_a_mode_per_group_validates(plan_records):
+    rec = copy.deepcopy(plan_records[0])
+    modes = ("none", "selective", "full")
+    rec["recompute"] = [[modes[gi % 3] for gi in range(len(mb))] for mb in rec["plan"]["micro_batches"]]
+    assert validate_record(rec) is rec
 
 
 def test_train_keys_are_required_for_train_records(plan_records):

@@ -33,7 +33,7 @@ from flexorch.records.writer import measured_bubble_share
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import get_profile
 from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
-from tests.test_viewer_server import multitask_run, recorded_run_with_recoveries
+from tests.test_viewer_server import AUTO_MODES, auto_recompute_run, multitask_run, recorded_run_with_recoveries
 
 RECORDED = Path(__file__).parent / "data" / "recorded_run"
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,11 +138,51 @@ def test_recorded_run_renders_one_bar_per_group(browser):
         assert browser.execute_script("return document.getElementById('follow').checked") is False
         summary = browser.execute_script("return document.getElementById('step-summary').textContent")
         assert summary.startswith(f"step {step}:") and records[pick]["shape"] in summary
+        assert "recompute" not in summary  # no 'auto' recompute: no modes, no patterns
+        assert browser.execute_script("return document.getElementById('plan-predicted').dataset.recompute") == ""
+        script = "return document.getElementById('plan-predicted').data.map(t => t.marker.pattern)"
+        patterns = browser.execute_script(script)
+        assert patterns == [None] * len(patterns)
         labels = browser.execute_script("return document.getElementById('baselines-chart').data[0].y")
         assert labels[:2] == ["measured", "flexorch plan (predicted)"]
         assert set(labels) - {"measured", "flexorch plan (predicted)", "lower bound"} == {
             k for k, v in records[pick]["baselines_ms"].items() if v is not None
         }
+    finally:
+        server.stop()
+
+
+def test_auto_recompute_marks_each_group_s_mode_and_the_packing(browser, tmp_path):
+    records = auto_recompute_run(tmp_path)
+    rec = max(records, key=_groups)  # the step with the most groups: every mode is drawn
+    i = records.index(rec)
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, f"return document.querySelectorAll('#step-table tbody tr').length === {len(records)}")
+        browser.execute_script(f"document.querySelectorAll('#step-table tbody tr')[{i}].click()")
+        _wait(browser, f"return document.getElementById('plan-measured').dataset.step === '{rec['step']}'")
+        modes = [m for row in rec["recompute"] for m in row]
+        assert set(modes) == set(AUTO_MODES)
+        for div in ("plan-predicted", "plan-measured"):
+            drawn = browser.execute_script(f"return document.getElementById('{div}').dataset.recompute").split(",")
+            assert sorted(drawn) == sorted(modes)
+            # the pattern Plotly drew each bar with: hatched = full, dotted = selective, plain = none
+            shapes = browser.execute_script(
+                f"return document.getElementById('{div}').data.flatMap(t => t.marker.pattern.shape)"
+            )
+            assert sorted(shapes) == sorted({"none": "", "selective": ".", "full": "/"}[m] for m in modes)
+            assert _bars(browser, div) == len(modes)
+        hover = browser.execute_script("return document.getElementById('plan-predicted').data[0].customdata[0][9]")
+        assert hover in ("<br>no recompute", "<br>selective recompute (MLPs)", "<br>full recompute")
+        summary = browser.execute_script("return document.getElementById('step-summary').textContent")
+        n = {m: modes.count(m) for m in AUTO_MODES}
+        assert (
+            f" · recompute: none in {n['none']}, selective in {n['selective']}, full in {n['full']} of {len(modes)} "
+            f"groups; packed for no recompute's bytes ({rec['predicted_ms']:,.1f} ms predicted; packed for full "
+            f"recompute's: {1.25 * rec['predicted_ms']:,.1f} ms)"
+        ) in summary, summary
+        browser.save_screenshot(str(_artifacts() / "plan_viewer_auto_recompute.png"))
     finally:
         server.stop()
 

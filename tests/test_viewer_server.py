@@ -459,6 +459,31 @@ def multitask_run(run_dir: Path) -> list[dict]:
     return records
 
 
+AUTO_MODES = ("none", "selective", "full")
+
+
+def auto_recompute_run(run_dir: Path) -> list[dict]:
+    """The recorded run as 'auto' recompute records it (``recompute``, ``recompute_packing``): group i of each
+    micro-batch in mode ``AUTO_MODES[i % 3]``, every step packed for no recompute's bytes; in ``run_dir``."""
+    records = [json.loads(line) for line in (RECORDED / "steps.jsonl").read_text().splitlines()]
+    for rec in records:
+        rec["recompute"] = [[AUTO_MODES[gi % 3] for gi in range(len(mb))] for mb in rec["plan"]["micro_batches"]]
+        rec["recompute_packing"] = {"packing": "none", "full_ms": 1.25 * rec["predicted_ms"]}
+        rec["recompute_packing"]["none_ms"] = rec["predicted_ms"]
+        validate_record(rec)
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def test_each_group_carries_the_recompute_mode_it_ran_in(tmp_path):
+    records = auto_recompute_run(tmp_path)
+    views = read_run(tmp_path)["records"]
+    for rec, view in zip(records, views, strict=True):
+        assert [g["recompute"] for g in view["groups"]] == [m for row in rec["recompute"] for m in row]
+        assert view["recompute_packing"] == rec["recompute_packing"]
+    assert all(g["recompute"] is None for v in read_run(RECORDED)["records"] for g in v["groups"])
+
+
 def test_each_group_of_a_multitask_step_takes_the_task_of_its_sequences():
     rec = multitask_record()
     assert seq_tasks(rec) == [0, 0, 0, 1, 1, 1]

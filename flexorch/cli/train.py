@@ -73,7 +73,9 @@ def format_step(ev: dict, total: int) -> str:
     if ev.get("task_losses"):  # [[tasks]]: each task's own loss (the step's is their weighted mean)
         line += "  [" + ", ".join(f"{n} {x:.4f}" for n, x in ev["task_losses"].items()) + "]"
     if ev.get("recompute"):  # 'auto' recompute: how many groups ran without, and the packing the planner chose
-        packed = " (packed for no recompute)" if (ev.get("recompute_packing") or {}).get("packing") == "none" else ""
+        packing = (ev.get("recompute_packing") or {}).get("packing")
+        packed = {"none": " (packed for no recompute)", "selective": " (packed for selective recompute)"}
+        packed = packed.get(packing, "")
         line += f"  [{describe_recompute(ev['recompute'])}{packed}]"
     compiled = max((r.get("compile_s") or 0.0 for r in ev.get("ranks") or () if r), default=0.0)
     if compiled >= 0.05:  # the first steps of a compiled model (and a recompile): torch.compile's own time
@@ -154,8 +156,17 @@ def _describe_setup(ev: dict) -> str:
         f"flexorch train: {ev['workers']} workers (elastic {ev['min_workers']}..{ev['max_workers']}), "
         f"model {ev['model_params'] / 1e6:.2f}M params{_sharding(ev)}, corpus "
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
-        f"({ev['tokens_per_worker']} tokens per worker){resumed}{attention}{compiled}"
+        f"({_budget(ev)}){resumed}{attention}{compiled}"
     )
+
+
+def _budget(ev: dict) -> str:
+    """The activation budget in tokens: a worker alone holds ``tokens_per_worker``; a worker of the costliest SP group
+    (Ulysses's all-to-all copies) holds ``plan.tokens_per_worker``, fewer on a small model."""
+    alone, group = ev["tokens_per_worker"], ev.get("group_tokens_per_worker")
+    if group is None or group >= alone:
+        return f"{alone:,} tokens per worker"
+    return f"activations for {alone:,} tokens per worker alone, {group:,} in the costliest SP group"
 
 
 def _sharding(ev: dict) -> str:

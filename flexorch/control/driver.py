@@ -171,6 +171,7 @@ class TrainingDriver:
             "world_s": world_s,
             "profile": self.profile.name,
             "tokens_per_worker": self.profile.tokens_per_device,
+            "group_tokens_per_worker": cfg.tokens_per_worker,
             "resumed_from": self.resumed_from,
             "steps": cfg.steps,
             "model_params": cfg.model.num_params(),

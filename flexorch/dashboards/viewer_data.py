@@ -259,9 +259,12 @@ def step_view(rec: dict) -> dict:
     """One validated record as the page draws it (the record's summary fields plus ``groups`` for SP steps, or
     ``pipeline`` (:func:`pipeline_view`; null for SP steps) for pipelined ones). ``tasks``, ``multitask`` and
     ``task_note`` are :func:`task_view`'s (all null for a record without tasks), and each group's ``task`` the index
-    of the task it ran (null without tasks, or where that cannot be told)."""
+    of the task it ran (null without tasks, or where that cannot be told); with 'auto' recompute each group's
+    ``recompute`` is the mode it ran in ('none', 'selective', 'full'; null otherwise) and ``recompute_packing`` the
+    planner's packings (the record's)."""
     groups = []
     of = seq_tasks(rec)
+    modes = rec.get("recompute")  # 'auto' recompute: each group's mode, per micro-batch
     if rec["plan"] is not None:
         when = {(t["micro_batch"], t["group"]): t for t in rec["timeline"]}
         trained = rec["source"] == "train"
@@ -286,11 +289,12 @@ def step_view(rec: dict) -> dict:
                         "measured_start_ms": m_start,
                         "measured_ms": m_ms,
                         "task": None if of is None else _group_task(g["seq_ids"], of),
+                        "recompute": modes[mi][gi] if modes else None,
                     }
                 )
     keys = (
         "source step epoch world_size status skipped reason shape solve_s predicted_ms bound_ms baselines_ms tokens "
-        "measured_ms compute_ms loss tokens_per_s worker_ids recoveries fallback solver_crashes"
+        "measured_ms compute_ms loss tokens_per_s worker_ids recoveries fallback solver_crashes recompute_packing"
     ).split()
     view = {k: rec.get(k) for k in keys}
     view["sequences"] = len(rec["seq_lengths"])

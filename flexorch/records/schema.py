@@ -207,7 +207,20 @@ def _check_plan(rec: dict, where: str) -> None:
         got.add((t["micro_batch"], t["group"]))
     if got != want:
         raise RecordError(f"{where}: the timeline must have one entry per group of the plan")
+    modes = rec.get("recompute")
+    shape = [len(mb) for mb in mbs]
+    if modes is not None and (
+        not isinstance(modes, list)
+        or [len(row) if isinstance(row, list) else -1 for row in modes] != shape
+        or any(m not in RECOMPUTE_MODES for row in modes for m in row)
+    ):
+        raise RecordError(
+            f"{where}: 'recompute' must be null or one mode ({', '.join(RECOMPUTE_MODES)}) per group of the plan, "
+            f"{shape} groups per micro-batch; got {modes!r}"
+        )
 
+
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 _PIPELINE_KEYS = "stages degree layers stage_ranks granularity bubble_share peak_bytes units checkpointed ops".split()
 

@@ -43,18 +43,46 @@ function groupTrace(gs, which, name, color, label, hoverHead) {
     width: gs.map((g) => g.degree * 0.92),
     base: gs.map((g) => g[`${which}_start_ms`] ?? 0),
     x: gs.map((g) => Math.max(g[`${which}_ms`], 1e-3)),
-    marker: { color, line: { color: "white", width: 0.5 } },
+    marker: { color, line: { color: "white", width: 0.5 }, pattern: recomputePattern(gs) },
     text: gs.map(label),
     textposition: "inside",
     insidetextanchor: "start",
     textangle: 0,
     customdata: gs.map((g) => [g.micro_batch, g.ranks.join(","), g.kind, g.sequences, g.tokens, g.longest,
-      g[`${which}_ms`], g.degree, hoverHead(g)]),
+      g[`${which}_ms`], g.degree, hoverHead(g), g.recompute ? `<br>${RECOMPUTE[g.recompute]}` : ""]),
     hovertemplate:  // %{x} of a bar with a base is where it ends: the length comes from customdata
       "%{customdata[8]}micro-batch %{customdata[0]}, ranks %{customdata[1]}<br>degree %{customdata[7]}" +
       " %{customdata[2]}, %{customdata[3]} sequences, %{customdata[4]} tokens (longest %{customdata[5]})" +
-      "<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
+      "%{customdata[9]}<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
   };
+}
+
+// 'auto' recompute: each group's mode, as a pattern on its bar (plain: none) and a line of its hover
+const RECOMPUTE = { none: "no recompute", selective: "selective recompute (MLPs)", full: "full recompute" };
+const PATTERNS = { none: "", selective: ".", full: "/" };
+
+function recomputePattern(gs) {
+  if (!gs.some((g) => g.recompute)) return undefined;
+  const shape = gs.map((g) => PATTERNS[g.recompute] ?? "");
+  return { shape, fillmode: "overlay", fgcolor: "#111", fgopacity: 0.4, size: 9, solidity: 0.25 };
+}
+
+function recomputeText(v) {  // the step summary's part: how many groups ran in which mode, which packing ran
+  const modes = v.groups.map((g) => g.recompute).filter((m) => m);
+  if (!modes.length) return "";
+  const count = (m) => modes.filter((x) => x === m).length;
+  const parts = ["none", "selective", "full"].filter((m) => count(m)).map((m) => `${m} in ${count(m)}`);
+  const p = v.recompute_packing;
+  let packed = "";
+  if (p && p.packing) {
+    const label = { full: "full recompute's", none: "no recompute's", selective: "selective recompute's" };
+    const others = ["full", "none", "selective"].filter((m) => m !== p.packing && isNum(p[`${m}_ms`]))
+      .map((m) => `packed for ${label[m]}: ${fmt(p[`${m}_ms`], 1)} ms`);
+    packed = `; packed for ${label[p.packing]} bytes (${fmt(p[`${p.packing}_ms`], 1)} ms predicted` +
+      (others.length ? `; ${others.join(", ")}` : "") + ")";
+  }
+  return ` · recompute: ${parts.join(", ")} of ${modes.length} groups${packed} (bars: hatched = full recompute, ` +
+    "dotted = selective, plain = none)";
 }
 
 function groupLabel(g) {
@@ -118,6 +146,8 @@ function drawPlan(div, view, which, title) {
     div.dataset.colour = tasks ? "task" : "degree";
     div.dataset.ops = "0";
     div.dataset.groups = String(view.groups.filter((g) => g[`${which}_ms`] !== null).length);
+    div.dataset.recompute = view.groups.filter((g) => g[`${which}_ms`] !== null && g.recompute)
+      .map((g) => g.recompute).join(",");
   });
 }
 
@@ -496,7 +526,8 @@ function select(i) {
       (piped ? `${v.pipeline.units} pipeline unit(s)` : `${v.micro_batches} micro-batch(es)`) + `, shape ${v.shape}` +
       (v.fallback ? ` · not the planner's plan (${v.fallback.reason}): ${v.fallback.message}` : "") +
       (v.solver_crashes ? ` · ${v.solver_crashes} MILP solve(s) crashed` : "") +
-      (hasTasks(v) ? ` · ${v.tasks.length} tasks` + (v.multitask ? ` (${v.multitask.method})` : "") : "");
+      (hasTasks(v) ? ` · ${v.tasks.length} tasks` + (v.multitask ? ` (${v.multitask.method})` : "") : "") +
+      recomputeText(v);
   $("pipeline-note").style.display = piped ? "block" : "none";
   $("pipeline-note").textContent = piped ? pipelineNote(v) : "";
   drawTasks(v);
