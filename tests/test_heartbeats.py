@@ -4,6 +4,8 @@ patched so that silence is measured without sleeping."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch.distributed as dist
 
@@ -53,3 +55,33 @@ def test_an_unwatched_run_calls_nobody_beating():
     watch = hb.Heartbeats("127.0.0.1", timeout_s=0)
     _beat(watch, 1)
     assert not watch.beating(1)
+
+
+def _beats(watch: hb.Heartbeats, worker_id: int, at_least: int) -> int:
+    deadline = time.monotonic() + 30.0
+    while (n := watch.counts({worker_id})[worker_id]) < at_least:
+        assert time.monotonic() < deadline, "the worker never beat"
+        time.sleep(0.02)
+    return n
+
+
+def test_a_stopped_heartbeat_stops_and_the_store_closes_without_a_trace_on_the_worker(capfd):
+    # at the end of a run the driver dropped the store while the workers still beat: each beat's c10d error printed
+    # a C++ stack trace on the worker, which Ray forwarded to the console of a run that went well
+    import gc
+
+    from flexorch.workers.actor import Worker
+
+    watch = hb.Heartbeats("127.0.0.1", timeout_s=10.0)
+    worker = Worker(7, {}, {}, 0, num_threads=0, use_gpu=False)
+    worker.start_heartbeat(watch.host, watch.port, period_s=0.02)
+    _beats(watch, 7, at_least=3)
+    assert worker.stop_heartbeat() is True
+    n = watch.counts({7})[7]
+    time.sleep(0.1)
+    assert watch.counts({7})[7] == n, "a stopped heartbeat still beats"
+    del watch
+    gc.collect()  # the master store closes
+    time.sleep(0.2)
+    assert "TCPStore" not in capfd.readouterr().err
+    assert worker.stop_heartbeat() is True  # again: nothing to stop

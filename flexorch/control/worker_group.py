@@ -43,6 +43,7 @@ ERROR_GRACE_S = 15.0
 killed: they hold the state the emergency checkpoint is written from (``control.emergency``), and on a loaded
 machine 3 s was too short for a peer to fail out of a closed rendezvous (seen on 2026-11-26: killed, its shard lost,
 no emergency checkpoint). Well below ``collective_timeout_s``: a bug still stops the run in seconds."""
+STOP_BEATS_S = 2.0  # at shutdown: the longest wait for the workers' heartbeat threads to stop
 PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
 
 __all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
@@ -493,7 +494,13 @@ class RayWorkerGroup:
         return {w: int(v) for w, v in results.items()}
 
     def shutdown(self) -> None:
-        for actor in list(self._actors.values()) + [j[0] for j in self.joining.values()]:
+        """Stop the workers' heartbeats (a bounded wait: a hung worker does not answer), kill the workers, then
+        drop the stores: a beat into a store already closed prints a C++ stack trace on the worker."""
+        actors = list(self._actors.values()) + [j[0] for j in self.joining.values()]
+        stops = [s.remote() for s in (getattr(a, "stop_heartbeat", None) for a in actors) if s is not None]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=STOP_BEATS_S)
+        for actor in actors:
             ray.kill(actor, no_restart=True)
         self._actors.clear()
         self.joining.clear()

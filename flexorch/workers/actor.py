@@ -119,19 +119,32 @@ class Worker(WorkerMeasurements, FaultSeam):
         parent = os.getppid()
         store = dist.TCPStore(host, port, is_master=False, timeout=_td(30.0))
         key = f"beat/{self.worker_id}"
+        stop = self._beat_stop = threading.Event()
 
         def beat() -> None:
-            while True:
+            while not stop.is_set():
                 if os.getppid() != parent:  # the raylet that started this worker died: so does its worker
                     os._exit(1)
                 try:
                     store.add(key, 1)
                 except Exception:  # noqa: BLE001 - the driver's store is gone (the run ended): stop beating
                     return
-                time.sleep(period_s)
+                stop.wait(period_s)
 
         self._beat = threading.Thread(target=beat, name="flexorch-heartbeat", daemon=True)
         self._beat.start()
+
+    @ray.method(concurrency_group="control")
+    def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
+        """Stop beating and wait for the thread (the run is ending and the driver closes the store next: a beat
+        into a closed store is a caught error, but c10d first prints a C++ stack trace to the worker's stderr,
+        which Ray forwards to the user's console at the end of a run that went well). True once it has stopped."""
+        beat = getattr(self, "_beat", None)
+        if beat is None:
+            return True
+        self._beat_stop.set()
+        beat.join(timeout_s)
+        return not beat.is_alive()
 
     @ray.method(concurrency_group="control")
     def abort_world(self, epoch: int | None = None) -> int:
