@@ -55,6 +55,10 @@ def solve_job(job: dict):
     return None if s is None else (s.draft, s.method)
 
 
+CLOSE_WAIT_S = 1.0
+"""How long :meth:`SolverPool.close` lets the solver processes exit on their own before killing them."""
+
+
 def _mp_context():
     """forkserver (the planner runs in a Ray actor with threads: no fork), preloading the solver once; spawn
     where there is none."""
@@ -147,6 +151,22 @@ class SolverPool:
         self._start(wait=False)
 
     def close(self) -> None:
+        """Shut the pool down: idle solver processes exit on their own (their queues' semaphores released in order:
+        SIGKILLed, they left the resource tracker a KeyError traceback and a 'process died unexpectedly' warning to
+        print into a finished run's console), then whatever is still running after ``CLOSE_WAIT_S`` is killed."""
+        ex = self._ex
+        if ex is not None:
+            done = threading.Event()
+
+            def shut() -> None:
+                try:
+                    ex.shutdown(wait=True, cancel_futures=True)
+                except (OSError, ValueError, RuntimeError):  # a broken pool: killed below
+                    pass
+                done.set()
+
+            threading.Thread(target=shut, daemon=True, name="flexorch-solver-close").start()
+            done.wait(CLOSE_WAIT_S)
         if self._finalizer is not None:
-            self._finalizer()  # kills the processes (idle or stuck) and shuts the pool down
+            self._finalizer()  # kills the processes still up (a stuck solve) and shuts the pool down
         self._ex, self._finalizer = None, None
