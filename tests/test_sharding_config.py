@@ -52,6 +52,21 @@ def test_auto_is_fsdp_and_bf16_on_gpu_replicate_and_fp32_on_cpu():
     assert config_from_dict({"sharding": {"mode": "fsdp", "precision": "bf16"}}).precision == "bf16"
 
 
+def test_recompute_is_auto_on_gpu_sp_runs_and_none_elsewhere_unless_set():
+    # a GPU run's budget comes from the device: without recompute a document longer than a device holds would make
+    # its batch infeasible; 'auto' recomputes only the groups that need it
+    assert config_from_dict({}).recompute == "none"
+    assert config_from_dict({"use_gpu": True}).recompute == "auto"
+    piped = {"use_gpu": True, "workers": 2, "pipeline": {"stages": 2}, "model": {"num_layers": 4}}
+    assert config_from_dict(piped).recompute == "none"  # stages choose their checkpointed layers themselves
+    for mode in ("none", "full", "selective", "auto"):
+        set_ = {"sharding": {"activation_checkpointing": mode}}
+        assert config_from_dict({"use_gpu": True, **set_}).recompute == mode
+        assert config_from_dict(set_).recompute == mode
+    with pytest.raises(ConfigError, match="pipeline stages choose which"):
+        config_from_dict({**piped, "sharding": {"activation_checkpointing": "auto"}})
+
+
 @pytest.mark.parametrize(
     "sharding", [{"precision": "fp32"}, {"mode": "replicate"}, {"mode": "fsdp", "precision": "fp32"}]
 )

@@ -144,7 +144,7 @@ class TrainConfig:
         p = self.pipeline.stages
         if p == 1:  # not a pipeline: SP groups, no stage rule
             return
-        if self.sharding.activation_checkpointing == "auto":
+        if self.recompute == "auto":
             raise ConfigError(
                 "sharding.activation_checkpointing = 'auto' chooses per SP micro-batch; pipeline stages choose which "
                 "layers to recompute per unit themselves: with [pipeline] stages use 'none' or 'full'"
@@ -258,7 +258,7 @@ class TrainConfig:
                 f"{window} tokens; flexorch computes full causal attention within each document, which equals the "
                 f"window's only for documents of at most {window} tokens: set data.max_context <= {window}"
             )
-        if self.sharding.activation_checkpointing == "selective":
+        if self.recompute == "selective":
             raise ConfigError(
                 "sharding.activation_checkpointing = 'selective' recomputes our decoder's MLP halves; a Hugging "
                 "Face model takes 'none' or 'full' (Transformers' own per-layer gradient checkpointing)"
@@ -315,6 +315,12 @@ class TrainConfig:
     def precision(self) -> str:
         """'fp32' or 'bf16': ``sharding.precision`` with 'auto' resolved."""
         return self.sharding.resolved(self.use_gpu)[1]
+
+    @property
+    def recompute(self) -> str:
+        """'none', 'full', 'selective' or 'auto': ``sharding.activation_checkpointing`` with its default resolved
+        for the device kind and step kind."""
+        return self.sharding.recompute(self.use_gpu, self.pipelined)
 
     @property
     def pipelined(self) -> bool:

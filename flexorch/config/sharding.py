@@ -46,19 +46,20 @@ class ShardingSettings:
     accumulates whole gradients and reduce-scatters once at the end (FSDP2's ``set_reshard_after_forward`` /
     ``set_requires_gradient_sync``): the communication of whole replicas, with the whole model's parameters and
     gradients in memory during the step and only the shards between steps."""
-    activation_checkpointing: str = "none"
+    activation_checkpointing: str | None = None
     """'none', 'full' (recompute every decoder layer in the backward), 'selective' (recompute each layer's MLP
     and its norm, keep attention's outputs: attention's collectives are not run again), or 'auto': chosen per
     micro-batch and SP group, the fastest mode whose activations for the group's tokens fit the budget ('none',
     then 'selective' on flexorch's decoder, else 'full'); the planner packs each step for full's bytes and for each
-    faster mode's and runs the fastest (``flexorch.solver.recompute``)."""
+    faster mode's and runs the fastest (``flexorch.solver.recompute``). Unset: 'auto' on GPU workers with SP steps
+    (a document too long for a device without recompute then still runs), else 'none' (:meth:`recompute`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ConfigError(f"sharding.mode must be one of {list(MODES)}, got {self.mode!r}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"sharding.precision must be one of {list(PRECISIONS)}, got {self.precision!r}")
-        if self.activation_checkpointing not in RECOMPUTE:
+        if self.activation_checkpointing is not None and self.activation_checkpointing not in RECOMPUTE:
             raise ConfigError(
                 f"sharding.activation_checkpointing must be one of {list(RECOMPUTE)}, got "
                 f"{self.activation_checkpointing!r}"
@@ -76,6 +77,14 @@ class ShardingSettings:
                 + ("shards over the whole world" if self.mode == "fsdp" else "does not shard")
                 + "); remove it or set mode = 'hsdp'"
             )
+
+    def recompute(self, use_gpu: bool, pipelined: bool) -> str:
+        """The activation checkpointing in force: the setting, or unset, 'auto' on GPU workers with SP steps (on CPU
+        workers the measurements it needs cost more than they save; pipeline stages choose their own) and 'none'
+        otherwise."""
+        if self.activation_checkpointing is not None:
+            return self.activation_checkpointing
+        return "auto" if use_gpu and not pipelined else "none"
 
     def resolved(self, use_gpu: bool) -> tuple[str, str]:
         """(mode, precision) in force on a CPU or GPU run."""

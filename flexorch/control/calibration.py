@@ -74,7 +74,7 @@ def model_state_fields(cfg, world_size: int) -> dict:
         "mode": cfg.sharding_mode,
         "shards": effective_shard_size(cfg.sharding_mode, world_size, cfg.sharding.shard_size),
         "precision": cfg.precision,
-        "activation_checkpointing": cfg.sharding.activation_checkpointing,
+        "activation_checkpointing": cfg.recompute,
         "plan_resident_bytes": plan.resident,
         "plan_in_flight_bytes": plan.in_flight,
     }

@@ -25,7 +25,7 @@ TIME_PROBE_TOKENS = 2048
 def with_recompute_ratios(cfg, group, profile, say=None):
     """``profile`` with the modes' byte and time ratios measured on ``group``'s workers when the run uses 'auto'
     recompute on SP steps; ``profile`` unchanged otherwise. ``say(message)`` reports what was measured."""
-    if cfg.sharding.activation_checkpointing != "auto" or cfg.pipelined:
+    if cfg.recompute != "auto" or cfg.pipelined:
         return profile
     modes = ("none",) if cfg.model.hf is not None else ("none", "selective")
     full = group.call("activation_bytes_per_token", "full")

@@ -177,7 +177,7 @@ class RayWorkerGroup:
                 "mode": cfg.sharding_mode,
                 "shard_size": cfg.sharding.shard_size,
                 "precision": cfg.precision,
-                "recompute": cfg.sharding.activation_checkpointing,
+                "recompute": cfg.recompute,
                 "stages": cfg.pipeline.stages,
                 "gather": cfg.sharding.gather,
             },
