@@ -117,7 +117,7 @@ def _probe_text(p: Probe) -> str:
 PROBE_RUN_S = 2.0
 """The longest one run of a probe should take: a probe predicted longer (from the largest probe of its degree run so
 far) is cut to fewer tokens. A device budget of ~870K tokens (an H200's free memory at full recompute's bytes for a
-1.1B model) made packed probes of 430K tokens, 17 s a run and 100 s a probe; the fit needs the shapes, not the
+1.1B model) made packed probes of 435K tokens, 17 s a run and 100 s a probe; the fit needs the shapes, not the
 size (its terms are per token and per token squared)."""
 
 
@@ -146,7 +146,7 @@ def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Prob
     per_rank, ran, said = [], [], time.perf_counter()
     rate: dict[int, tuple[int, float]] = {}  # degree -> (tokens per rank, ms per token) of its largest probe so far
     for i, p in enumerate(probes):
-        tokens, ms_per_token = rate.get(p.degree) or rate.get(1) or (0, 0.0)
+        _, ms_per_token = rate.get(p.degree) or rate.get(1) or (0, 0.0)
         if ms_per_token > 0 and _per_rank(p) * ms_per_token > PROBE_RUN_S * 1e3:
             p = _cut(p, int(PROBE_RUN_S * 1e3 / ms_per_token))
         if time.perf_counter() - said >= PROGRESS_EVERY_S:
