@@ -114,11 +114,13 @@ def _probe_text(p: Probe) -> str:
     return f"{sum(p.lengths):,} tokens as {docs}, each worker {where}"
 
 
-PROBE_RUN_S = 2.0
-"""The longest one run of a probe should take: a probe predicted longer (from the largest probe of its degree run so
-far) is cut to fewer tokens. A device budget of ~870K tokens (an H200's free memory at full recompute's bytes for a
-1.1B model) made packed probes of 435K tokens, 17 s a run and 100 s a probe; the fit needs the shapes, not the
-size (its terms are per token and per token squared)."""
+PROBES_S = 60.0
+"""About how long the probes may take in all: each run of a probe gets its share, ``PROBES_S`` over all the runs
+(at least ``MIN_RUN_S``), and a probe predicted longer (from the largest probe of its degree run so far) is cut to
+fewer tokens. A device budget of ~870K tokens (an H200's free memory at full recompute's bytes for a 1.1B model)
+made packed probes of 435K tokens, 17 s a run and 100 s a probe; on 4 CPU workers a 100K-token budget took 220 s
+with 2 s a run. The fit needs the shapes, not the size (its terms are per token and per token squared)."""
+MIN_RUN_S = 0.1
 
 
 def _per_rank(p: Probe) -> int:
@@ -136,19 +138,25 @@ def _cut(p: Probe, per_rank: int) -> Probe:
     return dataclasses.replace(p, lengths=tuple(lengths))
 
 
+def probe_run_s(probes) -> float:
+    """The seconds one run of a probe may take: ``PROBES_S`` shared by every run of every probe."""
+    return max(MIN_RUN_S, PROBES_S / max(1, sum(p.repeats + 1 for p in probes)))
+
+
 def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Probe], list[list[float]]]:
     """Every probe on every rank, one call each (each call has the group's time limit, so a slow machine does not
-    add the probes up against one limit), each cut to about ``PROBE_RUN_S`` a run; (the probes as run, [rank][probe]
-    median ms). Progress every ``PROGRESS_EVERY_S``. A probe that outlasts the limit is a clear error that says
-    which probe and what to change."""
+    add the probes up against one limit), each cut to about :func:`probe_run_s` a run; (the probes as run,
+    [rank][probe] median ms). Progress every ``PROGRESS_EVERY_S``. A probe that outlasts the limit is a clear error
+    that says which probe and what to change."""
     from flexorch.control.worker_group import PROGRESS_EVERY_S, MembershipFailure, WorkerGroupError
 
     per_rank, ran, said = [], [], time.perf_counter()
+    run_ms = 1e3 * probe_run_s(probes)
     rate: dict[int, tuple[int, float]] = {}  # degree -> (tokens per rank, ms per token) of its largest probe so far
     for i, p in enumerate(probes):
         _, ms_per_token = rate.get(p.degree) or rate.get(1) or (0, 0.0)
-        if ms_per_token > 0 and _per_rank(p) * ms_per_token > PROBE_RUN_S * 1e3:
-            p = _cut(p, int(PROBE_RUN_S * 1e3 / ms_per_token))
+        if ms_per_token > 0 and _per_rank(p) * ms_per_token > run_ms:
+            p = _cut(p, int(run_ms / ms_per_token))
         if time.perf_counter() - said >= PROGRESS_EVERY_S:
             said = time.perf_counter()
             msg = f"calibrating: probe {i + 1} of {len(probes)} ({_probe_text(p)}) after {said - t0:.0f} s"
@@ -250,7 +258,9 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         f"{100 * report['max_rel_error']:.1f} %"
     )
     if cut:
-        report["message"] += f"; {cut} of {len(ran)} probes cut to about {PROBE_RUN_S:g} s a run"
+        report["message"] += (
+            f"; {cut} of {len(ran)} probes cut to about {probe_run_s(ran):.2g} s a run ({PROBES_S:g} s in all)"
+        )
     if notes:
         report["message"] += "".join(f"\nwarning: {n}" for n in notes)
     return profile, report
