@@ -264,6 +264,8 @@ def test_calibration_probes_are_cut_to_a_bounded_run_and_the_fit_still_holds(tmp
     assert cut["median_rel_error"] < 0.01
     said = f"probes cut to about 0.05 s a run ({0.1 * len(whole['probes']):g} s in all)"
     assert said in cut["message"] and "cut to" not in whole["message"]
+    # the fake's collectives cost no bytes: their bandwidths are clamped, said as a note (nothing to act on)
+    assert "\nnote: ulysses-2: bandwidth inf GB/s clamped" in cut["message"] and "warning" not in cut["message"]
 
 
 def calibrate_report(cfg):
@@ -303,5 +305,5 @@ def test_one_worker_calibrates_without_warnings_about_groups_it_cannot_form(tmp_
     plan = {"profile": "auto", "tokens_per_worker": 256}
     cfg = train_config(tmp_path, tmp_path / "run", tmp_path / "unused.json", plan=plan, workers=1)
     profile, report = calibrate(_ProbeGroup(size=1), cfg, repeats=1)
-    assert "warning" not in report["message"] and "ulysses-2" not in report["group_fit"], report["message"]
+    assert "ulysses-2" not in report["message"] and "ulysses-2" not in report["group_fit"], report["message"]
     assert profile.a2_ms > 0 and 2 in profile.a2a_gbps  # the placeholder entry is still there for the planner

@@ -262,7 +262,8 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
             f"; {cut} of {len(ran)} probes cut to about {probe_run_s(ran):.2g} s a run ({PROBES_S:g} s in all)"
         )
     if notes:
-        report["message"] += "".join(f"\nwarning: {n}" for n in notes)
+        # a bandwidth clamped because no byte cost showed is a fact about the probes, not a problem to act on
+        report["message"] += "".join(f"\n{'note' if ' clamped to ' in n else 'warning'}: {n}" for n in notes)
     return profile, report
 
 
