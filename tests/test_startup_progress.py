@@ -207,6 +207,7 @@ class _ProbeGroup:
 
 
 def test_calibration_publishes_its_phases(tmp_path, monkeypatch):
+    from flexorch.control import calibration
     from flexorch.control.calibration import calibrate
     from tests.train_helpers import train_config
 
@@ -218,7 +219,7 @@ def test_calibration_publishes_its_phases(tmp_path, monkeypatch):
     assert said[1].startswith("calibrating: probes done after"), said
     assert np.isfinite(report["median_rel_error"]) and profile.a2_ms > 0
     events.clear()
-    monkeypatch.setattr(wg, "PROGRESS_EVERY_S", 0.0)  # a slow machine: progress at every probe
+    monkeypatch.setattr(calibration, "PROGRESS_EVERY_S", 0.0)  # a slow machine: progress at every probe
     calibrate(_ProbeGroup(), cfg, repeats=1, publish=events.append)
     said = messages(events)
     n = len(report["probes"])
@@ -275,7 +276,7 @@ def calibrate_report(cfg):
 
 
 def test_a_calibration_probe_that_outlasts_the_call_limit_is_a_clear_error(tmp_path):
-    from flexorch.control.calibration import calibrate, calibration_probes
+    from flexorch.control.calibration import CalibrationTimeoutError, calibrate, calibration_probes
     from flexorch.control.membership import Failure
     from tests.train_helpers import train_config
 
@@ -287,7 +288,7 @@ def test_a_calibration_probe_that_outlasts_the_call_limit_is_a_clear_error(tmp_p
             return super().call(method, *args)
 
     cfg = train_config(tmp_path, tmp_path / "run", tmp_path / "unused.json", plan={"profile": "auto"})
-    with pytest.raises(WorkerGroupError) as e:
+    with pytest.raises(CalibrationTimeoutError) as e:
         calibrate(TooSlow(), cfg, repeats=1)
     msg = str(e.value)
     compute, _ = calibration_probes(cfg.tokens_per_worker, 2, cfg.plan.kinds, max_context=cfg.data.max_context)

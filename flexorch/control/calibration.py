@@ -37,7 +37,14 @@ from flexorch.solver.profiles import Profile, get_profile
 from flexorch.solver.step_planner import planner_profile
 from flexorch.workers.calibrate import Probe
 
-__all__ = ["calibration_probes", "calibrate", "calibrate_on_workers", "resolve_profile", "run_profile"]
+__all__ = [
+    "CalibrationTimeoutError",
+    "calibration_probes",
+    "calibrate",
+    "calibrate_on_workers",
+    "resolve_profile",
+    "run_profile",
+]
 
 
 # fit_profile needs an all-to-all table entry; where nothing was measured (the compute-only fit, one worker, ring
@@ -121,6 +128,12 @@ fewer tokens. A device budget of ~870K tokens (an H200's free memory at full rec
 made packed probes of 435K tokens, 17 s a run and 100 s a probe; on 4 CPU workers a 100K-token budget took 220 s
 with 2 s a run. The fit needs the shapes, not the size (its terms are per token and per token squared)."""
 MIN_RUN_S = 0.1
+PROGRESS_EVERY_S = 10.0
+"""While the probes run: a progress event at most this often, naming the probe."""
+
+
+class CalibrationTimeoutError(RuntimeError):
+    """A calibration probe outlasted the workers' call limit; the message names it and what to change."""
 
 
 def _per_rank(p: Probe) -> int:
@@ -148,8 +161,6 @@ def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Prob
     add the probes up against one limit), each cut to about :func:`probe_run_s` a run; (the probes as run,
     [rank][probe] median ms). Progress every ``PROGRESS_EVERY_S``. A probe that outlasts the limit is a clear error
     that says which probe and what to change."""
-    from flexorch.control.worker_group import PROGRESS_EVERY_S, MembershipFailure, WorkerGroupError
-
     per_rank, ran, said = [], [], time.perf_counter()
     run_ms = 1e3 * probe_run_s(probes)
     rate: dict[int, tuple[int, float]] = {}  # degree -> (tokens per rank, ms per token) of its largest probe so far
@@ -163,10 +174,12 @@ def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Prob
             publish({"event": "progress", "message": msg})
         try:
             per_rank.append([ms for (ms,) in group.call("probe", [p])])  # [rank] median ms of this probe
-        except MembershipFailure as e:
-            if not e.failure.timed_out:
+        except Exception as e:
+            # a RayWorkerGroup's MembershipFailure whose workers ran past the call's limit (not imported: this
+            # module runs without Ray too, e.g. benchmarks/gpu_check.py on a machine that lacks it)
+            if not getattr(getattr(e, "failure", None), "timed_out", None):
                 raise
-            raise WorkerGroupError(
+            raise CalibrationTimeoutError(
                 f"calibration probe {i + 1} of {len(probes)} ({_probe_text(p)}, {p.repeats + 1} runs) did not "
                 f"finish in time: {e}. Raise [elastic] collective_timeout_s, lower plan.tokens_per_worker or "
                 f"data.max_context, or set plan.profile to a calibrated profile file (flexorch profile)"
