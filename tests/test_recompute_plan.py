@@ -296,3 +296,27 @@ def test_the_step_line_says_how_many_groups_ran_without_recompute_and_the_packin
     assert line.endswith("[recompute: none in 1, selective in 2 of 3 groups (packed for selective recompute)]")
     del ev["recompute"]
     assert "recompute" not in format_step(ev, 10)
+
+
+def test_the_modes_are_timed_on_the_longest_document_predicted_within_the_time_limit():
+    from flexorch.control.recompute_choice import TIME_PROBE_MS, TIME_PROBE_TOKENS, probe_tokens
+    from flexorch.solver.cost_model import group_time_ms
+
+    def ms(n, profile):
+        return group_time_ms([n], 1, "ulysses", profile)
+
+    # a GPU-like profile: 16K tokens well within the limit, so the document is as long as the context allows
+    fast = BASE.with_overrides(a1_ms=1e-8, a2_ms=1e-3, b1_ms=20.0)
+    assert probe_tokens(fast, room_tokens=10**6, max_context=16384) == 16384
+    assert probe_tokens(fast, room_tokens=9000, max_context=16384) == 9000  # what a worker holds without recompute
+    # a slow profile: the longest document predicted within the limit, found exactly
+    slow = BASE.with_overrides(a1_ms=1e-6, a2_ms=0.1, b1_ms=5.0)
+    n = probe_tokens(slow, room_tokens=10**6, max_context=65536)
+    assert TIME_PROBE_TOKENS < n < 65536
+    assert ms(n, slow) <= TIME_PROBE_MS < ms(n + 1, slow)
+    # never below the floor where a worker holds it, even when the floor alone is predicted past the limit
+    slower = slow.with_overrides(a2_ms=10.0)
+    assert ms(TIME_PROBE_TOKENS, slower) > TIME_PROBE_MS
+    assert probe_tokens(slower, room_tokens=10**6, max_context=65536) == TIME_PROBE_TOKENS
+    assert probe_tokens(slower, room_tokens=500, max_context=65536) == 500
+    assert probe_tokens(slower, room_tokens=3, max_context=65536) == 16  # at least a tiny document

@@ -6,8 +6,13 @@
   measures (``Worker.activation_bytes_per_token``; memory errs on the safe side);
 * ``none_time_ratio`` (``selective_time_ratio``): the forward + backward time of one document in that mode over its
   time with full recompute, the median over the workers of each worker's median of 3 (``Worker.recompute_times``,
-  all workers at once, as calibration's probes run). The document is as long as a worker holds without recompute, at
-  most :data:`TIME_PROBE_TOKENS`. Clipped to at most 1: a mode that recomputes less never runs longer.
+  all workers at once, as calibration's probes run). Clipped to at most 1: a mode that recomputes less never runs
+  longer. The document is the longest a worker holds without recompute, up to ``data.max_context``, that the
+  calibrated profile predicts at most :data:`TIME_PROBE_MS` with full recompute; at least
+  :data:`TIME_PROBE_TOKENS` where a worker holds that many. A ratio prices whole groups, fixed costs included, so
+  it is measured near the size of a micro-batch's groups, not on a short document whose fixed costs weigh more:
+  on these CPUs the tiny model's ratio drifts from 0.66 to 0.77 with the length; on one H200 a 1.1B Llama's is
+  0.78 at 16,384 tokens (565 ms without recompute, 723 ms with full) and at 40,596 (1,129 and 1,452 ms).
 
 A Hugging Face model takes 'none' or 'full' only (Transformers' own per-layer checkpointing).
 """
@@ -16,10 +21,30 @@ from __future__ import annotations
 
 import statistics
 
-__all__ = ["TIME_PROBE_TOKENS", "with_recompute_ratios"]
+__all__ = ["TIME_PROBE_MS", "TIME_PROBE_TOKENS", "probe_tokens", "with_recompute_ratios"]
 
 TIME_PROBE_TOKENS = 2048
-"""The longest document timed for the time ratios."""
+"""The shortest document timed for the time ratios (where a worker holds that many without recompute)."""
+TIME_PROBE_MS = 1000.0
+"""The longest predicted time (full recompute) of the timed document: 3 modes x 4 runs of it at most ~12 s."""
+
+
+def probe_tokens(profile, room_tokens: int, max_context: int) -> int:
+    """Tokens of the document the modes are timed on: the most, up to ``room_tokens`` (what a worker holds without
+    recompute) and ``max_context``, whose predicted time with full recompute on one worker is at most
+    :data:`TIME_PROBE_MS`; at least :data:`TIME_PROBE_TOKENS` (16) within ``room_tokens``."""
+    from flexorch.solver.cost_model import group_time_ms
+
+    cap = max(16, min(int(room_tokens), int(max_context)))
+    lo = min(cap, TIME_PROBE_TOKENS)
+    ms = lambda n: group_time_ms([n], 1, "ulysses", profile)  # noqa: E731
+    if ms(cap) <= TIME_PROBE_MS:
+        return cap
+    hi = cap  # ms(hi) > TIME_PROBE_MS; find the largest n in [lo, hi) within it (the time grows with n)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ms(mid) <= TIME_PROBE_MS else (lo, mid)
+    return lo
 
 
 def with_recompute_ratios(cfg, group, profile, say=None):
@@ -34,7 +59,7 @@ def with_recompute_ratios(cfg, group, profile, say=None):
         got = group.call("activation_bytes_per_token", mode)
         act[mode] = max(1.0, float(max(a / b for a, b in zip(got, full, strict=True))))
     room = profile.memory_budget_bytes - profile.model_state_bytes
-    tokens = int(max(16, min(TIME_PROBE_TOKENS, room // (act["none"] * profile.act_bytes_per_token))))
+    tokens = probe_tokens(profile, room // (act["none"] * profile.act_bytes_per_token), cfg.data.max_context)
     times = group.call("recompute_times", tokens, (*modes, "full"))  # per worker: ms per mode, full last
     ratio = {}
     for i, mode in enumerate(modes):
