@@ -18,6 +18,7 @@ from flexorch.solver.pipeline.schedule import (
 )
 from flexorch.solver.pipeline.segments import equal_flop_boundaries, equal_flop_segments, segment_cost
 from flexorch.solver.pipeline.sim import simulate
+from flexorch.solver.pipeline.stage_model import RECOMPUTE
 
 A1, A2 = 5.128e-6, 0.18396  # gpt-7b-a100 (docs/design.md §2.1)
 
@@ -247,7 +248,7 @@ def test_plan_fits_memory_covers_every_token_and_beats_plain_1f1b():
 
 
 def test_back_to_back_pipelines_when_one_does_not_fit():
-    from flexorch.solver.pipeline.plan import _fits_fully_checkpointed, _renumber, _split_between_chains, plan_units
+    from flexorch.solver.pipeline.plan import _fits_most_checkpointed, _renumber, _split_between_chains, plan_units
     from flexorch.solver.pipeline.stage_model import StageModel
 
     # 16 stages: stage 0 holds 16 units at once; at the token cap, even fully checkpointed (each layer keeps its
@@ -260,7 +261,7 @@ def test_back_to_back_pipelines_when_one_does_not_fit():
     assert k >= 2 and len(plan.units) == 16
     assert all(p <= model.budget_bytes(r) * (1 + 1e-9) for r, p in enumerate(plan.peak_bytes))
     fewer = [_renumber(g) for g in _split_between_chains(units, k - 1)]
-    assert not all(_fits_fully_checkpointed(model, g) for g in fewer), "one pipeline fewer would also have fit"
+    assert not all(_fits_most_checkpointed(model, g) for g in fewer), "one pipeline fewer would also have fit"
 
 
 def test_schedule_picture_has_one_box_per_op_and_a_shared_time_axis():
@@ -300,3 +301,52 @@ def test_auto_layout_picks_the_fastest_simulated_split():
         assert plan.makespan_ms <= plan_pipeline(lengths, p, profile, degree=d, time_limit_s=0.2).makespan_ms + 1e-6
     with pytest.raises(ValueError, match="no pipeline layout fits this batch"):
         plan_best_layout([2_000_000], 4, _profile(budget_gib=1.0), time_limit_s=0.2)
+
+
+def _peaks_fit(plan, model) -> bool:
+    return all(p <= model.budget_bytes(r) * (1 + 1e-9) for r, p in enumerate(plan.peak_bytes))
+
+
+def test_stages_recompute_no_layer_or_every_layer_when_told_and_the_fewest_that_fit_on_auto():
+    # [sharding] activation_checkpointing with stages: 'auto' the ILP's fewest layers that fit, 'none' no layer
+    # (more back-to-back pipelines where memory needs it), 'full' every layer of every unit
+    from flexorch.solver.pipeline.plan import plan_fully_checkpointed, plan_pipeline
+    from flexorch.solver.pipeline.stage_model import StageModel
+
+    profile = _profile(budget_gib=26.0)
+    lengths = _long_tail(128, seed=1)
+    plans = {m: plan_pipeline(lengths, 4, profile, degree=8, time_limit_s=0.5, recompute=m) for m in RECOMPUTE}
+    layers = StageModel(profile, 4, 8).layers
+    for mode, plan in plans.items():
+        assert _peaks_fit(plan, StageModel(profile, 4, 8, mode)), mode
+        assert sorted((p.seq, p.start, p.end) for u in plan.units for p in u.pieces)[-1][0] == len(lengths) - 1
+    ckpt = {m: [c for pipe in p.pipelines for r, row in enumerate(pipe.checkpointed) for c in row] for m, p in
+            plans.items()}  # fmt: skip
+    assert set(ckpt["none"]) == {0}
+    assert all(row == (layers[r],) * len(row) for pipe in plans["full"].pipelines for r, row in
+               enumerate(pipe.checkpointed))  # fmt: skip
+    assert 0 < sum(ckpt["auto"]) < sum(ckpt["full"])  # this budget needs some recompute, not all
+    # with no recompute the same memory holds fewer units at once: more pipelines back to back, or more units
+    assert len(plans["none"].pipelines) > len(plans["auto"].pipelines) or plans["none"].granularity != plans[
+        "auto"].granularity or len(plans["none"].units) != len(plans["auto"].units)  # fmt: skip
+    # recomputing every layer costs time the ILP does not spend
+    assert plans["auto"].makespan_ms < plans["full"].makespan_ms
+    # the stuck planner's fallback: every layer, or under 'none' no layer
+    fb_none = plan_fully_checkpointed(lengths, 4, profile, degree=8, recompute="none")
+    assert {c for pipe in fb_none.pipelines for row in pipe.checkpointed for c in row} == {0}
+    assert _peaks_fit(fb_none, StageModel(profile, 4, 8, "none"))
+    fb = plan_fully_checkpointed(lengths, 4, profile, degree=8)
+    assert all(row == (layers[r],) * len(row) for pipe in fb.pipelines for r, row in enumerate(pipe.checkpointed))
+
+
+def test_a_document_that_needs_recompute_on_stages_set_to_none_is_refused_with_what_to_do():
+    from flexorch.solver.pipeline.plan import plan_pipeline
+
+    profile = _profile(budget_gib=26.0)
+    long = [400_000]  # fits one worker per stage only with its layers recomputed (the unit cap splits it)
+    plan_pipeline(long, 4, profile, degree=8, time_limit_s=0.5)
+    with pytest.raises(ValueError, match="with .sharding. activation_checkpointing = 'none' .no layer recomputed.*"
+                       "set activation_checkpointing = 'auto'"):  # fmt: skip
+        plan_pipeline(long, 4, profile, degree=8, time_limit_s=0.5, recompute="none")
+    with pytest.raises(ValueError, match="pipeline recompute 'selective'"):
+        plan_pipeline(long, 4, profile, degree=8, recompute="selective")

@@ -52,19 +52,23 @@ def test_auto_is_fsdp_and_bf16_on_gpu_replicate_and_fp32_on_cpu():
     assert config_from_dict({"sharding": {"mode": "fsdp", "precision": "bf16"}}).precision == "bf16"
 
 
-def test_recompute_is_auto_on_gpu_sp_runs_and_none_elsewhere_unless_set():
+def test_recompute_is_auto_on_gpu_and_pipelined_runs_and_none_on_cpu_sp_runs_unless_set():
     # a GPU run's budget comes from the device: without recompute a document longer than a device holds would make
-    # its batch infeasible; 'auto' recomputes only the groups that need it
+    # its batch infeasible; 'auto' recomputes only the groups that need it. Pipeline stages' 'auto' is their
+    # checkpointing ILP (what they always ran), which measures nothing at start, so it is their default on CPU too
     assert config_from_dict({}).recompute == "none"
     assert config_from_dict({"use_gpu": True}).recompute == "auto"
-    piped = {"use_gpu": True, "workers": 2, "pipeline": {"stages": 2}, "model": {"num_layers": 4}}
-    assert config_from_dict(piped).recompute == "none"  # stages choose their checkpointed layers themselves
+    piped = {"workers": 2, "pipeline": {"stages": 2}, "model": {"num_layers": 4}}
+    assert config_from_dict(piped).recompute == "auto"
+    assert config_from_dict({**piped, "use_gpu": True}).recompute == "auto"
     for mode in ("none", "full", "selective", "auto"):
         set_ = {"sharding": {"activation_checkpointing": mode}}
         assert config_from_dict({"use_gpu": True, **set_}).recompute == mode
         assert config_from_dict(set_).recompute == mode
-    with pytest.raises(ConfigError, match="pipeline stages choose which"):
-        config_from_dict({**piped, "sharding": {"activation_checkpointing": "auto"}})
+        if mode != "selective":
+            assert config_from_dict({**piped, **set_}).recompute == mode
+    with pytest.raises(ConfigError, match="pipeline stages recompute whole layers: with .pipeline. stages use 'auto'"):
+        config_from_dict({**piped, "sharding": {"activation_checkpointing": "selective"}})
 
 
 @pytest.mark.parametrize(
@@ -197,3 +201,16 @@ def test_model_state_of_a_frozen_base_and_of_hugging_face_layer_names():
     hf = model_state_bytes(deep, 4, sharded=True)
     assert hf.in_flight == model_state_bytes([(n[6:], s) for n, s in deep], 4, sharded=True).in_flight
     assert hf.in_flight < 0.2 * 8 * sum(math.prod(s) for _, s in deep)  # one layer of 32 gathered, not the model
+
+
+def test_a_pipelined_run_s_workers_build_their_layers_without_recompute_whatever_the_setting():
+    # a stage checkpoints the layers its plan says (flexorch.workers.pipeline.stage); a layer built to recompute
+    # itself would recompute again under the stage's own checkpoint, beyond what the planner priced
+    from flexorch.workers.recompute import built_mode
+
+    assert [built_mode({"recompute": m}) for m in ("none", "full", "selective", "auto")] == [
+        "none", "full", "selective", "full",  # 'auto': built for full recompute, each task says its groups' modes
+    ]  # fmt: skip
+    for stages in (2, 4, "auto"):
+        for m in ("none", "full", "auto"):
+            assert built_mode({"recompute": m, "stages": stages}) == "none"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from flexorch.config import ModelConfig, PipelineSettings
+from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
 from flexorch.data.stream import DocumentStream
 from flexorch.records.writer import read_records
@@ -80,20 +81,33 @@ def _checkpointed(rec) -> int:
     return sum(sum(c) for c in rec["pipeline"]["checkpointed"])
 
 
+def _per_stage(rec):
+    """(checkpointed layers, the stage's layers) for each unit on each stage."""
+    pipe = rec["pipeline"]
+    return [(c, pipe["layers"][r]) for r, row in enumerate(pipe["checkpointed"]) for c in row]
+
+
 @pytest.mark.parametrize(
-    "stages,tokens_per_worker,degree,segments,checkpointing",
+    "stages,tokens_per_worker,degree,segments,checkpointing,recompute",
     [
-        (2, 256, 2, False, False),  # roomy memory: whole documents packed, nothing recomputed; 2 workers per stage
+        # roomy memory: whole documents packed, nothing recomputed; 2 workers per stage
+        (2, 256, 2, False, False, None),
+        # the same told to recompute every layer ([sharding] activation_checkpointing = 'full')
+        (2, 256, 2, False, "every layer", "full"),
         # tight memory: long documents in segments with their K/V cache, checkpointing, at times back-to-back
         # pipelines (the last stage keeps a whole document's logits until its backward)
-        (4, 64, 1, True, True),
-        ("auto", 48, None, True, True),  # the split can change from step to step (2x2 or 4x1)
+        (4, 64, 1, True, True, None),
+        ("auto", 48, None, True, True, None),  # the split can change from step to step (2x2 or 4x1)
     ],
 )
-def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker, degree, segments, checkpointing):
+def test_pipelined_training_equals_the_reference(
+    env, stages, tokens_per_worker, degree, segments, checkpointing, recompute
+):
     # stage-local parameters (the default): each worker holds its stage's layers only; 'auto' moves them between
     # workers whenever the split changes
-    cfg = _cfg(env, f"pp-{stages}-{tokens_per_worker}", stages, tokens_per_worker)
+    sharding = {} if recompute is None else {"sharding": ShardingSettings(activation_checkpointing=recompute)}
+    cfg = _cfg(env, f"pp-{stages}-{tokens_per_worker}-{recompute}", stages, tokens_per_worker, **sharding)
+    assert cfg.recompute == (recompute or "auto")  # unset with stages: their checkpointing ILP
     records, replicas = run_driver(cfg, env[3])
     for r in records:
         pipe = r["pipeline"]
@@ -109,7 +123,10 @@ def test_pipelined_training_equals_the_reference(env, stages, tokens_per_worker,
         fitting = [v for v in r["baselines_ms"].values() if v is not None]
         assert r["predicted_ms"] <= min(fitting, default=float("inf")) + 1e-9
     assert any(_segments(r) for r in records) == segments
-    assert any(_checkpointed(r) for r in records) == checkpointing
+    if checkpointing == "every layer":
+        assert all(c == pipe_layers for r in records for c, pipe_layers in _per_stage(r)), "every layer recomputed"
+    else:
+        assert any(_checkpointed(r) for r in records) == checkpointing
     moved = [r["pipeline"]["params"]["moved_parts"] for r in records]
     assert moved == _expected_moves(records)  # exactly the parts a changed stage map left without a copy
     _check(cfg, env[3], records, replicas)

@@ -17,7 +17,6 @@ import ray
 
 from flexorch.config import TrainConfig
 from flexorch.solver.recompute import describe as describe_recompute
-from flexorch.wording import count
 
 __all__ = ["run_train", "run_profile", "ray_session", "format_step", "format_membership"]
 
@@ -154,7 +153,8 @@ def _describe_setup(ev: dict) -> str:
     compiled = f"; {kernels['compiled_layers']} layers compiled" if kernels.get("compiled_layers") else ""
     attention = f"; {kernels['attention']}" if kernels.get("attention") else ""
     return (
-        f"flexorch train: {count(ev['workers'], 'worker')} (elastic {ev['min_workers']}..{ev['max_workers']}), "
+        f"flexorch train: {ev['workers']} worker{'s' * (ev['workers'] != 1)} "
+        f"(elastic {ev['min_workers']}..{ev['max_workers']}), "
         f"model {ev['model_params'] / 1e6:.2f}M params{_sharding(ev)}, corpus "
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
         f"({_budget(ev)}){resumed}{attention}{compiled}"

@@ -144,10 +144,11 @@ class TrainConfig:
         p = self.pipeline.stages
         if p == 1:  # not a pipeline: SP groups, no stage rule
             return
-        if self.recompute == "auto":
+        if self.recompute == "selective":
             raise ConfigError(
-                "sharding.activation_checkpointing = 'auto' chooses per SP micro-batch; pipeline stages choose which "
-                "layers to recompute per unit themselves: with [pipeline] stages use 'none' or 'full'"
+                "sharding.activation_checkpointing = 'selective' recomputes MLPs in SP steps; pipeline stages "
+                "recompute whole layers: with [pipeline] stages use 'auto' (the layers memory needs, chosen per stage "
+                "and unit), 'none' or 'full'"
             )
         try:
             check_stage_count(

@@ -51,8 +51,11 @@ class ShardingSettings:
     and its norm, keep attention's outputs: attention's collectives are not run again), or 'auto': chosen per
     micro-batch and SP group, the fastest mode whose activations for the group's tokens fit the budget ('none',
     then 'selective' on flexorch's decoder, else 'full'); the planner packs each step for full's bytes and for each
-    faster mode's and runs the fastest (``flexorch.solver.recompute``). Unset: 'auto' on GPU workers with SP steps
-    (a document too long for a device without recompute then still runs), else 'none' (:meth:`recompute`)."""
+    faster mode's and runs the fastest (``flexorch.solver.recompute``). With ``[pipeline] stages`` the planner
+    chooses whole layers per stage and unit instead ('auto': the fewest recomputed layers that fit, InfiniPipe's
+    checkpointing ILP, ``flexorch.solver.pipeline.checkpointing``; 'none': no layer; 'full': every layer; no
+    'selective'). Unset: 'auto' on GPU workers and with pipeline stages (a document too long for a device without
+    recompute then still runs), else 'none' (:meth:`recompute`)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -79,12 +82,12 @@ class ShardingSettings:
             )
 
     def recompute(self, use_gpu: bool, pipelined: bool) -> str:
-        """The activation checkpointing in force: the setting, or unset, 'auto' on GPU workers with SP steps (on CPU
-        workers the measurements it needs cost more than they save; pipeline stages choose their own) and 'none'
-        otherwise."""
+        """The activation checkpointing in force: the setting, or unset, 'auto' on GPU workers and with pipeline
+        stages (their checkpointing ILP measures nothing), 'none' on CPU workers with SP steps ('auto' measures each
+        mode at start, which costs more there than it saves)."""
         if self.activation_checkpointing is not None:
             return self.activation_checkpointing
-        return "auto" if use_gpu and not pipelined else "none"
+        return "auto" if use_gpu or pipelined else "none"
 
     def resolved(self, use_gpu: bool) -> tuple[str, str]:
         """(mode, precision) in force on a CPU or GPU run."""

@@ -35,7 +35,6 @@ from flexorch.solver.calibration import (
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile, get_profile
 from flexorch.solver.step_planner import planner_profile
-from flexorch.wording import count
 from flexorch.workers.calibrate import Probe
 
 __all__ = [
@@ -200,8 +199,8 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
     kinds = tuple(cfg.plan.kinds)
     compute, groups = calibration_probes(cfg.tokens_per_worker, group.size, kinds, repeats, cfg.data.max_context)
     msg = (
-        f"calibrating the cost model on {count(group.size, 'worker')}: {len(compute)} compute and {len(groups)} group "
-        f"probes, {repeats} runs each"
+        f"calibrating the cost model on {group.size} worker{'s' * (group.size != 1)}: {len(compute)} compute and "
+        f"{len(groups)} group probes, {repeats} runs each"
     )
     publish({"event": "progress", "message": msg})
     ran, per_rank = run_calibration_probes(group, compute + groups, publish, t0)  # [rank][probe] median ms
@@ -265,7 +264,8 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         "act_bytes_per_token": act,
     }
     report["message"] = (
-        f"calibrated on {count(group.size, 'worker')} in {report['seconds']:.1f} s: a1={profile.a1_ms:.3g} ms/tok^2 "
+        f"calibrated on {group.size} worker{'s' * (group.size != 1)} in {report['seconds']:.1f} s: "
+        f"a1={profile.a1_ms:.3g} ms/tok^2 "
         f"a2={profile.a2_ms:.3g} ms/tok b1={profile.b1_ms:.3g} ms, latency a2a {_fmt(profile.a2a_latency_ms)} "
         f"p2p {_fmt(profile.p2p_latency_ms)}; {act:,.0f} activation bytes/token; prediction error over "
         f"{len(errors)} probes: median {100 * report['median_rel_error']:.1f} %, max "

@@ -80,6 +80,8 @@ class PlannerSpec:
     few per cent of a step's CPU, and niced beside busy CPU workers it ran out of time. Measured on 2026-11-25
     (examples/train_laptop.toml, 4 workers on 2 cores, 0.5 s budget, 8 steps each): +10 gave 6 of 8 steps the
     fallback, +5 the same, 0 none, at the same step time (median 1,012 / 1,139 / 1,039 ms)."""
+    pipeline_recompute: str = "auto"
+    """With pipeline stages: what they recompute (``flexorch.solver.pipeline.stage_model.StageModel.recompute``)."""
 
     @classmethod
     def for_run(cls, cfg, profile: Profile) -> PlannerSpec:
@@ -89,10 +91,17 @@ class PlannerSpec:
         ranks = tuple(t.lora_rank for t in cfg.tasks)
         method = cfg.plan.tasks
         sharded = cfg.sharding_mode != "replicate"
-        return cls(profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, ranks, method, sharded)
+        recompute = cfg.recompute if cfg.pipelined else "auto"
+        return cls(
+            profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, ranks, method, sharded,
+            pipeline_recompute=recompute,
+        )  # fmt: skip
 
     def planner_args(self, niceness: int) -> tuple:
-        return (self.profile, self.config, self.static, niceness, self.pipeline_stages, self.pipeline_params)
+        return (
+            self.profile, self.config, self.static, niceness, self.pipeline_stages, self.pipeline_params,
+            self.pipeline_recompute,
+        )  # fmt: skip
 
     def fallback(self, lengths: list[int], n: int, task_of=None) -> PlannedStep:
         if task_of is not None:
@@ -100,7 +109,10 @@ class PlannerSpec:
                 self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params,
                 task_of=task_of, adapter_ranks=self.adapter_ranks, task_method=self.task_method,
             )  # fmt: skip
-        return heuristic_plan(self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params)
+        return heuristic_plan(
+            self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params,
+            pipeline_recompute=self.pipeline_recompute,
+        )  # fmt: skip
 
     def task_kwargs(self, task_of) -> dict:
         """The multi-task arguments of ``StepPlanner.plan`` for a step's ``task_of`` (none for one task)."""

@@ -30,7 +30,6 @@ from flexorch.control.heartbeats import Heartbeats
 from flexorch.control.membership import Failure, Membership
 from flexorch.control.worker_start import WorkerStarter
 from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_parts, transfers
-from flexorch.wording import count
 from flexorch.workers.actor import PeerLostError, StepOutOfMemoryError, WorkerActor
 
 BEAT_CHECK_S = 0.5  # while waiting on workers: how often their heartbeats are looked at
@@ -267,7 +266,9 @@ class RayWorkerGroup:
         initial = self.sharded and not self._initialised
         self._worlds += 1
         if self._worlds == 1:
-            self._publish({"event": "progress", "message": f"forming the first world of {count(len(ids), 'worker')}"})
+            self._publish(
+                {"event": "progress", "message": f"forming the first world of {len(ids)} worker{'s' * (len(ids) != 1)}"}
+            )
         refs = {
             w: self._actors[w].join_world.remote(
                 self.host, self.store.port, r, len(ids), epoch, self.timeout_s, initial

@@ -168,6 +168,7 @@ class StepPlanner:
         niceness: int = 0,
         pipeline_stages: int | str = 1,
         pipeline_params: str = "stage",
+        pipeline_recompute: str = "auto",
     ):
         if niceness:  # the solve overlaps the step: on shared CPUs it must not take cycles from the workers
             os.nice(niceness)
@@ -177,6 +178,8 @@ class StepPlanner:
         self.config = config
         self.pipeline_stages = pipeline_stages
         self.pipeline_params = pipeline_params
+        self.pipeline_recompute = pipeline_recompute
+        """What pipeline stages recompute (``flexorch.solver.pipeline.stage_model.StageModel.recompute``)."""
         self._planner = Planner(profile, config) if static is None and pipeline_stages == 1 else None
         self._hangs = 0
         self._baselines_s: float | None = None  # what the baselines took last step: the share kept for them
@@ -395,8 +398,9 @@ class StepPlanner:
     def _plan_pipeline(self, lengths, num_devices: int, t0: float, limit: float) -> PlannedStep:
         """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
         baseline's schedule is faster it runs instead (status ``pipeline-1f1b`` / ``pipeline-seq1f1b-4``)."""
-        staged = plan_staged(lengths, num_devices, self.pipeline_profile, self.pipeline_stages, time_limit_s=limit)
-        bases = pipeline_baselines(lengths, staged, self.pipeline_profile, time_limit_s=limit)
+        profile, stages, recompute = self.pipeline_profile, self.pipeline_stages, self.pipeline_recompute
+        staged = plan_staged(lengths, num_devices, profile, stages, time_limit_s=limit, recompute=recompute)
+        bases = pipeline_baselines(lengths, staged, profile, time_limit_s=limit, recompute=recompute)
         status = "pipeline"
         for name, p in bases.items():
             if p is not None and p.makespan_ms < staged.makespan_ms:
@@ -460,6 +464,7 @@ def heuristic_plan(
     pipeline_stages: int | str = 1,
     pipeline_params: str = "stage",
     *,
+    pipeline_recompute: str = "auto",
     task_of=None,
     adapter_ranks=None,
     task_method: str = "spindle",
@@ -482,8 +487,9 @@ def heuristic_plan(
     if pipeline_stages != 1:
         try:
             staged = fallback_staged(
-                lengths, num_devices, stage_memory_profile(profile, pipeline_params), pipeline_stages
-            )
+                lengths, num_devices, stage_memory_profile(profile, pipeline_params), pipeline_stages,
+                pipeline_recompute,
+            )  # fmt: skip
         except PlanningError as e:
             return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
         return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, "fallback", {})

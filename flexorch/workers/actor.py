@@ -96,7 +96,7 @@ class Worker(WorkerMeasurements, FaultSeam):
         self.model = None  # sharded: built for each world at join (flexorch.workers.fsdp)
         if not self.sharded:
             self.model = build_model(self.model_cfg, seed)
-            set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
+            set_activation_checkpointing(self.model, built_mode(self.sharding))
             if self.device is not None:
                 self.model.to(self.device)
             if wants_compile(self.model_cfg.compile, self.device):
@@ -243,7 +243,7 @@ class Worker(WorkerMeasurements, FaultSeam):
                 self.model_cfg,
                 mesh,
                 precision=sh["precision"],
-                recompute=built_mode(sh["recompute"]),
+                recompute=built_mode(sh),
                 device=self.device,
             )
         from torch.distributed.device_mesh import DeviceMesh

@@ -50,7 +50,7 @@ class WorkerMeasurements:
                 set_activation_checkpointing(self.model, mode)
                 out.append(self.probe(probe)[0])
         finally:
-            set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
+            set_activation_checkpointing(self.model, built_mode(self.sharding))
         return out
 
     def device_memory(self) -> dict | None:
@@ -74,7 +74,7 @@ class WorkerMeasurements:
                 return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
         finally:
             if mode is not None:
-                set_activation_checkpointing(self.model, built_mode(self.sharding["recompute"]))
+                set_activation_checkpointing(self.model, built_mode(self.sharding))
             self._after_forward_only()
 
     def _after_forward_only(self) -> None:

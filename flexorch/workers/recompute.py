@@ -27,10 +27,14 @@ __all__ = ["MODES", "built_mode", "checkpointed", "kept_tensor_sink", "note_kept
 MODES = ("none", "full", "selective")
 
 
-def built_mode(setting: str) -> str:
-    """The mode a model is built in for ``[sharding] activation_checkpointing``: 'auto' builds it 'full' (the mode
-    the planner packs micro-batches for) and each micro-batch's task says whether it runs 'none' instead."""
-    return "full" if setting == "auto" else setting
+def built_mode(sharding: dict) -> str:
+    """The mode a worker's model is built in for its ``sharding`` (``recompute``: ``[sharding]
+    activation_checkpointing``; ``stages``: ``[pipeline] stages``): 'auto' builds it 'full' (the mode the planner
+    packs micro-batches for) and each micro-batch's task says whether it runs 'none' instead; with pipeline stages
+    'none' whatever the setting (a stage checkpoints the layers its plan says, ``flexorch.workers.pipeline.stage``)."""
+    if sharding.get("stages", 1) != 1:
+        return "none"
+    return "full" if sharding["recompute"] == "auto" else sharding["recompute"]
 
 
 kept_tensor_sink: ContextVar[Callable[[torch.Tensor], None] | None] = ContextVar("kept_tensor_sink", default=None)

@@ -11,6 +11,8 @@ held units must fit the stage budget:
 and the objective is the recomputation time, sum over stages and units of z * (forward time of one layer of u). It
 is solved with python-mip (CBC). :func:`checkpoint_plan` returns the layers per stage and unit, or None when even
 checkpointing every layer of every unit does not fit (the planner then splits the step into back-to-back pipelines).
+With ``[sharding] activation_checkpointing = "none"`` or ``"full"`` (``StageModel.recompute``) there is no choice:
+no layer, or every layer, is checkpointed.
 """
 
 from __future__ import annotations
@@ -49,13 +51,17 @@ def fits(model: StageModel, units: list[Unit], schedule: list[list[Op]], ckpt) -
 def checkpoint_plan(
     model: StageModel, units: list[Unit], schedule: list[list[Op]], time_limit_s: float = 2.0
 ) -> list[list[int]] | None:
-    """Checkpointed layers ``[stage][unit]`` with the least recomputation that fits memory; None if none fits."""
+    """Checkpointed layers ``[stage][unit]`` with the least recomputation that fits memory; None if none fits. Under
+    ``model.recompute`` 'none' that is no layer or None, under 'full' every layer or None."""
     p, n = model.stages, len(units)
+    if model.recompute != "auto":  # one choice: it fits or not
+        only = model.most_checkpointed(n)
+        return only if fits(model, units, schedule, only) else None
     none = [[0] * n for _ in range(p)]
     if fits(model, units, schedule, none):
         return none
     top = min(model.layers)
-    full = [[top] * n for _ in range(p)]
+    full = model.most_checkpointed(n)
     if not fits(model, units, schedule, full):
         return None
     m = mip.Model(sense=mip.MINIMIZE, solver_name=mip.CBC)

@@ -112,14 +112,14 @@ def _renumber(units: list[Unit]) -> list[Unit]:
     return [Unit(u.pieces, first.setdefault(u.chain, len(first)), u.position, u.work) for u in units]
 
 
-def _fits_fully_checkpointed(model: StageModel, units: list[Unit]) -> bool:
-    top = min(model.layers)
-    return fits(model, units, one_f_one_b(units, model.stages), [[top] * len(units)] * model.stages)
+def _fits_most_checkpointed(model: StageModel, units: list[Unit]) -> bool:
+    return fits(model, units, one_f_one_b(units, model.stages), model.most_checkpointed(len(units)))
 
 
 def _split_that_fits(model: StageModel, units: list[Unit]) -> list[list[Unit]] | None:
-    """The fewest back-to-back pipelines (split between sequences) that fit with every layer checkpointed: the
-    count is found by doubling, then bisection (fewer units in flight per pipeline never need more memory)."""
+    """The fewest back-to-back pipelines (split between sequences) that fit with the most layers checkpointed that
+    ``model.recompute`` allows (every layer but under 'none'): the count is found by doubling, then bisection (fewer
+    units in flight per pipeline never need more memory)."""
 
     tried: dict[int, list[list[Unit]] | None] = {}
 
@@ -127,7 +127,7 @@ def _split_that_fits(model: StageModel, units: list[Unit]) -> list[list[Unit]] |
         if parts not in tried:
             gs = [units] if parts == 1 else _split_between_chains(units, parts)
             gs = [_renumber(g) for g in gs]
-            tried[parts] = gs if gs and all(_fits_fully_checkpointed(model, g) for g in gs) else None
+            tried[parts] = gs if gs and all(_fits_most_checkpointed(model, g) for g in gs) else None
         return tried[parts]
 
     chains = len({u.chain for u in units})
@@ -146,23 +146,30 @@ def _split_that_fits(model: StageModel, units: list[Unit]) -> list[list[Unit]] |
 
 
 def _too_big(model: StageModel, units: list[Unit]) -> str:
-    """Why even one sequence per pipeline, every layer checkpointed, does not fit."""
-    top = min(model.layers)
+    """Why even one sequence per pipeline, with the most layers checkpointed ``model.recompute`` allows, does not
+    fit."""
     worst = (0.0, 0, 0)
     for chain in sorted({u.chain for u in units}):
         mine = _renumber([u for u in units if u.chain == chain])
         sched = one_f_one_b(mine, model.stages)
+        most = model.most_checkpointed(len(mine))
         for r, ops in enumerate(sched):
             for held in held_sets(ops):
-                need = sum(model.act_bytes(mine[u], r, top) for u in held)
+                need = sum(model.act_bytes(mine[u], r, most[r][u]) for u in held)
                 if need > worst[0]:
                     worst = (need, r, sum(u.tokens for u in mine))
     need, r, tokens = worst
+    if model.recompute == "none":
+        head = "with [sharding] activation_checkpointing = 'none' (no layer recomputed)"
+        fix = "set activation_checkpointing = 'auto' (stages recompute layers where memory needs it), add "
+    else:
+        head = "no activation checkpointing fits the memory budget: even with every layer checkpointed"
+        fix = "add "
     return (
-        f"no activation checkpointing fits the memory budget: even with every layer checkpointed and each sequence "
-        f"in a pipeline of its own, stage {r} must hold {_size(need)} at once for a unit chain of {tokens} tokens (a "
-        f"sequence keeps all its segments until its backward), the budget is {_size(model.budget_bytes(r))}; add "
-        "stages or workers per stage, raise the memory budget (plan.tokens_per_worker), or lower the context length"
+        f"{head} and each sequence in a pipeline of its own, stage {r} must hold {_size(need)} at once for a unit "
+        f"chain of {tokens} tokens (a sequence keeps all its segments until its backward), the budget is "
+        f"{_size(model.budget_bytes(r))}; {fix}stages or workers per stage, raise the memory budget "
+        "(plan.tokens_per_worker), or lower the context length"
     )
 
 
@@ -184,10 +191,14 @@ def plan_units(model: StageModel, units: list[Unit], granularity: int, time_limi
     return PipelinePlan(model.stages, granularity, tuple(pipes))
 
 
-def plan_fully_checkpointed(lengths, stages: int, profile: Profile, *, degree: int = 1) -> PipelinePlan:
-    """A plan without any MILP (for when the planner is stuck): granularity P, every layer checkpointed, the
-    fewest back-to-back pipelines that fit. Slower than :func:`plan_pipeline`'s, never less safe on memory."""
-    model = StageModel(profile, stages, degree)
+def plan_fully_checkpointed(
+    lengths, stages: int, profile: Profile, *, degree: int = 1, recompute: str = "auto"
+) -> PipelinePlan:
+    """A plan without any MILP (for when the planner is stuck): granularity P, every layer checkpointed (none under
+    ``recompute`` 'none'), the fewest back-to-back pipelines that fit. Slower than :func:`plan_pipeline`'s, never
+    less safe on memory."""
+    model = StageModel(profile, stages, degree, recompute)
+    every = StageModel(profile, stages, degree, "none" if recompute == "none" else "full")
     units = chunk_batch(lengths, stages, profile.a1_ms, profile.a2_ms, max(model.token_cap(), 1))
     groups = _split_that_fits(model, units)
     if groups is None:
@@ -195,12 +206,12 @@ def plan_fully_checkpointed(lengths, stages: int, profile: Profile, *, degree: i
     pipes = []
     for g in groups:
         sched = one_f_one_b(g, stages)
-        ckpt = [[model.layers[r]] * len(g) for r in range(stages)]
+        ckpt = every.most_checkpointed(len(g))
         run = simulate(
             sched,
             [[model.fwd_ms(u, r) for u in g] for r in range(stages)],
             [[model.bwd_ms(u, r, ckpt[r][i]) for i, u in enumerate(g)] for r in range(stages)],
-            [[model.act_bytes(u, r, model.layers[r]) for u in g] for r in range(stages)],
+            [[model.act_bytes(u, r, ckpt[r][i]) for i, u in enumerate(g)] for r in range(stages)],
             p2p_ms=[model.send_ms(u) for u in g],
         )
         pipes.append(Pipeline(tuple(g), tuple(tuple(s) for s in sched), tuple(tuple(c) for c in ckpt), run))
@@ -215,9 +226,11 @@ def plan_pipeline(
     degree: int = 1,
     granularities: list[int] | None = None,
     time_limit_s: float = 2.0,
+    recompute: str = "auto",
 ) -> PipelinePlan:
-    """The fastest simulated plan of ``lengths`` on ``stages`` stages of ``degree`` workers each."""
-    model = StageModel(profile, stages, degree)
+    """The fastest simulated plan of ``lengths`` on ``stages`` stages of ``degree`` workers each, recomputing as
+    ``recompute`` says (``StageModel.recompute``)."""
+    model = StageModel(profile, stages, degree, recompute)
     cap = model.token_cap()
     if cap < 1:
         raise ValueError(
@@ -246,7 +259,13 @@ def pipeline_layouts(devices: int, num_layers: int, min_stages: int = 2) -> list
 
 
 def plan_best_layout(
-    lengths, devices: int, profile: Profile, *, time_limit_s: float = 1.0, layouts: list[tuple[int, int]] | None = None
+    lengths,
+    devices: int,
+    profile: Profile,
+    *,
+    time_limit_s: float = 1.0,
+    layouts: list[tuple[int, int]] | None = None,
+    recompute: str = "auto",
 ) -> tuple[PipelinePlan, int, int]:
     """``pipeline_stages = auto``: the fastest simulated plan over ``layouts`` (default :func:`pipeline_layouts`);
     returns it with its (stages, degree). Layouts whose memory no checkpointing can meet are skipped; none fitting
@@ -254,7 +273,9 @@ def plan_best_layout(
     best, errors = None, []
     for stages, degree in layouts or pipeline_layouts(devices, profile.num_layers):
         try:
-            plan = plan_pipeline(lengths, stages, profile, degree=degree, time_limit_s=time_limit_s)
+            plan = plan_pipeline(
+                lengths, stages, profile, degree=degree, time_limit_s=time_limit_s, recompute=recompute
+            )
         except ValueError as e:
             errors.append(f"{stages}x{degree}: {e}")
             continue

@@ -28,7 +28,10 @@ from flexorch.solver.cost_model import ULYSSES, comm_bytes, group_overhead_ms
 from flexorch.solver.pipeline.chunking import Unit
 from flexorch.solver.profiles import Profile
 
-__all__ = ["stage_layers", "StageModel"]
+__all__ = ["RECOMPUTE", "stage_layers", "StageModel"]
+
+RECOMPUTE = ("auto", "none", "full")
+"""What pipeline stages recompute (``StageModel.recompute``)."""
 
 
 def stage_layers(num_layers: int, stages: int) -> list[int]:
@@ -50,6 +53,21 @@ class StageModel:
     stages: int
     degree: int = 1
     """Workers per stage (SP inside a stage)."""
+    recompute: str = "auto"
+    """``[sharding] activation_checkpointing`` with stages: 'auto', the layers to checkpoint chosen per stage and unit
+    (``flexorch.solver.pipeline.checkpointing``); 'none', no layer; 'full', every layer."""
+
+    def __post_init__(self) -> None:
+        if self.recompute not in RECOMPUTE:
+            raise ValueError(f"pipeline recompute {self.recompute!r}: expected one of {RECOMPUTE}")
+
+    def most_checkpointed(self, units: int) -> list[list[int]]:
+        """The most layers ``[stage][unit]`` :attr:`recompute` lets ``units`` units checkpoint: none under 'none';
+        every layer under 'full'; under 'auto' the fewest layers of any stage, on every stage (the ILP's bound: its
+        choices are shared along the schedule's diagonals, across stages)."""
+        if self.recompute == "auto":
+            return [[min(self.layers)] * units for _ in range(self.stages)]
+        return [[self.layers[r] if self.recompute == "full" else 0] * units for r in range(self.stages)]
 
     @property
     def layers(self) -> list[int]:

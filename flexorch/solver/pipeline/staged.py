@@ -132,20 +132,22 @@ class StagedPlan:
 
 
 def plan_staged(
-    lengths, num_devices: int, profile: Profile, stages: int | str, *, time_limit_s: float = 1.0
+    lengths, num_devices: int, profile: Profile, stages: int | str, *, time_limit_s: float = 1.0, recompute="auto"
 ) -> StagedPlan:
     """The step's pipeline plan on ``num_devices`` ranks: ``stages`` fixed (``d = n // stages`` per stage) or
-    ``"auto"`` (the fastest simulated split whose degree divides the heads). Raises InfeasibleBatchError when no
-    checkpointing lets the batch fit."""
+    ``"auto"`` (the fastest simulated split whose degree divides the heads), recomputing as ``recompute`` says
+    (``StageModel.recompute``). Raises InfeasibleBatchError when no checkpointing it allows lets the batch fit."""
     alive = f"{num_devices} are alive"
     check_stage_count(stages, num_devices, profile.num_layers, profile.num_heads, have=alive)
     try:
         if stages == "auto":
             layouts = auto_stage_layouts(num_devices, profile.num_layers, profile.num_heads)
-            plan, p, d = plan_best_layout(lengths, num_devices, profile, time_limit_s=time_limit_s, layouts=layouts)
+            plan, p, d = plan_best_layout(
+                lengths, num_devices, profile, time_limit_s=time_limit_s, layouts=layouts, recompute=recompute
+            )
         else:
             p, d = stages, num_devices // stages
-            plan = plan_pipeline(lengths, p, profile, degree=d, time_limit_s=time_limit_s)
+            plan = plan_pipeline(lengths, p, profile, degree=d, time_limit_s=time_limit_s, recompute=recompute)
     except ValueError as e:
         if isinstance(e, InfeasibleBatchError):
             raise
@@ -153,26 +155,26 @@ def plan_staged(
     return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
 
 
-def fallback_staged(lengths, num_devices: int, profile: Profile, stages: int | str) -> StagedPlan:
+def fallback_staged(lengths, num_devices: int, profile: Profile, stages: int | str, recompute="auto") -> StagedPlan:
     """Without any MILP (the planner actor is stuck): ``stages`` (2 for 'auto') stages, granularity P, every layer
-    checkpointed (``flexorch.solver.pipeline.plan.plan_fully_checkpointed``)."""
+    checkpointed, none under ``recompute`` 'none' (``flexorch.solver.pipeline.plan.plan_fully_checkpointed``)."""
     p = 2 if stages == "auto" else stages
     check_stage_count(p, num_devices, profile.num_layers, profile.num_heads, have=f"{num_devices} are alive")
     d = num_devices // p
     try:
-        plan = plan_fully_checkpointed(lengths, p, profile, degree=d)
+        plan = plan_fully_checkpointed(lengths, p, profile, degree=d, recompute=recompute)
     except ValueError as e:
         raise InfeasibleBatchError(str(e)) from None
     return StagedPlan(plan, d, num_devices, tuple(stage_layers(profile.num_layers, p)))
 
 
 def pipeline_baselines(
-    lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0
+    lengths, staged: StagedPlan, profile: Profile, *, k: int = 4, time_limit_s: float = 1.0, recompute="auto"
 ) -> dict[str, PipelinePlan | None]:
     """The step's baselines on the same stages: plain 1F1B (packed micro-batches, no splitting) and Seq1F1B (those
     micro-batches in k equal-FLOP segments each), each with the fastest of P, 2P and 4P micro-batches and the same
-    checkpointing ILP; None where no micro-batch count fits."""
-    model = StageModel(profile, staged.stages, staged.degree)
+    checkpointing ILP (or ``recompute``'s one choice); None where no micro-batch count fits."""
+    model = StageModel(profile, staged.stages, staged.degree, recompute)
     p = staged.stages
     out: dict[str, PipelinePlan | None] = {}
     for name, make in (
