@@ -165,6 +165,35 @@ def test_cheap_micro_batches_and_a_costly_recompute_pack_for_no_recompute(seed):
             assert math.ceil(tokens / g.degree) <= tight.local_token_cap(g.kind, g.degree)
 
 
+@pytest.mark.parametrize("seed", range(2))
+def test_a_step_of_several_tasks_packs_each_part_for_no_recompute_when_that_is_fastest(seed):
+    # the same case for a step of two tasks (Spindle's parts, each an SP plan of its own): each part is packed both
+    # ways and runs the faster; packed for full's bytes only, most groups of these parts had to recompute
+    p = _auto(act_ratio=1.5, time_ratio=0.5, b1_ms=0.01)
+    lengths = _long_tailed(seed)
+    task_of = [i % 2 for i in range(len(lengths))]
+
+    def plan(profile):
+        out = StepPlanner(profile, PlannerConfig(time_limit_s=DECIDE_S)).plan(
+            lengths, 4, task_of=task_of, adapter_ranks=[4, 4]
+        )
+        return out, with_modes(out.plan, choose_modes(out.plan, p))
+
+    out, chosen = plan(p)
+    assert chosen.meta["recompute"] == out.plan.meta["recompute"]
+    assert {m for row in out.plan.meta["recompute"] for m in row} == {"none"}
+    assert out.predicted_ms == pytest.approx(step_time_ms(out.plan, p))
+    tight = none_bytes_profile(p)
+    for mb in out.plan.micro_batches:
+        for g in mb.groups:
+            tokens = sum(out.plan.seq_lengths[i] for i in g.seq_ids)
+            assert math.ceil(tokens / g.degree) <= tight.local_token_cap(g.kind, g.degree)
+    # planned as before, with full recompute's bytes only (a profile without the modes), then priced the same way
+    _, full_only = plan(BASE)
+    assert "full" in {m for row in full_only.meta["recompute"] for m in row}
+    assert out.predicted_ms < 0.9 * step_time_ms(full_only, p)
+
+
 def test_a_step_that_fits_without_recompute_everywhere_is_planned_once():
     p = _auto(act_ratio=1.01)
     out = StepPlanner(p, PlannerConfig(time_limit_s=0.3)).plan([40, 60, 30, 20], 4)

@@ -259,16 +259,8 @@ class StepPlanner:
                 plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
                 others = {}
                 if auto:  # packed for the bytes of a mode some group of full's packing could not run in
-                    ran = {m for row in choose_modes(plan, self.profile) for m in row}
-                    todo = [m for m in PACKINGS[1:] if worth_packing(m, ran, self.profile)]
-                    for i, mode in enumerate(todo):
-                        until = time.monotonic() + (due - time.monotonic()) / (len(todo) - i)
-                        others[mode], more = (
-                            mode_packing(self._planner, mode, lengths, num_devices, until, run.advance)
-                            if until - time.monotonic() >= _MIN_PART_S
-                            else (None, 0)  # no time left to plan it
-                        )
-                        crashes += more
+                    others, more = self._other_packings(plan, lengths, num_devices, due, run.advance)
+                    crashes += more
                 b0 = time.monotonic()
                 run.advance(deadline - 0.02 * limit)  # 2 % of the budget for the answer itself
                 statics, baselines, skipped = run.result()
@@ -358,7 +350,7 @@ class StepPlanner:
                 plan, predicted, status = turn, info["simulated_ms"], f"{method}-in_turn"
         elif with_baselines:
             baselines["in_turn"] = predicted
-        if uses_auto(self.profile):  # each group in its recompute mode (full's packing only)
+        if uses_auto(self.profile):  # each group in its recompute mode (each part in its fastest packing)
             predicted = step_time_ms(with_chosen_modes(plan, self.profile), self.profile)
         short = ""
         if used["short"]:
@@ -378,22 +370,48 @@ class StepPlanner:
             solver_crashes=used["crashes"],
         )
 
+    def _other_packings(self, plan: Plan, lengths, n: int, due: float, idle=None) -> tuple[dict, int]:
+        """'auto' recompute: ``{mode: the MILP plan packed for that mode's bytes (None: no time left, or no plan)}``
+        for each mode faster than one some group of ``plan`` (packed for full recompute's bytes) runs in, planned
+        one after another by ``due``; and the solver crashes they cost (:func:`choose_packing` picks among them)."""
+        others, crashes = {}, 0
+        ran = {m for row in choose_modes(plan, self.profile) for m in row}
+        todo = [m for m in PACKINGS[1:] if worth_packing(m, ran, self.profile)]
+        for i, mode in enumerate(todo):
+            until = time.monotonic() + (due - time.monotonic()) / (len(todo) - i)
+            others[mode], more = (
+                mode_packing(self._planner, mode, lengths, n, until, idle)
+                if until - time.monotonic() >= _MIN_PART_S
+                else (None, 0)  # no time left to plan it
+            )
+            crashes += more
+        return others, crashes
+
     def _part_plan(self, lengths, n: int, due: float | None, used: dict) -> Plan:
         """One task part's SP plan on n devices by ``due``: the MILP planner with the static layouts (BatchAda)
-        planned while it solves, the better of the two; BatchAda alone when too little time is left."""
+        planned while it solves, the better of the two; BatchAda alone when too little time is left. Under 'auto'
+        recompute that plan has the first half of the time and the packings for faster modes' bytes the rest, and
+        the fastest packing is the part's plan, as in a step of one task."""
         due = time.monotonic() + self.config.time_limit_s if due is None else due
         used["parts"] += 1
         if due - time.monotonic() < _MIN_PART_S:
             used["short"] += 1
             return baseline_plans(lengths, n, self.profile, deadline=due)["batchada"]
+        auto = uses_auto(self.profile)
+        first = time.monotonic() + 0.5 * (due - time.monotonic()) if auto else due
         run = BaselineRun(lengths, n, self.profile)
-        sp = self._planner.plan(lengths, n, deadline=due - 0.25 * (due - time.monotonic()), idle=run.advance)
+        sp = self._planner.plan(lengths, n, deadline=first - 0.25 * (first - time.monotonic()), idle=run.advance)
         used["crashes"] += sp.solver_crashes
-        run.advance(due)
+        run.advance(first)
         statics, ms, _ = run.result()
         if sp.status == "fallback":
             used["short"] += 1
-        return statics["batchada"] if ms["batchada"] < sp.predicted_ms else sp.plan
+        plan = statics["batchada"] if ms["batchada"] < sp.predicted_ms else sp.plan
+        if not auto:
+            return plan
+        others, crashes = self._other_packings(plan, lengths, n, due)
+        used["crashes"] += crashes
+        return choose_packing(plan, others, self.profile)[0]
 
     def _plan_pipeline(self, lengths, num_devices: int, t0: float, limit: float) -> PlannedStep:
         """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
