@@ -130,9 +130,14 @@ def summarise_flexorch(res: dict, params: int, shape: dict) -> dict:
             any("out_of_memory" in rec for rec in s.get("recoveries") or []) for s in res["steps"]
         ),
         "budget": next((ln for ln in res["log"].splitlines() if "memory budget from the device" in ln), None),
-        "recompute_none_groups": sum(m == "none" for s in kept for row in s.get("recompute") or [] for m in row),
-        "recompute_groups": sum(len(row) for s in kept for row in s.get("recompute") or []),
-        "packed_for_none": sum((s.get("recompute_packing") or {}).get("packing") == "none" for s in kept),
+        "recompute_groups": {  # groups of steps 2-N by the mode they ran in ('auto' recompute)
+            mode: sum(m == mode for s in kept for row in s.get("recompute") or [] for m in row)
+            for mode in ("none", "selective", "full")
+        },
+        "packings": {  # steps of steps 2-N by the bytes the planner packed them for
+            mode: sum((s.get("recompute_packing") or {}).get("packing") == mode for s in kept)
+            for mode in ("full", "none", "selective")
+        },
         "recompute_measured": next((ln for ln in res["log"].splitlines() if "recompute 'auto'" in ln), None),
         "used_of_free_pct": used_of_free(res["log"], state + peak_act),
         "wall_s": res["wall_s"],
@@ -297,12 +302,17 @@ def main(argv=None) -> int:
     return 1 if any("failed" in r for r in results) else 0
 
 
+def _slashed(counts: dict) -> str:
+    return "/".join(str(v) for v in counts.values())
+
+
 def table(results: list[dict], gpu: str, peak: float | None) -> str:
     lines = [
         f"\n{gpu}; MFU against {PEAK_TFLOPS:.0f} TFLOP/s (datasheet dense bf16)"
         + (f"; the matmul measured {peak:.0f}" if peak else ""),
         "| row | params | flexorch tok/s | MFU | micro-batches | peak act GiB | state GiB | used of free | "
-        "no-recompute groups | packed for none | OOM steps | plain tok/s | plain MFU | ratio |",
+        "groups none/selective/full | steps packed for full/none/selective | OOM steps | plain tok/s | plain MFU | "
+        "ratio |",
         "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
@@ -319,7 +329,7 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
             f"| {r['row']} | {r['params'] / 1e9:.2f}B | {f['tokens_per_s']:,.0f} | {f['mfu_pct']:.1f} % | "
             f"{f['micro_batches']} | {f['peak_activation_gib']:.1f} | {f['state_gib']:.1f} | "
             + ("-" if f.get("used_of_free_pct") is None else f"{f['used_of_free_pct']:.0f} %")
-            + f" | {f['recompute_none_groups']}/{f['recompute_groups']} | {f.get('packed_for_none', 0)} | "
+            + f" | {_slashed(f['recompute_groups'])} | {_slashed(f['packings'])} | "
             f"{f['out_of_memory_steps']} | {plain} |"
         )
     notes = [

@@ -55,7 +55,7 @@ def test_compiled_own_decoder_equals_eager(recompute):
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
 
 
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_compiled_transformers_llama_equals_eager(tmp_path, recompute):
     transformers = pytest.importorskip("transformers")
     from flexorch.config.hf import hf_model_config
@@ -69,6 +69,8 @@ def test_compiled_transformers_llama_equals_eager(tmp_path, recompute):
     for m in (eager, compiled):
         set_activation_checkpointing(m, recompute)
     compile_layers(compiled)
+    if recompute == "selective":  # the MLP under the layer's checkpoint is compiled too, not run eagerly
+        assert all(hasattr(layer.mlp.flexorch_plain_forward, "_torchdynamo_orig_callable") for layer in compiled.layers)
     torch._dynamo.reset()
     for batch in _batches()[:2]:
         want_loss, want = _loss_and_grads(eager, batch)
@@ -92,7 +94,7 @@ def test_switching_recompute_per_micro_batch_changes_nothing_computed(tmp_path):
     for cfg in (CFG, hf):
         plain, switched = build_model(cfg, 5), build_model(cfg, 5)
         set_activation_checkpointing(plain, "none")
-        for batch, mode in zip(_batches(), ["full", "none", "full"], strict=True):
+        for batch, mode in zip(_batches(), ["full", "selective", "full"], strict=True):
             set_activation_checkpointing(switched, mode)
             want_loss, want = _loss_and_grads(plain, batch)
             got_loss, got = _loss_and_grads(switched, batch)

@@ -67,7 +67,7 @@ def _packed(docs):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("recompute", ["none", "full"])
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_documents(tmp_path, family, recompute):
     from flexorch.workers.attention.api import varlen_attn_func
     from flexorch.workers.model import loss_sum
@@ -91,6 +91,26 @@ def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_docume
     theirs = dict(ref.named_parameters())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_selective_recompute_of_a_transformers_model_keeps_between_none_and_full(tmp_path, family):
+    # 'selective' recomputes each layer's MLP only (flexorch.workers.hf_model): its intermediate activations, most
+    # of a layer's bytes, are dropped; the rest of the layer keeps what it keeps without recompute
+    from flexorch.workers.calibrate import activation_bytes_per_token
+    from flexorch.workers.model_source import build_model, set_activation_checkpointing
+
+    cfg = _model_cfg(_dir(tmp_path, family))
+    model = build_model(cfg, 0)
+    per_token = {}
+    for mode in ("none", "selective", "full", "none"):  # back to 'none': the switch is undone
+        set_activation_checkpointing(model, mode)
+        per_token[mode] = activation_bytes_per_token(model, cfg.vocab_size)
+    assert per_token["none"] > per_token["selective"] > per_token["full"] > 0, per_token
+    names = [n for n, _ in model.named_parameters()]
+    assert names == [n for n, _ in build_model(cfg, 0).named_parameters()]  # checkpoints and exports unchanged
+    with pytest.raises(ValueError, match="'none', 'full' or 'selective', got 'auto'"):
+        set_activation_checkpointing(model, "auto")
 
 
 @pytest.mark.gpu

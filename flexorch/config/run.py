@@ -259,11 +259,6 @@ class TrainConfig:
                 f"{window} tokens; flexorch computes full causal attention within each document, which equals the "
                 f"window's only for documents of at most {window} tokens: set data.max_context <= {window}"
             )
-        if self.recompute == "selective":
-            raise ConfigError(
-                "sharding.activation_checkpointing = 'selective' recomputes our decoder's MLP halves; a Hugging "
-                "Face model takes 'none' or 'full' (Transformers' own per-layer gradient checkpointing)"
-            )
 
     def _check_sharding(self) -> None:
         mode, precision = self.sharding.resolved(self.use_gpu)

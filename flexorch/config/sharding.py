@@ -50,7 +50,7 @@ class ShardingSettings:
     """'none', 'full' (recompute every decoder layer in the backward), 'selective' (recompute each layer's MLP
     and its norm, keep attention's outputs: attention's collectives are not run again), or 'auto': chosen per
     micro-batch and SP group, the fastest mode whose activations for the group's tokens fit the budget ('none',
-    then 'selective' on flexorch's decoder, else 'full'); the planner packs each step for full's bytes and for each
+    then 'selective', else 'full'); the planner packs each step for full's bytes and for each
     faster mode's and runs the fastest (``flexorch.solver.recompute``). With ``[pipeline] stages`` the planner
     chooses whole layers per stage and unit instead ('auto': the fewest recomputed layers that fit, InfiniPipe's
     checkpointing ILP, ``flexorch.solver.pipeline.checkpointing``; 'none': no layer; 'full': every layer; no

@@ -1,7 +1,7 @@
 """``[sharding] activation_checkpointing = "auto"``: what the planner needs to choose recompute per SP group
 (``flexorch.solver.recompute``), measured on the workers' own model at start.
 
-* ``none_act_ratio`` (and on flexorch's decoder, which can recompute only its MLPs, ``selective_act_ratio``):
+* ``none_act_ratio`` and ``selective_act_ratio`` (each layer's MLP recomputed, the rest kept):
   activation bytes per token a layer keeps in that mode over those with full recompute, the largest any worker
   measures (``Worker.activation_bytes_per_token``; memory errs on the safe side);
 * ``none_time_ratio`` (``selective_time_ratio``): the forward + backward time of one document in that mode over its
@@ -14,7 +14,8 @@
   on these CPUs the tiny model's ratio drifts from 0.66 to 0.77 with the length; on one H200 a 1.1B Llama's is
   0.78 at 16,384 tokens (565 ms without recompute, 723 ms with full) and at 40,596 (1,129 and 1,452 ms).
 
-A Hugging Face model takes 'none' or 'full' only (Transformers' own per-layer checkpointing).
+A Hugging Face model runs 'full' as Transformers' own per-layer checkpointing and 'selective' as its layers' MLPs
+recomputed (``flexorch.workers.hf_model``).
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def with_recompute_ratios(cfg, group, profile, say=None):
     recompute on SP steps; ``profile`` unchanged otherwise. ``say(message)`` reports what was measured."""
     if cfg.recompute != "auto" or cfg.pipelined:
         return profile
-    modes = ("none",) if cfg.model.hf is not None else ("none", "selective")
+    modes = ("none", "selective")
     full = group.call("activation_bytes_per_token", "full")
     act = {}
     for mode in modes:
@@ -73,7 +74,7 @@ def with_recompute_ratios(cfg, group, profile, say=None):
             for i, m in enumerate(modes)
         )
         say(f"recompute 'auto' ({tokens:,}-token document, {ms[-1]:.1f} ms with full recompute): {each}")
-    extra = {}
-    if "selective" in modes:
-        extra = {"selective_act_ratio": act["selective"], "selective_time_ratio": ratio["selective"]}
-    return profile.with_overrides(none_act_ratio=act["none"], none_time_ratio=ratio["none"], **extra)
+    return profile.with_overrides(
+        none_act_ratio=act["none"], none_time_ratio=ratio["none"],
+        selective_act_ratio=act["selective"], selective_time_ratio=ratio["selective"],
+    )  # fmt: skip

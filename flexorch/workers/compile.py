@@ -13,7 +13,9 @@ What is compiled is the function activation checkpointing wraps, so a recompute 
 
 * flexorch's decoder (:class:`~flexorch.workers.model.Block`): ``_forward`` (the block) and ``_mlp`` (the part
   ``selective`` recompute checkpoints);
-* a Transformers decoder layer: its ``forward``; Transformers' ``GradientCheckpointingLayer.__call__`` wraps it.
+* a Transformers decoder layer: its ``forward``; Transformers' ``GradientCheckpointingLayer.__call__`` wraps it;
+  and its MLP's own forward (``mlp.flexorch_plain_forward``, what ``selective`` recompute checkpoints inside the
+  layer, a second graph break there: ``flexorch.workers.hf_model``).
 
 Only the bound methods of each layer instance are replaced (``layer.forward = torch.compile(layer.forward)``), so
 parameter names, ``state_dict`` keys, FSDP2 units and checkpoints are those of the eager model.
@@ -53,6 +55,9 @@ def compile_layers(model: nn.Module) -> int:
             continue  # compiled already, or a layer another pipeline stage holds (no parameters here)
         for name in _targets(layer):
             setattr(layer, name, torch.compile(getattr(layer, name)))
+        mlp = getattr(layer, "mlp", None)
+        if hasattr(mlp, "flexorch_plain_forward"):  # an HF layer's MLP, wrapped for selective recompute
+            mlp.flexorch_plain_forward = torch.compile(mlp.flexorch_plain_forward)
         setattr(layer, _ATTR, True)
         n += 1
     return n

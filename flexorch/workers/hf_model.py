@@ -166,23 +166,62 @@ class HFDecoder(nn.Module):
         return self
 
     def set_recompute(self, mode: str) -> None:
-        """'none', or 'full': Transformers' own gradient checkpointing of each decoder layer (non-reentrant).
+        """'none'; 'full': Transformers' own gradient checkpointing of each decoder layer (non-reentrant);
+        'selective': each decoder layer's MLP (``layer.mlp``) recomputed in the backward, the rest of the layer kept
+        (:func:`_selective_mlps`), as flexorch's decoder recomputes its MLP half: the MLP's intermediate activations
+        (``intermediate_size`` wide, gated: most of a layer's bytes per token) are dropped, attention's collectives
+        are not run again.
 
         Transformers 5.24 named it ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` stays as a
         deprecated alias until v6); 5.17 has only the older name, so the name present is used."""
         if mode == getattr(self, "_recompute", None):  # "auto" recompute sets it per micro-batch: only changes act
             return
+        if mode not in ("none", "full", "selective"):
+            raise ValueError(
+                f"activation checkpointing of a Hugging Face model is 'none', 'full' or 'selective', got {mode!r}"
+            )
         m = self.model
         if mode == "full":
             if hasattr(m, "activation_checkpointing_enable"):
                 m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        elif mode == "none":
+        elif getattr(self, "_recompute", "none") == "full":
             (getattr(m, "activation_checkpointing_disable", None) or m.gradient_checkpointing_disable)()
-        else:
-            raise ValueError(f"activation checkpointing of a Hugging Face model is 'none' or 'full', got {mode!r}")
+        for mlp in _selective_mlps(self.layers):
+            mlp.flexorch_recompute = mode == "selective"
         self._recompute = mode
+
+
+def _selective_mlps(layers) -> list[nn.Module]:
+    """Each decoder layer's MLP (``layer.mlp``: Llama, Mistral, Qwen2 and most Transformers decoders), its forward
+    wrapped once so that with ``flexorch_recompute`` set it runs under :func:`flexorch.workers.recompute.checkpointed`
+    (only its input is kept; its activations are recomputed in the backward). The wrapper is an instance attribute:
+    parameter names, state dicts and FSDP units are unchanged. It calls ``flexorch_plain_forward``, the MLP's own
+    forward, which a compiled layer compiles too: the checkpoint is a graph break in the compiled layer, and the MLP
+    under it would otherwise run eagerly."""
+    from flexorch.workers.recompute import checkpointed
+
+    out = []
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            raise ValueError(
+                f"selective recompute needs each decoder layer's MLP as `layer.mlp`; layer {i} "
+                f"({type(layer).__name__}) has none: use activation_checkpointing = 'full' or 'none'"
+            )
+        if not hasattr(mlp, "flexorch_recompute"):
+            mlp.flexorch_plain_forward = mlp.forward  # what a compiled layer compiles (flexorch.workers.compile)
+
+            def forward(x, *args, _mlp=mlp, **kwargs):
+                if _mlp.flexorch_recompute and not args and not kwargs:
+                    return checkpointed(_mlp.flexorch_plain_forward, x)
+                return _mlp.flexorch_plain_forward(x, *args, **kwargs)
+
+            mlp.forward = forward
+            mlp.flexorch_recompute = False
+        out.append(mlp)
+    return out
 
 
 def hf_config(cfg: ModelConfig):
