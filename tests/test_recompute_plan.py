@@ -325,6 +325,11 @@ def test_the_step_line_says_how_many_groups_ran_without_recompute_and_the_packin
     assert line.endswith("[recompute: none in 1, selective in 2 of 3 groups (packed for selective recompute)]")
     del ev["recompute"]
     assert "recompute" not in format_step(ev, 10)
+    # pipeline stages: how many of the step's layer runs (layers x units, on each stage) recompute in the backward
+    ev["pipeline"] = {"layers": [3, 2], "checkpointed": [[3, 1, 0], [2, 0, 0]]}
+    assert format_step(ev, 10).endswith("[recompute: 6 of 15 layer runs]")
+    ev["pipeline"]["checkpointed"] = [[0, 0, 0], [0, 0, 0]]
+    assert "recompute" not in format_step(ev, 10)
 
 
 def test_the_modes_are_timed_on_the_longest_document_predicted_within_the_time_limit():

@@ -77,6 +77,10 @@ def format_step(ev: dict, total: int) -> str:
         packed = {"none": " (packed for no recompute)", "selective": " (packed for selective recompute)"}
         packed = packed.get(packing, "")
         line += f"  [{describe_recompute(ev['recompute'])}{packed}]"
+    pipe = ev.get("pipeline")
+    if pipe and any(map(any, pipe["checkpointed"])):  # stages: the layer runs their checkpointing recomputes
+        runs = sum(n * len(row) for n, row in zip(pipe["layers"], pipe["checkpointed"], strict=True))
+        line += f"  [recompute: {sum(map(sum, pipe['checkpointed']))} of {runs} layer runs]"
     compiled = max((r.get("compile_s") or 0.0 for r in ev.get("ranks") or () if r), default=0.0)
     if compiled >= 0.05:  # the first steps of a compiled model (and a recompile): torch.compile's own time
         line += f"  [compiling the layers: {compiled:.1f} s of it]"
