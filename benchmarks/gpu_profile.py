@@ -15,9 +15,10 @@ Torch (+ Transformers for the HF rows) only, no Ray: it runs on a lent GPU machi
 * **model**: forward + backward (the chunked loss, ``flexorch.workers.chunked_loss``) of the 1.1B Llama through
   Transformers and of flexorch's own decoder of the same shape, bf16 weights, eager vs regional ``torch.compile``
   (each decoder layer compiled, the graph broken at the attention call: ``flexorch.workers.model.call_attention``)
-  and recompute none / full: ms, model TFLOP/s, MFU against the matmul rate measured in the same run and against the
-  datasheet's dense bf16 peak, peak memory, and a ``torch.profiler`` breakdown of one iteration into matmuls,
-  attention, compiled fusions, eager elementwise (norms, RoPE, SiLU, adds), copies and casts, the loss and host gaps.
+  and recompute none / selective (each layer's MLP) / full: ms, model TFLOP/s, MFU against the matmul rate
+  measured in the same run and against the datasheet's dense bf16 peak, peak memory, and a ``torch.profiler``
+  breakdown of one iteration into matmuls, attention, compiled fusions, eager elementwise (norms, RoPE, SiLU,
+  adds), copies and casts, the loss and host gaps.
 
 Every row is printed as it finishes and written to ``<out>/gpu_profile.json``; a row that fails says why and the
 others go on; ``--budget-s`` stops starting new rows past that many seconds.
@@ -347,7 +348,7 @@ def model_rows(kind: str, cfg: dict, device, deadline: float, emit) -> None:
     for compiled in (False, True):
         set_compiled(model, compiled)
         torch._dynamo.reset()
-        for recompute in ("full", "none"):
+        for recompute in ("full", "selective", "none"):
             set_activation_checkpointing(model, recompute)
             for docs in cfg["model_docs"]:
                 name = f"{kind} {'compiled' if compiled else 'eager'} recompute={recompute} docs={list(docs)}"
