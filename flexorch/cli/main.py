@@ -117,8 +117,8 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
         "--activation-checkpointing",
         choices=("none", "full", "selective", "auto"),
         help="[sharding] activation_checkpointing: recompute each decoder layer (full) or its MLP (selective); "
-        "auto: per micro-batch and SP group, none where it fits the memory budget, else selective or full "
-        "(default: auto on GPU workers, none on CPU workers and with pipeline stages)",
+        "auto: per micro-batch and SP group, none where it fits the memory budget, else selective or full; with "
+        "pipeline stages the layers their ILP picks (default: auto on GPU workers and with stages, none otherwise)",
     )
     p.add_argument(
         "--dashboard-port", type=int, help="also serve the plan viewer for this run on 127.0.0.1:PORT (0: any port)"
