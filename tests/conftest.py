@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 
 import pytest
+
+# Prepared corpus stores (flexorch.data.store) of this test session go to a directory of its own, not the user's
+# ~/.cache: set before any Ray starts, so drivers and workers inherit it. Shared by the session's tests (a source
+# prepared once is reused, as across a user's runs).
+os.environ.setdefault("FLEXORCH_DATA_CACHE", tempfile.mkdtemp(prefix="flexorch-corpora-"))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -17,6 +17,8 @@ import pytest
 from flexorch.config import CorpusConfig
 from flexorch.data.corpus import fetch_documents, load_corpus, resolve_blocks
 from flexorch.data.lengths import DataError
+from flexorch.data.store.prepare import prepare_store
+from flexorch.data.store.shards import ShardSpec
 from flexorch.data.tokenizer import ByteTokenizer
 from flexorch.tasks.step import DocRef
 
@@ -52,7 +54,7 @@ def test_split_keys_ids_lengths_stats_and_tokens(ray_cluster, text_dir):
     c = load_corpus(_cfg(text_dir, block_tokens=16))
     long_pieces = [f"long.txt#piece{k}" for k in range(3)] + [f"long2.txt#piece{k}" for k in range(2)]
     assert c.keys == ["_top.py", "a.txt", *long_pieces, "sub/b.py"]
-    assert c.lengths.dtype == np.int64
+    assert c.lengths.dtype == np.int32  # memory-mapped from the store's index (4 bytes a document)
     assert c.lengths.tolist() == [7, 13, 16, 16, 2, 16, 16, 14]
     st = c.stats
     assert (st["files"], st["records"], st["documents"], st["tokens"]) == (8, 8, 8, int(c.lengths.sum()))
@@ -64,7 +66,6 @@ def test_split_keys_ids_lengths_stats_and_tokens(ray_cluster, text_dir):
     skipped = st["skipped_binary"] + st["skipped_empty"] + st["skipped_no_text"] + st["dropped_over_long"]
     assert st["documents"] == st["records"] - skipped - st["split_docs"] + st["pieces_added"]
     assert c.tokenizer_name == "byte" and c.vocab_size == 257 and c.num_docs == 8
-    assert len(c.block_refs) > 1  # block_tokens=16 forces several blocks
     toks = c.get_tokens(range(c.num_docs))
     by_key = dict(zip(c.keys, toks, strict=True))
     for name in ("_top.py", "a.txt", "sub/b.py"):
@@ -73,15 +74,19 @@ def test_split_keys_ids_lengths_stats_and_tokens(ray_cluster, text_dir):
     assert np.concatenate([by_key[k] for k in long_pieces[3:]]).tolist() == _tokens(TEXTS["long2.txt"])[:32]
 
 
-def test_ids_are_deterministic_across_block_layouts(ray_cluster, text_dir):
-    a, b = load_corpus(_cfg(text_dir, block_tokens=1)), load_corpus(_cfg(text_dir, block_tokens=1 << 20))
-    assert a.keys == b.keys and np.array_equal(a.lengths, b.lengths) and len(b.block_refs) == 1
+def test_ids_are_deterministic_across_part_layouts(ray_cluster, text_dir, tmp_path):
+    b = load_corpus(_cfg(text_dir, block_tokens=1 << 20))
+    prepare_store(_cfg(text_dir, block_tokens=1), tmp_path / "store", unit_bytes=1)  # a part per file
+    a = load_corpus(CorpusConfig(source=str(tmp_path / "store")))
+    assert len(a.shards) == 7 and len(b.shards) == 1  # empty.txt joins the next file's part and a.store == str(tmp_path / "store")
+    assert a.keys == b.keys and np.array_equal(a.lengths, b.lengths)
     assert [t.tolist() for t in a.get_tokens(range(a.num_docs))] == [t.tolist() for t in b.get_tokens(range(8))]
 
 
-def test_fetch_documents_on_a_worker_after_ray_get(ray_cluster, text_dir):
+def test_fetch_documents_on_a_worker_from_part_specs(ray_cluster, text_dir, tmp_path):
     ray = ray_cluster
-    c = load_corpus(_cfg(text_dir, block_tokens=16))
+    prepare_store(_cfg(text_dir), tmp_path / "store", unit_bytes=1)
+    c = load_corpus(CorpusConfig(source=str(tmp_path / "store")))
     ids = [c.keys.index("sub/b.py"), c.keys.index("a.txt")]
     locs = c.locate(ids)
     assert all(isinstance(loc, DocRef) for loc in locs) and pickle.loads(pickle.dumps(locs)) == locs
@@ -89,9 +94,9 @@ def test_fetch_documents_on_a_worker_after_ray_get(ray_cluster, text_dir):
     assert set(refs) == {loc.block for loc in locs} and len(refs) < len(c.block_refs)
 
     @ray.remote
-    def worker(locations, nested_refs):  # refs nested in a dict arrive unresolved
-        assert all(isinstance(r, ray.ObjectRef) for r in nested_refs.values())
-        return [t.tolist() for t in fetch_documents(resolve_blocks(nested_refs), locations)]
+    def worker(locations, specs):  # descriptors only: the worker reads the parts itself
+        assert all(isinstance(s, ShardSpec) for s in specs.values())
+        return [t.tolist() for t in fetch_documents(resolve_blocks(specs), locations)]
 
     assert ray.get(worker.remote(locs, refs)) == [_tokens(TEXTS["sub/b.py"]), _tokens(TEXTS["a.txt"])]
     with pytest.raises(KeyError, match="refs_for"):
@@ -140,10 +145,12 @@ def test_jsonl_records_with_text_field(ray_cluster, tmp_path):
     assert other.keys == ["more.jsonl:1"]
 
 
-def test_jsonl_record_numbers_survive_many_blocks(ray_cluster, tmp_path):
-    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(400)))
-    c = load_corpus(_cfg(tmp_path, block_tokens=64))
-    assert len(c.block_refs) > 10 and c.keys == sorted(c.keys, key=lambda k: int(k.split(":")[1]))
+def test_jsonl_record_numbers_survive_many_byte_ranges(ray_cluster, tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "big.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(400)))
+    prepare_store(_cfg(tmp_path / "src", block_tokens=64), tmp_path / "store", unit_bytes=300)  # ~14 lines a range
+    c = load_corpus(CorpusConfig(source=str(tmp_path / "store")))
+    assert len(c.shards) > 10 and c.keys == sorted(c.keys, key=lambda k: int(k.split(":")[1]))
     assert c.keys[0] == "big.jsonl:1" and c.keys[-1] == "big.jsonl:400"
     for doc_id, tokens in zip(range(0, 400, 37), c.get_tokens(range(0, 400, 37)), strict=True):
         assert tokens.tolist() == _tokens(f"record {doc_id}".encode())

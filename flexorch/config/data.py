@@ -111,7 +111,11 @@ class CorpusConfig:
     extensions: tuple[str, ...] | None = None
     """Only read directory files with these suffixes (e.g. ('.py', '.md')); None: every non-hidden file."""
     block_tokens: int = 1 << 20
-    """Target tokens per object-store block (int32: 4 MiB by default); a longer document gets a block of its own."""
+    """Tokens a prepare task tokenizes before it writes them to its part (its memory, not the store's layout)."""
+    cache: str | None = None
+    """Directory of prepared corpus stores (``flexorch.data.store``), shared by every run: a run finds the store
+    of its source, tokenizer and settings there and prepares nothing when the source has not changed. None:
+    ``$FLEXORCH_DATA_CACHE``, else ``~/.cache/flexorch/corpora``. On a cluster: a path every node mounts."""
 
     def __post_init__(self) -> None:
         if self.format in RECORD_KINDS[2:]:  # format = "chat": a shorthand for records = "chat"

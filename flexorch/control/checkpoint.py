@@ -345,7 +345,7 @@ def export_model(directory: Path | str, out: Path | str) -> dict:
 def corpus_fingerprint(corpus) -> dict:
     """What a checkpoint records of the corpus it was taken on (a resume on another corpus is refused)."""
     c = corpus
-    return {"num_docs": c.num_docs, "tokens": int(c.lengths.sum()), "first": c.keys[0], "last": c.keys[-1]}
+    return {"num_docs": c.num_docs, "tokens": c.total_tokens, "first": c.keys[0], "last": c.keys[-1]}
 
 
 class RunCheckpoints:

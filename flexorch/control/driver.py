@@ -356,7 +356,7 @@ class TrainingDriver:
                 moved = self.workers.place_params(tasks[0].held_parts())
             except MembershipFailure as e:  # a worker died while parameters moved: nobody has run the step
                 return {}, dataclasses.replace(e.failure, completed=frozenset()), None, 0.0
-        block_refs = [{b: self.corpus.block_refs[b] for b in sorted(t.blocks())} for t in tasks]
+        block_refs = [{b: self.corpus.shards[b] for b in sorted(t.blocks())} for t in tasks]  # specs, not tokens
         refs = self.workers.run_step(tasks, block_refs)
         dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs

@@ -1,16 +1,17 @@
-"""A tokenized training corpus whose tokens live in the Ray object store; the driver keeps only the index.
+"""A tokenized training corpus: a prepared store on disk (``flexorch.data.store``) whose index the driver keeps
+by memory map; the tokens stay in the store's parts and workers read their own documents.
 
-Sources: a directory of text/code files (one document per file), JSONL (one per non-blank line) or Parquet (one
-per row), read with Ray Data readers (`read_binary_files` for text and JSONL files, whose lines `flexorch` parses
-itself so a malformed line is named by file and line, or skipped with ``on_bad_record = "skip"``; `read_parquet`).
-Default: the Python standard library's own `.py` files, real text on every machine, no download. An empty file or
-a source without records is a `DataError`; `flexorch.data.source_check.check_source` checks a source without Ray.
+Sources: a directory of text/code files (one document per file), JSONL (one per non-blank line), Parquet (one per
+row), a ``datasets`` ``save_to_disk`` directory, or a store ``flexorch prepare`` wrote. Default: the Python
+standard library's own `.py` files, real text on every machine, no download. An empty file or a source without
+records is a `DataError`; `flexorch.data.source_check.check_source` checks a source without Ray.
 
 Document keys: `relative/path.py` (a file), `file.jsonl:N` (N = 1-based record number; blank lines are not
 records), `file.parquet:N` (0-based row), and `<key>#pieceK` (K = 0, 1, ...) for the pieces of a document longer
 than `max_context` that was split (only piece 0 starts with BOS; the pieces concatenate back to the document).
-Document ids are 0..n-1 in key order (pieces in order). `Corpus.stats` counts everything that was not kept:
-`files`, `records`, `documents`, `tokens`, `blocks`, `skipped_binary` (NUL bytes or invalid UTF-8),
+Document ids are 0..n-1 in key order (pieces in order); keys are formatted on demand (``flexorch.data.doc_keys``).
+`Corpus.stats` counts everything that was not kept:
+`files`, `records`, `documents`, `tokens`, `skipped_binary` (NUL bytes or invalid UTF-8),
 `skipped_empty` (empty, a zero-length JSONL/Parquet text, or fewer than `min_tokens` tokens), `skipped_no_text`
 (JSONL/Parquet null or missing text), `bad_records` (malformed JSONL lines skipped with ``on_bad_record =
 "skip"``), `dropped_over_long`, `split_docs`, `pieces_added` (pieces kept from split documents),
@@ -18,42 +19,41 @@ Document ids are 0..n-1 in key order (pieces in order). `Corpus.stats` counts ev
 per reason (`examples`); `documents = records - skipped_* - bad_records - dropped_over_long - split_docs +
 pieces_added`.
 
-Loading: `load_corpus` lists the source, reads it with Ray Data (quietly: no progress bars, execution banners
-or stats logs), tokenizes and packs it into `int32` blocks in the object store with one Ray task per Arrow
-block, and keeps only the index (keys, lengths, block and offset per document) on the driver; the steps and the
-reasons for them are in `flexorch.data.readers`. With a ``publish`` callable it reports what it is doing as
+Loading: `load_corpus` finds the source's store in ``[data] cache`` by its fingerprints (source files, tokenizer,
+settings: ``flexorch.data.store.fingerprint``) and opens it in milliseconds; a source never prepared, changed since,
+or a store with a damaged part is prepared (again) first, in parallel over the cluster
+(``flexorch.data.store.prepare``). With a ``publish`` callable it reports what it is doing as
 ``{"event": "progress", "message": ...}`` events: each phase as it starts, and every ``PROGRESS_EVERY_S`` while one
 runs (a background thread only publishes; the phases run unchanged on the calling thread).
 
-On a worker: a Ray task or actor that receives the dict from `Corpus.refs_for` gets the ObjectRefs themselves
-(Ray resolves only top-level arguments), so it calls `resolve_blocks(refs)` (one `ray.get`) and then
-`fetch_documents(blocks, locations)`. The returned arrays are read-only views of the shared blocks. The process
-that called `load_corpus` owns the blocks: they live while it holds the `Corpus` (and die with that process).
+On a worker: a Ray task or actor that receives the ``{part: ShardSpec}`` dict from `Corpus.refs_for` calls
+`resolve_blocks(specs)` (it opens each part once per process) and then `fetch_documents(blocks, locations)`.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
-import ray
 
 from flexorch.config.data import CorpusConfig
-from flexorch.data import readers as corpus_io
-from flexorch.data.record_kinds import resolve_kind
+from flexorch.data.doc_keys import DocKeys, ListKeys
+from flexorch.data.lengths import DataError
 from flexorch.data.targets import token_ids
-from flexorch.data.tokenizer import get_tokenizer
 from flexorch.tasks.step import DocRef
 
-__all__ = ["Corpus", "load_corpus", "fetch_documents", "resolve_blocks"]
+__all__ = ["Corpus", "default_cache_dir", "fetch_documents", "load_corpus", "open_store", "resolve_blocks"]
 
 PROGRESS_EVERY_S = 10.0
+CACHE_ENV = "FLEXORCH_DATA_CACHE"
 
 
 class Corpus:
-    """The index of a loaded corpus (keys, lengths, locations) plus refs to its token blocks in the object store."""
+    """The index of a corpus (keys, lengths, locations; arrays that may be memory-mapped) plus its parts' specs."""
 
     def __init__(
         self,
@@ -62,35 +62,53 @@ class Corpus:
         lengths,
         doc_blocks,
         doc_offsets,
-        block_refs,
+        shards=None,
         stats,
         tokenizer_name,
         vocab_size,
         targets=None,
         task_of=None,
         task_names=(),
+        store=None,
+        block_refs=None,
     ):
-        self.keys: list[str] = keys
+        if (shards is None) == (block_refs is None):
+            raise TypeError("give a corpus its parts as shards= (block_refs= is the older name of the same)")
+        self.keys: DocKeys = keys if isinstance(keys, DocKeys) else ListKeys(keys)
         self.lengths: np.ndarray = lengths
         self.targets: np.ndarray | None = targets
         """Tokens that carry loss per document (chat, prompt/completion, tokenized records); None: plain text,
         every token after the first."""
         self.doc_blocks: np.ndarray = doc_blocks
+        """The part (index into ``shards``) each document lives in."""
         self.doc_offsets: np.ndarray = doc_offsets
-        self.block_refs: list[ray.ObjectRef] = block_refs
+        self.shards: list = list(shards if shards is not None else block_refs)
+        """``flexorch.data.store.shards.ShardSpec`` per part (an in-memory corpus: the token arrays themselves)."""
         self.stats: dict = stats
         self.tokenizer_name: str = tokenizer_name
         self.vocab_size: int = vocab_size
         self.task_of: np.ndarray | None = task_of
         """The ``[[tasks]]`` task of each document (``flexorch.data.task_corpus``); None: one task."""
         self.task_names: tuple[str, ...] = tuple(task_names)
+        self.store: str | None = store
+        """The store directory this corpus was opened from (None: combined in memory)."""
 
     @property
     def num_docs(self) -> int:
-        return len(self.keys)
+        return len(self.lengths)
+
+    @property
+    def block_refs(self) -> list:
+        """The older name of :attr:`shards`."""
+        return self.shards
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens in the corpus (from the stats: no pass over the lengths)."""
+        return int(self.stats["tokens"]) if "tokens" in self.stats else int(np.asarray(self.lengths).sum())
 
     def locate(self, doc_ids) -> list[DocRef]:
-        """Block, offset and length of each document id (``block_refs[block][offset : offset + length]``)."""
+        """Part, offset and length of each document id (``shards[part]``, tokens ``offset : offset + length``)."""
         ids = np.asarray(doc_ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_docs):
             bad = int(ids[(ids < 0) | (ids >= self.num_docs)][0])
@@ -103,9 +121,9 @@ class Corpus:
             for i, bi, oi, ni, ti, ki in zip(ids, b, o, n, t, k, strict=True)
         ]
 
-    def refs_for(self, locations) -> dict[int, ray.ObjectRef]:
-        """The object refs of just the blocks these documents live in, by block index."""
-        return {blk: self.block_refs[blk] for blk in sorted({loc.block for loc in locations})}
+    def refs_for(self, locations) -> dict:
+        """The specs of just the parts these documents live in, by part index."""
+        return {blk: self.shards[blk] for blk in sorted({loc.block for loc in locations})}
 
     def get_tokens(self, doc_ids) -> list[np.ndarray]:
         """Driver-side convenience (tests, references): the token ids of `doc_ids`, copied out of the store."""
@@ -115,66 +133,156 @@ class Corpus:
         """The documents as stored, loss mask included (``flexorch.data.targets``: a token that carries no loss is
         ``~id``); plain text: the ids. What a single-process reference needs to compute the run's loss."""
         locs = self.locate(doc_ids)
-        return [t.copy() for t in fetch_documents(resolve_blocks(self.refs_for(locs)), locs)]
+        return [np.array(t, dtype=np.int32) for t in fetch_documents(resolve_blocks(self.refs_for(locs)), locs)]
 
     def __repr__(self) -> str:
         return (
-            f"Corpus({self.num_docs} docs, {int(self.lengths.sum())} tokens, {len(self.block_refs)} blocks, "
+            f"Corpus({self.num_docs} docs, {self.total_tokens} tokens, {len(self.shards)} parts, "
             f"tokenizer {self.tokenizer_name!r}, source {self.stats.get('source')!r})"
         )
 
 
-def resolve_blocks(refs: dict[int, ray.ObjectRef]) -> dict[int, np.ndarray]:
-    """`ray.get` the refs of a `refs_for` dict (Ray does not resolve refs nested in a dict argument)."""
-    keys = list(refs)
-    return dict(zip(keys, ray.get([refs[k] for k in keys]), strict=True))
+def resolve_blocks(specs: dict) -> dict:
+    """Open the parts of a `refs_for` dict in this process (each once): ``{part: tokens indexable by slice}``."""
+    from flexorch.data.store.shards import ShardSpec, shard_reader
+
+    reader = shard_reader()
+    return {b: reader.open(s) if isinstance(s, ShardSpec) else s for b, s in specs.items()}
 
 
-def fetch_documents(blocks: dict[int, np.ndarray], locations) -> list[np.ndarray]:
-    """Token arrays of `locations` from resolved blocks (read-only views; copy to keep them past the blocks)."""
+def fetch_documents(blocks: dict, locations) -> list[np.ndarray]:
+    """Token arrays (int32, as stored) of `locations` from opened parts."""
     out = []
     for loc in locations:
         if loc.block not in blocks:
-            raise KeyError(f"block {loc.block} of document {loc.doc_id} was not passed; use corpus.refs_for(locations)")
+            raise KeyError(f"part {loc.block} of document {loc.doc_id} was not passed; use corpus.refs_for(locations)")
         out.append(blocks[loc.block][loc.offset : loc.offset + loc.length])
     return out
 
 
-def load_corpus(cfg: CorpusConfig, publish=None) -> Corpus:
-    """Read, tokenize and index `cfg.source` with Ray Data and Ray tasks; needs `ray.init()` to have run.
+def default_cache_dir() -> str:
+    """``$FLEXORCH_DATA_CACHE``, else ``$XDG_CACHE_HOME/flexorch/corpora`` (``~/.cache/flexorch/corpora``)."""
+    if os.environ.get(CACHE_ENV):
+        return os.path.expanduser(os.environ[CACHE_ENV])
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "flexorch", "corpora")
 
-    The reads and packing tasks need free CPUs: load the corpus before starting actors that reserve every CPU.
-    Ray Data runs quietly (no progress bars, execution banners or stats logs; see `flexorch.data.readers`).
-    ``publish``: gets progress events (see the module doc); None: nothing is reported.
-    """
-    if not ray.is_initialized():
-        raise RuntimeError("load_corpus needs a Ray cluster: call ray.init() (or connect to one) first")
-    if not ray.cluster_resources().get("CPU"):
-        raise RuntimeError("the Ray cluster has no CPUs; load_corpus runs Ray Data reads and Ray tasks on CPUs")
+
+def open_store(store: str | Path) -> Corpus:
+    """The corpus of a finished store: its index arrays memory-mapped, nothing read per document."""
+    from flexorch.data.store import layout
+    from flexorch.data.store.prepare import damaged_parts
+    from flexorch.data.store.shards import ShardSpec
+
+    store = Path(os.path.abspath(Path(store).expanduser()))
+    manifest = layout.read_manifest(store)
+    bad = damaged_parts(store, manifest)
+    if bad:
+        raise DataError(
+            f"corpus store {store} is damaged: {'; '.join(bad[:3])}; run `flexorch prepare` on its source again (it "
+            "redoes only the damaged parts), or remove the store to prepare it anew"
+        )
+    idx = store / "index"
+
+    def arr(name: str):
+        return np.load(idx / f"{name}.npy", mmap_mode="r")
+
+    import json
+
+    names = json.loads((idx / "key_names.json").read_text())
+    keys = DocKeys(names["names"], names["fmt"], arr("key_path"), arr("key_row"), arr("key_piece"))
+    shards = [
+        ShardSpec(str(store / "parts" / p["file"]), str(store / "parts" / p["sums"]), manifest["dtype"], p["tokens"])
+        for p in manifest["parts"]
+    ]
+    stats = dict(manifest["stats"])
+    stats["store"] = str(store)
+    return Corpus(
+        keys=keys,
+        lengths=arr("lengths"),
+        targets=arr("targets") if (idx / "targets.npy").is_file() else None,
+        doc_blocks=arr("part"),
+        doc_offsets=arr("offset"),
+        shards=shards,
+        stats=stats,
+        tokenizer_name=manifest["tokenizer_name"],
+        vocab_size=int(manifest["vocab_size"]),
+        store=str(store),
+    )
+
+
+def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = None) -> Corpus:
+    """The corpus of ``cfg.source``: its store in ``cfg.cache`` (default: :func:`default_cache_dir`) opened as it is
+    when its fingerprints match, else prepared (again) first. A ``source`` that is itself a prepared store is
+    opened directly. Preparing runs a Ray Data job (``ray.init()`` is called when Ray is not running);
+    ``parallelism`` as in ``flexorch.data.store.prepare.prepare_store``. ``publish``: gets progress events (see the
+    module doc); None: nothing is reported."""
+    from flexorch.data.listing import list_source
+    from flexorch.data.record_kinds import resolve_kind
+    from flexorch.data.store import layout
+    from flexorch.data.store.fingerprint import describe_change, fingerprints
+    from flexorch.data.store.prepare import prepare_store
+
     t0 = time.perf_counter()
+    if cfg.source is not None and layout.is_store(os.path.expanduser(cfg.source)):
+        corpus = open_store(cfg.source)
+        return _opened(corpus, t0, publish, "opened the prepared corpus")
     with progress_phases(publish, "loading the corpus") as phase:
         phase("listing the source")
-        listing = corpus_io.list_source(cfg)
+        listing = list_source(cfg)
         kind = resolve_kind(listing, cfg)
-        if kind != "tokenized":
-            phase(f"loading tokenizer {cfg.tokenizer!r}")
-            tok = get_tokenizer(cfg.tokenizer)
-        what = "" if kind == "text" else f" ({kind} records)"
-        phase(f"reading {len(listing.files)} {listing.fmt} files{what} under {listing.source}")
-        arrow_refs = corpus_io.read_source(listing, cfg, kind)
-        phase(f"tokenizing and packing {len(arrow_refs)} blocks")
-        block_refs, metas = corpus_io.pack_blocks(arrow_refs, listing, cfg, kind)
-        del arrow_refs  # the packed blocks replace the raw Arrow blocks in the object store
-        phase("indexing")
-        name = "pre-tokenized" if kind == "tokenized" else tok.name
-        index = corpus_io.assemble_index(cfg, listing, metas, block_refs, name, kind)
-    index["stats"]["load_s"] = round(time.perf_counter() - t0, 3)
+        fp = fingerprints(cfg, listing, kind)
+        store = Path(cfg.cache or default_cache_dir()).expanduser() / fp["key"]
+        ready = False
+        if (store / "manifest.json").is_file():
+            try:
+                old = layout.read_manifest(store)
+            except DataError:
+                old = None
+            if old is not None and old["fingerprints"] == fp:
+                try:
+                    return _opened(open_store(store), t0, publish, "opened the corpus store")
+                except DataError as e:
+                    phase(f"{e}; preparing the damaged parts again")
+            elif old is not None:
+                phase(
+                    f"the corpus store {store} is out of date ({describe_change(old['fingerprints'], fp)}); "
+                    "preparing it again"
+                )
+        if not ready:
+            _say_other_stores(store, fp, phase)
+            phase(f"preparing {len(listing.files)} {listing.fmt} files under {listing.source}")
+            prepare_store(cfg, store, publish, listing=listing, kind=kind, parallelism=parallelism)
+    return _opened(open_store(store), t0, publish, "loaded the corpus")
+
+
+def _say_other_stores(store: Path, fp: dict, phase) -> None:
+    """Name a store of the same source prepared with other settings (why this run prepares a new one)."""
+    import json
+
+    from flexorch.data.store.fingerprint import describe_change
+
+    if store.exists() or not store.parent.is_dir():
+        return
+    for other in sorted(store.parent.glob("*/manifest.json"))[:200]:
+        try:
+            old = json.loads(other.read_text())["fingerprints"]
+        except (OSError, ValueError, KeyError):
+            continue
+        if old.get("source") == fp["source"]:
+            phase(f"a store of this source exists with other settings ({describe_change(old, fp)}): {other.parent}")
+            return
+
+
+def _opened(corpus: Corpus, t0: float, publish, what: str) -> Corpus:
+    corpus.stats["load_s"] = round(time.perf_counter() - t0, 3)
     if publish is not None:
-        n, tokens = len(index["keys"]), int(index["lengths"].sum())
-        msg = f"loaded the corpus: {n:,} documents, {tokens:,} tokens in {time.perf_counter() - t0:.0f} s"
+        msg = (
+            f"{what}: {corpus.num_docs:,} documents, {corpus.total_tokens:,} tokens in "
+            f"{time.perf_counter() - t0:.1f} s ({corpus.store})"
+        )
         publish({"event": "progress", "message": msg})
-    vocab = index["stats"]["max_token_id"] + 1 if kind == "tokenized" else tok.vocab_size
-    return Corpus(**index, tokenizer_name=name, vocab_size=vocab)
+    return corpus
 
 
 @contextmanager

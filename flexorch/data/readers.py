@@ -46,6 +46,7 @@ __all__ = [
     "list_source",
     "read_source",
     "pack_blocks",
+    "pack_records",
     "assemble_index",
     "quiet_ray_data",
 ]
@@ -140,6 +141,11 @@ def pack_blocks(
 
 @ray.remote(num_returns="streaming")
 def _pack_block(table, spec: tuple, block_tokens: int):
+    """`pack_records` as a streaming Ray task: the blocks go to the object store, the metadata dict comes last."""
+    yield from pack_records(table, spec, block_tokens)
+
+
+def pack_records(table, spec: tuple, block_tokens: int):
     """Validate, tokenize and split one Arrow block's documents; yield int32 blocks, then the metadata dict.
 
     JSONL and ``datasets`` rows are whole files: their records are read here. With on_bad_record='error' the task
@@ -231,8 +237,9 @@ def assemble_index(
 ):
     """Driver side: merge the per-block metadata, check it, number the documents by sorted key.
 
-    Returns the `Corpus` fields other than the tokenizer's: keys, lengths, targets (per document, None for text:
-    every token after the first), doc_blocks, doc_offsets, block_refs (flattened) and stats (without `load_s`).
+    Returns the `Corpus` fields other than the tokenizer's: keys (their parts: ``flexorch.data.doc_keys``),
+    lengths, targets (per document, None for text: every token after the first), doc_blocks, doc_offsets,
+    block_refs (flattened) and stats (without `load_s`).
     """
     fmt = listing.fmt
     paths: dict[str, int] = {}
@@ -342,12 +349,15 @@ def assemble_index(
     rank[np.argsort(np.asarray(names, dtype=object))] = np.arange(len(names))
     drec = doc["rec"]
     order = np.lexsort((doc["piece"], row[drec], rank[rec["path"][drec]]))
-    split = status == _SPLIT
-    keys = [
-        base_key(r) + (f"#piece{k}" if split[r] else "") for r, k in zip(drec[order], doc["piece"][order], strict=True)
-    ]
+    split, drec = status == _SPLIT, drec[order]
     return {
-        "keys": keys,
+        "keys": {  # the parts of each document's key (``flexorch.data.doc_keys``), not one string per document
+            "names": names,
+            "fmt": fmt,
+            "path": rec["path"][drec].astype(np.int32),
+            "row": row[drec],
+            "piece": np.where(split[drec], doc["piece"][order], -1).astype(np.int32),
+        },
         "lengths": doc["length"][order],
         "targets": None if kind == "text" else doc["targets"][order],
         "doc_blocks": doc["block"][order],

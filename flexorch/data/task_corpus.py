@@ -32,7 +32,7 @@ def combine_corpora(corpora, names) -> Corpus:
     tok = {c.tokenizer_name for c in corpora}
     if len(tok) > 1:
         raise ValueError(f"the tasks' corpora were tokenized differently ({sorted(tok)}); tasks share one tokenizer")
-    blocks_before = np.cumsum([0] + [len(c.block_refs) for c in corpora])[:-1]
+    blocks_before = np.cumsum([0] + [len(c.shards) for c in corpora])[:-1]
     targets = [c.targets if c.targets is not None else c.lengths - 1 for c in corpora]
     stats: dict = {"tasks": {n: c.stats for n, c in zip(names, corpora, strict=True)}}
     counted = {k for c in corpora for k, v in c.stats.items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -41,11 +41,11 @@ def combine_corpora(corpora, names) -> Corpus:
     stats["source"] = ", ".join(f"{n}: {c.stats.get('source')}" for n, c in zip(names, corpora, strict=True))
     stats["targets"] = int(sum(int(t.sum()) for t in targets))
     return Corpus(
-        keys=[f"{n}/{k}" for n, c in zip(names, corpora, strict=True) for k in c.keys],
-        lengths=np.concatenate([c.lengths for c in corpora]),
+        keys=[f"{n}/{k}" for n, c in zip(names, corpora, strict=True) for k in c.keys],  # small task corpora
+        lengths=np.concatenate([np.asarray(c.lengths) for c in corpora]),
         doc_blocks=np.concatenate([c.doc_blocks + b for c, b in zip(corpora, blocks_before, strict=True)]),
         doc_offsets=np.concatenate([c.doc_offsets for c in corpora]),
-        block_refs=[r for c in corpora for r in c.block_refs],
+        shards=[r for c in corpora for r in c.shards],
         stats=stats,
         tokenizer_name=corpora[0].tokenizer_name,
         vocab_size=max(c.vocab_size for c in corpora),

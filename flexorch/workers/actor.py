@@ -2,8 +2,9 @@
 
 The driver creates N of these in a placement group, tells them the world to join (rendezvous on the driver's
 TCPStore, one world per membership epoch), and sends each one its :class:`~flexorch.tasks.step.StepTask` plus the
-object refs of the token blocks its documents live in. The actor builds the process groups the plan names
-(collectively, in the same order on every rank), runs its micro-batches and steps the optimizer. With pipeline
+specs of the corpus store parts its documents live in (it reads its own documents from them). The actor builds the
+process groups the plan names (collectively, in the same order on every rank), runs its micro-batches and steps the
+optimizer. With pipeline
 stages and ``[pipeline] params = "stage"`` it holds only its stage's parts (``flexorch.workers.pipeline.held_params``).
 One thread per worker on CPU (docs/design.md §7).
 """
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
+from flexorch.data.corpus import resolve_blocks
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
@@ -331,12 +333,10 @@ class Worker(WorkerMeasurements, FaultSeam):
 
     def run_step(self, task: StepTask | PipelineTask, block_refs: dict) -> StepOutcome:
         """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
-        index -> ObjectRef of an int32 token array."""
+        index -> ``flexorch.data.store.shards.ShardSpec`` of the store part it reads."""
         if self.registry is None or self.registry.rank != task.rank or self.registry.world_size != task.world_size:
             raise RuntimeError(f"worker {self.worker_id} is not rank {task.rank} of a world of {task.world_size}")
-        keys = sorted(block_refs)
-        values = ray.get([block_refs[k] for k in keys]) if keys else []  # refs nested in a dict arrive unresolved
-        blocks = dict(zip(keys, values, strict=True))
+        blocks = resolve_blocks(block_refs)  # each part opened once per process, read where the documents are
         return self._guarded(self._run_step, task, blocks)
 
     def _run_step(self, task: StepTask | PipelineTask, blocks: dict) -> StepOutcome:

@@ -1,0 +1,438 @@
+"""Prepare a corpus store once, in parallel: source -> work units -> token parts -> index + manifest.
+
+:func:`prepare_store` lists the source, cuts it into work units (``flexorch.data.store.units``: JSONL by
+line-aligned byte ranges), and runs one task per unfinished unit as a Ray Data job over the whole cluster
+(``ray.data.from_items(units).map(...)``, SPREAD-scheduled, one CPU each). A unit task reads its bytes, tokenizes
+and splits its documents with the same code the whole corpus always used (``flexorch.data.readers.pack_records``),
+and writes its part files atomically (``flexorch.data.store.layout``). The preparing process then merges the
+units' small indices with the same checks and numbering as before (``flexorch.data.readers.assemble_index``:
+documents by sorted key, the skip counts, a malformed record named by file and line), writes the per-document
+index arrays and, last, the manifest.
+
+Progress: one line per finished unit at most every ``PROGRESS_EVERY_S`` s, with parts done, source bytes read,
+tokens/s and an ETA. A prepare killed midway and run again redoes only units without a ``done.json``; a prepare
+whose source changed since its plan starts over (and says so). Two processes preparing one store take turns
+(an advisory file lock).
+
+``parallelism=0`` runs the units in this process, without Ray (tools and unit tests).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from flexorch.data.lengths import DataError
+from flexorch.data.store import layout
+from flexorch.data.store.fingerprint import describe_change, fingerprints, source_files
+from flexorch.data.store.units import plan_units, read_unit, unit_target_bytes
+
+__all__ = ["prepare_store", "prepare_unit", "PROGRESS_EVERY_S"]
+
+PROGRESS_EVERY_S = 5.0
+_META_ARRAYS = ("rec_path", "rec_row", "rec_status", "rec_tokens", "rec_short") + tuple(
+    f"doc_{k}" for k in ("rec", "piece", "block", "offset", "length", "targets")
+)
+
+
+def prepare_store(
+    cfg,
+    out: str | Path,
+    publish=None,
+    *,
+    listing=None,
+    kind: str | None = None,
+    parallelism: int | None = None,
+    unit_bytes: int | None = None,
+) -> dict:
+    """Prepare ``cfg``'s corpus into the store directory ``out`` (created; a finished store with the same
+    fingerprints is left as it is). Returns the manifest.
+
+    ``parallelism``: None, every CPU of the Ray cluster (``ray.init()`` is called if Ray is not running); N >= 1,
+    at most N unit tasks at once; 0, in this process without Ray. ``unit_bytes``: source bytes per unit (default:
+    four units per CPU, 4-128 MiB)."""
+    from flexorch.data.listing import list_source
+    from flexorch.data.record_kinds import resolve_kind
+
+    out = Path(os.path.abspath(Path(out).expanduser()))
+    say = publish or (lambda ev: None)
+    listing = listing or list_source(cfg)
+    kind = kind or resolve_kind(listing, cfg)
+    fp = fingerprints(cfg, listing, kind)
+    out.mkdir(parents=True, exist_ok=True)
+    with _locked(out, say):
+        if (out / "manifest.json").is_file():
+            manifest = layout.read_manifest(out)
+            if _same(manifest["fingerprints"], fp) and not damaged_parts(out, manifest):
+                return manifest
+        if listing.fmt == "parquet":  # a missing column is named before any task starts
+            from flexorch.data.readers import field_of
+            from flexorch.data.source_records import check_parquet_field
+
+            check_parquet_field(listing.files, field_of(kind, cfg))
+        cpus = _cpus(parallelism)
+        plan = _load_or_make_plan(
+            out, listing, kind, fp, unit_bytes or unit_target_bytes(fp["source_bytes"], cpus), say
+        )
+        todo = [i for i in range(len(plan["units"])) if not _unit_done(out, i)]
+        spec = _unit_spec(cfg, listing, kind)
+        t0 = time.perf_counter()
+        if todo:
+            _run_units(out, plan, todo, spec, say, parallelism)
+        return _finalize(out, cfg, listing, kind, plan, spec, fp, say, time.perf_counter() - t0)
+
+
+def _same(a: dict, b: dict) -> bool:
+    keys = ("source", "source_digest", "tokenizer_digest", "settings")
+    return all(a.get(k) == b.get(k) for k in keys)
+
+
+def damaged_parts(out: Path, manifest: dict) -> list[str]:
+    """Parts of a finished store whose files are missing or of the wrong size (a truncated copy, a lost file)."""
+    bad = []
+    for p in manifest["parts"]:
+        path = out / "parts" / p["file"]
+        if not path.is_file():
+            bad.append(f"{p['file']} is missing")
+        elif path.stat().st_size != p["bytes"]:
+            bad.append(f"{p['file']} has {path.stat().st_size:,} bytes, the manifest says {p['bytes']:,}")
+    return bad
+
+
+@contextlib.contextmanager
+def _locked(out: Path, say):
+    with open(out / ".lock", "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            say({"event": "progress", "message": f"waiting for another process preparing {out}"})
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _cpus(parallelism: int | None) -> int:
+    if parallelism is not None:
+        return max(1, parallelism)
+    import ray
+
+    if not ray.is_initialized():
+        return os.cpu_count() or 1
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def _load_or_make_plan(out: Path, listing, kind: str, fp: dict, unit_bytes: int, say) -> dict:
+    """The store's work plan: the one on disk when it was made for the same source and settings (an interrupted
+    prepare continues it), else a new one (old parts are removed)."""
+    path = out / "plan.json"
+    files = source_files(listing)
+    if path.is_file():
+        try:
+            plan = json.loads(path.read_text())
+        except ValueError:
+            plan = None
+        if plan is not None and _same(plan["fingerprints"], fp):
+            done = sum(_unit_done(out, i) for i in range(len(plan["units"])))
+            if done:
+                say(
+                    {
+                        "event": "progress",
+                        "message": f"continuing an unfinished prepare of {out}: "
+                        f"{done} of {len(plan['units'])} parts already done",
+                    }
+                )
+            return plan
+        if plan is not None:
+            change = describe_change(plan["fingerprints"], fp, plan.get("source_files"), files)
+            say(
+                {
+                    "event": "progress",
+                    "message": f"{out} was prepared from other data or settings ({change}); preparing it again",
+                }
+            )
+    for sub in ("parts", "index"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+    (out / "manifest.json").unlink(missing_ok=True)
+    (out / "parts").mkdir(parents=True)
+    units = plan_units(listing.files, listing.fmt, unit_bytes)
+    plan = {"format": layout.FORMAT, "fingerprints": fp, "source_files": files, "units": units}
+    plan |= {"unit_bytes": unit_bytes, "fmt": listing.fmt, "base": listing.base, "kind": kind}
+    layout.atomic_write_json(path, plan)
+    return plan
+
+
+def _unit_done(out: Path, i: int) -> bool:
+    paths = layout.part_paths(out, i)
+    if not paths["done"].is_file():
+        return False
+    try:
+        done = json.loads(paths["done"].read_text())
+    except ValueError:
+        return False
+    return all(paths[k].is_file() for k in ("bin", "sums", "meta")) and paths["bin"].stat().st_size == done["bytes"]
+
+
+def _unit_spec(cfg, listing, kind: str) -> dict:
+    from flexorch.data.readers import kind_fields
+    from flexorch.data.tokenizer import get_tokenizer
+
+    vocab = None if kind == "tokenized" else get_tokenizer(cfg.tokenizer).vocab_size
+    dtype = layout.token_dtype(vocab, masked=kind != "text")
+    columns = list(kind_fields(kind, cfg)) if listing.fmt == "parquet" else None
+    return {
+        "cfg": cfg,
+        "base": listing.base,
+        "fmt": listing.fmt,
+        "kind": kind,
+        "dtype": dtype.str,
+        "columns": columns,
+        "vocab_size": vocab,
+    }
+
+
+def _run_units(out: Path, plan: dict, todo: list[int], spec: dict, say, parallelism: int | None) -> None:
+    units = plan["units"]
+    total_bytes = sum(units[i]["bytes"] for i in todo) or 1
+    t0, told = time.monotonic(), -1e9
+    state = {"parts": 0, "bytes": 0, "tokens": 0}
+
+    def report(res: dict) -> None:
+        nonlocal told
+        state["parts"] += 1
+        state["bytes"] += units[res["unit"]]["bytes"]
+        state["tokens"] += res["tokens"]
+        now = time.monotonic()
+        if now - told < PROGRESS_EVERY_S and state["parts"] < len(todo):
+            return
+        told, dt = now, max(now - t0, 1e-6)
+        eta = (total_bytes - state["bytes"]) / max(state["bytes"] / dt, 1e-9)
+        say(
+            {
+                "event": "progress",
+                "message": (
+                    f"preparing the corpus: {state['parts']}/{len(todo)} parts, {state['bytes'] / 2**20:,.1f} of "
+                    f"{total_bytes / 2**20:,.1f} MiB read, {state['tokens']:,} tokens "
+                    f"({state['tokens'] / dt / 1e6:.2f}M tokens/s), ETA {eta:.0f} s"
+                ),
+            }
+        )
+
+    say(
+        {
+            "event": "progress",
+            "message": f"preparing the corpus into {out}: {len(todo)} parts of "
+            f"{total_bytes / 2**20:,.1f} MiB of {plan['fmt']} source",
+        }
+    )
+    if parallelism == 0:
+        for i in todo:
+            report(prepare_unit(str(out), i, units[i], spec))
+        return
+    import ray
+    import ray.data
+
+    from flexorch.data.readers import quiet_ray_data
+
+    if not ray.is_initialized():
+        ray.init(logging_level="WARNING", log_to_driver=False)
+    store = str(out)
+
+    def run(row: dict) -> dict:  # a unit's error travels back as a value: Ray Data would wrap and log it
+        try:
+            return prepare_unit(store, int(row["unit"]), units[int(row["unit"])], spec)
+        except Exception as e:  # noqa: BLE001
+            return {"unit": int(row["unit"]), "tokens": 0, "error": str(e), "data_error": isinstance(e, DataError)}
+
+    items, failed = [{"unit": i} for i in todo], []
+    try:
+        with quiet_ray_data():
+            ds = ray.data.from_items(items, override_num_blocks=len(items))
+            kw = {"concurrency": parallelism} if parallelism else {}
+            ds = ds.map(run, num_cpus=1, **kw)  # DataContext.scheduling_strategy: SPREAD
+            for res in ds.iter_rows():
+                if res.get("error"):
+                    failed.append(res)
+                else:
+                    report(res)
+    except Exception as e:  # noqa: BLE001 - Ray Data itself failed: one DataError naming the store
+        raise DataError(f"preparing {out} failed: {type(e).__name__}: {str(e).splitlines()[0]}") from e
+    if failed:  # the finished parts stay: a run after the fix redoes only the failed ones
+        first = min(failed, key=lambda r: r["unit"])
+        if first["data_error"]:
+            raise DataError(first["error"])
+        raise DataError(f"preparing part {first['unit']} of {out} failed: {first['error']}")
+
+
+def prepare_unit(store: str, i: int, unit: dict, spec: dict) -> dict:
+    """Read, tokenize and write one work unit's part (its .bin, .sums.npy, .meta.npz and, last, .done.json)."""
+    from flexorch.data.readers import pack_records
+
+    t0 = time.perf_counter()
+    paths = layout.part_paths(store, i)
+    cfg, fmt, dtype = spec["cfg"], spec["fmt"], np.dtype(spec["dtype"])
+    try:
+        table = read_unit(unit, fmt, spec["columns"])
+    except Exception as e:  # noqa: BLE001 - an unreadable file: named, with what to do
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        raise DataError(
+            f"could not read {unit['files'][0] if len(unit['files']) == 1 else unit['files']} as {fmt}: "
+            f"{type(e).__name__}: {msg} (fix or remove the file, or set format= to how the data is stored)"
+        ) from e
+    gen = pack_records(table, (spec["base"], fmt, cfg, spec["kind"]), cfg.block_tokens)
+    sha, sums, pending, written, starts, meta = hashlib.sha256(), [], bytearray(), 0, [], None
+    tmp = paths["bin"].with_name(f".{paths['bin'].name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        for item in gen:
+            if isinstance(item, dict):
+                meta = item
+                break
+            arr = np.asarray(item)
+            if dtype.kind == "u" and arr.size and int(arr.min()) < 0:
+                raise DataError(f"{unit['files'][0]}: a negative token id in a store of {dtype}")
+            data = arr.astype(dtype).tobytes()
+            starts.append(written)
+            written += arr.size
+            f.write(data)
+            sha.update(data)
+            pending += data
+            while len(pending) >= layout.HASH_CHUNK:
+                sums.append(_chunk_digest(pending[: layout.HASH_CHUNK]))
+                del pending[: layout.HASH_CHUNK]
+        if pending:
+            sums.append(_chunk_digest(pending))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, paths["bin"])
+    layout.atomic_save_npy(paths["sums"], np.asarray(sums, dtype=np.uint64))
+    starts_arr = np.asarray(starts or [0], dtype=np.int64)
+    meta["doc_offset"] = (
+        starts_arr[meta["doc_block"]] + meta["doc_offset"] if len(meta["doc_block"]) else meta["doc_offset"]
+    )
+    meta["doc_block"] = np.zeros_like(meta["doc_block"])
+    if fmt == "jsonl":  # where this range sits in its file: the merge turns local rows and lines into the file's
+        meta["lines"] = _newlines(table)
+    arrays = {k: meta[k] for k in _META_ARRAYS}
+    rest = {k: v for k, v in meta.items() if k not in _META_ARRAYS}
+    rest["bad"] = [list(b) for b in rest["bad"]]
+    rest["bad_kind"] = [list(b) for b in rest["bad_kind"]]
+    rest["columns"] = sorted(rest["columns"])
+    tmp_meta = paths["meta"].with_name(f".{paths['meta'].name}.tmp{os.getpid()}.npz")
+    np.savez(tmp_meta, info=np.frombuffer(json.dumps(rest).encode(), dtype=np.uint8), **arrays)
+    os.replace(tmp_meta, paths["meta"])
+    tokens = int(written)
+    done = {"unit": i, "bytes": tokens * dtype.itemsize, "tokens": tokens, "sha256": sha.hexdigest()}
+    done |= {"documents": int(len(meta["doc_length"])), "seconds": round(time.perf_counter() - t0, 3)}
+    layout.atomic_write_json(paths["done"], done)
+    return {"unit": i, "tokens": tokens, "seconds": done["seconds"]}
+
+
+def _chunk_digest(data) -> int:
+    return int.from_bytes(hashlib.blake2b(bytes(data), digest_size=8).digest(), "little")
+
+
+def _newlines(table) -> int:
+    return int(sum(d.count(b"\n") for d in table.column("bytes").to_pylist()))
+
+
+def load_unit_meta(store: Path, i: int) -> dict:
+    with np.load(layout.part_paths(store, i)["meta"]) as z:
+        meta = {k: z[k] for k in _META_ARRAYS}
+        meta |= json.loads(bytes(z["info"]).decode())
+    meta["bad"] = [tuple(b) for b in meta["bad"]]
+    meta["bad_kind"] = [tuple(b) for b in meta["bad_kind"]]
+    return meta
+
+
+def _finalize(out: Path, cfg, listing, kind: str, plan: dict, spec: dict, fp: dict, say, seconds: float) -> dict:
+    """Merge the units' indices (checks, numbering, stats), write ``index/`` and then the manifest."""
+    from flexorch.data.readers import assemble_index
+
+    units = plan["units"]
+    metas = [load_unit_meta(out, i) for i in range(len(units))]
+    dones = [json.loads(layout.part_paths(out, i)["done"].read_text()) for i in range(len(units))]
+    if listing.fmt == "jsonl":  # rows and line numbers of a range continue from the ranges before it in its file
+        rows_before: dict[str, int] = {}
+        lines_before: dict[str, int] = {}
+        for unit, meta in zip(units, metas, strict=True):
+            f = unit["files"][0]
+            r0, l0 = rows_before.get(f, 0), lines_before.get(f, 0)
+            meta["rec_row"] = meta["rec_row"] + r0
+            meta["bad"] = [(rel, line + l0, why) for rel, line, why in meta["bad"]]
+            meta["bad_kind"] = [(r, why) for r, why in meta["bad_kind"]]
+            rows_before[f] = r0 + len(meta["rec_status"])
+            lines_before[f] = l0 + int(meta["lines"])
+    tok_name = "pre-tokenized" if kind == "tokenized" else _tokenizer_name(cfg)
+    blocks = [[i] if d["tokens"] else [] for i, d in enumerate(dones)]
+    index = assemble_index(cfg, listing, metas, blocks, tok_name, kind)
+    nonempty = np.asarray([i for i, d in enumerate(dones) if d["tokens"]] or [0], dtype=np.int32)
+    keys = index["keys"]
+    arrays = {
+        "lengths": index["lengths"].astype(np.int32),
+        "part": nonempty[index["doc_blocks"]].astype(np.int32),
+        "offset": index["doc_offsets"].astype(np.int64),
+        "key_path": keys["path"],
+        "key_row": keys["row"].astype(np.int64),
+        "key_piece": keys["piece"],
+    }
+    if index["targets"] is not None:
+        arrays["targets"] = index["targets"].astype(np.int32)
+    (out / "index").mkdir(exist_ok=True)
+    for name, arr in arrays.items():
+        layout.atomic_save_npy(out / "index" / f"{name}.npy", arr)
+    layout.atomic_write_json(out / "index" / "key_names.json", {"fmt": keys["fmt"], "names": keys["names"]})
+    stats = index["stats"]
+    vocab = stats["max_token_id"] + 1 if kind == "tokenized" else spec["vocab_size"]
+    parts = [
+        {
+            "file": layout.part_paths(out, i)["bin"].name,
+            "sums": layout.part_paths(out, i)["sums"].name,
+            "bytes": d["bytes"],
+            "tokens": d["tokens"],
+            "documents": d["documents"],
+            "sha256": d["sha256"],
+        }
+        for i, d in enumerate(dones)
+    ]
+    stats |= {"prepare_s": round(seconds, 3), "parts": len(parts)}
+    manifest = {
+        "format": layout.FORMAT,
+        "fingerprints": fp,
+        "dtype": spec["dtype"],
+        "tokenizer_name": tok_name,
+        "vocab_size": int(vocab),
+        "documents": int(stats["documents"]),
+        "tokens": int(stats["tokens"]),
+        "targets": int(stats["targets"]),
+        "parts": parts,
+        "stats": stats,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    layout.atomic_write_json(out / "manifest.json", manifest)
+    rate = manifest["tokens"] / max(seconds, 1e-9)
+    say(
+        {
+            "event": "progress",
+            "message": (
+                f"prepared the corpus: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
+                f"{len(parts)} parts ({np.dtype(spec['dtype']).name}) in {seconds:.1f} s "
+                f"({rate / 1e6:.2f}M tokens/s) -> {out}"
+            ),
+        }
+    )
+    return manifest
+
+
+def _tokenizer_name(cfg) -> str:
+    from flexorch.data.tokenizer import get_tokenizer
+
+    return get_tokenizer(cfg.tokenizer).name

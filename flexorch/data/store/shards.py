@@ -1,0 +1,130 @@
+"""Reading documents from a store's token parts, on a worker or the driver: (part, offset, length) -> tokens.
+
+The driver sends each rank descriptors of its documents (``flexorch.tasks.step.DocRef``: part index, offset,
+length) and a :class:`ShardSpec` per part it reads, never tokens. A worker opens a part once per process, by memory
+map for a local or shared filesystem path, or by range reads through ``pyarrow.fs`` (``s3://``, ``gs://``) with a
+bounded local cache (``flexorch.data.store.remote``), and checks each MiB chunk it reads against the part's
+digests the first time (a corrupted part is named in a :class:`~flexorch.data.lengths.DataError`; a truncated one
+is caught by its size). The tokens come back as ``int32`` arrays as stored (a loss mask as ``~id``:
+``flexorch.data.targets``).
+
+Pure numpy (+ pyarrow for object stores): no Ray, no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexorch.data.lengths import DataError
+from flexorch.data.store.layout import HASH_CHUNK
+
+__all__ = ["ShardSpec", "ShardReader", "shard_reader"]
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one part's tokens live and how to check them (small: it travels with every step's message)."""
+
+    path: str
+    """Local path or object-store URI of the part's ``.bin``."""
+    sums: str
+    """Its per-MiB digests (``.sums.npy``), a path or URI."""
+    dtype: str
+    """Numpy dtype string of the stored ids ('<u2', '<i2', '<u4', '<i4')."""
+    tokens: int
+    """Tokens in the part (its size is ``tokens * itemsize``)."""
+
+
+class _OpenShard:
+    """One opened part: ``shard[a:b]`` -> int32 tokens a..b-1, the chunks they lie in checked once."""
+
+    def __init__(self, spec: ShardSpec, cache_dir: str | None):
+        self.spec, self.dtype = spec, np.dtype(spec.dtype)
+        self.nbytes = spec.tokens * self.dtype.itemsize
+        self.checked: set[int] = set()
+        self.remote = _is_remote(spec.path)
+        if self.remote:
+            from flexorch.data.store import remote
+
+            self.source = remote.open_range_source(spec.path, cache_dir=cache_dir)
+            self.sums = np.load(remote.fetch_small(spec.sums, cache_dir=cache_dir))
+            size = self.source.size
+        else:
+            import os
+
+            try:
+                size = os.path.getsize(spec.path)
+                self.sums = np.load(spec.sums)
+            except OSError as e:
+                raise DataError(
+                    f"corpus part {spec.path} cannot be read here ({type(e).__name__}: {e}); on a cluster put "
+                    "[data] cache (or the prepared store) on a filesystem every node mounts, or on s3://"
+                ) from None
+            self.mm = np.memmap(spec.path, dtype=self.dtype, mode="r", shape=(spec.tokens,)) if spec.tokens else None
+        if size != self.nbytes:
+            raise DataError(
+                f"corpus part {spec.path} has {size:,} bytes, its manifest says {self.nbytes:,} (truncated or "
+                "replaced); run `flexorch prepare` on the source again: it redoes only the damaged part"
+            )
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        a, b, _ = s.indices(self.spec.tokens)
+        if b <= a:
+            return np.zeros(0, dtype=np.int32)
+        lo, hi = a * self.dtype.itemsize, b * self.dtype.itemsize
+        for c in range(lo // HASH_CHUNK, (hi - 1) // HASH_CHUNK + 1):
+            if c not in self.checked:
+                self._check(c)
+        if self.remote:
+            raw = self.source.read(lo, hi - lo)
+            return np.frombuffer(raw, dtype=self.dtype).astype(np.int32)
+        return np.asarray(self.mm[a:b]).astype(np.int32)
+
+    def _check(self, c: int) -> None:
+        lo, hi = c * HASH_CHUNK, min(self.nbytes, (c + 1) * HASH_CHUNK)
+        size = self.dtype.itemsize  # HASH_CHUNK is a multiple of every itemsize
+        raw = self.source.read(lo, hi - lo) if self.remote else self.mm[lo // size : hi // size].tobytes()
+        digest = int.from_bytes(hashlib.blake2b(bytes(raw), digest_size=8).digest(), "little")
+        if c >= len(self.sums) or digest != int(self.sums[c]):
+            raise DataError(
+                f"corpus part {self.spec.path} is corrupted: bytes {lo:,}-{hi:,} do not match its digest "
+                f"({self.spec.sums}); run `flexorch prepare` on the source again (it redoes the damaged part) or "
+                "remove the store to prepare it anew"
+            )
+        self.checked.add(c)
+
+
+def _is_remote(path: str) -> bool:
+    return path.startswith(("s3://", "gs://"))
+
+
+class ShardReader:
+    """The parts this process has opened (each once), by path."""
+
+    def __init__(self, cache_dir: str | None = None):
+        self.cache_dir = cache_dir
+        self._open: dict[str, _OpenShard] = {}
+
+    def open(self, spec: ShardSpec) -> _OpenShard:
+        shard = self._open.get(spec.path)
+        if shard is None or shard.spec != spec:
+            shard = self._open[spec.path] = _OpenShard(spec, self.cache_dir)
+        return shard
+
+    def blocks(self, specs: dict[int, ShardSpec]) -> dict[int, _OpenShard]:
+        """``{part index: opened part}``: what the step executors index as ``blocks[b][offset : offset + n]``."""
+        return {b: self.open(s) for b, s in specs.items()}
+
+
+_READER: ShardReader | None = None
+
+
+def shard_reader() -> ShardReader:
+    """This process's reader (a worker keeps its parts open across steps)."""
+    global _READER
+    if _READER is None:
+        _READER = ShardReader()
+    return _READER
