@@ -8,6 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from flexorch.cli.prepare import add_prepare_parser, cmd_prepare
 from flexorch.data.lengths import DataError, parse_tokens
 
 __all__ = ["main", "build_parser"]
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
     calib = sub.add_parser("profile", help="calibrate the cost model on the workers and write a profile JSON")
     _train_flags(calib)
     calib.add_argument("--out", type=Path, default=Path("runs/profile.json"), help="profile file to write")
+
+    add_prepare_parser(sub)
 
     dash = sub.add_parser("dashboard", help="serve the plan viewer page for a run directory (live while it runs)")
     dash.add_argument("run_dir", type=Path, help="run directory of `flexorch train` or `flexorch plan --run-dir`")
@@ -359,6 +362,7 @@ def main(argv: list[str] | None = None) -> int:
             "profile": _cmd_profile,
             "dashboard": _cmd_dashboard,
             "export": _cmd_export,
+            "prepare": cmd_prepare,
         }
         return commands[args.command](args)
     except (ValueError, OSError, RuntimeError) as e:  # PlanningError, DataError, ProfileError are ValueErrors

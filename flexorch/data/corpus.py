@@ -226,6 +226,7 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
     t0 = time.perf_counter()
     if cfg.source is not None and layout.is_store(os.path.expanduser(cfg.source)):
         corpus = open_store(cfg.source)
+        _check_store_fits(corpus, cfg)
         return _opened(corpus, t0, publish, "opened the prepared corpus")
     with progress_phases(publish, "loading the corpus") as phase:
         phase("listing the source")
@@ -254,6 +255,33 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
             phase(f"preparing {len(listing.files)} {listing.fmt} files under {listing.source}")
             prepare_store(cfg, store, publish, listing=listing, kind=kind, parallelism=parallelism)
     return _opened(open_store(store), t0, publish, "loaded the corpus")
+
+
+def _check_store_fits(corpus: Corpus, cfg: CorpusConfig) -> None:
+    """A store given as the source must suit the run: no document over the run's ``max_context``, and the run's
+    tokenizer (when it names one) the store's."""
+    from flexorch.data.store.fingerprint import tokenizer_fingerprint
+
+    st, fp = corpus.stats, {}
+    import json
+
+    fp = json.loads((Path(corpus.store) / "manifest.json").read_text())["fingerprints"]
+    if int(st.get("max_doc_tokens", 0)) > cfg.max_context:
+        raise DataError(
+            f"the store {corpus.store} holds documents of up to {st['max_doc_tokens']} tokens (prepared with "
+            f"max_context={st.get('max_context')}), over this run's max_context={cfg.max_context}: set [data] "
+            f"max_context = {st.get('max_context')}, or prepare the store again with --max-context {cfg.max_context}"
+        )
+    tok = cfg.tokenizer
+    if (
+        fp.get("tokenizer") != "pre-tokenized"
+        and tok not in ("auto",)
+        and (tokenizer_fingerprint(tok) != fp.get("tokenizer_digest"))
+    ):
+        raise DataError(
+            f"the store {corpus.store} was tokenized with {fp.get('tokenizer')!r}, this run uses {tok!r}: set [data] "
+            f"tokenizer = {fp.get('tokenizer')!r}, or prepare the store again with --tokenizer {tok}"
+        )
 
 
 def _say_other_stores(store: Path, fp: dict, phase) -> None:

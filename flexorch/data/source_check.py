@@ -5,12 +5,14 @@ so it says what the load would say."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from flexorch.data.lengths import DataError
 from flexorch.data.listing import list_source
 from flexorch.data.record_kinds import kind_fields, resolve_kind
 from flexorch.data.source_records import bad_record_error, check_parquet_field, parse_line, parse_record
+from flexorch.data.store.layout import is_store, read_manifest
 
 if TYPE_CHECKING:
     from flexorch.config.data import CorpusConfig
@@ -37,6 +39,9 @@ def check_source(cfg: CorpusConfig) -> None:
     verdict after `CHECK_FILES` files or `CHECK_BYTES` bytes, so it takes milliseconds on large corpora; documents
     over ``max_context``, under ``min_tokens`` or the tokenizer's view of them are left to the load.
     """
+    if cfg.source is not None and is_store(os.path.expanduser(cfg.source)):  # a prepared store: its manifest
+        read_manifest(os.path.expanduser(cfg.source))  # a finished store of this format, or a clear error
+        return
     listing = list_source(cfg)
     files = listing.files
     kind = resolve_kind(listing, cfg)  # chat, prompt/completion, tokenized: their first field must be there

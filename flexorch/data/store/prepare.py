@@ -72,6 +72,12 @@ def prepare_store(
         if (out / "manifest.json").is_file():
             manifest = layout.read_manifest(out)
             if _same(manifest["fingerprints"], fp) and not damaged_parts(out, manifest):
+                say(
+                    {
+                        "event": "progress",
+                        "message": f"{out} is already prepared from this source and these settings: nothing to do",
+                    }
+                )
                 return manifest
         if listing.fmt == "parquet":  # a missing column is named before any task starts
             from flexorch.data.readers import field_of
