@@ -1,5 +1,6 @@
 """``flexorch prepare SOURCE OUT``: tokenize a corpus once, in parallel over the Ray cluster, into a store that
 ``flexorch train`` (``[data] source = OUT`` or ``--data OUT``) opens in milliseconds (``flexorch.data.store``).
+Run again on a finished store, it checks every part's sha256 and prepares again only the parts that differ.
 
 The ``[data]`` settings come from ``--config`` (a run TOML: its ``[data]`` table, with a ``[model] hf`` model's
 tokenizer) and the flags, which win. ``OUT`` is a directory, or an ``s3://``/``gs://`` URI: the store is prepared
@@ -77,7 +78,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
         print(ev.get("message", ev), flush=True)
 
     unit_bytes = int(args.part_mb * 2**20) if args.part_mb else None
-    manifest = prepare_store(data, local, say, parallelism=args.parallelism, unit_bytes=unit_bytes)
+    manifest = prepare_store(data, local, say, parallelism=args.parallelism, unit_bytes=unit_bytes, verify=True)
     if remote:
         from flexorch.data.store.remote import upload_dir
 

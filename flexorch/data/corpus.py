@@ -246,15 +246,25 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
                 except DataError as e:
                     phase(f"{e}; preparing the damaged parts again")
             elif old is not None:
-                phase(
-                    f"the corpus store {store} is out of date ({describe_change(old['fingerprints'], fp)}); "
-                    "preparing it again"
-                )
+                change = describe_change(old["fingerprints"], fp, *_file_lists(store, listing))
+                phase(f"the corpus store {store} is out of date ({change}); preparing it again")
         if not ready:
             _say_other_stores(store, fp, phase)
             phase(f"preparing {len(listing.files)} {listing.fmt} files under {listing.source}")
             prepare_store(cfg, store, publish, listing=listing, kind=kind, parallelism=parallelism)
     return _opened(open_store(store), t0, publish, "loaded the corpus")
+
+
+def _file_lists(store: Path, listing) -> tuple[list | None, list | None]:
+    """The source files a store was prepared from (its plan) and the listed ones now, to name what changed."""
+    import json
+
+    from flexorch.data.store.fingerprint import source_files
+
+    try:
+        return json.loads((store / "plan.json").read_text())["source_files"], source_files(listing)
+    except (OSError, ValueError, KeyError):
+        return None, None
 
 
 def _check_store_fits(corpus: Corpus, cfg: CorpusConfig) -> None:

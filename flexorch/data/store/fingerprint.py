@@ -50,10 +50,10 @@ def _digest(obj) -> str:
 
 
 def tokenizer_fingerprint(spec: str) -> str:
-    """'byte', or ``hf:<sha>`` of a tokenizer directory's non-weight files (names and bytes; a trained BPE's timing
+    """'byte' ('auto' too), or ``hf:<sha>`` of a tokenizer directory's non-weight files (names and bytes; a trained BPE's timing
     notes, ``flexorch_bpe.json``, excluded: the same training gives the same fingerprint)."""
     if not spec.startswith("hf:"):
-        return spec
+        return "byte" if spec == "auto" else spec
     root = os.path.abspath(os.path.expanduser(spec[3:]))
     h = hashlib.sha256()
     if os.path.isdir(root):
@@ -81,13 +81,14 @@ def fingerprints(cfg: CorpusConfig, listing: Listing, kind: str) -> dict:
     settings |= {"format": listing.fmt, "records": kind, "store_format": FORMAT}
     settings["extensions"] = list(cfg.extensions) if cfg.extensions is not None else None
     files = source_files(listing)
-    tok = "pre-tokenized" if kind == "tokenized" else tokenizer_fingerprint(cfg.tokenizer)
+    spec = "byte" if cfg.tokenizer == "auto" else cfg.tokenizer  # 'auto' outside a run: bytes (CorpusConfig)
+    tok = "pre-tokenized" if kind == "tokenized" else tokenizer_fingerprint(spec)
     out = {
         "source": listing.source,
         "source_files": len(files),
         "source_bytes": int(sum(f[1] for f in files)),
         "source_digest": _digest(files),
-        "tokenizer": cfg.tokenizer if kind != "tokenized" else "pre-tokenized",
+        "tokenizer": spec if kind != "tokenized" else "pre-tokenized",
         "tokenizer_digest": tok,
         "settings": settings,
     }

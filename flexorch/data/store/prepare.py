@@ -52,13 +52,15 @@ def prepare_store(
     kind: str | None = None,
     parallelism: int | None = None,
     unit_bytes: int | None = None,
+    verify: bool = False,
 ) -> dict:
     """Prepare ``cfg``'s corpus into the store directory ``out`` (created; a finished store with the same
     fingerprints is left as it is). Returns the manifest.
 
     ``parallelism``: None, every CPU of the Ray cluster (``ray.init()`` is called if Ray is not running); N >= 1,
     at most N unit tasks at once; 0, in this process without Ray. ``unit_bytes``: source bytes per unit (default:
-    four units per CPU, 4-128 MiB)."""
+    four units per CPU, 4-128 MiB). ``verify``: of a finished store, also check every part's sha256 (reads them all)
+    and prepare again the ones that differ."""
     from flexorch.data.listing import list_source
     from flexorch.data.record_kinds import resolve_kind
 
@@ -71,7 +73,11 @@ def prepare_store(
     with _locked(out, say):
         if (out / "manifest.json").is_file():
             manifest = layout.read_manifest(out)
-            if _same(manifest["fingerprints"], fp) and not damaged_parts(out, manifest):
+            bad = _bad_units(out, manifest, verify) if _same(manifest["fingerprints"], fp) else []
+            for i, why in bad:  # redone below; the other parts are kept
+                say({"event": "progress", "message": f"part {i} of {out} is damaged ({why}): preparing it again"})
+                layout.part_paths(out, i)["done"].unlink(missing_ok=True)
+            if _same(manifest["fingerprints"], fp) and not bad:
                 say(
                     {
                         "event": "progress",
@@ -99,6 +105,26 @@ def prepare_store(
 def _same(a: dict, b: dict) -> bool:
     keys = ("source", "source_digest", "tokenizer_digest", "settings")
     return all(a.get(k) == b.get(k) for k in keys)
+
+
+def _bad_units(out: Path, manifest: dict, verify: bool) -> list[tuple[int, str]]:
+    """Units of a finished store whose part is missing, of the wrong size, or (``verify``) of another sha256."""
+    bad = []
+    for i, p in enumerate(manifest["parts"]):
+        path = out / "parts" / p["file"]
+        if not path.is_file() or path.stat().st_size != p["bytes"]:
+            bad.append((i, "missing" if not path.is_file() else f"{path.stat().st_size:,} bytes, not {p['bytes']:,}"))
+        elif verify and _sha256(path) != p["sha256"]:
+            bad.append((i, "its sha256 differs from the manifest's"))
+    return bad
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def damaged_parts(out: Path, manifest: dict) -> list[str]:

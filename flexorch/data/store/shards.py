@@ -97,6 +97,19 @@ class _OpenShard:
         self.checked.add(c)
 
 
+def _identity(path: str) -> tuple:
+    """A local file's inode and modification time (a replaced part is opened anew); remote: none."""
+    if _is_remote(path):
+        return ()
+    import os
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ()
+    return (st.st_ino, st.st_mtime_ns)
+
+
 def _is_remote(path: str) -> bool:
     return path.startswith(("s3://", "gs://"))
 
@@ -109,9 +122,13 @@ class ShardReader:
         self._open: dict[str, _OpenShard] = {}
 
     def open(self, spec: ShardSpec) -> _OpenShard:
+        """The opened part (again when the file was replaced since: a part prepared anew)."""
+        ident = (spec, _identity(spec.path))
         shard = self._open.get(spec.path)
-        if shard is None or shard.spec != spec:
-            shard = self._open[spec.path] = _OpenShard(spec, self.cache_dir)
+        if shard is None or shard.ident != ident:
+            shard = _OpenShard(spec, self.cache_dir)
+            shard.ident = ident
+            self._open[spec.path] = shard
         return shard
 
     def blocks(self, specs: dict[int, ShardSpec]) -> dict[int, _OpenShard]:
