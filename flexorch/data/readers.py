@@ -1,23 +1,23 @@
-"""Building a corpus: source files -> int32 token blocks in the Ray object store -> the driver's document index.
+"""Building a corpus: records -> tokenized, split documents with their loss targets -> the document index.
 
-`flexorch.data.corpus.load_corpus` runs four steps: `list_source` (which files, which format:
-`flexorch.data.listing`, re-exported here), `read_source` (Ray Data reads the records with their paths into Arrow
-blocks, `preserve_order` so a file's records arrive in file order), `pack_blocks` (one streaming Ray task per Arrow
-block tokenizes, splits and packs the documents into `int32` arrays of about `block_tokens` tokens, then yields a
-small metadata dict; the driver owns the blocks but `ray.get`s only the metadata) and `assemble_index` (document ids
-by sorting on (path, record, piece), independent of Ray Data's parallel order, plus the skip counts).
+A prepare (``flexorch.data.store.prepare``) runs two steps of this module: `pack_records`, in each work unit's
+task, validates, tokenizes and splits the unit's documents and yields ``int32`` blocks of about ``block_tokens``
+tokens (which the task writes to its part) and then a small metadata dict; `assemble_index`, in the preparing
+process, merges the units' metadata, checks it (a malformed record named by file and line, a wrong text field,
+documents over ``max_context``) and numbers the documents by sorted (path, record, piece), independent of the
+order in which units finished. `list_source` (``flexorch.data.listing``, re-exported here) says which files and
+which format.
 
-JSONL is read as whole files (`read_binary_files`, one row per file) and split into records in `_pack_block` by
-`flexorch.data.source_records`, which parses each line and names a malformed one (file and line). A null or
-missing text field is `skipped_no_text`, governed by `bad_files` as before.
+JSONL is split into records in `pack_records` by `flexorch.data.source_records`, which parses each line and names a
+malformed one (file and line). A null or missing text field is `skipped_no_text`, governed by `bad_files`.
 
-Quiet reads: corpora are loaded inside Ray actors and by `flexorch train`, where Ray Data's execution banners,
-progress bars/logs and stats dumps are noise. `read_source` runs under a copy of the current `DataContext` with
-those off and holds the `ray.data` loggers at WARNING (so DEBUG/INFO records do not reach Ray Data's session log
-file either); the previous context and levels come back when the read returns or fails.
+Quiet Ray Data: prepares run inside Ray actors and `flexorch train`, where Ray Data's execution banners, progress
+bars/logs and stats dumps are noise. `quiet_ray_data` gives a copy of the current `DataContext` with those off and
+holds the `ray.data` loggers at WARNING (so DEBUG/INFO records do not reach Ray Data's session log file either); the
+previous context and levels come back when the block ends.
 
-Why one module for reading, packing and indexing: the packing tasks and the index share the record layout and the
-status codes (`_OK` ... `_BAD`, the skip counters), and each is read against the other.
+Why one module for packing and indexing: the packing and the index share the record layout and the status codes
+(`_OK` ... `_BAD`, the skip counters), and each is read against the other.
 """
 
 from __future__ import annotations
@@ -28,13 +28,11 @@ import os
 from typing import TYPE_CHECKING
 
 import numpy as np
-import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from flexorch.data.lengths import DataError
 from flexorch.data.listing import Listing, list_source
 from flexorch.data.record_kinds import BadRecord, encode_record, exchange_pieces, kind_fields
-from flexorch.data.source_records import bad_record_error, block_records, check_parquet_field, is_utf8
+from flexorch.data.source_records import bad_record_error, block_records, is_utf8
 from flexorch.data.targets import count_targets, token_ids
 from flexorch.data.tokenizer import get_tokenizer
 
@@ -44,8 +42,6 @@ if TYPE_CHECKING:
 __all__ = [
     "Listing",
     "list_source",
-    "read_source",
-    "pack_blocks",
     "pack_records",
     "assemble_index",
     "quiet_ray_data",
@@ -89,60 +85,6 @@ def quiet_ray_data():
 def field_of(kind: str, cfg: CorpusConfig) -> str:
     """The field every record of ``kind`` must have."""
     return getattr(cfg, _NO_FIELD.get(kind, "text_field"))
-
-
-def read_source(listing: Listing, cfg: CorpusConfig, kind: str = "text") -> list[ray.ObjectRef]:
-    """Read the listed files with Ray Data (quietly); refs to the Arrow blocks, a file's records in file order.
-    ``kind``: what a record holds (``flexorch.data.record_kinds.resolve_kind``): which Parquet columns are read."""
-    import pyarrow.parquet as pq
-    import ray.data
-
-    files, fmt = listing.files, listing.fmt
-    n_blocks = int(min(max(1, -(-sum(map(os.path.getsize, files)) // cfg.block_tokens)), 10_000))
-    if fmt == "parquet":
-        check_parquet_field(files, field_of(kind, cfg))
-    try:
-        with quiet_ray_data():
-            if fmt in ("text", "jsonl", "hf_dataset"):  # whole files, split into records by _pack_block
-                n_blocks = min(n_blocks, len(files))
-                ds = ray.data.read_binary_files(files, include_paths=True, override_num_blocks=n_blocks)
-            else:
-                ds = ray.data.read_parquet(files, include_paths=True, file_extensions=None)
-                have = set(pq.read_schema(files[0]).names)
-                ds = ds.select_columns([f for f in kind_fields(kind, cfg) if f in have] + ["path"])
-            ds.context.execution_options.preserve_order = True  # the dataset's own copy: record numbers
-            return ds.to_arrow_refs()
-    except Exception as e:  # noqa: BLE001 - a reader failure becomes one DataError naming the source
-        cause = getattr(e, "cause", None) or e
-        msg = str(cause).strip().splitlines()[-1] if str(cause).strip() else ""
-        raise DataError(
-            f"could not read {len(files)} file(s) under {os.path.dirname(files[0])} as {fmt}: "
-            f"{type(cause).__name__}: {msg} (fix or remove the file, or set format= to how the data is stored)"
-        ) from e
-
-
-def pack_blocks(
-    arrow_refs: list, listing: Listing, cfg: CorpusConfig, kind: str = "text"
-) -> tuple[list[list], list[dict]]:
-    """One `_pack_block` task per Arrow block: (token block refs per task, which the caller now owns; metadata).
-
-    The tasks run on the caller's node (the driver's), so the token blocks live in its object store and survive
-    the loss of any worker node (an elastic run keeps reading them after a node is removed)."""
-    spec = (listing.base, listing.fmt, cfg, kind)
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-    gens = [_pack_block.options(scheduling_strategy=here).remote(r, spec, cfg.block_tokens) for r in arrow_refs]
-    block_refs, metas = [], []
-    for g in gens:
-        out = list(g)
-        metas.append(out.pop())
-        block_refs.append(out)
-    return block_refs, ray.get(metas)
-
-
-@ray.remote(num_returns="streaming")
-def _pack_block(table, spec: tuple, block_tokens: int):
-    """`pack_records` as a streaming Ray task: the blocks go to the object store, the metadata dict comes last."""
-    yield from pack_records(table, spec, block_tokens)
 
 
 def pack_records(table, spec: tuple, block_tokens: int):
