@@ -1,7 +1,7 @@
 """An in-process stand-in for a Ray cluster of workers, for stepping the real ``TrainingDriver`` without Ray.
 
 * :func:`memory_corpus`: a :class:`~flexorch.data.corpus.Corpus` whose blocks are numpy arrays in this process
-  (the driver hands ``block_refs`` to the worker group as they are).
+  (the driver hands them to the worker group as they are; a store's part specs are opened as a worker would).
 * :class:`FakeWorkerGroup`: the :class:`~flexorch.control.group.WorkerGroup` seam over :class:`FakeWorker` objects,
   each holding its own training state (model, AdamW, schedule of the real ``flexorch.workers.model`` /
   ``flexorch.workers.optim``). A step trains the step's documents with the single-process reference step
@@ -27,7 +27,7 @@ import torch
 
 from flexorch.control.membership import Failure, Membership
 from flexorch.control.worker_group import MembershipFailure, WorkerGroupError
-from flexorch.data.corpus import Corpus
+from flexorch.data.corpus import Corpus, resolve_blocks
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL, missing_parts, model_parts, transfers
 from flexorch.workers.model import init_model
@@ -273,7 +273,7 @@ class FakeWorkerGroup:
         the faults of this step decide who completes it."""
         ids = self.worker_ids
         step = tasks[0].step
-        blocks = {b: a for refs in block_refs for b, a in refs.items()}
+        blocks = resolve_blocks({b: a for refs in block_refs for b, a in refs.items()})  # arrays, or store parts
         docs = _batch_docs(tasks)
         hit = self._take_fault("step", step, ids)
         handles = {w: _Handle() for w in ids}

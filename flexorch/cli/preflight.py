@@ -35,6 +35,14 @@ def preflight(cfg: TrainConfig) -> list[str]:
                 check_source(task.data)
             except DataError as e:
                 raise DataError(f"[[tasks]] {task.name!r}: {e}") from None
+    elif cfg.data.sources:  # [[data.sources]]: every source of the mixture
+        from flexorch.data.lengths import DataError
+
+        for i, src in enumerate(cfg.data.sources):
+            try:
+                check_source(cfg.data.source_config(i))
+            except DataError as e:
+                raise DataError(f"[[data.sources]] {src.name!r}: {e}") from None
     else:
         check_source(cfg.data)
     spec = cfg.data.tokenizer

@@ -88,7 +88,8 @@ def format_step(ev: dict, total: int) -> str:
         if rec.get("driver_restart"):  # the driver was lost and a new one took over from the last checkpoint
             line += (
                 f"  [driver restarted, recovered in {rec['total_ms'] / 1e3:.1f} s: detect {rec['detect_ms'] / 1e3:.1f}"
-                f" s, new driver {rec['recovery_ms'] / 1e3:.1f} s, re-run {rec['rerun_ms'] / 1e3:.1f} s "
+                f" s, new driver {rec['recovery_ms'] / 1e3:.1f} s (corpus {rec.get('corpus_ms', 0.0) / 1e3:.1f} s), "
+                f"re-run {rec['rerun_ms'] / 1e3:.1f} s "
                 f"({rec['redone_steps']} step{'' if rec['redone_steps'] == 1 else 's'} trained again)]"
             )
         elif "total_ms" in rec:  # a failure during this step: the time it cost, as lived

@@ -5,9 +5,10 @@ Pure data: no Ray, so a run file can be read and checked without starting a clus
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-__all__ = ["BPE_VOCAB_RANGE", "FORMATS", "RECORD_KINDS", "CorpusConfig", "bpe_vocab"]
+__all__ = ["BPE_VOCAB_RANGE", "FORMATS", "RECORD_KINDS", "CorpusConfig", "DataSource", "bpe_vocab"]
 
 FORMATS = ("auto", "text", "jsonl", "parquet", "hf_dataset")
 """How the records are stored ('hf_dataset': a directory Hugging Face ``datasets`` wrote with ``save_to_disk``)."""
@@ -117,7 +118,13 @@ class CorpusConfig:
     of its source, tokenizer and settings there and prepares nothing when the source has not changed. None:
     ``$FLEXORCH_DATA_CACHE``, else ``~/.cache/flexorch/corpora``. On a cluster: a path every node mounts."""
 
+    sources: tuple = ()
+    """``[[data.sources]]``: a mixture of several corpora (:class:`DataSource`: ``source``, ``weight``, ``name`` and
+    any record settings of its own), each global batch drawn from them in proportion to their weights, each with
+    its own epochs (``flexorch.data.mixture``); ``source`` must then be unset. Empty: the one ``source``."""
+
     def __post_init__(self) -> None:
+        self._check_sources()
         if self.format in RECORD_KINDS[2:]:  # format = "chat": a shorthand for records = "chat"
             if self.records not in ("auto", self.format):
                 raise ValueError(f"format = {self.format!r} and records = {self.records!r} disagree; set one")
@@ -169,3 +176,71 @@ class CorpusConfig:
                 raise ValueError(f"extensions must be a non-empty tuple like ('.py', '.md'), got {self.extensions!r}")
             norm = tuple(e.lower() if e.startswith(".") else "." + e.lower() for e in self.extensions)
             object.__setattr__(self, "extensions", norm)
+
+    def _check_sources(self) -> None:
+        if not self.sources:
+            object.__setattr__(self, "sources", ())
+            return
+        if self.source is not None:
+            raise ValueError("set either [data] source or [[data.sources]] (a mixture), not both")
+        srcs = tuple(s if isinstance(s, DataSource) else _data_source(s) for s in self.sources)
+        names = [s.name for s in srcs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"[[data.sources]] names must differ (set name = ...), got {names}")
+        object.__setattr__(self, "sources", srcs)
+
+    def source_config(self, i: int) -> CorpusConfig:
+        """The corpus settings of mixture source ``i``: this table's, with the source's own where it sets them."""
+        src = self.sources[i]
+        own = {f.name: getattr(src, f.name) for f in dataclasses.fields(DataSource) if f.name not in _NOT_SETTINGS}
+        own = {k: v for k, v in own.items() if v is not None}
+        return dataclasses.replace(self, sources=(), source=src.source, **own)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSource:
+    """One corpus of a ``[[data.sources]]`` mixture; unset record settings are the ``[data]`` table's."""
+
+    source: str
+    """Its directory, JSONL or Parquet file, ``datasets`` directory, or prepared store."""
+    weight: float = 1.0
+    """Its share of every global batch: weight / sum of the weights (Megatron's blending rule, exact to a document)."""
+    name: str = ""
+    """How the records and the console name it (default: the source's file or directory name)."""
+    format: str | None = None
+    records: str | None = None
+    text_field: str | None = None
+    messages_field: str | None = None
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    input_ids_field: str | None = None
+    labels_field: str | None = None
+    loss_mask_field: str | None = None
+    loss_on: str | None = None
+    split: str | None = None
+    over_long: str | None = None
+    min_tokens: int | None = None
+    bad_files: str | None = None
+    on_bad_record: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.source, str) or not self.source.strip():
+            raise ValueError(f"a [[data.sources]] entry needs source = a path, got {self.source!r}")
+        if not isinstance(self.weight, (int, float)) or not self.weight > 0:
+            raise ValueError(f"[[data.sources]] {self.source!r}: weight must be > 0, got {self.weight!r}")
+        if not self.name:
+            base = self.source.rstrip("/").rsplit("/", 1)[-1] or self.source
+            object.__setattr__(self, "name", base)
+
+
+_NOT_SETTINGS = ("source", "weight", "name")
+
+
+def _data_source(value) -> DataSource:
+    if not isinstance(value, dict):
+        raise ValueError(f"[[data.sources]] entries are tables (source = ..., weight = ...), got {value!r}")
+    known = {f.name for f in dataclasses.fields(DataSource)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"[[data.sources]]: unknown keys {unknown}; known: {sorted(known)}")
+    return DataSource(**value)

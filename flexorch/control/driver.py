@@ -44,6 +44,7 @@ from flexorch.control.transitions import EventLog, Ran, Transition
 from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
 from flexorch.data.bpe import prepare_tokenizer
 from flexorch.data.corpus import load_corpus
+from flexorch.data.mixture import MixtureStream, load_mixture, mixture_tokenizer, source_fields
 from flexorch.data.stream import DocumentStream
 from flexorch.data.task_corpus import TaskStreams, load_task_corpus, multitask_fields, task_fields, tasks_tokenizer
 from flexorch.records.metrics import RunMetrics
@@ -114,6 +115,9 @@ class TrainingDriver:
         if self.corpus is None and cfg.tasks:  # [[tasks]]: each task's data, one id space (data.task_corpus)
             self.cfg = cfg = tasks_tokenizer(cfg, self.run_dir)
             self.corpus = load_task_corpus(cfg.tasks, publish=self._publish)
+        elif self.corpus is None and cfg.data.sources:  # [[data.sources]]: a mixture, each source its own store
+            self.cfg = cfg = cfg.replace(data=mixture_tokenizer(cfg.data, self.run_dir))
+            self.corpus = load_mixture(cfg.data, publish=self._publish)
         elif self.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
             self.cfg = cfg = cfg.replace(data=prepare_tokenizer(cfg.data, self.run_dir))
             self.corpus = load_corpus(cfg.data, publish=self._publish)
@@ -124,6 +128,8 @@ class TrainingDriver:
             )
         if cfg.tasks:  # counts[t] documents of every task per batch, each task on its own epochs
             self.stream = TaskStreams(self.corpus, cfg.task_counts, cfg.seed)
+        elif cfg.data.sources:  # each batch blended from the sources by their weights, each on its own epochs
+            self.stream = MixtureStream.for_corpus(self.corpus, cfg.batch_size, cfg.seed)
         else:
             self.stream = DocumentStream(self.corpus.num_docs, cfg.batch_size, cfg.seed)
         sharded = cfg.sharding_mode != "replicate"
@@ -184,6 +190,7 @@ class TrainingDriver:
             self._restart_setup_at = time.time()
             self._restart["recovery_ms"] = (self._restart_setup_at - self._restart.pop("seen_at")) * 1e3
             self._restart["from_step"] = self.step_no
+            self._restart["corpus_ms"] = float(self.corpus.stats.get("load_s", 0.0)) * 1e3  # of the new driver's
         return summary
 
     def where(self) -> dict:
@@ -219,6 +226,7 @@ class TrainingDriver:
         boundary_ms = (time.perf_counter() - t_start) * 1e3
         batch = self.stream.peek()  # taken (next_batch) only once the step is done or skipped
         task_epochs = self.stream.epochs() if self.cfg.tasks else None  # [[tasks]]: each task's own epoch
+        mixed = source_fields(self.stream, batch, self.corpus.lengths)  # [[data.sources]]: what came from each
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
         carried, self._rolled_back = self._rolled_back, []
         recoveries = carried + ([joined] if joined else [])
@@ -301,6 +309,8 @@ class TrainingDriver:
         measured_ms = (t_done - t_dispatch) * 1e3
         self._last_step_ms = measured_ms
         record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
+        if mixed is not None:
+            record["sources"] = mixed
         if self.cfg.tasks:
             record["tasks"] = task_fields(self.cfg.tasks, docs, record.get("task_losses", {}), task_epochs)
             record["multitask"] = multitask_fields(planned.plan)

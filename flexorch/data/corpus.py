@@ -92,6 +92,8 @@ class Corpus:
         self.task_names: tuple[str, ...] = tuple(task_names)
         self.store: str | None = store
         """The store directory this corpus was opened from (None: combined in memory)."""
+        self.mixture: tuple | None = None
+        """``[[data.sources]]``: (names, documents, weights) of the sources (``flexorch.data.mixture``)."""
 
     @property
     def num_docs(self) -> int:

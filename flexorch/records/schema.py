@@ -77,6 +77,8 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   (null: planned, but no plan came of it; absent: not planned, no group of full's packing needed it); a recovery
   after a worker ran out of device memory has ``out_of_memory`` (``workers``, the activation budget per worker
   before and after the cut, in bytes and tokens).
+* ``sources`` (optional, runs of ``[[data.sources]]``): per source its ``docs`` and ``tokens`` in this step's batch
+  and its ``epoch`` (the source's own pass over its documents; ``epoch`` above is the heaviest source's).
 * ``tasks``, ``task_losses`` and ``multitask`` (optional, runs of ``[[tasks]]``): per task its ``docs``, ``tokens``,
   ``targets``, mean ``loss`` and ``epoch`` (the task's own pass over its data; ``epoch`` above is the first task's)
   this step, the batch holding each task's documents in task order; ``task_losses`` the same losses by task name (what

@@ -50,8 +50,8 @@ def _digest(obj) -> str:
 
 
 def tokenizer_fingerprint(spec: str) -> str:
-    """'byte' ('auto' too), or ``hf:<sha>`` of a tokenizer directory's non-weight files (names and bytes; a trained BPE's timing
-    notes, ``flexorch_bpe.json``, excluded: the same training gives the same fingerprint)."""
+    """'byte' ('auto' too), or ``hf:<sha>`` of a tokenizer directory's non-weight files (names and bytes; a
+    trained BPE's timing notes, ``flexorch_bpe.json``, excluded: the same training gives the same fingerprint)."""
     if not spec.startswith("hf:"):
         return "byte" if spec == "auto" else spec
     root = os.path.abspath(os.path.expanduser(spec[3:]))
