@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from flexorch.config import CorpusConfig, ModelConfig, OptimConfig, PlanSettings, TrainConfig
+from flexorch.config import ModelConfig, OptimConfig, PlanSettings, TrainConfig
 from flexorch.config.load import config_from_dict
 from flexorch.data.mixture import IdRanges, MixtureStream, blend_counts, load_mixture
 from flexorch.records.writer import read_records
