@@ -12,6 +12,7 @@ import pytest
 # ~/.cache: set before any Ray starts, so drivers and workers inherit it. Shared by the session's tests (a source
 # prepared once is reused, as across a user's runs).
 os.environ.setdefault("FLEXORCH_DATA_CACHE", tempfile.mkdtemp(prefix="flexorch-corpora-"))
+os.environ.setdefault("FLEXORCH_REMOTE_CACHE", tempfile.mkdtemp(prefix="flexorch-remote-"))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -92,6 +92,8 @@ class Corpus:
         self.task_names: tuple[str, ...] = tuple(task_names)
         self.store: str | None = store
         """The store directory this corpus was opened from (None: combined in memory)."""
+        self.manifest: dict | None = None
+        """The store's manifest (opened from a store)."""
         self.mixture: tuple | None = None
         """``[[data.sources]]``: (names, documents, weights) of the sources (``flexorch.data.mixture``)."""
 
@@ -171,46 +173,64 @@ def default_cache_dir() -> str:
 
 
 def open_store(store: str | Path) -> Corpus:
-    """The corpus of a finished store: its index arrays memory-mapped, nothing read per document."""
-    from flexorch.data.store import layout
+    """The corpus of a finished store: its index arrays memory-mapped, nothing read per document. ``store``: a
+    directory, or an ``s3://``/``gs://`` URI (its manifest and index are fetched once into a local cache, its parts
+    read by range: ``flexorch.data.store.remote``)."""
+    import json
+
+    from flexorch.data.store import layout, remote
     from flexorch.data.store.prepare import damaged_parts
     from flexorch.data.store.shards import ShardSpec
 
-    store = Path(os.path.abspath(Path(store).expanduser()))
-    manifest = layout.read_manifest(store)
-    bad = damaged_parts(store, manifest)
-    if bad:
-        raise DataError(
-            f"corpus store {store} is damaged: {'; '.join(bad[:3])}; run `flexorch prepare` on its source again (it "
-            "redoes only the damaged parts), or remove the store to prepare it anew"
+    if remote.is_remote(str(store)):
+        where = str(store).rstrip("/")
+        manifest = layout.check_manifest(
+            json.loads(Path(remote.fetch_small(remote.join(where, "manifest.json"))).read_text()), where
         )
-    idx = store / "index"
+
+        def local(*rel: str) -> str:
+            return remote.fetch_small(remote.join(where, *rel))
+
+        def part(name: str) -> str:
+            return remote.join(where, "parts", name)
+    else:
+        root = Path(os.path.abspath(Path(store).expanduser()))
+        where, manifest = str(root), layout.read_manifest(root)
+        bad = damaged_parts(root, manifest)
+        if bad:
+            raise DataError(
+                f"corpus store {root} is damaged: {'; '.join(bad[:3])}; run `flexorch prepare` on its source again "
+                "(it redoes only the damaged parts), or remove the store to prepare it anew"
+            )
+
+        def local(*rel: str) -> str:
+            return str(root.joinpath(*rel))
+
+        def part(name: str) -> str:
+            return str(root / "parts" / name)
 
     def arr(name: str):
-        return np.load(idx / f"{name}.npy", mmap_mode="r")
+        return np.load(local("index", f"{name}.npy"), mmap_mode="r")
 
-    import json
-
-    names = json.loads((idx / "key_names.json").read_text())
+    names = json.loads(Path(local("index", "key_names.json")).read_text())
     keys = DocKeys(names["names"], names["fmt"], arr("key_path"), arr("key_row"), arr("key_piece"))
-    shards = [
-        ShardSpec(str(store / "parts" / p["file"]), str(store / "parts" / p["sums"]), manifest["dtype"], p["tokens"])
-        for p in manifest["parts"]
-    ]
+    shards = [ShardSpec(part(p["file"]), part(p["sums"]), manifest["dtype"], p["tokens"]) for p in manifest["parts"]]
     stats = dict(manifest["stats"])
-    stats["store"] = str(store)
-    return Corpus(
+    stats["store"] = where
+    corpus = Corpus(
         keys=keys,
         lengths=arr("lengths"),
-        targets=arr("targets") if (idx / "targets.npy").is_file() else None,
+        targets=arr("targets") if "targets" in manifest["index"] else None,
         doc_blocks=arr("part"),
         doc_offsets=arr("offset"),
         shards=shards,
         stats=stats,
         tokenizer_name=manifest["tokenizer_name"],
         vocab_size=int(manifest["vocab_size"]),
-        store=str(store),
+        store=where,
     )
+    corpus.manifest = manifest
+    return corpus
 
 
 def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = None) -> Corpus:
@@ -226,7 +246,9 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
     from flexorch.data.store.prepare import prepare_store
 
     t0 = time.perf_counter()
-    if cfg.source is not None and layout.is_store(os.path.expanduser(cfg.source)):
+    from flexorch.data.store.remote import is_remote
+
+    if cfg.source is not None and (is_remote(cfg.source) or layout.is_store(os.path.expanduser(cfg.source))):
         corpus = open_store(cfg.source)
         _check_store_fits(corpus, cfg)
         return _opened(corpus, t0, publish, "opened the prepared corpus")
@@ -274,10 +296,7 @@ def _check_store_fits(corpus: Corpus, cfg: CorpusConfig) -> None:
     tokenizer (when it names one) the store's."""
     from flexorch.data.store.fingerprint import tokenizer_fingerprint
 
-    st, fp = corpus.stats, {}
-    import json
-
-    fp = json.loads((Path(corpus.store) / "manifest.json").read_text())["fingerprints"]
+    st, fp = corpus.stats, corpus.manifest["fingerprints"]
     if int(st.get("max_doc_tokens", 0)) > cfg.max_context:
         raise DataError(
             f"the store {corpus.store} holds documents of up to {st['max_doc_tokens']} tokens (prepared with "

@@ -1,10 +1,20 @@
 """Global batches of document ids: epoch-exact, seeded, resumable. Pure numpy, no Ray.
 
-Every epoch is a seeded permutation of all document ids (`np.random.default_rng([seed, epoch])`, so an epoch's
-order depends only on the seed and the epoch number) cut into consecutive slices of `batch_size`; the last slice of
-an epoch may be smaller. Every document is used exactly once per epoch, none is dropped or repeated. The driver
-calls `peek()` to plan step t+1 while step t runs, then `next_batch()` to take it. `state_dict()` is a plain
-JSON-able dict; `load_state_dict()` continues at exactly the next document.
+Every epoch is a seeded permutation of all document ids cut into consecutive slices of `batch_size`; the last slice
+of an epoch may be smaller. Every document is used exactly once per epoch, none is dropped or repeated. An epoch's
+order depends only on the seed and the epoch number:
+
+* ``order="feistel"`` (the default): the id at position p of epoch e is
+  ``feistel_permute(p, num_docs, derive_key(seed, e))`` (``flexorch.data.feistel``: a keyed Feistel bijection of
+  ``[0, num_docs)`` with cycle-walking), computed per batch: O(1) memory, O(batch) time per batch, whatever the
+  corpus size (10**9 documents are shuffled without a permutation array).
+* ``order="rng"`` (legacy): ``np.random.default_rng([seed, epoch]).permutation(num_docs)``, the order of streams
+  saved before the Feistel order existed; it materialises the whole epoch (O(num_docs) memory and time per epoch).
+  A state without an ``"order"`` key (saved by such a stream) resumes in this order, so an old run continues
+  exactly as it would have.
+
+The driver calls `peek()` to plan step t+1 while step t runs, then `next_batch()` to take it. `state_dict()` is a
+plain JSON-able dict of a few ints and the order's name; `load_state_dict()` continues at exactly the next document.
 """
 
 from __future__ import annotations
@@ -13,9 +23,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Batch", "DocumentStream"]
+from flexorch.data.feistel import derive_key, feistel_permute
+
+__all__ = ["ORDERS", "Batch", "DocumentStream"]
 
 _STATE_KEYS = ("seed", "epoch", "position", "step", "num_docs", "batch_size")
+ORDERS = ("feistel", "rng")
+"""Epoch orders: ``"feistel"`` (default, O(batch) per batch) and ``"rng"`` (legacy, a numpy permutation)."""
+_LEGACY_ORDER = "rng"  # the order of a state without an "order" key
+
+
+def _check_order(order) -> str:
+    if order not in ORDERS:
+        raise ValueError(f"unknown stream order {order!r}; expected one of {list(ORDERS)}")
+    return order
 
 
 @dataclass(frozen=True)
@@ -38,66 +59,81 @@ class Batch:
 class DocumentStream:
     """Seeded, epoch-exact stream of global batches over `num_docs` documents."""
 
-    def __init__(self, num_docs: int, batch_size: int, seed: int = 0):
+    def __init__(self, num_docs: int, batch_size: int, seed: int = 0, *, order: str = "feistel"):
         if int(num_docs) < 1:
             raise ValueError(f"num_docs must be >= 1, got {num_docs} (the corpus is empty)")
         if int(batch_size) < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         self.num_docs, self.batch_size, self.seed = int(num_docs), int(batch_size), int(seed)
+        self.order = _check_order(order)
         self.epoch, self.position, self.step = 0, 0, 0
-        self._perm_epoch: int | None = None
-        self._perm: np.ndarray | None = None
+        self._perms: dict[tuple[int, int], np.ndarray] = {}  # "rng": (seed, epoch) -> permutation, at most 2
 
     @property
     def batches_per_epoch(self) -> int:
         """Batches in one epoch (the last one may be smaller than batch_size)."""
         return -(-self.num_docs // self.batch_size)
 
+    def _rng_permutation(self, epoch: int) -> np.ndarray:
+        key = (self.seed, int(epoch))
+        if key not in self._perms:  # two kept: peek and peek_after straddle an epoch's end
+            while len(self._perms) >= 2:
+                del self._perms[next(iter(self._perms))]
+            self._perms[key] = np.random.default_rng([self.seed, int(epoch)]).permutation(self.num_docs)
+        return self._perms[key]
+
+    def epoch_ids(self, epoch: int, start: int, stop: int) -> np.ndarray:
+        """Document ids at positions ``start .. stop-1`` of ``epoch``'s order (O(stop - start) for "feistel")."""
+        start, stop = max(0, int(start)), min(self.num_docs, int(stop))
+        if self.order == "rng":
+            return self._rng_permutation(epoch)[start:stop]
+        if stop <= start:
+            return np.zeros(0, dtype=np.int64)
+        return feistel_permute(np.arange(start, stop, dtype=np.int64), self.num_docs, derive_key(self.seed, epoch))
+
     def permutation(self, epoch: int) -> np.ndarray:
-        """The order of document ids in `epoch` (a function of seed and epoch only)."""
-        if self._perm_epoch != epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_docs)
-            self._perm_epoch = epoch
-        return self._perm
+        """The whole order of document ids in `epoch` (a function of seed and epoch only); O(num_docs) memory, for
+        tests and small corpora: the stream itself computes only the batch at hand."""
+        return self.epoch_ids(epoch, 0, self.num_docs)
+
+    def _batch_at(self, epoch: int, position: int, step: int) -> Batch:
+        ids = self.epoch_ids(epoch, position, position + self.batch_size)
+        return Batch(epoch=epoch, index_in_epoch=position // self.batch_size, step=step, doc_ids=tuple(ids.tolist()))
+
+    def _advance(self, epoch: int, position: int) -> tuple[int, int]:
+        """(epoch, position) after the batch at (epoch, position); a finished epoch rolls over to the next."""
+        position += min(self.batch_size, self.num_docs - position)
+        return (epoch + 1, 0) if position >= self.num_docs else (epoch, position)
 
     def peek(self) -> Batch:
         """The next batch, without advancing the stream."""
-        perm = self.permutation(self.epoch)
-        ids = perm[self.position : self.position + self.batch_size]
-        return Batch(
-            epoch=self.epoch,
-            index_in_epoch=self.position // self.batch_size,
-            step=self.step,
-            doc_ids=tuple(int(i) for i in ids),
-        )
+        return self._batch_at(self.epoch, self.position, self.step)
 
     def peek_after(self) -> Batch:
         """The batch after the next one, without advancing the stream (the driver plans it while a step runs)."""
-        state = self.state_dict()
-        self.next_batch()
-        after = self.peek()
-        self.load_state_dict(state)
-        return after
+        epoch, position = self._advance(self.epoch, self.position)
+        return self._batch_at(epoch, position, self.step + 1)
 
     def next_batch(self) -> Batch:
         """Take the next batch and advance; a finished epoch rolls over to the next permutation."""
         batch = self.peek()
-        self.position += len(batch.doc_ids)
+        self.epoch, self.position = self._advance(self.epoch, self.position)
         self.step += 1
-        if self.position >= self.num_docs:
-            self.epoch, self.position = self.epoch + 1, 0
         return batch
 
     def __iter__(self):
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict[str, int]:
-        """Plain JSON-able position of the stream (seed, epoch, position, step, num_docs, batch_size)."""
-        return {k: int(getattr(self, k)) for k in _STATE_KEYS}
+    def state_dict(self) -> dict[str, int | str]:
+        """Plain JSON-able position of the stream (seed, epoch, position, step, num_docs, batch_size, order)."""
+        return {**{k: int(getattr(self, k)) for k in _STATE_KEYS}, "order": self.order}
 
     def load_state_dict(self, state: dict) -> None:
-        """Continue from `state` (from `state_dict()` of a stream over the same corpus size and batch size)."""
+        """Continue from `state` (from `state_dict()` of a stream over the same corpus size and batch size).
+
+        The state's order wins over this stream's; a state without one (saved before orders existed) continues in
+        the legacy ``"rng"`` order, and this stream's later states say so."""
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"stream state lacks {missing}; expected the dict from DocumentStream.state_dict()")
@@ -105,6 +141,7 @@ class DocumentStream:
             s = {k: int(state[k]) for k in _STATE_KEYS}
         except (TypeError, ValueError):
             raise ValueError(f"stream state values must be integers, got {state}") from None
+        order = _check_order(state.get("order", _LEGACY_ORDER))
         if s["num_docs"] != self.num_docs:
             raise ValueError(
                 f"stream state was saved for a corpus of {s['num_docs']} documents, this stream has {self.num_docs}; "
@@ -120,10 +157,10 @@ class DocumentStream:
         if s["position"] % self.batch_size:
             raise ValueError(f"stream state position {s['position']} is not a multiple of batch_size {self.batch_size}")
         self.seed, self.epoch, self.position, self.step = s["seed"], s["epoch"], s["position"], s["step"]
-        self._perm_epoch = None
+        self.order = order
 
     def __repr__(self) -> str:
         return (
             f"DocumentStream(num_docs={self.num_docs}, batch_size={self.batch_size}, seed={self.seed}, "
-            f"epoch={self.epoch}, position={self.position}, step={self.step})"
+            f"order={self.order!r}, epoch={self.epoch}, position={self.position}, step={self.step})"
         )

@@ -36,6 +36,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_json",
     "atomic_save_npy",
+    "check_manifest",
     "is_store",
     "part_paths",
     "read_manifest",
@@ -118,9 +119,17 @@ def read_manifest(store: str | Path) -> dict:
         manifest = json.loads((p / "manifest.json").read_text())
     except (OSError, ValueError) as e:
         raise DataError(f"{p}/manifest.json is unreadable ({type(e).__name__}: {e}); prepare the store again") from e
-    if manifest.get("format") != FORMAT:
+    return check_manifest(manifest, str(p))
+
+
+def check_manifest(manifest: dict, where: str) -> dict:
+    """``manifest`` when it is of this flexorch's store format, else a clear error naming ``where``."""
+    from flexorch.data.lengths import DataError
+
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else None
         raise DataError(
-            f"{p} is a corpus store of format {manifest.get('format')!r}; this flexorch reads {FORMAT!r}: "
-            "prepare it again (`flexorch prepare`)"
+            f"{where} is a corpus store of format {got!r}; this flexorch reads {FORMAT!r}: prepare it again "
+            "(`flexorch prepare`)"
         )
     return manifest

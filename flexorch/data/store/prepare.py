@@ -446,6 +446,7 @@ def _finalize(out: Path, cfg, listing, kind: str, plan: dict, spec: dict, fp: di
         "tokens": int(stats["tokens"]),
         "targets": int(stats["targets"]),
         "parts": parts,
+        "index": sorted(arrays),
         "stats": stats,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

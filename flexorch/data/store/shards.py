@@ -49,7 +49,7 @@ class _OpenShard:
         if self.remote:
             from flexorch.data.store import remote
 
-            self.source = remote.open_range_source(spec.path, cache_dir=cache_dir)
+            self.source = remote.open_range_source(spec.path, cache_dir=cache_dir, chunk_bytes=HASH_CHUNK)
             self.sums = np.load(remote.fetch_small(spec.sums, cache_dir=cache_dir))
             size = self.source.size
         else:
