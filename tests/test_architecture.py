@@ -19,7 +19,7 @@ ALLOWED: dict[str, set[str]] = {
     "control": {"workers", "records", "data", "config", "tasks", "solver", "<ray>", "<torch>", "<torch.distributed>"},
     "dashboards": {"records", "solver"},
     "records": {"solver", "tasks", "config", "<ray>"},
-    "workers": {"tasks", "config", "solver", "<ray>", "<torch>", "<torch.distributed>"},
+    "workers": {"data", "tasks", "config", "solver", "<ray>", "<torch>", "<torch.distributed>"},  # data: reads parts
     "data": {"tasks", "config", "solver", "<ray>"},
     "config": {"solver"},
     "tasks": {"solver"},

@@ -26,7 +26,7 @@ from flexorch.control.checkpoint import (
     save_checkpoint,
 )
 
-CORPUS = SimpleNamespace(num_docs=3, lengths=np.array([4, 5, 6]), keys=["a", "b", "c"])
+CORPUS = SimpleNamespace(num_docs=3, lengths=np.array([4, 5, 6]), total_tokens=15, keys=["a", "b", "c"])
 
 
 def _write(run_dir: Path, step: int, model: dict | None = None, keep: int = 5) -> Path:

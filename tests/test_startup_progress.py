@@ -169,11 +169,18 @@ def test_corpus_loading_reports_its_phases(ray_cluster, tmp_path):
     events = []
     corpus = load_corpus(CorpusConfig(source=str(tmp_path), max_context=64), publish=events.append)
     said = messages(events)
-    assert said[0] == "loading the corpus: listing the source"  # the source says what its records hold first
-    assert said[1].startswith("loading the corpus: loading tokenizer")
-    assert f"loading the corpus: reading 3 text files under {tmp_path}" in said
-    assert any(m.startswith("loading the corpus: tokenizing and packing") for m in said), said
+    assert said[0] == "loading the corpus: listing the source"
+    assert f"loading the corpus: preparing 3 text files under {tmp_path}" in said
+    assert any(m.startswith("preparing the corpus into ") and "1 parts" in m for m in said), said
+    assert any(m.startswith("preparing the corpus: 1/1 parts") and "tokens/s), ETA" in m for m in said), said
+    assert any(m.startswith("prepared the corpus: 3 documents") for m in said), said
     assert said[-1].startswith(f"loaded the corpus: 3 documents, {int(corpus.lengths.sum())} tokens in")
+    events.clear()  # a second start: the store is found by its fingerprints and opened, nothing prepared
+    load_corpus(CorpusConfig(source=str(tmp_path), max_context=64), publish=events.append)
+    said = messages(events)
+    assert said == ["loading the corpus: listing the source", said[-1]] and said[-1].startswith(
+        "opened the corpus store: 3 documents"
+    )
 
 
 def test_progress_phases_tick_while_a_phase_runs():

@@ -148,10 +148,9 @@ class Corpus:
 
 def resolve_blocks(specs: dict) -> dict:
     """Open the parts of a `refs_for` dict in this process (each once): ``{part: tokens indexable by slice}``."""
-    from flexorch.data.store.shards import ShardSpec, shard_reader
+    from flexorch.data.store.shards import open_parts
 
-    reader = shard_reader()
-    return {b: reader.open(s) if isinstance(s, ShardSpec) else s for b, s in specs.items()}
+    return open_parts(specs)
 
 
 def fetch_documents(blocks: dict, locations) -> list[np.ndarray]:

@@ -30,8 +30,10 @@ import numpy as np
 
 __all__ = ["ROUNDS", "derive_key", "feistel_permute", "mix64"]
 
-ROUNDS = 6
-"""Feistel rounds (Luby-Rackoff: 3 give a pseudorandom permutation, 4 a strong one; 6 leave a margin)."""
+ROUNDS = 12
+"""Feistel rounds (Luby-Rackoff: 3 give a pseudorandom permutation, 4 a strong one; small domains, where cycle-walking
+magnifies any bias, need more: at 6 rounds, n = 5 and 7 showed a position-to-id bias
+over 4 * 10**4 keys (chi-square), at 12 none)."""
 
 _M64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
-from flexorch.data.corpus import resolve_blocks
+from flexorch.data.store.shards import open_parts
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
@@ -336,7 +336,7 @@ class Worker(WorkerMeasurements, FaultSeam):
         index -> ``flexorch.data.store.shards.ShardSpec`` of the store part it reads."""
         if self.registry is None or self.registry.rank != task.rank or self.registry.world_size != task.world_size:
             raise RuntimeError(f"worker {self.worker_id} is not rank {task.rank} of a world of {task.world_size}")
-        blocks = resolve_blocks(block_refs)  # each part opened once per process, read where the documents are
+        blocks = open_parts(block_refs)  # each part opened once per process, read where the documents are
         return self._guarded(self._run_step, task, blocks)
 
     def _run_step(self, task: StepTask | PipelineTask, blocks: dict) -> StepOutcome:

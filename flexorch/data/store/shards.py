@@ -21,7 +21,7 @@ import numpy as np
 from flexorch.data.lengths import DataError
 from flexorch.data.store.layout import HASH_CHUNK
 
-__all__ = ["ShardSpec", "ShardReader", "shard_reader"]
+__all__ = ["ShardSpec", "ShardReader", "open_parts", "shard_reader"]
 
 
 @dataclass(frozen=True)
@@ -145,3 +145,10 @@ def shard_reader() -> ShardReader:
     if _READER is None:
         _READER = ShardReader()
     return _READER
+
+
+def open_parts(specs: dict) -> dict:
+    """``{part index: tokens indexable by slice}``: each :class:`ShardSpec` opened once in this process (a worker
+    keeps them across steps); any other value (an in-memory corpus's arrays) as it is."""
+    reader = shard_reader()
+    return {b: reader.open(s) if isinstance(s, ShardSpec) else s for b, s in specs.items()}
