@@ -78,7 +78,8 @@ def test_ids_are_deterministic_across_part_layouts(ray_cluster, text_dir, tmp_pa
     b = load_corpus(_cfg(text_dir, block_tokens=1 << 20))
     prepare_store(_cfg(text_dir, block_tokens=1), tmp_path / "store", unit_bytes=1)  # a part per file
     a = load_corpus(CorpusConfig(source=str(tmp_path / "store")))
-    assert len(a.shards) == 7 and len(b.shards) == 1  # empty.txt joins the next file's part and a.store == str(tmp_path / "store")
+    assert len(a.shards) == 7 and len(b.shards) == 1  # empty.txt joins the next file's part
+    assert a.store == str(tmp_path / "store")
     assert a.keys == b.keys and np.array_equal(a.lengths, b.lengths)
     assert [t.tolist() for t in a.get_tokens(range(a.num_docs))] == [t.tolist() for t in b.get_tokens(range(8))]
 
