@@ -178,3 +178,21 @@ def test_a_killed_prepare_is_finished_by_the_next_one_redoing_only_the_rest(tmp_
     c = open_store(out)
     assert c.num_docs == 60_000 and c.keys[-1] == "d.jsonl:60000"
     assert c.get_tokens([59_999])[0].tolist() == [BOS, *json.loads(src.read_text().splitlines()[-1])["text"].encode()]
+
+
+def test_a_new_run_with_a_bpe_reuses_the_tokenizer_and_the_store(tmp_path):
+    pytest.importorskip("tokenizers")
+    from flexorch.data.bpe import prepare_tokenizer
+
+    src = _jsonl(tmp_path / "d.jsonl", 300)
+    cfg = CorpusConfig(source=str(src), tokenizer="bpe:300", cache=str(tmp_path / "cache"))
+    first = load_corpus(prepare_tokenizer(cfg, tmp_path / "run1"), parallelism=0)
+    again = prepare_tokenizer(cfg, tmp_path / "run2")  # another run directory: copied from the cache, not trained
+    assert again.tokenizer == f"hf:{tmp_path / 'run2' / 'tokenizer'}"
+    seen, say = _events()
+    second = load_corpus(again, say, parallelism=0)
+    assert [m for m in seen if "prepar" in m] == [] and second.store == first.store
+    assert (
+        second.tokenizer_name == again.tokenizer
+        and second.get_stored([7])[0].tolist() == first.get_stored([7])[0].tolist()
+    )

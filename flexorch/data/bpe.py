@@ -9,7 +9,9 @@ library's ``.py`` files) until `SAMPLE_BYTES` of text. It saves the tokenizer as
 loads it and ``flexorch export`` copies it next to an exported model, and returns the corpus config with
 ``tokenizer = 'hf:<run_dir>/tokenizer'``: the corpus, the workers and the saved run config all see that spec.
 
-A resumed run (or any second call) finds the directory and reuses it when it was trained for the same N
+A new run on the same source and N copies the one trained before from the corpus cache (``[data] cache``:
+``tokenizers/``), so its corpus store is found too and nothing is tokenized again. A resumed run (or any second
+call) finds the directory and reuses it when it was trained for the same N
 (``flexorch_bpe.json`` records the spec and the sample); another N is an error, never a silent retrain, since the
 checkpoint's embedding rows belong to the ids of the first tokenizer.
 """
@@ -52,8 +54,14 @@ def prepare_tokenizer(cfg: CorpusConfig, run_dir: Path | str) -> CorpusConfig:
     out = Path(os.path.abspath(Path(run_dir).expanduser())) / TOKENIZER_DIR
     if out.exists():
         _check_reusable(out, cfg.tokenizer)
+    elif (cached := _cached(cfg, n)).is_dir():  # trained before on this source, for this N: the same tokenizer
+        _copy_dir(cached, out)
+        print(
+            f"flexorch: tokenizer {cfg.tokenizer} as trained before on this corpus ({cached}) -> {out}", file=sys.stderr
+        )
     else:
         info = train_bpe(cfg, n, out)
+        _copy_dir(out, _cached(cfg, n))
         print(
             f"flexorch: trained tokenizer {cfg.tokenizer} on the corpus: {info['trained_vocab']} ids from "
             f"{info['sample_bytes'] / 2**20:.1f} MiB of text ({info['sample_documents']} documents) in "
@@ -62,6 +70,34 @@ def prepare_tokenizer(cfg: CorpusConfig, run_dir: Path | str) -> CorpusConfig:
             flush=True,
         )
     return dataclasses.replace(cfg, tokenizer=f"hf:{out}")
+
+
+def _cached(cfg: CorpusConfig, n: int) -> Path:
+    """Where the corpus cache keeps the BPE of this source (its files' fingerprint) and N: a new run on the same
+    data reuses it instead of training again (the training is deterministic; the store key then matches too)."""
+    import hashlib
+
+    from flexorch.data.corpus import default_cache_dir
+    from flexorch.data.store.fingerprint import source_files
+
+    listing = list_source(cfg)
+    key = json.dumps([listing.source, source_files(listing), n, SAMPLE_BYTES, cfg.format, cfg.records, cfg.text_field])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return Path(cfg.cache or default_cache_dir()).expanduser() / "tokenizers" / f"bpe{n}-{digest}"
+
+
+def _copy_dir(src: Path, dst: Path) -> None:
+    """Copy a tokenizer directory whole or not at all (a temporary copy renamed into place)."""
+    if dst.exists():
+        return
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(src, tmp)
+    try:
+        os.replace(tmp, dst)
+    except OSError:  # another run put it there first
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _check_reusable(out: Path, spec: str) -> None:

@@ -241,7 +241,7 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
     from flexorch.data.listing import list_source
     from flexorch.data.record_kinds import resolve_kind
     from flexorch.data.store import layout
-    from flexorch.data.store.fingerprint import describe_change, fingerprints
+    from flexorch.data.store.fingerprint import describe_change, fingerprints, same_fingerprints
     from flexorch.data.store.prepare import prepare_store
 
     t0 = time.perf_counter()
@@ -263,9 +263,9 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
                 old = layout.read_manifest(store)
             except DataError:
                 old = None
-            if old is not None and old["fingerprints"] == fp:
+            if old is not None and same_fingerprints(old["fingerprints"], fp):
                 try:
-                    return _opened(open_store(store), t0, publish, "opened the corpus store")
+                    return _opened(_as_run(open_store(store), fp), t0, publish, "opened the corpus store")
                 except DataError as e:
                     phase(f"{e}; preparing the damaged parts again")
             elif old is not None:
@@ -275,7 +275,15 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
             _say_other_stores(store, fp, phase)
             phase(f"preparing {len(listing.files)} {listing.fmt} files under {listing.source}")
             prepare_store(cfg, store, publish, listing=listing, kind=kind, parallelism=parallelism)
-    return _opened(open_store(store), t0, publish, "loaded the corpus")
+    return _opened(_as_run(open_store(store), fp), t0, publish, "loaded the corpus")
+
+
+def _as_run(corpus: Corpus, fp: dict) -> Corpus:
+    """The corpus named by this run's tokenizer spec (a store is shared by runs whose tokenizers have the same
+    files, e.g. the same BPE saved in each run's directory)."""
+    if fp["tokenizer"] != "pre-tokenized":
+        corpus.tokenizer_name = fp["tokenizer"]
+    return corpus
 
 
 def _file_lists(store: Path, listing) -> tuple[list | None, list | None]:

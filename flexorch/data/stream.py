@@ -68,6 +68,7 @@ class DocumentStream:
         self.order = _check_order(order)
         self.epoch, self.position, self.step = 0, 0, 0
         self._perms: dict[tuple[int, int], np.ndarray] = {}  # "rng": (seed, epoch) -> permutation, at most 2
+        self._batches: dict[tuple, np.ndarray] = {}  # (order, seed, epoch, position) -> ids: peek, peek_after
 
     @property
     def batches_per_epoch(self) -> int:
@@ -97,7 +98,13 @@ class DocumentStream:
         return self.epoch_ids(epoch, 0, self.num_docs)
 
     def _batch_at(self, epoch: int, position: int, step: int) -> Batch:
-        ids = self.epoch_ids(epoch, position, position + self.batch_size)
+        key = (self.order, self.seed, epoch, position)
+        ids = self._batches.get(key)
+        if ids is None:  # the driver peeks, peeks after and takes each batch: computed once, two kept
+            ids = self.epoch_ids(epoch, position, position + self.batch_size)
+            while len(self._batches) >= 2:
+                del self._batches[next(iter(self._batches))]
+            self._batches[key] = ids
         return Batch(epoch=epoch, index_in_epoch=position // self.batch_size, step=step, doc_ids=tuple(ids.tolist()))
 
     def _advance(self, epoch: int, position: int) -> tuple[int, int]:

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from flexorch.config.data import CorpusConfig
     from flexorch.data.listing import Listing
 
-__all__ = ["describe_change", "fingerprints", "store_key", "tokenizer_fingerprint"]
+__all__ = ["describe_change", "fingerprints", "same_fingerprints", "store_key", "tokenizer_fingerprint"]
 
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf", ".onnx", ".ckpt")
 _SETTINGS = (
@@ -94,6 +94,12 @@ def fingerprints(cfg: CorpusConfig, listing: Listing, kind: str) -> dict:
     }
     out["key"] = store_key(out)
     return out
+
+
+def same_fingerprints(a: dict, b: dict) -> bool:
+    """Whether a store prepared under ``a`` holds exactly the tokens ``b`` asks for (the tokenizer by its files,
+    not by where they are)."""
+    return all(a.get(k) == b.get(k) for k in ("source", "source_digest", "tokenizer_digest", "settings"))
 
 
 def store_key(fp: dict) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 
 from flexorch.data.lengths import DataError
 from flexorch.data.store import layout
-from flexorch.data.store.fingerprint import describe_change, fingerprints, source_files
+from flexorch.data.store.fingerprint import describe_change, fingerprints, same_fingerprints, source_files
 from flexorch.data.store.units import plan_units, read_unit, unit_target_bytes
 
 __all__ = ["prepare_store", "prepare_unit", "PROGRESS_EVERY_S"]
@@ -103,8 +103,7 @@ def prepare_store(
 
 
 def _same(a: dict, b: dict) -> bool:
-    keys = ("source", "source_digest", "tokenizer_digest", "settings")
-    return all(a.get(k) == b.get(k) for k in keys)
+    return same_fingerprints(a, b)
 
 
 def _bad_units(out: Path, manifest: dict, verify: bool) -> list[tuple[int, str]]:
