@@ -142,6 +142,10 @@ def test_a_lost_driver_actor_is_replaced_from_the_checkpoint_until_driver_restar
     rec = next(x for x in lived[0]["recoveries"] if x.get("driver_restart"))
     assert rec["total_ms"] == pytest.approx(rec["detect_ms"] + rec["recovery_ms"] + rec["rerun_ms"])
     assert rec["redone_steps"] == lived[0]["step"] - rec["from_step"] >= 0
+    # the new driver opened the corpus store the first one prepared: its corpus work is opening files
+    after = out[out.index("starting a new driver") :]
+    assert "opened the corpus store" in after and "preparing the corpus" not in after, after[:3000]
+    assert 0 < rec["corpus_ms"] < rec["recovery_ms"]
 
     try:
         resumed = subprocess.run(cmd + ["--resume"], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
