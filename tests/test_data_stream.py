@@ -138,7 +138,7 @@ BATCHES = (1, 3, 64, 1000, 4096)
 SEEDS = (0, 1, 12345, -7, 2**40 + 3)
 
 
-def _cases(max_batches: int = 2000):
+def _cases(max_batches: int = 256):
     """(N, batch_size) pairs, leaving out those with more than `max_batches` batches per epoch (slow, nothing new)."""
     return [(n, b) for n in SIZES for b in BATCHES if -(-n // b) <= max_batches]
 
@@ -154,7 +154,8 @@ def test_feistel_is_a_bijection_of_range_n(n):
 
 def test_feistel_small_domains_reach_every_order_and_keys_matter():
     for n in (2, 3, 5):
-        orders = {tuple(feistel_permute(np.arange(n), n, derive_key(s, 0)).tolist()) for s in range(2000)}
+        keys = [derive_key(s, 0) for s in range(2000 if n == 5 else 60)]
+        orders = {tuple(feistel_permute(np.arange(n), n, k).tolist()) for k in keys}
         assert len(orders) == len(list(itertools.permutations(range(n))))  # 2, 6, 120: every order is reachable
     assert feistel_permute(np.arange(1), 1, 42).tolist() == [0]
     a, b = (feistel_permute(np.arange(1000), 1000, derive_key(0, e)) for e in (0, 1))
@@ -185,13 +186,13 @@ def test_feistel_stream_every_document_once_per_epoch_and_batches_are_the_epoch_
     for seed in SEEDS[:3]:
         s = DocumentStream(n, batch, seed)
         assert s.order == "feistel" and s.state_dict()["order"] == "feistel"
-        ledger = _ledger(DocumentStream(n, batch, seed), 2)
+        ledger = _ledger(s, 2)
         for epoch, ids in enumerate(ledger):
             assert sorted(ids) == list(range(n))
-            assert ids == s.permutation(epoch).tolist()  # the batches are consecutive slices of the epoch's order
+            # the batches are consecutive slices of the epoch's order, a function of (seed, epoch) only
+            assert ids == DocumentStream(n, 7, seed).permutation(epoch).tolist()
         if n >= 64:
             assert ledger[0] != ledger[1]  # each epoch is a fresh permutation
-        assert ledger == _ledger(DocumentStream(n, batch, seed), 2)  # same seed, same order
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -212,7 +213,8 @@ def test_feistel_epochs_and_seeds_differ(n):
 @pytest.mark.parametrize("order", ["feistel", "rng"])
 def test_resume_mid_epoch_gives_the_exact_continuation(n, batch, order):
     bpe = -(-n // batch)
-    for seed, cut in zip(SEEDS, sorted({0, 1, bpe // 2, bpe - 1, bpe, bpe + 1, 2 * bpe - 1}), strict=False):
+    seeds = [s for s in SEEDS if s >= 0 or order == "feistel"]  # numpy's rng (legacy order) takes no negative seed
+    for seed, cut in zip(itertools.cycle(seeds), sorted({0, 1, bpe // 2, bpe - 1, bpe, bpe + 1, 2 * bpe - 1})):
         ref = DocumentStream(n, batch, seed, order=order)
         for _ in range(cut):
             ref.next_batch()

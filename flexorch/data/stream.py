@@ -87,7 +87,7 @@ class DocumentStream:
         """Document ids at positions ``start .. stop-1`` of ``epoch``'s order (O(stop - start) for "feistel")."""
         start, stop = max(0, int(start)), min(self.num_docs, int(stop))
         if self.order == "rng":
-            return self._rng_permutation(epoch)[start:stop]
+            return self._rng_permutation(epoch)[start:stop].copy()  # no view keeps a whole epoch alive
         if stop <= start:
             return np.zeros(0, dtype=np.int64)
         return feistel_permute(np.arange(start, stop, dtype=np.int64), self.num_docs, derive_key(self.seed, epoch))

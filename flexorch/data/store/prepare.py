@@ -99,6 +99,13 @@ def prepare_store(
         t0 = time.perf_counter()
         if todo:
             _run_units(out, plan, todo, spec, say, parallelism)
+        unseen = [i for i in todo if not _unit_done(out, i)]
+        if unseen:  # the tasks finished, but not here: they wrote to another node's disk
+            raise DataError(
+                f"{len(unseen)} of the {len(todo)} parts prepared into {out} are not visible from this node (first: "
+                f"{layout.part_paths(out, unseen[0])['bin'].name}); on a cluster, put the store ([data] cache or "
+                "`flexorch prepare` OUT) on a filesystem every node mounts, or prepare to s3:// and train from there"
+            )
         return _finalize(out, cfg, listing, kind, plan, spec, fp, say, time.perf_counter() - t0)
 
 
