@@ -295,7 +295,7 @@ def _run_units(out: Path, plan: dict, todo: list[int], spec: dict, say, parallel
     try:
         with quiet_ray_data():
             ds = ray.data.from_items(items, override_num_blocks=len(items))
-            kw = {"concurrency": parallelism} if parallelism else {}
+            kw = {"compute": ray.data.TaskPoolStrategy(size=parallelism)} if parallelism else {}
             ds = ds.map(run, num_cpus=1, **kw)  # DataContext.scheduling_strategy: SPREAD
             for res in ds.iter_rows():
                 if res.get("error"):
