@@ -211,6 +211,15 @@ def open_store(store: str | Path) -> Corpus:
     def arr(name: str):
         return np.load(local("index", f"{name}.npy"), mmap_mode="r")
 
+    def has_targets() -> bool:  # a manifest without its "index" list (written earlier on 2026-11-27)
+        if "index" in manifest:
+            return False
+        return (
+            remote.exists(remote.join(where, "index", "targets.npy"))
+            if remote.is_remote(where)
+            else Path(where, "index", "targets.npy").is_file()
+        )
+
     names = json.loads(Path(local("index", "key_names.json")).read_text())
     keys = DocKeys(names["names"], names["fmt"], arr("key_path"), arr("key_row"), arr("key_piece"))
     shards = [ShardSpec(part(p["file"]), part(p["sums"]), manifest["dtype"], p["tokens"]) for p in manifest["parts"]]
@@ -219,7 +228,7 @@ def open_store(store: str | Path) -> Corpus:
     corpus = Corpus(
         keys=keys,
         lengths=arr("lengths"),
-        targets=arr("targets") if "targets" in manifest["index"] else None,
+        targets=arr("targets") if "targets" in manifest.get("index", ()) or has_targets() else None,
         doc_blocks=arr("part"),
         doc_offsets=arr("offset"),
         shards=shards,
