@@ -268,3 +268,16 @@ def test_a_bpe_vocabulary_larger_than_the_model_and_relative_hf_paths(tmp_path, 
     monkeypatch.chdir(tmp_path)
     cfg = config_from_dict({"data": {"tokenizer": "hf:tok"}})
     assert cfg.data.tokenizer == f"hf:{(tmp_path / 'tok').resolve()}"
+
+
+def test_encode_gives_transformers_own_ids_with_special_tokens_in_the_text(tmp_path):
+    from tests.chat_helpers import chat_tokenizer_dir
+
+    tok_dir = chat_tokenizer_dir(tmp_path / "tok")
+    ours = get_tokenizer(f"hf:{tok_dir}")
+    auto = transformers.AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
+    specials = " ".join(auto.all_special_tokens)
+    for text in ["plain words", f"a {specials} b", "héllo wörld ✓ 数据\n\t x", "", "<|im_start|>user\nhi<|im_end|>"]:
+        want = auto(text, add_special_tokens=False)["input_ids"]
+        bos = [auto.bos_token_id] if auto.bos_token_id is not None else []
+        assert ours.encode(text.encode()).tolist() == bos + want, text

@@ -118,7 +118,13 @@ class HFTokenizer:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 
     def encode(self, data: bytes) -> np.ndarray:
-        ids = self._tok(data.decode("utf-8"), add_special_tokens=False)["input_ids"]
+        text = data.decode("utf-8")
+        fast = getattr(self._tok, "backend_tokenizer", None)  # the same ids without Transformers' per-call wrapping
+        ids = (
+            fast.encode(text, add_special_tokens=False).ids
+            if fast is not None
+            else self._tok(text, add_special_tokens=False)["input_ids"]
+        )
         if self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return np.asarray(ids, dtype=np.int32)
