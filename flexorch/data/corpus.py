@@ -244,7 +244,7 @@ def open_store(store: str | Path) -> Corpus:
 def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = None) -> Corpus:
     """The corpus of ``cfg.source``: its store in ``cfg.cache`` (default: :func:`default_cache_dir`) opened as it is
     when its fingerprints match, else prepared (again) first. A ``source`` that is itself a prepared store is
-    opened directly. Preparing runs a Ray Data job (``ray.init()`` is called when Ray is not running);
+    opened directly. Preparing runs Ray tasks over the cluster (``ray.init()`` is called when Ray is not running);
     ``parallelism`` as in ``flexorch.data.store.prepare.prepare_store``. ``publish``: gets progress events (see the
     module doc); None: nothing is reported."""
     from flexorch.data.listing import list_source
