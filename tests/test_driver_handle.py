@@ -55,3 +55,5 @@ def test_the_step_line_shows_a_driver_restart_with_its_phases():
     assert line.endswith(
         "[driver restarted, recovered in 8.9 s: detect 0.2 s, new driver 7.7 s, re-run 1.0 s (1 step trained again)]"
     )
+    ev["recoveries"][0]["corpus_ms"] = 9.0  # a new driver since the corpus store: how long it spent on the corpus
+    assert format_step(ev, 10).endswith("new driver 7.7 s (corpus 0.0 s), re-run 1.0 s (1 step trained again)]")

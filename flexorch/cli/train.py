@@ -86,10 +86,10 @@ def format_step(ev: dict, total: int) -> str:
         line += f"  [compiling the layers: {compiled:.1f} s of it]"
     for rec in ev.get("recoveries") or ():
         if rec.get("driver_restart"):  # the driver was lost and a new one took over from the last checkpoint
+            corpus = f" (corpus {rec['corpus_ms'] / 1e3:.1f} s)" if "corpus_ms" in rec else ""  # the new driver's
             line += (
                 f"  [driver restarted, recovered in {rec['total_ms'] / 1e3:.1f} s: detect {rec['detect_ms'] / 1e3:.1f}"
-                f" s, new driver {rec['recovery_ms'] / 1e3:.1f} s (corpus {rec.get('corpus_ms', 0.0) / 1e3:.1f} s), "
-                f"re-run {rec['rerun_ms'] / 1e3:.1f} s "
+                f" s, new driver {rec['recovery_ms'] / 1e3:.1f} s{corpus}, re-run {rec['rerun_ms'] / 1e3:.1f} s "
                 f"({rec['redone_steps']} step{'' if rec['redone_steps'] == 1 else 's'} trained again)]"
             )
         elif "total_ms" in rec:  # a failure during this step: the time it cost, as lived
