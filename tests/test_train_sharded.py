@@ -66,7 +66,9 @@ def _train_and_checkpoint(cfg, corpus, steps: int = 1) -> tuple[list[dict], Path
 )  # fmt: skip
 def test_sharded_steps_equal_the_reference_and_hold_the_planned_bytes(env, mode, shard_size, recompute, gather):
     sharding = {"activation_checkpointing": recompute, "gather": gather}
-    cfg = _cfg(env, f"inv-{mode}-{recompute}-{gather}", mode, shard_size, sharding=sharding)
+    # seed 9: in the stream's Feistel order its first three batches give plans in which some rank sits out a
+    # micro-batch in every mode here (seeds 0-8 give none; checked below)
+    cfg = _cfg(env, f"inv-{mode}-{recompute}-{gather}", mode, shard_size, sharding=sharding, seed=9)
     records, gathered = run_driver(cfg, env[3])
     check_against_reference(cfg, env[3], records, gathered)  # every rank gathered the same whole parameters
     idle = 0
