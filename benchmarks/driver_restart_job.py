@@ -77,70 +77,15 @@ def parse_tokens(text: str) -> int:
     return int(round(float(m[1]) * {"": 1, "K": 1e3, "M": 1e6, "B": 1e9}[m[2]]))
 
 
-def _lengths_pool() -> tuple[np.ndarray, str]:
-    """Document lengths (bytes) to draw from: flexorch's bundled Wikipedia lengths, else a lognormal long tail."""
-    from flexorch.data.lengths import bundled_lengths_path, read_lengths
-
-    path = bundled_lengths_path()
-    if path.is_file():
-        pool = read_lengths(path)
-        return pool[pool > 0], "Wikipedia (flexorch/data/bundled/wikipedia_lengths_100k.txt)"
-    rng = np.random.default_rng(7)
-    pool = np.minimum(rng.lognormal(np.log(350), 1.45, 200_000), 100_000).astype(np.int64)
-    return pool, "lognormal (median 350 B, capped at 100 KB)"
-
-
-def _word_buffer(rng: np.random.Generator, nbytes: int) -> bytes:
-    """Space-separated pseudo-random words of a 20K-word vocabulary with Zipf-like frequencies."""
-    letters = np.frombuffer(b"abcdefghijklmnopqrstuvwxyz", dtype=np.uint8)
-    n_words = 20_000
-    word_len = np.clip(rng.geometric(0.22, n_words), 1, 14)
-    words = [letters[rng.integers(0, 26, k)].tobytes() for k in word_len]
-    p = 1.0 / (np.arange(n_words) + 8.0)
-    p /= p.sum()
-    mean = float((word_len * p).sum()) + 1
-    return b" ".join([words[i] for i in rng.choice(n_words, size=int(nbytes / mean * 1.05) + 1, p=p)])
-
-
 def make_corpus(workdir: Path, tokens: int, seed: int = 0) -> dict:
-    """``<workdir>/corpus-<tokens>.jsonl`` (reused when its notes match): byte tokens = text bytes + 1 BOS each."""
-    out = workdir / f"corpus-{tokens}.jsonl"
-    notes_path = out.with_suffix(".json")
-    want = {"tokens": tokens, "seed": seed, "version": 1}
-    if out.is_file() and notes_path.is_file():
-        notes = json.loads(notes_path.read_text())
-        if notes.get("want") == want and notes.get("bytes") == out.stat().st_size:
-            notes["reused"] = True
-            return notes
-    t0 = time.perf_counter()
-    rng = np.random.default_rng(seed)
-    pool, source = _lengths_pool()
-    chunks, total = [], 0
-    while total < tokens:
-        draw = rng.choice(pool, 1 << 14)
-        chunks.append(draw)
-        total += int((draw + 1).sum())
-    lengths = np.concatenate(chunks)
-    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths + 1), tokens)) + 1]
-    buf = _word_buffer(rng, max(4 << 20, int(lengths.max()) * 2))
-    starts = rng.integers(0, len(buf) - int(lengths.max()) - 1, len(lengths))
-    tmp = out.with_name(f".{out.name}.tmp")
-    with open(tmp, "wb", buffering=16 << 20) as f:
-        for s, n in zip(starts.tolist(), lengths.tolist(), strict=True):
-            f.write(b'{"text": "%s"}\n' % buf[s : s + n])
-    os.replace(tmp, out)
-    notes = {
-        "want": want,
-        "path": str(out),
-        "records": int(len(lengths)),
-        "byte_tokens": int((lengths + 1).sum()),
-        "bytes": out.stat().st_size,
-        "lengths": source,
-        "longest_bytes": int(lengths.max()),
-        "generate_s": round(time.perf_counter() - t0, 1),
-    }
-    notes_path.write_text(json.dumps(notes, indent=1))
-    notes["reused"] = False
+    """``benchmarks/data_scale.py``'s generator (Wikipedia lengths, pseudo-random words) for ``tokens`` byte tokens,
+    as ``<workdir>/corpora/drj-<tokens>.jsonl`` (reused when its notes match)."""
+    from data_scale import generate
+
+    name = f"drj-{tokens}"
+    before = (workdir / "corpora" / f"{name}.jsonl").is_file()
+    notes = generate({"name": name, "short": False, "tokens": tokens}, workdir, seed)
+    notes["reused"] = before
     return notes
 
 
@@ -603,7 +548,7 @@ def report(r: dict, command: str) -> str:
         "`--node-ip-address` to this machine's address.",
         "",
         f"Corpus: {c['path']}: {c['records']:,} JSONL records, {c['bytes'] / 1e6:.1f} MB, {c['byte_tokens']:,} byte "
-        f"tokens; document lengths {c['lengths']} (longest {c['longest_bytes']:,} B; documents over max_context "
+        f"tokens; document lengths {c['lengths']} (documents over max_context "
         f"{MAX_CONTEXT} are split). Run: 4 workers, the tiny model, batch 16, {r['steps']} steps, a checkpoint every "
         "2 steps, a fixed profile (no calibration), `[elastic] driver_restarts = 1`.",
         "",

@@ -75,11 +75,11 @@ def prepare_store(
     with _locked(out, say):
         if (out / "manifest.json").is_file():
             manifest = layout.read_manifest(out)
-            bad = _bad_units(out, manifest, verify) if _same(manifest["fingerprints"], fp) else []
+            bad = _bad_units(out, manifest, verify) if same_fingerprints(manifest["fingerprints"], fp) else []
             for i, why in bad:  # redone below; the other parts are kept
                 say({"event": "progress", "message": f"part {i} of {out} is damaged ({why}): preparing it again"})
                 layout.part_paths(out, i)["done"].unlink(missing_ok=True)
-            if _same(manifest["fingerprints"], fp) and not bad:
+            if same_fingerprints(manifest["fingerprints"], fp) and not bad:
                 say(
                     {
                         "event": "progress",
@@ -109,10 +109,6 @@ def prepare_store(
                 "`flexorch prepare` OUT) on a filesystem every node mounts, or prepare to s3:// and train from there"
             )
         return _finalize(out, cfg, listing, kind, plan, spec, fp, say, time.perf_counter() - t0)
-
-
-def _same(a: dict, b: dict) -> bool:
-    return same_fingerprints(a, b)
 
 
 def _bad_units(out: Path, manifest: dict, verify: bool) -> list[tuple[int, str]]:
@@ -181,7 +177,7 @@ def _load_or_make_plan(out: Path, listing, kind: str, fp: dict, unit_bytes: int,
             plan = json.loads(path.read_text())
         except ValueError:
             plan = None
-        if plan is not None and _same(plan["fingerprints"], fp):
+        if plan is not None and same_fingerprints(plan["fingerprints"], fp):
             done = sum(_unit_done(out, i) for i in range(len(plan["units"])))
             if done:
                 say(
