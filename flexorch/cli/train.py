@@ -136,14 +136,15 @@ def _describe_setup(ev: dict) -> str:
     parts = [f"{ev['num_docs']:,} documents", f"{st.get('tokens', 0):,} tokens"]
     if st.get("records_kind") not in (None, "text"):  # loss masks: say what the loss is taken over
         parts[0] = f"{ev['num_docs']:,} {st['records_kind'].replace('_', '/')} documents"
-        parts.append(f"{st.get('targets', 0):,} of them loss targets")
+        parts.append(f"{st.get('targets', 0):,} of them loss targets{_chat_targets(st.get('chat_targets'))}")
     if st.get("tasks"):  # [[tasks]]: each task's documents and kind
         each = [
             f"{name} {t.get('documents', 0):,} {(t.get('records_kind') or 'text').replace('_', '/')} docs"
             for name, t in st["tasks"].items()
         ]
         parts[0] = f"{len(st['tasks'])} tasks ({'; '.join(each)}): {ev['num_docs']:,} documents"
-        parts.append(f"{st.get('targets', 0):,} of them loss targets")
+        rule = next((t["chat_targets"] for t in st["tasks"].values() if t.get("chat_targets")), None)  # one tokenizer
+        parts.append(f"{st.get('targets', 0):,} of them loss targets{_chat_targets(rule)}")
     for key, label in (
         ("split_docs", "split"),
         ("dropped_over_long", "over-long dropped"),
@@ -164,6 +165,14 @@ def _describe_setup(ev: dict) -> str:
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
         f"({_budget(ev)}){resumed}{attention}{compiled}"
     )
+
+
+def _chat_targets(rule: str | None) -> str:
+    """Which rule chose a chat corpus's loss targets (``stats["chat_targets"]``, ``flexorch.data.chat.target_rule``;
+    nothing for a store prepared before it was recorded)."""
+    from flexorch.data.chat import TARGET_RULES
+
+    return f" (set by {TARGET_RULES[rule]})" if rule in TARGET_RULES else ""
 
 
 def _budget(ev: dict) -> str:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from flexorch.data.chat import target_rule
 from flexorch.data.lengths import DataError
 from flexorch.data.listing import Listing, list_source
 from flexorch.data.record_kinds import BadRecord, encode_record, exchange_pieces, kind_fields
@@ -261,6 +262,8 @@ def assemble_index(
     stats |= {"skipped_hidden": listing.skipped_hidden, "skipped_extension": listing.skipped_extension}
     stats["records"] = n_rec
     stats["records_kind"] = kind
+    if kind == "chat" and cfg.loss_on == "answers":  # what decides the loss targets (the run's start line says it)
+        stats["chat_targets"] = target_rule(get_tokenizer(cfg.tokenizer))
     stats |= {name: int((status == s).sum()) for s, name in _REASONS.items()}
     stats |= {"pieces_added": int(np.isin(doc["rec"], np.flatnonzero(status == _SPLIT)).sum())}
     stats |= {"dropped_short_pieces": int(rec["short"].sum())}

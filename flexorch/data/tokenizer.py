@@ -7,7 +7,8 @@ trained on its corpus (`'bpe:<N>'` specs become `'hf:<run_dir>/tokenizer'` in `f
 Every tokenizer exposes `name`, `vocab_size` and `encode(data: bytes) -> np.ndarray[int32]` (BOS first); for
 chat and prompt/completion records (`flexorch.data.record_kinds`) also `bos_id`, `eos_id`, `bos_text` (how BOS
 appears in rendered text, or None), `chat_template` (None: flexorch's built-in one is used), `encode_text(str)`
-(ids without BOS) and `render_chat(messages, add_generation_prompt)`.
+(ids without BOS), `render_chat(messages, add_generation_prompt)` and, for a template with answer marks,
+`chat_answer_mask(messages)` (Transformers' `return_assistant_tokens_mask`).
 """
 
 from __future__ import annotations
@@ -116,6 +117,14 @@ class HFTokenizer:
         """``messages`` rendered as text with the tokenizer's own chat template (Transformers'
         ``apply_chat_template``, not tokenized)."""
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat_answer_mask(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """``messages`` rendered and tokenized whole (no BOS added) with Transformers' ``assistant_masks``: 1 on
+        each token that overlaps the template's ``{% generation %}`` marks (``return_assistant_tokens_mask``)."""
+        out = self._tok.apply_chat_template(
+            messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return list(out["input_ids"]), list(out["assistant_masks"])
 
     def encode(self, data: bytes) -> np.ndarray:
         text = data.decode("utf-8")

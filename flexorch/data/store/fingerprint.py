@@ -5,7 +5,9 @@ that changes the stored tokens. Pure Python, no Ray.
 - tokenizer: 'byte', or a hash of a tokenizer directory's files (weights excluded: a model directory's tokenizer
   is its small files);
 - settings: the storage format, record kind, field names, ``loss_on``, ``max_context``, ``over_long``,
-  ``min_tokens``, ``bad_files``, ``on_bad_record``, ``extensions`` and ``split``, plus the store format.
+  ``min_tokens``, ``bad_files``, ``on_bad_record``, ``extensions`` and ``split``, plus the store format; for chat
+  records whose template has ``{% generation %}`` marks, ``chat_targets`` (those marks decide the loss targets, not
+  the prefix rule a store prepared before them used: ``flexorch.data.chat``).
 
 A store in the cache is found by its key (source path + tokenizer + settings); its manifest's source fingerprint
 then says whether the files changed since. :func:`describe_change` names what differs, for the console.
@@ -66,6 +68,21 @@ def tokenizer_fingerprint(spec: str) -> str:
     return f"hf:{h.hexdigest()[:24]}"
 
 
+def _chat_rule(spec: str) -> str | None:
+    """``flexorch.data.chat.target_rule`` of a tokenizer directory; None for one that does not load (preparing
+    says why)."""
+    if not spec.startswith("hf:"):
+        return None
+    from flexorch.data.chat import target_rule
+    from flexorch.data.lengths import DataError
+    from flexorch.data.tokenizer import get_tokenizer
+
+    try:
+        return target_rule(get_tokenizer(spec))
+    except (DataError, ValueError):
+        return None
+
+
 def source_files(listing: Listing) -> list[list]:
     """``[relative path, size, mtime_ns]`` per listed file, in listing order."""
     out = []
@@ -82,6 +99,8 @@ def fingerprints(cfg: CorpusConfig, listing: Listing, kind: str) -> dict:
     settings["extensions"] = list(cfg.extensions) if cfg.extensions is not None else None
     files = source_files(listing)
     spec = "byte" if cfg.tokenizer == "auto" else cfg.tokenizer  # 'auto' outside a run: bytes (CorpusConfig)
+    if kind == "chat" and cfg.loss_on == "answers" and _chat_rule(spec) == "marks":
+        settings["chat_targets"] = "marks"  # only here: every other store keeps its key
     tok = "pre-tokenized" if kind == "tokenized" else tokenizer_fingerprint(spec)
     out = {
         "source": listing.source,
