@@ -286,7 +286,7 @@ def _record(modes):
         ]
     }
     ranks = [{"micro_batch_ms": [30.0, 12.0]}, {"micro_batch_ms": [60.0, None]}, {"micro_batch_ms": [62.0, None]}]
-    rec = {"source": "train", "pipeline": None, "plan": plan, "ranks": ranks, "compute_ms": 80.0}
+    rec = {"source": "train", "pipeline": None, "plan": plan, "ranks": ranks, "compute_ms": 80.0, "measured_ms": 85.0}
     if modes is not None:
         rec["recompute"] = modes
     return rec

@@ -36,7 +36,7 @@ from flexorch.control.fallback_watch import FallbackWatch
 from flexorch.control.group import WorkerGroup
 from flexorch.control.host_load import niced_on_busy_node
 from flexorch.control.membership import ElasticPolicy
-from flexorch.control.memory_budget import capped, lowered_after_oom, resolve_device_budget
+from flexorch.control.memory_budget import lowered_after_oom, resolve_device_budget
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec, RayPlannerClient
 from flexorch.control.recompute_choice import with_recompute_ratios
 from flexorch.control.refitting import RunRefit
@@ -51,6 +51,7 @@ from flexorch.records.metrics import RunMetrics
 from flexorch.records.trackers import Trackers
 from flexorch.records.writer import StepRecords, skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.profiles import Profile
 from flexorch.solver.recompute import recompute_modes
 from flexorch.solver.step_planner import PlannedStep
 from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
@@ -93,7 +94,9 @@ class TrainingDriver:
         self._error: str | None = None
         self._step_wall: list[float] = []
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
-        self._refits = RunRefit(self.cfg.plan.refit_every)  # the run's groups and steps, and the refit on them
+        # the run's groups and steps, the refit on them and the one on trial
+        self._refits = RunRefit(self.cfg.plan.refit_every, static=self.cfg.plan.static is not None)
+        self._priced: dict[int, Profile] = {}  # profile revision -> the profile (a plan is priced with its own)
         self._last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self._budget_cap: float | None = None  # the memory budget an out-of-memory step lowered to (bytes)
         self.workers: WorkerGroup | None = None
@@ -308,7 +311,8 @@ class TrainingDriver:
             raise RuntimeError(f"step {self.step_no}: the workers trained {tokens} target tokens, the batch has {want}")
         measured_ms = (t_done - t_dispatch) * 1e3
         self._last_step_ms = measured_ms
-        record = step_record(base, planned, self.profile, outcomes, measured_ms, dispatch_ms)
+        priced_by = self._priced_by(planned)
+        record = step_record(base, planned, priced_by, outcomes, measured_ms, dispatch_ms)
         if mixed is not None:
             record["sources"] = mixed
         if self.cfg.tasks:
@@ -316,7 +320,7 @@ class TrainingDriver:
             record["multitask"] = multitask_fields(planned.plan)
         if not planned.pipelined:
             record["model_state"] = model_state_fields(self.cfg, n)
-            self._refit(record)
+            self._refit(record, priced_by)
         if moved is not None:
             record["pipeline"]["params"] = {"placement": self.cfg.pipeline.params, **moved}
         self.step_no += 1
@@ -324,27 +328,35 @@ class TrainingDriver:
         record = self._finish(record, t_start, planned.plan)
         return Transition(Ran.TRAINED, step_no, self.step_no, record, tuple(recoveries[len(carried) :]))
 
-    def _refit(self, record: dict) -> None:
+    def _priced_by(self, planned) -> Profile:
+        """The profile that planned and priced ``planned`` (its ``profile_revision``): the record's timeline and the
+        refit's verdict use the same price as its ``predicted_ms``."""
+        self._priced[self.profile.revision] = self.profile
+        return self._priced.get(planned.profile_revision, self.profile)
+
+    def _apply(self, changes) -> None:
+        """Execute the refit loop's decisions (``control.refitting.Change``): plan with a new profile revision from
+        the next solve on, and say what happened in one line each."""
+        for change in changes:
+            if change.profile is not None:
+                self.profile = change.profile
+                self._priced = {r: p for r, p in self._priced.items() if r >= self.profile.revision - 3}
+                self._priced[self.profile.revision] = self.profile
+                self.planner.set_profile(self.profile)
+                (self.run_dir / "profile_refit.json").write_text(self.profile.to_json())
+            if change.message:
+                self._publish({"event": "planner", "message": change.message})
+
+    def _refit(self, record: dict, priced_by: Profile) -> None:
         """Hand a trained record to the run's refit (``control.refitting``: every ``plan.refit_every`` steps a refit
-        of the time terms in a thread beside the next step), taking up one that has finished."""
-        if not self.cfg.plan.refits:
-            return
-        self.settle_refit(wait=False)
-        self._refits.observe(record, self.step_no, self.profile)
+        of the time terms in a thread beside the next step, then a trial on the steps planned with it)."""
+        if self.cfg.plan.refits:
+            self._apply(self._refits.after_step(record, self.step_no, self.profile, priced_by))
 
     def settle_refit(self, wait: bool = True) -> None:
-        """Take up a refit that has finished (``wait``: wait for one in flight): the driver's records, the planner's
-        next solves and ``profile_refit.json`` use it when it was kept; the console says what it did."""
-        done = self._refits.take(wait)
-        if done is None:
-            return
-        step, profile, report = done
-        if report.accepted:
-            self.profile = profile = capped(profile, self._budget_cap)  # memory terms are not refitted
-            self.planner.set_profile(profile)
-            (self.run_dir / "profile_refit.json").write_text(profile.to_json())
-        if report.refitted:
-            self._publish({"event": "planner", "message": f"step {step}: {report.message(profile)}"})
+        """Take up a refit that has finished (``wait``: wait for one in flight): on trial when it predicts its window
+        better; the console says what it did."""
+        self._apply(self._refits.settle(self.profile, wait))
 
     def _plan_budget(self) -> float:
         """Seconds the next plan may take (``[plan] budget``): a share of the last measured step on GPU workers."""

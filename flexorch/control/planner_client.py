@@ -105,14 +105,16 @@ class PlannerSpec:
 
     def fallback(self, lengths: list[int], n: int, task_of=None) -> PlannedStep:
         if task_of is not None:
-            return heuristic_plan(
+            planned = heuristic_plan(
                 self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params,
                 task_of=task_of, adapter_ranks=self.adapter_ranks, task_method=self.task_method,
             )  # fmt: skip
-        return heuristic_plan(
-            self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params,
-            pipeline_recompute=self.pipeline_recompute,
-        )  # fmt: skip
+        else:
+            planned = heuristic_plan(
+                self.profile, lengths, n, self.static, self.pipeline_stages, self.pipeline_params,
+                pipeline_recompute=self.pipeline_recompute,
+            )  # fmt: skip
+        return dataclasses.replace(planned, profile_revision=self.profile.revision)
 
     def task_kwargs(self, task_of) -> dict:
         """The multi-task arguments of ``StepPlanner.plan`` for a step's ``task_of`` (none for one task)."""

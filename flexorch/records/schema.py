@@ -25,7 +25,9 @@ Keys of every record (``source`` is ``"plan"`` or ``"train"``):
   ``solver_crashes`` (optional): MILP solves that died natively while planning the step (each cost that solve);
   ``plan_budget_s`` (optional, null where no planner ran): the planning budget the step's plan was given (a share
   of the previous step's time in a run, ``[plan] budget``); ``gap`` (optional, null without a bound): the plan's
-  ``predicted_ms / bound_ms - 1``, how far from the optimum it can be; ``targets`` (optional, trained steps):
+  ``predicted_ms / bound_ms - 1``, how far from the optimum it can be; ``profile_revision`` (optional): which version
+  of the run's cost model priced the plan (0 as calibrated, +1 for each refit taken up or rolled back: the plan's
+  ``predicted_ms`` and ``timeline`` come from that one); ``targets`` (optional, trained steps):
   the tokens that carried loss, the loss's denominator (``tokens`` for plain text; fewer for chat, prompt/completion
   and tokenized data with loss masks, whose prompts are computed but not predicted).
 
@@ -50,8 +52,9 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   ``decisions``, ``lost``, ``reason``, ``step_completed`` after a failure, ``joined`` when workers joined, or
   ``rollback: true``, ``from_step``, ``to_step``, ``lost``, ``reason`` when stage-local parameters died with
   every holder and the run went back to its last checkpoint);
-* ``measured_ms`` (dispatch to the last outcome, as the driver saw it), ``compute_ms`` (slowest rank, start to
-  end of its micro-batches: what ``predicted_ms`` predicts), ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
+* ``measured_ms`` (dispatch to the last outcome, as the driver saw it: what ``predicted_ms`` predicts, its
+  micro-batches plus the profile's ``step_ms``), ``compute_ms`` (slowest rank, start to end of its micro-batches),
+  ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
   ``plan_wait_ms`` (time the driver waited for the plan: zero when the solve hid behind the previous step),
   ``boundary_ms`` (optional: membership work between the previous step and this one: admitting workers that finished
   starting, starting new ones; a worker starting beside the steps costs nothing here), ``overhead_ms`` (driver

@@ -86,6 +86,7 @@ def plan_fields(planned, profile) -> dict:
         "skipped": False,
         "reason": None,
         "predicted_ms": planned.predicted_ms,
+        "profile_revision": planned.profile_revision,
         "bound_ms": planned.bound_ms,
         "plan_budget_s": planned.budget_s or None,
         "gap": planned.gap,

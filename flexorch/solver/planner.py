@@ -170,7 +170,11 @@ class Planner:
             rows = np.arange(len(lengths))
             own = (deg[cheapest].astype(np.int64), table[rows, cheapest])
             rounds = best_round_split(*slowest) if cfg.round_splits else None  # their best micro-batches: a start
-            tiers = (wall, deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64), n, own, rounds)
+            import os
+            need = deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64)
+            if os.environ.get("FX_FAST"):
+                need = np.maximum(need, deg[np.argmin(table + overheads[None, :], axis=1)].astype(np.int64))
+            tiers = (wall, need, n, own, rounds)
         kinds: list[str] = []
         cands = partition_candidates(
             lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers, kinds=kinds
@@ -290,7 +294,8 @@ class Planner:
             "solves_cut": run["cut"],
             "isolated": self._solves.pool.isolate,
         }
-        return StepPlan(plan, float(best_total), bound, done - t0, status, details)
+        # the step's fixed costs (sync, optimizer) on both: ``simulator.step_time_ms``'s price, and still a bound
+        return StepPlan(plan, float(best_total) + prof.step_ms, bound + prof.step_ms, done - t0, status, details)
 
     def _step_bound(self) -> float:
         """The step's lower bound (``solver.bounds.step_bound_ms``), computed once per plan, on first call."""

@@ -88,10 +88,19 @@ class Profile:
     token with selective recompute over ``act_bytes_per_token``; 0: selective is not a choice."""
     selective_time_ratio: float = 1.0
     """With ``selective_act_ratio``: a group's time with selective recompute over its time with full recompute."""
+    step_ms: float = 0.0
+    """Fixed time per step outside its micro-batches (ms): the gradient sync, the optimizer step and the dispatch a
+    step pays once, whatever its plan (a record's ``measured_ms - compute_ms``). Refitted from the run's steps
+    (``solver.refit``); 0 in calibrated and built-in profiles. It moves no plan's ranking, only what a step is
+    predicted to take (``solver.simulator.step_time_ms``) and its bound."""
+    revision: int = 0
+    """Which version of the run's profile this is: 0 as calibrated or loaded, +1 for each refit the driver takes up
+    or rolls back to (``control.refitting``). A plan carries the revision it was priced with
+    (``PlannedStep.profile_revision``), so a record is priced, and a refit judged, on the profile that planned it."""
 
     def __post_init__(self) -> None:
         problems = []
-        for f in ("a1_ms", "a2_ms", "b1_ms", "act_bytes_per_token", "memory_budget_bytes"):
+        for f in ("a1_ms", "a2_ms", "b1_ms", "step_ms", "act_bytes_per_token", "memory_budget_bytes"):
             v = getattr(self, f)
             if not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
                 problems.append(f"{f} must be a finite number >= 0, got {v!r}")

@@ -37,16 +37,26 @@ from flexorch.solver.calibration import (
     fit_group_comm,
     prediction_errors,
 )
-from flexorch.solver.cost_model import group_time_ms
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile
+from flexorch.solver.simulator import span_ms
 
-__all__ = ["GroupWindow", "RefitReport", "StepSample", "refit_times", "samples_of_record", "step_of_record"]
+__all__ = [
+    "GroupWindow",
+    "RefitReport",
+    "StepSample",
+    "refit_times",
+    "samples_of_record",
+    "step_of_record",
+    "with_time_terms",
+]
 
 MIN_COMPUTE = 6
 """Degree-1 groups needed before the compute terms are refitted (two per unknown)."""
 MIN_GROUP = 4
 """Groups of one (kind, degree) needed before its latency and bandwidth are refitted."""
+MIN_STEPS = 2
+"""Steps needed before the step's fixed costs (``Profile.step_ms``) are refitted."""
 
 
 def _time_scales(record: dict, ratios: dict[str, float] | None) -> list[list[float]] | None:
@@ -86,26 +96,28 @@ def samples_of_record(record: dict, ratios: dict[str, float] | None = None) -> l
 @dataclasses.dataclass(frozen=True)
 class StepSample:
     """One trained SP step as the planner sees it: per micro-batch, its groups as ``(seq_lengths, degree, kind)``;
-    ``ms`` the measured compute (slowest rank, start to end of its micro-batches: the record's ``compute_ms``)."""
+    ``ms`` the measured step (the record's ``measured_ms``: dispatch to the last outcome, what the console shows
+    beside the prediction), ``compute_ms`` its micro-batches (slowest rank, start to end of its micro-batches)."""
 
     micro_batches: tuple[tuple[tuple[tuple[int, ...], int, str], ...], ...]
     ms: float
+    compute_ms: float = 0.0
     scales: tuple[tuple[float, ...], ...] = ()
     """Per micro-batch, each group's time factor ('auto' recompute: its mode's time ratio); empty: 1 everywhere."""
 
     def predict_ms(self, profile: Profile) -> float:
-        """The planner's prediction: micro-batches one after another, each as long as its slowest group
-        (``solver.simulator.step_time_ms`` on the plan that ran, each group in its recompute mode)."""
-        return sum(
-            max(
-                (
-                    group_time_ms(lengths, d, kind, profile) * (self.scales[mi][gi] if self.scales else 1.0)
-                    for gi, (lengths, d, kind) in enumerate(mb)
-                ),
-                default=0.0,
-            )
-            for mi, mb in enumerate(self.micro_batches)
-        )
+        """The planner's prediction: micro-batches one after another, each as long as its slowest group, each group
+        in its recompute mode (``solver.simulator.span_ms``, the one price the planner and the records use), plus
+        the step's fixed costs (``profile.step_ms``): ``solver.simulator.step_time_ms`` of the plan that ran."""
+        total = 0.0
+        for mi, mb in enumerate(self.micro_batches):
+            lengths = np.fromiter((s for lens, _d, _k in mb for s in lens), dtype=np.int64)
+            groups, start = [], 0
+            for gi, (lens, d, kind) in enumerate(mb):
+                groups.append((range(start, start + len(lens)), d, kind, self.scales[mi][gi] if self.scales else 1.0))
+                start += len(lens)
+            total += span_ms(groups, lengths, profile)
+        return total + profile.step_ms
 
 
 def step_of_record(record: dict, ratios: dict[str, float] | None = None) -> StepSample | None:
@@ -113,15 +125,17 @@ def step_of_record(record: dict, ratios: dict[str, float] | None = None) -> Step
     mode other than full recompute is priced at ``ratios[mode]`` of its time with full recompute."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return None
-    ms = record.get("compute_ms")
-    if not isinstance(ms, int | float) or not ms > 0:
+    ms, compute = record.get("measured_ms"), record.get("compute_ms")
+    if not all(isinstance(x, int | float) and x > 0 for x in (ms, compute)):
         return None
     mbs = tuple(
         tuple((tuple(int(s) for s in g["seq_lengths"]), int(g["degree"]), str(g["kind"])) for g in mb)
         for mb in record["plan"]["micro_batches"]
     )
     scales = _time_scales(record, ratios)
-    return StepSample(micro_batches=mbs, ms=float(ms), scales=tuple(map(tuple, scales or ())))
+    return StepSample(
+        micro_batches=mbs, ms=float(ms), compute_ms=float(compute), scales=tuple(map(tuple, scales or ()))
+    )
 
 
 class GroupWindow:
@@ -180,11 +194,13 @@ class RefitReport:
 
     @property
     def verdict(self) -> str:
-        if self.accepted:
-            return "kept"
-        if self.error_after >= self.error_before:
-            return "rejected (groups no better)"
-        return "rejected (steps predicted worse)"
+        if self.accepted:  # the driver plans with it and judges it on the next steps (``control.refitting``)
+            return "on trial"
+        if self.error_after > self.error_before:
+            return "rejected (groups predicted worse)"
+        if self.step_error_after > self.step_error_before:
+            return "rejected (steps predicted worse)"
+        return "rejected (no better)"
 
     def message(self, profile: Profile) -> str:
         """One console line; ``profile`` is the one in force after the refit."""
@@ -199,6 +215,7 @@ class RefitReport:
             f"cost model refitted on the last {self.samples} groups ({what}): median error "
             f"{100 * self.error_before:.1f} % -> {100 * self.error_after:.1f} %{steps}, {self.verdict}; "
             f"b1={profile.b1_ms:.3g} ms a1={profile.a1_ms:.3g} ms/tok^2 a2={profile.a2_ms:.3g} ms/tok"
+            + (f" step={profile.step_ms:.3g} ms" if profile.step_ms else "")
         )
 
 
@@ -224,14 +241,45 @@ took 8 s)."""
 COMM_GRID = 61
 
 
+def _pinned(profile: Profile, degrees) -> Profile:
+    """``profile`` with its collective tables written out for every power-of-two degree up to the largest it or
+    ``degrees`` has: a ring group reads the all-to-all tables where its own are empty, and a degree not in a table
+    the nearest larger one, so refitting one (kind, degree) would otherwise move the price of others it never saw."""
+    top = max([*degrees, *(d for t in ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
+                           for d in getattr(profile, t))])  # fmt: skip
+    ds = [2**i for i in range(1, top.bit_length())]
+    return dataclasses.replace(
+        profile,
+        a2a_gbps={d: profile.bandwidth_gbps(d) for d in ds},
+        p2p_gbps={d: profile.bandwidth_gbps(d, ring=True) for d in ds},
+        a2a_latency_ms={d: profile.latency_ms(d) for d in ds},
+        p2p_latency_ms={d: profile.latency_ms(d, ring=True) for d in ds},
+    )
+
+
 def _with_comm(profile: Profile, groups: dict) -> Profile:
+    if groups:
+        profile = _pinned(profile, [d for _, d in groups])
     for (kind, degree), samples in sorted(groups.items()):
         profile, _err = fit_group_comm(profile, samples[-COMM_SAMPLES:], kind, degree, grid=COMM_GRID)
     return profile
 
 
-def refit_times(profile: Profile, window: GroupWindow) -> tuple[Profile, RefitReport]:
-    """``profile`` with its time terms refitted on ``window``; the input profile when the refit is no better."""
+TIME_TERMS = ("a1_ms", "a2_ms", "b1_ms", "step_ms", "a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
+"""The fields a refit changes (and a roll-back restores); memory and recompute terms are never refitted."""
+
+
+def with_time_terms(profile: Profile, source: Profile) -> Profile:
+    """``profile`` (its memory terms, e.g. lowered after an out-of-memory step) with ``source``'s time terms."""
+    return dataclasses.replace(profile, **{f: getattr(source, f) for f in TIME_TERMS})
+
+
+def refit_times(profile: Profile, window: GroupWindow, static: bool = False) -> tuple[Profile, RefitReport]:
+    """``profile`` with its time terms refitted on ``window``; the input profile when the refit is no better.
+
+    Collectives are refitted only for the (kind, degree) the window shows; the tables are written out first so that
+    no other type's price moves with them (``_pinned``). ``static``: the run plans one layout (how the compute factor
+    is fitted without degree-1 groups, below)."""
     compute, groups = window.compute(), window.groups()
     every = [*compute, *(s for v in groups.values() for s in v)]
     new, refitted = profile, []
@@ -249,20 +297,37 @@ def refit_times(profile: Profile, window: GroupWindow) -> tuple[Profile, RefitRe
     fit = {k: v for k, v in enough.items() if len({sum(s.seq_lengths) for s in v}) >= 2}
     if enough and "compute" not in refitted:
         # no degree-1 groups to price compute (a static SP layout, or every sequence needing SP): scale the compute
-        # terms by the one factor that, with each (kind, degree)'s collectives refitted, predicts the SP groups best
+        # terms by one factor from the SP groups. A static layout's planner plans only the type it sees: the factor
+        # is the one that, with each (kind, degree)'s collectives refitted, predicts its groups best. An adaptive
+        # planner also plans types the window has no sample of: there the factor is fitted with the collectives as
+        # they are (one unknown, identified), then the seen types' collectives are refitted at it. Fitted jointly,
+        # factor and collectives trade off freely: the demo's window of ulysses-2 groups gave compute x0.3 and a
+        # 156 ms all-to-all latency, which priced ulysses-4 (its latency as calibrated) 43 % too cheap.
         sp = [s for v in enough.values() for s in v]
-        new = min(
-            (_with_comm(_scaled(new, x), fit) for x in np.geomspace(0.25, 4.0, 41)), key=lambda q: _median_abs(q, sp)
-        )
+        grid = np.geomspace(0.25, 4.0, 41)
+        if static:
+            new = min((_with_comm(_scaled(new, x), fit) for x in grid), key=lambda q: _median_abs(q, sp))
+        else:
+            x = min(grid, key=lambda x: (_median_abs(_scaled(new, x), sp), abs(np.log(x))))
+            new = _with_comm(_scaled(new, x), fit)
         if new.b1_ms != profile.b1_ms or new.a2_ms != profile.a2_ms:
             refitted.append("compute-scale")
     else:
         new = _with_comm(new, fit)
     refitted += [f"{kind}-{degree}" for kind, degree in sorted(fit)]
-    before, after = _median_abs(profile, every), _median_abs(new, every)
     steps = window.steps()
+    outside = [max(0.0, s.ms - s.compute_ms) for s in steps if s.compute_ms > 0]
+    if len(outside) >= MIN_STEPS:  # what a step costs beside its micro-batches (sync, optimizer, dispatch)
+        new = dataclasses.replace(new, step_ms=float(np.median(outside)))
+        refitted.append("step")
+    before, after = _median_abs(profile, every), _median_abs(new, every)
     step_before, step_after = _step_error(profile, steps), _step_error(new, steps)
     # kept only when it explains the groups better and the steps the planner plans at least as well
-    accepted = bool(refitted) and after < before and step_after <= step_before
+    accepted = (
+        bool(refitted)
+        and after <= before
+        and step_after <= step_before
+        and (after < before or step_after < step_before)
+    )
     report = RefitReport(len(every), before, after, accepted, tuple(refitted), len(steps), step_before, step_after)
     return (new if accepted else profile), report

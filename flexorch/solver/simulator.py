@@ -17,7 +17,7 @@ from flexorch.solver.cost_model import group_comm_ms, group_overhead_ms, group_t
 from flexorch.solver.plan import Plan
 from flexorch.solver.profiles import Profile
 
-__all__ = ["GroupTiming", "comm_share", "group_timings", "micro_batch_times_ms", "step_time_ms"]
+__all__ = ["GroupTiming", "comm_share", "group_timings", "micro_batch_times_ms", "span_ms", "step_time_ms"]
 
 
 @dataclass(frozen=True)
@@ -44,34 +44,44 @@ def _mode_scales(plan: Plan, profile: Profile):
     return [[ratio[m] for m in row] for row in modes]
 
 
+def span_ms(groups, lengths: np.ndarray, profile: Profile) -> float:
+    """How long one micro-batch takes: its slowest group. ``groups``: ``(seq_ids, degree, kind, scale)`` per group,
+    ``seq_ids`` indexing ``lengths``, ``scale`` its recompute mode's time factor (1.0 for full recompute). Each group
+    is ``group_time_ms`` (its overhead plus its sequences' times), computed per (degree, kind) at once: the groups of
+    one type share their overhead, and their sequence times are one vectorised call. The one price of a micro-batch:
+    the planner's plans, the records' ``predicted_ms`` and the refit's verdict all come from here."""
+    by_type: dict[tuple[int, str], list] = {}
+    for ids, d, kind, scale in groups:
+        by_type.setdefault((d, kind), []).append((ids, scale))
+    worst = 0.0
+    for (d, kind), members in by_type.items():
+        sizes = np.fromiter((len(ids) for ids, _ in members), dtype=np.int64, count=len(members))
+        ids = np.fromiter(itertools.chain.from_iterable(i for i, _ in members), dtype=np.int64, count=int(sizes.sum()))
+        times = seq_times_ms(lengths[ids], d, kind, profile)
+        sums = np.add.reduceat(times, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+        spans = (group_overhead_ms(d, kind, profile) + sums) * np.fromiter((s for _, s in members), dtype=float)
+        worst = max(worst, float(spans.max()))
+    return worst
+
+
 def micro_batch_times_ms(plan: Plan, profile: Profile) -> list[float]:
-    """Makespan of each micro-batch: its slowest group (``group_time_ms``, computed per (degree, kind) at once: the
-    groups of one type share their overhead, and their sequence times are one vectorised call), a group run
-    without recompute or with selective recompute scaled by its mode's time ratio (``_mode_scales``)."""
+    """Makespan of each micro-batch (``span_ms``), a group run without recompute or with selective recompute scaled
+    by its mode's time ratio (``_mode_scales``)."""
     lengths = np.asarray(plan.seq_lengths, dtype=np.int64)
     scales = _mode_scales(plan, profile)
     out = []
     for mi, mb in enumerate(plan.micro_batches):
-        by_type: dict[tuple[int, str], list[tuple[int, ...]]] = {}
-        scale_of: dict[tuple[int, str], list[float]] = {}
-        for gi, g in enumerate(mb.groups):
-            by_type.setdefault((g.degree, g.kind), []).append(g.seq_ids)
-            scale_of.setdefault((g.degree, g.kind), []).append(1.0 if scales is None else scales[mi][gi])
-        worst = 0.0
-        for (d, kind), groups in by_type.items():
-            sizes = np.fromiter((len(ids) for ids in groups), dtype=np.int64, count=len(groups))
-            ids = np.fromiter(itertools.chain.from_iterable(groups), dtype=np.int64, count=int(sizes.sum()))
-            times = seq_times_ms(lengths[ids], d, kind, profile)
-            sums = np.add.reduceat(times, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-            spans = (group_overhead_ms(d, kind, profile) + sums) * np.asarray(scale_of[(d, kind)])
-            worst = max(worst, float(spans.max()))
-        out.append(worst)
+        row = [1.0] * len(mb.groups) if scales is None else scales[mi]
+        out.append(
+            span_ms([(g.seq_ids, g.degree, g.kind, x) for g, x in zip(mb.groups, row, strict=True)], lengths, profile)
+        )
     return out
 
 
 def step_time_ms(plan: Plan, profile: Profile) -> float:
-    """The step's predicted time: micro-batch makespans summed."""
-    return float(sum(micro_batch_times_ms(plan, profile)))
+    """The step's predicted time: micro-batch makespans summed, plus the step's fixed costs (``profile.step_ms``:
+    gradient sync, optimizer, dispatch)."""
+    return float(sum(micro_batch_times_ms(plan, profile))) + profile.step_ms
 
 
 def group_timings(plan: Plan, profile: Profile) -> list[GroupTiming]:

@@ -77,6 +77,9 @@ class PlannedStep:
     budget_s: float = 0.0
     """The planning budget this plan was given (s): ``time_limit_s``, or in a run the share of the measured step
     time the overlap gives (``PlanSettings.budget_for``); 0 where no planner ran (a fallback)."""
+    profile_revision: int = 0
+    """The ``Profile.revision`` that priced this plan (its ``predicted_ms``): a refit taken up while it was solved
+    does not price it."""
 
     @property
     def gap(self) -> float | None:
@@ -226,7 +229,11 @@ class StepPlanner:
         if task_of is not None:
             _check_task_mode(self.static, self.pipeline_stages)
             tasks = (task_of, adapter_ranks, task_method, task_barrier)
-        return dataclasses.replace(self._plan(lengths, num_devices, with_baselines, limit, tasks), budget_s=limit)
+        return dataclasses.replace(
+            self._plan(lengths, num_devices, with_baselines, limit, tasks),
+            budget_s=limit,
+            profile_revision=self.profile.revision,
+        )
 
     def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float, tasks=None) -> PlannedStep:
         if self._hangs > 0:

@@ -1,0 +1,126 @@
+"""A refit is on trial until the steps planned with it say it predicts them at least as well as the profile before
+it (``flexorch.control.refitting``), and every price of a plan is one function (``solver.simulator``)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from flexorch.control import refitting
+from flexorch.control.refitting import TRIAL_STEPS, RunRefit
+from flexorch.solver.cost_model import group_time_ms
+from flexorch.solver.profiles import get_profile
+from flexorch.solver.refit import RefitReport, step_of_record
+from tests.train_helpers import cpu_profile
+
+
+@pytest.fixture
+def profile(tmp_path):
+    return get_profile(str(cpu_profile(tmp_path / "p.json")))
+
+
+def _step(truth, micro_batches, overhead_ms=20.0):
+    """A trained record of ``micro_batches`` (each a list of ``(degree, lengths)`` groups on consecutive ranks of a
+    world of 4), every group measured as ``truth`` prices it."""
+    mbs, times = [], []
+    for groups in micro_batches:
+        row, first = [], 0
+        for d, lengths in groups:
+            ranks = list(range(first, first + d))
+            first += d
+            row.append({"degree": d, "kind": "ulysses", "ranks": ranks, "seq_ids": [], "seq_lengths": list(lengths)})
+        mbs.append(row)
+        times.append([group_time_ms(tuple(lengths), d, "ulysses", truth) for d, lengths in groups])
+    per_rank = [[0.0] * len(mbs) for _ in range(4)]
+    for mi, row in enumerate(mbs):
+        for g, t in zip(row, times[mi], strict=True):
+            for r in g["ranks"]:
+                per_rank[r][mi] = t
+    compute = sum(max(t) for t in times)
+    return {
+        "source": "train",
+        "pipeline": None,
+        "plan": {"micro_batches": mbs},
+        "ranks": [{"micro_batch_ms": row} for row in per_rank],
+        "recoveries": [],
+        "compute_ms": compute,
+        "measured_ms": compute + overhead_ms,
+    }
+
+
+TWO_BY_TWO = [[(2, (700, 300)), (2, (600, 350))]] * 4  # <2x2> | <2x2> | <2x2> | <2x2>
+FOUR = [[(4, (1500, 400))]] * 4  # <4> | <4> | <4> | <4>
+
+
+def _accepting(refit):
+    """``refit_times`` replaced by one that proposes ``refit`` as if it predicted its window better: the verdict
+    on the next steps is what is under test (``refit_times``' own verdict is tested in test_refit.py)."""
+
+    def fake(profile, window, static=False):
+        return refit, RefitReport(10, 0.2, 0.1, True, ("ulysses-2",), 3, 0.2, 0.1)
+
+    return fake
+
+
+def _run(monkeypatch, profile, refit, truth, trial_plans):
+    """The driver's loop on records: 5 steps of <2x2> (the refit follows step 3 and is taken up after step 4, whose
+    plan was solved before), then ``trial_plans`` planned with whatever the loop says is in force. Returns the
+    changes and the profile in force at the end."""
+    monkeypatch.setattr(refitting, "refit_times", _accepting(refit))
+    loop, current, changes = RunRefit(every=4), profile, []
+    for step_no in range(5 + len(trial_plans)):
+        plans = TWO_BY_TWO if step_no < 5 else trial_plans[step_no - 5]
+        out = loop.after_step(_step(truth, plans), step_no, current, current, wait=True)
+        for c in out:
+            current = c.profile or current
+        changes += out
+    loop.settle(current, wait=True)
+    loop.close()
+    return changes, current
+
+
+def test_a_refit_that_prices_the_layouts_it_never_saw_too_cheap_is_rolled_back(monkeypatch, profile):
+    # the demo's case: a refit fitted on <2x2> steps prices ulysses-4 at half of what it costs; the planner then
+    # plans <4> steps with it, and those are predicted far below what they take: after TRIAL_STEPS it is rolled back
+    truth = profile
+    cheap4 = dataclasses.replace(profile, a2a_gbps={2: profile.a2a_gbps[2], 4: 1e6}, a2a_latency_ms={2: 0.0, 4: 0.0})
+    cheap4 = dataclasses.replace(cheap4, b1_ms=profile.b1_ms, a1_ms=profile.a1_ms * 0.5, a2_ms=profile.a2_ms * 0.5)
+    changes, current = _run(monkeypatch, profile, cheap4, truth, [FOUR] * TRIAL_STEPS)
+    on_trial, verdict = changes[0], changes[-1]
+    assert on_trial.profile.revision == 1 and "on trial" in on_trial.message
+    assert verdict.profile is not None and verdict.profile.revision == 2
+    assert "rolled back" in verdict.message and "planning with the profile before it again" in verdict.message
+    for f in ("a1_ms", "a2_ms", "b1_ms", "a2a_gbps", "a2a_latency_ms"):
+        assert getattr(current, f) == getattr(profile, f)  # the time terms before the refit, as a new revision
+    step = step_of_record(_step(truth, FOUR))
+    assert abs(step.predict_ms(cheap4) - step.ms) > 0.3 * step.ms  # the trial steps really were mispredicted
+
+
+def test_a_refit_that_predicts_the_steps_planned_with_it_better_is_kept(monkeypatch, profile):
+    # the profile in force prices everything 30 % high and knows nothing of the 20 ms a step pays beside its
+    # micro-batches; the refit is the truth: kept after TRIAL_STEPS, whatever the planner plans with it
+    truth = dataclasses.replace(profile, step_ms=20.0)
+    high = dataclasses.replace(profile, a1_ms=profile.a1_ms * 1.3, a2_ms=profile.a2_ms * 1.3, b1_ms=profile.b1_ms * 1.3)
+    changes, current = _run(monkeypatch, high, truth, truth, [FOUR, TWO_BY_TWO, FOUR])
+    verdict = changes[-1]
+    assert verdict.profile is None and "kept" in verdict.message and "rolled back" not in verdict.message
+    assert current.revision == 1 and current.a2_ms == truth.a2_ms and current.step_ms == 20.0
+
+
+def test_steps_planned_before_the_refit_was_taken_up_do_not_judge_it(monkeypatch, profile):
+    monkeypatch.setattr(refitting, "refit_times", _accepting(dataclasses.replace(profile, b1_ms=0.0)))
+    loop = RunRefit(every=4)
+    changes = []
+    for step_no in range(4):
+        changes += loop.after_step(_step(profile, TWO_BY_TWO), step_no, profile, profile, wait=True)
+    changes += loop.settle(profile, wait=True)
+    (on_trial,) = changes
+    new = on_trial.profile
+    for step_no in range(4, 4 + 3 * TRIAL_STEPS):  # a plan solved with revision 0 while the refit ran
+        assert loop.after_step(_step(profile, TWO_BY_TWO), step_no, new, profile, wait=True) == []
+    out = []
+    for step_no in range(20, 20 + TRIAL_STEPS):
+        out += loop.after_step(_step(profile, TWO_BY_TWO), step_no, new, new, wait=True)
+    assert len(out) == 1 and "rolled back" in out[0].message  # b1 = 0 predicts every step too fast
+    loop.close()
