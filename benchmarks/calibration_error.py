@@ -14,6 +14,18 @@ drivers of ``benchmarks/train_cpu.py``), then takes each step's prediction apart
 
     python benchmarks/calibration_error.py              # every layout with and without refit, side by side, ~6 min
     python benchmarks/calibration_error.py --refit off  # the start-up calibration alone
+
+Per step (issue 48), ``--runs demo,hf``: ``flexorch train`` on the demo's run file (``examples/train_laptop.toml``:
+4 CPU workers, calibrated profile, refits every 4 steps, 20 steps), and the same with its model built by Transformers
+(``[model] hf``: a Llama of the same shape), one after the other. For every step: the plan's shape, the prediction
+the run made (``predicted_ms``, from the profile revision that planned it: refits on trial, kept or rolled back),
+the same plan priced by the start-up calibration alone (revision 0, ``profile.json``), the measured step
+(``measured_ms``) and both errors; then the refit lines the run printed, and the median and worst error over steps
+3-20 (the done-when of issue 48: median at most 5 %, worst within 15 %, on an otherwise idle machine).
+``--records DIR`` prints the same table for a run that has already run (its ``steps.jsonl``, ``profile.json``).
+
+    python benchmarks/calibration_error.py --runs demo,hf     # about 4 minutes on 2 cores
+    python benchmarks/calibration_error.py --records runs/train
 """
 
 from __future__ import annotations
@@ -96,8 +108,91 @@ def _bias(p, m) -> float:
     return float(np.median((np.asarray(p) - np.asarray(m)) / np.asarray(m)))
 
 
+def per_step(run_dir: Path, first: int = 3) -> dict:
+    """The per-step table of a finished run (``--runs``/``--records``), printed; its summary returned."""
+    from flexorch.solver.profiles import load_profile
+    from flexorch.solver.recompute import time_ratios
+    from flexorch.solver.refit import step_of_record
+
+    calibrated = load_profile(run_dir / "profile.json")
+    recs = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()]
+    recs = [r for r in recs if r.get("source") == "train" and r.get("plan")]
+    print(f"\n{run_dir}: per step, predicted vs measured (error = predicted / measured - 1)")
+    print(
+        f"{'step':>4s} {'rev':>3s} {'measured':>9s} {'predicted':>9s} {'err':>7s} {'calibrated':>10s} {'err':>7s}  plan"
+    )
+    errs, errs0 = [], []
+    for r in recs:
+        step = step_of_record(r, time_ratios(calibrated))
+        ms, pred = r["measured_ms"], r["predicted_ms"]
+        pred0 = step.predict_ms(calibrated)
+        e, e0 = pred / ms - 1, pred0 / ms - 1
+        if r["step"] + 1 >= first:
+            errs.append(abs(e))
+            errs0.append(abs(e0))
+        print(
+            f"{r['step'] + 1:4d} {r.get('profile_revision', 0):3d} {ms:9.1f} {pred:9.1f} {100 * e:+6.1f}% "
+            f"{pred0:10.1f} {100 * e0:+6.1f}%  {r['shape'][:60]}"
+        )
+    out = {
+        "steps": len(errs),
+        "median_err": float(np.median(errs)),
+        "worst_err": float(np.max(errs)),
+        "calibrated_median_err": float(np.median(errs0)),
+        "calibrated_worst_err": float(np.max(errs0)),
+    }
+    print(
+        f"steps {first}-{recs[-1]['step'] + 1}: as predicted median {100 * out['median_err']:.1f} %, worst "
+        f"{100 * out['worst_err']:.1f} %; calibration alone median {100 * out['calibrated_median_err']:.1f} %, "
+        f"worst {100 * out['calibrated_worst_err']:.1f} %"
+    )
+    return out
+
+
+def run_per_step(names: list[str], out: Path) -> int:
+    """``flexorch train`` on the demo's run file (``demo``) and on its Transformers twin (``hf``), one at a time."""
+    import subprocess
+    import tomllib
+
+    from hf_step_time import hf_twin
+
+    from flexorch.config import model_config
+
+    demo = ROOT / "examples" / "train_laptop.toml"
+    summary = {}
+    for name in names:
+        run_dir = out / name
+        cmd = [sys.executable, "-m", "flexorch", "train", "--config", str(demo), "--run-dir", str(run_dir)]
+        if name == "hf":
+            raw = tomllib.loads(demo.read_text())
+            twin = hf_twin(model_config(raw["model"]["preset"]), out / "hf-model")
+            body = demo.read_text().replace(f'preset = "{raw["model"]["preset"]}"', f'hf = "{twin.hf}"')
+            body = body.replace("[data]\n", '[data]\ntokenizer = "byte"\n', 1)
+            (out / "hf.toml").write_text(body)
+            cmd[cmd.index(str(demo))] = str(out / "hf.toml")
+        elif name != "demo":
+            raise SystemExit(f"--runs: unknown run {name!r} (demo, hf)")
+        out.mkdir(parents=True, exist_ok=True)
+        print(f"running {name}: {' '.join(cmd)}", flush=True)
+        t0 = time.perf_counter()
+        log = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if log.returncode:
+            print(log.stdout[-3000:], log.stderr[-3000:])
+            return log.returncode
+        print(f"{name}: {time.perf_counter() - t0:.0f} s; the run's cost model lines:")
+        for line in log.stdout.splitlines():
+            if "cost model" in line or line.startswith("profile:"):
+                print("  " + line[:240])
+        summary[name] = per_step(run_dir)
+    (out / "per_step.json").write_text(json.dumps(summary, indent=1))
+    print(f"\nwrote {out / 'per_step.json'}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default=None, help="per-step mode: comma-separated runs of the demo: demo, hf")
+    ap.add_argument("--records", type=Path, default=None, help="per-step table of a finished run directory")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=8)
@@ -112,6 +207,11 @@ def main(argv=None) -> int:
     ap.add_argument("--refit-every", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_calibration_error")
     args = ap.parse_args(argv)
+    if args.records is not None:
+        per_step(args.records)
+        return 0
+    if args.runs:
+        return run_per_step([r for r in args.runs.split(",") if r], args.out / "per_step")
     steps = 5 if args.quick else args.steps
 
     import ray

@@ -67,8 +67,8 @@ def format_step(ev: dict, total: int) -> str:
     of = f" on {targets:,} of {ev['tokens']:,} tokens" if targets is not None and targets != ev["tokens"] else ""
     line = (
         f"{head}  plan {plan:<18s} solve {ev['solve_s']:5.2f}{budget}s{gap}  loss {ev['loss']:7.4f}{of}  "
-        f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['compute_ms']:7.1f} ms  "
-        f"step {ev['measured_ms']:7.1f} ms  ETA {_fmt_eta(ev['eta_s'])}"
+        f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['measured_ms']:7.1f} ms "
+        f"(compute {ev['compute_ms']:7.1f} ms)  ETA {_fmt_eta(ev['eta_s'])}"
     )
     if ev.get("task_losses"):  # [[tasks]]: each task's own loss (the step's is their weighted mean)
         line += "  [" + ", ".join(f"{n} {x:.4f}" for n, x in ev["task_losses"].items()) + "]"
