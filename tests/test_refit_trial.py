@@ -124,3 +124,53 @@ def test_steps_planned_before_the_refit_was_taken_up_do_not_judge_it(monkeypatch
         out += loop.after_step(_step(profile, TWO_BY_TWO), step_no, new, new, wait=True)
     assert len(out) == 1 and "rolled back" in out[0].message  # b1 = 0 predicts every step too fast
     loop.close()
+
+
+def test_the_driver_plans_and_prices_with_the_refit_it_keeps_and_says_its_verdict(monkeypatch, tmp_path):
+    # the real driver on the fake worker group (no Ray) with refit_times made to propose a profile whose fixed cost
+    # is halved: every record is priced by the revision that planned it, the planner gets each revision whole, and
+    # the verdict on the trial comes as one console line
+    import json
+
+    import numpy as np
+
+    from tests.fake_cluster import fake_driver, memory_corpus
+    from tests.test_driver_transitions import LENGTHS, _cfg
+
+    path = cpu_profile(tmp_path / "given.json")
+    given = get_profile(str(path))
+    monkeypatch.setattr(refitting, "refit_times", _accepting(dataclasses.replace(given, b1_ms=given.b1_ms / 2)))
+    cfg = _cfg(tmp_path, path, steps=9, plan={"refit": "on", "refit_every": 2})
+    rng = np.random.default_rng(0)
+    corpus = memory_corpus([rng.integers(1, 257, n) for n in LENGTHS], vocab_size=257)
+    driver, _ = fake_driver(cfg, corpus)
+    try:
+        for _ in range(9):
+            driver.step()
+        events, _ = driver.poll(0)
+        lines = [str(e.get("message", "")) for e in events if "cost model" in str(e.get("message", ""))]
+        assert any("on trial" in m for m in lines)
+        assert any(("kept" in m or "rolled back" in m) and "steps planned with it" in m for m in lines), lines
+        records = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
+        revisions = [r["profile_revision"] for r in records]
+        assert revisions == sorted(revisions) and revisions[-1] >= 1, revisions
+        for r in records:
+            step = step_of_record(r)
+            assert step.predict_ms(driver._priced[r["profile_revision"]]) == pytest.approx(r["predicted_ms"], rel=1e-9)
+        assert (driver.planner._profile or driver.planner.planner.profile) == driver.profile
+        assert driver.planner.spec.profile == driver.profile  # the fallback and a restarted planner too
+    finally:
+        driver.shutdown()
+
+
+def test_a_profile_crosses_to_the_planner_whole(profile, tmp_path):
+    # the planner actor gets the profile pickled, a restarted run reads profile_refit.json: every time term, the
+    # collectives, the step's fixed cost and the revision survive both
+    import pickle
+
+    from flexorch.solver.profiles import load_profile
+
+    p = dataclasses.replace(profile, step_ms=31.5, revision=4, a2a_latency_ms={2: 9.5, 4: 3.0}, p2p_gbps={2: 0.5})
+    assert pickle.loads(pickle.dumps(p)) == p
+    (tmp_path / "p.json").write_text(p.to_json())
+    assert load_profile(tmp_path / "p.json") == p
