@@ -134,7 +134,16 @@ def per_step(run_dir: Path, first: int = 3) -> dict:
             f"{r['step'] + 1:4d} {r.get('profile_revision', 0):3d} {ms:9.1f} {pred:9.1f} {100 * e:+6.1f}% "
             f"{pred0:10.1f} {100 * e0:+6.1f}%  {r['shape'][:60]}"
         )
+    by_rev: dict[int, list[float]] = defaultdict(list)  # each profile revision: the errors of the steps it planned
+    for r in recs:
+        if r["step"] + 1 >= first:
+            by_rev[r.get("profile_revision", 0)].append(abs(r["predicted_ms"] / r["measured_ms"] - 1))
+    print(
+        "per profile revision (0: calibrated; each refit taken up or rolled back is the next): "
+        + ", ".join(f"rev {k}: {len(v)} steps, median {100 * np.median(v):.1f} %" for k, v in sorted(by_rev.items()))
+    )
     out = {
+        "by_revision": {str(k): float(np.median(v)) for k, v in sorted(by_rev.items())},
         "steps": len(errs),
         "median_err": float(np.median(errs)),
         "worst_err": float(np.max(errs)),
