@@ -174,3 +174,51 @@ def test_a_profile_crosses_to_the_planner_whole(profile, tmp_path):
     assert pickle.loads(pickle.dumps(p)) == p
     (tmp_path / "p.json").write_text(p.to_json())
     assert load_profile(tmp_path / "p.json") == p
+
+
+DEMO = __import__("pathlib").Path(__file__).parent / "data" / "demo_refit"
+
+
+def _demo():
+    import json
+
+    from flexorch.solver.profiles import load_profile, profile_from_dict
+
+    records = [json.loads(x) for x in (DEMO / "steps.jsonl").read_text().splitlines()]
+    profiles, why = {0: load_profile(DEMO / "profile.json")}, {}
+    for line in (DEMO / "profile_revisions.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        profiles[entry["revision"]] = profile_from_dict(entry["profile"])
+        why[entry["revision"]] = entry["why"]
+    return records, profiles, why
+
+
+def test_the_demo_s_records_replay_at_one_price():
+    # `make demo`'s records (20 steps, 4 CPU workers, refits every 4 steps; trimmed to what this reads) and every
+    # profile revision the run planned with: each step's predicted_ms is its plan priced by its revision
+    records, profiles, _ = _demo()
+    assert len(records) == 20 and len(profiles) >= 2
+    for r in records:
+        assert step_of_record(r).predict_ms(profiles[r["profile_revision"]]) == pytest.approx(
+            r["predicted_ms"], rel=1e-9
+        )
+
+
+def test_the_demo_s_trials_decided_on_the_steps_planned_with_each_refit():
+    # replayed: each refit on trial was kept exactly when the first TRIAL_STEPS steps planned with it were predicted
+    # at least as well as by the revision before it, rolled back otherwise; and no refit kept for good is followed
+    # by steps predicted more than 10 % worse than the profile before it would have (issue 48's done-when)
+    import numpy as np
+
+    records, profiles, why = _demo()
+    trials = [k for k, w in why.items() if "on trial" in w]
+    assert trials
+    for k in trials:
+        planned = [step_of_record(r) for r in records if r["profile_revision"] == k]
+        if len(planned) < TRIAL_STEPS:
+            continue  # the run ended before its verdict
+        err = [[abs(s.predict_ms(profiles[rev]) / s.ms - 1) for s in planned] for rev in (k, k - 1)]
+        rolled_back = "rolled back" in why.get(k + 1, "")
+        assert rolled_back == (np.median(err[0][:TRIAL_STEPS]) > np.median(err[1][:TRIAL_STEPS])), (k, why)
+        if not rolled_back:
+            assert np.median(err[0]) <= np.median(err[1]) + 0.10

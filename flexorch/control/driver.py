@@ -344,6 +344,9 @@ class TrainingDriver:
                 self._priced[self.profile.revision] = self.profile
                 self.planner.set_profile(self.profile)
                 (self.run_dir / "profile_refit.json").write_text(self.profile.to_json())
+                with open(self.run_dir / "profile_revisions.jsonl", "a") as f:  # every revision a record may name
+                    entry = {"revision": self.profile.revision, "after_step": self.step_no, "why": change.message}
+                    f.write(json.dumps({**entry, "profile": json.loads(self.profile.to_json())}) + "\n")
             if change.message:
                 self._publish({"event": "planner", "message": change.message})
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from flexorch.solver.errors import ProfileError
 
-__all__ = ["Profile", "BUILTIN_PROFILES", "get_profile", "load_profile", "profile_names"]
+__all__ = ["Profile", "BUILTIN_PROFILES", "get_profile", "load_profile", "profile_from_dict", "profile_names"]
 
 # FlexSP release, A100-40GB, NVLink inside a node of 8 and InfiniBand across nodes: all-to-all bandwidth (GB/s)
 # measured per group size d; it collapses once a group spans nodes (d >= 16).
@@ -294,23 +294,29 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"profile file {path} does not exist") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProfileError(f"profile file {path} is not valid JSON: {e}") from None
+    return profile_from_dict(raw, f"profile file {path}", path.stem)
+
+
+def profile_from_dict(raw, where: str = "profile", name: str = "profile") -> Profile:
+    """A profile from the JSON object ``Profile.to_json`` writes (``where`` names it in errors)."""
     if not isinstance(raw, dict):
-        raise ProfileError(f"profile file {path} must hold a JSON object, got {type(raw).__name__}")
+        raise ProfileError(f"{where} must hold a JSON object, got {type(raw).__name__}")
+    raw = dict(raw)
     known = {f.name for f in fields(Profile)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ProfileError(f"profile file {path} has unknown fields {unknown}; known fields: {sorted(known)}")
-    raw.setdefault("name", path.stem)
+        raise ProfileError(f"{where} has unknown fields {unknown}; known fields: {sorted(known)}")
+    raw.setdefault("name", name)
     for table in _DEGREE_TABLES:
         if table in raw:
             if not isinstance(raw[table], dict):
                 unit = "GB/s" if table.endswith("_gbps") else "ms"
-                raise ProfileError(f"profile file {path}: {table} must be an object {{group size: {unit}}}")
+                raise ProfileError(f"{where}: {table} must be an object {{group size: {unit}}}")
             try:
                 raw[table] = {int(k): v for k, v in raw[table].items()}
             except ValueError:
-                raise ProfileError(f"profile file {path}: {table} keys must be integers") from None
+                raise ProfileError(f"{where}: {table} keys must be integers") from None
     try:
         return Profile(**raw)
     except TypeError as e:
-        raise ProfileError(f"profile file {path} is missing fields: {e}") from None
+        raise ProfileError(f"{where} is missing fields: {e}") from None
