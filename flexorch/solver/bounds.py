@@ -61,10 +61,12 @@ slowest sequences. It binds where a few sequences need a large share of the devi
 micro-batch's share of the work (FlexSP's 64-device groups over slow links), which the other bounds spread thin.
 
 The rounds bound and the absorption bound (``solver.round_bounds``) place the slowest sequences exactly into
-micro-batches and groups, and charge the idle time they leave that the rest cannot use.
+micro-batches and groups, each chain on a degree that holds it with its time there (issue 48), and charge the idle
+time they leave that the rest cannot use. A plan with more micro-batches than the fewest pays their fixed cost, and
+one with the fewest may have to run short sequences on the slowest ones' large groups (``solver.count_bounds``).
 
-The reported bound is the largest of the six. It holds for every plan, whatever its micro-batching, so the
-reported gap (plan / bound - 1) is an honest over-estimate of the distance to the optimum.
+The reported bound is the largest of the six, raised by the count bound. It holds for every plan, whatever its
+micro-batching, so the reported gap (plan / bound - 1) is an honest over-estimate of the distance to the optimum.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ import math
 
 import numpy as np
 
+from flexorch.solver.count_bounds import count_bound_ms
 from flexorch.solver.packing import GroupType
 from flexorch.solver.round_bounds import absorb_bound_ms, rounds_bound_ms, slowest_fronts
 
@@ -212,6 +215,8 @@ def step_bound_ms(
             slowest = slowest_fronts(table, degrees, lengths, n, tokens_per_device)
         bound = max(bound, tall_bound_ms(table, degrees, lengths, area, n, tokens_per_device, slowest=slowest))
         bound = max(bound, absorb_bound_ms(table, degrees, lengths, n, tokens_per_device, slowest=slowest))
+        # one micro-batch more pays one O more; the fewest pay where the slowest leave no room (solver.count_bounds)
+        return count_bound_ms(table, degrees, lengths, n, tokens_per_device, m_min, base, m_min * base + bound, slowest)
     return m_min * base + bound
 
 

@@ -35,13 +35,16 @@ def partition_candidates(
     lengths, work, capacity_tokens: int, extra: int = 4, deadline: float | None = None, tiers=None, kinds=None
 ) -> list[list[list[int]]]:
     """Splits into M = M_min .. M_min + extra micro-batches, a balanced one and FlexSP's sorted one for each, and
-    with `tiers` = (wall, min_devices, num_devices[, own[, rounds]]) tiered ones for each (:func:`tiered_split`),
-    first; with ``rounds`` (the seeds of ``tiered_split``) also tiered ones that start from those micro-batches.
+    with `tiers` = (wall, min_devices, num_devices[, own[, rounds[, halves]]]) tiered ones for each
+    (:func:`tiered_split`), first; with ``rounds`` (the seeds of ``tiered_split``) also tiered ones that start from
+    those micro-batches; with ``halves`` = (devices, seeds) of the slowest sequences as they run (``solver.halves``)
+    also tiered ones from those, and at the fewest micro-batches each tiered split again with its tiered
+    micro-batches taking the shortest of the rest where the rest would need one more (``squeeze``).
 
     A split is kept only when every micro-batch fits `capacity_tokens` (the tokens all N devices hold).
     Duplicates are removed; order is by M then strategy. Past `deadline` (``time.monotonic()``) no further M is
     tried once some split is in hand. `kinds`, a list, gets each split's strategy ('tiered-<ratio>',
-    'rounds-<ratio>', 'balanced', 'sorted') appended.
+    'rounds-<ratio>', 'halves-<ratio>', each maybe with '-squeezed', 'balanced', 'sorted') appended.
     """
     out, last = [], 0
     for m, kind, split in _candidates(lengths, work, capacity_tokens, extra, tiers):
@@ -79,23 +82,21 @@ def _candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None)
             wall, need, num_devices, *more = tiers
             own = more[0] if more else None
             rounds = more[1] if len(more) > 1 else None
-            for ratio in TIER_RATIOS:
-                for name, seeds in (("tiered", None), ("rounds", rounds)):
-                    if name == "rounds" and (not seeds or ratio != TIER_RATIO):  # one more candidate, not two
-                        continue
-                    split = tiered_split(
-                        lengths,
-                        work,
-                        wall,
-                        need,
-                        num_devices,
-                        capacity_tokens=capacity_tokens,
-                        extra=m - m_min,
-                        own=own,
-                        ratio=ratio,
-                        seeds=seeds,
-                    )
-                    named.append((f"{name}-{ratio:g}", split))
+            halves = more[2] if len(more) > 2 else None  # (devices, seeds) of the slowest as they run (issue 48)
+            variants = [("tiered", need, None, TIER_RATIOS)]
+            if rounds:
+                variants.append(("rounds", need, rounds, (TIER_RATIO,)))  # one more candidate, not two
+            if halves is not None:
+                variants.append(("halves", halves[0], halves[1], TIER_RATIOS))
+            for name, devices, seeds, ratios in variants:
+                for ratio in ratios:
+                    for squeeze in (False, True) if halves is not None and m == m_min else (False,):
+                        kw = dict(capacity_tokens=capacity_tokens, extra=m - m_min, own=own, ratio=ratio)
+                        args = (lengths, work, wall, devices, num_devices)
+                        split = tiered_split(*args, seeds=seeds, squeeze=squeeze, **kw)
+                        if split is None and seeds and name == "halves":  # this ratio tiers none of the seeds
+                            split = tiered_split(*args, squeeze=squeeze, **kw)
+                        named.append((f"{name}-{ratio:g}{'-squeezed' if squeeze else ''}", split))
         for kind, split in (*named, ("balanced", balanced), ("sorted", sorted_split(lengths, m, order_len))):
             if split is None or any(int(lengths[c].sum()) > capacity_tokens for c in split):
                 continue
@@ -189,6 +190,7 @@ def tiered_split(
     fill: float = 0.95,
     own=None,
     seeds=None,
+    squeeze: bool = False,
 ) -> list[list[int]] | None:
     """Slow sequences in micro-batches of their own, the rest balanced (None when the rest cannot be split).
 
@@ -201,7 +203,9 @@ def tiered_split(
     run on such a group of their own within its makespan on the devices it leaves free (they cost it nothing). What
     is left is split by :func:`balanced_split`. ``seeds``: micro-batches placed before any tier, as (members, devices
     their groups take, makespan) for the j slowest, j = 1, 2, ... (``solver.round_bounds.best_round_split``): those
-    of the most of them this ratio tiers (None when it tiers none of them).
+    of the most of them this ratio tiers (None when it tiers none of them). ``squeeze``: the split of the fewest
+    micro-batches memory allows, the tiered micro-batches taking the shortest of the rest where the rest would need
+    one more (:func:`_squeeze`; None where it would not).
     ``work[i]`` is sequence i's least device-time (``solver.bounds.area_and_min_time``), ``wall[i]`` its least time.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -246,7 +250,10 @@ def tiered_split(
         for c in chunks:
             span = float(wall[c[0]].max()) if c[3] is None else c[3]
             keep = []
-            for i in left:
+            for pos, i in enumerate(left):
+                if c[1] >= num_devices:  # no device left: nothing more fits (a group takes at least one)
+                    keep += left[pos:]
+                    break
                 if (
                     c[1] + own_dev[i] <= num_devices
                     and c[2] + lengths[i] <= fill * capacity_tokens
@@ -259,6 +266,10 @@ def tiered_split(
                     keep.append(i)
             left = keep
         rest = np.array(sorted(left), dtype=np.int64)
+    if squeeze:
+        rest = _squeeze(chunks, rest, lengths, capacity_tokens, fill)
+        if rest is None:
+            return None
     out = [c[0] for c in chunks]
     if rest.size:
         m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra
@@ -269,3 +280,29 @@ def tiered_split(
             return None
         out += [rest[c].tolist() for c in split]
     return out
+
+
+def _squeeze(chunks, rest, lengths, capacity_tokens: int, fill: float):
+    """The rest of a tiered split after the tiered micro-batches (``chunks``) took the shortest of it, the cheapest
+    on their large groups, until the rest fits the fewest micro-batches memory allows (at ``fill``): a sequence that
+    runs fastest on all N devices and the short ones that would need one micro-batch more share its group (issue 48;
+    one more micro-batch costs its fixed cost). None where the rest fits already, or cannot be made to."""
+    total = sum(int(lengths[c[0]].sum()) for c in chunks) + int(lengths[rest].sum())
+    fewest = max(1, math.ceil(total / capacity_tokens))
+    room = fewest - len(chunks)  # micro-batches left for the rest
+    toks = int(lengths[rest].sum())
+    if room < 1 or math.ceil(toks / capacity_tokens) <= room:
+        return None
+    limit = room * fill * capacity_tokens
+    moved = np.zeros(lengths.size, dtype=bool)
+    for i in rest[np.argsort(lengths[rest], kind="stable")].tolist():
+        if toks <= limit:
+            break
+        for c in chunks:
+            if c[2] + lengths[i] <= fill * capacity_tokens:
+                c[0].append(i)
+                c[2] += int(lengths[i])
+                moved[i] = True
+                toks -= int(lengths[i])
+                break
+    return rest[~moved[rest]] if toks <= limit else None

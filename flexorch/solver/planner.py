@@ -17,8 +17,9 @@ a solve still running at the deadline is killed the same way. With ``isolate=Fal
 (in a thread the planner stops waiting for at the deadline; tests and benchmarks).
 
 Around the search here: its knobs (``solver.planner_config``), the screening that orders candidate splits by their
-static starts (``solver.screening``) and the deadline-bound solves of one split's micro-batches
-(``solver.split_solver``).
+static starts (``solver.screening``), the deadline-bound solves of one split's micro-batches
+(``solver.split_solver``) and the slowest sequences laid out on the groups they run on, one of all N devices or two
+of N/2 side by side (``solver.halves``, issue 48: FlexSP's solver chose such layouts where ours did not).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import numpy as np
 
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.halves import light_fill, plan_rounds, split_halves, tier_devices
 from flexorch.solver.microbatching import partition_candidates
 from flexorch.solver.packing import (
     Draft,
@@ -169,12 +171,16 @@ class Planner:
             cheapest = np.argmin(table * deg[None, :], axis=1)  # each sequence's least-device-time type
             rows = np.arange(len(lengths))
             own = (deg[cheapest].astype(np.int64), table[rows, cheapest])
-            rounds = best_round_split(*slowest) if cfg.round_splits else None  # their best micro-batches: a start
-            import os
             need = deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64)
-            if os.environ.get("FX_FAST"):
-                need = np.maximum(need, deg[np.argmin(table + overheads[None, :], axis=1)].astype(np.int64))
-            tiers = (wall, need, n, own, rounds)
+            # the slowest sequences' micro-batches as the rounds bound places them, each chain on its least degree
+            # (issue 22; the fronts before issue 48), a start
+            relaxed = slowest_fronts(table, deg, lengths, n, cap, per_degree=False) if cfg.round_splits else None
+            rounds = best_round_split(*relaxed) if cfg.round_splits else None
+            halves = None
+            if cfg.halves:  # and as they run: one group of N, or two of N/2 each running a share (solver.halves)
+                g = light_fill(table, deg, lengths, slowest[0], n, cap)
+                halves = (tier_devices(need, *slowest, g, n), plan_rounds(*slowest, g, n) if cfg.round_splits else None)
+            tiers = (wall, need, n, own, rounds, halves)
         kinds: list[str] = []
         cands = partition_candidates(
             lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers, kinds=kinds
@@ -200,6 +206,7 @@ class Planner:
             config=cfg,
         )
         best_total, best_mbs, finished, tried = np.inf, None, False, 0
+        halves_of = types if cfg.halves else None  # the local search splits slow groups in half (solver.halves)
         best_pre = None  # (candidate, its micro-batches' solutions before the local search) of the best split
         for ci, starts in order:
             split = cands[ci]
@@ -233,7 +240,7 @@ class Planner:
             finished |= complete or ci in self._filled  # a split packed by solver.fill is planned, MILPs cut or not
             pre = [(copy.deepcopy(d), m) for d, m in sols]  # before the local search (it changes drafts in place)
             p0 = time.monotonic()
-            total, kept = _polish(sols, caps_t, table, lengths, overheads, polish_deadline)
+            total, kept = _polish(sols, caps_t, table, lengths, overheads, polish_deadline, halves_of)
             took = time.monotonic() - p0
             self._polish_s = took if self._polish_s is None else max(took, 0.5 * (self._polish_s + took))
             if total < best_total:
@@ -340,7 +347,9 @@ class Planner:
         merged = [b if b[0].makespan() < a[0].makespan() else a for a, b in zip(pre, sols, strict=True)]
         if all(m is a for m, a in zip(merged, pre, strict=True)):
             return None
-        return _polish([(copy.deepcopy(d), m) for d, m in merged], caps_t, table, lengths, overheads, polish_deadline)
+        merged = [(copy.deepcopy(d), m) for d, m in merged]
+        halves_of = types if self.config.halves else None
+        return _polish(merged, caps_t, table, lengths, overheads, polish_deadline, halves_of)
 
     def _split_until_packed(self, items, types, caps_t, overheads, table, lengths, n) -> list[Draft]:
         """Always succeeds: one sequence alone fits the largest group (check_batch guarantees it)."""
@@ -352,12 +361,20 @@ class Planner:
         return self._split_until_packed(items[:half], *args) + self._split_until_packed(items[half:], *args)
 
 
-def _polish(sols, caps_t, table, lengths, overheads, deadline) -> tuple[float, list]:
+def _polish(sols, caps_t, table, lengths, overheads, deadline, types=None) -> tuple[float, list]:
     """(step time, [(draft, method)]) after the local search over a split's solved micro-batches (`sols`, changed in
-    place); a micro-batch the search emptied is dropped."""
+    place); a micro-batch the search emptied is dropped. With `types` (``PlannerConfig.halves``), slow groups are
+    first split in two half-size groups where that is faster (``solver.halves.split_halves``)."""
     drafts = [d for d, _ in sols]
+    first = deadline
+    if types is not None:  # a quarter of the time left for a second look after the moves (they may make room)
+        split_halves(drafts, types, table, lengths, caps_t, overheads, deadline=deadline)
+        first = deadline - 0.25 * max(0.0, deadline - time.monotonic())
     caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
-    improve_step(drafts, caps, table, lengths, overheads, deadline=deadline)
+    improve_step(drafts, caps, table, lengths, overheads, deadline=first)
+    if types is not None and split_halves(drafts, types, table, lengths, caps_t, overheads, deadline=deadline):
+        caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
+        improve_step(drafts, caps, table, lengths, overheads, deadline=deadline)
     return sum(d.makespan() for d in drafts), [(d, m) for d, m in sols if any(d.members)]
 
 

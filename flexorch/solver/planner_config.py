@@ -46,6 +46,13 @@ class PlannerConfig:
     round_splits: bool = True
     """With ``tiered_splits``: tiered splits that start from the slowest sequences' best micro-batches, as the rounds
     bound places them (``solver.round_bounds.best_round_split``: chains of them in one group where memory allows)."""
+    halves: bool = True
+    """Issue 48's search (``solver.halves``): with ``tiered_splits``, more tiered splits whose slowest sequences take
+    the groups they run on (one of all N devices, or two of N/2 side by side each running a share: the per-degree
+    fronts of ``solver.round_bounds``) where the others take their least degree, and at the fewest micro-batches
+    tiered splits whose tiered micro-batches take the shortest sequences where the rest would need one more; and the
+    local search splits a slow group in two half-size groups where that is faster. False: as before (the
+    planner-quality benchmark's ``--no-halves``)."""
     isolate: bool = True
     """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not
     the plan). False: in this process (no extra process; a crash of the MILP library takes the caller down)."""

@@ -51,42 +51,68 @@ ROUNDS_K = 8
 """How many of the slowest sequences the rounds and absorption bounds place exactly (3^K/2 subset pairs)."""
 
 
-def round_fronts(w, lengths, finite, degrees, num_devices: int, tokens_per_device: int) -> list:
+def round_fronts(
+    w, lengths, finite, degrees, num_devices: int, tokens_per_device: int, table: np.ndarray | None = None
+) -> list:
     """For every subset (bit mask) of the given sequences (at most ``ROUNDS_K``): the Pareto front of (devices,
     longest chain) over its partitions into chains that fit side by side on ``num_devices`` (module docstring, rounds
     bound), ascending in devices; empty when none fits. ``w``: their least times, ``finite[s, t]``: whether type t
-    holds sequence s, ``degrees[t]``: type degrees. A chain is held by the least degree d whose types hold each of its
-    sequences and d*tokens_per_device tokens in all; a subset no degree holds is no chain."""
+    holds sequence s, ``degrees[t]``: type degrees. A chain runs on one group of some degree d whose types hold each
+    of its sequences and d*tokens_per_device tokens in all (a subset no degree holds is no chain); it lasts the sum of
+    its sequences' least times ``w``, or with ``table`` (their rows of the time table, ms on each type) the sum of
+    their least times on a group of degree d: a chain of the tallest sequences on one group of all N devices, or two
+    chains of N/2 side by side, each with its real time (module docstring, chain degrees)."""
     w = np.asarray(w, dtype=np.float64)
     k = w.size
     lengths = np.asarray(lengths, dtype=np.float64)
     degrees = np.asarray(degrees, dtype=np.float64)
+    finite = np.asarray(finite, dtype=bool)
+    levels = np.unique(degrees)
+    if table is None:
+        per_level = np.repeat(w[:, None], levels.size, axis=1)
+    else:  # least time of each sequence on a group of each degree (either kind)
+        tab = np.asarray(table, dtype=np.float64)
+        per_level = np.stack([np.where(degrees == d, tab, np.inf).min(axis=1) for d in levels], axis=1)
     full = 1 << k
     masks = np.arange(full, dtype=np.int64)
-    chain_ms, tokens = np.zeros(full), np.zeros(full)
+    chain_ms, tokens = np.zeros((full, levels.size)), np.zeros(full)
     for i in range(k):  # sums over members, one bit at a time
         has = (masks >> i) & 1 == 1
-        chain_ms[has] += w[i]
+        chain_ms[has] += per_level[i]
         tokens[has] += lengths[i]
-    chain_deg = np.full(full, np.inf)  # least degree of a group that holds the subset, inf if none
+    held = np.zeros((full, levels.size), dtype=bool)  # some type of that degree holds every member, and the tokens
     bit = 1 << np.arange(k, dtype=np.int64)
     for t in range(len(degrees)):
-        holds = int(bit[np.asarray(finite)[:, t]].sum())  # the members type t holds
-        ok = ((masks & ~holds) == 0) & (degrees[t] * tokens_per_device >= tokens)
-        chain_deg = np.where(ok, np.minimum(chain_deg, degrees[t]), chain_deg)
-    chain_deg[0] = np.inf
-    deg_of, ms_of = chain_deg.tolist(), chain_ms.tolist()  # plain floats: the loop below indexes them 3^K times
-    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]] + [[] for _ in range(full - 1)]
+        holds = int(bit[finite[:, t]].sum())  # the members type t holds
+        j = int(np.searchsorted(levels, degrees[t]))
+        held[:, j] |= ((masks & ~holds) == 0) & (degrees[t] * tokens_per_device >= tokens)
+    held[0] = False
+    usable = held & np.isfinite(chain_ms) & (levels <= num_devices)[None, :]
+    ms_opt = np.where(usable, chain_ms, np.inf)  # each subset's time as one chain on each degree (inf: it cannot)
+    if not usable.any():
+        return [[(0.0, 0.0)]] + [[] for _ in range(full - 1)]
+    # dense over devices in units of the least degree any chain takes: best[mask, u] = the least longest chain of
+    # the subset's partitions into chains on at most u units, one vectorised step per subset size and degree
+    unit = int(levels[usable.any(axis=0)].min())
+    size = num_devices // unit + 1
+    best = np.full((full, size), np.inf)
+    best[0] = 0.0
+    for masks, rs in _round_pairs(k):  # rs: the chain holding the mask's lowest member
+        rest = best[masks ^ rs]
+        got = np.full((masks.size, size), np.inf)
+        for j, d in enumerate(levels.tolist()):
+            du = int(d) // unit
+            if du == 0 or du >= size or not usable[rs, j].any():
+                continue
+            np.minimum(got[:, du:], np.maximum(rest[:, : size - du], ms_opt[rs, j][:, None]), out=got[:, du:])
+        starts = np.flatnonzero(np.concatenate([[True], masks[1:] != masks[:-1]]))
+        best[masks[starts]] = np.minimum.accumulate(np.minimum.reduceat(got, starts, axis=0), axis=1)
+    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]
+    steps = np.concatenate([np.full((full, 1), np.inf), best], axis=1)
     for mask in range(1, full):
-        cands: list[tuple[float, float]] = []
-        for chain in _with_lowest(mask):  # the chain holding the lowest member, then the rest's partitions
-            d = deg_of[chain]
-            if d <= num_devices:
-                ms = ms_of[chain]
-                for used, longest in fronts[mask ^ chain]:
-                    if used + d <= num_devices:
-                        cands.append((used + d, longest if longest > ms else ms))
-        fronts[mask] = _prune(sorted(cands))
+        row = best[mask]
+        at = np.flatnonzero(row < steps[mask, :-1])  # where the least longest chain drops: the Pareto points
+        fronts.append([(float(u * unit), float(row[u])) for u in at.tolist()])
     return fronts
 
 
@@ -153,14 +179,19 @@ def best_round_split(few, fronts) -> list[list[tuple[list[int], float, float]]]:
     return out
 
 
-def slowest_fronts(table: np.ndarray, degrees, lengths, num_devices: int, tokens_per_device: int):
-    """(indices of the ``ROUNDS_K`` slowest sequences, slowest first; their :func:`round_fronts`)."""
+def slowest_fronts(
+    table: np.ndarray, degrees, lengths, num_devices: int, tokens_per_device: int, per_degree: bool = True
+):
+    """(indices of the ``ROUNDS_K`` slowest sequences, slowest first; their :func:`round_fronts`, each chain with its
+    time on the degree it runs on; ``per_degree=False``: every chain on its least degree with its members' least
+    times, the fronts before issue 48)."""
     finite = np.isfinite(table)
     w = np.where(finite, table, np.inf).min(axis=1)
     few = np.argsort(-w, kind="stable")[: min(ROUNDS_K, int(np.isfinite(w).sum()))]
     lengths = np.asarray(lengths, dtype=np.float64)
     degrees = np.asarray(degrees, dtype=np.float64)
-    return few, round_fronts(w[few], lengths[few], finite[few], degrees, num_devices, tokens_per_device)
+    rows = table[few] if per_degree else None
+    return few, round_fronts(w[few], lengths[few], finite[few], degrees, num_devices, tokens_per_device, rows)
 
 
 def absorb_bound_ms(
@@ -178,7 +209,7 @@ def absorb_bound_ms(
     few, fronts = slowest if slowest is not None else slowest_fronts(table, degrees, lengths, n, cap)
     if few.size == 0:
         return 0.0
-    nw = need[few] * w[few]  # n(s) * w(s)
+    nw = np.maximum(need[few] * w[few], pure[few])  # device-time of its chain's group: >= n(s) w(s) and >= a'(s)
     full = 1 << few.size
     nw_sum = np.zeros(full)
     for m in range(1, full):
@@ -228,7 +259,10 @@ def _pareto_rounds(fronts: list, cost, j: int) -> dict[int, list]:
     """For the subset of the first ``j`` sequences, per number of rounds: the Pareto front of (sum of round lengths
     X, sum of round costs C) over its partitions into rounds, ``cost(mask, devices, X)`` a round's C."""
     limit = 1 << j
-    options = [_prune(sorted((x, cost(m, used, x)) for used, x in fronts[m])) if m else [] for m in range(limit)]
+    options = [
+        _coarsen(_prune(sorted((x, cost(m, used, x)) for used, x in _coarsen(fronts[m])))) if m else []
+        for m in range(limit)
+    ]
     out: list[dict[int, list]] = [{0: [(0.0, 0.0)]}] + [{} for _ in range(limit - 1)]
     for mask in range(1, limit):
         cands: dict[int, list] = {}
@@ -238,8 +272,22 @@ def _pareto_rounds(fronts: list, cost, j: int) -> dict[int, list]:
                     got = cands.setdefault(count + 1, [])
                     for x, c in options[r]:
                         got.extend((x + x2, c + c2) for x2, c2 in front)
-        out[mask] = {count: _prune(sorted(pts)) for count, pts in cands.items()}
+        out[mask] = {count: _coarsen(_prune(sorted(pts))) for count, pts in cands.items()}
     return out[limit - 1]
+
+
+COARSE_POINTS = 2
+"""The absorption bound's Pareto fronts keep at most this many points each (``_coarsen``)."""
+
+
+def _coarsen(points: list[tuple[float, float]], most: int = COARSE_POINTS) -> list[tuple[float, float]]:
+    """At most ``most`` points, each the coordinate-wise least of a run of consecutive ``points`` (a Pareto front,
+    ascending in the first coordinate): every point is at least one kept point in both coordinates, so a bound
+    minimised over the kept points is at most the bound over all of them (still a lower bound, a little looser)."""
+    if len(points) <= most:
+        return points
+    cuts = np.linspace(0, len(points), most + 1).round().astype(int).tolist()
+    return [(points[a][0], points[b - 1][1]) for a, b in zip(cuts[:-1], cuts[1:], strict=True)]
 
 
 def _with_lowest(mask: int):
