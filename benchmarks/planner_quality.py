@@ -24,10 +24,14 @@ Batches come from ``flexorch.data.stream.DocumentStream`` (seed 0), as in traini
     python benchmarks/planner_quality.py --steps 2 --long 5 --settings wiki64
     python benchmarks/planner_quality.py --old            # the same without issue 22's starts and splits
     python benchmarks/planner_quality.py --no-rounds      # tiered splits not seeded by the rounds bound
+    python benchmarks/planner_quality.py --no-halves      # before and after issue 48's search, side by side
 
-The bound is the same in every case (``solver.bounds``, ``solver.round_bounds``), so ``--old`` and ``--no-rounds``
-against the default show what the mixed-layout starts (``solver.fill``), tiered splits and splits seeded by the
-rounds bound did to the plans.
+The bound is the same in every case (``solver.bounds``, ``solver.round_bounds``, ``solver.count_bounds``), so
+``--old`` and ``--no-rounds`` against the default show what the mixed-layout starts (``solver.fill``), tiered splits
+and splits seeded by the rounds bound did to the plans. ``--no-halves`` plans every batch twice, without and with
+issue 48's search (``PlannerConfig.halves``: the slowest sequences on the groups they run on, one of N devices or
+two of N/2 side by side, ``solver.halves``; squeezed tiered splits; groups split in half by the local search), each
+at 1 s and at 30x, and ``split*`` for the second only (so the run takes about twice as long less the split*s).
 """
 
 from __future__ import annotations
@@ -104,57 +108,88 @@ def same_split(plan: Plan, lengths: np.ndarray, n: int, profile, long_s: float, 
     return min(step_time_ms(again, profile), step_time_ms(plan, profile))
 
 
-def run(
-    name: str, steps: int, budget: float, long_s: float, solver: str, old: bool = False, rounds: bool = True
-) -> list[dict]:
-    profile, pool, n, batch = setting(name)
-    stream = DocumentStream(pool.size, batch, seed=0)
-    print(
-        f"\n[{name}] {profile.name} ({profile.num_heads} heads), N={n}, batch {batch}, pool {pool.size:,} lengths "
-        f"(max {int(pool.max()):,}), budget {budget} s, x30 {30 * budget:g} s, split* {long_s:g} s per micro-batch"
-    )
-    print(
-        f"{'step':>4} {'bound_ms':>9} {'plan_ms':>9} {'x30_ms':>9} {'split*_ms':>9} {'gap':>7} {'gap x30':>8} "
-        f"{'gap split*':>10} {'x30/plan':>9} {'mbs':>4} {'mbs x30':>7}"
-    )
-    rows = []
-    t0 = time.monotonic()
+def variants(old: bool = False, rounds: bool = True, halves: bool = True) -> list[tuple[str, dict]]:
+    """The planners to run on the same batches, (label, PlannerConfig knobs) each; the last one is the default."""
     knobs = {"fill_starts": False, "tiered_splits": False} if old else {}  # --old: before issue 22's changes
     if not rounds:
         knobs["round_splits"] = False  # --no-rounds: tiered splits without the rounds bound's micro-batches
-    cfg = PlannerConfig(time_limit_s=budget, solver=solver, **knobs)
-    long_cfg = PlannerConfig(time_limit_s=30 * budget, solver=solver, **knobs)
-    with Planner(profile, cfg) as quick, Planner(profile, long_cfg) as slow:
+    label = "old" if old else ("no-rounds" if not rounds else "now")
+    if not halves:  # --no-halves: before issue 48's search, side by side with it
+        return [("no-halves", {**knobs, "halves": False}), (label, knobs)]
+    return [(label, knobs)]
+
+
+def run(
+    name: str,
+    steps: int,
+    budget: float,
+    long_s: float,
+    solver: str,
+    old: bool = False,
+    rounds: bool = True,
+    halves: bool = True,
+) -> dict[str, list[dict]]:
+    """Per planner variant (:func:`variants`), a row per step; ``split*`` for the last variant only."""
+    profile, pool, n, batch = setting(name)
+    stream = DocumentStream(pool.size, batch, seed=0)
+    runs = variants(old, rounds, halves)
+    print(
+        f"\n[{name}] {profile.name} ({profile.num_heads} heads), N={n}, batch {batch}, pool {pool.size:,} lengths "
+        f"(max {int(pool.max()):,}), budget {budget} s, x30 {30 * budget:g} s, split* {long_s:g} s per micro-batch"
+        f" ({runs[-1][0]})"
+    )
+    print(
+        f"{'step':>4} {'planner':>9} {'bound_ms':>9} {'plan_ms':>9} {'x30_ms':>9} {'split*_ms':>9} {'gap':>7} "
+        f"{'gap x30':>8} {'gap split*':>10} {'x30/plan':>9} {'mbs':>4} {'mbs x30':>7}"
+    )
+    rows: dict[str, list[dict]] = {label: [] for label, _ in runs}
+    t0 = time.monotonic()
+    planners = []
+    for label, knobs in runs:
+        cfg = PlannerConfig(time_limit_s=budget, solver=solver, **knobs)
+        long_cfg = PlannerConfig(time_limit_s=30 * budget, solver=solver, **knobs)
+        planners.append((label, Planner(profile, cfg), Planner(profile, long_cfg)))
+    try:
         for step in range(steps):
             lengths = pool[list(stream.next_batch().doc_ids)]
-            a = quick.plan(lengths, n)
-            b = slow.plan(lengths, n)
-            c = same_split(a.plan, lengths, n, profile, long_s, solver)
-            bound = a.bound_ms
-            row = {
-                "bound": bound,
-                "plan": a.predicted_ms,
-                "x30": b.predicted_ms,
-                "split": c,
-                "mbs": len(a.plan.micro_batches),
-                "mbs30": len(b.plan.micro_batches),
-                "solve": a.solve_s,
-            }
-            rows.append(row)
-            eta = (time.monotonic() - t0) / (step + 1) * (steps - step - 1)
-            print(
-                f"{step:>4} {bound:>9.1f} {row['plan']:>9.1f} {row['x30']:>9.1f} {c:>9.1f} "
-                f"{(row['plan'] / bound - 1) * 100:>6.2f}% {(row['x30'] / bound - 1) * 100:>7.2f}% "
-                f"{(c / bound - 1) * 100:>9.2f}% {row['x30'] / row['plan']:>9.4f} {row['mbs']:>4} {row['mbs30']:>7}"
-                f"   (eta {eta:.0f} s)",
-                flush=True,
-            )
-    gap = lambda k: np.array([r[k] / r["bound"] - 1 for r in rows]) * 100  # noqa: E731
-    print(
-        f"median gap: plan {np.median(gap('plan')):.2f} %, x30 {np.median(gap('x30')):.2f} %, split* "
-        f"{np.median(gap('split')):.2f} % | worst step plan/x30 {max(r['plan'] / r['x30'] for r in rows):.4f} | "
-        f"solve median {np.median([r['solve'] for r in rows]):.3f} s"
-    )
+            for k, (label, quick, slow) in enumerate(planners):
+                a = quick.plan(lengths, n)
+                b = slow.plan(lengths, n)
+                last = k == len(planners) - 1
+                c = same_split(a.plan, lengths, n, profile, long_s, solver) if last and long_s > 0 else np.nan
+                bound = a.bound_ms
+                row = {
+                    "bound": bound,
+                    "plan": a.predicted_ms,
+                    "x30": b.predicted_ms,
+                    "split": c,
+                    "mbs": len(a.plan.micro_batches),
+                    "mbs30": len(b.plan.micro_batches),
+                    "solve": a.solve_s,
+                }
+                rows[label].append(row)
+                eta = (time.monotonic() - t0) / (step + 1) * (steps - step - 1)
+                print(
+                    f"{step:>4} {label:>9} {bound:>9.1f} {row['plan']:>9.1f} {row['x30']:>9.1f} {c:>9.1f} "
+                    f"{(row['plan'] / bound - 1) * 100:>6.2f}% {(row['x30'] / bound - 1) * 100:>7.2f}% "
+                    f"{(c / bound - 1) * 100:>9.2f}% {row['x30'] / row['plan']:>9.4f} {row['mbs']:>4} "
+                    f"{row['mbs30']:>7}" + (f"   (eta {eta:.0f} s)" if last else ""),
+                    flush=True,
+                )
+    finally:
+        for _, quick, slow in planners:
+            quick.close()
+            slow.close()
+    for label, got in rows.items():
+        gap = lambda k, got=got: np.array([r[k] / r["bound"] - 1 for r in got]) * 100  # noqa: E731
+        split = f"{np.median(gap('split')):.2f} %" if not np.isnan(gap("split")).any() else "-"
+        print(
+            f"{label}: median gap: plan {np.median(gap('plan')):.2f} %, x30 {np.median(gap('x30')):.2f} %, split* "
+            f"{split} | worst step plan/x30 {max(r['plan'] / r['x30'] for r in got):.4f} | solve median "
+            f"{np.median([r['solve'] for r in got]):.3f} s | gap per step (plan) "
+            + " / ".join(f"{g:.2f}" for g in gap("plan"))
+            + " %"
+        )
     return rows
 
 
@@ -162,7 +197,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5, help="steps per setting")
     ap.add_argument("--budget", type=float, default=1.0, help="the planner's normal budget per step (s)")
-    ap.add_argument("--long", type=float, default=20.0, help="split*: seconds per micro-batch")
+    ap.add_argument("--long", type=float, default=20.0, help="split*: seconds per micro-batch (0: skip split*)")
     ap.add_argument("--settings", default="wiki64,code256", help="comma-separated: wiki64, code256")
     ap.add_argument("--solver", default="highs", choices=("highs", "cbc"))
     ap.add_argument(
@@ -171,10 +206,26 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--no-rounds", action="store_true", help="tiered splits without the rounds bound's micro-batches as seeds"
     )
+    ap.add_argument(
+        "--no-halves",
+        action="store_true",
+        help="also the planner without issue 48's search (the slowest on the groups they run on, squeezed splits, "
+        "groups split in halves), side by side on the same batches",
+    )
     args = ap.parse_args(argv)
-    print(f"planner quality: {os.cpu_count()} CPUs, MILP backend {args.solver}")
+    print(f"planner quality: {os.cpu_count()} CPUs, MILP backend {args.solver}, load {os.getloadavg()[0]:.2f}")
     for name in args.settings.split(","):
-        run(name.strip(), args.steps, args.budget, args.long, args.solver, args.old, not args.no_rounds)
+        run(
+            name.strip(),
+            args.steps,
+            args.budget,
+            args.long,
+            args.solver,
+            args.old,
+            not args.no_rounds,
+            not args.no_halves,
+        )
+    print(f"load at the end {os.getloadavg()[0]:.2f}")
     return 0
 
 
