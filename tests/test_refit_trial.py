@@ -140,7 +140,7 @@ def test_the_driver_plans_and_prices_with_the_refit_it_keeps_and_says_its_verdic
     path = cpu_profile(tmp_path / "given.json")
     given = get_profile(str(path))
     monkeypatch.setattr(refitting, "refit_times", _accepting(dataclasses.replace(given, b1_ms=given.b1_ms / 2)))
-    cfg = _cfg(tmp_path, path, steps=9, plan={"refit": "on", "refit_every": 2})
+    cfg = _cfg(tmp_path, path, steps=9, checkpoint_every=2, plan={"refit": "on", "refit_every": 2})
     rng = np.random.default_rng(0)
     corpus = memory_corpus([rng.integers(1, 257, n) for n in LENGTHS], vocab_size=257)
     driver, _ = fake_driver(cfg, corpus)
@@ -161,6 +161,22 @@ def test_the_driver_plans_and_prices_with_the_refit_it_keeps_and_says_its_verdic
         assert driver.planner.spec.profile == driver.profile  # the fallback and a restarted planner too
     finally:
         driver.shutdown()
+    # a resumed run goes on counting revisions, so a record's revision names one profile in profile_revisions.jsonl
+    revisions = (tmp_path / "run" / "profile_revisions.jsonl").read_text().splitlines()
+    last = json.loads(revisions[-1])["revision"]
+    again, _ = fake_driver(cfg.replace(resume=True, steps=10), corpus)
+    try:
+        assert again.profile.revision == last + 1 and again.step_no == 8
+        again.step()
+        after = (tmp_path / "run" / "profile_revisions.jsonl").read_text().splitlines()
+        assert after[: len(revisions)] == revisions and json.loads(after[len(revisions)])["why"] == "resumed at step 8"
+    finally:
+        again.shutdown()
+    fresh, _ = fake_driver(cfg, corpus)  # a fresh run in the same directory begins anew
+    try:
+        assert fresh.profile.revision == 0 and not (tmp_path / "run" / "profile_revisions.jsonl").exists()
+    finally:
+        fresh.shutdown()
 
 
 def test_a_profile_crosses_to_the_planner_whole(profile, tmp_path):

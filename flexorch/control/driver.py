@@ -164,6 +164,7 @@ class TrainingDriver:
         self.profile = run_profile(cfg, self.workers, self.run_dir, self._publish, act_budget)
         say = lambda message: self._publish({"event": "progress", "message": message})  # noqa: E731
         self.profile = with_recompute_ratios(cfg, self.workers, self.profile, say)  # 'auto' recompute's terms
+        self.profile = self._start_revision(self.profile, resumed is not None)
         self.planner = self._planner_factory(PlannerSpec.for_run(cfg, self.profile), self._publish)
         self.records = StepRecords(self.run_dir, keep_before_step=self.step_no if resumed is not None else None)
         self.metrics = RunMetrics(self.run_dir.name)
@@ -333,6 +334,21 @@ class TrainingDriver:
         refit's verdict use the same price as its ``predicted_ms``."""
         self._priced[self.profile.revision] = self.profile
         return self._priced.get(planned.profile_revision, self.profile)
+
+    def _start_revision(self, profile: Profile, resumed: bool) -> Profile:
+        """The profile this start plans with: revision 0 of a fresh run (``profile_revisions.jsonl`` begins anew);
+        a resumed or restarted run goes on counting after the file's last revision, so that a record's
+        ``profile_revision`` names one profile."""
+        path = self.run_dir / "profile_revisions.jsonl"
+        if not resumed or not path.exists():
+            path.unlink(missing_ok=True)
+            return profile
+        last = max((json.loads(line)["revision"] for line in path.read_text().splitlines() if line.strip()), default=0)
+        profile = dataclasses.replace(profile, revision=last + 1)
+        entry = {"revision": profile.revision, "after_step": self.step_no, "why": f"resumed at step {self.step_no}"}
+        with open(path, "a") as f:
+            f.write(json.dumps({**entry, "profile": json.loads(profile.to_json())}) + "\n")
+        return profile
 
     def _apply(self, changes) -> None:
         """Execute the refit loop's decisions (``control.refitting.Change``): plan with a new profile revision from
