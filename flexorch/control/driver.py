@@ -345,10 +345,14 @@ class TrainingDriver:
             return profile
         last = max((json.loads(line)["revision"] for line in path.read_text().splitlines() if line.strip()), default=0)
         profile = dataclasses.replace(profile, revision=last + 1)
-        entry = {"revision": profile.revision, "after_step": self.step_no, "why": f"resumed at step {self.step_no}"}
-        with open(path, "a") as f:
-            f.write(json.dumps({**entry, "profile": json.loads(profile.to_json())}) + "\n")
+        self._log_revision(profile, f"resumed at step {self.step_no}")
         return profile
+
+    def _log_revision(self, profile: Profile, why: str) -> None:
+        """Append ``profile`` to ``profile_revisions.jsonl``: every revision a record may name, and why it came."""
+        entry = {"revision": profile.revision, "after_step": self.step_no, "why": why}
+        with open(self.run_dir / "profile_revisions.jsonl", "a") as f:
+            f.write(json.dumps({**entry, "profile": json.loads(profile.to_json())}) + "\n")
 
     def _apply(self, changes) -> None:
         """Execute the refit loop's decisions (``control.refitting.Change``): plan with a new profile revision from
@@ -360,9 +364,7 @@ class TrainingDriver:
                 self._priced[self.profile.revision] = self.profile
                 self.planner.set_profile(self.profile)
                 (self.run_dir / "profile_refit.json").write_text(self.profile.to_json())
-                with open(self.run_dir / "profile_revisions.jsonl", "a") as f:  # every revision a record may name
-                    entry = {"revision": self.profile.revision, "after_step": self.step_no, "why": change.message}
-                    f.write(json.dumps({**entry, "profile": json.loads(self.profile.to_json())}) + "\n")
+                self._log_revision(self.profile, change.message)
             if change.message:
                 self._publish({"event": "planner", "message": change.message})
 

@@ -126,8 +126,8 @@ class RunRefit:
         if report.accepted:
             profile = _next(with_time_terms(current, refit), current)  # memory terms are not refitted
             self._trial = _Trial(step, profile.revision, current, profile)
-        if not report.refitted:
-            return [Change(profile, "")] if profile is not None else []
+        if not report.refitted:  # nothing to fit on (an accepted refit always refitted something)
+            return []
         return [Change(profile, f"step {step}: {report.message(profile or current)}")]
 
     def observe(self, record: dict, step_no: int, profile: Profile, priced_by: Profile | None = None) -> Verdict | None:

@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from flexorch.solver.packing import Draft
-from flexorch.solver.round_bounds import _with_lowest, best_rounds
+from flexorch.solver.round_bounds import best_rounds, optimal_rounds
 
 __all__ = ["effective_ms", "light_fill", "plan_rounds", "tier_devices", "split_halves"]
 
@@ -77,20 +77,7 @@ def plan_rounds(few, fronts, g: np.ndarray, num_devices: int) -> list[list[tuple
             c = effective_ms(used, x, g, num_devices)
             if c < cost[mask]:
                 cost[mask], pick[mask] = c, (used, x)
-    best = best_rounds(cost)
-    out = []
-    for j in range(1, k + 1):
-        mask, rounds = (1 << j) - 1, []
-        if not np.isfinite(best[mask]):
-            out.append([])
-            continue
-        while mask:  # the round of the lowest member that attains best[mask], then the rest's
-            r = next(r for r in _with_lowest(mask) if cost[r] + best[mask ^ r] <= best[mask] + 1e-9 * abs(best[mask]))
-            used, x = pick[r]
-            rounds.append(([int(few[i]) for i in range(k) if r >> i & 1], float(used), float(x)))
-            mask ^= r
-        out.append(rounds)
-    return out
+    return optimal_rounds(few, cost, best_rounds(cost), pick.__getitem__, 1e-9)
 
 
 def tier_devices(need: np.ndarray, few, fronts, g: np.ndarray, num_devices: int) -> np.ndarray:

@@ -41,6 +41,7 @@ __all__ = [
     "ROUNDS_K",
     "absorb_bound_ms",
     "best_round_split",
+    "optimal_rounds",
     "best_rounds",
     "round_fronts",
     "rounds_bound_ms",
@@ -160,10 +161,19 @@ def best_round_split(few, fronts) -> list[list[tuple[list[int], float, float]]]:
     indices, slowest first, and their :func:`round_fronts`), as (members, devices their chains take, longest chain)
     each; an empty list where none exists. The planner starts tiered splits from them
     (``solver.microbatching.tiered_split``'s seeds, for as many of the slowest as are slow enough to be tiered)."""
-    k = len(few)
-    if k == 0:
+    if len(few) == 0:
         return []
     round_ms, best = _rounds_of(fronts)
+    return optimal_rounds(few, round_ms, best, lambda r: fronts[r][-1], 1e-12)
+
+
+def optimal_rounds(
+    few, cost: np.ndarray, best: np.ndarray, point, rel: float
+) -> list[list[tuple[list[int], float, float]]]:
+    """For j = 1..len(few): an optimal partition of the j slowest into rounds (``best``: :func:`best_rounds` of
+    ``cost``), each round as (members, ``*point(round mask)``); an empty list where none exists. A round is taken
+    when its cost plus the rest's best is within ``rel`` (relative) of the subset's best."""
+    k = len(few)
     out = []
     for j in range(1, k + 1):
         mask, rounds = (1 << j) - 1, []
@@ -171,10 +181,10 @@ def best_round_split(few, fronts) -> list[list[tuple[list[int], float, float]]]:
             out.append([])
             continue
         while mask:  # the round of the lowest member that attains best[mask], then the rest's
-            pick = next(r for r in _with_lowest(mask) if round_ms[r] + best[mask ^ r] <= best[mask] * (1 + 1e-12))
-            used, longest = fronts[pick][-1]
-            rounds.append(([int(few[i]) for i in range(k) if pick >> i & 1], float(used), float(longest)))
-            mask ^= pick
+            r = next(r for r in _with_lowest(mask) if cost[r] + best[mask ^ r] <= best[mask] + rel * abs(best[mask]))
+            used, x = point(r)
+            rounds.append(([int(few[i]) for i in range(k) if r >> i & 1], float(used), float(x)))
+            mask ^= r
         out.append(rounds)
     return out
 
