@@ -11,9 +11,12 @@
   are immutable snapshots shared by reference (a step makes a new one), so a step costs one training step whatever
   the world's size. It keeps the real group's bookkeeping: stable worker ids, membership epochs, joiners and cluster
   slots, stage-local parameter holdings (``flexorch.tasks.placement``).
-* Failure injection, as :class:`Fault` values: a worker dies or hangs during a step, dies while a world forms, or
-  raises (a bug); capacity is a number of slots the test changes (:meth:`FakeWorkerGroup.add_slots`), optionally
-  after some polls of the joiners (capacity that appears late).
+* Failure injection, as :class:`Fault` values: a worker dies or hangs during a step, dies while a world forms or
+  while it hands off its state before leaving a draining node, or raises (a bug); capacity is a number of slots the
+  test changes (:meth:`FakeWorkerGroup.add_slots`), optionally after some polls of the joiners (capacity that
+  appears late).
+* Nodes: worker ``w`` runs on node ``f"node-{w // per_node}"``; :meth:`FakeWorkerGroup.drain` starts draining one
+  (reason preemption, a deadline), as ``ray drain-node`` does, and the node's slots go with its workers.
 """
 
 from __future__ import annotations
@@ -63,8 +66,9 @@ def memory_corpus(docs: list[np.ndarray], vocab_size: int, block_docs: int = 4) 
 class Fault:
     """One injected failure: worker ``worker_id`` does ``action`` at ``point``.
 
-    ``point``: "step" (during the step numbered ``at``, before its optimizer update) or "join" (while the world of
-    membership epoch ``at`` forms). ``action``: "die" (its node is gone, and the node's slot with it), "hang" (it
+    ``point``: "step" (during the step numbered ``at``, before its optimizer update), "join" (while the world of
+    membership epoch ``at`` forms) or "handoff" (while it hands off its state in membership epoch ``at``, its node
+    being drained). ``action``: "die" (its node is gone, and the node's slot with it), "hang" (it
     never answers: killed at the collective timeout and counted lost; its slot is free again), "break" (the world
     breaks, every worker alive: a network blip) or "raise" (a deterministic error, a bug)."""
 
@@ -74,7 +78,7 @@ class Fault:
     action: str = "die"
 
     def __post_init__(self) -> None:
-        if self.point not in ("step", "join") or self.action not in ("die", "hang", "break", "raise"):
+        if self.point not in ("step", "join", "handoff") or self.action not in ("die", "hang", "break", "raise"):
             raise ValueError(f"bad fault {self}")
 
 
@@ -146,8 +150,10 @@ class FakeWorkerGroup:
     ``slots``: device slots of the fake cluster (members and joiners each take one); ``faults``: :class:`Fault`
     values, each fires once."""
 
-    def __init__(self, cfg, slots: int | None = None, faults=()):
+    def __init__(self, cfg, slots: int | None = None, faults=(), per_node: int = 2):
         self.cfg = cfg
+        self.per_node = per_node
+        self.draining: dict[str, float | None] = {}  # node -> deadline (unix seconds; None: none)
         self.slots = cfg.workers if slots is None else slots
         self.faults: list[Fault] = list(faults)
         self.fired: list[Fault] = []
@@ -171,6 +177,10 @@ class FakeWorkerGroup:
             self._late.append((after_polls, count))
         else:
             self.slots += count
+
+    def drain(self, node: str, deadline_s: float | None) -> None:
+        """Start draining ``node`` for preemption, its deadline ``deadline_s`` from now (None: no deadline)."""
+        self.draining[node] = None if deadline_s is None else time.time() + deadline_s
 
     def inject(self, *faults: Fault) -> None:
         self.faults += faults
@@ -202,6 +212,29 @@ class FakeWorkerGroup:
     def free_slots(self) -> int:
         return max(0, self.slots - self.size - len(self.joining))
 
+    def nodes_of(self) -> dict[int, str]:
+        return {w: f"node-{w // self.per_node}" for w in self.worker_ids}
+
+    def draining_nodes(self) -> list:
+        from flexorch.control.drains import NodeDrain
+
+        return [NodeDrain(node, deadline, "preemption", f"10.0.0.{i + 7}") for i, (node, deadline) in
+                enumerate(sorted(self.draining.items()))]  # fmt: skip
+
+    def hand_off(self, leaving) -> dict:
+        """Stage-local parameters only the leaving hold go to stayers (``handoff_needs``); replicas hold all."""
+        from flexorch.tasks.placement import handoff_needs
+
+        hit = self._take_fault("handoff", self.membership.epoch, leaving)
+        if hit:  # the node went mid-handoff: the leaving are lost, the stayers' call saw the world go
+            lost = frozenset(w for w, a in hit.items() if a in ("die", "hang"))
+            peer = frozenset(self.worker_ids) - lost
+            raise MembershipFailure("hand off the leaving workers' state", Failure(lost, peer, (), peer))
+        needed = handoff_needs(self.held, self.worker_ids, sorted(leaving), self.parts)
+        moved = self.place_params(needed)["moved_parts"] if needed is not None else 0
+        self.handed_parts = moved
+        return {"handoff_bytes": 0, "handoff_ms": 0.0}
+
     def start_workers(self, count: int) -> list[int]:
         ids = self.membership.new_ids(count)
         for wid in ids:
@@ -230,6 +263,9 @@ class FakeWorkerGroup:
         self.membership.add(worker_ids)
 
     def remove(self, worker_ids) -> None:
+        nodes = self.nodes_of()
+        died = {f.worker_id for f in self.fired if f.action == "die"}  # their slots went already
+        self.slots -= sum(nodes.get(w) in self.draining and w not in died for w in worker_ids)  # the node goes too
         for wid in worker_ids:
             self.workers.pop(wid)
             self.held.pop(wid, None)

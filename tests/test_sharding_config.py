@@ -119,17 +119,23 @@ def test_reshard_takes_the_newest_version_that_still_covers_every_shard():
         return (version, {n: (index, count) for n in names}, True)
 
     # version 5 lost shard 1 (its only holder is gone); version 4 is whole on ranks 1 and 2
+    # (contributing rank, shard count, index of the holding at that rank)
     assert _choose([held(5, 0, 2), held(4, 0, 2), held(4, 1, 2), None], ["a", "b"]) == (
         4,
-        {"a": {0: (1, 2), 1: (2, 2)}, "b": {0: (1, 2), 1: (2, 2)}},
+        {"a": {0: (1, 2, 0), 1: (2, 2, 0)}, "b": {0: (1, 2, 0), 1: (2, 2, 0)}},
     )
-    assert _choose([held(5, 0, 2), held(5, 1, 2), held(5, 0, 2), None], ["a"])[1] == {"a": {0: (0, 2), 1: (1, 2)}}
+    assert _choose([held(5, 0, 2), held(5, 1, 2), held(5, 0, 2), None], ["a"])[1] == {"a": {0: (0, 2, 0), 1: (1, 2, 0)}}
     assert _choose([held(3, 0, 4), held(3, 1, 4), None], ["a"]) is None
     assert _choose([None, None], ["a"]) is None
     # pipeline stages: each rank holds its stage's parameters; a stage whose every holder is gone loses them
     stages = [held(2, 0, 2, ["a"]), held(2, 1, 2, ["a"]), held(2, 0, 1, ["b"])]
-    assert _choose(stages, ["a", "b"])[1]["b"] == {0: (2, 1)}
+    assert _choose(stages, ["a", "b"])[1]["b"] == {0: (2, 1, 0)}
     assert _choose(stages[:2], ["a", "b"]) is None
+    # a drained node's workers 2 and 3 handed their shards to ranks 0 and 1 before they left: fsdp over 4, so
+    # only the handed holdings cover shards 2 and 3
+    handed = [[held(7, 0, 4), held(7, 2, 4)], [held(7, 1, 4), held(7, 3, 4)]]
+    assert _choose(handed, ["a"])[1] == {"a": {0: (0, 4, 0), 1: (1, 4, 0), 2: (0, 4, 1), 3: (1, 4, 1)}}
+    assert _choose([[held(7, 0, 4)], [held(7, 1, 4)]], ["a"]) is None, "without the handoff shards 2 and 3 are gone"
 
 
 def test_activation_checkpointing_keeps_less_and_computes_the_same_gradients():

@@ -110,8 +110,22 @@ def format_membership(ev: dict) -> str:
             f"membership: {len(ev['alive'])} workers alive, below min_workers={ev['min_workers']}: waiting up to "
             f"{ev['timeout_s']:g} s for {ev['need']} more"
         )
+    if kind == "drain_seen":
+        return f"membership: {_drain_head(ev, ev['left_s'])}: workers {ev['workers']} leave at the next step boundary"
     before, after = len(ev["world_before"]), len(ev["world_after"])
     layout = f"; {ev['layout']}" if ev.get("layout") else ""
+    if ev["what"] == "drain":
+        head = f"membership: {_drain_head(ev, ev['deadline_left_s'])}: workers {ev['workers']}"
+        if ev.get("fallback"):
+            return f"{head} stay: {ev['fallback']}"
+        when = f"after step {ev['after_step']}" if ev["after_step"] >= 0 else "before the first step"
+        return (
+            f"{head} left {when} in {ev['recovery_ms'] / 1e3:.1f} s, nothing re-run (handoff "
+            f"{ev['handoff_ms'] / 1e3:.1f} s of {ev['handoff_bytes'] / 1e6:.1f} MB, re-form {ev['reform_ms'] / 1e3:.1f}"
+            f" s), world {before} -> {after}{layout}"
+        )
+    if ev.get("drain"):  # lost with a node that was being drained
+        layout += f"; node {ev['drain']['node_ip'] or ev['drain']['node'][:12]} was draining: {ev['drain']['fallback']}"
     if ev["what"] == "grow":
         line = f"membership: workers {ev['joined']} joined, world {before} -> {after} ({ev['recovery_ms']:.0f} ms)"
         return line + layout
@@ -129,6 +143,13 @@ def format_membership(ev: dict) -> str:
         f"membership: {ev['what']}: {ev['reason']}{seen}; {'/'.join(ev['decisions'])}, world {before} -> {after} "
         f"workers {ev['world_after']} in {ev['recovery_ms']:.0f} ms; {redo}{layout}"
     )
+
+
+def _drain_head(ev: dict, left_s: float | None) -> str:
+    """``node 10.0.0.7 draining (preemption, 45 s)``: the node, the drain's reason and the time to its deadline."""
+    name = ev.get("node_ip") or ev["node"][:12]
+    deadline = "no deadline" if left_s is None else f"{max(left_s, 0.0):.0f} s"
+    return f"node {name} draining ({ev['reason']}, {deadline})"
 
 
 def _describe_setup(ev: dict) -> str:
@@ -408,7 +429,7 @@ def _print_event(ev: dict, cfg: TrainConfig, out) -> None:
         print(f"--resume: {ev['message']}", file=out, flush=True)
     elif kind == "step":
         print(format_step(ev, cfg.steps), file=out, flush=True)
-    elif kind in ("membership", "waiting", "starting"):
+    elif kind in ("membership", "waiting", "starting", "drain_seen"):
         print(format_membership(ev), file=out, flush=True)
     elif kind == "checkpoint":
         print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)

@@ -15,6 +15,12 @@
   ``PartsLostError`` and the roll-back).
 * :meth:`Elastic.at_boundary` between steps: admit workers that finished starting (new world, state copied to
   them from a member), then start new ones where the cluster has free slots, up to ``max_workers``.
+* :meth:`Elastic.leave_drained` at a step boundary, before that: the members on nodes being drained
+  (``control.drains``, watched from a thread) leave as the policy's :class:`~flexorch.control.membership.Leave`
+  says: they hand off what only they hold (``WorkerGroup.hand_off``), go, and the world re-forms without them, so
+  nothing is re-run or rolled back. A :class:`~flexorch.control.membership.Stay` (the deadline is too near for a
+  handoff) leaves them to the lost-node path when the node goes, and so does a node that goes during the handoff;
+  the records say which.
 """
 
 from __future__ import annotations
@@ -22,12 +28,29 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from flexorch.control.drains import DrainWatch, NodeDrain
 from flexorch.control.group import WorkerGroup
-from flexorch.control.membership import Decision, ElasticPolicy, Fail, Failure, Grow, Retry, Shrink, WaitForCapacity
+from flexorch.control.membership import (
+    Decision,
+    ElasticPolicy,
+    Fail,
+    Failure,
+    Grow,
+    Leave,
+    Retry,
+    Shrink,
+    Stay,
+    WaitForCapacity,
+)
 from flexorch.control.worker_group import MembershipFailure, WorkerGroupError
 from flexorch.tasks.placement import PartsLostError
 
-__all__ = ["Elastic", "ElasticError"]
+__all__ = ["Elastic", "ElasticError", "DRAIN_MARGIN_S"]
+
+DRAIN_MARGIN_S = 5.0
+"""The least time before a drain's deadline that a planned leave is tried with (or twice the last world's
+formation, if longer): a handoff and a re-form of a small model took well under a second on CPU workers here, and a
+node that goes mid-handoff only costs the lost-node path it would have cost anyway."""
 
 
 class ElasticError(WorkerGroupError):
@@ -41,8 +64,89 @@ class Elastic:
         self.publish = publish
         self.checkpoint_hint = checkpoint_hint  # () -> str: where the last checkpoint is and how to resume
         self.layout_note = layout_note or (lambda size: None)  # world size -> what the sharding does with it, or None
+        self.reform_s = 0.0  # how long the last world took to form: a planned leave needs about that again
+        self.drains: DrainWatch | None = None
+        if hasattr(workers, "draining_nodes"):  # nodes being drained, seen from a thread within a second
+            self.drains = DrainWatch(workers.draining_nodes, workers.nodes_of, publish)
 
-    def recover(self, failure: Failure, attempt: int, what: str, fresh=()) -> dict:
+    def watch_drains(self) -> None:
+        """Start watching for drains from a thread (:class:`~flexorch.control.drains.DrainWatch`)."""
+        if self.drains is not None:
+            self.drains.start()
+
+    def close(self) -> None:
+        if self.drains is not None:
+            self.drains.close()
+
+    def leave_drained(self, after_step: int) -> list[dict]:
+        """At a step boundary (``after_step`` the last step trained): members on draining nodes leave, one node at
+        a time, soonest deadline first, as the policy decides. Returns a ``drain`` record per node."""
+        if self.drains is None:
+            return []
+        records = []
+        for drain, on in self.drains.take(self.workers.nodes_of()):
+            on = [w for w in on if w in self.workers.worker_ids]
+            if on:
+                records.append(self._leave(drain, on, after_step))
+        return records
+
+    def _leave(self, drain: NodeDrain, on: list[int], after_step: int) -> dict:
+        """Execute the policy's decision for the members ``on`` a draining node."""
+        w = self.workers
+        left_s = drain.left_s()
+        needed_s = max(DRAIN_MARGIN_S, 2 * self.reform_s)
+        decision = self.policy.on_drain(w.worker_ids, on, left_s, needed_s)
+        before = list(w.worker_ids)
+        rec = {"what": "drain", **drain.fields(), "deadline_left_s": left_s, "workers": sorted(on)}
+        rec.update(after_step=after_step, world_before=before, needed_s=needed_s)
+        if isinstance(decision, Stay):
+            rec.update(left=[], world_after=before, recovery_ms=0.0, fallback=f"{decision.reason}: they stay until "
+                       "the node goes, and the lost-node path recovers then")  # fmt: skip
+            self.publish({"event": "membership", **rec})
+            return rec
+        if not isinstance(decision, Leave):
+            raise TypeError(f"{type(decision).__name__} is not a decision on a drain")
+        t0 = time.perf_counter()
+        try:
+            moved = w.hand_off(decision.leaving)
+        except MembershipFailure as e:  # the node went before the handoff finished (or another failure)
+            # nobody ran a step: ``completed`` (workers that finished the call) says nothing about model state
+            failure = dataclasses.replace(e.failure, completed=frozenset())
+            why = "the handoff did not finish before the node went"
+            return self.recover(failure, 0, f"hand off before node {drain.name} goes", drain_fallback=why)
+        t1 = time.perf_counter()
+        w.remove(decision.leaving)
+        try:
+            w.form_world()
+        except MembershipFailure as e:  # a stayer failed while the smaller world formed: the usual recovery
+            out = self.recover(dataclasses.replace(e.failure, completed=frozenset()), 0, "re-form after a drain")
+            out["drain"] = drain.fields()
+            return out
+        missing = w.missing_parts()  # the handoff gave the stayers every part; were any left behind, roll back
+        if missing:
+            raise PartsLostError(missing, list(decision.leaving))
+        t2 = time.perf_counter()
+        self.reform_s = t2 - t1
+        rec.update(moved, left=list(decision.leaving), world_after=list(w.worker_ids), fallback=None)
+        rec.update(reform_ms=(t2 - t1) * 1e3, recovery_ms=(t2 - t0) * 1e3, rerun=False)
+        self._note_layout(rec)
+        self.publish({"event": "membership", **rec})
+        return rec
+
+    def _drained(self, lost, why: str | None = None) -> dict | None:
+        """The drain of the node the lost workers ran on, if it was being drained, with ``why`` they did not leave
+        on notice (default: its deadline came before a step boundary took them out)."""
+        if self.drains is None:
+            return None
+        nodes = self.workers.nodes_of()
+        for wid in sorted(lost):
+            drain = self.drains.draining(nodes.get(wid, ""))
+            if drain is not None:
+                why = why or "the node went before its workers left at a step boundary"
+                return {**drain.fields(), "fallback": why}
+        return None
+
+    def recover(self, failure: Failure, attempt: int, what: str, fresh=(), drain_fallback: str | None = None) -> dict:
         """Bring the run back to a formed world after ``failure``; raises :class:`ElasticError` when it cannot.
 
         ``failure.completed`` are the workers that finished the failed step (their state is after it); ``fresh``
@@ -50,6 +154,7 @@ class Elastic:
         w = self.workers
         t0 = time.perf_counter()
         detected = getattr(w, "detection", lambda lost: None)(failure.lost)  # before a re-formed world forgets it
+        drained = self._drained(failure.lost, drain_fallback)  # lost with a draining node: the record says so
         before = list(w.worker_ids)
         ahead = set(failure.completed)  # finished the attempt: hold the state after it
         fresh = set(fresh)  # started to replace the lost: hold no state yet
@@ -73,7 +178,7 @@ class Elastic:
                 if ahead:
                     ahead = set(w.worker_ids)
                 fresh.clear()
-                w.form_world()
+                self.reform_s = w.form_world()
             except MembershipFailure as e:
                 failure = e.failure
                 attempt += 1
@@ -99,6 +204,8 @@ class Elastic:
                 rec["detected_by"], rec["detect_ms"] = detected["by"], detected["detect_ms"]
                 # re-forming starts when the failure is seen: the survivors' way out of the broken world counts
                 rec["recovery_ms"] += detected.get("since_ms", 0.0)
+            if drained is not None:
+                rec["drain"] = drained
             self._note_layout(rec)
             self.publish({"event": "membership", **rec})
             return rec
@@ -169,7 +276,7 @@ class Elastic:
             w.admit(ready)
             try:
                 w.sync_state(source, ready)
-                w.form_world()
+                self.reform_s = w.form_world()
             except MembershipFailure as e:
                 # the joiners hold no state unless the copy finished; let recovery sort the survivors out
                 failure = dataclasses.replace(e.failure, completed=frozenset())

@@ -57,6 +57,19 @@ class WorkerGroup(Protocol):
         """Copy the whole training state of member ``source`` to ``targets``."""
         ...
 
+    def nodes_of(self) -> dict[int, str]:
+        """{member worker id: the node it runs on}."""
+        ...
+
+    def draining_nodes(self) -> list:
+        """Nodes being drained (``control.drains.NodeDrain`` values): the elastic executor's drain watch reads them."""
+        ...
+
+    def hand_off(self, leaving: Iterable[int]) -> dict:
+        """Give the members that stay what only ``leaving`` hold (they go at this step boundary); returns
+        ``{"handoff_bytes", "handoff_ms"}``."""
+        ...
+
     def missing_parts(self) -> list[str]:
         """Model parts no member holds (stage-local parameters whose every holder was lost)."""
         ...

@@ -10,7 +10,10 @@ two apart; the ranks of epoch ``e`` are the alive worker ids in ascending order.
   re-planned for the new size), :class:`WaitForCapacity` (survivors are below ``min_workers``: wait, bounded, for
   replacements), :class:`Retry` (a collective failed but every worker is alive) or :class:`Fail` (a deterministic
   error, every worker lost, or too many attempts);
-* at a step boundary: :class:`Grow` (start this many workers; they join when ready) or ``None``.
+* at a step boundary: :class:`Grow` (start this many workers; they join when ready) or ``None``;
+* when a node holding workers is being drained (``control.drains``): :class:`Leave` (at the next step boundary its
+  workers hand off what only they hold and the world re-forms without them: nothing is re-run) or :class:`Stay`
+  (they stay until the node goes, and the lost-node path recovers then), with why.
 
 Only the driver executes decisions (``flexorch/control/elastic.py``).
 """
@@ -30,6 +33,8 @@ __all__ = [
     "WaitForCapacity",
     "Fail",
     "Decision",
+    "Leave",
+    "Stay",
 ]
 
 
@@ -129,6 +134,23 @@ Decision = Shrink | Grow | Retry | WaitForCapacity | Fail
 
 
 @dataclass(frozen=True)
+class Leave:
+    """The workers of a draining node leave at a step boundary: they hand off what only they hold, then the
+    world re-forms on ``survivors``."""
+
+    leaving: tuple[int, ...]
+    survivors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Stay:
+    """The workers of a draining node stay until the node goes (then the lost-node path recovers): ``reason``."""
+
+    leaving: tuple[int, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
 class ElasticPolicy:
     """When to shrink, grow, retry, wait or give up."""
 
@@ -165,6 +187,27 @@ class ElasticPolicy:
         if len(survivors) < self.min_workers:
             return WaitForCapacity(lost, survivors, self.min_workers - len(survivors), self.wait_s)
         return Shrink(lost, survivors)
+
+    def on_drain(
+        self, alive: Iterable[int], leaving: Iterable[int], left_s: float | None, needed_s: float
+    ) -> Leave | Stay:
+        """A node holding ``leaving`` is being drained, its deadline ``left_s`` seconds away (None: none); a
+        planned leave (handoff and re-form) is expected to take ``needed_s``."""
+        alive, leaving = tuple(sorted(alive)), tuple(sorted(set(leaving)))
+        unknown = set(leaving) - set(alive)
+        if unknown:
+            raise ValueError(f"workers {sorted(unknown)} are leaving but not members (alive: {list(alive)})")
+        survivors = tuple(w for w in alive if w not in leaving)
+        if not survivors:
+            return Stay(leaving, "every worker is on draining nodes: no one is left to hand the state to")
+        if len(survivors) < self.min_workers:
+            return Stay(leaving, f"{len(survivors)} workers would be left, below min_workers={self.min_workers}")
+        if left_s is not None and left_s < needed_s:
+            return Stay(
+                leaving,
+                f"the deadline is {max(left_s, 0.0):.1f} s away and a handoff needs about {needed_s:.1f} s",
+            )
+        return Leave(leaving, survivors)
 
     def at_boundary(self, size: int, joining: int, free_slots: int) -> Grow | None:
         """Grow by what fits under ``max_workers`` and the free slots; ``joining`` workers are already starting."""

@@ -26,10 +26,11 @@ import ray
 import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
+from flexorch.control.drains import NodeDrain, draining_nodes, free_slots_on_draining
 from flexorch.control.heartbeats import Heartbeats
 from flexorch.control.membership import Failure, Membership
 from flexorch.control.worker_start import WorkerStarter
-from flexorch.tasks.placement import ALL, PartsLostError, missing_parts, model_parts, transfers
+from flexorch.tasks.placement import ALL, PartsLostError, handoff_needs, missing_parts, model_parts, transfers
 from flexorch.workers.actor import PeerLostError, StepOutOfMemoryError, WorkerActor
 
 BEAT_CHECK_S = 0.5  # while waiting on workers: how often their heartbeats are looked at
@@ -123,6 +124,7 @@ class RayWorkerGroup:
         """Model parts each member holds (``flexorch.tasks.placement``; None: the whole model)."""
         self.membership = Membership()
         self._actors: dict[int, ray.actor.ActorHandle] = {}
+        self._nodes: dict[int, str] = {}  # member -> the Ray node id it runs on (from its start's info)
         self.host = ray.util.get_node_ip_address()
         self.store: dist.TCPStore | None = None
         self._worlds = 0
@@ -221,8 +223,40 @@ class RayWorkerGroup:
         return self._starts.start_failures
 
     def free_slots(self) -> int:
-        """Unclaimed device slots in the cluster now (a joined node shows up here)."""
-        return self._starts.free_slots()
+        """Unclaimed device slots in the cluster now (a joined node shows up here), less those on draining nodes
+        (Ray places nothing new there)."""
+        key = "GPU" if self.use_gpu else "CPU"
+        return max(0, self._starts.free_slots() - int(free_slots_on_draining(key)))
+
+    def nodes_of(self) -> dict[int, str]:
+        """{member worker id: the Ray node id it runs on}."""
+        return {w: self._nodes[w] for w in list(self.membership.worker_ids) if w in self._nodes}
+
+    def draining_nodes(self) -> list[NodeDrain]:
+        """Nodes of the cluster being drained (``control.drains``)."""
+        return draining_nodes()
+
+    def hand_off(self, leaving) -> dict:
+        """Before members ``leaving`` go (their node is being drained), give the members that stay what only the
+        leaving hold: with sharded state each leaving worker's shards (round robin over the stayers, who bring them
+        to the next world's re-shard); with stage-local parameters the parts no stayer holds (``place_params``);
+        replicas hold everything already. Returns ``{"handoff_bytes", "handoff_ms"}``."""
+        t0 = time.perf_counter()
+        leaving = sorted(leaving)
+        stay = [w for w in self.worker_ids if w not in leaving]
+        nbytes = 0
+        if self.sharded:
+            handed: dict[int, list] = {}
+            for i, w in enumerate(leaving):
+                handed.setdefault(stay[i % len(stay)], []).append(self._actors[w].hand_off.remote())
+            refs = {dst: self._actors[dst].take_handoff.remote(rs) for dst, rs in handed.items()}
+            got = self.call_all(refs, "hand off the leaving workers' shards", self.timeout_s)
+            nbytes = int(sum(got.values()))
+        else:
+            needed = handoff_needs(self.held, self.worker_ids, leaving, self.parts)
+            if needed is not None:
+                nbytes = int(self.place_params(needed)["moved_bytes"])
+        return {"handoff_bytes": nbytes, "handoff_ms": (time.perf_counter() - t0) * 1e3}
 
     def start_workers(self, count: int) -> list[int]:
         """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
@@ -238,7 +272,9 @@ class RayWorkerGroup:
     def admit(self, worker_ids) -> None:
         """Make ready joiners members (the next :meth:`form_world` gives them ranks)."""
         for wid in worker_ids:
+            ready = self.joining[wid][1]
             self._actors[wid] = self._starts.take(wid)
+            self._nodes[wid] = ray.get(ready).get("node_id")  # its start's ``info``, already answered
             self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
             start = getattr(self._actors[wid], "start_heartbeat", None)  # a stand-in worker class may not beat
             if self.heartbeat_timeout_s and start is not None:
@@ -251,6 +287,7 @@ class RayWorkerGroup:
         for wid in worker_ids:
             ray.kill(self._actors.pop(wid), no_restart=True)
             self.held.pop(wid, None)
+            self._nodes.pop(wid, None)
         self.membership.remove(worker_ids)
 
     def form_world(self) -> float:

@@ -24,8 +24,9 @@ tag ``run`` (the run directory's name). Names, kinds and units:
 ``flexorch_steps_total``                counter    steps trained
 ``flexorch_skipped_batches_total``      counter    batches skipped as infeasible (``plan.on_infeasible="skip"``)
 ``flexorch_recoveries_total``           counter    membership changes, tag ``what``: ``shrink`` (after a
-                                                   failure), ``grow`` (workers joined) or ``rollback`` (stage-local
-                                                   parameters lost with their holders: back to the checkpoint)
+                                                   failure), ``grow`` (workers joined), ``rollback`` (stage-local
+                                                   parameters lost with their holders: back to the checkpoint) or
+                                                   ``drain`` (a draining node's workers left at a step boundary)
 ======================================  =========  ==============================================================
 """
 
@@ -111,7 +112,9 @@ class RunMetrics:
             "flexorch_recoveries_total", description="Membership changes", tag_keys=run_tag + ("what",)
         )
         self.recovery_time = gauge(
-            "flexorch_recovery_ms", "Time the last recovery cost, by phase (detect, reform, rerun, total)", ("phase",)
+            "flexorch_recovery_ms",
+            "Time the last recovery cost, by phase (detect, handoff, reform, rerun, total)",
+            ("phase",),
         )
         self.fallbacks = Counter(
             "flexorch_plan_fallbacks_total",
@@ -162,6 +165,11 @@ class RunMetrics:
 
     def on_recovery(self, record: dict) -> None:
         what = "rollback" if record.get("rollback") else "grow" if record.get("what") == "grow" else "shrink"
+        if record.get("what") == "drain":  # a planned leave of a draining node's workers (or their stay)
+            what = "drain"
+            if not record.get("fallback"):
+                for phase, key in (("handoff", "handoff_ms"), ("reform", "reform_ms"), ("total", "recovery_ms")):
+                    self.recovery_time.set(record[key], tags={**self._tags, "phase": phase})
         if record.get("driver_restart"):
             what = "driver"
         self.recoveries.inc(1, tags={**self._tags, "what": what})

@@ -27,6 +27,7 @@ __all__ = [
     "holder_sets",
     "transfers",
     "missing_parts",
+    "handoff_needs",
 ]
 
 ALL = None
@@ -133,3 +134,22 @@ def transfers(
             load[src] += 1
             out.setdefault(w, {}).setdefault(src, []).append(p)
     return {w: {s: tuple(ps) for s, ps in srcs.items()} for w, srcs in out.items()}
+
+
+def handoff_needs(
+    held: Mapping[int, frozenset[str] | None], members: Sequence[int], leaving: Sequence[int], parts: Sequence[str]
+) -> list[frozenset[str]] | None:
+    """Before ``leaving`` members go on notice (their node is being drained): what each of ``members`` (rank order)
+    must hold so that no part leaves with them, for ``transfers``: the stayers' own parts plus each part only the
+    leaving hold, given to the stayer holding fewest parts (ties to the lowest id); the leaving keep theirs. None
+    when nothing needs to move (the stayers hold every part the leaving do, or no one stays)."""
+    gone = set(leaving)
+    stay = [w for w in members if w not in gone]
+    has = {w: set(parts) if held[w] is ALL else set(held[w]) for w in members}
+    covered = set().union(*(has[w] for w in stay)) if stay else set()
+    orphans = [p for p in parts if p not in covered and any(p in has[w] for w in gone)]
+    if not orphans or not stay:
+        return None
+    for p in orphans:
+        has[min(stay, key=lambda w: (len(has[w]), w))].add(p)
+    return [frozenset(has[w]) for w in members]

@@ -188,7 +188,9 @@ class Worker(WorkerMeasurements, FaultSeam):
         "version"}``: the state version now held (None: the members no longer hold every shard of any version,
         nothing was restored) and ``"newest"``, the newest version any member held."""
         t0 = time.perf_counter()
-        holding = self._holding()
+        own = self._holding()
+        # what this worker holds and what workers that left on notice handed to it (``take_handoff``)
+        holding = [h for h in (own, *getattr(self, "_handed", ())) if h is not None] or None
         # Membership changed since the last world, maybe because a peer died after this rank's step had finished:
         # abort (NCCL) rather than destroy, which could wait on that peer. No collective is pending between steps.
         self.leave_world(abort=True)
@@ -197,7 +199,26 @@ class Worker(WorkerMeasurements, FaultSeam):
         out = {"version": self.version, "newest": self.version}
         if self.sharded:
             out = self._guarded(self._reshard, holding, initial)
+            if out["version"] is not None:
+                self._handed = []  # re-sharded into this world: the handed holdings are in it now
         return {"seconds": time.perf_counter() - t0, **out}
+
+    def hand_off(self):
+        """What this worker holds of the sharded model state (a :class:`~flexorch.workers.reshard.Holding`, on the
+        CPU), for one that stays: this worker's node is being drained and it leaves the world at this step
+        boundary. Sharded state only."""
+        from flexorch.workers.reshard import on_cpu
+
+        if not self.sharded or self.model is None:
+            raise RuntimeError(f"worker {self.worker_id} holds no sharded state to hand off")
+        return on_cpu(self._holding())
+
+    def take_handoff(self, handed: list) -> int:
+        """Keep the holdings of workers that are leaving (refs to their :meth:`hand_off`) until the next world's
+        re-shard takes them in (``join_world``); returns the bytes received."""
+        got = ray.get(list(handed))  # refs nested in a list arrive unresolved: fetched now, before the leavers go
+        self._handed = [*getattr(self, "_handed", ()), *got]
+        return sum(t.numel() * t.element_size() for h in got for e in h.tensors.values() for t in e.values())
 
     def _holding(self):
         if not self.sharded or self.model is None:
@@ -222,7 +243,8 @@ class Worker(WorkerMeasurements, FaultSeam):
             self.version = 0
             return {"version": 0, "newest": 0}
         newest = [None] * reg.world_size
-        dist.all_gather_object(newest, None if holding is None else holding.version, group=reg.world)
+        mine = max((h.version for h in holding), default=None) if holding is not None else None
+        dist.all_gather_object(newest, mine, group=reg.world)
         shapes = self.model_cfg.param_shapes()
         version = exchange(holding, self.model, self.optimizer, self.scheduler, reg.world, shapes)
         if version is not None:

@@ -17,6 +17,10 @@ collective over the new world (:func:`exchange`) then moves the state:
 With ``hsdp`` a lost worker's shard lives in another replica group, so survivors recover in place; with ``fsdp``
 (no replica) a lost shard is gone and the run rolls back to its checkpoint (Gemini, Wang et al., SOSP'23, keeps
 in-memory copies on peers for this; flexorch's hsdp is that copy).
+
+A worker that leaves on notice (its node is being drained, ``flexorch.control.drains``) hands its holding to one that
+stays before it goes; that one then brings several holdings to the exchange (``held`` a list), and the new world
+re-shards from them exactly as from its own.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from flexorch.solver.model_state import shard_rows
 from flexorch.workers.fsdp import local_rows, reshard_after_failure
 from flexorch.workers.step_exec import default_device
 
-__all__ = ["Holding", "exchange", "holding_of"]
+__all__ = ["Holding", "exchange", "holding_of", "on_cpu"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -75,8 +79,15 @@ def holding_of(
     return Holding(version, dict(positions), tensors, sched)
 
 
+def on_cpu(held: Holding) -> Holding:
+    """A copy of ``held`` with its tensors on the CPU: what a leaving worker hands to one that stays, through Ray's
+    object store."""
+    tensors = {n: {k: t.detach().to("cpu", copy=True) for k, t in e.items()} for n, e in held.tensors.items()}
+    return Holding(held.version, dict(held.positions), tensors, held.scheduler)
+
+
 def exchange(
-    held: Holding | None,
+    held: Holding | list[Holding] | None,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer | None,
     scheduler,
@@ -84,12 +95,13 @@ def exchange(
     shapes: list[tuple[str, tuple[int, ...]]],
 ) -> int | None:
     """Fill the freshly sharded ``model``'s local shards and ``optimizer``/``scheduler`` from the holdings of every
-    rank of the new world (a collective; ``held`` None: this rank holds nothing). ``shapes``: every parameter of
-    the whole model, ``(name, shape)`` in one order on every rank (``ModelConfig.param_shapes``); this rank fills
-    the ones its ``model`` has. Returns the version restored, or None when no version covers every shard of every
-    parameter (nothing was changed)."""
+    rank of the new world (a collective; ``held`` None: this rank holds nothing; a list: its own holding and those
+    handed to it by workers that left). ``shapes``: every parameter of the whole model, ``(name, shape)`` in one
+    order on every rank (``ModelConfig.param_shapes``); this rank fills the ones its ``model`` has. Returns the
+    version restored, or None when no version covers every shard of every parameter (nothing was changed)."""
     rank = dist.get_rank(world)
-    desc = None if held is None else (held.version, held.positions, held.scheduler is not None)
+    holdings = [] if held is None else [held] if isinstance(held, Holding) else list(held)
+    desc = [(h.version, h.positions, h.scheduler is not None) for h in holdings]
     descs: list = [None] * dist.get_world_size(world)
     dist.all_gather_object(descs, desc, group=world)
     chosen = _choose(descs, [n for n, _ in shapes])
@@ -97,8 +109,8 @@ def exchange(
         return None
     version, contributors = chosen
     sched_states: list = [None] * len(descs)
-    first = min(r for r, d in enumerate(descs) if d is not None and d[0] == version and d[2])
-    dist.all_gather_object(sched_states, held.scheduler if rank == first else None, group=world)
+    first, j_first = min((r, j) for r, j, d in _entries(descs) if d[0] == version and d[2])
+    dist.all_gather_object(sched_states, holdings[j_first].scheduler if rank == first else None, group=world)
     mine = dict(model.named_parameters())
     device = _device(mine)
     has_moments = version > 0
@@ -108,10 +120,10 @@ def exchange(
             kinds = ("param", *_MOMENTS) if has_moments else ("param",)
             for kind in kinds:
                 full = torch.zeros(shape, dtype=torch.float32, device=device)
-                for index, (r, count) in contributors[name].items():
+                for index, (r, count, j) in contributors[name].items():
                     if r == rank:
                         a, b = shard_rows(shape[0], count, index)
-                        full[a:b] = held.tensors[name][kind].to(device=device, dtype=torch.float32)
+                        full[a:b] = holdings[j].tensors[name][kind].to(device=device, dtype=torch.float32)
                 dist.all_reduce(full, op=dist.ReduceOp.SUM, group=world)
                 if p is None:
                     continue
@@ -132,28 +144,38 @@ def exchange(
     return version
 
 
+def _entries(descs: list):
+    """(rank, index of the holding at that rank, descriptor) of every holding; a rank's entry is None (it holds
+    nothing), one descriptor ``(version, positions, has_scheduler)``, or a list of them."""
+    for r, d in enumerate(descs):
+        for j, one in enumerate([] if d is None else [d] if isinstance(d, tuple) else d):
+            yield r, j, one
+
+
 def _device(params: dict) -> torch.device:
     for p in params.values():
         return p.to_local().device
     return default_device()
 
 
-def _choose(descs: list, names: list[str]) -> tuple[int, dict[str, dict[int, tuple[int, int]]]] | None:
-    """(version, {parameter: {old shard index: (contributing rank, shard count)}}) of the newest version whose
-    holders cover every shard of every parameter in ``names``, or None."""
-    versions = sorted({d[0] for d in descs if d is not None}, reverse=True)
+def _choose(descs: list, names: list[str]) -> tuple[int, dict[str, dict[int, tuple[int, int, int]]]] | None:
+    """(version, {parameter: {old shard index: (contributing rank, shard count, its holding's index)}}) of the newest
+    version whose holders cover every shard of every parameter in ``names``, or None. ``descs``: per rank, None, a
+    descriptor or a list of them (:func:`_entries`)."""
+    entries = list(_entries(descs))
+    versions = sorted({d[0] for _, _, d in entries}, reverse=True)
     for v in versions:
-        holders = [(r, d[1]) for r, d in enumerate(descs) if d is not None and d[0] == v]
-        contributors: dict[str, dict[int, tuple[int, int]]] = {}
+        holders = [(r, j, d[1]) for r, j, d in entries if d[0] == v]
+        contributors: dict[str, dict[int, tuple[int, int, int]]] = {}
         whole = True
         for name in names:
-            got: dict[int, tuple[int, int]] = {}
+            got: dict[int, tuple[int, int, int]] = {}
             counts = set()
-            for r, positions in holders:
+            for r, j, positions in holders:
                 if name in positions:
                     index, count = positions[name]
                     counts.add(count)
-                    got.setdefault(index, (r, count))
+                    got.setdefault(index, (r, count, j))
             if len(counts) > 1:
                 raise RuntimeError(f"holders of {name} at state version {v} disagree on its shard count: {counts}")
             if not counts or len(got) != counts.pop():
