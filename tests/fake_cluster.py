@@ -218,7 +218,7 @@ class FakeWorkerGroup:
     def draining_nodes(self) -> list:
         from flexorch.control.drains import NodeDrain
 
-        return [NodeDrain(node, deadline, "preemption", f"10.0.0.{i + 7}") for i, (node, deadline) in
+        return [NodeDrain(node, deadline, "unknown", f"10.0.0.{i + 7}") for i, (node, deadline) in
                 enumerate(sorted(self.draining.items()))]  # fmt: skip
 
     def hand_off(self, leaving) -> dict:

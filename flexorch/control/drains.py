@@ -8,9 +8,10 @@ list (``ray.util.state.list_nodes`` says ``ALIVE`` until the node is dead, and n
 read the same call. This module is the one place flexorch touches it; ``tests/test_drain_cluster.py`` pins it
 against a real multi-node Ray.
 
-The GCS keeps a drain's reason but no read API returns it while the node lives. It is still known: a raylet accepts
-a drain for idle termination only when the node is idle, and a node holding a run's worker actors never is, so every
-drain accepted on such a node is a preemption (the only other reason Ray has). :func:`draining_nodes` says so.
+The GCS keeps a drain's reason but no read API returns it while the node lives. For the nodes that matter it is
+still known: a raylet accepts a drain for idle termination only when the node is idle, and a node holding a run's
+worker actors (one CPU or GPU each) never is, so every drain accepted on such a node is a preemption (the only other
+reason Ray has). :class:`DrainWatch` says so for those nodes and ``"unknown"`` for others.
 
 :class:`DrainWatch` asks every ``interval_s`` (0.5 s) from a thread beside the steps, so the driver knows of a drain
 within a second even while a step runs, stamps when it first saw each one and says so at once; the elastic executor
@@ -33,11 +34,12 @@ POLL_S = 0.5
 @dataclass(frozen=True)
 class NodeDrain:
     """A node being drained: ``deadline`` (unix seconds; None: no deadline, Ray's 0), ``reason`` in words
-    (``"preemption"``), ``ip`` (None where unknown), ``seen_at`` (unix seconds the driver first saw it)."""
+    (``"preemption"``, or ``"unknown"`` where Ray does not say), ``ip`` (None where unknown), ``seen_at`` (unix
+    seconds the driver first saw it)."""
 
     node_id: str
     deadline: float | None
-    reason: str = "preemption"
+    reason: str = "unknown"
     ip: str | None = None
     seen_at: float | None = None
 
@@ -74,7 +76,7 @@ def draining_nodes() -> list[NodeDrain]:
         return []
     ips = {n["NodeID"]: n.get("NodeManagerAddress") for n in ray.nodes()}
     return [
-        NodeDrain(node, ms / 1e3 if ms else None, "preemption", ips.get(node)) for node, ms in sorted(deadlines.items())
+        NodeDrain(node, ms / 1e3 if ms else None, "unknown", ips.get(node)) for node, ms in sorted(deadlines.items())
     ]
 
 
@@ -103,8 +105,11 @@ class DrainWatch:
         members: Callable[[], Mapping[int, str]],
         publish: Callable[[dict], None],
         interval_s: float = POLL_S,
+        own_node: str | None = None,
     ):
         self._source, self._members, self._publish = source, members, publish
+        self.own_node = own_node
+        """The node the driver runs on (None: unknown): its drain is announced as such."""
         self.interval_s = interval_s
         self._seen: dict[str, NodeDrain] = {}  # node id -> the drain as first seen
         self._taken: set[str] = set()
@@ -127,11 +132,20 @@ class DrainWatch:
         with self._lock:
             for drain in current:
                 if drain.node_id not in self._seen:
-                    drain = NodeDrain(drain.node_id, drain.deadline, drain.reason, drain.ip, now)
+                    held = drain.node_id in members.values()  # busy workers: only a preemption drain is accepted
+                    reason = "preemption" if held and drain.reason == "unknown" else drain.reason
+                    drain = NodeDrain(drain.node_id, drain.deadline, reason, drain.ip, now)
                     self._seen[drain.node_id] = drain
                     fresh.append(drain)
             seen = list(self._seen.values())
         for drain in fresh:
+            if drain.node_id == self.own_node:
+                left = drain.left_s(now)
+                when = "no deadline" if left is None else f"{max(left, 0.0):.0f} s"
+                self._publish({"event": "progress", "message": (
+                    f"node {drain.name}, which runs the driver, is draining ({drain.reason}, {when}): the driver does "
+                    "not move yet; it is lost when the node goes, and `flexorch train` then starts a new one from the "
+                    "newest checkpoint")})  # fmt: skip
             workers = sorted(w for w, n in members.items() if n == drain.node_id)
             if workers:
                 self._publish(

@@ -67,7 +67,8 @@ class Elastic:
         self.reform_s = 0.0  # how long the last world took to form: a planned leave needs about that again
         self.drains: DrainWatch | None = None
         if hasattr(workers, "draining_nodes"):  # nodes being drained, seen from a thread within a second
-            self.drains = DrainWatch(workers.draining_nodes, workers.nodes_of, publish)
+            own = getattr(workers, "driver_node", None)
+            self.drains = DrainWatch(workers.draining_nodes, workers.nodes_of, publish, own_node=own)
 
     def watch_drains(self) -> None:
         """Start watching for drains from a thread (:class:`~flexorch.control.drains.DrainWatch`)."""

@@ -126,6 +126,8 @@ class RayWorkerGroup:
         self._actors: dict[int, ray.actor.ActorHandle] = {}
         self._nodes: dict[int, str] = {}  # member -> the Ray node id it runs on (from its start's info)
         self.host = ray.util.get_node_ip_address()
+        self.driver_node = ray.get_runtime_context().get_node_id()
+        """The Ray node this group (and the driver holding it) runs on: a drain of it is announced as such."""
         self.store: dist.TCPStore | None = None
         self._worlds = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
