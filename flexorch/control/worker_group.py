@@ -247,12 +247,14 @@ class RayWorkerGroup:
         leaving = sorted(leaving)
         stay = [w for w in self.worker_ids if w not in leaving]
         nbytes = 0
-        if self.sharded:
+        if self.sharded:  # each leaver returns (size, holding): the driver waits on the sizes, never the shards
+            pairs = {w: self._actors[w].hand_off.remote() for w in leaving}
+            self.call_all({w: p[0] for w, p in pairs.items()}, "hand off the leaving workers' shards", self.timeout_s)
             handed: dict[int, list] = {}
             for i, w in enumerate(leaving):
-                handed.setdefault(stay[i % len(stay)], []).append(self._actors[w].hand_off.remote())
+                handed.setdefault(stay[i % len(stay)], []).append(pairs[w][1])
             refs = {dst: self._actors[dst].take_handoff.remote(rs) for dst, rs in handed.items()}
-            got = self.call_all(refs, "hand off the leaving workers' shards", self.timeout_s)
+            got = self.call_all(refs, "take the leaving workers' shards", self.timeout_s)
             nbytes = int(sum(got.values()))
         else:
             needed = handoff_needs(self.held, self.worker_ids, leaving, self.parts)

@@ -203,22 +203,31 @@ class Worker(WorkerMeasurements, FaultSeam):
                 self._handed = []  # re-sharded into this world: the handed holdings are in it now
         return {"seconds": time.perf_counter() - t0, **out}
 
+    @ray.method(num_returns=2)
     def hand_off(self):
-        """What this worker holds of the sharded model state (a :class:`~flexorch.workers.reshard.Holding`, on the
-        CPU), for one that stays: this worker's node is being drained and it leaves the world at this step
-        boundary. Sharded state only."""
+        """``(bytes, holding)``: what this worker holds of the sharded model state (a
+        :class:`~flexorch.workers.reshard.Holding`, on the CPU) and its size, for one that stays: this worker's node
+        is being drained and it leaves the world at this step boundary. Two returns, so the driver waits on the
+        small one and the holding goes from this worker to the stayer without passing through the driver."""
         from flexorch.workers.reshard import on_cpu
 
         if not self.sharded or self.model is None:
             raise RuntimeError(f"worker {self.worker_id} holds no sharded state to hand off")
-        return on_cpu(self._holding())
+        held = on_cpu(self._holding())
+        return _holding_bytes(held), held
 
     def take_handoff(self, handed: list) -> int:
         """Keep the holdings of workers that are leaving (refs to their :meth:`hand_off`) until the next world's
-        re-shard takes them in (``join_world``); returns the bytes received."""
-        got = ray.get(list(handed))  # refs nested in a list arrive unresolved: fetched now, before the leavers go
+        re-shard takes them in (``join_world``); returns the bytes received. A holding that is gone (its node went
+        first) is a :class:`PeerLostError`: the driver's recovery sorts out who is left."""
+        try:
+            got = ray.get(list(handed))  # refs nested in a list arrive unresolved: fetched now, before the leavers go
+        except ray.exceptions.RayError as e:
+            raise PeerLostError(
+                f"worker {self.worker_id}: a handed-off shard is gone ({str(e).splitlines()[0]})"
+            ) from None
         self._handed = [*getattr(self, "_handed", ()), *got]
-        return sum(t.numel() * t.element_size() for h in got for e in h.tensors.values() for t in e.values())
+        return sum(_holding_bytes(h) for h in got)
 
     def _holding(self):
         if not self.sharded or self.model is None:
@@ -459,6 +468,11 @@ class Worker(WorkerMeasurements, FaultSeam):
 
 class _NoParams(torch.nn.Module):
     """What a rank on no pipeline stage holds of a sharded model: nothing."""
+
+
+def _holding_bytes(held) -> int:
+    """Bytes of the tensors of a :class:`~flexorch.workers.reshard.Holding`."""
+    return sum(t.numel() * t.element_size() for e in held.tensors.values() for t in e.values())
 
 
 def _drop_frames(err: BaseException) -> None:

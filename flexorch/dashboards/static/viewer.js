@@ -413,8 +413,17 @@ function isNum(v) {
   return typeof v === "number" && !Number.isNaN(v);
 }
 
+function drainNode(d) {  // "node 10.0.0.7 draining (preemption, 45 s)", as the CLI's line
+  const left = isNum(d.deadline_left_s) ? `${pyFixed(Math.max(d.deadline_left_s, 0), 0)} s` : "no deadline";
+  return `node ${d.node_ip || String(d.node || "?").slice(0, 12)} draining (${d.reason || "unknown"}, ${left})`;
+}
+
 function recoveryWorkers(r) {
   if (r.what === "grow") return r.joined && r.joined.length ? `workers ${r.joined.join(", ")} joined` : "";
+  if (r.what === "drain") {  // a planned leave of a draining node's workers, or their stay (fallback)
+    const who = `${drainNode(r)}: workers ${(r.workers || []).join(", ")}`;
+    return r.fallback ? `${who} stayed` : `${who} left after step ${r.after_step}`;
+  }
   return r.lost && r.lost.length ? `lost worker${r.lost.length > 1 ? "s" : ""} ${r.lost.join(", ")}` : "";
 }
 
@@ -423,6 +432,7 @@ function recoveryWorld(r) {
 }
 
 function recoveryActions(r) {  // what was done about it: [decisions or the roll-back, whether the step ran again]
+  if (r.what === "drain") return [r.fallback || "planned leave", r.fallback ? "" : "nothing re-run"];
   if (r.rollback) return [`back to the checkpoint of step ${r.to_step ?? "?"} (from step ${r.from_step ?? "?"})`, ""];
   const redo = r.step_completed === true ? "the step's update had finished, kept"
     : r.step_completed === false ? "re-ran the step" : "";
@@ -434,6 +444,10 @@ function recoveryActions(r) {  // what was done about it: [decisions or the roll
 // total), then how the failure was seen; a grow's admission in ms; a roll-back's or an earlier failure's re-form
 function recoveryTime(r) {
   if (r.what === "grow") return isNum(r.recovery_ms) ? `admitted in ${pyFixed(r.recovery_ms, 0)} ms` : "";
+  if (r.what === "drain") {
+    if (r.fallback || !isNum(r.recovery_ms)) return "";
+    return `left in ${secs(r.recovery_ms)}: handoff ${secs(r.handoff_ms)}, re-form ${secs(r.reform_ms)}`;
+  }
   const phases = [];
   if (isNum(r.total_ms)) phases.push(`detect ${secs(isNum(r.detect_ms) ? r.detect_ms : 0)}`);
   else if (isNum(r.detect_ms)) phases.push(`detect ${secs(r.detect_ms)}`);
