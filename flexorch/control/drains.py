@@ -110,6 +110,8 @@ class DrainWatch:
         self._source, self._members, self._publish = source, members, publish
         self.own_node = own_node
         """The node the driver runs on (None: unknown): its drain is announced as such."""
+        self.own_drain: NodeDrain | None = None
+        """The drain of :attr:`own_node`, once seen."""
         self.interval_s = interval_s
         self._seen: dict[str, NodeDrain] = {}  # node id -> the drain as first seen
         self._taken: set[str] = set()
@@ -140,12 +142,13 @@ class DrainWatch:
             seen = list(self._seen.values())
         for drain in fresh:
             if drain.node_id == self.own_node:
+                self.own_drain = drain
                 left = drain.left_s(now)
                 when = "no deadline" if left is None else f"{max(left, 0.0):.0f} s"
                 self._publish({"event": "progress", "message": (
                     f"node {drain.name}, which runs the driver, is draining ({drain.reason}, {when}): the driver does "
-                    "not move yet; it is lost when the node goes, and `flexorch train` then starts a new one from the "
-                    "newest checkpoint")})  # fmt: skip
+                    "not move; it writes a checkpoint at the next step boundary, and when the node goes `flexorch "
+                    "train` starts a new driver from the newest checkpoint")})  # fmt: skip
             workers = sorted(w for w, n in members.items() if n == drain.node_id)
             if workers:
                 self._publish(

@@ -66,6 +66,7 @@ class Elastic:
         self.layout_note = layout_note or (lambda size: None)  # world size -> what the sharding does with it, or None
         self.reform_s = 0.0  # how long the last world took to form: a planned leave needs about that again
         self.drains: DrainWatch | None = None
+        self._driver_drain_taken = False
         if hasattr(workers, "draining_nodes"):  # nodes being drained, seen from a thread within a second
             own = getattr(workers, "driver_node", None)
             self.drains = DrainWatch(workers.draining_nodes, workers.nodes_of, publish, own_node=own)
@@ -78,6 +79,18 @@ class Elastic:
     def close(self) -> None:
         if self.drains is not None:
             self.drains.close()
+
+    def driver_drained(self) -> bool:
+        """True once, at the first step boundary after the driver's own node was seen draining: the driver then
+        writes a checkpoint, so that the new driver started when the node goes re-runs no step."""
+        if self.drains is None or self._driver_drain_taken:
+            return False
+        if self.drains.own_drain is None:
+            self.drains.poll()
+        if self.drains.own_drain is None:
+            return False
+        self._driver_drain_taken = True
+        return True
 
     def leave_drained(self, after_step: int) -> list[dict]:
         """At a step boundary (``after_step`` the last step trained): members on draining nodes leave, one node at
