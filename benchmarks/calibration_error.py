@@ -19,7 +19,8 @@ Per step (issue 48), ``--runs demo,hf``: ``flexorch train`` on the demo's run fi
 4 CPU workers, calibrated profile, refits every 4 steps, 20 steps), and the same with its model built by Transformers
 (``[model] hf``: a Llama of the same shape), one after the other. For every step: the plan's shape, the prediction
 the run made (``predicted_ms``, from the profile revision that planned it: refits on trial, kept or rolled back),
-the same plan priced by the start-up calibration alone (revision 0, ``profile.json``), the measured step
+the run's step level it was multiplied by (``solver.step_level``: measured over predicted of the steps before it),
+the same plan priced by the start-up calibration alone (revision 0, ``profile.json``, no level), the measured step
 (``measured_ms``) and both errors; then the refit lines the run printed, and the median and worst error over steps
 3-20 (the done-when of issue 48: median at most 5 %, worst within 15 %, on an otherwise idle machine).
 ``--records DIR`` prints the same table for a run that has already run (its ``steps.jsonl``, ``profile.json``).
@@ -119,19 +120,25 @@ def per_step(run_dir: Path, first: int = 3) -> dict:
     recs = [r for r in recs if r.get("source") == "train" and r.get("plan")]
     print(f"\n{run_dir}: per step, predicted vs measured (error = predicted / measured - 1)")
     print(
-        f"{'step':>4s} {'rev':>3s} {'measured':>9s} {'predicted':>9s} {'err':>7s} {'calibrated':>10s} {'err':>7s}  plan"
+        f"{'step':>4s} {'rev':>3s} {'level':>5s} {'measured':>9s} {'predicted':>9s} {'err':>7s} {'calibrated':>10s} "
+        f"{'err':>7s}  plan"
     )
     errs, errs0 = [], []
+    measured, priced0, steps = [], [], []
     for r in recs:
         step = step_of_record(r, time_ratios(calibrated))
         ms, pred = r["measured_ms"], r["predicted_ms"]
         pred0 = step.predict_ms(calibrated)
+        measured.append(ms)
+        priced0.append(pred0)
+        steps.append(r["step"] + 1)
         e, e0 = pred / ms - 1, pred0 / ms - 1
         if r["step"] + 1 >= first:
             errs.append(abs(e))
             errs0.append(abs(e0))
         print(
-            f"{r['step'] + 1:4d} {r.get('profile_revision', 0):3d} {ms:9.1f} {pred:9.1f} {100 * e:+6.1f}% "
+            f"{r['step'] + 1:4d} {r.get('profile_revision', 0):3d} {r.get('level', 1.0):5.2f} {ms:9.1f} {pred:9.1f} "
+            f"{100 * e:+6.1f}% "
             f"{pred0:10.1f} {100 * e0:+6.1f}%  {r['shape'][:60]}"
         )
     by_rev: dict[int, list[float]] = defaultdict(list)  # each profile revision: the errors of the steps it planned
@@ -155,7 +162,36 @@ def per_step(run_dir: Path, first: int = 3) -> dict:
         f"{100 * out['worst_err']:.1f} %; calibration alone median {100 * out['calibrated_median_err']:.1f} %, "
         f"worst {100 * out['calibrated_worst_err']:.1f} %"
     )
+    later = [i for i, step in enumerate(steps) if step >= first]
+    floor = noise_floor([measured[i] for i in later], [priced0[i] for i in later])
+    if floor is not None:
+        out["noise_floor"] = floor
+        print(
+            f"noise floor: {floor['steps']} of these steps are of {floor['kinds']} kinds the calibration prices alike "
+            f"(3 steps or more each); they lie a median {100 * floor['median']:.1f} % and at most "
+            f"{100 * floor['worst']:.1f} % from the median time of their kind: what knowing each kind's typical time "
+            "would still miss"
+        )
     return out
+
+
+def noise_floor(measured: list[float], priced: list[float], at_least: int = 3, tol: float = 0.005) -> dict | None:
+    """How far steps the start-up calibration prices the same (``priced`` within ``tol``: the same slowest chain of
+    groups in the cost model, e.g. eight micro-batches of two 2048-token groups, whatever the shorter documents
+    beside them) lie from the median time of their kind: what a model that knew each kind's typical time would still
+    miss on this machine. None when no price recurs ``at_least`` times."""
+    kinds: list[tuple[float, list[float]]] = []
+    for m, p in zip(measured, priced, strict=True):
+        same = next((ms for q, ms in kinds if abs(p / q - 1) <= tol), None)
+        if same is None:
+            kinds.append((p, [m]))
+        else:
+            same.append(m)
+    devs = [abs(m / np.median(ms) - 1) for _, ms in kinds if len(ms) >= at_least for m in ms]
+    if not devs:
+        return None
+    count = sum(len(ms) >= at_least for _, ms in kinds)
+    return {"steps": len(devs), "kinds": count, "median": float(np.median(devs)), "worst": float(np.max(devs))}
 
 
 def run_per_step(names: list[str], out: Path) -> int:

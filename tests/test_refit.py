@@ -242,17 +242,17 @@ def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
         for field in ("act_bytes_per_token", "memory_budget_bytes", "tokens_per_device"):
             assert getattr(driver.profile, field) == getattr(initial, field)
         # one price: each record's predicted_ms and timeline are its plan priced by the profile revision that
-        # planned it, the same function the refit judges with
+        # planned it, the same function the refit judges with, times the run's step level before it
         records = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
         assert {r["profile_revision"] for r in records} <= set(driver._priced)
         for r in records:
-            priced_by = driver._priced[r["profile_revision"]]
-            assert step_of_record(r).predict_ms(priced_by) == pytest.approx(r["predicted_ms"], rel=1e-9)
+            priced_by, level = driver._priced[r["profile_revision"]], r["level"]
+            assert level * step_of_record(r).predict_ms(priced_by) == pytest.approx(r["predicted_ms"], rel=1e-9)
             by_group = {(g["micro_batch"], g["group"]): g["time_ms"] for g in r["timeline"]}
             for mi, mb in enumerate(r["plan"]["micro_batches"]):
                 for gi, g in enumerate(mb):
                     want = group_time_ms(tuple(g["seq_lengths"]), g["degree"], g["kind"], priced_by)
-                    assert by_group[(mi, gi)] == pytest.approx(want, rel=1e-9)
+                    assert by_group[(mi, gi)] == pytest.approx(level * want, rel=1e-9)
     finally:
         driver.shutdown()
 

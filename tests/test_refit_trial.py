@@ -12,6 +12,7 @@ from flexorch.control.refitting import TRIAL_STEPS, RunRefit
 from flexorch.solver.cost_model import group_time_ms
 from flexorch.solver.profiles import get_profile
 from flexorch.solver.refit import RefitReport, step_of_record
+from flexorch.solver.step_level import step_level
 from tests.train_helpers import cpu_profile
 
 
@@ -154,9 +155,15 @@ def test_the_driver_plans_and_prices_with_the_refit_it_keeps_and_says_its_verdic
         records = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
         revisions = [r["profile_revision"] for r in records]
         assert revisions == sorted(revisions) and revisions[-1] >= 1, revisions
-        for r in records:
-            step = step_of_record(r)
-            assert step.predict_ms(driver._priced[r["profile_revision"]]) == pytest.approx(r["predicted_ms"], rel=1e-9)
+        for i, r in enumerate(records):
+            # each step's prices: its revision's price times the level of the warm steps before it, never its own
+            priced = driver._priced[r["profile_revision"]]
+            level = step_level([step_of_record(x) for x in records[1:i]], priced)
+            assert r["level"] == pytest.approx(level, rel=1e-9) and (i < 2) == (r["level"] == 1.0)
+            assert level * step_of_record(r).predict_ms(priced) == pytest.approx(r["predicted_ms"], rel=1e-9)
+            assert r["bound_ms"] <= r["predicted_ms"] * (1 + 1e-9)
+            end = max(t["start_ms"] + t["time_ms"] for t in r["timeline"])
+            assert end == pytest.approx(r["predicted_ms"] - level * priced.step_ms, rel=1e-9)  # the schedule too
         assert (driver.planner._profile or driver.planner.planner.profile) == driver.profile
         assert driver.planner.spec.profile == driver.profile  # the fallback and a restarted planner too
     finally:

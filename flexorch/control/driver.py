@@ -151,6 +151,8 @@ class TrainingDriver:
         except MembershipFailure as e:
             self.elastic.recover(e.failure, 0, "form the first world")
         world_s = time.perf_counter() - t_world
+        self.elastic.reform_s = world_s
+        self.elastic.watch_drains()  # nodes being drained are seen within a second; their workers leave between steps
         if resumed is not None:
             state, dstate = resumed
             self.stream.load_state_dict(dstate["stream"])
@@ -224,6 +226,9 @@ class TrainingDriver:
             raise RuntimeError("call setup() first")
         t_start, step_no = time.perf_counter(), self.step_no
         try:
+            if self.elastic.driver_drained() and self._checkpointed_at != self.step_no:
+                self.checkpoint()  # this node is going: its replacement driver starts from here, nothing re-run
+            drained = self.elastic.leave_drained(self.step_no - 1)  # workers on draining nodes leave first
             joined = self.elastic.at_boundary()
         except PartsLostError as e:
             return self._roll_back(e, "admit joining workers", [])
@@ -233,7 +238,7 @@ class TrainingDriver:
         mixed = source_fields(self.stream, batch, self.corpus.lengths)  # [[data.sources]]: what came from each
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
         carried, self._rolled_back = self._rolled_back, []
-        recoveries = carried + ([joined] if joined else [])
+        recoveries = carried + drained + ([joined] if joined else [])
         attempt = 0
         while True:
             n = self.workers.size
@@ -313,7 +318,9 @@ class TrainingDriver:
         measured_ms = (t_done - t_dispatch) * 1e3
         self._last_step_ms = measured_ms
         priced_by = self._priced_by(planned)
-        record = step_record(base, planned, priced_by, outcomes, measured_ms, dispatch_ms)
+        record = step_record(
+            base, planned, priced_by, outcomes, measured_ms, dispatch_ms, self._level(planned, priced_by)
+        )
         if mixed is not None:
             record["sources"] = mixed
         if self.cfg.tasks:
@@ -328,6 +335,14 @@ class TrainingDriver:
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         record = self._finish(record, t_start, planned.plan)
         return Transition(Ran.TRAINED, step_no, self.step_no, record, tuple(recoveries[len(carried) :]))
+
+    def _level(self, planned, priced_by: Profile) -> float:
+        """The step level of the run's steps before this one (``solver.step_level``) that this SP step's prices are
+        multiplied by; 1.0 without refits (``[plan] refit = 'off'``: the profile as given) and for
+        pipelined steps."""
+        if not self.cfg.plan.refits or planned.pipelined:
+            return 1.0
+        return self._refits.level(priced_by)
 
     def _priced_by(self, planned) -> Profile:
         """The profile that planned and priced ``planned`` (its ``profile_revision``): the record's timeline and the
@@ -578,6 +593,8 @@ class TrainingDriver:
             self._closing = True
             self._stop_reason = self._stop_reason or "shutdown"
         self._refits.close()
+        if getattr(self, "elastic", None) is not None:  # the drain watch's thread
+            self.elastic.close()
         if self.trackers is not None:
             self.trackers.close()
         if self.workers is not None:

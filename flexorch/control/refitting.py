@@ -32,6 +32,7 @@ from flexorch.solver.refit import (
     step_of_record,
     with_time_terms,
 )
+from flexorch.solver.step_level import step_level
 
 __all__ = ["TRIAL_STEPS", "Change", "RunRefit", "Verdict"]
 
@@ -163,6 +164,11 @@ class RunRefit:
         return Verdict(
             trial.step, step_no, err_after <= err_before, trial.before, err_after, err_before, self.trial_steps
         )
+
+    def level(self, profile: Profile) -> float:
+        """The level of the run's recent warm steps priced by ``profile`` (``solver.step_level``): what the next
+        step's price by ``profile`` is multiplied by in its record; 1.0 before any warm step."""
+        return step_level(self.window.steps(), profile)
 
     def take(self, wait: bool) -> tuple[int, Profile, RefitReport] | None:
         """A finished refit, once: (the step it followed, the refitted profile, its report); None when none has

@@ -27,7 +27,10 @@ Keys of every record (``source`` is ``"plan"`` or ``"train"``):
   of the previous step's time in a run, ``[plan] budget``); ``gap`` (optional, null without a bound): the plan's
   ``predicted_ms / bound_ms - 1``, how far from the optimum it can be; ``profile_revision`` (optional): which version
   of the run's cost model priced the plan (0 as calibrated, +1 for each refit taken up or rolled back: the plan's
-  ``predicted_ms`` and ``timeline`` come from that one); ``targets`` (optional, trained steps):
+  ``predicted_ms`` and ``timeline`` come from that one); ``level`` (optional, trained steps): the run's step level
+  (``flexorch.solver.step_level``) the plan's prices were multiplied by: ``predicted_ms``, ``bound_ms``,
+  ``baselines_ms``, ``recompute_packing``'s times and the ``timeline`` are that profile's price times ``level`` (1
+  without refits and for pipelined steps); ``targets`` (optional, trained steps):
   the tokens that carried loss, the loss's denominator (``tokens`` for plain text; fewer for chat, prompt/completion
   and tokenized data with loss masks, whose prompts are computed but not predicted).
 
@@ -354,6 +357,9 @@ def _check_fallback(rec: dict, where: str) -> None:
         v = rec.get(key)
         if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v >= 0):
             raise RecordError(f"{where}: {key!r} must be null or a number >= 0, got {v!r}")
+    level = rec.get("level")
+    if level is not None and not (isinstance(level, int | float) and not isinstance(level, bool) and level > 0):
+        raise RecordError(f"{where}: 'level' must be null or a number > 0, got {level!r}")
     crashes = rec.get("solver_crashes", 0)
     if isinstance(crashes, bool) or not isinstance(crashes, int) or crashes < 0:
         raise RecordError(f"{where}: 'solver_crashes' must be an integer >= 0, got {crashes!r}")

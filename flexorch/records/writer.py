@@ -77,17 +77,21 @@ def pipeline_fields(staged) -> dict:
     return {"shape": staged.shape(), "plan": None, "timeline": None, "pipeline": staged.to_dict()}
 
 
-def plan_fields(planned, profile) -> dict:
+def plan_fields(planned, profile, level: float = 1.0) -> dict:
     """``shape``, ``plan``, ``timeline`` (the cost model's schedule: when each group starts and how long it runs) and
     ``pipeline`` (null) of a planned step (``flexorch.solver.step_planner.PlannedStep``), or :func:`pipeline_fields`
-    when it is pipelined; then how it was planned: ``status``, ``predicted_ms``, ``bound_ms``."""
+    when it is pipelined; then how it was planned: ``status``, ``predicted_ms``, ``bound_ms``.
+
+    ``level``: the run's step level when the step was dispatched (``solver.step_level``); every price of the plan
+    (``predicted_ms``, ``bound_ms``, the timeline) is ``profile``'s times ``level``, and ``level`` is recorded."""
     solve = {
         "status": planned.status,
         "skipped": False,
         "reason": None,
-        "predicted_ms": planned.predicted_ms,
+        "predicted_ms": planned.predicted_ms * level,
         "profile_revision": planned.profile_revision,
-        "bound_ms": planned.bound_ms,
+        "level": level,
+        "bound_ms": planned.bound_ms * level,
         "plan_budget_s": planned.budget_s or None,
         "gap": planned.gap,
         "fallback": fallback_field(planned),
@@ -100,7 +104,12 @@ def plan_fields(planned, profile) -> dict:
         "shape": plan.shape(),
         "plan": plan.to_dict(),
         "timeline": [
-            {"micro_batch": g.micro_batch, "group": g.group, "start_ms": g.start_ms, "time_ms": g.time_ms}
+            {
+                "micro_batch": g.micro_batch,
+                "group": g.group,
+                "start_ms": g.start_ms * level,
+                "time_ms": g.time_ms * level,
+            }
             for g in group_timings(plan, profile)
         ],
         "pipeline": None,
@@ -185,11 +194,14 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
     }
 
 
-def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float, dispatch_ms: float) -> dict:
+def step_record(
+    base: dict, planned, profile, outcomes: list, measured_ms: float, dispatch_ms: float, level: float = 1.0
+) -> dict:
     """The record of a trained step: ``base`` (batch, world, recoveries) plus the plan and every rank's outcome.
 
     ``outcomes[r]`` is rank r's :class:`flexorch.workers.step_exec.StepOutcome`, or None for a rank lost after the
-    update had been applied (the step stands; its ``ranks`` entry is null)."""
+    update had been applied (the step stands; its ``ranks`` entry is null). ``level``: the run's step level the plan
+    is priced at (:func:`plan_fields`; the static layouts' ``baselines_ms`` too)."""
     done = [o for o in outcomes if o is not None]
     tokens = sum(int(s) - 1 for s in base["seq_lengths"])  # every position the step computed a prediction at
     pipelined = planned.pipelined
@@ -199,7 +211,9 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
         "source": "train",
         "tokens": tokens,
         "targets": done[0].num_predicted,
-        **plan_fields(planned, profile),
+        **plan_fields(planned, profile, level),
+        "baselines_ms": _leveled(base.get("baselines_ms"), level),
+        **({"recompute_packing": _leveled(base["recompute_packing"], level)} if "recompute_packing" in base else {}),
         "measured_ms": measured_ms,
         "compute_ms": max(o.compute_end_ms for o in done),
         "sync_ms": max(o.sync_ms for o in done),
@@ -212,6 +226,13 @@ def step_record(base: dict, planned, profile, outcomes: list, measured_ms: float
         "ranks": [_rank_entry(o, n_mb, pipelined) for o in outcomes],
         **({"task_losses": dict(done[0].task_losses)} if getattr(done[0], "task_losses", None) else {}),
     }
+
+
+def _leveled(prices: dict | None, level: float) -> dict | None:
+    """``prices`` (a name -> ms table: ``baselines_ms``, ``recompute_packing``'s ``*_ms``) at the step's level."""
+    if prices is None:
+        return None
+    return {k: v * level if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in prices.items()}
 
 
 def measured_bubble_share(record: dict) -> float | None:

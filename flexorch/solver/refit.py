@@ -40,6 +40,7 @@ from flexorch.solver.calibration import (
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import span_ms
+from flexorch.solver.step_level import LEVEL_STEPS
 
 __all__ = [
     "GroupWindow",
@@ -255,10 +256,6 @@ def _pinned(profile: Profile, degrees) -> Profile:
         a2a_latency_ms={d: profile.latency_ms(d) for d in ds},
         p2p_latency_ms={d: profile.latency_ms(d, ring=True) for d in ds},
     )
-
-
-LEVEL_STEPS = 8
-"""The most recent steps the level of a step's prediction is fitted on (``_leveled``)."""
 
 
 def _times_scaled(profile: Profile, k: float) -> Profile:
