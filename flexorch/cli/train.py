@@ -16,6 +16,7 @@ from contextlib import contextmanager
 import ray
 
 from flexorch.config import TrainConfig
+from flexorch.control.capacity import LOCAL_RAY_ENV
 from flexorch.solver.recompute import describe as describe_recompute
 
 __all__ = ["run_train", "run_profile", "ray_session", "format_step", "format_membership"]
@@ -30,6 +31,7 @@ def ray_session(address: str | None, workers: int):
         if address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, runtime_env=env, log_to_driver=True)
         else:
+            env["env_vars"][LOCAL_RAY_ENV] = "1"  # its own cluster: no autoscaler to ask for capacity
             # "local": a stale /tmp/ray/ray_current_cluster (left by `ray start` or a crashed run) must not make
             # a laptop run join, or fail to join, someone else's cluster
             ray.init(
@@ -431,6 +433,8 @@ def _print_event(ev: dict, cfg: TrainConfig, out) -> None:
         print(format_step(ev, cfg.steps), file=out, flush=True)
     elif kind in ("membership", "waiting", "starting", "drain_seen"):
         print(format_membership(ev), file=out, flush=True)
+    elif kind == "capacity":
+        print(f"membership: {ev['message']}", file=out, flush=True)
     elif kind == "checkpoint":
         print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)
 

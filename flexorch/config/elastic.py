@@ -46,7 +46,16 @@ class ElasticSettings:
     """How many times ``flexorch train`` starts a new driver when the one it started is lost (its process or node
     died): from the run's newest checkpoint, at the exact next batch. 0: a lost driver ends the run."""
 
+    request_capacity: bool | str = "auto"
+    """Ask the cluster's autoscaler for lost workers (``ray.autoscaler.sdk.request_resources``, one worker's
+    resources per worker of the largest world the run has had, up to ``max_workers``), and withdraw the request once
+    they have joined or the run ends (``flexorch.control.capacity``). 'auto': on when the run is on a Ray cluster
+    that ``flexorch train`` did not start for it (``--address``, ``RAY_ADDRESS``, ``ray job submit``); without an
+    autoscaler the request is a key in the GCS that nobody reads."""
+
     def __post_init__(self) -> None:
+        if self.request_capacity not in (True, False, "auto"):
+            raise ConfigError(f"elastic.request_capacity must be true, false or 'auto', got {self.request_capacity!r}")
         for name in ("min_workers", "max_workers"):
             v = getattr(self, name)
             if v is not None and not _positive_int(v):

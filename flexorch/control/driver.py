@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import os
 import time
 from pathlib import Path
 
@@ -29,6 +30,7 @@ import ray
 from flexorch.config import ConfigError, TrainConfig, config_from_dict
 from flexorch.config.sharding import uneven_world_note
 from flexorch.control.calibration import model_state_fields, run_profile
+from flexorch.control.capacity import LOCAL_RAY_ENV, CapacityRequest, ray_request, worker_bundle
 from flexorch.control.checkpoint import RunCheckpoints, load_checkpoint
 from flexorch.control.elastic import Elastic, ElasticError
 from flexorch.control.emergency import save_after_error
@@ -77,6 +79,7 @@ class TrainingDriver:
         planner: PlannerFactory | None = None,
         corpus=None,
         restarted: dict | None = None,
+        capacity_request=None,
     ):
         self.corpus = corpus
         # this driver replaces one that was lost (flexorch.cli.train): its recovery, recorded with the first step
@@ -85,6 +88,9 @@ class TrainingDriver:
         self._given_workers = worker_group
         self._planner_factory = planner or RayPlannerClient
         self.cfg = config if isinstance(config, TrainConfig) else config_from_dict(config)
+        # how lost workers are asked for (control.capacity): Ray's autoscaler SDK on a real cluster, a test's
+        # function with a given worker group, none when [elastic] request_capacity is off
+        self._capacity = _capacity(self.cfg, worker_group, capacity_request)
         self.run_dir = Path(self.cfg.run_dir)
         self.step_no = 0
         self.skipped_batches = 0
@@ -230,6 +236,7 @@ class TrainingDriver:
                 self.checkpoint()  # this node is going: its replacement driver starts from here, nothing re-run
             drained = self.elastic.leave_drained(self.step_no - 1)  # workers on draining nodes leave first
             joined = self.elastic.at_boundary()
+            self._ask_capacity(joined)
         except PartsLostError as e:
             return self._roll_back(e, "admit joining workers", [])
         boundary_ms = (time.perf_counter() - t_start) * 1e3
@@ -335,6 +342,18 @@ class TrainingDriver:
         record["overhead_ms"] = (time.perf_counter() - t_done) * 1e3
         record = self._finish(record, t_start, planned.plan)
         return Transition(Ran.TRAINED, step_no, self.step_no, record, tuple(recoveries[len(carried) :]))
+
+    def _ask_capacity(self, joined: dict | None) -> None:
+        """Ask the autoscaler for the workers the world lacks, or withdraw the request once they are back (a grow
+        record says how long after the request they joined)."""
+        if self._capacity is None:
+            return
+        event = self._capacity.update(self.workers.size)
+        if event is None:
+            return
+        if joined is not None and "waited_s" in event:
+            joined["capacity_wait_s"] = event["waited_s"]
+        self._publish(event)
 
     def _level(self, planned, priced_by: Profile) -> float:
         """The step level of the run's steps before this one (``solver.step_level``) that this SP step's prices are
@@ -595,6 +614,8 @@ class TrainingDriver:
         self._refits.close()
         if getattr(self, "elastic", None) is not None:  # the drain watch's thread
             self.elastic.close()
+        if self._capacity is not None:
+            self._capacity.close()
         if self.trackers is not None:
             self.trackers.close()
         if self.workers is not None:
@@ -607,3 +628,19 @@ class TrainingDriver:
 
 TrainingDriverActor = ray.remote(num_cpus=0, max_concurrency=4)(TrainingDriver)
 """The driver as a Ray actor; ``run`` in one thread while the CLI calls ``poll`` from another."""
+
+
+def _capacity(cfg: TrainConfig, worker_group, request) -> CapacityRequest | None:
+    """The run's :class:`~flexorch.control.capacity.CapacityRequest`, or None when ``[elastic] request_capacity``
+    is off: 'auto' is on for a Ray worker group on a cluster that ``flexorch train`` did not start itself (its own
+    local Ray marks its processes with ``FLEXORCH_LOCAL_RAY``), and wherever a ``request`` is given."""
+    wanted = cfg.elastic.request_capacity
+    if wanted == "auto":
+        wanted = request is not None or (worker_group is None and os.environ.get(LOCAL_RAY_ENV) != "1")
+    if not wanted:
+        return None
+    if request is None:
+        if worker_group is not None:
+            return None  # a given (test) worker group on no cluster: nothing to ask
+        request = ray_request
+    return CapacityRequest(worker_bundle(cfg.use_gpu), cfg.max_workers, request)

@@ -52,7 +52,8 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
 * ``batch_index`` (batch inside the epoch), ``doc_ids`` (corpus ids of the batch, the ledger), ``worker_ids``
   (stable id of each rank: rank i ran on worker ``worker_ids[i]``), ``recoveries`` (membership changes made for
   this step, each with ``what``, ``world_before``, ``world_after``, ``recovery_ms`` and either ``attempt``,
-  ``decisions``, ``lost``, ``reason``, ``step_completed`` after a failure, ``joined`` when workers joined, or
+  ``decisions``, ``lost``, ``reason``, ``step_completed`` after a failure, ``joined`` when workers joined (and
+  ``capacity_wait_s`` when they came on capacity the autoscaler was asked for: seconds from the request), or
   ``rollback: true``, ``from_step``, ``to_step``, ``lost``, ``reason`` when stage-local parameters died with
   every holder and the run went back to its last checkpoint);
 * ``measured_ms`` (dispatch to the last outcome, as the driver saw it: what ``predicted_ms`` predicts, its
