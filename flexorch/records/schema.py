@@ -55,7 +55,14 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   ``decisions``, ``lost``, ``reason``, ``step_completed`` after a failure, ``joined`` when workers joined (and
   ``capacity_wait_s`` when they came on capacity the autoscaler was asked for: seconds from the request), or
   ``rollback: true``, ``from_step``, ``to_step``, ``lost``, ``reason`` when stage-local parameters died with
-  every holder and the run went back to its last checkpoint);
+  every holder and the run went back to its last checkpoint; ``what: "drain"`` when a node holding workers was being
+  drained (a preemption notice, ``ray drain-node``): ``node``, ``node_ip``, ``reason``, ``deadline`` (unix seconds,
+  null: none), ``seen_at`` (unix seconds the driver first saw the drain), ``deadline_left_s``, ``workers`` (its
+  workers), ``after_step``, ``needed_s`` (what a planned leave was expected to take) and either ``left`` (the
+  workers that left at this step's boundary), ``handoff_ms``, ``handoff_bytes`` (what they handed the stayers),
+  ``reform_ms``, ``rerun: false`` and ``fallback: null``, or ``left: []`` and ``fallback`` (why they stayed for the
+  lost-node path); a loss of workers whose node was being drained has ``drain`` (the drain's fields and
+  ``fallback``: why they had not left));
 * ``measured_ms`` (dispatch to the last outcome, as the driver saw it: what ``predicted_ms`` predicts, its
   micro-batches plus the profile's ``step_ms``), ``compute_ms`` (slowest rank, start to end of its micro-batches),
   ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
@@ -289,6 +296,38 @@ def _check_pipeline(rec: dict, where: str) -> None:
         raise RecordError(f"{where}: pipeline.ops must hold one F and one B per unit and stage")
 
 
+_DRAIN_KEYS = ("node", "reason", "deadline", "seen_at", "fallback")
+_LEFT_KEYS = ("handoff_ms", "handoff_bytes", "reform_ms", "recovery_ms")
+
+
+def _check_drains(recoveries: list, where: str) -> None:
+    """A ``drain`` recovery has its drain's fields and either the leave's figures or a ``fallback``; a loss on a
+    draining node has the drain's fields under ``drain``."""
+    for i, r in enumerate(recoveries):
+        here = f"{where}: recoveries[{i}]"
+        if not isinstance(r, dict):
+            raise RecordError(f"{here} must be an object, got {type(r).__name__}")
+        drain = r if r.get("what") == "drain" else r.get("drain")
+        if drain is None:
+            continue
+        missing = [k for k in _DRAIN_KEYS if k not in drain]
+        if missing:
+            raise RecordError(f"{here}: a drain lacks {', '.join(missing)}")
+        for k in ("deadline", "seen_at"):
+            if drain[k] is not None and not isinstance(drain[k], int | float):
+                raise RecordError(f"{here}: drain {k!r} must be null or unix seconds, got {drain[k]!r}")
+        if r.get("what") != "drain":
+            continue
+        if not isinstance(r.get("left"), list) or not isinstance(r.get("workers"), list):
+            raise RecordError(f"{here}: a drain needs 'workers' and 'left' (lists of worker ids)")
+        if r["fallback"] is None:
+            bad = [k for k in _LEFT_KEYS if not isinstance(r.get(k), int | float) or r[k] < 0]
+            if bad or not r["left"]:
+                raise RecordError(f"{here}: a drain its workers left needs 'left' and {', '.join(_LEFT_KEYS)} >= 0")
+        elif not isinstance(r["fallback"], str) or r["left"]:
+            raise RecordError(f"{here}: a drain's 'fallback' says why its workers stayed ('left' empty)")
+
+
 def validate_record(rec, where: str = "record") -> dict:
     """Check ``rec`` against ``flexorch.step/4``; return it, or raise :class:`RecordError` saying what is wrong."""
     if not isinstance(rec, dict):
@@ -316,6 +355,7 @@ def validate_record(rec, where: str = "record") -> dict:
             raise RecordError(
                 f"{where}: worker_ids has {len(rec['worker_ids'])} ids for world_size {rec['world_size']}"
             )
+        _check_drains(rec["recoveries"], where)
     if rec["skipped"]:
         if rec["plan"] is not None:
             raise RecordError(f"{where}: a skipped step has no plan, but 'plan' is set")
