@@ -1,0 +1,130 @@
+"""A node drained with ``ray drain-node`` on a real multi-node Ray (``ray.cluster_utils.Cluster``: a raylet per node
+on this machine) leaves the run at the next step boundary, nothing re-run or rolled back.
+
+The head holds two workers (the driver runs in this process, on the head) and a worker node the other two. After two
+steps the node is drained for preemption with a 60 s deadline by Ray's own CLI, the command autoscalers and KubeRay
+send the same request as. The test pins the private GCS call flexorch reads draining nodes with
+(``flexorch.control.drains.draining_nodes``: the node, its deadline, its IP), that the driver sees the drain within a
+second while idle between steps, that the next step's record has the ``drain`` recovery (workers 2 and 3 left, no
+re-run, no roll-back, no worker started on the draining node's freed slots), and that losses and parameters equal
+the single-process reference, under ``fsdp`` and ``hsdp`` 2x2: the leaving workers' shards are handed to the stayers
+and re-sharded in memory (Ray places the workers so that the node holds ranks of one shard index, so under hsdp too
+the stayers lack a shard without the handoff: a lost node would have sent either run back to its checkpoint). The
+planned leave of replicas (nothing to hand off) is the same path with an empty handoff, stepped without Ray in
+``tests/test_drains.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from flexorch.config import CorpusConfig
+from flexorch.config.sharding import ShardingSettings
+from flexorch.control.driver import TrainingDriver
+from tests.train_helpers import check_against_reference, cpu_profile, train_config, write_corpus
+
+pytestmark = pytest.mark.slow
+
+DEADLINE_S = 60
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from flexorch.data.corpus import load_corpus
+    from tests.ray_env import release_if_held
+
+    release_if_held()
+    if ray.is_initialized():
+        ray.shutdown()  # the suite's shared local Ray: this module needs a cluster of its own
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+    ray.init(address=c.address, logging_level="ERROR")
+    root = tmp_path_factory.mktemp("drain")
+    corpus_dir = write_corpus(root / "corpus")
+    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
+    yield c, corpus_dir, cpu_profile(root / "profile.json"), corpus, root
+    ray.shutdown()
+    c.shutdown()
+
+
+def _drain_node(address: str, node_id: str, deadline_s: int) -> None:
+    """``ray drain-node`` for preemption, as a user (or an autoscaler, through the same GCS call) sends it."""
+    ray_cli = Path(sys.executable).with_name("ray")
+    subprocess.run(
+        [str(ray_cli), "drain-node", "--address", address, "--node-id", node_id, "--reason",
+         "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption notice", "--deadline-remaining-seconds",
+         str(deadline_s)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "hsdp"])
+def test_a_drained_node_leaves_at_the_next_boundary_and_the_run_matches_the_reference(cluster, mode):
+    from flexorch.cli.train import format_membership
+    from flexorch.control.drains import draining_nodes
+
+    c, corpus_dir, profile, corpus, root = cluster
+    for gone in [n for n in c.list_all_nodes() if n is not c.head_node]:  # the last case's, drained: it ended itself
+        c.remove_node(gone, allow_graceful=False)
+    node = c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    shard = {"shard_size": 2} if mode == "hsdp" else {}
+    cfg = train_config(
+        corpus_dir, root / mode, profile, steps=5, sharding=ShardingSettings(mode=mode, **shard),
+        elastic={"min_workers": 2}, plan={"tokens_per_worker": 128},
+    )  # fmt: skip
+    driver = TrainingDriver(cfg, corpus=corpus)
+    records, walls = [], []
+    try:
+        driver.setup()
+        nodes = dict(zip(driver.workers.worker_ids, (i["node_id"] for i in driver.workers.call("info")), strict=True))
+        on_node = sorted(w for w, n in nodes.items() if n == node.node_id)
+        assert len(on_node) == 2, nodes
+        for _ in range(2):
+            t0 = time.perf_counter()
+            records.append(driver.step().record)
+            walls.append(time.perf_counter() - t0)
+        since = len(driver.events.poll(0)[0])
+        _drain_node(c.address, node.node_id, DEADLINE_S)
+        asked = time.time()
+        (drain,) = [d for d in draining_nodes() if d.node_id == node.node_id]
+        assert DEADLINE_S - 5 < drain.left_s() <= DEADLINE_S and drain.ip
+        seen = []
+        while not seen and time.time() - asked < 5:
+            time.sleep(0.05)
+            seen = [e for e in driver.events.poll(since)[0] if e["event"] == "drain_seen"]
+        assert seen and seen[0]["workers"] == on_node, "the drain watch saw the node holding workers drain"
+        assert seen[0]["reason"] == "preemption", "a busy node accepts a preemption drain only"
+        assert seen[0]["seen_at"] - asked < 1.5, "seen within a second (it polls every 0.5 s)"
+        while len(records) < cfg.steps:
+            t0 = time.perf_counter()
+            t = driver.step()
+            walls.append(time.perf_counter() - t0)
+            records.append(t.record)
+        assert not driver.workers.joining, "nothing was started on the draining node's freed slots"
+        replicas = driver.replica_parameters()
+    finally:
+        driver.shutdown()
+    rec = records[2]["recoveries"][0]
+    assert rec["what"] == "drain" and rec["left"] == on_node and rec["fallback"] is None, rec
+    assert rec["after_step"] == 1 and rec["deadline"] == pytest.approx(asked + DEADLINE_S, abs=5)
+    assert (mode != "replicate") == (rec["handoff_bytes"] > 0), "shards are handed over, replicas hand nothing"
+    assert [r["world_size"] for r in records] == [4, 4, 2, 2, 2]
+    assert [len(r["recoveries"]) for r in records] == [0, 0, 1, 0, 0], "no loss, no re-run, no roll-back"
+    assert [r["step"] for r in records] == list(range(5))
+    line = format_membership({"event": "membership", **rec})
+    print(f"\n{mode}: {line}")
+    after = records[2]
+    print(f"{mode}: step walls {[round(w, 2) for w in walls]} s; drain {rec['recovery_ms']:.0f} ms "
+          f"(handoff {rec['handoff_ms']:.0f} ms, re-form {rec['reform_ms']:.0f} ms); the step after: boundary "
+          f"{after['boundary_ms']:.0f} ms, plan wait {after['plan_wait_ms']:.0f} ms, measured "
+          f"{after['measured_ms']:.0f} ms")  # fmt: skip
+    print(f"{mode}: measured ms by step {[round(r['measured_ms']) for r in records]}")
+    check_against_reference(cfg, corpus, records, replicas)
