@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--fault", action="append", choices=["killed process", "killed node", "frozen worker", "frozen node",
-        "lost driver", "frozen node, Ray hc"], help="with --faults: only these (repeatable)",
+        "lost driver", "drained node", "frozen node, Ray hc"], help="with --faults: only these (repeatable)",
     )  # fmt: skip
     ap.add_argument(
         "--ray-health-check",

@@ -11,6 +11,10 @@ Faults, each hitting the run half-way through a step, under replicated, fsdp and
   where Ray's notice of the node's death comes before the heartbeat's timeout.
 - ``lost driver``: SIGKILL of the TrainingDriver actor's process under ``flexorch train`` (``run_train``): a new
   driver resumes from the last checkpoint (one is written every step here) and trains the lost step again.
+- ``drained node``: ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds 60`` of the
+  node (a preemption notice) half-way through a step: its worker leaves at the next step boundary, handing off its
+  shards under fsdp and hsdp. Nothing is lost or re-run: "total" is what the planned leave cost at that boundary
+  (handoff and re-form), "detect" the time from the drain accepted to the driver seeing it.
 
 Each row reads the phases from the step record (detect from the lost member's last heartbeat or the driver's last
 answer, re-form or new driver, re-run) and checks the ledger (the trained documents are the stream's, none lost or
@@ -253,6 +257,8 @@ def run_faults(args, base: TrainConfig, corpus, profile: str, step_s: float, clu
             check_ledger(res.pop("records"), corpus.num_docs, cfg)
             rows.append((fault, mode, res))
             _say(fault, mode, res)
+    if not only or "drained node" in only:
+        rows += run_drains(args, base, corpus, profile, step_s, nodes, check_ledger)
     if not only or "lost driver" in only:
         for mode, sharding in MODES.items():
             cfg = _trial_config(base, args.out / f"lost-driver-{mode}", profile, sharding)
@@ -285,6 +291,85 @@ def run_frozen_node_lowered(args, base, corpus, profile, step_s, cluster, small_
     return rows
 
 
+def trial_drain(cfg: TrainConfig, corpus, nodes: ClusterNodes, warm: int, step_s: float, deadline_s: int = 60) -> dict:
+    """``ray drain-node`` (preemption, ``deadline_s``) of the small node half-way through step ``warm + 1``; the
+    next step's boundary takes its worker out. The drain record's phases and the steps' times around it."""
+    driver = TrainingDriver(cfg, corpus=corpus)
+    driver.setup()
+    try:
+        records = [driver.step().record for _ in range(warm)]
+        out: dict = {}
+
+        def run():
+            try:
+                out["record"] = driver.step().record
+            except BaseException as e:  # noqa: BLE001 - reported to the caller
+                out["error"] = e
+
+        th = threading.Thread(target=run)
+        th.start()
+        time.sleep(step_s / 2)
+        # the GCS call `ray drain-node` makes (its CLI takes a second to start): "detect" counts from its answer
+        from ray.core.generated import autoscaler_pb2
+
+        gcs = ray._raylet.GcsClient(address=nodes.cluster.address)
+        reason = autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION")
+        deadline_ms = int(time.time() * 1e3) + deadline_s * 1000
+        accepted, why = gcs.drain_node(nodes.node.node_id, reason, "benchmark", deadline_ms)
+        if not accepted:
+            raise RuntimeError(f"the drain was not accepted: {why}")
+        accepted = time.time()
+        th.join()
+        if "error" in out:
+            raise out["error"]
+        records.append(out["record"])
+        t0 = time.perf_counter()
+        t = driver.step()  # its boundary: the drained node's worker leaves
+        wall = time.perf_counter() - t0
+        records.append(t.record)
+        records.append(driver.step().record)  # a step of the smaller world, for comparison
+        drain = next(r for r in t.record["recoveries"] if r.get("what") == "drain")
+        return {
+            "recovery_s": drain["recovery_ms"] / 1e3,
+            "detected_by": "drain",
+            "detect_s": max(0.0, drain["seen_at"] - accepted),
+            "reform_s": drain["reform_ms"] / 1e3,
+            "rerun_s": 0.0,
+            "rolled_back": any(r.get("rollback") for r in t.record["recoveries"]),
+            "handoff_s": drain["handoff_ms"] / 1e3,
+            "handoff_mb": drain["handoff_bytes"] / 1e6,
+            "step_after_s": wall,
+            "next_step_s": records[-1]["measured_ms"] / 1e3 + records[-1].get("boundary_ms", 0.0) / 1e3,
+            "after_parts_s": [t.record[k] / 1e3 for k in ("boundary_ms", "plan_wait_ms", "measured_ms")],
+            "fallback": drain["fallback"],
+            "records": records,
+        }
+    finally:
+        driver.shutdown()
+
+
+def run_drains(args, base: TrainConfig, corpus, profile: str, step_s: float, nodes: ClusterNodes, check_ledger) -> list:
+    """The drained node under each sharding mode (a fresh small node after each)."""
+    rows = []
+    for mode, sharding in MODES.items():
+        cfg = _trial_config(base, args.out / f"drained-node-{mode}", profile, sharding)
+        try:
+            res = trial_drain(cfg, corpus, nodes, args.warm, step_s)
+        finally:
+            nodes.replace()
+        check_ledger(res.pop("records"), corpus.num_docs, cfg)
+        rows.append(("drained node", mode, res))
+        _say("drained node", mode, res)
+        print(
+            f"    handoff {res['handoff_s']:.2f} s ({res['handoff_mb']:.1f} MB), re-form {res['reform_s']:.2f} s; the "
+            f"step after the drain {res['step_after_s']:.2f} s (boundary {res['after_parts_s'][0]:.2f} s, plan wait "
+            f"{res['after_parts_s'][1]:.2f} s, measured {res['after_parts_s'][2]:.2f} s), the next "
+            f"{res['next_step_s']:.2f} s; fallback: {res['fallback']}",
+            flush=True,
+        )
+    return rows
+
+
 def _trial_config(base: TrainConfig, run_dir: Path, profile: str, sharding: dict) -> TrainConfig:
     return dataclasses.replace(
         base,
@@ -296,7 +381,8 @@ def _trial_config(base: TrainConfig, run_dir: Path, profile: str, sharding: dict
 
 
 def _say(fault: str, mode: str, res: dict) -> None:
-    print(f"  {fault:<19s} {mode:<9s} fault -> next completed step {res['recovery_s']:6.2f} s", flush=True)
+    what = "planned leave at the next step boundary" if fault == "drained node" else "fault -> next completed step"
+    print(f"  {fault:<19s} {mode:<9s} {what} {res['recovery_s']:6.2f} s", flush=True)
 
 
 def print_table(rows: list, step_s: float, health_ms: tuple[int, int] | None, out_dir: Path) -> None:
