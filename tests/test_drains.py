@@ -74,6 +74,8 @@ def test_the_watch_stamps_each_drain_once_and_hands_out_only_those_of_members_no
     assert [(d.node_id, on) for d, on in taken] == [("a", [0, 1]), ("b", [2, 3])], "soonest deadline first"
     assert taken[1][0].seen_at == ev["seen_at"], "the time it was first seen"
     assert watch.take(members) == [] and len(events) == 2
+    members[4] = "b"  # a worker that joined on node b after its drain was handed out
+    assert [(d.node_id, on) for d, on in watch.take(members)] == [("b", [4])]
     assert watch.draining("c").deadline is None and watch.draining("c").reason == "unknown"
     assert watch.draining("z") is None
     own = []

@@ -97,7 +97,8 @@ class DrainWatch:
 
     ``source``: () -> [NodeDrain] (the worker group's ``draining_nodes``); ``members``: () -> {worker id: node id}
     of the run's workers; ``publish`` gets ``{"event": "drain_seen", ...}`` once per drain on a member's node, the
-    moment it is first seen. A drain is handed out once (:meth:`take`)."""
+    moment it is first seen. Each member on a draining node is handed out once (:meth:`take`): a worker that joined
+    on a node after its drain was handed out comes with the next take."""
 
     def __init__(
         self,
@@ -114,7 +115,7 @@ class DrainWatch:
         """The drain of :attr:`own_node`, once seen."""
         self.interval_s = interval_s
         self._seen: dict[str, NodeDrain] = {}  # node id -> the drain as first seen
-        self._taken: set[str] = set()
+        self._taken: set[tuple[str, int]] = set()  # (node, worker) pairs handed out
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -157,15 +158,15 @@ class DrainWatch:
         return seen
 
     def take(self, members: Mapping[int, str]) -> list[tuple[NodeDrain, list[int]]]:
-        """Drains of nodes holding some of ``members`` ({worker id: node id}) not handed out before, soonest
-        deadline first, each with the members on it; polls first."""
+        """Drains of nodes holding some of ``members`` ({worker id: node id}), soonest deadline first, each with its
+        members not handed out before; polls first."""
         self.poll()
         out = []
         with self._lock:
             for node, drain in self._seen.items():
-                on = sorted(w for w, n in members.items() if n == node)
-                if on and node not in self._taken:
-                    self._taken.add(node)
+                on = sorted(w for w, n in members.items() if n == node and (node, w) not in self._taken)
+                if on:
+                    self._taken |= {(node, w) for w in on}
                     out.append((drain, on))
         return sorted(out, key=lambda d: (d[0].deadline is None, d[0].deadline or 0.0))
 
