@@ -257,3 +257,26 @@ def test_the_schema_checks_drain_recoveries(tmp_path, profile, corpus):
     lost = {"what": "run step 3", "lost": [2], "drain": {k: drain[k] for k in ("node", "reason", "deadline")}}
     with pytest.raises(RecordError, match="a drain lacks seen_at, fallback"):
         validate_record({**stored, "recoveries": [lost]})
+
+
+def test_a_drained_node_lost_before_it_left_rolls_back_and_the_roll_back_says_so(tmp_path, profile, corpus):
+    # stage-local parameters, node-1 holds all of stage 1 and its deadline is too near for a handoff: when it goes
+    # mid-step the run rolls back to its checkpoint (today's path), and the roll-back's record names the drain
+    cfg = _cfg(tmp_path, profile, steps=4, checkpoint_every=1, pipeline={"stages": 2})
+    batches = _batches(cfg, 4)
+    driver, group = fake_driver(cfg, corpus, slots=6)
+    try:
+        _drain_after(driver, group, 2, "node-1", 1.0)
+        group.inject(Fault(2, "step", 2), Fault(3, "step", 2))
+        t = driver.step()
+        assert t.ran is Ran.ROLLED_BACK and [r["what"] for r in t.recoveries] == ["drain", "run step 2"]
+        assert t.recoveries[0]["fallback"] and t.recoveries[-1]["rollback"]
+        assert t.recoveries[-1]["drain"]["fallback"] == "the node went before its workers left at a step boundary"
+        line = format_membership({"event": "membership", **t.recoveries[-1]})
+        assert "back to the checkpoint of step 2" in line and "node 10.0.0.7 was draining" in line, line
+        while not driver.finished:
+            driver.step()
+        _check_params(driver, corpus, cfg, batches)
+    finally:
+        driver.shutdown()
+    assert [r["step"] for r in read_records(cfg.run_dir + "/steps.jsonl", validate=True)] == [0, 1, 2, 3]

@@ -237,8 +237,8 @@ class TrainingDriver:
             drained = self.elastic.leave_drained(self.step_no - 1)  # workers on draining nodes leave first
             joined = self.elastic.at_boundary()
             self._ask_capacity(joined)
-        except PartsLostError as e:
-            return self._roll_back(e, "admit joining workers", [])
+        except PartsLostError as e:  # while admitting workers, or a drained node's leave that missed a shard
+            return self._roll_back(e, getattr(e, "what", "admit joining workers"), [])
         boundary_ms = (time.perf_counter() - t_start) * 1e3
         batch = self.stream.peek()  # taken (next_batch) only once the step is done or skipped
         task_epochs = self.stream.epochs() if self.cfg.tasks else None  # [[tasks]]: each task's own epoch
@@ -471,6 +471,8 @@ class TrainingDriver:
         world = list(self.workers.worker_ids)
         rec = dict(what=what, rollback=True, lost=sorted(err.lost_workers), reason=str(err), from_step=from_step)
         rec.update(to_step=self.step_no, world_before=world, world_after=world)
+        if getattr(err, "drain", None):  # the lost workers' node was being drained (control.elastic)
+            rec["drain"] = err.drain
         rec["recovery_ms"] = (time.perf_counter() - t0) * 1e3
         self._rolled_back.append(rec)
         self._publish({"event": "membership", **rec})

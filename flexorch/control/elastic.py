@@ -130,15 +130,21 @@ class Elastic:
             return self.recover(failure, 0, f"hand off before node {drain.name} goes", drain_fallback=why)
         t1 = time.perf_counter()
         w.remove(decision.leaving)
+        what = f"leave draining node {drain.name}"
         try:
             w.form_world()
         except MembershipFailure as e:  # a stayer failed while the smaller world formed: the usual recovery
             out = self.recover(dataclasses.replace(e.failure, completed=frozenset()), 0, "re-form after a drain")
             out["drain"] = drain.fields()
             return out
+        except PartsLostError as e:  # the handoff missed a shard: the driver rolls back, and says why
+            e.drain, e.what = {**drain.fields(), "fallback": "the handoff left a shard behind"}, what
+            raise
         missing = w.missing_parts()  # the handoff gave the stayers every part; were any left behind, roll back
         if missing:
-            raise PartsLostError(missing, list(decision.leaving))
+            err = PartsLostError(missing, list(decision.leaving))
+            err.drain, err.what = {**drain.fields(), "fallback": "the handoff left a part behind"}, what
+            raise err
         t2 = time.perf_counter()
         self.reform_s = t2 - t1
         rec.update(moved, left=list(decision.leaving), world_after=list(w.worker_ids), fallback=None)
@@ -197,12 +203,17 @@ class Elastic:
                 failure = e.failure
                 attempt += 1
                 continue
+            except PartsLostError as e:  # the roll-back's record says the lost were on a draining node
+                e.drain = drained
+                raise
             restored = getattr(w, "restored", None)  # sharded state: the version the new world re-sharded
             if ahead and restored is not None and restored["version"] != restored["newest"]:
                 ahead = set()  # the update survived only on workers that lost shards: the step runs again
             missing = w.missing_parts()  # stage-local parameters: some part's every holder may be gone
             if missing:
-                raise PartsLostError(missing, sorted(lost_all))
+                err = PartsLostError(missing, sorted(lost_all))
+                err.drain = drained
+                raise err
             rec = {
                 "what": what,
                 "attempt": attempt,
