@@ -478,6 +478,46 @@ def test_recoveries_show_their_phases_in_the_table_and_the_summary(browser, tmp_
         server.stop()
 
 
+DRAIN = {
+    "what": "drain", "node": "5c7949ce34674f2c", "node_ip": "10.0.0.7", "reason": "preemption",
+    "deadline": 1795838176.3, "seen_at": 1795838116.9, "deadline_left_s": 44.6, "workers": [1, 3], "after_step": 1,
+    "needed_s": 5.0, "world_before": [0, 1, 2, 3], "world_after": [0, 2], "left": [1, 3], "handoff_ms": 31.0,
+    "handoff_bytes": 700000, "reform_ms": 160.0, "recovery_ms": 191.0, "rerun": False, "fallback": None,
+}  # fmt: skip
+"""A drain's planned leave, as ``control.elastic`` records it (the figures of a run of tests/test_drain_cluster.py)."""
+
+
+def test_a_drained_node_s_planned_leave_shows_in_the_table_and_the_summary(browser, tmp_path):
+    """The drain in the CLI's words: the node, its reason and deadline, who left after which step, in what time."""
+    from flexorch.cli.train import format_membership
+
+    records = [json.loads(line) for line in (RECORDED / "steps.jsonl").read_text().splitlines()]
+    records[2]["recoveries"] = [DRAIN]
+    (tmp_path / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, f"return document.querySelectorAll('#step-table tbody tr').length === {len(records)}")
+        cells = browser.execute_script(
+            "return [...document.querySelectorAll('#step-table tbody tr')].map(r => r.cells[12].innerText)"
+        )
+        who = "node 10.0.0.7 draining (preemption, 45 s): workers 1, 3 left after step 1"
+        assert cells[2] == f"drain: {who}, planned leave, world 4 -> 2, nothing re-run; left in 0.2 s: handoff " \
+            "0.0 s, re-form 0.2 s", cells[2]  # fmt: skip
+        assert format_membership({"event": "membership", **DRAIN}).startswith(
+            "membership: node 10.0.0.7 draining (preemption, 45 s): workers [1, 3] left after step 1 in 0.2 s"
+        ), "the page and the CLI say the same"
+        _wait(browser, "return document.getElementById('recoveries').offsetParent !== null")
+        rows = browser.execute_script(
+            "return [...document.querySelectorAll('#recovery-table tbody tr')]"
+            ".map(r => [...r.cells].map(c => c.textContent))"
+        )
+        assert rows == [[str(records[2]["step"]), "drain", who, "world 4 -> 2", "planned leave, nothing re-run; "
+                         "preemption", "left in 0.2 s: handoff 0.0 s, re-form 0.2 s"]]  # fmt: skip
+    finally:
+        server.stop()
+
+
 def test_a_run_without_recoveries_hides_the_summary(browser):
     server = ViewerServer(RECORDED, port=0, poll_s=0.5).start()
     try:
