@@ -5,6 +5,7 @@ fake worker group (a worker's node dies, a replacement node comes), and Ray's ow
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +116,28 @@ def test_ray_s_request_resources_is_what_an_autoscaler_reads_and_an_empty_one_cl
     assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == [{"CPU": 1.0}] * 3
     ray_request([])
     assert json.loads(_internal_kv_get(AUTOSCALER_RESOURCE_REQUEST_CHANNEL)) == []
+
+
+@pytest.mark.slow
+def test_a_run_on_an_autoscaled_cluster_scaled_to_zero_asks_for_its_workers_and_withdraws(tmp_path):
+    # Ray's own autoscaler (v1 monitor, the fake multi-node provider: nodes are raylets on this machine), a head with
+    # no CPU and no worker node: without the request the run could not start ("0 CPU slots"), or started with the
+    # one worker a node launched for the corpus's Ray task holds; with it two nodes come, the workers start there,
+    # the request is withdrawn at the first step boundary, and the losses and parameters equal the single-process
+    # reference. In a process of its own, with Ray's token authentication off as on that cluster: the suite's
+    # shared Ray exports RAY_AUTH_MODE=token to this process, and a driver in token mode on a cluster without it
+    # gets its actors "cancelled before it started running".
+    import subprocess
+    import sys
+
+    out = tmp_path / "summary.json"
+    subprocess.run(
+        [sys.executable, "-m", "tests.capacity_scenario", str(tmp_path), str(out)],
+        check=True, timeout=300, cwd=Path(__file__).parents[1],
+    )  # fmt: skip
+    summary = json.loads(out.read_text())
+    assert summary["world_sizes"] == [2, 2, 2] and summary["workers_on_new_nodes"] == 2, summary
+    assert summary["requests"] == [2, 0], summary  # asked before the workers started, withdrawn once whole
+    assert "of the 2 workers' slots: asked its autoscaler for them (CPU 1 each)" in summary["messages"][0]
+    assert summary["standing_request_after_first_step"] == []
+    assert summary["reference_checked"]

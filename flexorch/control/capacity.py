@@ -61,6 +61,32 @@ class CapacityRequest:
         self.since: float | None = None
         """When the standing request was made (``clock``)."""
 
+    def await_start(
+        self, workers: int, timeout_s: float, slots: Callable[[], float], publish=None, poll_s: float = 0.5
+    ) -> None:
+        """Before the workers start: when the cluster has fewer than ``workers`` slots (``slots()``: its total, e.g.
+        an autoscaled cluster scaled to zero), ask for them, say so (``publish``) and wait up to ``timeout_s`` for
+        them to appear. The request stands until the world is whole (:meth:`update`); a cluster still short after
+        ``timeout_s`` is the worker group's to judge (it fails below ``min_workers``, starts smaller otherwise)."""
+        self.wanted = min(self.max_workers, max(self.wanted, workers))
+        have = slots()
+        if have >= self.wanted:
+            return
+        self._request([dict(self.bundle) for _ in range(self.wanted)])
+        self.requested, self.since = self.wanted, self._clock()
+        if publish is not None:
+            publish({
+                "event": "capacity", "requested": self.wanted, "missing": self.wanted - int(have),
+                "message": f"the cluster has {have:g} of the {self.wanted} workers' slots: asked its autoscaler for "
+                f"them ({self._shape()} each), waiting up to {timeout_s:g} s",
+            })  # fmt: skip
+        deadline = self._clock() + timeout_s
+        while slots() < self.wanted and self._clock() < deadline:
+            time.sleep(poll_s)
+
+    def _shape(self) -> str:
+        return ", ".join(f"{k} {v:g}" for k, v in sorted(self.bundle.items()))
+
     def update(self, size: int) -> dict | None:
         """At a step boundary, with ``size`` workers in the world: ask for the missing ones, or withdraw the request
         once they are back. Returns an event (``{"event": "capacity", ...}`` with a one-line ``message``) when it
@@ -70,13 +96,12 @@ class CapacityRequest:
         if missing > 0 and self.requested != self.wanted:
             self._request([dict(self.bundle) for _ in range(self.wanted)])
             self.requested, self.since = self.wanted, self._clock()
-            shape = ", ".join(f"{k} {v:g}" for k, v in sorted(self.bundle.items()))
             return {
                 "event": "capacity",
                 "requested": self.wanted,
                 "missing": missing,
                 "message": f"asked the cluster's autoscaler for {missing} worker(s) to get back to {self.wanted} "
-                f"({shape} each)",
+                f"({self._shape()} each)",
             }
         if missing <= 0 and self.requested:
             waited = self._clock() - (self.since or self._clock())

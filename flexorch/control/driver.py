@@ -146,6 +146,10 @@ class TrainingDriver:
         resumed = self.checkpoints.resume() if cfg.resume else None  # checked before any worker starts
         for message in self.checkpoints.skipped:  # newer damaged or partial checkpoints the resume passed over
             self._publish({"event": "checkpoint_skipped", "message": message})
+        if self._capacity is not None and self._given_workers is None:  # an autoscaled cluster may start empty
+            key = "GPU" if cfg.use_gpu else "CPU"
+            slots = lambda: ray.cluster_resources().get(key, 0)  # noqa: E731
+            self._capacity.await_start(cfg.workers, cfg.elastic.wait_s, slots, self._publish)
         self.workers = self._given_workers or RayWorkerGroup.from_config(cfg, publish=self._publish)
         policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
         mode, shard = cfg.sharding_mode, cfg.sharding.shard_size
