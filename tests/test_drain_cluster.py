@@ -2,17 +2,17 @@
 on this machine) leaves the run at the next step boundary, nothing re-run or rolled back.
 
 The head holds two workers (the driver runs in this process, on the head) and a worker node the other two. After two
-steps the node is drained for preemption with a 60 s deadline by Ray's own CLI, the command autoscalers and KubeRay
-send the same request as. The test pins the private GCS call flexorch reads draining nodes with
+steps the node is drained for preemption with a 60 s deadline by Ray's own CLI (autoscalers and KubeRay send the
+same request). The test pins the private GCS call flexorch reads draining nodes with
 (``flexorch.control.drains.draining_nodes``: the node, its deadline, its IP), that the driver sees the drain within a
-second while idle between steps, that the next step's record has the ``drain`` recovery (workers 2 and 3 left, no
-re-run, no roll-back, no worker started on the draining node's freed slots), and that losses and parameters equal
-the single-process reference, under ``fsdp``, ``hsdp`` 2x2 and 2 pipeline stages with fsdp within each: the leaving
-workers' shards are handed to the stayers and re-sharded in memory (Ray places the workers so that the node holds
-ranks of one shard index, so under hsdp too the stayers lack a shard without the handoff: a lost node would have
-sent each run back to its checkpoint; without the handoff this test fails so). The planned leave of replicas
-(nothing to hand off) and of stage-local pipeline parameters is the same path, stepped without Ray in
-``tests/test_drains.py``. About 20 s a case here.
+second while idle between steps, that the next step's record has the ``drain`` recovery (the node's two workers
+left, no re-run, no roll-back, no worker started on the draining node's freed slots), and that losses and parameters
+equal the single-process reference, under ``fsdp``, ``hsdp`` 2x2 and 2 pipeline stages with fsdp within each: the
+leaving workers' shards are handed to the stayers and re-sharded in memory. In the runs here Ray put workers 1 and 3,
+or 0 and 2, on the node: ranks of one shard index, so under hsdp too the stayers lacked a shard without the handoff,
+and a lost node would have sent each run back to its checkpoint (with the handoff stubbed out the fsdp case fails
+so). The planned leave of replicas (nothing to hand off) and of stage-local pipeline parameters is the same path,
+stepped without Ray in ``tests/test_drains.py``. About 20 s a case here.
 """
 
 from __future__ import annotations
