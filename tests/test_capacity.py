@@ -11,8 +11,11 @@ import pytest
 
 from flexorch.config import ConfigError, ElasticSettings
 from flexorch.control.capacity import CapacityRequest, worker_bundle
+from tests import test_driver_transitions as transitions
 from tests.fake_cluster import FakeWorkerGroup, Fault
-from tests.test_driver_transitions import _batches, _cfg, _check_params, corpus, profile  # noqa: F401 - pytest fixtures
+from tests.test_driver_transitions import _batches, _cfg, _check_params
+
+corpus, profile = transitions.corpus, transitions.profile  # the fake group's corpus and profile fixtures
 
 
 class _Clock:
@@ -57,7 +60,7 @@ def test_request_capacity_takes_true_false_or_auto():
         ElasticSettings(request_capacity="yes")
 
 
-def test_the_driver_asks_for_a_lost_worker_and_withdraws_when_its_replacement_joined(tmp_path, profile, corpus):  # noqa: F811 - fixtures
+def test_the_driver_asks_for_a_lost_worker_and_withdraws_when_its_replacement_joined(tmp_path, profile, corpus):
     from flexorch.control.driver import TrainingDriver
     from flexorch.control.planner_client import LocalPlannerClient
 

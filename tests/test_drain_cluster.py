@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from flexorch.config import CorpusConfig, ModelConfig
+from flexorch.config import ModelConfig
 from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
-from tests.train_helpers import check_against_reference, cpu_profile, train_config, write_corpus
+from tests.train_helpers import check_against_reference, own_cluster, train_config
 
 pytestmark = pytest.mark.slow
 
@@ -36,23 +36,7 @@ DEADLINE_S = 60
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from flexorch.data.corpus import load_corpus
-    from tests.ray_env import release_if_held
-
-    release_if_held()
-    if ray.is_initialized():
-        ray.shutdown()  # the suite's shared local Ray: this module needs a cluster of its own
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    ray.init(address=c.address, logging_level="ERROR")
-    root = tmp_path_factory.mktemp("drain")
-    corpus_dir = write_corpus(root / "corpus")
-    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
-    yield c, corpus_dir, cpu_profile(root / "profile.json"), corpus, root
-    ray.shutdown()
-    c.shutdown()
+    yield from own_cluster(tmp_path_factory, "drain", head_cpus=2)
 
 
 def _drain_node(address: str, node_id: str, deadline_s: int) -> None:

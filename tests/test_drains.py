@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 
 from flexorch.cli.train import format_membership
@@ -21,21 +20,11 @@ from flexorch.control.membership import ElasticPolicy, Leave, Stay
 from flexorch.control.transitions import Ran
 from flexorch.records.writer import read_records
 from flexorch.tasks.placement import ALL, handoff_needs, model_parts
-from tests.fake_cluster import Fault, fake_driver, memory_corpus
-from tests.test_driver_transitions import LENGTHS, STATIC, _batches, _cfg, _check_params
+from tests import test_driver_transitions as transitions
+from tests.fake_cluster import Fault, fake_driver
+from tests.test_driver_transitions import STATIC, _batches, _cfg, _check_params
 
-
-@pytest.fixture(scope="module")
-def corpus():
-    rng = np.random.default_rng(0)
-    return memory_corpus([rng.integers(1, 257, n) for n in LENGTHS], vocab_size=257)
-
-
-@pytest.fixture(scope="module")
-def profile(tmp_path_factory):
-    from tests.train_helpers import cpu_profile
-
-    return cpu_profile(tmp_path_factory.mktemp("profile") / "profile.json")
+corpus, profile = transitions.corpus, transitions.profile  # the fake group's corpus and profile fixtures
 
 
 # ---------------------------------------------------------------- the policy, the watch, the handoff's moves

@@ -22,7 +22,7 @@ import pytest
 from flexorch.config import CorpusConfig, ModelConfig
 from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
-from tests.train_helpers import check_against_reference, cpu_profile, train_config, write_corpus
+from tests.train_helpers import check_against_reference, own_cluster, train_config
 
 pytestmark = pytest.mark.slow
 
@@ -35,23 +35,7 @@ test after, on 2026-11-26)."""
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from flexorch.data.corpus import load_corpus
-    from tests.ray_env import release_if_held
-
-    release_if_held()
-    if ray.is_initialized():
-        ray.shutdown()  # the suite's shared local Ray: this module needs a cluster of its own
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    ray.init(address=c.address, logging_level="ERROR")
-    root = tmp_path_factory.mktemp("grow-back")
-    corpus_dir = write_corpus(root / "corpus")
-    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
-    yield c, corpus_dir, cpu_profile(root / "profile.json"), corpus, root
-    ray.shutdown()
-    c.shutdown()
+    yield from own_cluster(tmp_path_factory, "grow-back", head_cpus=1)
 
 
 def _kill_node(c, node, worker_pids) -> None:

@@ -199,3 +199,25 @@ def next_record(driver) -> dict:
         t = driver.step()
         if t.record is not None:
             return t.record
+
+
+def own_cluster(tmp_path_factory, name: str, head_cpus: int):
+    """A module's own ``ray.cluster_utils.Cluster`` (the suite's shared local Ray shut down first) with a head of
+    ``head_cpus`` slots, connected, and a small corpus: yields (cluster, corpus dir, profile path, corpus, root)."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from flexorch.data.corpus import load_corpus
+    from tests.ray_env import release_if_held
+
+    release_if_held()
+    if ray.is_initialized():
+        ray.shutdown()  # the suite's shared local Ray: this module needs a cluster of its own
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    ray.init(address=c.address, logging_level="ERROR")
+    root = tmp_path_factory.mktemp(name)
+    corpus_dir = write_corpus(root / "corpus")
+    corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
+    yield c, corpus_dir, cpu_profile(root / "profile.json"), corpus, root
+    ray.shutdown()
+    c.shutdown()
