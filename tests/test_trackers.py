@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -188,6 +189,8 @@ def _wandb_records(path: Path) -> list:
         if kind == 0:
             pos += left
             continue
+        if pos + 7 + size > len(data):  # a chunk still being written
+            break
         chunk += data[pos + 7 : pos + 7 + size]
         pos += 7 + size
         if kind in (1, 4):
@@ -204,6 +207,22 @@ def _items(items) -> dict:
 
 
 @pytest.mark.timeout(120)
+def _finished_wandb_records(wandb_dir: Path, wait_s: float = 60.0) -> list:
+    """The records of the one offline run's ``.wandb`` file once its exit record is in it: ``run.finish()`` returns
+    when W&B's service has taken the exit, and the service may still be writing the file (on a loaded machine the
+    file was still empty when finish returned)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        paths = list(wandb_dir.glob("offline-run-*/run-*.wandb"))
+        assert len(paths) <= 1, paths
+        records = _wandb_records(paths[0]) if paths and paths[0].stat().st_size >= 7 else []
+        if any(r.HasField("exit") for r in records):
+            return records
+        kinds = [r.WhichOneof("record_type") for r in records]
+        assert time.monotonic() < deadline, f"no exit record in {paths} {wait_s:.0f} s after finish: {kinds}"
+        time.sleep(0.2)
+
+
 def test_wandb_offline_run_file_holds_every_step(recorded, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -215,8 +234,7 @@ def test_wandb_offline_run_file_holds_every_step(recorded, tmp_path, monkeypatch
     for rec in recorded:
         trackers.log_step(rec)
     trackers.close()
-    (path,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    records = _wandb_records(path)
+    records = _finished_wandb_records(tmp_path / "run" / "wandb")
     history = [_items(r.history.item) for r in records if r.HasField("history")]
     assert [(h["step"], h["loss"]) for h in history] == [(r["step"], r["loss"]) for r in recorded]
     assert [h["workers"] for h in history] == [4] * 5

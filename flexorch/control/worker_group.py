@@ -38,12 +38,15 @@ BROKEN_WORLD_SILENCE_S = 3.0
 """Once a world broke (a member lost, its peers failing out), a member still unanswered whose heartbeat has not moved
 for this long is counted lost too, without waiting out ``heartbeat_timeout_s``: a live worker beats through any
 step (the thread beats beside it), so after a failure three missed beats mean its process or node is gone (a node
-killed at once: its raylet and workers, whose deaths Ray reports only after its health check gives up)."""
+killed at once: its raylet and workers, whose deaths Ray reports only after its health check gives up). Not after
+a worker's own error: then nothing is lost yet, and the peers hold the state an emergency checkpoint is written from,
+so a loaded machine's missed beats must not cost a shard (``ERROR_GRACE_S`` and ``heartbeat_timeout_s`` apply)."""
 ERROR_GRACE_S = 15.0
 """After a worker raises (a bug: the run stops), how long its peers get to leave the broken world before they are
 killed: they hold the state the emergency checkpoint is written from (``control.emergency``), and on a loaded
-machine 3 s was too short for a peer to fail out of a closed rendezvous (seen on 2026-11-26: killed, its shard lost,
-no emergency checkpoint). Well below ``collective_timeout_s``: a bug still stops the run in seconds."""
+2-core machine a peer can take several seconds to fail out of a closed rendezvous (killed sooner, its shard is lost
+and no emergency checkpoint can be written). Well below ``collective_timeout_s``: a bug still stops the run in
+seconds."""
 STOP_BEATS_S = 2.0  # at shutdown: the longest wait for the workers' heartbeat threads to stop
 PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
 
@@ -367,7 +370,7 @@ class RayWorkerGroup:
             if self.heartbeat_timeout_s:
                 wait_s = min(wait_s, BEAT_CHECK_S)
                 limit = self.heartbeat_timeout_s
-                if self.failed_at is not None:  # the world already broke: silence means gone
+                if self.failed_at is not None and not errors:  # a member was lost: silence means gone too
                     limit = min(limit, BROKEN_WORLD_SILENCE_S)
                 hung = self.heartbeats.silent(set(pending.values()), limit)
                 if hung:  # killed now: its sockets close, so peers blocked on it fail at once

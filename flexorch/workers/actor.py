@@ -298,7 +298,7 @@ class Worker(WorkerMeasurements, FaultSeam):
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
         # The store is up when the driver asks us to join; when the driver has already closed it (the world broke
         # before we got here), TCPStore's connect retries past its timeout, so a survivor would sit it out and be
-        # killed as hung, its state lost (seen on 2026-11-26). A plain connect says at once that it is gone.
+        # killed as hung, its state lost. A plain connect says at once that it is gone.
         try:
             socket.create_connection((host, port), timeout=STORE_CONNECT_S).close()
         except OSError as e:
