@@ -112,7 +112,6 @@ def _bias(p, m) -> float:
 def per_step(run_dir: Path, first: int = 3) -> dict:
     """The per-step table of a finished run (``--runs``/``--records``), printed; its summary returned."""
     from flexorch.solver.profiles import load_profile
-    from flexorch.solver.recompute import time_ratios
     from flexorch.solver.refit import step_of_record
 
     calibrated = load_profile(run_dir / "profile.json")
@@ -126,7 +125,7 @@ def per_step(run_dir: Path, first: int = 3) -> dict:
     errs, errs0 = [], []
     measured, priced0, steps = [], [], []
     for r in recs:
-        step = step_of_record(r, time_ratios(calibrated))
+        step = step_of_record(r, calibrated.mode_time_ratios())
         ms, pred = r["measured_ms"], r["predicted_ms"]
         pred0 = step.predict_ms(calibrated)
         measured.append(ms)

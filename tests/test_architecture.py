@@ -1,6 +1,7 @@
 """The layer order of the ``flexorch`` package, read from the real import graph (every ``import`` statement of every
-module, including those inside functions), so that no arrow runs up a layer and no two sub-packages import each
-other. The same graph is what ``docs/make_structure.py`` draws."""
+module, including those inside functions and under ``TYPE_CHECKING``), so that no arrow runs up a layer, no two
+sub-packages import each other and no two files do, directly or around a loop (an import hidden inside a function
+still makes a cycle). The same graph is what ``docs/make_structure.py`` draws."""
 
 from __future__ import annotations
 
@@ -114,6 +115,77 @@ def test_no_cycle_between_sub_packages():
             visit(node, [node])
 
 
+def module_graph(root: pathlib.Path = ROOT) -> dict[str, dict[str, int]]:
+    """Module -> {module of the package it imports: first line}, for every file under ``root`` (``from a import b``
+    counts ``a.b`` when that is a module, else ``a``)."""
+    paths = {_module_name(p) if root == ROOT else p.stem: p for p in sorted(root.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for module, path in paths.items():
+        edges: dict[str, int] = {}
+        for name, line in _imports(path):
+            if name in paths and name != module:
+                edges.setdefault(name, line)
+        graph[module] = edges
+    return graph
+
+
+def file_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_cycle_between_files():
+    graph = module_graph()
+    cycles = file_cycles(graph)
+    said = [
+        " <-> ".join(c)
+        + ": "
+        + ", ".join(f"{a} imports {b} at line {graph[a][b]}" for a in c for b in c if b in graph[a])
+        for c in cycles
+    ]
+    assert not cycles, (
+        "file-level import cycles (move the shared names where both sides can import them):\n" + "\n".join(said)
+    )
+
+
+def test_the_file_cycle_check_finds_a_cycle_hidden_in_a_function(tmp_path):
+    (tmp_path / "a.py").write_text("import b\n")
+    (tmp_path / "b.py").write_text("def f():\n    import c\n")
+    (tmp_path / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from a import x\n")
+    (tmp_path / "d.py").write_text("import a\n")
+    assert file_cycles(module_graph(tmp_path)) == [["a", "b", "c"]]
+
+
 def test_config_imports_neither_ray_nor_torch_at_module_level():
     paths = [ROOT / "config.py"] if (ROOT / "config.py").exists() else sorted((ROOT / "config").rglob("*.py"))
     bad = [f"{p.name}:{line} {name}" for p in paths for name, line in _imports(p, top_level_only=True)]
@@ -127,3 +199,17 @@ def test_the_graph_sees_imports_inside_functions(tmp_path):
     mod.write_text("def f():\n    import flexorch.control.driver\n    from torch import distributed\n")
     names = [n for n, _ in _imports(mod)]
     assert "flexorch.control.driver" in names and "torch.distributed" in names
+
+
+def test_the_code_says_what_and_why_never_when():
+    # history (dates, "as before", issue numbers of what used to be) goes into CHANGELOG.md
+    import re
+
+    when = re.compile(r"20[0-9]{2}-[0-9]{2}-[0-9]{2}|as before|before issue")
+    bad = [
+        f"{p.relative_to(ROOT.parent)}:{i}: {line.strip()[:80]}"
+        for p in sorted(ROOT.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if when.search(line)
+    ]
+    assert not bad, "dated or historical notes (move them to CHANGELOG.md):\n" + "\n".join(bad)

@@ -12,7 +12,7 @@ import pytest
 
 from flexorch.cli.main import main
 from flexorch.config.data import CorpusConfig
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.source_check import check_source
 
 SKIP_HINT = r'\[data\] on_bad_record = "skip"'

@@ -16,7 +16,7 @@ import pytest
 
 from flexorch.config import CorpusConfig
 from flexorch.data.corpus import fetch_documents, load_corpus, resolve_blocks
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.store.prepare import prepare_store
 from flexorch.data.store.shards import ShardSpec
 from flexorch.data.tokenizer import ByteTokenizer

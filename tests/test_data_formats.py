@@ -9,7 +9,7 @@ import pytest
 
 from flexorch.config import CorpusConfig
 from flexorch.data.corpus import load_corpus
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.record_kinds import encode_record
 from flexorch.data.targets import count_targets
 from flexorch.data.tokenizer import ByteTokenizer

@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
+from flexorch.data.errors import DataError
 from flexorch.data.feistel import derive_key, feistel_permute
-from flexorch.data.lengths import DataError
 from flexorch.data.stream import Batch, DocumentStream
 from flexorch.data.tokenizer import ByteTokenizer, get_tokenizer
 

@@ -200,7 +200,7 @@ def test_labels_mask_the_non_targets_and_every_shard_keeps_exactly_its_tokens_la
 
 
 def test_the_pre_flight_check_knows_chat_tokenized_and_datasets_sources(tmp_path):
-    from flexorch.data.lengths import DataError
+    from flexorch.data.errors import DataError
     from flexorch.data.source_check import check_source
     from tests.chat_helpers import tokenized_rows, write_jsonl, write_parquet
 
@@ -236,7 +236,8 @@ def test_the_step_and_start_lines_say_how_many_tokens_carry_loss():
 
 
 def test_flexorch_plan_reads_the_lengths_training_would_see_from_chat_and_tokenized_jsonl(tmp_path):
-    from flexorch.data.lengths import DataError, read_lengths
+    from flexorch.data.errors import DataError
+    from flexorch.data.lengths import read_lengths
     from tests.chat_helpers import prompt_completions, tokenized_rows, write_jsonl
 
     for kind, rows in (("chat", conversations()), ("prompt_completion", prompt_completions())):

@@ -17,7 +17,7 @@ import pytest
 
 from flexorch.config import CorpusConfig
 from flexorch.data.corpus import load_corpus, open_store
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.store import layout
 from flexorch.data.store.prepare import prepare_store
 from flexorch.data.tokenizer import ByteTokenizer

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.store.remote import (
     exists,
     fetch_small,

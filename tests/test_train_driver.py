@@ -11,7 +11,7 @@ import pytest
 
 from flexorch.config import CorpusConfig
 from flexorch.control.driver import TrainingDriver
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.records.writer import read_records
 from flexorch.solver.errors import InfeasibleBatchError
 from tests.train_helpers import check_against_reference, train_config, training_env

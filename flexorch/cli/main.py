@@ -9,7 +9,8 @@ import tomllib
 from pathlib import Path
 
 from flexorch.cli.prepare import add_prepare_parser, cmd_prepare
-from flexorch.data.lengths import DataError, parse_tokens
+from flexorch.data.errors import DataError
+from flexorch.data.lengths import parse_tokens
 
 __all__ = ["main", "build_parser"]
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from flexorch.data.lengths import DataError, bundled_lengths_path, read_lengths
+from flexorch.data.errors import DataError
+from flexorch.data.lengths import bundled_lengths_path, read_lengths
 from flexorch.data.stream import Batch, DocumentStream
 from flexorch.records.writer import StepRecords, plan_record
 from flexorch.solver.errors import InfeasibleBatchError

@@ -28,7 +28,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
     check_requirements(cfg)
     notes: list[str] = []
     if cfg.tasks:  # [[tasks]]: every task's own data (the run's [data] only gives their defaults)
-        from flexorch.data.lengths import DataError
+        from flexorch.data.errors import DataError
 
         for task in cfg.tasks:
             try:
@@ -36,7 +36,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
             except DataError as e:
                 raise DataError(f"[[tasks]] {task.name!r}: {e}") from None
     elif cfg.data.sources:  # [[data.sources]]: every source of the mixture
-        from flexorch.data.lengths import DataError
+        from flexorch.data.errors import DataError
 
         for i, src in enumerate(cfg.data.sources):
             try:

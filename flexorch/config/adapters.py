@@ -15,15 +15,27 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # pragma: no cover - typing only (model.py imports this module)
-    from flexorch.config.model import ModelConfig
+from typing import Any, Protocol
 
 __all__ = ["OWN_TARGETS", "LoraSpec", "adapter_shapes", "check_adapters", "target_modules", "with_adapter_shapes"]
 
 OWN_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 """The linear maps of a decoder layer of flexorch's own decoder (``flexorch.workers.model.Block``)."""
+
+
+class ModelShape(Protocol):
+    """What the adapters read of a model's configuration (:class:`~flexorch.config.model.ModelConfig`, which builds
+    its adapters with this module, so this module cannot import it)."""
+
+    hf: str | None
+    vocab_size: int
+    dim: int
+    num_heads: int
+    num_kv_heads: int
+    ffn_dim: int
+    qkv_bias: bool
+    tie_embeddings: bool
+
 
 _LAYER = re.compile(r"^(.*layers\.\d+)\.")
 
@@ -110,7 +122,7 @@ def _layer_linears(shapes) -> dict[str, dict[str, tuple[int, int]]]:
     return out
 
 
-def target_modules(model_cfg: ModelConfig) -> tuple[str, ...]:
+def target_modules(model_cfg: ModelShape) -> tuple[str, ...]:
     """The leaf names a :class:`LoraSpec` may target on this model, in the layer's order.
 
     Our decoder: :data:`OWN_TARGETS`. A Hugging Face model: the leaf names of the linear maps of its decoder layer 0,
@@ -128,7 +140,7 @@ def target_modules(model_cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(next(iter(_layer_linears(shapes).values()), {}))
 
 
-def check_adapters(model_cfg: ModelConfig, specs) -> None:
+def check_adapters(model_cfg: ModelShape, specs) -> None:
     """Raise ValueError, saying what to change, on adapters this model cannot hold: two for one task, or a target
     that is not a linear map of its decoder layers."""
     names = [s.task for s in specs]

@@ -94,7 +94,7 @@ class TrainConfig:
     """The ``[tracking]`` table: TensorBoard, MLflow and Weights & Biases."""
     tasks: tuple[TaskSettings, ...] = ()
     """The ``[[tasks]]`` tables (``flexorch.config.tasks``): several fine-tuning tasks over one base model, each with
-    its own data, loss weight, batch share and LoRA adapter; empty: one task on ``[data]``, as before."""
+    its own data, loss weight, batch share and LoRA adapter; empty: one task on ``[data]``."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

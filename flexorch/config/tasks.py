@@ -17,7 +17,7 @@ shared decoder layers, and the shared base when ``[model] base_trainable`` (the 
     lora_alpha = 16                 # scale alpha / rank (default: alpha = rank)
     lora_targets = ["wq", "wv"]     # leaf names of the decoder layers' linear maps (default: q and v)
 
-A run without ``[[tasks]]`` is one task, as before. Pure data (no torch): everything here is checked when the run
+A run without ``[[tasks]]`` is one task on ``[data]``. Pure data (no torch): everything here is checked when the run
 file is read, before Ray starts.
 """
 

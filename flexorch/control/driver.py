@@ -423,7 +423,7 @@ class TrainingDriver:
 
     def _task_of(self, batch) -> dict:
         """``{"task_of": [...]}`` (each document's task) for the planner in a run of ``[[tasks]]``; {} otherwise (a
-        planner of one task is called as before)."""
+        run of one task plans without it)."""
         if not self.cfg.tasks:
             return {}
         return {"task_of": [int(x) for x in self.corpus.task_of[list(batch.doc_ids)]]}

@@ -1,6 +1,6 @@
 """Is this process niced on a busy node? Ray starts its worker processes, and so every flexorch actor (the driver, the
 planner, the workers), at niceness 15 by default (Ray's ``worker_niceness`` setting), so on a node whose CPUs other
-processes keep busy they run on what is left: measured on 2026-11-25 (2 cores, one CPU hog per core), Ray's actors
+processes keep busy they run on what is left: measured on 2 cores with one CPU hog per core, Ray's actors
 got 2-4 % of a core each, a 10-step run waited 15 s for every plan, and workers took minutes to import torch.
 
 flexorch's own local Ray starts them at niceness 0 (``flexorch.cli.train.ray_session``); a cluster started with

@@ -77,7 +77,7 @@ class PlannerSpec:
     """How long a step waits for its plan before the fallback (``plan.timeout_s``)."""
     niceness: int = 0
     """Added to the planner process's niceness (a separate process only). A run's planner gets none: its solve is a
-    few per cent of a step's CPU, and niced beside busy CPU workers it ran out of time. Measured on 2026-11-25
+    few per cent of a step's CPU, and niced beside busy CPU workers it ran out of time. Measured
     (examples/train_laptop.toml, 4 workers on 2 cores, 0.5 s budget, 8 steps each): +10 gave 6 of 8 steps the
     fallback, +5 the same, 0 none, at the same step time (median 1,012 / 1,139 / 1,039 ms)."""
     pipeline_recompute: str = "auto"

@@ -22,7 +22,6 @@ import dataclasses
 import numpy as np
 
 from flexorch.solver.profiles import Profile
-from flexorch.solver.recompute import time_ratios
 from flexorch.solver.refit import (
     GroupWindow,
     RefitReport,
@@ -138,7 +137,7 @@ class RunRefit:
         force) on the window, unless one is in flight."""
         step = None
         if self._warm and not record["recoveries"]:
-            ratios = time_ratios(profile)  # 'auto' recompute: each group counts at full recompute's time
+            ratios = profile.mode_time_ratios()  # 'auto' recompute: each group counts at full recompute's time
             step = step_of_record(record, ratios)
             self.window.add([*samples_of_record(record, ratios), *([step] if step is not None else [])])
         self._warm = True

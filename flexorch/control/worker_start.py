@@ -20,7 +20,7 @@ import time
 import ray
 
 BUSY_CPU_SHARE = 0.01
-"""A starting worker process using at least this share of a core is working. Measured on 2026-11-25 (2 cores): a
+"""A starting worker process using at least this share of a core is working. Measured on 2 cores: a
 constructor blocked in a sleep used 0.25 % (Ray's own threads), while constructors importing torch beside one CPU
 hog per core got only 3-4 % (1.0 s to 2.7 s of CPU in 60 s): a 5 % threshold gave those up as hung."""
 CPU_WINDOW_S = 5.0

@@ -19,7 +19,7 @@ A step of several ``[[tasks]]`` (its record has ``tasks``) colours each SP group
 degree (the legend: each task's name and loss this step; the colours are ``plan_svg.task_colour``'s, as in the SVG
 pictures); a panel above the pictures says how the tasks were placed (``multitask``: Spindle or in turn, Spindle's
 bound, makespan and gap, the plan's simulated and dataflow times) and each task's ranks, documents, tokens, loss
-targets and loss, and the step table gets a column of the same per step. Records without tasks look as before.
+targets and loss, and the step table gets a column of the same per step. Records without tasks get neither.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from flexorch.config.data import CorpusConfig, bpe_vocab
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.listing import list_source
 from flexorch.data.record_kinds import kind_fields, record_text, resolve_kind
 from flexorch.data.source_records import parse_record, record_rows

@@ -42,7 +42,7 @@ import numpy as np
 
 from flexorch.config.data import CorpusConfig
 from flexorch.data.doc_keys import DocKeys, ListKeys
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.targets import token_ids
 from flexorch.tasks.step import DocRef
 
@@ -211,7 +211,7 @@ def open_store(store: str | Path) -> Corpus:
     def arr(name: str):
         return np.load(local("index", f"{name}.npy"), mmap_mode="r")
 
-    def has_targets() -> bool:  # a manifest without its "index" list (written earlier on 2026-11-27)
+    def has_targets() -> bool:  # a manifest without its "index" list (an older store layout)
         if "index" in manifest:
             return False
         return (

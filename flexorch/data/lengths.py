@@ -12,7 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DataError", "read_lengths", "bundled_lengths_path", "parse_tokens"]
+from flexorch.data.errors import DataError
+
+__all__ = ["read_lengths", "bundled_lengths_path", "parse_tokens"]
 
 TEXT_SUFFIXES = {
     ".txt",
@@ -37,10 +39,6 @@ TEXT_SUFFIXES = {
     ".sh",
     ".tex",
 }
-
-
-class DataError(ValueError):
-    """Input data is missing or malformed; the message names the file and line."""
 
 
 def bundled_lengths_path() -> Path:

@@ -13,7 +13,7 @@ import sysconfig
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 
 if TYPE_CHECKING:
     from flexorch.config.data import CorpusConfig

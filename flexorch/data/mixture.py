@@ -283,7 +283,7 @@ def load_mixture(cfg, publish=None, *, parallelism: int | None = None):
     """Each ``[[data.sources]]`` source's corpus (prepared or opened: ``load_corpus``, ``parallelism`` as there),
     combined; its ``mixture`` attribute is (names, sizes, weights) for :class:`MixtureStream`."""
     from flexorch.data.corpus import load_corpus
-    from flexorch.data.lengths import DataError
+    from flexorch.data.errors import DataError
 
     corpora = []
     for i, src in enumerate(cfg.sources):

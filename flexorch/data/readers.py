@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from flexorch.data.chat import target_rule
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.listing import Listing, list_source
 from flexorch.data.record_kinds import BadRecord, encode_record, exchange_pieces, kind_fields
 from flexorch.data.source_records import bad_record_error, block_records, is_utf8

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from flexorch.data.chat import BadRecord, chat_tokens
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.targets import count_targets, encode_targets
 
 if TYPE_CHECKING:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.listing import list_source
 from flexorch.data.record_kinds import kind_fields, resolve_kind
 from flexorch.data.source_records import bad_record_error, check_parquet_field, parse_line, parse_record

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 
 __all__ = [
     "bad_record_error",

@@ -3,8 +3,8 @@
 Each task's source is loaded as a corpus of its own (``flexorch.data.corpus.load_corpus``, so every format and
 record kind works per task); :func:`combine_corpora` puts them one after another in one id space (task t's documents
 are ids ``first[t] .. first[t+1]-1``, its blocks follow the previous tasks' blocks) with ``Corpus.task_of``, so the
-driver, the planner and the workers index one corpus as before and each :class:`~flexorch.tasks.step.DocRef`
-carries its task.
+driver, the planner and the workers index one corpus, as in a run of one task, and each
+:class:`~flexorch.tasks.step.DocRef` carries its task.
 
 :class:`TaskStreams` draws every global batch as ``counts[t]`` documents of each task from the task's own
 :class:`~flexorch.data.stream.DocumentStream` (its own seeded permutation, its own epochs): every document of a task
@@ -59,7 +59,7 @@ def load_task_corpus(tasks, publish=None) -> Corpus:
     """Load every task's data (``TaskSettings.data``) and combine them; a task without a document is an error
     naming it (``load_corpus`` raises for an empty source)."""
     from flexorch.data.corpus import load_corpus
-    from flexorch.data.lengths import DataError
+    from flexorch.data.errors import DataError
 
     corpora = []
     for t in tasks:
@@ -148,7 +148,8 @@ class TaskStreams:
 
 
 def _task_seed(seed: int, task: int) -> int:
-    """Task 0 keeps the run's seed (a run of one task orders its data as before); the others get their own."""
+    """Task 0 keeps the run's seed (a run of one task orders its data as a run without ``[[tasks]]``); the others
+    get their own."""
     return int(seed) + 1_000_003 * task
 
 

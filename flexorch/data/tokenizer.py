@@ -20,7 +20,7 @@ from typing import Protocol
 
 import numpy as np
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "get_tokenizer"]
 

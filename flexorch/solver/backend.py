@@ -22,7 +22,7 @@ What python-mip 2.0's HiGHS interface does with the settings the planner uses (r
   INFEASIBLE. ``objective_bound`` is HiGHS's ``mip_dual_bound``.
 
 CBC's ``max_seconds`` is CBC's ``seconds`` limit. Both limits are wall clock here: beside 4 CPU hogs a 0.3 s limit
-ended each backend's solve after 0.30-0.35 s wall having used 0.04-0.11 s of CPU (measured on 2026-11-25) - which
+ended each backend's solve after 0.30-0.35 s wall having used 0.04-0.11 s of CPU (measured on 2 cores) - which
 is how a starved CBC reaches its limit inside preprocessing.
 
 HiGHS runs on its defaults. Tried on 75 bisection MILPs captured from the planner at FlexSP's setting, with limits of

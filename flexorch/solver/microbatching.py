@@ -28,7 +28,7 @@ share of the work (``tiered_split``)."""
 TIER_RATIOS = (TIER_RATIO, 1.0)
 """The planner's tiered candidates: on the code-length benchmark (``benchmarks/planner_quality.py``, code256) the
 best of the two had 0.4-5.4 points less gap than 2.0 alone on 4 of 5 steps (1.25 and 1.5 would have gained at most
-1.6 points more, on one step; measured with solver.fill packing each split, 2026-11-25)."""
+1.6 points more, on one step; measured with solver.fill packing each split)."""
 
 
 def partition_candidates(

@@ -173,7 +173,7 @@ class Planner:
             own = (deg[cheapest].astype(np.int64), table[rows, cheapest])
             need = deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64)
             # the slowest sequences' micro-batches as the rounds bound places them, each chain on its least degree
-            # (issue 22; the fronts before issue 48), a start
+            # (the relaxed fronts: every chain on its least degree), a start
             relaxed = slowest_fronts(table, deg, lengths, n, cap, per_degree=False) if cfg.round_splits else None
             rounds = best_round_split(*relaxed) if cfg.round_splits else None
             halves = None

@@ -38,8 +38,8 @@ class PlannerConfig:
     """MILP backend python-mip drives: 'highs' or 'cbc' (``solver.backend``)."""
     fill_starts: bool = True
     """Start each micro-batch from the better of its best homogeneous layout and a mixed layout packed in
-    milliseconds (``solver.fill``), and order the candidate splits by those (False: homogeneous starts only, as
-    before issue 22; for the planner-quality benchmark)."""
+    milliseconds (``solver.fill``), and order the candidate splits by those (False: homogeneous starts only, for
+    the planner-quality benchmark's comparison)."""
     tiered_splits: bool = True
     """Offer tiered micro-batch splits too (``solver.microbatching.tiered_split``: sequences far slower than an
     average micro-batch share one)."""
@@ -51,7 +51,7 @@ class PlannerConfig:
     the groups they run on (one of all N devices, or two of N/2 side by side each running a share: the per-degree
     fronts of ``solver.round_bounds``) where the others take their least degree, and at the fewest micro-batches
     tiered splits whose tiered micro-batches take the shortest sequences where the rest would need one more; and the
-    local search splits a slow group in two half-size groups where that is faster. False: as before (the
+    local search splits a slow group in two half-size groups where that is faster. False: none of these (the
     planner-quality benchmark's ``--no-halves``)."""
     isolate: bool = True
     """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not

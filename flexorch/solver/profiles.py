@@ -214,6 +214,11 @@ class Profile:
             data[table] = {str(k): v for k, v in sorted(getattr(self, table).items())}
         return json.dumps(data, indent=2)
 
+    def mode_time_ratios(self) -> dict[str, float]:
+        """A group's time in each recompute mode ('full', 'none', 'selective') over its time with full recompute
+        (``flexorch.solver.recompute``)."""
+        return {"full": 1.0, "none": self.none_time_ratio, "selective": self.selective_time_ratio}
+
     def with_overrides(self, **changes) -> Profile:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data.update(changes)

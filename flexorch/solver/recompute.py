@@ -35,6 +35,7 @@ import math
 
 from flexorch.solver.plan import Plan
 from flexorch.solver.profiles import Profile
+from flexorch.solver.simulator import step_time_ms
 
 __all__ = [
     "PACKINGS",
@@ -48,7 +49,6 @@ __all__ = [
     "none_bytes_profile",
     "recompute_bound",
     "recompute_modes",
-    "time_ratios",
     "too_long_for",
     "too_long_without_recompute",
     "uses_auto",
@@ -74,14 +74,9 @@ def _act_ratio(profile: Profile, mode: str) -> float:
 def faster_modes(profile: Profile) -> list[str]:
     """The modes faster than full recompute that ``profile`` measured, fastest first ('none' before 'selective' on a
     tie)."""
-    ratios = time_ratios(profile)
+    ratios = profile.mode_time_ratios()
     modes = [m for m in ("none", "selective") if _act_ratio(profile, m) > 0]
     return sorted(modes, key=lambda m: ratios[m])  # stable: 'none' first on a tie
-
-
-def time_ratios(profile: Profile) -> dict[str, float]:
-    """A group's time in each mode over its time with full recompute."""
-    return {"full": 1.0, "none": profile.none_time_ratio, "selective": profile.selective_time_ratio}
 
 
 def mode_bytes_profile(profile: Profile, mode: str) -> Profile:
@@ -152,8 +147,6 @@ def choose_packing(full_plan: Plan, others: dict, profile: Profile) -> tuple[Pla
     ``others`` (``{mode: plan packed for that mode's bytes, or None: not planned}``), each group in
     :func:`choose_modes`' mode, carrying its modes; and what was compared:
     ``{"packing": the winner's mode, "full_ms", "<mode>_ms" (None: not planned), ...}``."""
-    from flexorch.solver.simulator import step_time_ms
-
     best, info = full_plan, {"packing": "full"}
     for mode, plan in (("full", full_plan), *others.items()):
         if plan is None:
@@ -176,7 +169,7 @@ def with_chosen_modes(plan: Plan, profile: Profile) -> Plan:
 def worth_packing(mode: str, ran: set[str], profile: Profile) -> bool:
     """Whether packing a step for ``mode``'s bytes can beat full's packing whose groups ran in the modes ``ran``:
     the mode is available and some group ran in a mode slower than it."""
-    ratios = time_ratios(profile)
+    ratios = profile.mode_time_ratios()
     return mode in faster_modes(profile) and any(ratios[m] > ratios[mode] for m in ran)
 
 
@@ -184,7 +177,7 @@ def recompute_bound(plan: Plan, bound: float, profile: Profile) -> float:
     """A lower bound under 'auto' recompute, from ``bound`` (full recompute's, for any plan): no plan runs faster than
     the fastest mode's time ratio x its full-recompute time, so ``ratio x bound`` holds; claimed (as a bound near the
     plan) only when every group of ``plan`` runs in that fastest mode, else 0 (none computed)."""
-    ratios = time_ratios(profile)
+    ratios = profile.mode_time_ratios()
     fastest = min([*faster_modes(profile), "full"], key=ratios.get)
     every = all(m == fastest for row in plan.meta["recompute"] for m in row)
     return bound * ratios[fastest] if every else 0.0

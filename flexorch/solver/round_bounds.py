@@ -194,7 +194,7 @@ def slowest_fronts(
 ):
     """(indices of the ``ROUNDS_K`` slowest sequences, slowest first; their :func:`round_fronts`, each chain with its
     time on the degree it runs on; ``per_degree=False``: every chain on its least degree with its members' least
-    times, the fronts before issue 48)."""
+    times: the looser fronts, which the planner's relaxed start uses)."""
     finite = np.isfinite(table)
     w = np.where(finite, table, np.inf).min(axis=1)
     few = np.argsort(-w, kind="stable")[: min(ROUNDS_K, int(np.isfinite(w).sum()))]

@@ -33,14 +33,12 @@ class GroupTiming:
 
 def _mode_scales(plan: Plan, profile: Profile):
     """Per micro-batch, each group's time factor: its mode's time over full recompute's (``plan.meta['recompute']``,
-    ``solver.recompute``: ``profile.none_time_ratio`` without recompute, ``selective_time_ratio`` with selective);
+    ``Profile.mode_time_ratios``: ``none_time_ratio`` without recompute, ``selective_time_ratio`` with selective);
     None when the plan carries no modes."""
-    from flexorch.solver.recompute import time_ratios
-
     modes = plan.meta.get("recompute")
     if not modes:
         return None
-    ratio = time_ratios(profile)
+    ratio = profile.mode_time_ratios()
     return [[ratio[m] for m in row] for row in modes]
 
 

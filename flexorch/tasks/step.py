@@ -204,7 +204,7 @@ class StepTask:
     def loss_scale(self, t: int) -> float:
         """What a group of task ``t`` multiplies its summed loss by, so that after the world's division by
         ``num_predicted`` the step's loss is ``sum_t weight_t * (task t's summed loss / task t's targets)``; 1.0 in a
-        run of one task (every token weighs the same, as before)."""
+        run of one task (every token weighs the same)."""
         if not self.task_names:
             return 1.0
         n_t = self.task_predicted[t]

@@ -488,7 +488,7 @@ def _drop_frames(err: BaseException) -> None:
 
 def _wants_gpu(use_gpu: bool | None) -> bool:
     """``use_gpu`` if given; else whether Ray gave this actor GPUs (``ray.get_gpu_ids()``, meaningful only inside an
-    actor), or outside a Ray actor whether CUDA is available (as before devices were pinned)."""
+    actor), or outside a Ray actor whether CUDA is available."""
     if use_gpu is not None:
         return use_gpu
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:

@@ -50,10 +50,11 @@ def head_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, c
 
 
 class LMHead(nn.Linear):
-    """The LM head: an ``nn.Linear`` without bias (its parameter is ``weight``, as before), with the fused chunked
-    loss as a second entry point, :meth:`loss_sum`. A pipeline's last stage shards the head as its own FSDP2 unit;
-    FSDP2 gathers a unit's parameters only around a registered forward method, so the stage registers this one
-    (``torch.distributed.fsdp.register_fsdp_forward_method``) and calls it instead of materialising the logits."""
+    """The LM head: an ``nn.Linear`` without bias (its parameter is ``weight``, as checkpoints name it), with the
+    fused chunked loss as a second entry point, :meth:`loss_sum`. A pipeline's last stage shards the head as its own
+    FSDP2 unit; FSDP2 gathers a unit's parameters only around a registered forward method, so the stage registers
+    this one (``torch.distributed.fsdp.register_fsdp_forward_method``) and calls it instead of materialising the
+    logits."""
 
     def __init__(self, dim: int, vocab_size: int) -> None:
         super().__init__(dim, vocab_size, bias=False)

@@ -77,8 +77,8 @@ def reshard_after_failure(model: nn.Module) -> None:
     """Every FSDP unit of ``model`` back to its sharded parameters after a forward or backward that an error (a
     broken world) stopped mid-flight. ``FSDPModule.reshard`` alone is not enough: a group stopped in its forward
     keeps its FORWARD state, and the root (not resharded after forward) then skips the reshard, leaving plain
-    unsharded parameters registered (seen in CI on 2026-11-26: "'Parameter' object has no attribute 'to_local'" when
-    the next world took the state). torch 2.13's ``reset_iter_state`` on the root resets those states for this;
+    unsharded parameters registered ("'Parameter' object has no attribute 'to_local'" when the next world took
+    the state). torch 2.13's ``reset_iter_state`` on the root resets those states for this;
     without it (torch 2.11), each group's state is reset by hand. Local: no collective runs."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     reset = getattr(model, "reset_iter_state", None)
@@ -108,7 +108,7 @@ def forget_closed_meshes() -> None:
     (``DeviceMesh.__eq__``), whichever world made it and whichever rank this process held there. So after a world
     closes, ops on a new mesh of the same shape return specs naming the closed world's mesh, and with it the process
     groups of the rank this process held in that world: when the process is at another rank now, those names do not
-    resolve, or name another rank's group. Seen on 2026-11-26: an hsdp run of 4 workers lost worker 1, went on with
+    resolve, or name another rank's group. For example, an hsdp run of 4 workers lost worker 1, went on with
     workers 0 and 3 and grew back to 4 (worker 3 from rank 3 to rank 1); ``model.to_empty`` (an ``empty_like`` per
     DTensor parameter) gave the new (2, 2) mesh's parameters the first world's (2, 2) mesh, and reading their shard
     position failed with "Could not resolve the process group registered under the name 4".

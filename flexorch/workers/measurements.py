@@ -62,7 +62,7 @@ class WorkerMeasurements:
 
         The measurement is a forward without a backward. On a sharded model that leaves FSDP2's root unit with its
         gathered parameters registered and in its forward state, and the next step trained with the root's
-        parameters of one update before (seen on 2026-11-26: a two-step fsdp run's second loss 6e-6 off the
+        parameters of one update before (a two-step fsdp run's second loss 6e-6 off the
         reference after one such call, its third 5e-3; calibration makes that call in every calibrated run), so
         the units are put back to their shards after it (``reshard_after_failure``: local, no collective)."""
         from flexorch.workers.calibrate import activation_bytes_per_token

@@ -111,8 +111,8 @@ def _restart_group_names() -> None:
     counter (``_World.group_count``, "0" for the world, then "1", "2", ...), which ``destroy_process_group`` resets.
     An ``init_process_group`` that failed (its rendezvous broke when a peer died while the world formed) has taken a
     number and left no world to destroy, so that process would name every group of its next world one ahead of its
-    peers, whose gloo rendezvous then wait on keys nobody writes (seen on 2026-11-26: a world formed after a failed
-    one timed out on ``.../epoch4/1//cpu//0/0``). Called only while no world is open, when no group holds a name."""
+    peers, whose gloo rendezvous then wait on keys nobody writes (a world formed after a failed one timed out on
+    ``.../epoch4/1//cpu//0/0``). Called only while no world is open, when no group holds a name."""
     world = getattr(c10d, "_world", None)  # private: looked up, not assumed
     if world is not None and getattr(world, "group_count", 0):
         world.group_count = 0

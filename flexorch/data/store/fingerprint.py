@@ -74,7 +74,7 @@ def _chat_rule(spec: str) -> str | None:
     if not spec.startswith("hf:"):
         return None
     from flexorch.data.chat import target_rule
-    from flexorch.data.lengths import DataError
+    from flexorch.data.errors import DataError
     from flexorch.data.tokenizer import get_tokenizer
 
     try:

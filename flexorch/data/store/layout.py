@@ -105,7 +105,7 @@ def is_store(path: str | Path) -> bool:
 
 def read_manifest(store: str | Path) -> dict:
     """The manifest of a finished store, checked for its format; a clear error for an unfinished or foreign one."""
-    from flexorch.data.lengths import DataError
+    from flexorch.data.errors import DataError
 
     p = Path(store)
     if not (p / "manifest.json").is_file():
@@ -124,7 +124,7 @@ def read_manifest(store: str | Path) -> dict:
 
 def check_manifest(manifest: dict, where: str) -> dict:
     """``manifest`` when it is of this flexorch's store format, else a clear error naming ``where``."""
-    from flexorch.data.lengths import DataError
+    from flexorch.data.errors import DataError
 
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else None

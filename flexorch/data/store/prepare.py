@@ -4,10 +4,10 @@
 line-aligned byte ranges), and runs one Ray task per unfinished unit over the whole cluster (SPREAD-scheduled, one
 CPU each, one task per CPU in flight). Plain tasks, not a Ray Data ``map``: on a 2-CPU machine Ray Data's streaming
 executor kept the two tasks overlapped only part of the time (a BPE prepare of 30 MB: 1.41x one task, against 1.76x
-with tasks, side by side, 2026-11-27). A unit task reads its bytes, tokenizes
+with tasks, side by side). A unit task reads its bytes, tokenizes
 and splits its documents with the same code the whole corpus always used (``flexorch.data.readers.pack_records``),
 and writes its part files atomically (``flexorch.data.store.layout``). The preparing process then merges the
-units' small indices with the same checks and numbering as before (``flexorch.data.readers.assemble_index``:
+units' small indices with the checks and numbering of a whole-corpus read (``flexorch.data.readers.assemble_index``:
 documents by sorted key, the skip counts, a malformed record named by file and line), writes the per-document
 index arrays and, last, the manifest.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.store import layout
 from flexorch.data.store.fingerprint import describe_change, fingerprints, same_fingerprints, source_files
 from flexorch.data.store.units import plan_units, read_unit, unit_target_bytes

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 
 __all__ = [
     "RangeSource", "open_range_source", "fetch_small", "is_remote", "join", "exists", "list_dir", "upload_dir",

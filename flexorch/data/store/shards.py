@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexorch.data.lengths import DataError
+from flexorch.data.errors import DataError
 from flexorch.data.store.layout import HASH_CHUNK
 
 __all__ = ["ShardSpec", "ShardReader", "open_parts", "shard_reader"]

@@ -33,12 +33,10 @@ precision``) unless ``backend="math"`` is asked for. Accumulation (the LSE, ring
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-
 import torch
 
 from flexorch.workers.attention.flash import flash_attn_module, flash_backward, flash_forward
+from flexorch.workers.attention.seqlens import Seqlens
 from flexorch.workers.attention.sharding import check_cu_seqlens
 from flexorch.workers.attention.torch_cudnn import torch_cudnn_available, torch_cudnn_backward, torch_cudnn_forward
 from flexorch.workers.attention.torch_flash import torch_flash_available, torch_flash_backward, torch_flash_forward
@@ -73,28 +71,6 @@ DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 _DEVICE = {"flash_attn": "cuda", "torch_cudnn": "cuda", "torch_flash": "cuda", "torch_cpu": "cpu"}  # math: any device
 # Documents shorter than this are batched into one masked CPU call (fewer Python-level kernel launches).
 _CPU_BUCKET_TOKENS = 128
-
-
-@dataclass(frozen=True)
-class Seqlens:
-    """Document boundaries of one side (queries or keys) of a varlen attention call."""
-
-    offsets: tuple[int, ...]
-    """Host copy of cu_seqlens: 0, end of doc 0, ..., total tokens."""
-
-    @functools.cached_property
-    def max_seqlen(self) -> int:
-        """Longest document."""
-        return max(b - a for a, b in zip(self.offsets[:-1], self.offsets[1:], strict=True))
-
-    @property
-    def total(self) -> int:
-        """Number of tokens."""
-        return self.offsets[-1]
-
-    def tensor(self, device: torch.device) -> torch.Tensor:
-        """cu_seqlens as an int32 tensor on ``device`` (what flash-attn takes)."""
-        return torch.tensor(self.offsets, dtype=torch.int32, device=device)
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, where: str) -> None:

@@ -31,6 +31,7 @@ import functools
 
 import torch
 
+from flexorch.workers.attention.seqlens import Seqlens
 from flexorch.workers.attention.torch_flash import torch_flash_backward, torch_flash_forward
 
 __all__ = ["MIN_TOKENS", "PAD_TOKENS", "torch_cudnn_available", "torch_cudnn_backward", "torch_cudnn_forward"]
@@ -89,7 +90,6 @@ def _pad_len(n: int) -> int:
 
 def _rest(q_offsets, k_offsets, runs_q, runs_k):
     """The Seqlens of the documents kept on torch_flash, as one packed batch of their own."""
-    from flexorch.workers.attention.kernels import Seqlens
 
     def offsets(runs):
         out = [0]
