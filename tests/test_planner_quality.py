@@ -256,10 +256,25 @@ def test_plan_budget_follows_the_measured_step():
             PlanSettings(**bad)
 
 
-def test_step_planner_takes_a_budget_per_call_and_says_it():
+def test_step_planner_takes_a_budget_per_call_and_says_it(monkeypatch):
     """Each call's budget reaches the planner as its deadline (the step planner's own bookkeeping), and the answer
-    says the budget. Wall-clock speed is not asserted (an idle CI machine once took 0.64 s for a 0.3 s budget); a
-    generous bound, several times the budget, still catches a hang."""
+    says the budget. The deadlines are read against the step planner's own clock reading at the start of each call
+    (a clock that records what it answers), so no wall-clock speed is asserted; a generous bound, several times the
+    budget, still catches a hang."""
+    from flexorch.solver import step_planner
+
+    readings: list[float] = []
+
+    class RecordingClock:  # the step planner's ``time``: the real clocks, every monotonic reading kept
+        perf_counter = staticmethod(time.perf_counter)
+        sleep = staticmethod(time.sleep)
+
+        @staticmethod
+        def monotonic() -> float:
+            readings.append(time.monotonic())
+            return readings[-1]
+
+    monkeypatch.setattr(step_planner, "time", RecordingClock)
     profile = get_profile("gpt-7b-a100")
     lengths = [300, 4096, 20_000, 80, 2048] * 4
     sp = StepPlanner(profile, PlannerConfig(time_limit_s=0.3, isolate=False))
@@ -271,11 +286,11 @@ def test_step_planner_takes_a_budget_per_call_and_says_it():
 
     sp._planner.plan = recording
     try:
-        called = time.monotonic()
+        first = len(readings)
         a = sp.plan(lengths, 16)
-        a_due, called = deadlines[-1] - called, time.monotonic()
+        a_due, second = deadlines[-1] - readings[first], len(readings)  # the call's first reading: its start
         b = sp.plan(lengths, 16, time_limit_s=0.6)
-        b_due = deadlines[-1] - called
+        b_due = deadlines[-1] - readings[second]
         assert a.budget_s == 0.3 and b.budget_s == 0.6
         # inside each call's budget (the rest is kept for the baselines), and following it: the second call's
         # deadline is past what the default 0.3 s would give (it keeps 10-40 % of 0.6 s for the baselines)
