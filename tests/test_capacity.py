@@ -92,13 +92,13 @@ def test_the_driver_asks_for_a_lost_worker_and_withdraws_when_its_replacement_jo
 
 
 def test_a_run_on_its_own_fake_group_asks_nobody_unless_told_how():
-    from flexorch.control.driver import _capacity
+    from flexorch.control.capacity import run_capacity
 
     cfg = _cfg_plain()
-    assert _capacity(cfg, object(), None) is None  # a given group on no cluster: 'auto' is off
-    assert _capacity(cfg.replace(elastic=ElasticSettings(request_capacity=True)), object(), None) is None
-    assert _capacity(cfg.replace(elastic=ElasticSettings(request_capacity=False)), None, print) is None
-    assert isinstance(_capacity(cfg, object(), print), CapacityRequest)
+    assert run_capacity(cfg, object(), None) is None  # a given group on no cluster: 'auto' is off
+    assert run_capacity(cfg.replace(elastic=ElasticSettings(request_capacity=True)), object(), None) is None
+    assert run_capacity(cfg.replace(elastic=ElasticSettings(request_capacity=False)), None, print) is None
+    assert isinstance(run_capacity(cfg, object(), print), CapacityRequest)
 
 
 def _cfg_plain():

@@ -232,7 +232,7 @@ def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
         refits = [e["message"] for e in events if "cost model refitted" in str(e.get("message", ""))]
         # only after every refit_every = 2 steps (step 1 may have too few groups of a type: its step 0 warmed up)
         assert refits and {m.split(":")[0] for m in refits} <= {"step 1", "step 3"}
-        assert driver._refits.window.compute() or driver._refits.window.groups()
+        assert driver.revisions.refits.window.compute() or driver.revisions.refits.window.groups()
         if any("kept" in m for m in refits):
             assert driver.profile != initial
             assert driver.planner.spec.profile is driver.profile  # the fallback and a restarted planner
@@ -244,9 +244,9 @@ def test_a_run_refits_its_cost_model_and_plans_with_it(tmp_path):
         # one price: each record's predicted_ms and timeline are its plan priced by the profile revision that
         # planned it, the same function the refit judges with, times the run's step level before it
         records = [json.loads(x) for x in (tmp_path / "run" / "steps.jsonl").read_text().splitlines()]
-        assert {r["profile_revision"] for r in records} <= set(driver._priced)
+        assert {r["profile_revision"] for r in records} <= set(driver.revisions.priced)
         for r in records:
-            priced_by, level = driver._priced[r["profile_revision"]], r["level"]
+            priced_by, level = driver.revisions.priced[r["profile_revision"]], r["level"]
             assert level * step_of_record(r).predict_ms(priced_by) == pytest.approx(r["predicted_ms"], rel=1e-9)
             by_group = {(g["micro_batch"], g["group"]): g["time_ms"] for g in r["timeline"]}
             for mi, mb in enumerate(r["plan"]["micro_batches"]):
@@ -271,7 +271,7 @@ def test_no_refit_with_a_named_profile_by_default(tmp_path):
     try:
         for _ in range(2):
             driver.step()
-        assert driver.profile is initial and len(driver._refits.window) == 0
+        assert driver.profile is initial and len(driver.revisions.refits.window) == 0
         assert not (tmp_path / "run" / "profile_refit.json").exists()
     finally:
         driver.shutdown()

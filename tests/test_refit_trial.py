@@ -157,7 +157,7 @@ def test_the_driver_plans_and_prices_with_the_refit_it_keeps_and_says_its_verdic
         assert revisions == sorted(revisions) and revisions[-1] >= 1, revisions
         for i, r in enumerate(records):
             # each step's prices: its revision's price times the level of the warm steps before it, never its own
-            priced = driver._priced[r["profile_revision"]]
+            priced = driver.revisions.priced[r["profile_revision"]]
             level = step_level([step_of_record(x) for x in records[1:i]], priced)
             assert r["level"] == pytest.approx(level, rel=1e-9) and (i < 2) == (r["level"] == 1.0)
             assert level * step_of_record(r).predict_ms(priced) == pytest.approx(r["predicted_ms"], rel=1e-9)

@@ -16,10 +16,11 @@ group tests the decisions and one test pins the real call's effect on the GCS.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 
-__all__ = ["LOCAL_RAY_ENV", "CapacityRequest", "ray_request", "worker_bundle"]
+__all__ = ["LOCAL_RAY_ENV", "CapacityRequest", "ray_request", "run_capacity", "worker_bundle"]
 
 LOCAL_RAY_ENV = "FLEXORCH_LOCAL_RAY"
 """Set to "1" in every process of the local Ray that ``flexorch train`` starts for a run (``cli.train.ray_session``):
@@ -127,3 +128,19 @@ class CapacityRequest:
     def _withdraw(self) -> None:
         self._request([])
         self.requested, self.since = 0, None
+
+
+def run_capacity(cfg, worker_group, request) -> CapacityRequest | None:
+    """The run's :class:`CapacityRequest` (``cfg``: its TrainConfig), or None when ``[elastic] request_capacity``
+    is off: 'auto' is on for a Ray worker group on a cluster that ``flexorch train`` did not start itself (its own
+    local Ray marks its processes with ``FLEXORCH_LOCAL_RAY``), and wherever a ``request`` is given."""
+    wanted = cfg.elastic.request_capacity
+    if wanted == "auto":
+        wanted = request is not None or (worker_group is None and os.environ.get(LOCAL_RAY_ENV) != "1")
+    if not wanted:
+        return None
+    if request is None:
+        if worker_group is not None:
+            return None  # a given (test) worker group on no cluster: nothing to ask
+        request = ray_request
+    return CapacityRequest(worker_bundle(cfg.use_gpu), cfg.max_workers, request)

@@ -13,7 +13,7 @@ import enum
 import threading
 from dataclasses import dataclass
 
-__all__ = ["EventLog", "Ran", "Transition"]
+__all__ = ["EventLog", "Ran", "StepRun", "Transition"]
 
 
 class Ran(enum.Enum):
@@ -77,3 +77,18 @@ class EventLog:
         """Events after index ``since`` and whether the run has ended."""
         with self._lock:
             return self._events[since:], self.done
+
+
+@dataclass
+class StepRun:
+    """One step's batch across its attempts: the lengths, the recoveries recorded with it so far (those carried
+    from the boundary first), the attempt number, and the times a recovery's re-run is measured from."""
+
+    batch: object
+    lengths: list[int]
+    recoveries: list[dict]
+    attempt: int = 0
+    task_epochs: list | None = None
+    mixed: dict | None = None
+    rerun_from: float = 0.0
+    t_done: float = 0.0
