@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flexorch.control.membership import Failure, Membership
-from flexorch.control.worker_group import MembershipFailure, WorkerGroupError
+from flexorch.control.settle import MembershipFailure, WorkerGroupError
 from flexorch.data.corpus import Corpus, resolve_blocks
 from flexorch.tasks.pipeline import PipelineTask
 from flexorch.tasks.placement import ALL, missing_parts, model_parts, transfers

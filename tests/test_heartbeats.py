@@ -122,13 +122,14 @@ def test_after_a_workers_own_error_a_peer_that_missed_beats_is_waited_for_not_ki
     import ray
 
     from flexorch.control import worker_group as wg
+    from flexorch.control.settle import BROKEN_WORLD_SILENCE_S
 
     monkeypatch.setattr(wg.RayWorkerGroup, "worker_class", _quiet_worker_class())
     g = wg.RayWorkerGroup(2, model_cfg={}, optim_cfg={}, seed=0, heartbeat_timeout_s=10.0)
     try:
         ray.get([g.actor(w).start_heartbeat.remote(g.host, g.heartbeats.port) for w in g.worker_ids])
         g.heartbeats.silent(set(g.worker_ids))  # the counts first seen now
-        quiet = wg.BROKEN_WORLD_SILENCE_S + 2.0
+        quiet = BROKEN_WORLD_SILENCE_S + 2.0
         results, failure = g.settle({0: g.actor(0).fail.remote(), 1: g.actor(1).slow.remote(quiet)}, 60.0)
         assert results == {1: 1}, "the quiet peer answered and was not killed"
         assert failure.lost == frozenset() and [w for w, _ in failure.errors] == [0], failure

@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from flexorch.control import worker_group as wg
-from flexorch.control.worker_group import RayWorkerGroup, WorkerGroupError
+from flexorch.control import settle
+from flexorch.control.settle import MembershipFailure, WorkerGroupError
+from flexorch.control.worker_group import RayWorkerGroup
 from tests.ray_env import SHARED_CPUS
 
 
@@ -131,7 +132,7 @@ def test_a_long_setup_call_publishes_who_is_still_working(ray_cluster, monkeypat
     events = []
     g = group(2, events)
     try:
-        monkeypatch.setattr(wg, "PROGRESS_EVERY_S", 0.5)
+        monkeypatch.setattr(settle, "PROGRESS_EVERY_S", 0.5)  # the wait on calls (control.settle)
         events.clear()
         slow = g.actor(1).slow.remote(3.0)
         got = g.call_all({0: g.actor(0).slow.remote(0.0), 1: slow}, "form a world", 60.0)
@@ -152,7 +153,7 @@ def test_a_call_that_outlasts_its_limit_says_so_rather_than_lost(ray_cluster, mo
     monkeypatch.setattr(RayWorkerGroup, "worker_class", stand_in())
     g = group(2, [])
     try:
-        with pytest.raises(wg.MembershipFailure) as e:
+        with pytest.raises(MembershipFailure) as e:
             g.call_all({0: g.actor(0).slow.remote(0.0), 1: g.actor(1).slow.remote(60.0)}, "probe", 1.5)
         assert e.value.failure.timed_out == {1} and e.value.failure.lost == {1}
         assert str(e.value) == "could not probe: workers [1] did not finish within its limit of 1.5 s and were killed"
@@ -291,7 +292,7 @@ def test_a_calibration_probe_that_outlasts_the_call_limit_is_a_clear_error(tmp_p
         def call(self, method: str, *args) -> list:
             if method == "probe" and args[0][0].degree > 1:
                 failure = Failure(frozenset({0, 1}), timed_out=frozenset({0, 1}))
-                raise wg.MembershipFailure("probe", failure, 150.0)
+                raise MembershipFailure("probe", failure, 150.0)
             return super().call(method, *args)
 
     cfg = train_config(tmp_path, tmp_path / "run", tmp_path / "unused.json", plan={"profile": "auto"})

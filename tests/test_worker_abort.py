@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from flexorch.control.worker_group import _where
-from flexorch.workers.actor import PeerLostError, Worker
+from flexorch.control.settle import _where
+from flexorch.workers.actor import Worker
+from flexorch.workers.errors import PeerLostError
 
 
 class _Registry:

@@ -211,18 +211,7 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
     ms = np.max(np.array(per_rank), axis=0)  # a group is as slow as its slowest member
     comp_samples = [ComputeSample(seq_lengths=p.lengths, ms=float(m)) for p, m in zip(compute, ms, strict=False)]
     act = float(np.median(group.call("activation_bytes_per_token")))
-    # what the executor holds per worker in the run's sharding mode, at the elastic floor (the largest share)
-    state_bytes = model_state_plan(cfg, cfg.min_workers).total
-    dims = dict(
-        num_layers=model.num_layers,
-        hidden=model.dim,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        bytes_per_element=2 if cfg.precision == "bf16" else 4,  # what SP collectives move per element
-        act_bytes_per_token=act,
-        memory_budget_bytes=state_bytes + (cfg.tokens_per_worker + 0.5) * act,
-        model_state_bytes=state_bytes,
-    )
+    dims = _profile_dims(cfg, act)
     # the compute fit alone first: it says how much of a group's time is not compute
     base, _ = fit_profile(
         "compute-only",
@@ -230,16 +219,7 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         compute_samples=comp_samples,
         comm_samples=_A2A_PLACEHOLDER,
     )
-    comm_samples, group_samples = [], []
-    for p, m in zip(groups, ms[len(compute) :], strict=True):
-        s = np.asarray(p.lengths, dtype=np.float64)
-        compute_ms = base.b1_ms + float((base.a1_ms * s * s + base.a2_ms * s).sum()) / p.degree
-        comm_samples.append(
-            CommSample(
-                kind=p.kind, degree=p.degree, tokens_per_rank=int(s.sum()) // p.degree, ms=max(0.01, m - compute_ms)
-            )
-        )
-        group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m)))
+    comm_samples, group_samples = _group_samples(base, groups, ms[len(compute) :])
     placeholder = not any(c.kind == "ulysses" for c in comm_samples)
     if placeholder:  # one worker or ring only: a2a table needs an entry
         comm_samples += _A2A_PLACEHOLDER
@@ -263,22 +243,59 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         "max_rel_error": float(np.max(errors)),
         "act_bytes_per_token": act,
     }
-    report["message"] = (
-        f"calibrated on {group.size} worker{'s' * (group.size != 1)} in {report['seconds']:.1f} s: "
+    report["message"] = _report_message(profile, report, group.size, len(errors), (cut, ran), notes)
+    return profile, report
+
+
+def _profile_dims(cfg, act: float) -> dict:
+    """The model's shape and memory terms of the fitted profile (``act``: activation bytes per token)."""
+    model = cfg.model
+    # what the executor holds per worker in the run's sharding mode, at the elastic floor (the largest share)
+    state_bytes = model_state_plan(cfg, cfg.min_workers).total
+    return dict(
+        num_layers=model.num_layers,
+        hidden=model.dim,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        bytes_per_element=2 if cfg.precision == "bf16" else 4,  # what SP collectives move per element
+        act_bytes_per_token=act,
+        memory_budget_bytes=state_bytes + (cfg.tokens_per_worker + 0.5) * act,
+        model_state_bytes=state_bytes,
+    )
+
+
+def _group_samples(base: Profile, groups, ms) -> tuple[list[CommSample], list[GroupSample]]:
+    """Each group probe's time as a collective sample (its time less the compute ``base`` predicts) and as a group
+    sample (its whole time)."""
+    comm_samples, group_samples = [], []
+    for p, m in zip(groups, ms, strict=True):
+        s = np.asarray(p.lengths, dtype=np.float64)
+        compute_ms = base.b1_ms + float((base.a1_ms * s * s + base.a2_ms * s).sum()) / p.degree
+        comm_samples.append(
+            CommSample(
+                kind=p.kind, degree=p.degree, tokens_per_rank=int(s.sum()) // p.degree, ms=max(0.01, m - compute_ms)
+            )
+        )
+        group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m)))
+    return comm_samples, group_samples
+
+
+def _report_message(profile: Profile, report: dict, workers: int, probes: int, cut_of, notes) -> str:
+    """The calibration's console line: the fitted terms and the prediction error over the probes, how many probes
+    were cut to fit the time (``cut_of``: (count, the probes as run)), then the fit's notes, one line each."""
+    cut, ran = cut_of
+    msg = (
+        f"calibrated on {workers} worker{'s' * (workers != 1)} in {report['seconds']:.1f} s: "
         f"a1={profile.a1_ms:.3g} ms/tok^2 "
         f"a2={profile.a2_ms:.3g} ms/tok b1={profile.b1_ms:.3g} ms, latency a2a {_fmt(profile.a2a_latency_ms)} "
-        f"p2p {_fmt(profile.p2p_latency_ms)}; {act:,.0f} activation bytes/token; prediction error over "
-        f"{len(errors)} probes: median {100 * report['median_rel_error']:.1f} %, max "
+        f"p2p {_fmt(profile.p2p_latency_ms)}; {report['act_bytes_per_token']:,.0f} activation bytes/token; "
+        f"prediction error over {probes} probes: median {100 * report['median_rel_error']:.1f} %, max "
         f"{100 * report['max_rel_error']:.1f} %"
     )
     if cut:
-        report["message"] += (
-            f"; {cut} of {len(ran)} probes cut to about {probe_run_s(ran):.2g} s a run ({PROBES_S:g} s in all)"
-        )
-    if notes:
-        # a bandwidth clamped because no byte cost showed is a fact about the probes, not a problem to act on
-        report["message"] += "".join(f"\n{'note' if ' clamped to ' in n else 'warning'}: {n}" for n in notes)
-    return profile, report
+        msg += f"; {cut} of {len(ran)} probes cut to about {probe_run_s(ran):.2g} s a run ({PROBES_S:g} s in all)"
+    # a bandwidth clamped because no byte cost showed is a fact about the probes, not a problem to act on
+    return msg + "".join(f"\n{'note' if ' clamped to ' in n else 'warning'}: {n}" for n in notes)
 
 
 def _fmt(table: dict) -> str:

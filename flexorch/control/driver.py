@@ -37,8 +37,8 @@ from flexorch.control.planner_client import PlannerFactory, RayPlannerClient
 from flexorch.control.profile_revisions import ProfileRevisions
 from flexorch.control.run_loop import RunLoop
 from flexorch.control.run_setup import RunSetup
+from flexorch.control.settle import MembershipFailure
 from flexorch.control.transitions import EventLog, Ran, StepRun, Transition
-from flexorch.control.worker_group import MembershipFailure
 from flexorch.data.mixture import source_fields
 from flexorch.data.task_corpus import multitask_fields, task_fields
 from flexorch.records.trackers import Trackers

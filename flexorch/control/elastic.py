@@ -42,7 +42,7 @@ from flexorch.control.membership import (
     Stay,
     WaitForCapacity,
 )
-from flexorch.control.worker_group import MembershipFailure, WorkerGroupError
+from flexorch.control.settle import MembershipFailure, WorkerGroupError
 from flexorch.tasks.placement import PartsLostError
 
 __all__ = ["Elastic", "ElasticError", "DRAIN_MARGIN_S"]
@@ -190,15 +190,7 @@ class Elastic:
             if not set(w.worker_ids) - fresh:
                 raise ElasticError(f"{what}: every worker that held the model state was lost. {self.checkpoint_hint()}")
             try:
-                if isinstance(decision, WaitForCapacity):
-                    fresh |= self._wait_for_capacity(decision)
-                source = min(ahead) if ahead else min(set(w.worker_ids) - fresh)
-                targets = set(w.worker_ids) - ahead if ahead else set(fresh)
-                w.sync_state(source, targets)
-                if ahead:
-                    ahead = set(w.worker_ids)
-                fresh.clear()
-                self.reform_s = w.form_world()
+                self._reform(decision, ahead, fresh)
             except MembershipFailure as e:
                 failure = e.failure
                 attempt += 1
@@ -234,6 +226,21 @@ class Elastic:
             self._note_layout(rec)
             self.publish({"event": "membership", **rec})
             return rec
+
+    def _reform(self, decision: Decision, ahead: set[int], fresh: set[int]) -> None:
+        """Wait for capacity when the decision says so, copy the state to the members that lack it (from one that
+        finished the failed step, else from a holder) and form a world. ``ahead`` and ``fresh`` are updated in
+        place: after the copy every member holds what ``ahead`` held, and no member is fresh."""
+        w = self.workers
+        if isinstance(decision, WaitForCapacity):
+            fresh |= self._wait_for_capacity(decision)
+        source = min(ahead) if ahead else min(set(w.worker_ids) - fresh)
+        targets = set(w.worker_ids) - ahead if ahead else set(fresh)
+        w.sync_state(source, targets)
+        if ahead:
+            ahead |= set(w.worker_ids)
+        fresh.clear()
+        self.reform_s = w.form_world()
 
     def _note_layout(self, rec: dict) -> None:
         """Add ``layout`` to a membership record when the new world's size changes what the sharding does."""

@@ -3,7 +3,7 @@
 :class:`~flexorch.control.worker_group.RayWorkerGroup` is the real one (one Ray actor per device). Anything with
 these members can stand in (``TrainingDriver(cfg, worker_group=...)``), e.g. the in-process fake of the driver tests
 (``tests/fake_cluster.py``). A call that fails because workers died, hung or saw the world break raises
-:class:`~flexorch.control.worker_group.MembershipFailure`; :meth:`WorkerGroup.settle` returns that failure instead.
+:class:`~flexorch.control.settle.MembershipFailure`; :meth:`WorkerGroup.settle` returns that failure instead.
 """
 
 from __future__ import annotations

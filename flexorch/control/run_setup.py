@@ -26,7 +26,8 @@ from flexorch.control.membership import ElasticPolicy
 from flexorch.control.memory_budget import resolve_device_budget
 from flexorch.control.planner_client import PlannerSpec
 from flexorch.control.recompute_choice import with_recompute_ratios
-from flexorch.control.worker_group import MembershipFailure, RayWorkerGroup
+from flexorch.control.settle import MembershipFailure
+from flexorch.control.worker_group import RayWorkerGroup
 from flexorch.data.bpe import prepare_tokenizer
 from flexorch.data.corpus import load_corpus
 from flexorch.data.mixture import MixtureStream, load_mixture, mixture_tokenizer

@@ -6,9 +6,9 @@ and grow when one joins. ``membership`` maps stable worker ids to ranks (rank = 
 Every :meth:`form_world` starts a new membership epoch with a fresh rendezvous TCPStore hosted here; dropping the
 old store closes its connections, so workers stuck in an abandoned rendezvous fail at once.
 
-:meth:`settle` waits for a call on every worker and sorts what happened into a :class:`~flexorch.control.membership.
-Failure` (lost, peer errors, deterministic errors, completed) instead of failing on the first error: the elastic
-driver needs to know who survived and in which state.
+:meth:`settle` (``control.settle``, a base class) waits for a call on every worker and sorts what happened into a
+:class:`~flexorch.control.membership.Failure` value; ``control.state_moves`` (the other base class) moves the model
+state between members. This file holds the world: starting, admitting and removing members, forming a world.
 
 Starting workers on a slow machine (``control.worker_start``): a worker is waited for while it makes progress, not for
 a fixed time; the group gives up only when nothing changed for ``placement_timeout_s``, when a start failed, or at
@@ -18,9 +18,7 @@ once when the cluster has fewer slots than needed. Setup waits publish ``{"event
 from __future__ import annotations
 
 import dataclasses
-import re
 import time
-from pathlib import Path
 
 import ray
 import torch.distributed as dist
@@ -28,68 +26,23 @@ import torch.distributed as dist
 from flexorch.config.model import ModelConfig
 from flexorch.control.drains import NodeDrain, draining_nodes, free_slots_on_draining
 from flexorch.control.heartbeats import Heartbeats
-from flexorch.control.membership import Failure, Membership
+from flexorch.control.membership import Membership
+from flexorch.control.settle import PROGRESS_EVERY_S, Settling, WorkerGroupError
+from flexorch.control.state_moves import ModelStateMoves
 from flexorch.control.worker_start import WorkerStarter
-from flexorch.tasks.placement import ALL, PartsLostError, handoff_needs, missing_parts, model_parts, transfers
-from flexorch.workers.actor import PeerLostError, StepOutOfMemoryError, WorkerActor
+from flexorch.tasks.placement import ALL, PartsLostError, model_parts
+from flexorch.workers.actor import WorkerActor
 
-BEAT_CHECK_S = 0.5  # while waiting on workers: how often their heartbeats are looked at
-BROKEN_WORLD_SILENCE_S = 3.0
-"""Once a world broke (a member lost, its peers failing out), a member still unanswered whose heartbeat has not moved
-for this long is counted lost too, without waiting out ``heartbeat_timeout_s``: a live worker beats through any
-step (the thread beats beside it), so after a failure three missed beats mean its process or node is gone (a node
-killed at once: its raylet and workers, whose deaths Ray reports only after its health check gives up). Not after
-a worker's own error: then nothing is lost yet, and the peers hold the state an emergency checkpoint is written from,
-so a loaded machine's missed beats must not cost a shard (``ERROR_GRACE_S`` and ``heartbeat_timeout_s`` apply)."""
-ERROR_GRACE_S = 15.0
-"""After a worker raises (a bug: the run stops), how long its peers get to leave the broken world before they are
-killed: they hold the state the emergency checkpoint is written from (``control.emergency``), and on a loaded
-2-core machine a peer can take several seconds to fail out of a closed rendezvous (killed sooner, its shard is lost
-and no emergency checkpoint can be written). Well below ``collective_timeout_s``: a bug still stops the run in
-seconds."""
 STOP_BEATS_S = 2.0  # at shutdown: the longest wait for the workers' heartbeat threads to stop
-PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
 
-__all__ = ["RayWorkerGroup", "WorkerGroupError", "MembershipFailure"]
-
-
-class WorkerGroupError(RuntimeError):
-    """Workers could not be placed, or failed in a way the run cannot recover from."""
-
-
-class MembershipFailure(WorkerGroupError):
-    """A call on the workers failed; ``failure`` says who was lost and in which state the others are."""
-
-    def __init__(self, what: str, failure: Failure, timeout_s: float | None = None):
-        self.failure = failure
-        parts = []
-        if failure.lost - failure.timed_out:
-            parts.append(f"lost workers {sorted(failure.lost - failure.timed_out)}")
-        if failure.timed_out:
-            limit = f" within its limit of {timeout_s:.3g} s" if timeout_s is not None else " in time"
-            parts.append(f"workers {sorted(failure.timed_out)} did not finish{limit} and were killed")
-        if failure.peer_errors:
-            parts.append(f"workers {sorted(failure.peer_errors)} left the broken world")
-        parts += [f"worker {w}: {m}" for w, m in failure.errors]
-        super().__init__(f"could not {what}: {'; '.join(parts)}")
-
-
-def _where(err: BaseException) -> str:
-    """`` (at FILE:LINE in FUNC)``: the innermost frame of a worker's own error, from the traceback its worker
-    attached as a note (``Worker._guarded``), so a one-line reason still says where it was raised."""
-    for note in reversed(getattr(err, "__notes__", None) or ()):
-        frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', note)
-        if frames:
-            path, line, func = frames[-1]
-            return f" (at {Path(path).name}:{line} in {func})"
-    return ""
+__all__ = ["RayWorkerGroup"]
 
 
 def _no_publish(event: dict) -> None:
     """The default ``publish``: progress goes nowhere."""
 
 
-class RayWorkerGroup:
+class RayWorkerGroup(Settling, ModelStateMoves):
     """Worker actors keyed by stable worker id; ``actors`` lists the members in rank order."""
 
     worker_class = WorkerActor
@@ -241,30 +194,6 @@ class RayWorkerGroup:
         """Nodes of the cluster being drained (``control.drains``)."""
         return draining_nodes()
 
-    def hand_off(self, leaving) -> dict:
-        """Before members ``leaving`` go (their node is being drained), give the members that stay what only the
-        leaving hold: with sharded state each leaving worker's shards (round robin over the stayers, who bring them
-        to the next world's re-shard); with stage-local parameters the parts no stayer holds (``place_params``);
-        replicas hold everything already. Returns ``{"handoff_bytes", "handoff_ms"}``."""
-        t0 = time.perf_counter()
-        leaving = sorted(leaving)
-        stay = [w for w in self.worker_ids if w not in leaving]
-        nbytes = 0
-        if self.sharded:  # each leaver returns (size, holding): the driver waits on the sizes, never the shards
-            pairs = {w: self._actors[w].hand_off.remote() for w in leaving}
-            self.call_all({w: p[0] for w, p in pairs.items()}, "hand off the leaving workers' shards", self.timeout_s)
-            handed: dict[int, list] = {}
-            for i, w in enumerate(leaving):
-                handed.setdefault(stay[i % len(stay)], []).append(pairs[w][1])
-            refs = {dst: self._actors[dst].take_handoff.remote(rs) for dst, rs in handed.items()}
-            got = self.call_all(refs, "take the leaving workers' shards", self.timeout_s)
-            nbytes = int(sum(got.values()))
-        else:
-            needed = handoff_needs(self.held, self.worker_ids, leaving, self.parts)
-            if needed is not None:
-                nbytes = int(self.place_params(needed)["moved_bytes"])
-        return {"handoff_bytes": nbytes, "handoff_ms": (time.perf_counter() - t0) * 1e3}
-
     def start_workers(self, count: int) -> list[int]:
         """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
         ids = self.membership.new_ids(count)
@@ -336,208 +265,11 @@ class RayWorkerGroup:
             for w, t, refs in zip(self.worker_ids, tasks, block_refs, strict=True)
         }
 
-    def settle(self, refs: dict, timeout_s: float, what: str | None = None) -> tuple[dict, Failure | None]:
-        """Wait for every worker's call; returns ({worker id: result} of those that finished, failure or None).
-
-        After the first failure the rendezvous store is closed (a worker waiting in a rendezvous or ``new_group``
-        fails at once) and the others get ``collective_timeout_s`` plus a grace to settle (survivors whose
-        collective broke fail fast; one blocked on a silent peer fails at its collective timeout); a worker that
-        has not answered by then is hung: it is killed and counted as lost. A worker's own error (a bug, bad
-        input) is final, so then the others get only ``ERROR_GRACE_S``; those still unanswered then are killed unless
-        their heartbeat shows them alive (in a bounded wait: they are left running and reported nowhere, since the
-        run stops on the error and its emergency checkpoint may need their state). With ``what``, a wait
-        longer than ``PROGRESS_EVERY_S`` publishes progress (who answered, who is still working).
-        """
-        pending = {ref: wid for wid, ref in refs.items()}
-        results, lost, peer, errors, oom = {}, set(), set(), [], set()
-        self.silent, self.failed_at = {}, None
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        tick = t0 + PROGRESS_EVERY_S
-        while pending:
-            now = time.monotonic()
-            left = deadline - now
-            if left <= 0:
-                break
-            if what is not None and now >= tick:
-                tick = now + PROGRESS_EVERY_S
-                msg = (
-                    f"waiting for workers ({what}): {len(refs) - len(pending)} of {len(refs)} done after "
-                    f"{now - t0:.0f} s (still working: workers {sorted(pending.values())})"
-                )
-                self._publish({"event": "progress", "message": msg})
-            wait_s = left if what is None else max(0.0, min(left, tick - now))
-            if self.heartbeat_timeout_s:
-                wait_s = min(wait_s, BEAT_CHECK_S)
-                limit = self.heartbeat_timeout_s
-                if self.failed_at is not None and not errors:  # a member was lost: silence means gone too
-                    limit = min(limit, BROKEN_WORLD_SILENCE_S)
-                hung = self.heartbeats.silent(set(pending.values()), limit)
-                if hung:  # killed now: its sockets close, so peers blocked on it fail at once
-                    for ref in [r for r, w in pending.items() if w in hung]:
-                        ray.kill(self._actors[pending.pop(ref)], no_restart=True)
-                    lost |= set(hung)
-                    self.silent.update(hung)
-                    if self.failed_at is None:
-                        self.failed_at = time.monotonic()
-                        self._abort_pending(pending.values())
-                    self.store = None
-                    if not errors:
-                        deadline = min(deadline, time.monotonic() + self.timeout_s + 5.0)
-                    continue
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait_s)
-            for ref in ready:
-                wid = pending.pop(ref)
-                try:
-                    results[wid] = ray.get(ref)
-                    continue
-                except ray.exceptions.RayActorError:
-                    lost.add(wid)
-                except ray.exceptions.RayTaskError as e:
-                    cause = e.cause if e.cause is not None else e
-                    if isinstance(cause, PeerLostError) or isinstance(e, PeerLostError):
-                        peer.add(wid)
-                    elif isinstance(cause, StepOutOfMemoryError):  # not final: re-planned with less memory
-                        oom.add(wid)
-                    else:
-                        first = str(cause).splitlines()[0][:500]
-                        errors.append((wid, f"{type(cause).__name__}: {first}{_where(cause)}"))
-                if self.failed_at is None:  # the world is broken: end every collective still waiting in it now
-                    self.failed_at = time.monotonic()
-                    self._abort_pending(pending.values())
-                if self.store is not None:  # the world is broken: workers blocked in its rendezvous fail now
-                    self.store = None
-                # a worker's own error ends the run (it is not retried), so peers get a short grace only
-                grace = ERROR_GRACE_S if errors else self.timeout_s + 5.0
-                deadline = min(deadline, time.monotonic() + grace)
-        timed_out = set()
-        for wid in pending.values():  # hung past the collective timeout
-            if errors and self.heartbeats.beating(wid):
-                continue  # alive, in a bounded wait: left running, its state may be kept (control.emergency)
-            ray.kill(self._actors[wid], no_restart=True)
-            lost.add(wid)
-            if self.failed_at is None:  # nothing else failed: the call itself ran past its limit
-                timed_out.add(wid)
-        if not (lost or peer or errors or oom):
-            return results, None
-        return results, Failure(
-            frozenset(lost), frozenset(peer), tuple(errors), frozenset(results), frozenset(oom), frozenset(timed_out)
-        )
-
-    def _abort_pending(self, worker_ids) -> None:
-        """Tell workers still in a call on a broken world to shut its sockets down (``Worker.abort_world``, on
-        their control thread): a collective waiting on a gone or frozen peer fails at once. Not waited for."""
-        for w in worker_ids:
-            abort = getattr(self._actors.get(w), "abort_world", None)  # a stand-in worker class may lack it
-            if abort is not None:  # this epoch's world only: a late abort must not reach the next world
-                abort.remote(self.membership.epoch)
-
-    def detection(self, lost) -> dict | None:
-        """How the last :meth:`settle`'s failure was found (``Heartbeats.detection``): by, detect_ms, since_ms."""
-        return self.heartbeats.detection(lost, self.failed_at, self.silent)
-
-    def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
-        """:meth:`settle`, raising :class:`MembershipFailure` on any failure."""
-        results, failure = self.settle(refs, timeout_s, what)
-        if failure is not None:
-            raise MembershipFailure(what, failure, timeout_s)
-        return results
-
-    def sync_state(self, source: int, targets) -> None:
-        """Copy model, optimizer, schedule and RNG state from worker ``source`` to ``targets`` (object store): they
-        then hold what ``source`` holds (with stage-local parameters, its parts only)."""
-        targets = [t for t in targets if t != source]
-        if self.sharded:  # sharded state moves as the next world forms (flexorch.workers.reshard)
-            return
-        if targets:
-            ref = self._actors[source].get_state.remote()
-            self.call_all(
-                {t: self._actors[t].set_state.remote(ref) for t in targets}, "copy the model state", self.timeout_s
-            )
-            for t in targets:
-                self.held[t] = self.held[source]
-
-    def missing_parts(self) -> list[str]:
-        """Model parts no member holds (their every holder was lost)."""
-        return missing_parts({w: self.held[w] for w in self.worker_ids}, self.parts)
-
-    def place_params(self, needed_by_rank) -> dict:
-        """Before a step with stage-local parameters: copy to each member the parts it will need and does not hold
-        (``needed_by_rank[r]``: the parts rank r holds during the step), each from a holder, through the object
-        store; the step itself drops what a member no longer needs. Returns what moved."""
-        t0 = time.perf_counter()
-        needed = {w: frozenset(needed_by_rank[r]) for r, w in enumerate(self.worker_ids)}
-        moves = transfers({w: self.held[w] for w in self.worker_ids}, needed, self.parts)
-        refs = {}
-        for dst, srcs in moves.items():
-            exported = [self._actors[src].export_parts.remote(list(parts)) for src, parts in srcs.items()]
-            refs[dst] = self._actors[dst].import_parts.remote(exported)
-        got = self.call_all(refs, "move parameters between stages", self.timeout_s) if refs else {}
-        self.held.update(needed)
-        return {
-            "moved_parts": sum(len(ps) for srcs in moves.values() for ps in srcs.values()),
-            "moved_bytes": int(sum(got.values())),
-            "move_ms": (time.perf_counter() - t0) * 1e3,
-        }
-
-    def get_state(self, rank: int = 0) -> dict:
-        """The whole model's state: from one member when it holds everything, else assembled from holders of
-        every part (model tensors and optimizer state by part; schedule and RNG from the first)."""
-        ids = self.worker_ids
-        first = ids[rank]
-        if self.held[first] is ALL:
-            return self.call_all(
-                {first: self._actors[first].get_state.remote()}, "fetch the model state", self.timeout_s
-            )[first]
-        missing = self.missing_parts()
-        if missing:
-            raise WorkerGroupError(f"no member holds {missing}: the model state cannot be assembled")
-        chosen, covered = [], set()
-        for w in [first, *[x for x in ids if x != first]]:  # fewest fetches: take holders in rank order
-            if self.held[w] is ALL or not self.held[w] <= covered:
-                chosen.append(w)
-                covered |= set(self.parts) if self.held[w] is ALL else self.held[w]
-            if covered >= set(self.parts):
-                break
-        got = self.call_all(
-            {w: self._actors[w].get_state.remote() for w in chosen}, "fetch the model state", self.timeout_s
-        )
-        state = dict(got[chosen[0]])
-        state["model"], state["optimizer"] = {}, dict(state["optimizer"], state={})
-        for w in chosen:
-            state["model"].update(got[w]["model"])
-            state["optimizer"]["state"].update(got[w]["optimizer"]["state"])
-        state["parts"] = None
-        return state
-
-    def save_sharded(self, directory: str) -> None:
-        """Every member writes its shard of the model state into ``directory`` (sharded model state)."""
-        self.call_all(
-            {w: self._actors[w].save_sharded.remote(directory) for w in self.worker_ids}, "save", self.timeout_s
-        )
-
-    def set_state(self, state: dict) -> None:
-        if "sharded_dir" in state:  # a sharded checkpoint: each member reads its own rows, on any world size
-            d = state["sharded_dir"]
-            self.call_all({w: self._actors[w].load_sharded.remote(d) for w in self.worker_ids}, "load", self.timeout_s)
-            return
-        ref = ray.put(state)
-        self.call_all({w: self._actors[w].set_state.remote(ref) for w in self.worker_ids}, "load state", self.timeout_s)
-        for w in self.worker_ids:
-            self.held[w] = ALL if state.get("parts") is None else frozenset(state["parts"])
-
     def call(self, method: str, *args) -> list:
         """Call a worker method on every rank and wait; results in rank order (e.g. 'parameters_digest')."""
         refs = {w: getattr(self._actors[w], method).remote(*args) for w in self.worker_ids}
         out = self.call_all(refs, method, self.timeout_s + 30)
         return [out[w] for w in self.worker_ids]
-
-    def state_versions(self, timeout_s: float) -> dict[int, int]:
-        """{worker id: optimizer steps in the state it holds} of the members that answer within ``timeout_s``; one
-        that does not (dead or hung) is left out (and killed, as :meth:`settle` does)."""
-        refs = {w: self._actors[w].state_version.remote() for w in self.worker_ids}
-        results, _ = self.settle(refs, timeout_s)
-        return {w: int(v) for w, v in results.items()}
 
     def shutdown(self) -> None:
         """Stop the workers' heartbeats (a bounded wait: a hung worker does not answer), kill the workers, then
