@@ -273,7 +273,7 @@ def test_worker_passes_its_device_and_backend_to_the_registry(monkeypatch):
 
 
 def test_a_failed_step_leaves_the_world_by_aborting_it():
-    from flexorch.workers.actor import PeerLostError
+    from flexorch.workers.errors import PeerLostError
 
     w = _bare_worker()
     w.registry = reg = RecordingRegistry()

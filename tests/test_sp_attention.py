@@ -300,7 +300,7 @@ def _fake_flash_attn(custom_op: bool):
     flash-attn 2.5/2.6 (plain function, ``window_size`` tuple) and >= 2.7 (torch custom op, split windows)."""
     import types
 
-    from flexorch.workers.attention import kernels
+    from flexorch.workers.attention import torch_cpu
 
     def seqlens(cu):
         return Seqlens(tuple(cu.tolist()))
@@ -308,11 +308,11 @@ def _fake_flash_attn(custom_op: bool):
     def fwd(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=None, causal=False, **kw):
         assert kw == {"return_attn_probs": True} and dropout_p == 0.0
         assert (max_q, max_k) == (seqlens(cu_q).max_seqlen, seqlens(cu_k).max_seqlen)
-        return (*kernels._math_forward(q, k, v, seqlens(cu_q), seqlens(cu_k), causal, softmax_scale), None)
+        return (*torch_cpu.math_forward(q, k, v, seqlens(cu_q), seqlens(cu_k), causal, softmax_scale), None)
 
     def bwd_impl(dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p, scale, causal):
         assert (max_q, max_k, dropout_p) == (seqlens(cu_q).max_seqlen, seqlens(cu_k).max_seqlen, 0.0)
-        grads = kernels._math_backward(dout, q, k, v, out, lse, seqlens(cu_q), seqlens(cu_k), causal, scale)
+        grads = torch_cpu.math_backward(dout, q, k, v, out, lse, seqlens(cu_q), seqlens(cu_k), causal, scale)
         for dst, src in zip((dq, dk, dv), grads, strict=True):
             dst.copy_(src)
         return torch.empty(0)
@@ -356,18 +356,18 @@ def _new_style_backward(impl):
 def test_flash_attn_adapter_passes_arguments_in_order(monkeypatch, custom_op):
     # No GPU needed: the flash-attn adapter runs against a fake module, with unequal q / k documents (as in
     # ring steps) so a swapped argument changes the result or trips an assertion in the fake.
-    from flexorch.workers.attention import flash, kernels
+    from flexorch.workers.attention import flash, torch_cpu
 
     monkeypatch.setattr(flash, "flash_attn_module", lambda: _fake_flash_attn(custom_op))
     q, k, v, dout, _ = make_case(9, [24, 40], 4, 2)
     q, k, v, dout = (x.float() for x in (q, k, v, dout))
     cu_q, cu_k = Seqlens((0, 24, 64)), Seqlens((0, 10, 64))
     got = flash.flash_forward(q, k, v, cu_q, cu_k, False, 0.3)
-    want = kernels._cpu_forward(q, k, v, cu_q, cu_k, False, 0.3)
+    want = torch_cpu.cpu_forward(q, k, v, cu_q, cu_k, False, 0.3)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TOL)
     got = flash.flash_backward(dout, q, k, v, *want, cu_q, cu_k, False, 0.3)
-    want = kernels._cpu_backward(dout, q, k, v, *want, cu_q, cu_k, False, 0.3)
+    want = torch_cpu.cpu_backward(dout, q, k, v, *want, cu_q, cu_k, False, 0.3)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, **TOL)
 

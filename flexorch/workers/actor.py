@@ -6,7 +6,10 @@ specs of the corpus store parts its documents live in (it reads its own document
 process groups the plan names (collectively, in the same order on every rank), runs its micro-batches and steps the
 optimizer. With pipeline
 stages and ``[pipeline] params = "stage"`` it holds only its stage's parts (``flexorch.workers.pipeline.held_params``).
-One thread per worker on CPU (docs/design.md §7).
+One thread per worker on CPU (docs/design.md §7). The model state lives in one of two base classes, by
+``[sharding] mode``: ``workers.replicated_state`` (the whole model, or a pipeline stage's parts) or
+``workers.sharded_state`` (FSDP2 shards, re-sharded as each world forms); measurements and the fault seam are the
+other two.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
 from flexorch.data.store.shards import open_parts
 from flexorch.tasks.pipeline import PipelineTask
-from flexorch.tasks.placement import ALL
 from flexorch.tasks.step import StepTask
 from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_layers, compile_seconds, compiled_layers, wants_compile
 from flexorch.workers.devices import device_memory, pin_device
+from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError
 from flexorch.workers.faults import FAULT_POINTS, FaultSeam
 from flexorch.workers.measurements import WorkerMeasurements
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
@@ -39,9 +42,11 @@ from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
 from flexorch.workers.recompute import built_mode
+from flexorch.workers.replicated_state import ReplicatedState
+from flexorch.workers.sharded_state import ShardedState, holding_bytes
 from flexorch.workers.step_exec import StepOutcome, run_step
 
-__all__ = ["WorkerActor", "Worker", "PeerLostError", "StepOutOfMemoryError", "FAULT_POINTS", "HEARTBEAT_S"]
+__all__ = ["WorkerActor", "Worker", "FAULT_POINTS", "HEARTBEAT_S"]
 
 STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
@@ -49,22 +54,12 @@ HEARTBEAT_S = 1.0
 """How often a worker's heartbeat thread beats (``Worker.start_heartbeat``)."""
 
 
-class PeerLostError(RuntimeError):
-    """A collective failed because the world broke (a peer died, hung or left); this worker has left the world
-    and keeps its state from before the step, ready to join the next one."""
-
-
-class StepOutOfMemoryError(RuntimeError):
-    """This worker's device ran out of memory in a step. Its gradients are dropped and its cache emptied, so the
-    state it holds is the state before the step; the driver re-plans the step with a smaller memory budget."""
-
-
 def _is_world_error(e: BaseException) -> bool:
     markers = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe")
     return isinstance(e, dist.DistError | ConnectionError) or any(m in str(e) for m in markers)
 
 
-class Worker(WorkerMeasurements, FaultSeam):
+class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
     """The worker's state and methods, usable in-process (tests) or as a Ray actor (:data:`WorkerActor`)."""
 
     def __init__(
@@ -214,86 +209,7 @@ class Worker(WorkerMeasurements, FaultSeam):
         if not self.sharded or self.model is None:
             raise RuntimeError(f"worker {self.worker_id} holds no sharded state to hand off")
         held = on_cpu(self._holding())
-        return _holding_bytes(held), held
-
-    def take_handoff(self, handed: list) -> int:
-        """Keep the holdings of workers that are leaving (refs to their :meth:`hand_off`) until the next world's
-        re-shard takes them in (``join_world``); returns the bytes received. A holding that is gone (its node went
-        first) is a :class:`PeerLostError`: the driver's recovery sorts out who is left."""
-        try:
-            got = ray.get(list(handed))  # refs nested in a list arrive unresolved: fetched now, before the leavers go
-        except ray.exceptions.RayError as e:
-            raise PeerLostError(
-                f"worker {self.worker_id}: a handed-off shard is gone ({str(e).splitlines()[0]})"
-            ) from None
-        self._handed = [*getattr(self, "_handed", ()), *got]
-        return sum(_holding_bytes(h) for h in got)
-
-    def _holding(self):
-        if not self.sharded or self.model is None:
-            return None
-        from flexorch.workers.reshard import holding_of
-
-        return holding_of(self.model, self.optimizer, self.scheduler, self.version, self._positions)
-
-    def _reshard(self, holding, initial: bool) -> dict:
-        from flexorch.workers.fsdp import fill_initial, shard_position
-        from flexorch.workers.reshard import exchange
-
-        reg = self.registry
-        with reg.tracking():  # the mesh's groups are this world's too: abort_world must reach their sockets
-            self.model = self._build_sharded()
-        params = list(self.model.parameters())
-        opt = build_optimizer(self.model, self.optim_cfg, foreach=True) if params else (None, None)
-        self.optimizer, self.scheduler = opt
-        self._positions = {n: shard_position(p) for n, p in self.model.named_parameters()}
-        if initial:
-            fill_initial(self.model, self.model_cfg, self.seed)
-            self.version = 0
-            return {"version": 0, "newest": 0}
-        newest = [None] * reg.world_size
-        mine = max((h.version for h in holding), default=None) if holding is not None else None
-        dist.all_gather_object(newest, mine, group=reg.world)
-        shapes = self.model_cfg.param_shapes()
-        version = exchange(holding, self.model, self.optimizer, self.scheduler, reg.world, shapes)
-        if version is not None:
-            self.version = version
-        return {"version": version, "newest": max((v for v in newest if v is not None), default=None)}
-
-    def _build_sharded(self):
-        """This world's sharded decoder: over the whole mesh, or (pipeline stages) this rank's stage's parts over
-        the stage's workers (stage r is ranks ``[r*d, (r+1)*d)``, ``d = world // stages``, as the planner maps
-        them; ranks left over hold nothing)."""
-        from flexorch.solver.pipeline.stage_model import stage_layers
-        from flexorch.workers.fsdp import build_mesh, sharded_decoder, stage_sharded_decoder
-
-        reg, sh = self.registry, self.sharding
-        device_type = "cuda" if self.device else "cpu"
-        stages = sh.get("stages", 1)
-        if stages == 1:
-            mesh = build_mesh(sh["mode"], reg.world_size, sh["shard_size"], device_type)
-            return sharded_decoder(
-                self.model_cfg,
-                mesh,
-                precision=sh["precision"],
-                recompute=built_mode(sh),
-                device=self.device,
-            )
-        from torch.distributed.device_mesh import DeviceMesh
-
-        d = reg.world_size // stages
-        sets = [tuple(range(r * d, (r + 1) * d)) for r in range(stages)]
-        reg.ensure(sets)  # every rank, the same sets (a collective)
-        stage = reg.rank // d if reg.rank < stages * d else None
-        if stage is None:
-            return _NoParams()
-        layers = stage_layers(self.model_cfg.num_layers, stages)
-        first = sum(layers[:stage])
-        mesh = DeviceMesh.from_group(reg.group(sets[stage]), device_type, mesh_dim_names=("shard",))
-        return stage_sharded_decoder(
-            self.model_cfg, mesh, first, first + layers[stage], is_first=stage == 0, is_last=stage == stages - 1,
-            precision=sh["precision"], device=self.device,
-        )  # fmt: skip
+        return holding_bytes(held), held
 
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
         # The store is up when the driver asks us to join; when the driver has already closed it (the world broke
@@ -407,54 +323,6 @@ class Worker(WorkerMeasurements, FaultSeam):
 
         return resident_bytes(self.model, self.optimizer)
 
-    def save_sharded(self, directory: str) -> None:
-        """Write this worker's shard of the model and optimizer state into ``directory`` (a collective over the
-        world: ``torch.distributed.checkpoint``, one file per worker; ``flexorch.workers.sharded_checkpoint``)."""
-        from flexorch.workers.sharded_checkpoint import save_sharded
-
-        self._guarded(save_sharded, directory, self.model, self.optimizer, self.scheduler, self.version)
-
-    def load_sharded(self, directory: str) -> int:
-        """Load a sharded checkpoint written on any number of workers (a collective: each worker reads the rows
-        of its shard); returns the state version loaded."""
-        from flexorch.workers.sharded_checkpoint import load_sharded
-
-        self.version = self._guarded(load_sharded, directory, self.model, self.optimizer, self.scheduler)
-        return self.version
-
-    def get_state(self) -> dict:
-        """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers. With stage-local
-        parameters only the parts held (``parts``; None: the whole model) and their optimizer state."""
-        held = set(self.held.held_names())
-        return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k in held},
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
-            "scheduler": self.scheduler.state_dict(),
-            "rng": torch.get_rng_state(),
-            "parts": None if self.held.held is ALL else sorted(self.held.held),
-        }
-
-    def set_state(self, state: dict) -> None:
-        """Take ``state`` (whole or partial, from :meth:`get_state` or a checkpoint): hold exactly its parts."""
-        self.held.set_from(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"])
-        self.version = int(self.scheduler.last_epoch)
-
-    def export_parts(self, parts: list[str]) -> dict:
-        """The parameters and optimizer state of ``parts`` (``flexorch.tasks.placement``), for another worker."""
-        return self.held.export(set(parts))
-
-    def import_parts(self, exported: list) -> int:
-        """Hold the parts of ``exported`` (refs to :meth:`export_parts` results); returns the bytes received
-        (parameters and their optimizer state)."""
-        got = ray.get(list(exported))  # refs nested in a list arrive unresolved
-        for item in got:
-            self.held.load(item)
-        tensors = [t for item in got for v in item.values() for t in (v["data"], *v["state"].values())]
-        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
     def parameters_digest(self) -> list:
         """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference); sharded:
         the whole parameters gathered from the shards (a collective)."""
@@ -464,15 +332,6 @@ class Worker(WorkerMeasurements, FaultSeam):
             return self._guarded(gathered_parameters, self.model)
         held = set(self.held.held_names())
         return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items() if k in held]
-
-
-class _NoParams(torch.nn.Module):
-    """What a rank on no pipeline stage holds of a sharded model: nothing."""
-
-
-def _holding_bytes(held) -> int:
-    """Bytes of the tensors of a :class:`~flexorch.workers.reshard.Holding`."""
-    return sum(t.numel() * t.element_size() for e in held.tensors.values() for t in e.values())
 
 
 def _drop_frames(err: BaseException) -> None:
@@ -494,16 +353,6 @@ def _wants_gpu(use_gpu: bool | None) -> bool:
     if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
         return bool(ray.get_gpu_ids())
     return torch.cuda.is_available()
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(_to_cpu(v) for v in obj)
-    return obj
 
 
 def _td(seconds: float):

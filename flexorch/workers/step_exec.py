@@ -167,49 +167,79 @@ def run_step(
     ``"micro_batch"`` (after each forward), ``"before_sync"`` and ``"after_sync"`` (gradients all-reduced, the
     optimizer not yet stepped): the worker's fault injection for the elasticity tests, None otherwise.
     """
-    hook = hook or (lambda point: None)
-    t0 = time.perf_counter()
-    out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
     optimizer.zero_grad(set_to_none=False)
-    device = next(model.parameters()).device
-    local_loss = torch.zeros((), dtype=torch.float64)
-    local_pred = 0
     params = [p for p in model.parameters() if p.requires_grad]
-    per_task = TaskLosses(task)
+    run = MicroBatches(
+        model, task, blocks, group_of, vocab_size, backend, hook, params, next(model.parameters()).device
+    )
     for work in task.work:
-        t_mb = time.perf_counter()
-        tokens, cu = _documents(work, blocks)
-        check_token_range(stored_token_ids(tokens), vocab_size)
-        group_rank = work.ranks.index(task.rank)
-        ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
-        group = group_of(work.ranks) if work.degree > 1 else None
-        attn = group_attention(layout, work, group, backend)
-        if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
-            set_activation_checkpointing(model, work.recompute)
-        scale = begin_group(model, task, work)  # [[tasks]]: this group's adapter and loss weight
-        with saved_tensor_meter(params) as meter:  # activation bytes held for backward: the plan's memory
-            loss = model(ids.to(device), pos.to(device), attn, labels=labels.to(device))  # head + loss, chunked
-        out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
-        hook("micro_batch")
-        per_task.add(work, loss)
-        if scale != 1.0:
-            loss = loss * scale
-        loss.backward()
-        local_loss += loss.detach().double().cpu()
-        local_pred += int((labels != -100).sum())
-        out.local_tokens += int(ids.numel())
-        out.peak_local_tokens = max(out.peak_local_tokens, int(ids.numel()))
-        out.micro_batch_ms.append((time.perf_counter() - t_mb) * 1e3)
-        out.micro_batches.append(work.micro_batch)
-        out.micro_batch_start_ms.append((t_mb - t0) * 1e3)
-    out.compute_end_ms = (time.perf_counter() - t0) * 1e3
+        run.run(work)
+    out = run.out
+    out.compute_end_ms = (time.perf_counter() - run.t0) * 1e3
 
     out = sync_and_step(
-        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0,
-        task_losses=per_task,
+        out, params, run.loss, run.predicted, task, world, optimizer, scheduler, optim_cfg, hook=run.hook, t0=run.t0,
+        task_losses=run.per_task,
     )  # fmt: skip
     out.param_bytes = resident_bytes(model, optimizer)
     return out
+
+
+def _idle_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Attention of a micro-batch with no tokens on this rank: ``q`` is ``(0, h, hd)``, so is the output."""
+    return q
+
+
+class MicroBatches:
+    """One rank's micro-batches of a step, run one at a time (:meth:`run`: forward and backward), with what they add
+    up to: the summed loss and predicted tokens (``loss``, ``predicted``), each task's loss, and the timings and
+    sizes in ``out``. Shared by the replicated and the sharded executor (``workers.sharded_step``)."""
+
+    def __init__(self, model, task: StepTask, blocks, group_of, vocab_size: int, backend, hook, params, device):
+        self.model, self.task, self.blocks, self.group_of = model, task, blocks, group_of
+        self.vocab_size, self.backend, self.params, self.device = vocab_size, backend, params, device
+        self.hook = hook or (lambda point: None)
+        self.t0 = time.perf_counter()
+        self.out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+        self.loss = torch.zeros((), dtype=torch.float64)
+        self.predicted = 0
+        self.per_task = TaskLosses(task)
+
+    def run(self, work: GroupWork | None) -> None:
+        """Forward and backward of one micro-batch; ``work`` None: this rank has no tokens in it (a sharded
+        model's units still gather and reduce with the others)."""
+        model, task, out = self.model, self.task, self.out
+        t_mb = time.perf_counter()
+        if work is None:
+            ids = pos = labels = torch.zeros(0, dtype=torch.int64)
+            attn = _idle_attn
+        else:
+            tokens, cu = _documents(work, self.blocks)
+            check_token_range(stored_token_ids(tokens), self.vocab_size)
+            group_rank = work.ranks.index(task.rank)
+            ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
+            group = self.group_of(work.ranks) if work.degree > 1 else None
+            attn = group_attention(layout, work, group, self.backend)
+            if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
+                set_activation_checkpointing(model, work.recompute)
+        scale = begin_group(model, task, work)  # [[tasks]]: this group's adapter and loss weight
+        d = self.device
+        with saved_tensor_meter(self.params) as meter:  # activation bytes held for backward: the plan's memory
+            loss = model(ids.to(d), pos.to(d), attn, labels=labels.to(d))  # head + loss, chunked
+        out.peak_activation_bytes = max(out.peak_activation_bytes, meter.bytes)
+        self.hook("micro_batch")
+        self.per_task.add(work, loss)
+        if scale != 1.0:
+            loss = loss * scale
+        loss.backward()  # sharded: FSDP reduce-scatters each layer's gradient (a sum over the mesh) into the shards
+        self.loss += loss.detach().double().cpu()
+        self.predicted += int((labels != -100).sum())
+        if work is not None:
+            out.local_tokens += int(ids.numel())
+            out.peak_local_tokens = max(out.peak_local_tokens, int(ids.numel()))
+            out.micro_batch_ms.append((time.perf_counter() - t_mb) * 1e3)
+            out.micro_batches.append(work.micro_batch)
+            out.micro_batch_start_ms.append((t_mb - self.t0) * 1e3)
 
 
 @dataclass(frozen=True)
@@ -264,7 +294,30 @@ def sync_and_step(
         if sharded and b.counts_in_norm:
             norm_sq += float((flat.double() ** 2).sum())
         reduced.append((b.params, flat))
-    # the loss sum and token count (and, sharded, the squared gradient norm) ride in a small float64 buffer
+    scale, norm_sq = reduce_step_stats(out, task, world, device, (local_loss, local_pred, norm_sq), task_losses)
+    _set_divided_grads(reduced, scale)
+    out.sync_ms = (time.perf_counter() - t_sync) * 1e3
+    hook("after_sync")
+
+    t_opt = time.perf_counter()
+    if sharded:
+        out.grad_norm = _clip_sharded(params, norm_sq**0.5 * scale, optim_cfg.grad_clip)
+    else:
+        out.grad_norm = clip_grad_norm_(params, optim_cfg.grad_clip) if optim_cfg.grad_clip else _norm(params)
+    out.lr = float(optimizer.param_groups[0]["lr"])
+    optimizer.step()
+    scheduler.step()
+    out.optim_ms = (time.perf_counter() - t_opt) * 1e3
+    out.total_ms = (time.perf_counter() - t0) * 1e3
+    return out
+
+
+def reduce_step_stats(out: StepOutcome, task, world, device, local: tuple, task_losses) -> tuple[float, float]:
+    """Sum this rank's ``local`` (summed loss, predicted tokens, squared gradient norm) and each task's loss over the
+    world in one small float64 buffer, check the predicted tokens against the plan's, and put the step's loss and
+    count into ``out``; returns (1 / predicted tokens: what the gradients are divided by, the summed squared
+    norm)."""
+    local_loss, local_pred, norm_sq = local
     extra = task_losses.sums if task_losses is not None else []  # [[tasks]]: each task's loss sum rides along
     stats = [float(local_loss), float(local_pred), norm_sq, *extra]
     stats = torch.tensor(stats, dtype=torch.float64, device=device)
@@ -279,28 +332,19 @@ def sync_and_step(
             "a document was lost or counted twice"
         )
     scale = 1.0 / max(total_pred, 1)
+    out.loss = float(stats[0]) * scale
+    out.num_predicted = total_pred
+    return scale, float(stats[2])
+
+
+def _set_divided_grads(reduced, scale: float) -> None:
+    """Each bucket's parameters get their gradient back from the summed flat buffer, times ``scale``."""
     for ps, flat in reduced:
         offset = 0
         for p in ps:
             n = p.numel()
             p.grad = (flat[offset : offset + n] * scale).to(p.dtype).view_as(p)
             offset += n
-    out.loss = float(stats[0]) * scale
-    out.num_predicted = total_pred
-    out.sync_ms = (time.perf_counter() - t_sync) * 1e3
-    hook("after_sync")
-
-    t_opt = time.perf_counter()
-    if sharded:
-        out.grad_norm = _clip_sharded(params, float(stats[2]) ** 0.5 * scale, optim_cfg.grad_clip)
-    else:
-        out.grad_norm = clip_grad_norm_(params, optim_cfg.grad_clip) if optim_cfg.grad_clip else _norm(params)
-    out.lr = float(optimizer.param_groups[0]["lr"])
-    optimizer.step()
-    scheduler.step()
-    out.optim_ms = (time.perf_counter() - t_opt) * 1e3
-    out.total_ms = (time.perf_counter() - t0) * 1e3
-    return out
 
 
 def _device(params, buckets) -> torch.device:

@@ -76,22 +76,8 @@ def run_pipeline_step(
     t0 = time.perf_counter()
     out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
     if sharded:
-        from flexorch.workers.sharded_step import finish_sharded_step
-
-        params = [p for p in model.parameters() if p.requires_grad]
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=True)
-        local_loss, local_pred = torch.zeros((), dtype=torch.float64), 0
-        if task.stage is not None:
-            local_loss, local_pred = _run_stage(
-                model, task, _sequences(task, blocks, vocab_size), group_of, out, hook, t0
-            )
-        out.compute_end_ms = (time.perf_counter() - t0) * 1e3
-        first = task.stage is not None and task.rank == task.stage_ranks[task.stage][0]
-        return finish_sharded_step(
-            out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook, t0,
-            model=model, counts_norm=first,
-        )  # fmt: skip
+        return _sharded_stage_step(model, optimizer, scheduler, task, blocks, group_of, world, optim_cfg,
+                                   vocab_size, hook, out, t0)  # fmt: skip
     buckets = None
     if task.stage_params:
         buckets = _stage_buckets(task, held, group_of)
@@ -108,19 +94,30 @@ def run_pipeline_step(
     if held is not None:
         out.param_bytes = held.nbytes()
     return sync_and_step(
-        out,
-        params,
-        local_loss,
-        local_pred,
-        task,
-        world,
-        optimizer,
-        scheduler,
-        optim_cfg,
-        hook=hook,
-        t0=t0,
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0,
         buckets=buckets,
-    )
+    )  # fmt: skip
+
+
+def _sharded_stage_step(
+    model, optimizer, scheduler, task, blocks, group_of, world, optim_cfg, vocab_size, hook, out, t0
+) -> StepOutcome:
+    """:func:`run_pipeline_step` with this stage's parts as FSDP2 units sharded over the stage's workers: the step
+    ends as a sharded SP step does, the stage's first rank counting its stage's gradient norm."""
+    from flexorch.workers.sharded_step import finish_sharded_step
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    local_loss, local_pred = torch.zeros((), dtype=torch.float64), 0
+    if task.stage is not None:
+        local_loss, local_pred = _run_stage(model, task, _sequences(task, blocks, vocab_size), group_of, out, hook, t0)
+    out.compute_end_ms = (time.perf_counter() - t0) * 1e3
+    first = task.stage is not None and task.rank == task.stage_ranks[task.stage][0]
+    return finish_sharded_step(
+        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook, t0,
+        model=model, counts_norm=first,
+    )  # fmt: skip
 
 
 def _stage_buckets(task: PipelineTask, held: HeldParams, group_of) -> list[GradBucket]:

@@ -78,9 +78,8 @@ def run_stage_ops(
     stage's loss share is divided by ``n_predicted`` (1: the summed loss)."""
     t0 = time.perf_counter() if t0 is None else t0
     grad_prev, grad_next = (g if g is not None else group for g in grad_groups)
-    j, d = stage.sp_rank, stage.sp_degree
-    dim = stage.cfg.dim
     param = next(stage.parameters())
+    links = _Links(prev, nxt, group, grad_prev, grad_next, stage.cfg.dim, param.dtype, param.device)
     res = StageOps()
     base = 0
     for units, ops, ckpt in pipelines:
@@ -89,32 +88,15 @@ def run_stage_ops(
         for kind, u in ops:
             t_op = time.perf_counter()
             tag = 2 * (base + u)
-            n_local = shard_tokens(inputs[u].tokens, d)
+            n_local = shard_tokens(inputs[u].tokens, stage.sp_degree)
             if kind == "F":
-                x = None
-                if prev is not None:  # (t_pad/d, dim) hidden states of unit u from the previous stage
-                    x = torch.empty(n_local, dim, dtype=param.dtype, device=param.device)
-                    dist.recv(x, src=prev, group=group, tag=tag)
-                t_ready = time.perf_counter()
-                out = stage.forward_unit(u, inputs[u], x, n_predicted, ckpt[u])
-                if nxt is not None:
-                    sends.append(dist.isend(out.contiguous(), dst=nxt, group=group, tag=tag))
-                else:
-                    res.loss += float(out)
-                    res.predicted += int((inputs[u].shard(j, d)[2] != -100).sum())  # labels of this rank's shard
+                t_ready = _forward_op(stage, links, u, inputs[u], tag, n_predicted, ckpt[u], res, sends)
                 res.local_tokens += n_local
                 res.peak_local_tokens = max(res.peak_local_tokens, n_local)
                 if hook is not None:
                     hook("micro_batch")
             else:
-                g = None
-                if nxt is not None:  # (t_pad/d, dim) gradient of unit u's output from the next stage
-                    g = torch.empty(n_local, dim, dtype=param.dtype, device=param.device)
-                    dist.recv(g, src=nxt, group=grad_next, tag=tag + 1)
-                t_ready = time.perf_counter()
-                g_in = stage.backward_unit(u, g)
-                if prev is not None:
-                    sends.append(dist.isend(g_in.contiguous(), dst=prev, group=grad_prev, tag=tag + 1))
+                t_ready = _backward_op(stage, links, u, n_local, tag, sends)
             end = time.perf_counter()
             # start: when the op's input was there; wait: the time blocked receiving it (a bubble, transfer included)
             res.ops.append(
@@ -131,6 +113,54 @@ def run_stage_ops(
         stage.end_step()
         base += len(units)
     return res
+
+
+@dataclass(frozen=True)
+class _Links:
+    """Where this rank's activations come from and go to (world ranks ``prev``/``nxt`` over ``group``; None at the
+    ends) and the groups the gradients go back over; the message rows' width, dtype and device."""
+
+    prev: int | None
+    nxt: int | None
+    group: dist.ProcessGroup | None
+    grad_prev: dist.ProcessGroup | None
+    grad_next: dist.ProcessGroup | None
+    dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def _forward_op(stage, links: _Links, u: int, inp, tag: int, n_predicted: int, ckpt, res, sends) -> float:
+    """Unit ``u``'s forward: receive its hidden states, run the stage's layers, send them on (or, on the last stage,
+    add its loss share and predicted tokens to ``res``). Returns when its input was there."""
+    n_local = shard_tokens(inp.tokens, stage.sp_degree)
+    x = None
+    if links.prev is not None:  # (t_pad/d, dim) hidden states of unit u from the previous stage
+        x = torch.empty(n_local, links.dim, dtype=links.dtype, device=links.device)
+        dist.recv(x, src=links.prev, group=links.group, tag=tag)
+    t_ready = time.perf_counter()
+    out = stage.forward_unit(u, inp, x, n_predicted, ckpt)
+    if links.nxt is not None:
+        sends.append(dist.isend(out.contiguous(), dst=links.nxt, group=links.group, tag=tag))
+    else:
+        res.loss += float(out)
+        labels = inp.shard(stage.sp_rank, stage.sp_degree)[2]  # labels of this rank's shard
+        res.predicted += int((labels != -100).sum())
+    return t_ready
+
+
+def _backward_op(stage, links: _Links, u: int, n_local: int, tag: int, sends) -> float:
+    """Unit ``u``'s backward: receive the gradient of its output, run the stage's backward, send the gradient of
+    its input back. Returns when its input gradient was there."""
+    g = None
+    if links.nxt is not None:  # (t_pad/d, dim) gradient of unit u's output from the next stage
+        g = torch.empty(n_local, links.dim, dtype=links.dtype, device=links.device)
+        dist.recv(g, src=links.nxt, group=links.grad_next, tag=tag + 1)
+    t_ready = time.perf_counter()
+    g_in = stage.backward_unit(u, g)
+    if links.prev is not None:
+        sends.append(dist.isend(g_in.contiguous(), dst=links.prev, group=links.grad_prev, tag=tag + 1))
+    return t_ready
 
 
 def run_stage_step(

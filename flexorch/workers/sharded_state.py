@@ -1,0 +1,129 @@
+"""A worker's sharded model state (``[sharding] mode`` fsdp or hsdp, FSDP2): built for each world as it forms and
+re-sharded from what the members hold (``flexorch.workers.reshard``), written to and read from sharded checkpoints
+(``torch.distributed.checkpoint``), and taken from a worker that leaves when its node is drained
+(``Worker.hand_off`` gives, :meth:`ShardedState.take_handoff` takes).
+
+:class:`ShardedState` is a part of :class:`~flexorch.workers.actor.Worker` (a base class); the replicated
+counterpart is ``flexorch.workers.replicated_state``. It uses the worker's ``registry`` (the world), ``sharding``,
+``model_cfg``, ``optim_cfg``, ``seed``, ``device``, ``version`` and ``_guarded``. It imports without Ray.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from flexorch.workers.errors import PeerLostError
+from flexorch.workers.optim import build_optimizer
+from flexorch.workers.recompute import built_mode
+
+__all__ = ["ShardedState", "holding_bytes"]
+
+
+class ShardedState:
+    """Sharded model state, as methods of the worker (see the module's docstring)."""
+
+    def take_handoff(self, handed: list) -> int:
+        """Keep the holdings of workers that are leaving (refs to their :meth:`hand_off`) until the next world's
+        re-shard takes them in (``join_world``); returns the bytes received. A holding that is gone (its node went
+        first) is a :class:`PeerLostError`: the driver's recovery sorts out who is left."""
+        import ray  # the actor's object store (this module imports without Ray)
+
+        try:
+            got = ray.get(list(handed))  # refs nested in a list arrive unresolved: fetched now, before the leavers go
+        except ray.exceptions.RayError as e:
+            raise PeerLostError(
+                f"worker {self.worker_id}: a handed-off shard is gone ({str(e).splitlines()[0]})"
+            ) from None
+        self._handed = [*getattr(self, "_handed", ()), *got]
+        return sum(holding_bytes(h) for h in got)
+
+    def _holding(self):
+        if not self.sharded or self.model is None:
+            return None
+        from flexorch.workers.reshard import holding_of
+
+        return holding_of(self.model, self.optimizer, self.scheduler, self.version, self._positions)
+
+    def _reshard(self, holding, initial: bool) -> dict:
+        from flexorch.workers.fsdp import fill_initial, shard_position
+        from flexorch.workers.reshard import exchange
+
+        reg = self.registry
+        with reg.tracking():  # the mesh's groups are this world's too: abort_world must reach their sockets
+            self.model = self._build_sharded()
+        params = list(self.model.parameters())
+        opt = build_optimizer(self.model, self.optim_cfg, foreach=True) if params else (None, None)
+        self.optimizer, self.scheduler = opt
+        self._positions = {n: shard_position(p) for n, p in self.model.named_parameters()}
+        if initial:
+            fill_initial(self.model, self.model_cfg, self.seed)
+            self.version = 0
+            return {"version": 0, "newest": 0}
+        newest = [None] * reg.world_size
+        mine = max((h.version for h in holding), default=None) if holding is not None else None
+        dist.all_gather_object(newest, mine, group=reg.world)
+        shapes = self.model_cfg.param_shapes()
+        version = exchange(holding, self.model, self.optimizer, self.scheduler, reg.world, shapes)
+        if version is not None:
+            self.version = version
+        return {"version": version, "newest": max((v for v in newest if v is not None), default=None)}
+
+    def _build_sharded(self):
+        """This world's sharded decoder: over the whole mesh, or (pipeline stages) this rank's stage's parts over
+        the stage's workers (stage r is ranks ``[r*d, (r+1)*d)``, ``d = world // stages``, as the planner maps
+        them; ranks left over hold nothing)."""
+        from flexorch.solver.pipeline.stage_model import stage_layers
+        from flexorch.workers.fsdp import build_mesh, sharded_decoder, stage_sharded_decoder
+
+        reg, sh = self.registry, self.sharding
+        device_type = "cuda" if self.device else "cpu"
+        stages = sh.get("stages", 1)
+        if stages == 1:
+            mesh = build_mesh(sh["mode"], reg.world_size, sh["shard_size"], device_type)
+            return sharded_decoder(
+                self.model_cfg,
+                mesh,
+                precision=sh["precision"],
+                recompute=built_mode(sh),
+                device=self.device,
+            )
+        from torch.distributed.device_mesh import DeviceMesh
+
+        d = reg.world_size // stages
+        sets = [tuple(range(r * d, (r + 1) * d)) for r in range(stages)]
+        reg.ensure(sets)  # every rank, the same sets (a collective)
+        stage = reg.rank // d if reg.rank < stages * d else None
+        if stage is None:
+            return _NoParams()
+        layers = stage_layers(self.model_cfg.num_layers, stages)
+        first = sum(layers[:stage])
+        mesh = DeviceMesh.from_group(reg.group(sets[stage]), device_type, mesh_dim_names=("shard",))
+        return stage_sharded_decoder(
+            self.model_cfg, mesh, first, first + layers[stage], is_first=stage == 0, is_last=stage == stages - 1,
+            precision=sh["precision"], device=self.device,
+        )  # fmt: skip
+
+    def save_sharded(self, directory: str) -> None:
+        """Write this worker's shard of the model and optimizer state into ``directory`` (a collective over the
+        world: ``torch.distributed.checkpoint``, one file per worker; ``flexorch.workers.sharded_checkpoint``)."""
+        from flexorch.workers.sharded_checkpoint import save_sharded
+
+        self._guarded(save_sharded, directory, self.model, self.optimizer, self.scheduler, self.version)
+
+    def load_sharded(self, directory: str) -> int:
+        """Load a sharded checkpoint written on any number of workers (a collective: each worker reads the rows
+        of its shard); returns the state version loaded."""
+        from flexorch.workers.sharded_checkpoint import load_sharded
+
+        self.version = self._guarded(load_sharded, directory, self.model, self.optimizer, self.scheduler)
+        return self.version
+
+
+class _NoParams(torch.nn.Module):
+    """What a rank on no pipeline stage holds of a sharded model: nothing."""
+
+
+def holding_bytes(held) -> int:
+    """Bytes of the tensors of a :class:`~flexorch.workers.reshard.Holding`."""
+    return sum(t.numel() * t.element_size() for e in held.tensors.values() for t in e.values())
