@@ -25,7 +25,7 @@ plan-demo: setup
 	$(VENV)/bin/flexorch plan --workers 64 --profile gpt-7b-a100 --max-context 384K --batch 512 --steps 5 --svg runs/plan.svg
 
 test: setup-test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 test-fast: setup-test
 	$(PY) -m pytest -q -m "not slow"
