@@ -88,6 +88,48 @@ def field_of(kind: str, cfg: CorpusConfig) -> str:
     return getattr(cfg, _NO_FIELD.get(kind, "text_field"))
 
 
+def _record_pieces(r: int, data, malformed: bool, kind: str, tok, cfg: CorpusConfig, info: dict):
+    """One record's status, token count, pieces to store and pieces dropped as too short (`pack_records`)."""
+    max_context, min_tokens, over_long, on_bad = cfg.max_context, cfg.min_tokens, cfg.over_long, cfg.on_bad_record
+    status, n, pieces, short = _OK, 0, [], 0
+    if malformed:
+        status = _BAD
+    elif data is None:
+        status = _NO_TEXT
+    elif kind == "text" and not data:
+        status = _EMPTY
+    elif kind == "text" and (b"\0" in data or not is_utf8(data)):
+        status = _BINARY
+    elif on_bad == "error" and (info["bad"] or info["bad_kind"]):
+        pass  # the load fails: no need to tokenize the rest of this file
+    else:
+        try:
+            ids = encode_record(kind, data, tok, cfg)
+        except BadRecord as e:
+            status, ids = _BAD, None
+            info["bad_kind"].append((r, str(e)))
+        n = 0 if ids is None else len(ids)
+        if ids is None:
+            pass
+        elif n < min_tokens:
+            status = _EMPTY
+        elif n <= max_context:
+            pieces = [ids]
+        elif over_long == "split" and bool((ids < 0).any()):  # a loss mask: split only where an answer ends
+            split = exchange_pieces(ids, max_context)
+            if split is None:
+                status = _OVER_LONG
+            else:
+                status, (pieces, short) = _SPLIT, split
+        elif over_long == "split":
+            status, cut = _SPLIT, [ids[i : i + max_context] for i in range(0, n, max_context)]
+            pieces = [p for p in cut if len(p) >= min_tokens]
+            short = len(cut) - len(pieces)
+        else:
+            status = _OVER_LONG if over_long == "drop" else _REJECT
+    return status, n, pieces, short
+
+
 def pack_records(table, spec: tuple, block_tokens: int):
     """Validate, tokenize and split one Arrow block's documents; yield int32 blocks, then the metadata dict.
 
@@ -96,13 +138,6 @@ def pack_records(table, spec: tuple, block_tokens: int):
     Records of chat, prompt/completion and tokenized sources store their loss mask in the ids
     (``flexorch.data.targets``); their documents' target counts go to the metadata."""
     base, fmt, cfg, kind = spec
-    field, max_context, min_tokens, over_long, on_bad = (
-        cfg.text_field,
-        cfg.max_context,
-        cfg.min_tokens,
-        cfg.over_long,
-        cfg.on_bad_record,
-    )
     fields = kind_fields(kind, cfg) if kind != "text" else None
     tok, prefix = get_tokenizer(cfg.tokenizer) if kind != "tokenized" else None, base.rstrip("/") + "/"
     info = {"bad_type": None, "bad_type_in": None, "columns": set(), "bad": [], "bad_kind": []}
@@ -111,45 +146,10 @@ def pack_records(table, spec: tuple, block_tokens: int):
     doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": [], "targets": []}
     parts, fill, n_blocks, max_id = [], 0, 0, -1
     rel_of = lambda path: path[len(prefix) :] if path.startswith(prefix) else path  # noqa: E731
-    records = block_records(table, fmt, field, info, rel_of, on_bad == "error", fields)
+    records = block_records(table, fmt, cfg.text_field, info, rel_of, cfg.on_bad_record == "error", fields)
     for r, (path, row, data, malformed) in enumerate(records):
         rel = rel_of(path)
-        status, n, pieces, short = _OK, 0, [], 0
-        if malformed:
-            status = _BAD
-        elif data is None:
-            status = _NO_TEXT
-        elif kind == "text" and not data:
-            status = _EMPTY
-        elif kind == "text" and (b"\0" in data or not is_utf8(data)):
-            status = _BINARY
-        elif on_bad == "error" and (info["bad"] or info["bad_kind"]):
-            pass  # the load fails: no need to tokenize the rest of this file
-        else:
-            try:
-                ids = encode_record(kind, data, tok, cfg)
-            except BadRecord as e:
-                status, ids = _BAD, None
-                info["bad_kind"].append((r, str(e)))
-            n = 0 if ids is None else len(ids)
-            if ids is None:
-                pass
-            elif n < min_tokens:
-                status = _EMPTY
-            elif n <= max_context:
-                pieces = [ids]
-            elif over_long == "split" and bool((ids < 0).any()):  # a loss mask: split only where an answer ends
-                split = exchange_pieces(ids, max_context)
-                if split is None:
-                    status = _OVER_LONG
-                else:
-                    status, (pieces, short) = _SPLIT, split
-            elif over_long == "split":
-                status, cut = _SPLIT, [ids[i : i + max_context] for i in range(0, n, max_context)]
-                pieces = [p for p in cut if len(p) >= min_tokens]
-                short = len(cut) - len(pieces)
-            else:
-                status = _OVER_LONG if over_long == "drop" else _REJECT
+        status, n, pieces, short = _record_pieces(r, data, malformed, kind, tok, cfg, info)
         for k, piece in enumerate(pieces):
             if fill and fill + len(piece) > block_tokens:
                 yield np.concatenate(parts)
@@ -175,16 +175,24 @@ def pack_records(table, spec: tuple, block_tokens: int):
     )
 
 
-def assemble_index(
-    cfg: CorpusConfig, listing: Listing, metas: list[dict], block_refs: list[list], tok_name: str, kind: str = "text"
-):
-    """Driver side: merge the per-block metadata, check it, number the documents by sorted key.
+class _Keys:
+    """The merged records' keys as a message names them: ``path`` (text), ``path:line`` (JSONL), ``path:row``."""
 
-    Returns the `Corpus` fields other than the tokenizer's: keys (their parts: ``flexorch.data.doc_keys``),
-    lengths, targets (per document, None for text: every token after the first), doc_blocks, doc_offsets,
-    block_refs (flattened) and stats (without `load_s`).
-    """
-    fmt = listing.fmt
+    def __init__(self, names: list[str], rec: dict, row: np.ndarray, fmt: str):
+        self.names, self.rec, self.row, self.fmt = names, rec, row, fmt
+
+    def base_key(self, r: int) -> str:
+        """Record ``r``'s key."""
+        p, row, fmt = self.names[self.rec["path"][r]], self.row, self.fmt
+        return p if fmt == "text" else f"{p}:{row[r] + 1}" if fmt == "jsonl" else f"{p}:{row[r]}"
+
+    def examples(self, mask: np.ndarray, suffix=lambda r: "") -> list[str]:
+        """The first five (sorted) keys of the records in ``mask``."""
+        return sorted(self.base_key(r) + suffix(r) for r in np.flatnonzero(mask))[:5]
+
+
+def _merge_metas(cfg: CorpusConfig, metas: list[dict], block_refs: list[list]):
+    """The units' metadata as one: path names, record and document columns, counts, columns seen, bad kinds."""
     paths: dict[str, int] = {}
     recs = {k: [] for k in ("path", "row", "status", "tokens", "short")}
     docs = {k: [] for k in ("rec", "piece", "block", "offset", "length", "targets")}
@@ -206,22 +214,24 @@ def assemble_index(
         n_rec, n_blk = n_rec + len(meta["rec_status"]), n_blk + len(blocks)
     rec = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in recs.items()}
     doc = {k: np.concatenate(v) if v else np.zeros(0, np.int64) for k, v in docs.items()}
-    names = list(paths)
-    row = np.zeros(n_rec, dtype=np.int64)  # record number inside its file (records arrive in file order)
+    return list(paths), rec, doc, n_rec, n_blk, columns, bad_kind
+
+
+def _record_rows(fmt: str, rec: dict, n_rec: int) -> np.ndarray:
+    """Each record's number inside its file (records arrive in file order)."""
+    row = np.zeros(n_rec, dtype=np.int64)
     if fmt in ("jsonl", "hf_dataset"):  # numbered by _pack_block, which sees whole files
         row = rec["row"]
     elif fmt != "text" and n_rec:
         order = np.argsort(rec["path"], kind="stable")
         starts = np.searchsorted(rec["path"][order], rec["path"][order], side="left")
         row[order] = np.arange(n_rec) - starts
+    return row
 
-    def base_key(r: int) -> str:
-        p = names[rec["path"][r]]
-        return p if fmt == "text" else f"{p}:{row[r] + 1}" if fmt == "jsonl" else f"{p}:{row[r]}"
 
-    def examples(mask: np.ndarray, suffix=lambda r: "") -> list[str]:
-        return sorted(base_key(r) + suffix(r) for r in np.flatnonzero(mask))[:5]
-
+def _check_records(cfg, listing: Listing, metas: list[dict], kind: str, keys: _Keys, columns: set, bad_kind: list):
+    """Raise the `DataError` for a missing field, a malformed record, a bad file or a rejected over-long document."""
+    rec, row, names = keys.rec, keys.row, keys.names
     status = rec["status"]
     no_text = status == _NO_TEXT
     if no_text.any():
@@ -239,25 +249,33 @@ def assemble_index(
         raise bad_record_error(os.path.join(listing.base, rel), line, reason)
     if cfg.on_bad_record == "error" and bad_kind:
         r, reason = min(bad_kind, key=lambda b: (rec["path"][b[0]], row[b[0]]))
+        key = keys.base_key(r)
         raise DataError(
-            f"{os.path.join(listing.base, base_key(r))}: {kind} record {base_key(r).rsplit(':', 1)[-1]} does not fit: "
+            f"{os.path.join(listing.base, key)}: {kind} record {key.rsplit(':', 1)[-1]} does not fit: "
             f'{reason}; fix or remove it, or set [data] on_bad_record = "skip" to skip such records (they are '
             "counted in the corpus stats)"
         )
     bad = (status == _BINARY) | no_text
     if cfg.bad_files == "error" and bad.any():
         raise DataError(
-            f"{int(bad.sum())} document(s) are binary, not valid UTF-8, or have no text: {', '.join(examples(bad))}; "
-            "remove them, or set bad_files='skip' to skip them (they are counted in Corpus.stats)"
+            f"{int(bad.sum())} document(s) are binary, not valid UTF-8, or have no text: "
+            f"{', '.join(keys.examples(bad))}; remove them, or set bad_files='skip' to skip them (they are counted "
+            "in Corpus.stats)"
         )
     if (status == _REJECT).any():
         r = int(np.flatnonzero(status == _REJECT)[0])
         raise DataError(
             f"{int((status == _REJECT).sum())} document(s) exceed max_context={cfg.max_context} tokens; the first is "
-            f"{base_key(r)} with {int(rec['tokens'][r])} tokens; set over_long='split' to cut them into pieces, "
+            f"{keys.base_key(r)} with {int(rec['tokens'][r])} tokens; set over_long='split' to cut them into pieces, "
             "over_long='drop' to skip them, or raise max_context"
         )
-    stats = {"source": listing.source, "format": fmt, "tokenizer": tok_name}
+
+
+def _corpus_stats(cfg, listing: Listing, metas: list[dict], kind: str, tok_name: str, keys: _Keys, doc: dict, counts):
+    """The corpus stats (without `load_s`): settings, what was read, skipped, split and kept, with examples."""
+    (n_rec, n_blk, bad_kind), rec = counts, keys.rec
+    status = rec["status"]
+    stats = {"source": listing.source, "format": listing.fmt, "tokenizer": tok_name}
     stats |= {"max_context": cfg.max_context, "over_long": cfg.over_long, "files": len(listing.files)}
     stats |= {"skipped_hidden": listing.skipped_hidden, "skipped_extension": listing.skipped_extension}
     stats["records"] = n_rec
@@ -270,31 +288,55 @@ def assemble_index(
     stats |= {"documents": len(doc["rec"]), "tokens": int(doc["length"].sum()), "blocks": n_blk}
     stats["max_doc_tokens"] = int(doc["length"].max()) if len(doc["length"]) else 0
     kept = np.bincount(doc["rec"], minlength=n_rec)
-    ex = {name: examples(status == s) for s, name in _REASONS.items()}
-    ex["dropped_short_pieces"] = examples(rec["short"] > 0, lambda r: f"#piece{kept[r]}")
+    ex = {name: keys.examples(status == s) for s, name in _REASONS.items()}
+    ex["dropped_short_pieces"] = keys.examples(rec["short"] > 0, lambda r: f"#piece{kept[r]}")
     stats["examples"] = {k: v for k, v in ex.items() if v}
     if bad_kind:
-        stats["bad_record_reasons"] = sorted(f"{base_key(r)}: {reason}" for r, reason in bad_kind)[:5]
+        stats["bad_record_reasons"] = sorted(f"{keys.base_key(r)}: {reason}" for r, reason in bad_kind)[:5]
     stats["targets"] = int(doc["targets"].sum())
     if kind == "tokenized":
         stats["max_token_id"] = max(meta["max_id"] for meta in metas)
+    return stats
+
+
+def _check_not_empty(cfg, listing: Listing, stats: dict, n_docs: int) -> None:
+    """Raise the `DataError` for a source with no records, or with no documents left after skipping."""
+    n_rec = stats["records"]
     if not n_rec:
         raise DataError(
             f"{listing.source} is empty: its {len(listing.files)} file(s) hold no records (0 bytes or blank lines "
             "only); point source at your data"
         )
-    if not len(doc["rec"]):
+    if not n_docs:
         raise DataError(
             f"no documents left in {stats['source']} after skipping: {n_rec} read, {stats['skipped_binary']} binary, "
             f"{stats['skipped_empty']} empty or under min_tokens={cfg.min_tokens}, {stats['skipped_no_text']} "
             f"without text, {stats['bad_records']} malformed, {stats['dropped_over_long']} over "
             f"max_context={cfg.max_context}; point source at text data, or relax min_tokens / over_long"
         )
+
+
+def assemble_index(
+    cfg: CorpusConfig, listing: Listing, metas: list[dict], block_refs: list[list], tok_name: str, kind: str = "text"
+):
+    """Driver side: merge the per-block metadata, check it, number the documents by sorted key.
+
+    Returns the `Corpus` fields other than the tokenizer's: keys (their parts: ``flexorch.data.doc_keys``),
+    lengths, targets (per document, None for text: every token after the first), doc_blocks, doc_offsets,
+    block_refs (flattened) and stats (without `load_s`).
+    """
+    fmt = listing.fmt
+    names, rec, doc, n_rec, n_blk, columns, bad_kind = _merge_metas(cfg, metas, block_refs)
+    row = _record_rows(fmt, rec, n_rec)
+    keys = _Keys(names, rec, row, fmt)
+    _check_records(cfg, listing, metas, kind, keys, columns, bad_kind)
+    stats = _corpus_stats(cfg, listing, metas, kind, tok_name, keys, doc, (n_rec, n_blk, bad_kind))
+    _check_not_empty(cfg, listing, stats, len(doc["rec"]))
     rank = np.empty(len(names), dtype=np.int64)
     rank[np.argsort(np.asarray(names, dtype=object))] = np.arange(len(names))
     drec = doc["rec"]
     order = np.lexsort((doc["piece"], row[drec], rank[rec["path"][drec]]))
-    split, drec = status == _SPLIT, drec[order]
+    split, drec = rec["status"] == _SPLIT, drec[order]
     return {
         "keys": {  # the parts of each document's key (``flexorch.data.doc_keys``), not one string per document
             "names": names,
