@@ -9,7 +9,7 @@ and splits its documents with the same code the whole corpus always used (``flex
 and writes its part files atomically (``flexorch.data.store.layout``). The preparing process then merges the
 units' small indices with the checks and numbering of a whole-corpus read (``flexorch.data.readers.assemble_index``:
 documents by sorted key, the skip counts, a malformed record named by file and line), writes the per-document
-index arrays and, last, the manifest.
+index arrays and, last, the manifest (``flexorch.data.store.merge``).
 
 Progress: one line per finished unit at most every ``PROGRESS_EVERY_S`` s, with parts done, source bytes read,
 tokens/s and an ETA. A prepare killed midway and run again redoes only units without a ``done.json``; a prepare
@@ -35,14 +35,12 @@ import numpy as np
 from flexorch.data.errors import DataError
 from flexorch.data.store import layout
 from flexorch.data.store.fingerprint import describe_change, fingerprints, same_fingerprints, source_files
+from flexorch.data.store.merge import finalize, save_unit_meta
 from flexorch.data.store.units import plan_units, read_unit, unit_target_bytes
 
 __all__ = ["prepare_store", "prepare_unit", "PROGRESS_EVERY_S"]
 
 PROGRESS_EVERY_S = 5.0
-_META_ARRAYS = ("rec_path", "rec_row", "rec_status", "rec_tokens", "rec_short") + tuple(
-    f"doc_{k}" for k in ("rec", "piece", "block", "offset", "length", "targets")
-)
 
 
 def prepare_store(
@@ -73,20 +71,9 @@ def prepare_store(
     fp = fingerprints(cfg, listing, kind)
     out.mkdir(parents=True, exist_ok=True)
     with _locked(out, say):
-        if (out / "manifest.json").is_file():
-            manifest = layout.read_manifest(out)
-            bad = _bad_units(out, manifest, verify) if same_fingerprints(manifest["fingerprints"], fp) else []
-            for i, why in bad:  # redone below; the other parts are kept
-                say({"event": "progress", "message": f"part {i} of {out} is damaged ({why}): preparing it again"})
-                layout.part_paths(out, i)["done"].unlink(missing_ok=True)
-            if same_fingerprints(manifest["fingerprints"], fp) and not bad:
-                say(
-                    {
-                        "event": "progress",
-                        "message": f"{out} is already prepared from this source and these settings: nothing to do",
-                    }
-                )
-                return manifest
+        manifest = _finished_manifest(out, fp, verify, say)
+        if manifest is not None:
+            return manifest
         if listing.fmt == "parquet":  # a missing column is named before any task starts
             from flexorch.data.readers import field_of
             from flexorch.data.source_records import check_parquet_field
@@ -108,7 +95,28 @@ def prepare_store(
                 f"{layout.part_paths(out, unseen[0])['bin'].name}); on a cluster, put the store ([data] cache or "
                 "`flexorch prepare` OUT) on a filesystem every node mounts, or prepare to s3:// and train from there"
             )
-        return _finalize(out, cfg, listing, kind, plan, spec, fp, say, time.perf_counter() - t0)
+        return finalize(out, cfg, listing, kind, plan, spec, fp, say, time.perf_counter() - t0)
+
+
+def _finished_manifest(out: Path, fp: dict, verify: bool, say) -> dict | None:
+    """The manifest of a store finished from the same source and settings with no damaged part, else None (the
+    damaged parts are marked to be prepared again)."""
+    if not (out / "manifest.json").is_file():
+        return None
+    manifest = layout.read_manifest(out)
+    bad = _bad_units(out, manifest, verify) if same_fingerprints(manifest["fingerprints"], fp) else []
+    for i, why in bad:  # redone below; the other parts are kept
+        say({"event": "progress", "message": f"part {i} of {out} is damaged ({why}): preparing it again"})
+        layout.part_paths(out, i)["done"].unlink(missing_ok=True)
+    if same_fingerprints(manifest["fingerprints"], fp) and not bad:
+        say(
+            {
+                "event": "progress",
+                "message": f"{out} is already prepared from this source and these settings: nothing to do",
+            }
+        )
+        return manifest
+    return None
 
 
 def _bad_units(out: Path, manifest: dict, verify: bool) -> list[tuple[int, str]]:
@@ -236,44 +244,58 @@ def _unit_spec(cfg, listing, kind: str) -> dict:
     }
 
 
-def _run_units(out: Path, plan: dict, todo: list[int], spec: dict, say, parallelism: int | None) -> None:
-    units = plan["units"]
-    total_bytes = sum(units[i]["bytes"] for i in todo) or 1
-    t0, told = time.monotonic(), -1e9
-    state = {"parts": 0, "bytes": 0, "tokens": 0}
+class _Progress:
+    """The prepare's progress line: parts done, source bytes read, tokens/s and an ETA, at most every
+    ``PROGRESS_EVERY_S`` s (and for the last part)."""
 
-    def report(res: dict) -> None:
-        nonlocal told
+    def __init__(self, units: list[dict], todo: list[int], say):
+        self.units, self.n_todo, self.say = units, len(todo), say
+        self.total_bytes = sum(units[i]["bytes"] for i in todo) or 1
+        self.t0, self.told = time.monotonic(), -1e9
+        self.state = {"parts": 0, "bytes": 0, "tokens": 0}
+
+    def report(self, res: dict) -> None:
+        """Count one finished unit; say the line when it is due."""
+        state, total_bytes = self.state, self.total_bytes
         state["parts"] += 1
-        state["bytes"] += units[res["unit"]]["bytes"]
+        state["bytes"] += self.units[res["unit"]]["bytes"]
         state["tokens"] += res["tokens"]
         now = time.monotonic()
-        if now - told < PROGRESS_EVERY_S and state["parts"] < len(todo):
+        if now - self.told < PROGRESS_EVERY_S and state["parts"] < self.n_todo:
             return
-        told, dt = now, max(now - t0, 1e-6)
+        self.told, dt = now, max(now - self.t0, 1e-6)
         eta = (total_bytes - state["bytes"]) / max(state["bytes"] / dt, 1e-9)
-        say(
+        self.say(
             {
                 "event": "progress",
                 "message": (
-                    f"preparing the corpus: {state['parts']}/{len(todo)} parts, {state['bytes'] / 2**20:,.1f} of "
+                    f"preparing the corpus: {state['parts']}/{self.n_todo} parts, {state['bytes'] / 2**20:,.1f} of "
                     f"{total_bytes / 2**20:,.1f} MiB read, {state['tokens']:,} tokens "
                     f"({state['tokens'] / dt / 1e6:.2f}M tokens/s), ETA {eta:.0f} s"
                 ),
             }
         )
 
+
+def _run_units(out: Path, plan: dict, todo: list[int], spec: dict, say, parallelism: int | None) -> None:
+    units = plan["units"]
+    progress = _Progress(units, todo, say)
     say(
         {
             "event": "progress",
             "message": f"preparing the corpus into {out}: {len(todo)} parts of "
-            f"{total_bytes / 2**20:,.1f} MiB of {plan['fmt']} source",
+            f"{progress.total_bytes / 2**20:,.1f} MiB of {plan['fmt']} source",
         }
     )
     if parallelism == 0:
         for i in todo:
-            report(prepare_unit(str(out), i, units[i], spec))
+            progress.report(prepare_unit(str(out), i, units[i], spec))
         return
+    _run_units_on_ray(out, units, todo, spec, progress.report, parallelism)
+
+
+def _run_units_on_ray(out: Path, units: list[dict], todo: list[int], spec: dict, report, parallelism) -> None:
+    """One SPREAD Ray task per unit, at most one per CPU (or ``parallelism``) in flight; the first failure raised."""
     import ray
 
     if not ray.is_initialized():
@@ -330,8 +352,21 @@ def prepare_unit(store: str, i: int, unit: dict, spec: dict) -> dict:
             f"{type(e).__name__}: {msg} (fix or remove the file, or set format= to how the data is stored)"
         ) from e
     gen = pack_records(table, (spec["base"], fmt, cfg, spec["kind"]), cfg.block_tokens)
+    sha, sums, written, starts, meta = _write_part(paths["bin"], gen, dtype, unit)
+    layout.atomic_save_npy(paths["sums"], np.asarray(sums, dtype=np.uint64))
+    save_unit_meta(paths, meta, starts, _newlines(table) if fmt == "jsonl" else None)
+    tokens = int(written)
+    done = {"unit": i, "bytes": tokens * dtype.itemsize, "tokens": tokens, "sha256": sha.hexdigest()}
+    done |= {"documents": int(len(meta["doc_length"])), "seconds": round(time.perf_counter() - t0, 3)}
+    layout.atomic_write_json(paths["done"], done)
+    return {"unit": i, "tokens": tokens, "seconds": done["seconds"]}
+
+
+def _write_part(path: Path, gen, dtype: np.dtype, unit: dict):
+    """Write `pack_records`' token blocks to the part file ``path`` (atomically); returns its sha256, its
+    ``layout.HASH_CHUNK`` chunk digests, the tokens written, each block's start and the metadata dict."""
     sha, sums, pending, written, starts, meta = hashlib.sha256(), [], bytearray(), 0, [], None
-    tmp = paths["bin"].with_name(f".{paths['bin'].name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         for item in gen:
             if isinstance(item, dict):
@@ -353,28 +388,8 @@ def prepare_unit(store: str, i: int, unit: dict, spec: dict) -> dict:
             sums.append(_chunk_digest(pending))
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, paths["bin"])
-    layout.atomic_save_npy(paths["sums"], np.asarray(sums, dtype=np.uint64))
-    starts_arr = np.asarray(starts or [0], dtype=np.int64)
-    meta["doc_offset"] = (
-        starts_arr[meta["doc_block"]] + meta["doc_offset"] if len(meta["doc_block"]) else meta["doc_offset"]
-    )
-    meta["doc_block"] = np.zeros_like(meta["doc_block"])
-    if fmt == "jsonl":  # where this range sits in its file: the merge turns local rows and lines into the file's
-        meta["lines"] = _newlines(table)
-    arrays = {k: meta[k] for k in _META_ARRAYS}
-    rest = {k: v for k, v in meta.items() if k not in _META_ARRAYS}
-    rest["bad"] = [list(b) for b in rest["bad"]]
-    rest["bad_kind"] = [list(b) for b in rest["bad_kind"]]
-    rest["columns"] = sorted(rest["columns"])
-    tmp_meta = paths["meta"].with_name(f".{paths['meta'].name}.tmp{os.getpid()}.npz")
-    np.savez(tmp_meta, info=np.frombuffer(json.dumps(rest).encode(), dtype=np.uint8), **arrays)
-    os.replace(tmp_meta, paths["meta"])
-    tokens = int(written)
-    done = {"unit": i, "bytes": tokens * dtype.itemsize, "tokens": tokens, "sha256": sha.hexdigest()}
-    done |= {"documents": int(len(meta["doc_length"])), "seconds": round(time.perf_counter() - t0, 3)}
-    layout.atomic_write_json(paths["done"], done)
-    return {"unit": i, "tokens": tokens, "seconds": done["seconds"]}
+    os.replace(tmp, path)
+    return sha, sums, written, starts, meta
 
 
 def _chunk_digest(data) -> int:
@@ -383,100 +398,3 @@ def _chunk_digest(data) -> int:
 
 def _newlines(table) -> int:
     return int(sum(d.count(b"\n") for d in table.column("bytes").to_pylist()))
-
-
-def load_unit_meta(store: Path, i: int) -> dict:
-    with np.load(layout.part_paths(store, i)["meta"]) as z:
-        meta = {k: z[k] for k in _META_ARRAYS}
-        meta |= json.loads(bytes(z["info"]).decode())
-    meta["bad"] = [tuple(b) for b in meta["bad"]]
-    meta["bad_kind"] = [tuple(b) for b in meta["bad_kind"]]
-    return meta
-
-
-def _finalize(out: Path, cfg, listing, kind: str, plan: dict, spec: dict, fp: dict, say, seconds: float) -> dict:
-    """Merge the units' indices (checks, numbering, stats), write ``index/`` and then the manifest."""
-    from flexorch.data.readers import assemble_index
-
-    units = plan["units"]
-    metas = [load_unit_meta(out, i) for i in range(len(units))]
-    dones = [json.loads(layout.part_paths(out, i)["done"].read_text()) for i in range(len(units))]
-    if listing.fmt == "jsonl":  # rows and line numbers of a range continue from the ranges before it in its file
-        rows_before: dict[str, int] = {}
-        lines_before: dict[str, int] = {}
-        for unit, meta in zip(units, metas, strict=True):
-            f = unit["files"][0]
-            r0, l0 = rows_before.get(f, 0), lines_before.get(f, 0)
-            meta["rec_row"] = meta["rec_row"] + r0
-            meta["bad"] = [(rel, line + l0, why) for rel, line, why in meta["bad"]]
-            meta["bad_kind"] = [(r, why) for r, why in meta["bad_kind"]]
-            rows_before[f] = r0 + len(meta["rec_status"])
-            lines_before[f] = l0 + int(meta["lines"])
-    tok_name = "pre-tokenized" if kind == "tokenized" else _tokenizer_name(cfg)
-    blocks = [[i] if d["tokens"] else [] for i, d in enumerate(dones)]
-    index = assemble_index(cfg, listing, metas, blocks, tok_name, kind)
-    nonempty = np.asarray([i for i, d in enumerate(dones) if d["tokens"]] or [0], dtype=np.int32)
-    keys = index["keys"]
-    max_offset = int(index["doc_offsets"].max()) if len(index["doc_offsets"]) else 0
-    arrays = {
-        "lengths": index["lengths"].astype(np.int32),
-        # the narrowest types that hold them: the driver maps these (4 + 2 + 4 bytes a document, with the lengths)
-        "part": nonempty[index["doc_blocks"]].astype(np.uint16 if len(units) <= 1 << 16 else np.int32),
-        "offset": index["doc_offsets"].astype(np.uint32 if max_offset < 1 << 32 else np.int64),
-        "key_path": keys["path"],
-        "key_row": keys["row"].astype(np.int64),
-        "key_piece": keys["piece"],
-    }
-    if index["targets"] is not None:
-        arrays["targets"] = index["targets"].astype(np.int32)
-    (out / "index").mkdir(exist_ok=True)
-    for name, arr in arrays.items():
-        layout.atomic_save_npy(out / "index" / f"{name}.npy", arr)
-    layout.atomic_write_json(out / "index" / "key_names.json", {"fmt": keys["fmt"], "names": keys["names"]})
-    stats = index["stats"]
-    vocab = stats["max_token_id"] + 1 if kind == "tokenized" else spec["vocab_size"]
-    parts = [
-        {
-            "file": layout.part_paths(out, i)["bin"].name,
-            "sums": layout.part_paths(out, i)["sums"].name,
-            "bytes": d["bytes"],
-            "tokens": d["tokens"],
-            "documents": d["documents"],
-            "sha256": d["sha256"],
-        }
-        for i, d in enumerate(dones)
-    ]
-    stats |= {"prepare_s": round(seconds, 3), "parts": len(parts)}
-    manifest = {
-        "format": layout.FORMAT,
-        "fingerprints": fp,
-        "dtype": spec["dtype"],
-        "tokenizer_name": tok_name,
-        "vocab_size": int(vocab),
-        "documents": int(stats["documents"]),
-        "tokens": int(stats["tokens"]),
-        "targets": int(stats["targets"]),
-        "parts": parts,
-        "index": sorted(arrays),
-        "stats": stats,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    layout.atomic_write_json(out / "manifest.json", manifest)
-    rate = manifest["tokens"] / max(seconds, 1e-9)
-    say(
-        {
-            "event": "progress",
-            "message": (
-                f"prepared the corpus: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
-                f"{len(parts)} parts ({np.dtype(spec['dtype']).name}) in {seconds:.1f} s "
-                f"({rate / 1e6:.2f}M tokens/s) -> {out}"
-            ),
-        }
-    )
-    return manifest
-
-
-def _tokenizer_name(cfg) -> str:
-    from flexorch.data.tokenizer import get_tokenizer
-
-    return get_tokenizer(cfg.tokenizer).name
