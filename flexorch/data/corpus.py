@@ -32,6 +32,7 @@ On a worker: a Ray task or actor that receives the ``{part: ShardSpec}`` dict fr
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -175,38 +176,10 @@ def open_store(store: str | Path) -> Corpus:
     """The corpus of a finished store: its index arrays memory-mapped, nothing read per document. ``store``: a
     directory, or an ``s3://``/``gs://`` URI (its manifest and index are fetched once into a local cache, its parts
     read by range: ``flexorch.data.store.remote``)."""
-    import json
-
-    from flexorch.data.store import layout, remote
-    from flexorch.data.store.prepare import damaged_parts
+    from flexorch.data.store import remote
     from flexorch.data.store.shards import ShardSpec
 
-    if remote.is_remote(str(store)):
-        where = str(store).rstrip("/")
-        manifest = layout.check_manifest(
-            json.loads(Path(remote.fetch_small(remote.join(where, "manifest.json"))).read_text()), where
-        )
-
-        def local(*rel: str) -> str:
-            return remote.fetch_small(remote.join(where, *rel))
-
-        def part(name: str) -> str:
-            return remote.join(where, "parts", name)
-    else:
-        root = Path(os.path.abspath(Path(store).expanduser()))
-        where, manifest = str(root), layout.read_manifest(root)
-        bad = damaged_parts(root, manifest)
-        if bad:
-            raise DataError(
-                f"corpus store {root} is damaged: {'; '.join(bad[:3])}; run `flexorch prepare` on its source again "
-                "(it redoes only the damaged parts), or remove the store to prepare it anew"
-            )
-
-        def local(*rel: str) -> str:
-            return str(root.joinpath(*rel))
-
-        def part(name: str) -> str:
-            return str(root / "parts" / name)
+    where, manifest, local, part = _store_files(store)
 
     def arr(name: str):
         return np.load(local("index", f"{name}.npy"), mmap_mode="r")
@@ -239,6 +212,42 @@ def open_store(store: str | Path) -> Corpus:
     )
     corpus.manifest = manifest
     return corpus
+
+
+def _store_files(store: str | Path):
+    """A finished store's location, its manifest, and where to read its small files (``local(*rel)``: a local path,
+    fetched once for a remote store) and its parts (``part(name)``); a local store with a damaged part is an error."""
+    from flexorch.data.store import layout, remote
+    from flexorch.data.store.prepare import damaged_parts
+
+    if remote.is_remote(str(store)):
+        where = str(store).rstrip("/")
+        manifest = layout.check_manifest(
+            json.loads(Path(remote.fetch_small(remote.join(where, "manifest.json"))).read_text()), where
+        )
+
+        def local(*rel: str) -> str:
+            return remote.fetch_small(remote.join(where, *rel))
+
+        def part(name: str) -> str:
+            return remote.join(where, "parts", name)
+    else:
+        root = Path(os.path.abspath(Path(store).expanduser()))
+        where, manifest = str(root), layout.read_manifest(root)
+        bad = damaged_parts(root, manifest)
+        if bad:
+            raise DataError(
+                f"corpus store {root} is damaged: {'; '.join(bad[:3])}; run `flexorch prepare` on its source again "
+                "(it redoes only the damaged parts), or remove the store to prepare it anew"
+            )
+
+        def local(*rel: str) -> str:
+            return str(root.joinpath(*rel))
+
+        def part(name: str) -> str:
+            return str(root / "parts" / name)
+
+    return where, manifest, local, part
 
 
 def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = None) -> Corpus:
@@ -297,8 +306,6 @@ def _as_run(corpus: Corpus, fp: dict) -> Corpus:
 
 def _file_lists(store: Path, listing) -> tuple[list | None, list | None]:
     """The source files a store was prepared from (its plan) and the listed ones now, to name what changed."""
-    import json
-
     from flexorch.data.store.fingerprint import source_files
 
     try:
@@ -333,8 +340,6 @@ def _check_store_fits(corpus: Corpus, cfg: CorpusConfig) -> None:
 
 def _say_other_stores(store: Path, fp: dict, phase) -> None:
     """Name a store of the same source prepared with other settings (why this run prepares a new one)."""
-    import json
-
     from flexorch.data.store.fingerprint import describe_change
 
     if store.exists() or not store.parent.is_dir():
