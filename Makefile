@@ -6,7 +6,7 @@ VENV ?= .venv
 PIP_EXTRA ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test demo plan-demo test test-fast lint gpu-check clean
+.PHONY: setup setup-test demo plan-demo test test-fast lint docs gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test-fast: setup-test
 lint: setup-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 
+# The documentation site (mkdocs.yml, docs/) into site/: --strict makes every warning (a broken link or anchor, a
+# page outside the nav) an error; docs/hooks.py generates the config, CLI, size and test reference from the code.
+docs: setup
+	$(PY) -m pip install -q $(PIP_EXTRA) -e ".[docs]"
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 # The GPU check (benchmarks/gpu_check.py): CUDA tests, attention kernels, SP on one GPU, a 1.1B step, a calibrated
 # profile; its table goes under runs/gpu_check/. `make gpu-check ARGS=--dry` runs it on CPU. On a lent GPU machine
 # (torch, no Ray, no venv) run it from the repository root as `python3 benchmarks/gpu_check.py`.
@@ -40,4 +46,4 @@ gpu-check: setup-test
 	$(PY) benchmarks/gpu_check.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info runs
+	rm -rf $(VENV) build *.egg-info runs site
