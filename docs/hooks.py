@@ -1,7 +1,9 @@
 """mkdocs hook: the reference pages, generated from the code every time the site is built, so they never go stale.
 
 A page asks for a generated block with an HTML comment on a line of its own, ``<!-- generated: NAME -->``; the
-hook replaces it (an unknown NAME fails the build). The blocks:
+hook replaces it (an unknown NAME fails the build). Text between ``<!-- github -->`` and ``<!-- /github -->`` lines
+is for readers of the Markdown source on GitHub (where nothing is generated) and is left out of the site. The
+blocks:
 
 - ``config``: every table of a run file (``flexorch/config/load.py`` says which dataclass is which table) and the
   top-level run keys: each field's name, type, default and docstring (flexorch documents a dataclass field with a
@@ -31,6 +33,7 @@ from pathlib import Path
 DOCS = Path(__file__).resolve().parent
 REPO = DOCS.parent
 MARKER = re.compile(r"^<!-- generated: ([a-z_]+) -->$", re.M)
+GITHUB_ONLY = re.compile(r"^<!-- github -->$.*?^<!-- /github -->$\n?", re.M | re.S)
 
 
 def _make_structure():
@@ -308,4 +311,4 @@ def on_page_markdown(markdown, page, config, files):
             raise ValueError(f"{page.file.src_uri}: unknown generated block {name!r}; known: {sorted(GENERATORS)}")
         return textwrap.dedent(GENERATORS[name]()).strip("\n")
 
-    return MARKER.sub(block, markdown)
+    return MARKER.sub(block, GITHUB_ONLY.sub("", markdown))
