@@ -120,6 +120,29 @@ def _filter(lengths: np.ndarray, max_context: int, policy: str) -> tuple[np.ndar
 def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
     """Plan `cfg.steps` steps; print a table (or JSON lines) to `out` (stdout); return the per-step records."""
     out = out or sys.stdout
+    lengths = _kept_lengths(cfg, profile, out)
+    pipelined = cfg.pipeline_stages is not None
+    records, pictures, writer = _plan_steps(cfg, profile, lengths, out)
+    if not cfg.json:
+        (_pipeline_summary if pipelined else _summary)(records, out)
+
+    def picture() -> str:
+        if pipelined:
+            from flexorch.dashboards.pipeline_svg import render_pipelines_svg
+
+            return render_pipelines_svg(pictures)
+        from flexorch.dashboards.plan_svg import render_steps_svg
+
+        return render_steps_svg(pictures, profile)
+
+    what = "picture of every step (stages x time)" if pipelined else "picture of every step"
+    _close(cfg, out, writer, picture, what)
+    return records
+
+
+def _kept_lengths(cfg: PlanRunConfig, profile: Profile, out):
+    """The source's document lengths the plan keeps (checked against the workers, batch and stages), after printing
+    what was dropped and (without ``--json``) the table's head."""
     source = cfg.lengths or bundled_lengths_path()
     raw = read_lengths(source, text_field=cfg.text_field)
     limit = largest_degree(cfg.workers) * profile.tokens_per_device
@@ -154,6 +177,13 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
             file=out,
         )
         print(_pipeline_head() if pipelined else _head(), file=out)
+    return lengths
+
+
+def _plan_steps(cfg: PlanRunConfig, profile: Profile, lengths, out):
+    """Plan each step's batch (the train driver's stream over ``lengths``), emitting its record as it is planned;
+    returns the records, each step's picture and the run directory's writer (None without one)."""
+    pipelined = cfg.pipeline_stages is not None
     stream = DocumentStream(lengths.size, cfg.batch, cfg.seed)  # the train driver's stream, over the kept lengths
     records, pictures = [], []
     writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
@@ -172,21 +202,7 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
             eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
             row = None if cfg.json else (_pipeline_row(rec, eta) if pipelined else _row(rec, eta))
             _emit(cfg, out, writer, records, rec, row)
-    if not cfg.json:
-        (_pipeline_summary if pipelined else _summary)(records, out)
-
-    def picture() -> str:
-        if pipelined:
-            from flexorch.dashboards.pipeline_svg import render_pipelines_svg
-
-            return render_pipelines_svg(pictures)
-        from flexorch.dashboards.plan_svg import render_steps_svg
-
-        return render_steps_svg(pictures, profile)
-
-    what = "picture of every step (stages x time)" if pipelined else "picture of every step"
-    _close(cfg, out, writer, picture, what)
-    return records
+    return records, pictures, writer
 
 
 def _step_fields(step: int, batch: Batch, cfg: PlanRunConfig, seqs) -> dict:
