@@ -20,35 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     plan = sub.add_parser("plan", help="show the per-step plans for real batches of a corpus")
-    plan.add_argument("--config", type=Path, help="TOML file whose keys are these flags (flags win)")
-    plan.add_argument(
-        "--lengths",
-        type=Path,
-        help="lengths file, .jsonl file or directory (default: bundled Wikipedia lengths)",
-    )
-    plan.add_argument("--text-field", help="JSONL field with the text (default: text)")
-    plan.add_argument("--workers", type=int, help="N workers, one per device slot (a GPU) (default 64)")
-    plan.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # renamed --workers: refused, see _merged
-    plan.add_argument("--profile", help="built-in profile name or profile JSON file (default gpt-7b-a100)")
-    plan.add_argument("--heads", type=int, help="override the profile's attention heads (Ulysses needs d | heads)")
-    plan.add_argument("--max-context", help="longest sequence in tokens, e.g. 384K (default: what N devices hold)")
-    plan.add_argument("--over-long", choices=["drop", "reject"], help="sequences over --max-context (default drop)")
-    plan.add_argument("--batch", type=int, help="sequences per global batch (default 512)")
-    plan.add_argument("--steps", type=int, help="steps to plan (default 10)")
-    plan.add_argument("--seed", type=int, help="batch shuffle seed (default 0)")
-    plan.add_argument("--time-limit", type=float, help="planner budget per step, seconds (default 1.0)")
-    plan.add_argument("--solver-workers", type=int, help="processes solving micro-batches in parallel (default 1)")
-    plan.add_argument("--json", action="store_true", default=None, help="one JSON object per step")
-    plan.add_argument("--svg", type=Path, help="write a picture of every step (workers x time) to this file")
-    plan.add_argument(
-        "--run-dir", type=Path, help="write every step's record to RUN_DIR/steps.jsonl (see: flexorch dashboard)"
-    )
-    plan.add_argument(
-        "--pipeline-stages",
-        metavar="P|auto",
-        help="plan each step as a pipeline of P stages (workers // P per stage, SP inside a stage) or 'auto' (the "
-        "best split per step), against 1F1B and Seq1F1B, instead of SP groups",
-    )
+    _plan_flags(plan)
 
     train = sub.add_parser("train", help="train a model with a new SP plan every step (Ray driver + worker actors)")
     _train_flags(train)
@@ -78,6 +50,39 @@ def build_parser() -> argparse.ArgumentParser:
         "out", type=Path, help="the file to write (torch.save of the state dict), or the directory (HF model)"
     )
     return p
+
+
+def _plan_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of `flexorch plan`."""
+    p.add_argument("--config", type=Path, help="TOML file whose keys are these flags (flags win)")
+    p.add_argument(
+        "--lengths",
+        type=Path,
+        help="lengths file, .jsonl file or directory (default: bundled Wikipedia lengths)",
+    )
+    p.add_argument("--text-field", help="JSONL field with the text (default: text)")
+    p.add_argument("--workers", type=int, help="N workers, one per device slot (a GPU) (default 64)")
+    p.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # renamed --workers: refused, see _merged
+    p.add_argument("--profile", help="built-in profile name or profile JSON file (default gpt-7b-a100)")
+    p.add_argument("--heads", type=int, help="override the profile's attention heads (Ulysses needs d | heads)")
+    p.add_argument("--max-context", help="longest sequence in tokens, e.g. 384K (default: what N devices hold)")
+    p.add_argument("--over-long", choices=["drop", "reject"], help="sequences over --max-context (default drop)")
+    p.add_argument("--batch", type=int, help="sequences per global batch (default 512)")
+    p.add_argument("--steps", type=int, help="steps to plan (default 10)")
+    p.add_argument("--seed", type=int, help="batch shuffle seed (default 0)")
+    p.add_argument("--time-limit", type=float, help="planner budget per step, seconds (default 1.0)")
+    p.add_argument("--solver-workers", type=int, help="processes solving micro-batches in parallel (default 1)")
+    p.add_argument("--json", action="store_true", default=None, help="one JSON object per step")
+    p.add_argument("--svg", type=Path, help="write a picture of every step (workers x time) to this file")
+    p.add_argument(
+        "--run-dir", type=Path, help="write every step's record to RUN_DIR/steps.jsonl (see: flexorch dashboard)"
+    )
+    p.add_argument(
+        "--pipeline-stages",
+        metavar="P|auto",
+        help="plan each step as a pipeline of P stages (workers // P per stage, SP inside a stage) or 'auto' (the "
+        "best split per step), against 1F1B and Seq1F1B, instead of SP groups",
+    )
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:
