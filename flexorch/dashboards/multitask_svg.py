@@ -59,6 +59,7 @@ def _nice_step(span: float, ticks: int = 6) -> float:
 
 
 def _panel(key, title, parts, n, names, y0, scale, end_ms, note="") -> tuple[list[str], float]:
+    """One schedule's panel (title, time grid, parts, wave starts, makespan, rank labels) and the y below it."""
     row = min(12.0, _PANEL_H / n)
     top = y0 + 22.0
     height = n * row
@@ -78,32 +79,47 @@ def _panel(key, title, parts, n, names, y0, scale, end_ms, note="") -> tuple[lis
         out.append(f'<line x1="{x:.2f}" y1="{top:.1f}" x2="{x:.2f}" y2="{top + height:.1f}" stroke="#eee"/>')
         t += step
     for p in sorted(parts, key=lambda p: (p.start_ms, p.devices[0])):
-        fill = task_colour(p.task)
-        x = _LEFT + p.start_ms * scale
-        w = p.time_ms * scale
-        y = top + p.devices[0] * row
-        h = len(p.devices) * row
-        tip = (
-            f"{names[p.task]} level {p.metaop}: {p.layers} layers on ranks {p.devices[0]}-{p.devices[-1]} "
-            f"({len(p.devices)} devices), {p.start_ms:,.1f}-{p.end_ms:,.1f} ms ({p.time_ms:,.1f} ms)"
-        )
-        out.append(
-            f'<rect class="part" data-panel="{key}" data-task="{p.task}" data-level="{p.metaop}" '
-            f'data-layers="{p.layers}" data-first="{p.devices[0]}" data-count="{len(p.devices)}" '
-            f'data-start-ms="{p.start_ms!r}" data-time-ms="{p.time_ms!r}" '
-            f'x="{x:.3f}" y="{y:.3f}" width="{w:.3f}" height="{h:.3f}" fill="{fill}" stroke="white" '
-            f'stroke-width="0.5"><title>{escape(tip)}</title></rect>'
-        )
-        if h >= 11 and w >= 30:
-            label = f"{names[p.task]} L{p.metaop} x{p.layers}"
-            fit = int((w - 4) / 6)  # about 6 px a character at font-size 10
-            if fit < len(label):
-                label = label[: max(0, fit - 1)] + "…" if fit >= 4 else ""
-            if label:
-                out.append(
-                    f'<text x="{x + 3:.2f}" y="{y + min(h, 24) / 2 + 4:.2f}" font-size="10" '
-                    f'fill="{_text_colour(fill)}" pointer-events="none">{escape(label)}</text>'
-                )
+        out.extend(_part(key, p, names, top, row, scale))
+    out.extend(_waves_and_makespan(parts, top, height, scale))
+    out.append(f'<text x="{_LEFT - 6}" y="{top + 10:.1f}" font-size="10" text-anchor="end">rank 0</text>')
+    out.append(f'<text x="{_LEFT - 6}" y="{top + height:.1f}" font-size="10" text-anchor="end">{n - 1}</text>')
+    return out, top + height + 12
+
+
+def _part(key: str, p: Part, names: dict[int, str], top: float, row: float, scale: float) -> list[str]:
+    """One part's rectangle (with its ``data-*`` numbers and hover text) and, where it fits, its label."""
+    fill = task_colour(p.task)
+    x = _LEFT + p.start_ms * scale
+    w = p.time_ms * scale
+    y = top + p.devices[0] * row
+    h = len(p.devices) * row
+    tip = (
+        f"{names[p.task]} level {p.metaop}: {p.layers} layers on ranks {p.devices[0]}-{p.devices[-1]} "
+        f"({len(p.devices)} devices), {p.start_ms:,.1f}-{p.end_ms:,.1f} ms ({p.time_ms:,.1f} ms)"
+    )
+    out = [
+        f'<rect class="part" data-panel="{key}" data-task="{p.task}" data-level="{p.metaop}" '
+        f'data-layers="{p.layers}" data-first="{p.devices[0]}" data-count="{len(p.devices)}" '
+        f'data-start-ms="{p.start_ms!r}" data-time-ms="{p.time_ms!r}" '
+        f'x="{x:.3f}" y="{y:.3f}" width="{w:.3f}" height="{h:.3f}" fill="{fill}" stroke="white" '
+        f'stroke-width="0.5"><title>{escape(tip)}</title></rect>'
+    ]
+    if h >= 11 and w >= 30:
+        label = f"{names[p.task]} L{p.metaop} x{p.layers}"
+        fit = int((w - 4) / 6)  # about 6 px a character at font-size 10
+        if fit < len(label):
+            label = label[: max(0, fit - 1)] + "…" if fit >= 4 else ""
+        if label:
+            out.append(
+                f'<text x="{x + 3:.2f}" y="{y + min(h, 24) / 2 + 4:.2f}" font-size="10" '
+                f'fill="{_text_colour(fill)}" pointer-events="none">{escape(label)}</text>'
+            )
+    return out
+
+
+def _waves_and_makespan(parts, top: float, height: float, scale: float) -> list[str]:
+    """The dashed wave starts and the red makespan line with its time."""
+    out = []
     for wave in waves_of(parts)[1:]:
         x = _LEFT + wave.start_ms * scale
         out.append(
@@ -121,9 +137,7 @@ def _panel(key, title, parts, n, names, y0, scale, end_ms, note="") -> tuple[lis
         f'<text x="{x + (-3 if anchor == "end" else 3):.2f}" y="{top - 5:.1f}" font-size="10" fill="#d62728" '
         f'text-anchor="{anchor}">{escape(_fmt_ms(span))}</text>'
     )
-    out.append(f'<text x="{_LEFT - 6}" y="{top + 10:.1f}" font-size="10" text-anchor="end">rank 0</text>')
-    out.append(f'<text x="{_LEFT - 6}" y="{top + height:.1f}" font-size="10" text-anchor="end">{n - 1}</text>')
-    return out, top + height + 12
+    return out
 
 
 def _speedup(base: float, ms: float) -> str:
@@ -133,6 +147,33 @@ def _speedup(base: float, ms: float) -> str:
 def multitask_svg(plan: MultiTaskPlan, task_names=None, title: str | None = None, baselines: bool = True) -> str:
     """The plan's picture: Spindle's schedule, then (``baselines``) the in-turn and fixed-split schedules."""
     names = _names(plan, task_names)
+    n = plan.num_devices
+    panels = _schedules(plan, baselines)
+    end_ms = max(max(p.end_ms for p in ps) for _, _, ps, _ in panels if ps)
+    scale = _WIDTH / end_ms if end_ms > 0 else 1.0
+    head, summary = _head_and_summary(plan, names, title)
+    out = [
+        f'<text x="{_LEFT}" y="22" font-size="15" font-weight="bold">{escape(head)}</text>',
+        f'<text class="summary" x="{_LEFT}" y="40" font-size="12">{escape(summary)}</text>',
+    ]
+    y = 48.0
+    if plan.note:
+        out.append(f'<text x="{_LEFT}" y="{y + 10:.1f}" font-size="11" fill="#666">{escape(plan.note)}</text>')
+        y += 14
+    for key, ptitle, ps, note in panels:
+        panel, y = _panel(key, ptitle, ps, n, names, y, scale, end_ms, note)
+        out.extend(panel)
+    total_h = _time_axis_and_legend(out, names, y, scale, end_ms)
+    svg_head = (
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LEFT + _WIDTH + 30:.0f}" height="{total_h:.0f}" '
+        f'font-family="sans-serif"><title>{escape(head)}: {escape(summary)}</title>'
+        f'<rect width="100%" height="100%" fill="#fafafa"/>'
+    )
+    return svg_head + "".join(out) + "</svg>\n"
+
+
+def _schedules(plan: MultiTaskPlan, baselines: bool) -> list[tuple[str, str, tuple[Part, ...] | None, str]]:
+    """The panels to draw: (key, title, parts, note when there are none), Spindle's schedule first."""
     n = plan.num_devices
     panels: list[tuple[str, str, tuple[Part, ...] | None, str]] = [
         ("plan", f"{plan.method} schedule ({len(plan.waves)} waves, {len(plan.parts)} parts)", plan.parts, "")
@@ -149,29 +190,25 @@ def multitask_svg(plan: MultiTaskPlan, task_names=None, title: str | None = None
                 "impossible: the tasks' fewest devices add up to more than the cluster",
             )
         )
-    end_ms = max(max(p.end_ms for p in ps) for _, _, ps, _ in panels if ps)
-    scale = _WIDTH / end_ms if end_ms > 0 else 1.0
+    return panels
 
+
+def _head_and_summary(plan: MultiTaskPlan, names: dict[int, str], title: str | None) -> tuple[str, str]:
+    """The picture's title and its summary line: makespan, bound, gap and the baselines' times and speedups."""
     ms = plan.makespan_ms
     turn_ms = plan.baselines_ms.get("in_turn", math.inf)
     split_ms = plan.baselines_ms.get("fixed_split", math.inf)
-    head = title or f"multi-task step: {n} devices, {len(names)} tasks"
+    head = title or f"multi-task step: {plan.num_devices} devices, {len(names)} tasks"
     summary = (
         f"{plan.method}: makespan {_fmt_ms(ms)}, bound {_fmt_ms(plan.bound_ms)}, gap {plan.gap * 100:.1f} %; "
         f"in turn {_fmt_ms(turn_ms)} ({_speedup(turn_ms, ms)}), fixed split {_fmt_ms(split_ms)} "
         f"({_speedup(split_ms, ms)})"
     )
-    out = [
-        f'<text x="{_LEFT}" y="22" font-size="15" font-weight="bold">{escape(head)}</text>',
-        f'<text class="summary" x="{_LEFT}" y="40" font-size="12">{escape(summary)}</text>',
-    ]
-    y = 48.0
-    if plan.note:
-        out.append(f'<text x="{_LEFT}" y="{y + 10:.1f}" font-size="11" fill="#666">{escape(plan.note)}</text>')
-        y += 14
-    for key, ptitle, ps, note in panels:
-        panel, y = _panel(key, ptitle, ps, n, names, y, scale, end_ms, note)
-        out.extend(panel)
+    return head, summary
+
+
+def _time_axis_and_legend(out: list[str], names: dict[int, str], y: float, scale: float, end_ms: float) -> float:
+    """Append the time axis under the panels at ``y``, the task legend and the key to the marks; returns the height."""
     step = _nice_step(end_ms)
     t, y_ticks = 0.0, y + 4
     while t <= end_ms * (1 + 1e-9):
@@ -193,10 +230,4 @@ def multitask_svg(plan: MultiTaskPlan, task_names=None, title: str | None = None
         f'<text x="{_LEFT}" y="{legend_y + 18:.1f}" font-size="10" fill="#666">dashed: wave starts; red: makespan; '
         f"label: task, MetaOp level, layers; white: idle</text>"
     )
-    total_h = legend_y + 28
-    svg_head = (
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LEFT + _WIDTH + 30:.0f}" height="{total_h:.0f}" '
-        f'font-family="sans-serif"><title>{escape(head)}: {escape(summary)}</title>'
-        f'<rect width="100%" height="100%" fill="#fafafa"/>'
-    )
-    return svg_head + "".join(out) + "</svg>\n"
+    return legend_y + 28
