@@ -110,56 +110,19 @@ from __future__ import annotations
 
 import math
 
+from flexorch.records.step_keys import (
+    COMMON_KEYS,
+    DRAIN_KEYS,
+    GROUP_KEYS,
+    LEFT_KEYS,
+    PIPELINE_KEYS,
+    TRAIN_KEYS,
+)
+
 __all__ = ["FALLBACK_REASONS", "SCHEMA", "SOURCES", "RecordError", "validate_record"]
 
 SCHEMA = "flexorch.step/4"
 SOURCES = ("plan", "train")
-
-_INT = (int,)
-_NUM = (int, float)
-
-# key: (allowed types, may be null)
-_COMMON = {
-    "schema": ((str,), False),
-    "source": ((str,), False),
-    "step": (_INT, False),
-    "time": (_NUM, False),
-    "epoch": (_INT, False),
-    "world_size": (_INT, False),
-    "seq_lengths": ((list,), False),
-    "tokens": (_INT, False),
-    "status": ((str,), False),
-    "skipped": ((bool,), False),
-    "reason": ((str,), True),
-    "mode": ((str,), False),
-    "shape": ((str,), True),
-    "plan": ((dict,), True),
-    "timeline": ((list,), True),
-    "solve_s": (_NUM, False),
-    "predicted_ms": (_NUM, True),
-    "bound_ms": (_NUM, False),
-    "baselines_ms": ((dict,), False),
-    "pipeline": ((dict,), True),
-}
-_TRAIN = {
-    "batch_index": (_INT, False),
-    "doc_ids": ((list,), False),
-    "worker_ids": ((list,), False),
-    "recoveries": ((list,), False),
-    "measured_ms": (_NUM, True),
-    "compute_ms": (_NUM, True),
-    "sync_ms": (_NUM, True),
-    "optim_ms": (_NUM, True),
-    "dispatch_ms": (_NUM, True),
-    "plan_wait_ms": (_NUM, False),
-    "overhead_ms": (_NUM, True),
-    "loss": (_NUM, True),
-    "tokens_per_s": (_NUM, True),
-    "lr": (_NUM, True),
-    "grad_norm": (_NUM, True),
-    "ranks": ((list,), True),
-}
-_GROUP_KEYS = ("degree", "kind", "ranks", "seq_ids", "seq_lengths")
 
 
 class RecordError(ValueError):
@@ -199,8 +162,8 @@ def _check_plan(rec: dict, where: str) -> None:
         used: set[int] = set()
         for gi, g in enumerate(mb):
             at = f"{where}: plan.micro_batches[{mi}][{gi}]"
-            if not isinstance(g, dict) or any(k not in g for k in _GROUP_KEYS):
-                raise RecordError(f"{at} must be an object with keys {', '.join(_GROUP_KEYS)}")
+            if not isinstance(g, dict) or any(k not in g for k in GROUP_KEYS):
+                raise RecordError(f"{at} must be an object with keys {', '.join(GROUP_KEYS)}")
             ranks = g["ranks"]
             if len(ranks) != g["degree"] or any(not isinstance(r, int) or not 0 <= r < n for r in ranks):
                 raise RecordError(f"{at}: ranks {ranks} must be {g['degree']} (its degree) ranks in [0, {n})")
@@ -238,12 +201,10 @@ def _check_plan(rec: dict, where: str) -> None:
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
-_PIPELINE_KEYS = "stages degree layers stage_ranks granularity bubble_share peak_bytes units checkpointed ops".split()
-
 
 def _check_pipeline(rec: dict, where: str) -> None:
     pipe, n, lengths = rec["pipeline"], rec["world_size"], rec["seq_lengths"]
-    missing = [k for k in _PIPELINE_KEYS if k not in pipe]
+    missing = [k for k in PIPELINE_KEYS if k not in pipe]
     if missing:
         raise RecordError(f"{where}: pipeline lacks {', '.join(missing)}")
     p, d = pipe["stages"], pipe["degree"]
@@ -296,10 +257,6 @@ def _check_pipeline(rec: dict, where: str) -> None:
         raise RecordError(f"{where}: pipeline.ops must hold one F and one B per unit and stage")
 
 
-_DRAIN_KEYS = ("node", "reason", "deadline", "seen_at", "fallback")
-_LEFT_KEYS = ("handoff_ms", "handoff_bytes", "reform_ms", "recovery_ms")
-
-
 def _check_drains(recoveries: list, where: str) -> None:
     """A ``drain`` recovery has its drain's fields and either the leave's figures or a ``fallback``; a loss on a
     draining node has the drain's fields under ``drain``."""
@@ -310,7 +267,7 @@ def _check_drains(recoveries: list, where: str) -> None:
         drain = r if r.get("what") == "drain" else r.get("drain")
         if drain is None:
             continue
-        missing = [k for k in _DRAIN_KEYS if k not in drain]
+        missing = [k for k in DRAIN_KEYS if k not in drain]
         if missing:
             raise RecordError(f"{here}: a drain lacks {', '.join(missing)}")
         for k in ("deadline", "seen_at"):
@@ -321,9 +278,9 @@ def _check_drains(recoveries: list, where: str) -> None:
         if not isinstance(r.get("left"), list) or not isinstance(r.get("workers"), list):
             raise RecordError(f"{here}: a drain needs 'workers' and 'left' (lists of worker ids)")
         if r["fallback"] is None:
-            bad = [k for k in _LEFT_KEYS if not isinstance(r.get(k), int | float) or r[k] < 0]
+            bad = [k for k in LEFT_KEYS if not isinstance(r.get(k), int | float) or r[k] < 0]
             if bad or not r["left"]:
-                raise RecordError(f"{here}: a drain its workers left needs 'left' and {', '.join(_LEFT_KEYS)} >= 0")
+                raise RecordError(f"{here}: a drain its workers left needs 'left' and {', '.join(LEFT_KEYS)} >= 0")
         elif not isinstance(r["fallback"], str) or r["left"]:
             raise RecordError(f"{here}: a drain's 'fallback' says why its workers stayed ('left' empty)")
 
@@ -342,10 +299,10 @@ def validate_record(rec, where: str = "record") -> dict:
         raise RecordError(f"{where}: schema is {schema!r}, this flexorch reads {SCHEMA!r}{hint}")
     if rec.get("source") not in SOURCES:
         raise RecordError(f"{where}: source is {rec.get('source')!r}, expected one of {', '.join(SOURCES)}")
-    _check_keys(rec, _COMMON, where)
+    _check_keys(rec, COMMON_KEYS, where)
     _check_fallback(rec, where)
     if rec["source"] == "train":
-        _check_keys(rec, _TRAIN, where)
+        _check_keys(rec, TRAIN_KEYS, where)
         t = rec.get("targets")
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or not 0 <= t <= rec["tokens"]):
             raise RecordError(f"{where}: 'targets' must be an integer in 0..tokens ({rec['tokens']}), got {t!r}")
