@@ -20,6 +20,9 @@ Around the search here: its knobs (``solver.planner_config``), the screening tha
 static starts (``solver.screening``), the deadline-bound solves of one split's micro-batches
 (``solver.split_solver``) and the slowest sequences laid out on the groups they run on, one of all N devices or two
 of N/2 side by side (``solver.halves``, issue 48: FlexSP's solver chose such layouts where ours did not).
+
+A plan is screen -> solve -> polish -> finish (:meth:`Planner._plan`), each stage by its deadline of the plan's
+``solver.budget.Budget``, over the step's tables (``solver.step_tables``).
 """
 
 from __future__ import annotations
@@ -31,27 +34,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms
-from flexorch.solver.errors import InfeasibleBatchError
-from flexorch.solver.halves import light_fill, plan_rounds, split_halves, tier_devices
+from flexorch.solver.bounds import micro_batch_bound_ms, step_bound_ms
+from flexorch.solver.budget import Budget, measured
+from flexorch.solver.halves import split_halves
 from flexorch.solver.microbatching import partition_candidates
 from flexorch.solver.packing import (
     Draft,
     best_homogeneous_draft,
     drop_empty,
-    group_types,
     improve_step,
     layout_groups,
-    time_table,
-    type_caps,
-    type_overheads,
 )
 from flexorch.solver.plan import MicroBatch, Plan
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.profiles import Profile
-from flexorch.solver.round_bounds import best_round_split, slowest_fronts
 from flexorch.solver.screening import screen_splits
 from flexorch.solver.split_solver import MIN_SOLVE_S, SplitSolver
+from flexorch.solver.step_tables import StepTables, split_tiers, step_tables
 from flexorch.solver.validation import check_batch, check_num_devices
 
 __all__ = ["PlannerConfig", "StepPlan", "Planner", "plan_step"]
@@ -84,6 +83,27 @@ class StepPlan:
     @property
     def solver_crashes(self) -> int:
         return int(self.details.get("solver_crashes", 0))
+
+
+@dataclass
+class _Search:
+    """The candidate splits, their bounds and order, and the best plan found among them so far."""
+
+    cands: list
+    mb_bounds: list
+    """Each candidate's micro-batches' lower bounds (``solver.bounds.micro_batch_bound_ms``)."""
+    bounds: list
+    """Each candidate's bound: its micro-batches' bounds summed."""
+    order: list
+    """(candidate, its static starts or None) in the order to solve them (``solver.screening.screen_splits``)."""
+    best_total: float = np.inf
+    best_mbs: list | None = None
+    """[(draft, method)] of the best split, after the local search."""
+    best_pre: tuple | None = None
+    """(candidate, its micro-batches' solutions before the local search) of the best split."""
+    finished: bool = False
+    """Some split was planned: its solves all came back, or ``solver.fill`` packed it."""
+    tried: int = 0
 
 
 # ---- the planner
@@ -131,178 +151,144 @@ class Planner:
             self._idle = None
 
     def _plan(self, lengths, num_devices: int, deadline: float | None) -> StepPlan:
+        """screen -> solve -> polish -> finish, each by its deadline of the plan's :class:`Budget`."""
         t0 = time.monotonic()
         deadline = t0 + self.config.time_limit_s if deadline is None else deadline
-        given = deadline - t0
-        deadline -= 0.003 + 0.01 * max(0.0, given)  # a margin for the clock reads between the checks
-        cfg, prof = self.config, self.profile
         check_num_devices(num_devices)
-        lengths = check_batch(lengths, num_devices, prof)
-        n = int(num_devices)
-        cap = prof.tokens_per_device  # per device, the most any group holds: for bounds and candidate splits
-        types = group_types(n, prof, cfg.kinds)
-        caps_t = type_caps(types, prof)  # tokens a group of each type holds
-        table = time_table(lengths, types, prof)
-        overheads = type_overheads(types, prof)  # b1 + collective latency per group type, once per micro-batch
-        area, wall = area_and_min_time(table, types)
-        if not np.isfinite(area).all():
-            i = int(np.flatnonzero(~np.isfinite(area))[0])
-            raise InfeasibleBatchError(
-                f"sequence {i} ({lengths[i]} tokens) fits no group of kinds {cfg.kinds} on {n} devices (Ulysses "
-                f"degrees must divide num_heads={prof.num_heads}); allow 'ring' or use more devices"
-            )
-        deg = np.array([t.degree for t in types], dtype=np.float64)
-        slowest = slowest_fronts(table, deg, lengths, n, cap)  # the slowest sequences' rounds: bound and splits
+        lengths = check_batch(lengths, num_devices, self.profile)
+        step = step_tables(lengths, int(num_devices), self.profile, self.config)
         # the step's bound is reported, not used to plan: computed while the first MILPs run (or at the end)
-        self._bound = functools.partial(step_bound_ms, table, types, lengths, n, cap, overheads, slowest=slowest)
-        # the plan is built after the last solve: keep what that took last time (x1.5), at most a third of the time
-        # after the last solve come the local search over the split and building the plan: keep what they took last
-        # time (x1.5), at most a third of the time
-        finish = self._finish_s if self._finish_s is not None else 0.005 + 4e-6 * lengths.size
-        polish = self._polish_s if self._polish_s is not None else 0.01 + 1e-5 * lengths.size
-        budget = max(0.0, deadline - t0)
-        polish_deadline = deadline - min(1.5 * finish + 0.005, 0.15 * budget)
-        solve_deadline = deadline - min(1.5 * (finish + polish) + 0.005, 0.3 * budget)
-        screen_deadline = t0 + 0.3 * max(0.0, solve_deadline - t0)
+        self._bound = functools.partial(
+            step_bound_ms, step.table, step.types, lengths, step.n, step.cap, step.overheads, slowest=step.slowest
+        )
+        budget = Budget.split(t0, deadline, lengths.size, self._finish_s, self._polish_s)
         run = {"crashes": 0, "cut": 0}
+        search = self._screen(step, budget)
+        self._solve(step, search, budget, run)
+        self._polish_best(step, search, budget, run)
+        return self._finish(step, search, budget, run)
 
-        tiers = None
-        if cfg.tiered_splits:  # the least degree that holds each sequence: a tier's sequences run side by side
-            cheapest = np.argmin(table * deg[None, :], axis=1)  # each sequence's least-device-time type
-            rows = np.arange(len(lengths))
-            own = (deg[cheapest].astype(np.int64), table[rows, cheapest])
-            need = deg[np.argmax(np.isfinite(table), axis=1)].astype(np.int64)
-            # the slowest sequences' micro-batches as the rounds bound places them, each chain on its least degree
-            # (the relaxed fronts: every chain on its least degree), a start
-            relaxed = slowest_fronts(table, deg, lengths, n, cap, per_degree=False) if cfg.round_splits else None
-            rounds = best_round_split(*relaxed) if cfg.round_splits else None
-            halves = None
-            if cfg.halves:  # and as they run: one group of N, or two of N/2 each running a share (solver.halves)
-                g = light_fill(table, deg, lengths, slowest[0], n, cap)
-                halves = (tier_devices(need, *slowest, g, n), plan_rounds(*slowest, g, n) if cfg.round_splits else None)
-            tiers = (wall, need, n, own, rounds, halves)
+    def _screen(self, step: StepTables, budget: Budget) -> _Search:
+        """The candidate splits, their bounds, and the order to solve them in (``solver.screening``)."""
+        cfg = self.config
+        tiers = split_tiers(step, cfg) if cfg.tiered_splits else None
         kinds: list[str] = []
         cands = partition_candidates(
-            lengths, area, n * cap, cfg.extra_micro_batches, deadline=screen_deadline, tiers=tiers, kinds=kinds
+            step.lengths,
+            step.area,
+            step.n * step.cap,
+            cfg.extra_micro_batches,
+            deadline=budget.screen,
+            tiers=tiers,
+            kinds=kinds,
         )
-        mb_bounds = [[micro_batch_bound_ms(table[c], deg, n, overheads) for c in split] for split in cands]
+        mb_bounds = [[micro_batch_bound_ms(step.table[c], step.deg, step.n, step.overheads) for c in s] for s in cands]
         bounds = [sum(b) for b in mb_bounds]
-        fill_deadline = t0 + 0.6 * max(0.0, solve_deadline - t0)
         # the splits in the order to solve them, and those whose every micro-batch solver.fill packed
         order, self._filled = screen_splits(
             cands,
             kinds,
             bounds,
             mb_bounds,
-            types,
-            caps_t,
-            overheads,
-            table,
-            lengths,
-            n,
-            screen_deadline,
-            fill_deadline,
-            cap=cap,
+            step.types,
+            step.caps_t,
+            step.overheads,
+            step.table,
+            step.lengths,
+            step.n,
+            budget.screen,
+            budget.fill,
+            cap=step.cap,
             config=cfg,
         )
-        best_total, best_mbs, finished, tried = np.inf, None, False, 0
-        halves_of = types if cfg.halves else None  # the local search splits slow groups in half (solver.halves)
-        best_pre = None  # (candidate, its micro-batches' solutions before the local search) of the best split
-        for ci, starts in order:
-            split = cands[ci]
-            if bounds[ci] >= best_total:
+        return _Search(cands, mb_bounds, bounds, order)
+
+    def _solve(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> None:
+        """Each candidate split in order whose bound can beat the best so far: its MILPs, then the local search."""
+        halves_of = step.types if self.config.halves else None  # the local search splits slow groups in half
+        for ci, starts in search.order:
+            if search.bounds[ci] >= search.best_total:
                 continue
-            if best_mbs is not None and time.monotonic() + MIN_SOLVE_S >= solve_deadline:
+            if search.best_mbs is not None and time.monotonic() + MIN_SOLVE_S >= budget.solve:
                 break
             if starts is None:  # not screened: its static starts now (each micro-batch's best homogeneous layout)
-                starts = [
-                    best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads, deadline=solve_deadline)
-                    for c in split
-                ]
-            sols, complete = self._solves.solve(
-                split,
-                mb_bounds[ci],
-                types,
-                caps_t,
-                overheads,
-                table,
-                lengths,
-                n,
-                solve_deadline,
-                starts,
-                run,
-                wait_until=polish_deadline,
-                idle=self._while_solving,
-            )
-            tried += 1
+                starts = step.homogeneous_starts(search.cands[ci], deadline=budget.solve)
+            sols, complete = self._solve_split(step, search, ci, starts, budget, run)
+            search.tried += 1
             if sols is None:
                 continue  # some micro-batch of this split cannot be packed
-            finished |= complete or ci in self._filled  # a split packed by solver.fill is planned, MILPs cut or not
+            search.finished |= complete or ci in self._filled  # a split packed by solver.fill is planned, cut or not
             pre = [(copy.deepcopy(d), m) for d, m in sols]  # before the local search (it changes drafts in place)
             p0 = time.monotonic()
-            total, kept = _polish(sols, caps_t, table, lengths, overheads, polish_deadline, halves_of)
-            took = time.monotonic() - p0
-            self._polish_s = took if self._polish_s is None else max(took, 0.5 * (self._polish_s + took))
-            if total < best_total:
-                best_total, best_mbs, best_pre = total, kept, (ci, pre)
-        if cfg.fill_starts and best_pre is not None and time.monotonic() + 2 * MIN_SOLVE_S < solve_deadline:
-            # time left: the best split's MILPs again from the homogeneous starts (the bisection is not monotone in
-            # its start), each micro-batch keeping the better of the two
-            got = self._second_pass(
-                *best_pre,
-                cands,
-                mb_bounds,
-                types,
-                caps_t,
-                overheads,
-                table,
-                lengths,
-                n,
-                solve_deadline,
-                run,
-                polish_deadline,
-            )
-            if got is not None and got[0] < best_total:
-                best_total, best_mbs = got
+            total, kept = _polish(sols, step.caps_t, step.table, step.lengths, step.overheads, budget.polish, halves_of)
+            self._polish_s = measured(self._polish_s, time.monotonic() - p0)
+            if total < search.best_total:
+                search.best_total, search.best_mbs, search.best_pre = total, kept, (ci, pre)
+
+    def _solve_split(self, step: StepTables, search: _Search, ci: int, starts, budget: Budget, run: dict):
+        """``SplitSolver.solve`` of candidate `ci` from `starts`, by the solve deadline."""
+        return self._solves.solve(
+            search.cands[ci],
+            search.mb_bounds[ci],
+            step.types,
+            step.caps_t,
+            step.overheads,
+            step.table,
+            step.lengths,
+            step.n,
+            budget.solve,
+            starts,
+            run,
+            wait_until=budget.polish,
+            idle=self._while_solving,
+        )
+
+    def _polish_best(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> None:
+        """With time left (``fill_starts``): the best split's MILPs again from the homogeneous starts (the bisection
+        is not monotone in its start), each micro-batch keeping the better of the two."""
+        if not self.config.fill_starts or search.best_pre is None:
+            return
+        if time.monotonic() + 2 * MIN_SOLVE_S >= budget.solve:
+            return
+        got = self._second_pass(step, search, *search.best_pre, budget, run)
+        if got is not None and got[0] < search.best_total:
+            search.best_total, search.best_mbs = got
+
+    def _finish(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> StepPlan:
+        """The plan of the best split (or, none packing, of micro-batches halved until each packs) and its report."""
         t_finish = time.monotonic()
-        if best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
-            drafts = self._split_until_packed(
-                sorted(range(len(lengths)), key=lambda i: -lengths[i]), types, caps_t, overheads, table, lengths, n
-            )
-            caps = [caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
-            improve_step(drafts, caps, table, lengths, overheads, deadline=polish_deadline)
+        lengths, n, prof = step.lengths, step.n, self.profile
+        if search.best_mbs is None:  # no candidate split packs: halve micro-batches until each one does
+            drafts = self._split_until_packed(sorted(range(len(lengths)), key=lambda i: -lengths[i]), *step.packing)
+            caps = [step.caps_t[np.asarray(d.group_type, dtype=np.int64)] for d in drafts]
+            improve_step(drafts, caps, step.table, lengths, step.overheads, deadline=budget.polish)
             drafts = drop_empty(drafts)
-            best_total, best_mbs = sum(d.makespan() for d in drafts), [(d, "fallback") for d in drafts]
-        if not finished:
+            search.best_total, search.best_mbs = sum(d.makespan() for d in drafts), [(d, "fallback") for d in drafts]
+        if not search.finished:
             status = "fallback"
         else:
-            status = "milp" if any(m in ("milp", "exact") for _, m in best_mbs) else "static"
-        mbs = [MicroBatch(tuple(layout_groups(draft, types, range(len(lengths))))) for draft, _ in best_mbs]
-        plan = Plan.for_profile(
-            num_devices=n,
-            seq_lengths=lengths,
-            micro_batches=mbs,
-            profile=prof,
-            meta={"planner": "flexorch-milp", "status": status},
-        )
+            status = "milp" if any(m in ("milp", "exact") for _, m in search.best_mbs) else "static"
+        mbs = [MicroBatch(tuple(layout_groups(draft, step.types, range(len(lengths))))) for draft, _ in search.best_mbs]
+        meta = {"planner": "flexorch-milp", "status": status}
+        plan = Plan.for_profile(num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof, meta=meta)
         bound = self._step_bound()  # computed already if a MILP ran in the solver process; else now (in `finish`)
         done = time.monotonic()
-        took = done - t_finish
-        self._finish_s = took if self._finish_s is None else max(took, 0.5 * (self._finish_s + took))
+        self._finish_s = measured(self._finish_s, done - t_finish)
         self.crashes_total += run["crashes"]
         details = {
-            "candidates": len(cands),
-            "candidates_solved": tried,
+            "candidates": len(search.cands),
+            "candidates_solved": search.tried,
             "micro_batches": len(mbs),
-            "methods": [m for _, m in best_mbs],
-            "time_limit_s": round(given, 4),
-            "used_s": round(done - t0, 4),
+            "methods": [m for _, m in search.best_mbs],
+            "time_limit_s": round(budget.given, 4),
+            "used_s": round(done - budget.t0, 4),
             "solver_crashes": run["crashes"],
             "solves_cut": run["cut"],
             "isolated": self._solves.pool.isolate,
         }
         # the step's fixed costs (sync, optimizer) on both: ``simulator.step_time_ms``'s price, and still a bound
-        return StepPlan(plan, float(best_total) + prof.step_ms, bound + prof.step_ms, done - t0, status, details)
+        total_ms = float(search.best_total) + prof.step_ms
+        return StepPlan(plan, total_ms, bound + prof.step_ms, done - budget.t0, status, details)
 
     def _step_bound(self) -> float:
         """The step's lower bound (``solver.bounds.step_bound_ms``), computed once per plan, on first call."""
@@ -316,40 +302,21 @@ class Planner:
         if self._idle is not None:
             self._idle(until, stop)
 
-    def _second_pass(
-        self, ci, pre, cands, mb_bounds, types, caps_t, overheads, table, lengths, n, deadline, run, polish_deadline
-    ):
+    def _second_pass(self, step: StepTables, search: _Search, ci: int, pre, budget: Budget, run: dict):
         """(step time, [(draft, method)]) of split `ci` solved again from homogeneous starts, each micro-batch the
         better of that and `pre` (the first pass), after the local search; None when nothing got better."""
-        split = cands[ci]
-        starts = [
-            best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads, deadline=deadline) for c in split
-        ]
+        starts = step.homogeneous_starts(search.cands[ci], deadline=budget.solve)
         if any(s is None for s in starts):
             return None
-        sols, _ = self._solves.solve(
-            split,
-            mb_bounds[ci],
-            types,
-            caps_t,
-            overheads,
-            table,
-            lengths,
-            n,
-            deadline,
-            starts,
-            run,
-            wait_until=polish_deadline,
-            idle=self._while_solving,
-        )
+        sols, _ = self._solve_split(step, search, ci, starts, budget, run)
         if sols is None:
             return None
         merged = [b if b[0].makespan() < a[0].makespan() else a for a, b in zip(pre, sols, strict=True)]
         if all(m is a for m, a in zip(merged, pre, strict=True)):
             return None
         merged = [(copy.deepcopy(d), m) for d, m in merged]
-        halves_of = types if self.config.halves else None
-        return _polish(merged, caps_t, table, lengths, overheads, polish_deadline, halves_of)
+        halves_of = step.types if self.config.halves else None
+        return _polish(merged, step.caps_t, step.table, step.lengths, step.overheads, budget.polish, halves_of)
 
     def _split_until_packed(self, items, types, caps_t, overheads, table, lengths, n) -> list[Draft]:
         """Always succeeds: one sequence alone fits the largest group (check_batch guarantees it)."""
