@@ -214,18 +214,48 @@ def tiered_split(
     need = np.asarray(min_devices, dtype=np.int64)
     chunks: list[list] = []  # [members, devices, tokens, makespan or None (its slowest sequence's wall time)]
     if seeds:  # the rounds of as many of the slowest as this ratio tiers
-        m = max(1, math.ceil(int(lengths.sum()) / capacity_tokens)) + extra
-        share = float(work.sum()) / num_devices / m
-        slow = 0
-        while slow < len(seeds) and seeds[slow] and all(wall[i] > ratio * share for r in seeds[slow] for i in r[0]):
-            slow += 1
-        if slow == 0:
+        chunks = _seed_chunks(seeds, lengths, work, wall, num_devices, capacity_tokens, extra, ratio)
+        if chunks is None:
             return None  # the plain tiered split covers it
-        for members, devices, span in seeds[slow - 1]:
-            chunks.append([list(members), int(devices), int(lengths[list(members)].sum()), float(span)])
     placed = np.zeros(lengths.size, dtype=bool)
     placed[[i for c in chunks for i in c[0]]] = True
     rest = np.flatnonzero(~placed)
+    rest = _tier_slowest(chunks, rest, lengths, work, wall, need, num_devices, capacity_tokens, extra, ratio, fill)
+    if not chunks:
+        return None  # no tier: the balanced split is the same
+    if own is not None and rest.size:
+        rest = _top_up(chunks, rest, own, lengths, wall, num_devices, capacity_tokens, fill)
+    if squeeze:
+        rest = _squeeze(chunks, rest, lengths, capacity_tokens, fill)
+        if rest is None:
+            return None
+    out = [c[0] for c in chunks]
+    if rest.size:
+        split = _balance_rest(rest, lengths, work, capacity_tokens, extra)
+        if split is None:
+            return None
+        out += split
+    return out
+
+
+def _seed_chunks(seeds, lengths, work, wall, num_devices: int, capacity_tokens: int, extra: int, ratio: float):
+    """The tiered split's first micro-batches: the seeds of the most of the slowest this ratio tiers (None: none)."""
+    m = max(1, math.ceil(int(lengths.sum()) / capacity_tokens)) + extra
+    share = float(work.sum()) / num_devices / m
+    slow = 0
+    while slow < len(seeds) and seeds[slow] and all(wall[i] > ratio * share for r in seeds[slow] for i in r[0]):
+        slow += 1
+    if slow == 0:
+        return None
+    return [
+        [list(members), int(devices), int(lengths[list(members)].sum()), float(span)]
+        for members, devices, span in seeds[slow - 1]
+    ]
+
+
+def _tier_slowest(chunks, rest, lengths, work, wall, need, num_devices, capacity_tokens, extra, ratio, fill):
+    """Tier by tier, the sequences of `rest` slow against the average micro-batch placed first-fit side by side in
+    `chunks` (changed in place); returns the sequences left."""
     while rest.size:
         m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra
         share = float(work[rest].sum()) / num_devices / m
@@ -242,44 +272,40 @@ def tiered_split(
             else:
                 chunks.append([[i], int(need[i]), int(lengths[i]), None])
         rest = rest[wall[rest] <= ratio * share]
-    if not chunks:
-        return None  # no tier: the balanced split is the same
-    if own is not None and rest.size:
-        own_dev, own_time = (np.asarray(x) for x in own)
-        left = rest[np.argsort(-wall[rest], kind="stable")].tolist()
-        for c in chunks:
-            span = float(wall[c[0]].max()) if c[3] is None else c[3]
-            keep = []
-            for pos, i in enumerate(left):
-                if c[1] >= num_devices:  # no device left: nothing more fits (a group takes at least one)
-                    keep += left[pos:]
-                    break
-                if (
-                    c[1] + own_dev[i] <= num_devices
-                    and c[2] + lengths[i] <= fill * capacity_tokens
-                    and own_time[i] <= span
-                ):
-                    c[0].append(i)
-                    c[1] += int(own_dev[i])
-                    c[2] += int(lengths[i])
-                else:
-                    keep.append(i)
-            left = keep
-        rest = np.array(sorted(left), dtype=np.int64)
-    if squeeze:
-        rest = _squeeze(chunks, rest, lengths, capacity_tokens, fill)
-        if rest is None:
-            return None
-    out = [c[0] for c in chunks]
-    if rest.size:
-        m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra
-        sub_len = lengths[rest]
-        even = min(capacity_tokens, max(int(sub_len.max()), math.ceil(sub_len.sum() / m * 1.08)))
-        split = balanced_split(sub_len, work[rest], m, even) or balanced_split(sub_len, work[rest], m, capacity_tokens)
-        if split is None:
-            return None
-        out += [rest[c].tolist() for c in split]
-    return out
+    return rest
+
+
+def _top_up(chunks, rest, own, lengths, wall, num_devices: int, capacity_tokens: int, fill: float):
+    """Each tiered micro-batch of `chunks` topped up, slowest first, with the sequences of `rest` that run on a
+    least-device-time group of their own (`own`) within its makespan on the devices it leaves free; the rest left."""
+    own_dev, own_time = (np.asarray(x) for x in own)
+    left = rest[np.argsort(-wall[rest], kind="stable")].tolist()
+    for c in chunks:
+        span = float(wall[c[0]].max()) if c[3] is None else c[3]
+        keep = []
+        for pos, i in enumerate(left):
+            if c[1] >= num_devices:  # no device left: nothing more fits (a group takes at least one)
+                keep += left[pos:]
+                break
+            if c[1] + own_dev[i] <= num_devices and c[2] + lengths[i] <= fill * capacity_tokens and own_time[i] <= span:
+                c[0].append(i)
+                c[1] += int(own_dev[i])
+                c[2] += int(lengths[i])
+            else:
+                keep.append(i)
+        left = keep
+    return np.array(sorted(left), dtype=np.int64)
+
+
+def _balance_rest(rest, lengths, work, capacity_tokens: int, extra: int) -> list[list[int]] | None:
+    """The sequences left after the tiers (`rest`) by :func:`balanced_split`, as lists of sequence indices."""
+    m = max(1, math.ceil(int(lengths[rest].sum()) / capacity_tokens)) + extra
+    sub_len = lengths[rest]
+    even = min(capacity_tokens, max(int(sub_len.max()), math.ceil(sub_len.sum() / m * 1.08)))
+    split = balanced_split(sub_len, work[rest], m, even) or balanced_split(sub_len, work[rest], m, capacity_tokens)
+    if split is None:
+        return None
+    return [rest[c].tolist() for c in split]
 
 
 def _squeeze(chunks, rest, lengths, capacity_tokens: int, fill: float):
