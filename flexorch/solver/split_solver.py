@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
 
 from flexorch.solver.packing import Draft
 from flexorch.solver.planner_config import PlannerConfig
@@ -71,91 +72,111 @@ class SplitSolver:
             ilp_time_limit_s=cfg.ilp_time_limit_s,
             solver=cfg.solver,
         )
-        out: list = [None] * len(split)
+        st = _SplitRun(split, lower_bounds, starts, types, table, lengths, kw, deadline, wait_until, run)
+        st.out = [None] * len(split)
         pending = list(range(len(split)))
-        complete = True
-
-        def give_up(idx) -> None:  # out of time: the static starts
-            nonlocal complete
-            complete = False
-            run["cut"] += len(idx)
-            for i in idx:
-                out[i] = None if starts[i] is None else (starts[i], "timeout")
-
         while pending:
-            lost: list[int] = []
             if deadline - time.monotonic() < MIN_SOLVE_S:
-                give_up(pending)
+                st.give_up(pending)
                 break
             if self.pool.isolate:  # all at once: the pool runs `workers` at a time
-                jobs = [
-                    self._job(split[i], lower_bounds[i], starts[i], types, table, lengths, kw, math.inf, deadline)
-                    for i in pending
-                ]
-                for pos, job in enumerate(jobs):  # when it starts: its part of the time left (those after it share)
-                    job["share_of"] = math.ceil((len(jobs) - pos) / cfg.workers)
-                futs = [(i, self.pool.submit(job)) for i, job in zip(pending, jobs, strict=True)]
-                if idle is not None:  # this process is free while the solver process works
-                    idle(wait_until, lambda fs=futs: all(f.done() for _, f in fs))
+                futs = self._submit_all(st, pending, idle)
             else:
                 futs = [(i, None) for i in pending]
-            for k, (i, fut) in enumerate(futs):
-                if fut is None:  # in-process: one at a time, each with its share of the time now left
-                    left = deadline - time.monotonic()
-                    if left < MIN_SOLVE_S:
-                        give_up([j for j, _ in futs[k:]])
-                        break
-                    job = self._job(
-                        split[i],
-                        lower_bounds[i],
-                        starts[i],
-                        types,
-                        table,
-                        lengths,
-                        kw,
-                        left / (len(futs) - k),
-                        deadline,
-                    )
-                    fut = self.pool.submit(job)
-                try:
-                    got = fut.result(timeout=max(0.0, wait_until - time.monotonic()))
-                except FutureTimeout:  # past its deadline: kill it (isolated) or stop waiting for it (a thread)
-                    self.pool.restart()
-                    rest = [j for j, f in futs[k:] if not _collect(f, j, split, out)] if self.pool.isolate else [i]
-                    give_up(rest)
-                    if self.pool.isolate:
-                        break
-                    continue
-                except BrokenProcessPool:  # the solver process died (a native crash): retry while time is left
-                    run["crashes"] += 1
-                    self.pool.restart()
-                    lost = [j for j, f in futs[k:] if not _collect(f, j, split, out)]
-                    break
-                if got is None:
-                    return None, complete
-                out[i] = (_to_global(got[0], split[i]), got[1])
-            pending = lost
-        if any(o is None for o in out):
-            return None, complete
-        return out, complete
+            pending, unpackable = self._wait_round(st, futs)
+            if unpackable:
+                return None, st.complete
+        if any(o is None for o in st.out):
+            return None, st.complete
+        return st.out, st.complete
 
-    def _job(self, items, lower_bound, start, types, table, lengths, kw, budget, deadline) -> dict:
+    def _submit_all(self, st: _SplitRun, pending: list[int], idle) -> list:
+        """[(micro-batch, future)] of the `pending` solves, all submitted to the solver process(es); then the
+        caller's ``idle`` work while they run."""
+        jobs = [self._job(st, i, math.inf) for i in pending]
+        for pos, job in enumerate(jobs):  # when it starts: its part of the time left (those after it share)
+            job["share_of"] = math.ceil((len(jobs) - pos) / self.config.workers)
+        futs = [(i, self.pool.submit(job)) for i, job in zip(pending, jobs, strict=True)]
+        if idle is not None:  # this process is free while the solver process works
+            idle(st.wait_until, lambda fs=futs: all(f.done() for _, f in fs))
+        return futs
+
+    def _wait_round(self, st: _SplitRun, futs: list) -> tuple[list[int], bool]:
+        """The solves of `futs` into ``st.out`` as they come back: (the micro-batches to solve again after a crash,
+        True when one cannot be packed). A future of None is solved now, in this process, with its share of the time
+        left."""
+        for k, (i, fut) in enumerate(futs):
+            if fut is None:  # in-process: one at a time, each with its share of the time now left
+                left = st.deadline - time.monotonic()
+                if left < MIN_SOLVE_S:
+                    st.give_up([j for j, _ in futs[k:]])
+                    break
+                fut = self.pool.submit(self._job(st, i, left / (len(futs) - k)))
+            try:
+                got = fut.result(timeout=max(0.0, st.wait_until - time.monotonic()))
+            except FutureTimeout:  # past its deadline: kill it (isolated) or stop waiting for it (a thread)
+                self.pool.restart()
+                rest = [j for j, f in futs[k:] if not _collect(f, j, st.split, st.out)] if self.pool.isolate else [i]
+                st.give_up(rest)
+                if self.pool.isolate:
+                    break
+                continue
+            except BrokenProcessPool:  # the solver process died (a native crash): retry while time is left
+                st.run["crashes"] += 1
+                self.pool.restart()
+                return [j for j, f in futs[k:] if not _collect(f, j, st.split, st.out)], False
+            if got is None:
+                return [], True
+            st.out[i] = (_to_global(got[0], st.split[i]), got[1])
+        return [], False
+
+    def _job(self, st: _SplitRun, i: int, budget: float) -> dict:
+        """The solve of micro-batch `i` as a job for the pool, its sequences with local indices."""
         crash = self.crashes_to_inject > 0
         if crash:
             self.crashes_to_inject -= 1
-        items = list(items)
+        items = list(st.split[i])
+        start = st.starts[i]
         return {
-            "table": table[items],
-            "lengths": lengths[items],
-            "types": types,
-            "lower_bound_ms": lower_bound,
+            "table": st.table[items],
+            "lengths": st.lengths[items],
+            "types": st.types,
+            "lower_bound_ms": st.lower_bounds[i],
             "start": None if start is None else _to_local(start, items),
-            "kw": kw,
+            "kw": st.kw,
             "budget_s": budget,
-            "deadline": deadline,
+            "deadline": st.deadline,
             "crash": crash,
             "share_of": 1,
         }
+
+
+@dataclass
+class _SplitRun:
+    """One split's solves: what each job needs, the answers so far and whether every solve finished."""
+
+    split: list
+    lower_bounds: list
+    starts: list
+    types: list
+    table: object
+    lengths: object
+    kw: dict
+    """The MILP's arguments shared by every job (``solver.milp.solve_micro_batch``)."""
+    deadline: float
+    wait_until: float
+    run: dict
+    """The plan's counts: 'crashes', 'cut'."""
+    out: list = field(default_factory=list)
+    """[(draft, method)] or None, for each micro-batch."""
+    complete: bool = True
+
+    def give_up(self, idx) -> None:
+        """Out of time: the micro-batches `idx` keep their static starts."""
+        self.complete = False
+        self.run["cut"] += len(idx)
+        for i in idx:
+            self.out[i] = None if self.starts[i] is None else (self.starts[i], "timeout")
 
 
 def _collect(fut: Future | None, i: int, split, out) -> bool:
