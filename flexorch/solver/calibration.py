@@ -185,48 +185,12 @@ def fit_profile(
     )
     comp = _coerce(compute_samples, ComputeSample, "compute_samples")
     comms = _coerce(comm_samples, CommSample, "comm_samples")
-    if len(comp) < MIN_COMPUTE_SAMPLES:
-        raise ProfileError(
-            f"compute_samples: got {len(comp)}, need at least {MIN_COMPUTE_SAMPLES} (one per unknown b1, a1, a2; "
-            "a dozen from short to long sequences, single and packed, fit much better)"
-        )
-    b1, a1, a2 = fit_compute_terms(comp)
-    notes = []
-    if a1 <= 0 and a2 <= 0:
-        tokens = [sum(c.seq_lengths) for c in comp]
-        notes.append(
-            f"compute: time did not grow with tokens over the probes ({min(tokens)}-{max(tokens)} tokens), so the "
-            "profile prices tokens at zero and the planner cannot tell a long micro-batch from a short one; "
-            "calibrate with a larger tokens_per_worker or on a quieter machine"
-        )
-    by_group: dict[tuple[str, int], list[CommSample]] = {}
-    for c in comms:
-        by_group.setdefault((c.kind, c.degree), []).append(c)
-    if not any(kind == ULYSSES for kind, _ in by_group):
-        raise ProfileError(
-            f"comm_samples: need at least {MIN_COMM_SAMPLES} Ulysses samples for some degree >= 2 (got degrees "
-            f"{sorted(by_group)}): the profile's a2a_gbps needs an entry"
-        )
+    notes: list[str] = []
+    b1, a1, a2 = _fit_compute(comp, notes)
+    by_group = _comm_groups(comms)
     tables: dict[str, dict[int, float]] = {t: {} for t in ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")}
     for (kind, d), group in sorted(by_group.items()):
-        key = f"{kind}-{d}"
-        if len(group) < MIN_COMM_SAMPLES or len({c.tokens_per_rank for c in group}) < 2:
-            raise ProfileError(
-                f"comm_samples for {key}: got {len(group)} sample(s) at {len({c.tokens_per_rank for c in group})} "
-                f"message size(s), need at least {MIN_COMM_SAMPLES} at different tokens_per_rank (latency and "
-                "bandwidth are two unknowns)"
-            )
-        nbytes = np.array([comm_bytes(c.tokens_per_rank * d, d, kind, dims) for c in group])
-        lat, ms_per_byte = _relative_fit(
-            np.column_stack([np.ones(len(group)), nbytes]),
-            np.array([c.ms for c in group]),
-            f"comm_samples for {key}",
-            "time the collectives at two or more message sizes",
-        )
-        raw = 1e-6 / ms_per_byte if ms_per_byte > 0 else math.inf  # ms = bytes * 1e3 / (GB/s * 1e9)
-        gbps = min(MAX_GBPS, max(MIN_GBPS, raw))
-        if gbps != raw:
-            notes.append(f"{key}: bandwidth {raw:.3g} GB/s clamped to {gbps:.3g} (byte cost not measurable here)")
+        lat, gbps = _fit_comm_group(kind, d, group, dims, notes)
         prefix = "a2a" if kind == ULYSSES else "p2p"
         tables[f"{prefix}_gbps"][d] = float(gbps)
         tables[f"{prefix}_latency_ms"][d] = float(max(0.0, lat))
@@ -237,6 +201,60 @@ def fit_profile(
         notes=tuple(notes),
     )
     return profile, report
+
+
+def _fit_compute(comp: list[ComputeSample], notes: list[str]) -> tuple[float, float, float]:
+    """(b1, a1, a2) from the compute samples; a note when time did not grow with tokens."""
+    if len(comp) < MIN_COMPUTE_SAMPLES:
+        raise ProfileError(
+            f"compute_samples: got {len(comp)}, need at least {MIN_COMPUTE_SAMPLES} (one per unknown b1, a1, a2; "
+            "a dozen from short to long sequences, single and packed, fit much better)"
+        )
+    b1, a1, a2 = fit_compute_terms(comp)
+    if a1 <= 0 and a2 <= 0:
+        tokens = [sum(c.seq_lengths) for c in comp]
+        notes.append(
+            f"compute: time did not grow with tokens over the probes ({min(tokens)}-{max(tokens)} tokens), so the "
+            "profile prices tokens at zero and the planner cannot tell a long micro-batch from a short one; "
+            "calibrate with a larger tokens_per_worker or on a quieter machine"
+        )
+    return b1, a1, a2
+
+
+def _comm_groups(comms: list[CommSample]) -> dict[tuple[str, int], list[CommSample]]:
+    """The comm samples by (kind, degree); some Ulysses degree must have samples (the profile's a2a tables)."""
+    by_group: dict[tuple[str, int], list[CommSample]] = {}
+    for c in comms:
+        by_group.setdefault((c.kind, c.degree), []).append(c)
+    if not any(kind == ULYSSES for kind, _ in by_group):
+        raise ProfileError(
+            f"comm_samples: need at least {MIN_COMM_SAMPLES} Ulysses samples for some degree >= 2 (got degrees "
+            f"{sorted(by_group)}): the profile's a2a_gbps needs an entry"
+        )
+    return by_group
+
+
+def _fit_comm_group(kind: str, d: int, group: list[CommSample], dims: Profile, notes: list[str]):
+    """(latency ms, GB/s) of one (kind, degree)'s collectives; a note when the bandwidth was clamped."""
+    key = f"{kind}-{d}"
+    if len(group) < MIN_COMM_SAMPLES or len({c.tokens_per_rank for c in group}) < 2:
+        raise ProfileError(
+            f"comm_samples for {key}: got {len(group)} sample(s) at {len({c.tokens_per_rank for c in group})} "
+            f"message size(s), need at least {MIN_COMM_SAMPLES} at different tokens_per_rank (latency and "
+            "bandwidth are two unknowns)"
+        )
+    nbytes = np.array([comm_bytes(c.tokens_per_rank * d, d, kind, dims) for c in group])
+    lat, ms_per_byte = _relative_fit(
+        np.column_stack([np.ones(len(group)), nbytes]),
+        np.array([c.ms for c in group]),
+        f"comm_samples for {key}",
+        "time the collectives at two or more message sizes",
+    )
+    raw = 1e-6 / ms_per_byte if ms_per_byte > 0 else math.inf  # ms = bytes * 1e3 / (GB/s * 1e9)
+    gbps = min(MAX_GBPS, max(MIN_GBPS, raw))
+    if gbps != raw:
+        notes.append(f"{key}: bandwidth {raw:.3g} GB/s clamped to {gbps:.3g} (byte cost not measurable here)")
+    return lat, gbps
 
 
 def predict_ms(profile: Profile, sample: ComputeSample | CommSample | GroupSample) -> float:
