@@ -119,13 +119,34 @@ def solve_micro_batch(
         )
         if exact is not None and (best is None or exact[0].makespan() <= best.makespan_ms):
             return MicroBatchSolution(exact[0], exact[0].makespan(), "exact" if exact[1] else "milp", 1, 0)
+    buckets = _bucket_tables(items, table, lengths, max_buckets)
+    pack = (types, table, lengths, num_devices, caps_by_type, overheads)
+    limits = (lower_bound_ms, tolerance, max_bisection_steps, ilp_time_limit_s, deadline, solver)
+    best, solves, steps = _bisect(best, buckets, pack, limits)
+    if best is None:
+        return None  # this micro-batch cannot be packed: the caller splits it further
+    best.ilp_solves, best.bisection_steps = solves, steps
+    return best
+
+
+def _bucket_tables(items: list[int], table: np.ndarray, lengths: np.ndarray, max_buckets: int) -> tuple:
+    """(members, upper length, count, time on each type) of each length bucket of `items` (``solver.bucketing``)."""
     buckets = optimal_buckets(lengths[items], max_buckets)
     b_items = [[items[j] for j in b.members] for b in buckets]
     b_len = np.array([b.upper for b in buckets], dtype=np.float64)
     b_cnt = np.array([len(m) for m in b_items], dtype=np.int64)
     # time of a bucket's representative (its longest member) on each type; inf where it does not fit
     b_time = np.array([table[max(m, key=lambda i: lengths[i])] for m in b_items])
+    return b_items, b_len, b_cnt, b_time
 
+
+def _bisect(best: MicroBatchSolution | None, buckets: tuple, pack: tuple, limits: tuple):
+    """(best solution, MILP solves, bisection steps): the bisection on the makespan c between the lower bound and
+    the best so far, each step a MILP for whether the buckets fit in c (:func:`_devices_needed`), a feasible c
+    realised as a draft (:func:`_realise`)."""
+    b_items, b_len, b_cnt, b_time = buckets
+    types, table, lengths, num_devices, caps_by_type, overheads = pack
+    lower_bound_ms, tolerance, max_bisection_steps, ilp_time_limit_s, deadline, solver = limits
     lo = lower_bound_ms
     hi = best.makespan_ms if best is not None else lo * 4
     solves = steps = 0
@@ -143,10 +164,7 @@ def solve_micro_batch(
         draft = _realise(counts, types, table, lengths, b_items, num_devices, caps_by_type, overheads)
         if draft is not None and (best is None or draft.makespan() < best.makespan_ms):
             best = MicroBatchSolution(draft, draft.makespan(), "milp", 0, 0)
-    if best is None:
-        return None  # this micro-batch cannot be packed: the caller splits it further
-    best.ilp_solves, best.bisection_steps = solves, steps
-    return best
+    return best, solves, steps
 
 
 def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_limit_s, *, solver=DEFAULT_SOLVER):
