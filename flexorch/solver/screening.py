@@ -50,12 +50,34 @@ def screen_splits(
     micro-batch ``solver.fill`` packed).
     """
     filled: set[int] = set()
-    # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly
-    fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
-    key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
     until = fill_deadline if config.fill_starts else screen_deadline
     done, rest = [], []
     best_est = np.inf
+    for ci in _screen_order(cands, kinds, bounds, lengths, n, cap):
+        if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
+            rest.append((ci, None))
+            continue
+        if done and time.monotonic() >= until:
+            rest.append((ci, None))
+            continue
+        starts, whole = _static_starts(
+            cands[ci], mb_bounds[ci], types, caps_t, overheads, table, lengths, n, fill_deadline, config
+        )
+        if whole:
+            filled.add(ci)
+        est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
+        best_est = min(best_est, est)
+        done.append((est, ci, starts))
+    done.sort(key=lambda x: x[0])
+    return [(ci, starts) for _, ci, starts in done] + rest, filled
+
+
+def _screen_order(cands, kinds, bounds, lengths, n, cap: int) -> list[int]:
+    """The candidate splits in the order to screen them: the lowest-bound split of each strategy, the informed
+    (tiered, rounds) ones first, then the rest; each part in bound order, memory-full splits last."""
+    # until screened, a split whose fullest micro-batch is within 10 % of memory is presumed costly
+    fill = [max(int(lengths[c].sum()) for c in split) / (n * cap) for split in cands]
+    key = [b * (1.0 + 10.0 * max(0.0, f - 0.9)) for b, f in zip(bounds, fill, strict=True)]
     by_key = np.argsort(key, kind="stable").tolist()
     first_of_kind: dict[str, int] = {}
     for ci in by_key:
@@ -65,35 +87,28 @@ def screen_splits(
     informed = [ci for kind, ci in first_of_kind.items() if kind.startswith(("tiered", "rounds"))]
     firsts = set(first_of_kind.values())
     lead = sorted(informed, key=by_key.index) + [ci for ci in by_key if ci in firsts and ci not in informed]
-    for ci in lead + [ci for ci in by_key if ci not in firsts]:
-        if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
-            rest.append((ci, None))
-            continue
-        if done and time.monotonic() >= until:
-            rest.append((ci, None))
-            continue
-        starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in cands[ci]]
-        if config.fill_starts and time.monotonic() < fill_deadline:
-            starts, whole = fill_starts(
-                cands[ci],
-                mb_bounds[ci],
-                starts,
-                types,
-                caps_t,
-                overheads,
-                table,
-                lengths,
-                n,
-                fill_deadline,
-                tolerance=config.tolerance,
-            )
-            if whole:
-                filled.add(ci)
-        est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
-        best_est = min(best_est, est)
-        done.append((est, ci, starts))
-    done.sort(key=lambda x: x[0])
-    return [(ci, starts) for _, ci, starts in done] + rest, filled
+    return lead + [ci for ci in by_key if ci not in firsts]
+
+
+def _static_starts(split, lower, types, caps_t, overheads, table, lengths, n, fill_deadline, config: PlannerConfig):
+    """(one split's static starts, True when ``solver.fill`` packed every micro-batch): each micro-batch's best
+    homogeneous layout, with ``fill_starts`` (until `fill_deadline`) the better of that and its mixed layout."""
+    starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in split]
+    if config.fill_starts and time.monotonic() < fill_deadline:
+        return fill_starts(
+            split,
+            lower,
+            starts,
+            types,
+            caps_t,
+            overheads,
+            table,
+            lengths,
+            n,
+            fill_deadline,
+            tolerance=config.tolerance,
+        )
+    return starts, False
 
 
 def fill_starts(split, lower, starts, types, caps_t, overheads, table, lengths, n, deadline, *, tolerance: float):
