@@ -249,20 +249,7 @@ def improve_step(
         x = int(cands[np.argmax(span[cands])])
         in_x = np.flatnonzero(mb_of == x)
         g = int(in_x[np.argmax(loads[in_x])])
-        limit = span[mb_of]  # a target group may end at most at its micro-batch's makespan ...
-        limit = np.where(mb_of == x, span[x] - 1e-9, limit + 1e-9)  # ... strictly below it in X
-        best = None
-        for i in members[g]:
-            left = loads[g] - table[i, gtype[g]] - (fixed[g] if len(members[g]) == 1 else 0.0)
-            new = loads + table[i, gtype] + np.where(tokens == 0, fixed, 0.0)
-            ok = (tokens + lengths[i] <= cap) & (new <= limit)
-            ok[g] = False
-            # same micro-batch: the pair's max must drop below the old makespan
-            score = np.where(mb_of == x, np.maximum(new, left), new - span[mb_of] + left)
-            score = np.where(ok, score, np.inf)
-            h = int(np.argmin(score))
-            if np.isfinite(score[h]) and left < loads[g] - 1e-9 and (best is None or score[h] < best[0]):
-                best = (score[h], i, h, left, new[h])
+        best = _best_move(g, x, span, mb_of, gtype, loads, tokens, cap, fixed, members, table, lengths)
         if best is None:
             stuck[x] = True
             continue
@@ -281,6 +268,26 @@ def improve_step(
         d.members = members[start : start + k]
         start += k
     return drafts
+
+
+def _best_move(g, x, span, mb_of, gtype, loads, tokens, cap, fixed, members, table, lengths):
+    """(score, sequence, target group, g's load after, target's load after) of the best move off group `g` of
+    micro-batch `x` (:func:`improve_step`'s rule), None when no move helps."""
+    limit = span[mb_of]  # a target group may end at most at its micro-batch's makespan ...
+    limit = np.where(mb_of == x, span[x] - 1e-9, limit + 1e-9)  # ... strictly below it in X
+    best = None
+    for i in members[g]:
+        left = loads[g] - table[i, gtype[g]] - (fixed[g] if len(members[g]) == 1 else 0.0)
+        new = loads + table[i, gtype] + np.where(tokens == 0, fixed, 0.0)
+        ok = (tokens + lengths[i] <= cap) & (new <= limit)
+        ok[g] = False
+        # same micro-batch: the pair's max must drop below the old makespan
+        score = np.where(mb_of == x, np.maximum(new, left), new - span[mb_of] + left)
+        score = np.where(ok, score, np.inf)
+        h = int(np.argmin(score))
+        if np.isfinite(score[h]) and left < loads[g] - 1e-9 and (best is None or score[h] < best[0]):
+            best = (score[h], i, h, left, new[h])
+    return best
 
 
 def drop_empty(drafts: list[Draft]) -> list[Draft]:
