@@ -310,39 +310,9 @@ def refit_times(profile: Profile, window: GroupWindow, static: bool = False) -> 
     is fitted without degree-1 groups, below)."""
     compute, groups = window.compute(), window.groups()
     every = [*compute, *(s for v in groups.values() for s in v)]
-    new, refitted = profile, []
-    if len(compute) >= MIN_COMPUTE:
-        try:
-            b1, a1, a2 = fit_compute_terms(compute, "refit")
-        except ProfileError:  # the window does not separate b1, a1, a2 (e.g. every group the same size)
-            pass
-        else:
-            if a1 > 0 or a2 > 0:
-                new = dataclasses.replace(new, b1_ms=b1, a1_ms=a1, a2_ms=a2)
-                refitted.append("compute")
-    enough = {k: v for k, v in groups.items() if len(v) >= MIN_GROUP}
-    # latency and bandwidth need groups of at least two sizes to be told apart
-    fit = {k: v for k, v in enough.items() if len({sum(s.seq_lengths) for s in v}) >= 2}
-    if enough and "compute" not in refitted:
-        # no degree-1 groups to price compute (a static SP layout, or every sequence needing SP): scale the compute
-        # terms by one factor from the SP groups. A static layout's planner plans only the type it sees: the factor
-        # is the one that, with each (kind, degree)'s collectives refitted, predicts its groups best. An adaptive
-        # planner also plans types the window has no sample of: there the factor is fitted with the collectives as
-        # they are (one unknown, identified), then the seen types' collectives are refitted at it. Fitted jointly,
-        # factor and collectives trade off freely: the demo's window of ulysses-2 groups gave compute x0.3 and a
-        # 156 ms all-to-all latency, which priced ulysses-4 (its latency as calibrated) 43 % too cheap.
-        sp = [s for v in enough.values() for s in v]
-        grid = np.geomspace(0.25, 4.0, 41)
-        if static:
-            new = min((_with_comm(_scaled(new, x), fit) for x in grid), key=lambda q: _median_abs(q, sp))
-        else:
-            x = min(grid, key=lambda x: (_median_abs(_scaled(new, x), sp), abs(np.log(x))))
-            new = _with_comm(_scaled(new, x), fit)
-        if new.b1_ms != profile.b1_ms or new.a2_ms != profile.a2_ms:
-            refitted.append("compute-scale")
-    else:
-        new = _with_comm(new, fit)
-    refitted += [f"{kind}-{degree}" for kind, degree in sorted(fit)]
+    refitted: list[str] = []
+    new = _refit_compute(profile, compute, refitted)
+    new = _refit_groups(profile, new, groups, refitted, static)
     steps = window.steps()
     before, after = _median_abs(profile, every), _median_abs(new, every)
     # the groups' refit stands only when it explains the groups better and, each at the level the steps show, the
@@ -371,3 +341,46 @@ def refit_times(profile: Profile, window: GroupWindow, static: bool = False) -> 
     )
     new = final
     return (new if accepted else profile), report
+
+
+def _refit_compute(profile: Profile, compute, refitted: list[str]) -> Profile:
+    """``profile`` with b1, a1, a2 refitted on the window's degree-1 groups where they show them ("compute")."""
+    if len(compute) >= MIN_COMPUTE:
+        try:
+            b1, a1, a2 = fit_compute_terms(compute, "refit")
+        except ProfileError:  # the window does not separate b1, a1, a2 (e.g. every group the same size)
+            pass
+        else:
+            if a1 > 0 or a2 > 0:
+                refitted.append("compute")
+                return dataclasses.replace(profile, b1_ms=b1, a1_ms=a1, a2_ms=a2)
+    return profile
+
+
+def _refit_groups(profile: Profile, new: Profile, groups: dict, refitted: list[str], static: bool) -> Profile:
+    """``new`` with the collectives of each (kind, degree) the window shows refitted, and without a compute refit
+    its compute terms scaled by one factor from the SP groups ("compute-scale")."""
+    enough = {k: v for k, v in groups.items() if len(v) >= MIN_GROUP}
+    # latency and bandwidth need groups of at least two sizes to be told apart
+    fit = {k: v for k, v in enough.items() if len({sum(s.seq_lengths) for s in v}) >= 2}
+    if enough and "compute" not in refitted:
+        # no degree-1 groups to price compute (a static SP layout, or every sequence needing SP): scale the compute
+        # terms by one factor from the SP groups. A static layout's planner plans only the type it sees: the factor
+        # is the one that, with each (kind, degree)'s collectives refitted, predicts its groups best. An adaptive
+        # planner also plans types the window has no sample of: there the factor is fitted with the collectives as
+        # they are (one unknown, identified), then the seen types' collectives are refitted at it. Fitted jointly,
+        # factor and collectives trade off freely: the demo's window of ulysses-2 groups gave compute x0.3 and a
+        # 156 ms all-to-all latency, which priced ulysses-4 (its latency as calibrated) 43 % too cheap.
+        sp = [s for v in enough.values() for s in v]
+        grid = np.geomspace(0.25, 4.0, 41)
+        if static:
+            new = min((_with_comm(_scaled(new, x), fit) for x in grid), key=lambda q: _median_abs(q, sp))
+        else:
+            x = min(grid, key=lambda x: (_median_abs(_scaled(new, x), sp), abs(np.log(x))))
+            new = _with_comm(_scaled(new, x), fit)
+        if new.b1_ms != profile.b1_ms or new.a2_ms != profile.a2_ms:
+            refitted.append("compute-scale")
+    else:
+        new = _with_comm(new, fit)
+    refitted += [f"{kind}-{degree}" for kind, degree in sorted(fit)]
+    return new
