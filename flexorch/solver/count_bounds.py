@@ -70,47 +70,64 @@ def count_bound_ms(
     busy = np.maximum(need * w, pure)  # a sequence's device-time on its chain's group, at least
     exact = base_ms * m_min
     best = 0.0
+    per_seq = (pure, need, busy, dev_time, degrees)
     for j in range(1, min(COUNT_K, few.size) + 1):
-        h = few[:j].tolist()
-        light = np.ones(lengths.size, dtype=bool)
-        light[h] = False
-        if not light.any():
-            continue
-        area = float(pure[light].sum())
-        light_tokens = float(lengths[light].sum())
-        d_h = float(need[h].min())
-        extra = np.where(degrees[None, :] >= d_h, dev_time, np.inf).min(axis=1)[light] - pure[light]  # Delta(s)
-        cheap = np.argsort(extra / np.maximum(lengths[light], 1.0), kind="stable")
-        cum_toks = np.concatenate([[0.0], np.cumsum(lengths[light][cheap])])
-        cum_extra = np.concatenate([[0.0], np.cumsum(extra[cheap])])
-        dense = np.argsort(-pure[light] / np.maximum(lengths[light], 1.0), kind="stable")
-        g_toks = np.concatenate([[0.0], np.cumsum(lengths[light][dense])])
-        g_area = np.concatenate([[0.0], np.cumsum(pure[light][dense])])
-        g_free = np.interp(np.arange(n + 1, dtype=np.float64) * cap, g_toks, g_area)  # G(f * cap), f = 0..N
-        got = np.inf
-        for part in _partitions(list(range(j))):
-            if len(part) > m_min:
-                continue
-            rounds = []
-            for members in part:
-                pts = np.array(fronts[sum(1 << i for i in members)], dtype=np.float64).reshape(-1, 2)
-                if pts.size == 0:
-                    break
-                u, x = pts[:, 0], pts[:, 1]  # each point of the round's front: devices its chains take, length
-                free = n - u
-                load = busy[few[members]].sum()
-                absorbed = np.minimum(free * x, g_free[free.astype(np.int64)]) + u * x - load
-                rounds.append((x, x - absorbed / n, free))
-            else:  # every combination of one point per round
-                length = _mesh_sum([r[0] for r in rounds])
-                cost = _mesh_sum([r[1] for r in rounds])
-                free = _mesh_sum([r[2] for r in rounds])
-                forced = light_tokens - (m_min - len(part)) * n * cap - free * cap
-                d = np.interp(np.maximum(forced, 0.0), cum_toks, cum_extra, right=np.inf)
-                got = min(got, float(np.min(np.maximum(length, cost + (area + d) / n))))
+        got = _slowest_j_bound(j, few, fronts, per_seq, lengths, n, cap, m_min)
         if np.isfinite(got):
             best = max(best, got)
     return max(any_ms, min(any_ms + base_ms, exact + best))
+
+
+def _slowest_j_bound(j: int, few, fronts, per_seq: tuple, lengths, n: int, cap: int, m_min: int) -> float:
+    """The bound for exactly M_min micro-batches with the `j` slowest sequences in rounds of their own, the rest
+    (the light sequences) around them; the least over the partitions of the j into rounds (inf: none)."""
+    pure, need, busy, dev_time, degrees = per_seq
+    h = few[:j].tolist()
+    light = np.ones(lengths.size, dtype=bool)
+    light[h] = False
+    if not light.any():
+        return np.inf
+    area = float(pure[light].sum())
+    light_tokens = float(lengths[light].sum())
+    d_h = float(need[h].min())
+    extra = np.where(degrees[None, :] >= d_h, dev_time, np.inf).min(axis=1)[light] - pure[light]  # Delta(s)
+    cheap = np.argsort(extra / np.maximum(lengths[light], 1.0), kind="stable")
+    cum_toks = np.concatenate([[0.0], np.cumsum(lengths[light][cheap])])
+    cum_extra = np.concatenate([[0.0], np.cumsum(extra[cheap])])
+    dense = np.argsort(-pure[light] / np.maximum(lengths[light], 1.0), kind="stable")
+    g_toks = np.concatenate([[0.0], np.cumsum(lengths[light][dense])])
+    g_area = np.concatenate([[0.0], np.cumsum(pure[light][dense])])
+    g_free = np.interp(np.arange(n + 1, dtype=np.float64) * cap, g_toks, g_area)  # G(f * cap), f = 0..N
+    light_parts = (area, light_tokens, cum_toks, cum_extra, g_free)
+    got = np.inf
+    for part in _partitions(list(range(j))):
+        if len(part) > m_min:
+            continue
+        got = min(got, _partition_bound(part, few, fronts, busy, light_parts, n, cap, m_min))
+    return got
+
+
+def _partition_bound(part, few, fronts, busy, light_parts: tuple, n: int, cap: int, m_min: int) -> float:
+    """The bound of one partition of the slowest sequences into rounds: the least over every combination of one
+    point of each round's front (inf when a round has no front)."""
+    area, light_tokens, cum_toks, cum_extra, g_free = light_parts
+    rounds = []
+    for members in part:
+        pts = np.array(fronts[sum(1 << i for i in members)], dtype=np.float64).reshape(-1, 2)
+        if pts.size == 0:
+            return np.inf
+        u, x = pts[:, 0], pts[:, 1]  # each point of the round's front: devices its chains take, length
+        free = n - u
+        load = busy[few[members]].sum()
+        absorbed = np.minimum(free * x, g_free[free.astype(np.int64)]) + u * x - load
+        rounds.append((x, x - absorbed / n, free))
+    # every combination of one point per round
+    length = _mesh_sum([r[0] for r in rounds])
+    cost = _mesh_sum([r[1] for r in rounds])
+    free = _mesh_sum([r[2] for r in rounds])
+    forced = light_tokens - (m_min - len(part)) * n * cap - free * cap
+    d = np.interp(np.maximum(forced, 0.0), cum_toks, cum_extra, right=np.inf)
+    return float(np.min(np.maximum(length, cost + (area + d) / n)))
 
 
 def _partitions(items: list[int]):
