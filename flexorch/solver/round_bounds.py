@@ -63,6 +63,39 @@ def round_fronts(
     its sequences' least times ``w``, or with ``table`` (their rows of the time table, ms on each type) the sum of
     their least times on a group of degree d: a chain of the tallest sequences on one group of all N devices, or two
     chains of N/2 side by side, each with its real time (module docstring, chain degrees)."""
+    k = np.asarray(w).size
+    full = 1 << k
+    levels, usable, ms_opt = _chain_table(w, lengths, finite, degrees, num_devices, tokens_per_device, table)
+    if not usable.any():
+        return [[(0.0, 0.0)]] + [[] for _ in range(full - 1)]
+    # dense over devices in units of the least degree any chain takes: best[mask, u] = the least longest chain of
+    # the subset's partitions into chains on at most u units, one vectorised step per subset size and degree
+    unit = int(levels[usable.any(axis=0)].min())
+    size = num_devices // unit + 1
+    best = np.full((full, size), np.inf)
+    best[0] = 0.0
+    for masks, rs in _round_pairs(k):  # rs: the chain holding the mask's lowest member
+        rest = best[masks ^ rs]
+        got = np.full((masks.size, size), np.inf)
+        for j, d in enumerate(levels.tolist()):
+            du = int(d) // unit
+            if du == 0 or du >= size or not usable[rs, j].any():
+                continue
+            np.minimum(got[:, du:], np.maximum(rest[:, : size - du], ms_opt[rs, j][:, None]), out=got[:, du:])
+        starts = np.flatnonzero(np.concatenate([[True], masks[1:] != masks[:-1]]))
+        best[masks[starts]] = np.minimum.accumulate(np.minimum.reduceat(got, starts, axis=0), axis=1)
+    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]
+    steps = np.concatenate([np.full((full, 1), np.inf), best], axis=1)
+    for mask in range(1, full):
+        row = best[mask]
+        at = np.flatnonzero(row < steps[mask, :-1])  # where the least longest chain drops: the Pareto points
+        fronts.append([(float(u * unit), float(row[u])) for u in at.tolist()])
+    return fronts
+
+
+def _chain_table(w, lengths, finite, degrees, num_devices: int, tokens_per_device: int, table) -> tuple:
+    """(the degrees, usable[mask, j], ms[mask, j]): whether each subset (bit mask) of the sequences can run as one
+    chain on a group of the j-th degree, and how long it then takes (inf where it cannot)."""
     w = np.asarray(w, dtype=np.float64)
     k = w.size
     lengths = np.asarray(lengths, dtype=np.float64)
@@ -90,31 +123,7 @@ def round_fronts(
     held[0] = False
     usable = held & np.isfinite(chain_ms) & (levels <= num_devices)[None, :]
     ms_opt = np.where(usable, chain_ms, np.inf)  # each subset's time as one chain on each degree (inf: it cannot)
-    if not usable.any():
-        return [[(0.0, 0.0)]] + [[] for _ in range(full - 1)]
-    # dense over devices in units of the least degree any chain takes: best[mask, u] = the least longest chain of
-    # the subset's partitions into chains on at most u units, one vectorised step per subset size and degree
-    unit = int(levels[usable.any(axis=0)].min())
-    size = num_devices // unit + 1
-    best = np.full((full, size), np.inf)
-    best[0] = 0.0
-    for masks, rs in _round_pairs(k):  # rs: the chain holding the mask's lowest member
-        rest = best[masks ^ rs]
-        got = np.full((masks.size, size), np.inf)
-        for j, d in enumerate(levels.tolist()):
-            du = int(d) // unit
-            if du == 0 or du >= size or not usable[rs, j].any():
-                continue
-            np.minimum(got[:, du:], np.maximum(rest[:, : size - du], ms_opt[rs, j][:, None]), out=got[:, du:])
-        starts = np.flatnonzero(np.concatenate([[True], masks[1:] != masks[:-1]]))
-        best[masks[starts]] = np.minimum.accumulate(np.minimum.reduceat(got, starts, axis=0), axis=1)
-    fronts: list[list[tuple[float, float]]] = [[(0.0, 0.0)]]
-    steps = np.concatenate([np.full((full, 1), np.inf), best], axis=1)
-    for mask in range(1, full):
-        row = best[mask]
-        at = np.flatnonzero(row < steps[mask, :-1])  # where the least longest chain drops: the Pareto points
-        fronts.append([(float(u * unit), float(row[u])) for u in at.tolist()])
-    return fronts
+    return levels, usable, ms_opt
 
 
 @functools.cache
