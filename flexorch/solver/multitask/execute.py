@@ -116,22 +116,7 @@ def plan_task_step(
     ]
     metaops = build_metaops(batches, n, profile)
     info: dict = {"multitask": method, "tasks": len(ranks)}
-    if method == "spindle":
-        mt = plan_metaops(metaops, n, split_layers=False)
-        parts, bound, baselines = mt.parts, float(mt.bound_ms), dict(mt.baselines_ms)
-        info["schedule"] = mt.method  # 'spindle', or the baseline Spindle's search fell back to
-        info["note"] = mt.note
-    else:
-        bound = float(continuous_allocation(metaops, n).makespan_ms)
-        split = fixed_split_parts(metaops, n)
-        turn = in_turn_parts(metaops, n)
-        baselines = {"in_turn": _end(turn), "fixed_split": _end(split) if split else math.inf}
-        if method == "fixed_split" and split is None:
-            raise PlanningError(
-                f"a fixed split cannot run these {len(ranks)} tasks at once on {n} devices: their fewest devices "
-                f"add up to {sum(m.min_count for m in metaops)}; use method='spindle' or 'in_turn'"
-            )
-        parts = split if method == "fixed_split" else turn
+    parts, bound, baselines = _schedule(method, metaops, n, len(ranks), info)
     if len(parts) != len(ranks):  # whole tasks: one part each (build_metaops gives one MetaOp per task here)
         raise InvalidPlanError(f"expected one part per task ({len(ranks)}), got {len(parts)}")
     blocks = _blocks(parts, n)
@@ -152,6 +137,28 @@ def plan_task_step(
     info["solve_s"] = time.perf_counter() - t0
     plan.meta.update(info)
     return plan, dict(info)
+
+
+def _schedule(method: str, metaops, n: int, num_tasks: int, info: dict) -> tuple[list[Part], float, dict]:
+    """(the parts in wave order, the bound C*, the baselines' makespans) of the tasks' metaops by `method`; for
+    'spindle' the schedule Spindle's search chose and its note go into `info`."""
+    if method == "spindle":
+        mt = plan_metaops(metaops, n, split_layers=False)
+        parts, bound, baselines = mt.parts, float(mt.bound_ms), dict(mt.baselines_ms)
+        info["schedule"] = mt.method  # 'spindle', or the baseline Spindle's search fell back to
+        info["note"] = mt.note
+    else:
+        bound = float(continuous_allocation(metaops, n).makespan_ms)
+        split = fixed_split_parts(metaops, n)
+        turn = in_turn_parts(metaops, n)
+        baselines = {"in_turn": _end(turn), "fixed_split": _end(split) if split else math.inf}
+        if method == "fixed_split" and split is None:
+            raise PlanningError(
+                f"a fixed split cannot run these {num_tasks} tasks at once on {n} devices: their fewest devices "
+                f"add up to {sum(m.min_count for m in metaops)}; use method='spindle' or 'in_turn'"
+            )
+        parts = split if method == "fixed_split" else turn
+    return parts, bound, baselines
 
 
 def task_groups(plan: Plan, task_of) -> list[list[int]]:
