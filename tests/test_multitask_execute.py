@@ -152,7 +152,7 @@ def test_waves_beside_a_long_part_gain_without_a_barrier_and_lose_with_one():
     check_executable(spindle, info, task_of, 64)
     assert info["dataflow_ms"] == pytest.approx(info["makespan_ms"], rel=0.03)
     assert info["dataflow_ms"] < 0.75 * turn["dataflow_ms"]
-    assert info["simulated_ms"] > 1.5 * info["dataflow_ms"]  # the barrier's charge (see StepPlanner._plan_tasks)
+    assert info["simulated_ms"] > 1.5 * info["dataflow_ms"]  # the barrier's charge (see solver.task_steps.plan_tasks)
     assert turn["simulated_ms"] == pytest.approx(turn["dataflow_ms"], rel=0.03)  # in turn: little to overlap
 
 
@@ -329,9 +329,9 @@ def test_the_step_runs_the_tasks_in_turn_where_they_are_faster_in_the_workers_ti
     """Spindle's choice is made in its own estimates; the executable plan is then timed as the workers run it
     (barrier-free on replicated workers, a barrier per micro-batch with sharded state) against the tasks in turn,
     and the faster one runs (seen on 2 workers: the Spindle plan 7 % slower than in turn)."""
-    import flexorch.solver.step_planner as sp_mod
+    import flexorch.solver.task_steps as task_steps
 
-    real = sp_mod.plan_task_step
+    real = task_steps.plan_task_step
     key = "simulated_ms" if barrier else "dataflow_ms"
 
     def slower_spindle(*args, method, **kw):  # make Spindle's executable plan look 2x slower in one time model
@@ -340,7 +340,7 @@ def test_the_step_runs_the_tasks_in_turn_where_they_are_faster_in_the_workers_ti
             info = {**info, key: 2 * info[key] + 1.0}
         return plan, info
 
-    monkeypatch.setattr(sp_mod, "plan_task_step", slower_spindle)
+    monkeypatch.setattr(task_steps, "plan_task_step", slower_spindle)
     lengths, task_of = skewed_batch()
     with StepPlanner(PROFILE, PlannerConfig(time_limit_s=1.0, isolate=False)) as planner:
         got = planner.plan(lengths, 8, task_of=task_of, adapter_ranks=[16, 8, 0], task_barrier=barrier)

@@ -46,6 +46,7 @@ __all__ = [
     "faster_modes",
     "mode_bytes_profile",
     "mode_packing",
+    "other_packings",
     "none_bytes_profile",
     "recompute_bound",
     "recompute_modes",
@@ -213,6 +214,28 @@ def mode_packing(planner, mode: str, lengths, n: int, due: float, idle=None) -> 
     if len(parts) == 1:
         return parts[0][0], crashes
     return concatenated(full_profile, lengths, parts), crashes
+
+
+def other_packings(planner, plan: Plan, lengths, n: int, due: float, idle=None, *, min_s: float) -> tuple[dict, int]:
+    """'auto' recompute: ``{mode: the MILP plan packed for that mode's bytes (None: no time left, or no plan)}``
+    for each mode faster than one some group of ``plan`` (packed for full recompute's bytes) runs in, planned
+    one after another by ``due`` (:func:`mode_packing`; not started with less than ``min_s`` left); and the solver
+    crashes they cost (:func:`choose_packing` picks among them)."""
+    import time
+
+    profile = planner.profile
+    others, crashes = {}, 0
+    ran = {m for row in choose_modes(plan, profile) for m in row}
+    todo = [m for m in PACKINGS[1:] if worth_packing(m, ran, profile)]
+    for i, mode in enumerate(todo):
+        until = time.monotonic() + (due - time.monotonic()) / (len(todo) - i)
+        others[mode], more = (
+            mode_packing(planner, mode, lengths, n, until, idle)
+            if until - time.monotonic() >= min_s
+            else (None, 0)  # no time left to plan it
+        )
+        crashes += more
+    return others, crashes
 
 
 def recompute_modes(plan: Plan, profile: Profile):

@@ -1,15 +1,15 @@
 """One batch in, one :class:`PlannedStep` out: the single planning path of ``flexorch plan`` and ``flexorch train``.
 
 :class:`StepPlanner` wraps :class:`~flexorch.solver.planner.Planner` (adaptive SP groups, never slower than the
-BatchAda floor), :func:`~flexorch.solver.baselines.static_plan` (a forced static layout, for comparisons and the
-invariant tests) or :func:`~flexorch.solver.pipeline.staged.plan_staged` (pipeline stages), and adds the baselines'
-predicted step times to every answer. :func:`heuristic_plan` is the MILP-free fallback. Pure: the control plane
-runs a :class:`StepPlanner` in its own Ray actor (:mod:`flexorch.control.planner_client`) so a solve overlaps a
-step.
+BatchAda floor: ``solver.adaptive_step``), :func:`~flexorch.solver.baselines.static_plan` (a forced static layout,
+for comparisons and the invariant tests) or :func:`~flexorch.solver.pipeline.staged.plan_staged` (pipeline stages),
+and adds the baselines' predicted step times to every answer. :func:`heuristic_plan` is the MILP-free fallback.
+Pure: the control plane runs a :class:`StepPlanner` in its own Ray actor (:mod:`flexorch.control.planner_client`)
+so a solve overlaps a step.
 
 A step of several tasks (``task_of``: each sequence's task) is planned by Spindle's schedule with an SP plan per
-part (:func:`flexorch.solver.multitask.execute.plan_task_step`; the MILP planner per part here, BatchAda in
-:func:`heuristic_plan`): one ``Plan`` whose every group runs one task's sequences.
+part (:func:`flexorch.solver.multitask.execute.plan_task_step`; the MILP planner per part in ``solver.task_steps``,
+BatchAda in :func:`heuristic_plan`): one ``Plan`` whose every group runs one task's sequences.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from flexorch.solver.baselines import BaselineRun, baseline_plans, baseline_times_ms, static_plan
+from flexorch.solver.adaptive_step import plan_adaptive
+from flexorch.solver.baselines import baseline_plans, baseline_times_ms, static_plan
 from flexorch.solver.cost_model import ULYSSES, kind_allowed
 from flexorch.solver.errors import InfeasibleBatchError, PlanningError
 from flexorch.solver.multitask.execute import plan_task_step
@@ -28,17 +29,9 @@ from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipelin
 from flexorch.solver.plan import Plan
 from flexorch.solver.planner import Planner, PlannerConfig
 from flexorch.solver.profiles import Profile
-from flexorch.solver.recompute import (
-    PACKINGS,
-    choose_modes,
-    choose_packing,
-    mode_packing,
-    recompute_bound,
-    uses_auto,
-    with_chosen_modes,
-    worth_packing,
-)
+from flexorch.solver.recompute import with_chosen_modes
 from flexorch.solver.simulator import step_time_ms
+from flexorch.solver.task_steps import check_task_mode, plan_tasks
 from flexorch.solver.validation import check_num_devices
 
 __all__ = ["PlannedStep", "StepPlanner", "heuristic_plan", "planner_profile", "stage_memory_profile"]
@@ -221,13 +214,14 @@ class StepPlanner:
         (the MILP planner, the BatchAda floor, the baselines' predictions); the answer says the budget it had.
 
         ``task_of`` (each sequence's task 0..T-1) makes it a step of several tasks, ``adapter_ranks[t]`` task t's
-        LoRA rank: planned by ``task_method`` ('spindle', 'in_turn' or 'fixed_split'; see :meth:`_plan_tasks`)."""
+        LoRA rank: planned by ``task_method`` ('spindle', 'in_turn' or 'fixed_split'; see
+        :func:`flexorch.solver.task_steps.plan_tasks`)."""
         limit = self.config.time_limit_s if time_limit_s is None else float(time_limit_s)
         if not limit > 0:
             raise ValueError(f"time_limit_s must be > 0 seconds, got {time_limit_s!r}")
         tasks = None
         if task_of is not None:
-            _check_task_mode(self.static, self.pipeline_stages)
+            check_task_mode(self.static, self.pipeline_stages)
             tasks = (task_of, adapter_ranks, task_method, task_barrier)
         return dataclasses.replace(
             self._plan(lengths, num_devices, with_baselines, limit, tasks),
@@ -236,189 +230,89 @@ class StepPlanner:
         )
 
     def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float, tasks=None) -> PlannedStep:
+        """Several tasks, a pipeline, adaptive SP groups or a static layout, by ``limit`` seconds from now."""
         if self._hangs > 0:
             self._hangs -= 1
             time.sleep(10**6)
         t0 = time.perf_counter()
         start = time.monotonic()
         deadline = start + limit
-        crashes = 0
+        used = {"crashes": 0}  # the solver crashes so far, also for an answer that there is no plan
         try:
             check_num_devices(num_devices)
             if tasks is not None:
-                return self._plan_tasks(lengths, num_devices, with_baselines, limit, deadline, t0, *tasks)
+                return self._plan_tasks(lengths, num_devices, with_baselines, limit, deadline, t0, tasks)
             if self.pipeline_stages != 1:
                 return self._plan_pipeline(lengths, num_devices, t0, limit)
             if self.static is None:
-                # the baselines are planned while the MILP solves run in the solver process, and after the planner
-                # in the time kept for them: what that took last time (x1.5), 10-40 % of the budget (40 % at first)
-                keep = (
-                    0.4 * limit
-                    if self._baselines_s is None
-                    else min(0.4 * limit, max(0.1 * limit, 1.5 * self._baselines_s))
-                )
-                run = BaselineRun(lengths, num_devices, self.profile)
-                auto = uses_auto(self.profile)  # [sharding] activation_checkpointing = "auto": several packings
-                due = deadline - keep
-                first = start + 0.5 * (due - start) if auto else due
-                sp = self._planner.plan(lengths, num_devices, deadline=first, idle=run.advance)
-                crashes = sp.solver_crashes
-                plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
-                others = {}
-                if auto:  # packed for the bytes of a mode some group of full's packing could not run in
-                    others, more = self._other_packings(plan, lengths, num_devices, due, run.advance)
-                    crashes += more
-                b0 = time.monotonic()
-                run.advance(deadline - 0.02 * limit)  # 2 % of the budget for the answer itself
-                statics, baselines, skipped = run.result()
-                self._baselines_s = time.monotonic() - b0
-                floor, floor_ms = statics["batchada"], baselines["batchada"]
-                if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
-                    plan, predicted, status = floor, floor_ms, "batchada"
-                if auto:  # each group in its mode; the fastest packing in that time model
-                    plan, packing = choose_packing(plan, others, self.profile)
-                    predicted = packing[f"{packing['packing']}_ms"]
-                    bound = recompute_bound(plan, bound, self.profile)
-                fallback = _timeout_reason(sp, limit, skipped)
-                return PlannedStep(
-                    plan,
-                    predicted,
-                    bound,
-                    time.perf_counter() - t0,
-                    status,
-                    baselines,
-                    fallback_reason="timeout" if fallback else None,
-                    fallback_message=fallback,
-                    solver_crashes=crashes,
-                )
-            kind, d = self.static
-            plan = static_plan(lengths, num_devices, self.profile, d, kind, deadline=deadline)
-            if plan is None:
-                raise InfeasibleBatchError(
-                    f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
-                    f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
-                )
-            plan = with_chosen_modes(plan, self.profile)
-            predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
-            baselines = (
-                baseline_times_ms(lengths, num_devices, self.profile, deadline=deadline) if with_baselines else {}
-            )
+                return self._plan_adaptive(lengths, num_devices, limit, start, deadline, t0, used)
+            return self._plan_static(lengths, num_devices, with_baselines, deadline, t0)
         except PlanningError as e:
             return PlannedStep(
-                None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e), solver_crashes=crashes
+                None,
+                solve_s=time.perf_counter() - t0,
+                status="infeasible",
+                error=str(e),
+                solver_crashes=used["crashes"],
             )
-        return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
 
-    def _plan_tasks(
-        self, lengths, num_devices: int, with_baselines: bool, limit: float, deadline: float, t0: float, *tasks
-    ) -> PlannedStep:
-        """A step of several tasks: ``plan_task_step`` by ``task_method`` with this planner's MILP for every part's
-        SP plan (the time left shared by the parts, :meth:`_part_plan`); ``with_baselines``, the tasks in turn with
-        the same SP planner in the last ~40 % of the budget, for ``baselines_ms['in_turn']``.
-
-        ``predicted_ms`` is ``step_time_ms`` of the plan: micro-batches one after another, each as long as its
-        slowest group. That models the waves faithfully only where parts side by side have micro-batches of equal
-        time: a barrier between micro-batches charges a long part's one micro-batch beside a short part's several
-        as the long one plus all but the first of the short ones, where the workers (no barrier, each rank in plan
-        order) overlap them; ``plan.meta['dataflow_ms']`` is that barrier-free time (within a few per cent of
-        Spindle's estimate ``makespan_ms`` in our examples), ``plan.meta['bound_ms']`` Spindle's bound C* in its own
-        cost model; ``bound_ms`` here is 0. Sharded workers (FSDP: every rank runs every micro-batch, world-wide
-        collectives per layer) do meet at every micro-batch, where ``predicted_ms`` is the right figure.
-
-        Never worse than the baseline, in the time model the workers run (``task_barrier``: sharded state, every
-        micro-batch a barrier, ``simulated_ms``; else the barrier-free ``dataflow_ms``): when the tasks in turn are
-        faster there, the step runs them (status ``spindle-in_turn``, ``plan.meta['note']`` says by how much). Judged
-        by the barrier model alone it would undo Spindle's plans exactly where their waves gain most on replicated
-        workers (``tests/test_multitask_execute.py`` shows a step both ways); with 2 workers the executable Spindle
-        plan was predicted 7 % slower than the tasks in turn (``benchmarks/multi_task_cpu.py``)."""
-        task_of, adapter_ranks, method, barrier = tasks
-        used = {"crashes": 0, "short": 0, "parts": 0}
-
-        def sp(lens, n, due):
-            return self._part_plan(lens, n, due, used)
-
-        both = with_baselines and method != "in_turn"
-        first_due = time.monotonic() + 0.58 * (deadline - time.monotonic()) if both else deadline - 0.02 * limit
-        args = (lengths, task_of, num_devices, self.profile)
-        kw = {"adapter_ranks": adapter_ranks, "sp_planner": sp}
-        plan, mine = plan_task_step(*args, method=method, deadline=first_due, **kw)
-        predicted, baselines = step_time_ms(plan, self.profile), {}
-        status = method
-        if both:
-            turn, info = plan_task_step(*args, method="in_turn", deadline=deadline - 0.02 * limit, **kw)
-            baselines["in_turn"] = info["simulated_ms"]
-            plan.meta["in_turn_dataflow_ms"] = info["dataflow_ms"]
-            key = "simulated_ms" if barrier else "dataflow_ms"
-            if info[key] < mine[key] * (1 - 1e-9):  # never worse than the tasks in turn, as the workers run it
-                turn.meta["note"] = (
-                    f"tasks in turn: {info[key]:.1f} ms < {method}'s {mine[key]:.1f} ms ({key.removesuffix('_ms')})"
-                )
-                turn.meta[f"{method}_{key}"] = mine[key]
-                plan, predicted, status = turn, info["simulated_ms"], f"{method}-in_turn"
-        elif with_baselines:
-            baselines["in_turn"] = predicted
-        if uses_auto(self.profile):  # each group in its recompute mode (each part in its fastest packing)
-            predicted = step_time_ms(with_chosen_modes(plan, self.profile), self.profile)
-        short = ""
-        if used["short"]:
-            short = (
-                f"{used['short']} of {used['parts']} task parts ran out of planning time (plan.time_limit_s="
-                f"{limit:g} s) and run their best static layout; raise plan.time_limit_s or give the planner more CPU"
-            )
+    def _plan_adaptive(self, lengths, num_devices: int, limit: float, start: float, deadline: float, t0, used):
+        """Adaptive SP groups (:func:`flexorch.solver.adaptive_step.plan_adaptive`), the baselines' time measured."""
+        try:
+            got = plan_adaptive(self._planner, lengths, num_devices, limit, start, deadline, self._baselines_s, used)
+        finally:  # what the baselines took, kept also where the plan then failed
+            self._baselines_s = used.get("baselines_s", self._baselines_s)
         return PlannedStep(
-            plan,
-            predicted,
-            0.0,
+            got.plan,
+            got.predicted_ms,
+            got.bound_ms,
             time.perf_counter() - t0,
-            status,
-            baselines,
-            fallback_reason="timeout" if short else None,
-            fallback_message=short,
+            got.status,
+            got.baselines_ms,
+            fallback_reason="timeout" if got.fallback else None,
+            fallback_message=got.fallback,
             solver_crashes=used["crashes"],
         )
 
-    def _other_packings(self, plan: Plan, lengths, n: int, due: float, idle=None) -> tuple[dict, int]:
-        """'auto' recompute: ``{mode: the MILP plan packed for that mode's bytes (None: no time left, or no plan)}``
-        for each mode faster than one some group of ``plan`` (packed for full recompute's bytes) runs in, planned
-        one after another by ``due``; and the solver crashes they cost (:func:`choose_packing` picks among them)."""
-        others, crashes = {}, 0
-        ran = {m for row in choose_modes(plan, self.profile) for m in row}
-        todo = [m for m in PACKINGS[1:] if worth_packing(m, ran, self.profile)]
-        for i, mode in enumerate(todo):
-            until = time.monotonic() + (due - time.monotonic()) / (len(todo) - i)
-            others[mode], more = (
-                mode_packing(self._planner, mode, lengths, n, until, idle)
-                if until - time.monotonic() >= _MIN_PART_S
-                else (None, 0)  # no time left to plan it
+    def _plan_static(self, lengths, num_devices: int, with_baselines: bool, deadline: float, t0) -> PlannedStep:
+        """The forced static layout (``static``), with the baselines' predicted times."""
+        kind, d = self.static
+        plan = static_plan(lengths, num_devices, self.profile, d, kind, deadline=deadline)
+        if plan is None:
+            raise InfeasibleBatchError(
+                f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
+                f"needs a larger group than {d} x {self.profile.tokens_per_device} tokens)"
             )
-            crashes += more
-        return others, crashes
+        plan = with_chosen_modes(plan, self.profile)
+        predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
+        baselines = baseline_times_ms(lengths, num_devices, self.profile, deadline=deadline) if with_baselines else {}
+        return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
 
-    def _part_plan(self, lengths, n: int, due: float | None, used: dict) -> Plan:
-        """One task part's SP plan on n devices by ``due``: the MILP planner with the static layouts (BatchAda)
-        planned while it solves, the better of the two; BatchAda alone when too little time is left. Under 'auto'
-        recompute that plan has the first half of the time and the packings for faster modes' bytes the rest, and
-        the fastest packing is the part's plan, as in a step of one task."""
-        due = time.monotonic() + self.config.time_limit_s if due is None else due
-        used["parts"] += 1
-        if due - time.monotonic() < _MIN_PART_S:
-            used["short"] += 1
-            return baseline_plans(lengths, n, self.profile, deadline=due)["batchada"]
-        auto = uses_auto(self.profile)
-        first = time.monotonic() + 0.5 * (due - time.monotonic()) if auto else due
-        run = BaselineRun(lengths, n, self.profile)
-        sp = self._planner.plan(lengths, n, deadline=first - 0.25 * (first - time.monotonic()), idle=run.advance)
-        used["crashes"] += sp.solver_crashes
-        run.advance(first)
-        statics, ms, _ = run.result()
-        if sp.status == "fallback":
-            used["short"] += 1
-        plan = statics["batchada"] if ms["batchada"] < sp.predicted_ms else sp.plan
-        if not auto:
-            return plan
-        others, crashes = self._other_packings(plan, lengths, n, due)
-        used["crashes"] += crashes
-        return choose_packing(plan, others, self.profile)[0]
+    def _plan_tasks(
+        self, lengths, num_devices: int, with_baselines: bool, limit: float, deadline: float, t0: float, tasks
+    ) -> PlannedStep:
+        """A step of several tasks (:func:`flexorch.solver.task_steps.plan_tasks`): ``bound_ms`` is 0."""
+        got = plan_tasks(
+            self._planner,
+            lengths,
+            num_devices,
+            tasks,
+            with_baselines=with_baselines,
+            limit=limit,
+            deadline=deadline,
+            time_limit_s=self.config.time_limit_s,
+        )
+        return PlannedStep(
+            got.plan,
+            got.predicted_ms,
+            0.0,
+            time.perf_counter() - t0,
+            got.status,
+            got.baselines_ms,
+            fallback_reason="timeout" if got.short else None,
+            fallback_message=got.short,
+            solver_crashes=got.solver_crashes,
+        )
 
     def _plan_pipeline(self, lengths, num_devices: int, t0: float, limit: float) -> PlannedStep:
         """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
@@ -442,32 +336,6 @@ class StepPlanner:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_MIN_PART_S = 0.02
-"""A task part's MILP planner is not started with less time than this left: its BatchAda plan is the answer."""
-
-
-def _check_task_mode(static, pipeline_stages) -> None:
-    """Several tasks are planned with adaptive SP groups only."""
-    if pipeline_stages != 1:
-        raise PlanningError("pipeline stages with several tasks are not supported yet")
-    if static is not None:
-        raise PlanningError(f"a static layout ({static[0]} x{static[1]}) with several tasks is not supported yet")
-
-
-def _timeout_reason(sp, limit: float, skipped: list[str]) -> str:
-    """What a step that ran out of planning time should tell the user ('' when it did not)."""
-    if sp.status != "fallback":
-        return ""
-    d = sp.details
-    cut = f"; {d.get('solves_cut', 0)} MILP solve(s) cut at the deadline" if d.get("solves_cut") else ""
-    more = f"; {len(skipped)} baseline layout(s) not planned" if skipped else ""
-    return (
-        f"the planner ran out of time (plan.time_limit_s={limit:g} s, used {sp.solve_s:.2f} s) before any MILP "
-        f"candidate finished{cut}{more}: this step runs the best static layout found. Raise plan.time_limit_s, or "
-        "give the planner more CPU (the machine is busy: other processes took the cores it needed)"
-    )
 
 
 def stage_memory_profile(profile: Profile, pipeline_params: str) -> Profile:
@@ -498,7 +366,7 @@ def heuristic_plan(
     the planner actor is stuck. With ``task_of`` (several tasks): ``plan_task_step`` with BatchAda per part."""
     t0 = time.perf_counter()
     if task_of is not None:
-        _check_task_mode(static, pipeline_stages)
+        check_task_mode(static, pipeline_stages)
     try:
         check_num_devices(num_devices)
         if task_of is not None:
