@@ -155,7 +155,7 @@ def test_the_masked_loss_equals_transformers_on_the_marked_template_without_a_he
 
 
 def test_a_store_of_marked_chat_records_is_prepared_again_and_the_start_line_names_the_rule(toks, tmp_path):
-    from flexorch.cli.train import _describe_setup
+    from flexorch.cli.train_console import _describe_setup
     from flexorch.data.listing import list_source
     from flexorch.data.store.fingerprint import fingerprints
     from tests.chat_helpers import write_jsonl

@@ -106,7 +106,7 @@ def test_switching_recompute_per_micro_batch_changes_nothing_computed(tmp_path):
 
 
 def test_the_compile_time_is_counted_and_shown_on_the_step_line():
-    from flexorch.cli.train import format_step
+    from flexorch.cli.train_console import format_step
     from flexorch.workers.compile import compile_seconds
 
     m = build_model(CFG, 1)
@@ -125,7 +125,7 @@ def test_the_compile_time_is_counted_and_shown_on_the_step_line():
 
 
 def test_the_start_line_says_which_attention_kernel_and_how_many_compiled_layers():
-    from flexorch.cli.train import _describe_setup
+    from flexorch.cli.train_console import _describe_setup
 
     ev = {
         "corpus": {"tokens": 1000}, "num_docs": 10, "workers": 1, "min_workers": 1, "max_workers": 1,

@@ -65,7 +65,7 @@ CASES = {
 
 @pytest.mark.parametrize("mode", list(CASES))
 def test_a_drained_node_leaves_at_the_next_boundary_and_the_run_matches_the_reference(cluster, mode):
-    from flexorch.cli.train import format_membership
+    from flexorch.cli.train_console import format_membership
     from flexorch.control.drains import draining_nodes
 
     c, corpus_dir, profile, corpus, root = cluster

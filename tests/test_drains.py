@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from flexorch.cli.train import format_membership
+from flexorch.cli.train_console import format_membership
 from flexorch.control.drains import DrainWatch, NodeDrain
 from flexorch.control.membership import ElasticPolicy, Leave, Stay
 from flexorch.control.transitions import Ran

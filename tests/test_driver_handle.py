@@ -4,7 +4,8 @@ real loss is tests/test_driver_crash.py)."""
 from __future__ import annotations
 
 from flexorch.cli.driver_handle import loss_reason
-from flexorch.cli.train import _RunView, format_step
+from flexorch.cli.train import _RunView
+from flexorch.cli.train_console import format_step
 
 RAY_TEXT = (
     "The actor died unexpectedly before finishing this task. class_name: TrainingDriver actor_id: 8d2f pid: 14660 "

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexorch.cli.train import format_membership
+from flexorch.cli.train_console import format_membership
 from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
 from flexorch.control.elastic import ElasticError

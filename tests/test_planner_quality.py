@@ -336,7 +336,7 @@ def test_records_carry_the_budget_and_the_gap_and_reject_bad_ones():
 
 
 def test_the_step_line_shows_the_budget_and_the_gap():
-    from flexorch.cli.train import format_step
+    from flexorch.cli.train_console import format_step
 
     ev = {
         "step": 1,

@@ -310,7 +310,7 @@ def test_the_refit_counts_a_group_run_without_recompute_at_full_recompute_s_time
 
 
 def test_the_step_line_says_how_many_groups_ran_without_recompute_and_the_packing():
-    from flexorch.cli.train import format_step
+    from flexorch.cli.train_console import format_step
 
     ev = {
         "step": 0, "shape": "<2> | <1>", "solve_s": 0.1, "loss": 5.0, "tokens_per_s": 100.0, "predicted_ms": 10.0,

@@ -219,7 +219,7 @@ def test_the_pre_flight_check_knows_chat_tokenized_and_datasets_sources(tmp_path
 
 
 def test_the_step_and_start_lines_say_how_many_tokens_carry_loss():
-    from flexorch.cli.train import _describe_setup, format_step
+    from flexorch.cli.train_console import _describe_setup, format_step
 
     ev = {
         "step": 1, "shape": "<2x2>", "solve_s": 0.4, "loss": 5.1, "tokens_per_s": 1000.0, "predicted_ms": 700.0,

@@ -175,7 +175,7 @@ def test_a_world_that_is_not_a_multiple_of_shard_size_is_said_in_words():
 
 
 def test_membership_lines_for_a_roll_back_and_an_uneven_world():
-    from flexorch.cli.train import format_membership
+    from flexorch.cli.train_console import format_membership
 
     back = {"event": "membership", "what": "run step 4", "rollback": True, "lost": [2], "reason": "parts lost",
             "from_step": 4, "to_step": 2, "world_before": [0, 1, 3], "world_after": [0, 1, 3],

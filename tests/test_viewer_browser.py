@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from flexorch.cli.plan import PlanRunConfig, run_plan
-from flexorch.cli.train import format_step
+from flexorch.cli.train_console import format_step
 from flexorch.dashboards.viewer import ViewerServer
 from flexorch.records.writer import measured_bubble_share
 from flexorch.solver.planner import PlannerConfig
@@ -489,7 +489,7 @@ DRAIN = {
 
 def test_a_drained_node_s_planned_leave_shows_in_the_table_and_the_summary(browser, tmp_path):
     """The drain in the CLI's words: the node, its reason and deadline, who left after which step, in what time."""
-    from flexorch.cli.train import format_membership
+    from flexorch.cli.train_console import format_membership
 
     records = [json.loads(line) for line in (RECORDED / "steps.jsonl").read_text().splitlines()]
     records[2]["recoveries"] = [DRAIN]

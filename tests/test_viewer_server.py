@@ -16,7 +16,7 @@ import pytest
 
 from flexorch.cli.main import main
 from flexorch.cli.plan import PlanRunConfig, run_plan
-from flexorch.cli.train import format_step
+from flexorch.cli.train_console import format_step
 from flexorch.dashboards.plan_svg import task_colour
 from flexorch.dashboards.viewer import ViewerServer
 from flexorch.dashboards.viewer_data import read_run, seq_tasks, step_view
