@@ -37,8 +37,8 @@ def export_hf(checkpoint: Path | str, out: Path | str, max_shard_bytes: int = MA
     ``bytes``: theirs, the base model's; ``tokenizer``: where its files came from, or None; ``adapters``: one dict
     per task's PEFT adapter written, :func:`~flexorch.control.peft_export.write_peft_adapters`, empty without
     adapters)."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from safetensors.torch import save_file
+    import huggingface_hub  # noqa: F401 - missing, an error before anything is read
+    import safetensors.torch  # noqa: F401
 
     cfg = checkpoint_config(checkpoint)
     model, data = cfg["model"], cfg["data"]
@@ -63,25 +63,12 @@ def export_hf(checkpoint: Path | str, out: Path | str, max_shard_bytes: int = MA
     everything = consolidated_state(checkpoint)
     state = {name: t.contiguous() for name, t in everything.items() if not is_adapter_param(name)}
     out.mkdir(parents=True, exist_ok=True)
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
-    for file, names in split.filename_to_tensors.items():
-        save_file({n: state[n] for n in names}, str(out / file), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
-        index["weight_map"] = split.tensor_to_filename
-        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    split = _write_weights(out, state, max_shard_bytes)
     conf = json.loads((source / "config.json").read_text())
     conf.setdefault("architectures", [ARCHITECTURES[model["family"]]])
     conf["dtype"] = "float32"
     (out / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
-    tokenizer = None
-    spec = data.get("tokenizer", "byte")
-    if spec.startswith("hf:"):
-        tok_dir = Path(spec[3:])
-        copied = [f for f in TOKENIZER_FILES if (tok_dir / f).is_file()]
-        for f in copied:
-            shutil.copy2(tok_dir / f, out / f)
-        tokenizer = str(tok_dir) if copied else None
+    tokenizer = _copy_tokenizer(data.get("tokenizer", "byte"), out)
     adapters = []
     if specs:
         from flexorch.control.peft_export import write_peft_adapters
@@ -95,3 +82,30 @@ def export_hf(checkpoint: Path | str, out: Path | str, max_shard_bytes: int = MA
         "tokenizer": tokenizer,
         "adapters": adapters,
     }
+
+
+def _write_weights(out: Path, state: dict, max_shard_bytes: int):
+    """Write ``state`` as safetensors files of at most ``max_shard_bytes`` (with their index when there are several);
+    returns the split (which tensor went to which file)."""
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_bytes)
+    for file, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, str(out / file), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state.values())}}
+        index["weight_map"] = split.tensor_to_filename
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return split
+
+
+def _copy_tokenizer(spec: str, out: Path) -> str | None:
+    """Copy an ``hf:<dir>`` tokenizer's files into ``out``; returns the directory they came from, or None."""
+    if not spec.startswith("hf:"):
+        return None
+    tok_dir = Path(spec[3:])
+    copied = [f for f in TOKENIZER_FILES if (tok_dir / f).is_file()]
+    for f in copied:
+        shutil.copy2(tok_dir / f, out / f)
+    return str(tok_dir) if copied else None
