@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
@@ -213,3 +214,35 @@ def test_the_code_says_what_and_why_never_when():
         if when.search(line)
     ]
     assert not bad, "dated or historical notes (move them to CHANGELOG.md):\n" + "\n".join(bad)
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _over_limits() -> set[str]:
+    over = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = str(path.relative_to(ROOT.parent))
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_MODULE_LINES:
+            over.add(rel)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                    over.add(f"{rel}:{node.name}")
+    return over
+
+
+def test_modules_and_functions_stay_short():
+    # a newcomer reads a module in one sitting and a function on one screen
+    over = sorted(_over_limits())
+    assert not over, f"over {MAX_MODULE_LINES} lines a module or {MAX_FUNCTION_LINES} a function: {over}"
+
+
+def test_the_size_check_sees_a_long_function(tmp_path, monkeypatch):
+    pkg = tmp_path / "flexorch"
+    pkg.mkdir()
+    (pkg / "long.py").write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES)
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", pkg)
+    assert _over_limits() == {"flexorch/long.py:f"}

@@ -17,7 +17,7 @@ pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")
 
 from flexorch.config import ConfigError, CorpusConfig, TrainConfig, config_from_dict  # noqa: E402
-from flexorch.control import driver as driver_mod  # noqa: E402
+from flexorch.control import run_setup  # noqa: E402
 from flexorch.control.driver import TrainingDriver  # noqa: E402
 from flexorch.data.bpe import META_FILE, prepare_tokenizer, sample_documents  # noqa: E402
 from flexorch.data.lengths import DataError  # noqa: E402
@@ -237,7 +237,7 @@ def test_driver_trains_before_loading_and_checks_vocab(corpus_dir, tmp_path, mon
         seen.append(data.tokenizer)
         return types.SimpleNamespace(vocab_size=tok.vocab_size + 1, tokenizer_name=tok.name)
 
-    monkeypatch.setattr(driver_mod, "load_corpus", fake_load_corpus)
+    monkeypatch.setattr(run_setup, "load_corpus", fake_load_corpus)  # the driver reads its data at setup
     run_dir = tmp_path / "run"
     data = {"source": str(corpus_dir), "tokenizer": f"bpe:{N}"}
     d = TrainingDriver({"run_dir": str(run_dir), "model": {"vocab_size": N}, "data": data})
