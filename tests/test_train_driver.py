@@ -194,8 +194,7 @@ def test_auto_recompute_runs_each_group_in_its_own_mode_and_matches_the_referenc
         measured = driver.profile
         # the time ratios measured on 2 shared cores decide which packing wins; pinned here (as if measured) so the
         # plans do not depend on that noise: the bytes stay the measured ones
-        driver.profile = measured.with_overrides(none_time_ratio=0.75, selective_time_ratio=0.9)
-        driver.planner.set_profile(driver.profile)
+        driver.revisions.replace(measured.with_overrides(none_time_ratio=0.75, selective_time_ratio=0.9))
         records = [driver.step().record for _ in range(cfg.steps)]
         replicas = driver.replica_parameters()
     finally:

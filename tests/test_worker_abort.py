@@ -53,3 +53,35 @@ def test_an_error_on_an_aborted_world_is_a_peer_loss_and_otherwise_the_workers_o
 
 def test_where_is_empty_without_a_traceback_note():
     assert _where(RuntimeError("x")) == ""
+
+
+def test_a_rendezvous_store_that_closes_under_the_join_is_given_up_within_the_connect_limit(worker, monkeypatch):
+    # the plain connect reaches the store, then it closes (the world broke meanwhile): TCPStore's client used to
+    # retry for the whole collective timeout (120 s), so a survivor sat it out and was killed as hung, its shard
+    # lost (CI: no emergency checkpoint). Now the connect has STORE_CONNECT_S; the collective timeout comes after.
+    import socket
+    import threading
+    import time
+
+    from flexorch.workers import actor
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+
+    def accept_and_close() -> None:  # a store that takes a connection and drops it, every time
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conn.close()
+
+    threading.Thread(target=accept_and_close, daemon=True).start()
+    monkeypatch.setattr(actor, "STORE_CONNECT_S", 2.0)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(PeerLostError, match="the world broke"):
+            worker._guarded(worker._join, "127.0.0.1", port, 0, 2, 7, 120.0)
+    finally:
+        server.close()
+    assert time.monotonic() - t0 < 60, "retried for the collective timeout instead of the connect limit"

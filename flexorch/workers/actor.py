@@ -219,7 +219,10 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
             socket.create_connection((host, port), timeout=STORE_CONNECT_S).close()
         except OSError as e:
             raise ConnectionError(f"the rendezvous store of epoch {epoch} is gone ({e}): the world broke") from None
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(timeout_s))
+        # connecting is bounded by STORE_CONNECT_S too: a store closed between the check above and here is refused
+        # within it, not retried for the collective timeout; the world's waits then get the collective timeout
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(STORE_CONNECT_S))
+        self._store.set_timeout(_td(timeout_s))
         self.registry = ProcessGroupRegistry(
             store=self._store,
             rank=rank,
