@@ -187,7 +187,7 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
     times, peak = [], 0
     with ctx.registry() as reg:
         if strategy == "SP alone":
-            from flexorch.tasks.step import DocRef, step_tasks
+            from flexorch.work.step import DocRef, step_work
             from flexorch.workers.step_exec import run_step
 
             optim, sched = build_optimizer(model, OptimConfig())
@@ -197,7 +197,7 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
                 offs = np.cumsum([0] + lengths[:-1])
                 blocks = {0: np.concatenate(tokens)}
                 docs = [DocRef(i, 0, int(o), s) for i, (o, s) in enumerate(zip(offs, lengths, strict=True))]
-                task = step_tasks(plan, docs, 0)[ctx.rank]
+                task = step_work(plan, docs, 0)[ctx.rank]
                 reg.ensure(task.rank_sets)
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -210,7 +210,7 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
             return times, peak
         from flexorch.solver.pipeline.schedule import one_f_one_b
         from flexorch.solver.pipeline.stage_model import stage_layers
-        from flexorch.tasks.pipeline import gradient_channels
+        from flexorch.work.pipeline import gradient_channels
         from flexorch.workers.pipeline.local import build_stages
         from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_step
 

@@ -4,7 +4,7 @@ Layers, lowest first; a module imports only from its own layer or the ones above
 
 * :mod:`flexorch.solver`: the planner, pure (lengths + devices + cost-model profile in, a frozen plan out; no Ray,
   no torch.distributed). :mod:`flexorch.solver.pipeline` plans pipeline stages.
-* :mod:`flexorch.tasks`: the plain values that cross the actor boundary (step tasks, pipeline tasks, document
+* :mod:`flexorch.work`: the plain values that cross the actor boundary (each rank's step and pipeline work, document
   references, parameter placement); no Ray, no torch.
 * :mod:`flexorch.config`: the run configuration, torch- and Ray-free dataclasses loaded from TOML.
 * :mod:`flexorch.data`: corpus readers, tokenizer, the seeded document stream, lengths files.

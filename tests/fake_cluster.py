@@ -10,7 +10,7 @@
   same new state, as the gradient all-reduce gives real workers, and a rank that does not keeps its old one. States
   are immutable snapshots shared by reference (a step makes a new one), so a step costs one training step whatever
   the world's size. It keeps the real group's bookkeeping: stable worker ids, membership epochs, joiners and cluster
-  slots, stage-local parameter holdings (``flexorch.tasks.placement``).
+  slots, stage-local parameter holdings (``flexorch.work.placement``).
 * Failure injection, as :class:`Fault` values: a worker dies or hangs during a step, dies while a world forms or
   while it hands off its state before leaving a draining node, or raises (a bug); capacity is a number of slots the
   test changes (:meth:`FakeWorkerGroup.add_slots`), optionally after some polls of the joiners (capacity that
@@ -31,8 +31,8 @@ import torch
 from flexorch.control.membership import Failure, Membership
 from flexorch.control.settle import MembershipFailure, WorkerGroupError
 from flexorch.data.corpus import Corpus, resolve_blocks
-from flexorch.tasks.pipeline import PipelineTask
-from flexorch.tasks.placement import ALL, missing_parts, model_parts, transfers
+from flexorch.work.pipeline import PipelineWork
+from flexorch.work.placement import ALL, missing_parts, model_parts, transfers
 from flexorch.workers.model import init_model
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.reference import reference_step
@@ -223,7 +223,7 @@ class FakeWorkerGroup:
 
     def hand_off(self, leaving) -> dict:
         """Stage-local parameters only the leaving hold go to stayers (``handoff_needs``); replicas hold all."""
-        from flexorch.tasks.placement import handoff_needs
+        from flexorch.work.placement import handoff_needs
 
         hit = self._take_fault("handoff", self.membership.epoch, leaving)
         if hit:  # the node went mid-handoff: the leaving are lost, the stayers' call saw the world go
@@ -304,13 +304,13 @@ class FakeWorkerGroup:
             "move_ms": 0.0,
         }
 
-    def run_step(self, tasks, block_refs: list[dict]) -> dict:
-        """Run the step: every rank's documents are the batch (the union over the ranks' tasks, in doc-id order);
+    def run_step(self, work, block_refs: list[dict]) -> dict:
+        """Run the step: every rank's documents are the batch (the union over the ranks' work, in doc-id order);
         the faults of this step decide who completes it."""
         ids = self.worker_ids
-        step = tasks[0].step
+        step = work[0].step
         blocks = resolve_blocks({b: a for refs in block_refs for b, a in refs.items()})  # arrays, or store parts
-        docs = _batch_docs(tasks)
+        docs = _batch_docs(work)
         hit = self._take_fault("step", step, ids)
         handles = {w: _Handle() for w in ids}
         if hit:  # before the gradient all-reduce: nobody updates; the survivors leave the broken world
@@ -327,8 +327,8 @@ class FakeWorkerGroup:
         ms = (time.perf_counter() - t0) * 1e3
         for w in ids:
             self.workers[w].set_state(state)
-        for r, (w, task) in enumerate(zip(ids, tasks, strict=True)):
-            handles[w].outcome = _outcome(task, r, loss, ms, lr)
+        for r, (w, rank_work) in enumerate(zip(ids, work, strict=True)):
+            handles[w].outcome = _outcome(rank_work, r, loss, ms, lr)
         return handles
 
     def settle(self, handles: dict, timeout_s: float) -> tuple[dict, Failure | None]:
@@ -363,31 +363,31 @@ class FakeWorkerGroup:
         self.joining.clear()
 
 
-def _batch_docs(tasks) -> list:
+def _batch_docs(work) -> list:
     """The step's documents, each once, in doc-id order (a canonical order: the batch's loss and gradients are the
     same in any order up to float rounding, and the tests' reference packs them the same way)."""
-    if isinstance(tasks[0], PipelineTask):
-        docs = {d.doc_id: d for d in tasks[0].docs}
+    if isinstance(work[0], PipelineWork):
+        docs = {d.doc_id: d for d in work[0].docs}
     else:
-        docs = {d.doc_id: d for t in tasks for work in t.work for d in work.docs}
+        docs = {d.doc_id: d for t in work for g in t.work for d in g.docs}
     return [docs[i] for i in sorted(docs)]
 
 
-def _outcome(task, rank: int, loss: float, ms: float, lr: float) -> StepOutcome:
-    """Rank ``rank``'s report: the real loss, the task's own micro-batches or ops, the step's time on each."""
-    if isinstance(task, PipelineTask):
+def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float) -> StepOutcome:
+    """Rank ``rank``'s report: the real loss, the rank work's own micro-batches or ops, the step's time on each."""
+    if isinstance(rank_work, PipelineWork):
         ops = [
             {"kind": k, "unit": u, "start_ms": i * ms, "end_ms": (i + 1) * ms}
-            for pipe in task.pipelines
+            for pipe in rank_work.pipelines
             for i, (k, u) in enumerate(pipe.ops)
         ]
-        local = sum(d.length for d in task.docs) if task.stage is not None else 0
-        return StepOutcome(task.step, rank, loss, task.num_predicted, local, compute_end_ms=ms, total_ms=ms, lr=lr,
+        local = sum(d.length for d in rank_work.docs) if rank_work.stage is not None else 0
+        return StepOutcome(rank_work.step, rank, loss, rank_work.num_predicted, local, compute_end_ms=ms, total_ms=ms, lr=lr,
                            ops=ops, peak_local_tokens=local)  # fmt: skip
-    mbs = [w.micro_batch for w in task.work]
-    local = [sum(d.length for d in w.docs) // w.degree for w in task.work]
+    mbs = [w.micro_batch for w in rank_work.work]
+    local = [sum(d.length for d in w.docs) // w.degree for w in rank_work.work]
     return StepOutcome(
-        task.step, rank, loss, task.num_predicted, sum(local), micro_batch_ms=[ms] * len(mbs), micro_batches=mbs,
+        rank_work.step, rank, loss, rank_work.num_predicted, sum(local), micro_batch_ms=[ms] * len(mbs), micro_batches=mbs,
         micro_batch_start_ms=[i * ms for i in range(len(mbs))], compute_end_ms=ms * len(mbs), total_ms=ms * len(mbs),
         lr=lr, peak_local_tokens=max(local, default=0),
     )  # fmt: skip

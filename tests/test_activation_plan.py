@@ -33,7 +33,7 @@ def _profile(cfg: ModelConfig, act: float, **kw):
 def _held_bytes_job(ctx, cfg: ModelConfig, layouts):
     """Bytes per local token a training step's forward + loss saves on this rank, per (kind, degree) layout (the
     group is ranks 0..d-1; the others sit out), measured as ``run_step`` measures it."""
-    from flexorch.tasks.step import GroupWork
+    from flexorch.work.step import GroupWork
     from flexorch.workers.activation_memory import saved_tensor_meter
     from flexorch.workers.calibrate import _synthetic
     from flexorch.workers.model import init_model

@@ -17,14 +17,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "flexorch"
 # "<torch>" and "<torch.distributed>"; a sub-package missing here may import none of them.
 ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
-    "cli": {"control", "dashboards", "records", "data", "config", "solver", "tasks", "<ray>"},
-    "control": {"workers", "records", "data", "config", "tasks", "solver", "<ray>", "<torch>", "<torch.distributed>"},
+    "cli": {"control", "dashboards", "records", "data", "config", "solver", "work", "<ray>"},
+    "control": {"workers", "records", "data", "config", "work", "solver", "<ray>", "<torch>", "<torch.distributed>"},
     "dashboards": {"records", "solver"},
-    "records": {"solver", "tasks", "config", "<ray>"},
-    "workers": {"data", "tasks", "config", "solver", "<ray>", "<torch>", "<torch.distributed>"},  # data: reads parts
-    "data": {"tasks", "config", "solver", "<ray>"},
+    "records": {"solver", "work", "config", "<ray>"},
+    "workers": {"data", "work", "config", "solver", "<ray>", "<torch>", "<torch.distributed>"},  # data: reads parts
+    "data": {"work", "config", "solver", "<ray>"},
     "config": {"solver"},
-    "tasks": {"solver"},
+    "work": {"solver"},
     "solver": set(),
 }
 EXTERNAL = ("ray", "torch")

@@ -20,7 +20,7 @@ from flexorch.data.errors import DataError
 from flexorch.data.store.prepare import prepare_store
 from flexorch.data.store.shards import ShardSpec
 from flexorch.data.tokenizer import ByteTokenizer
-from flexorch.tasks.step import DocRef
+from flexorch.work.step import DocRef
 
 BOS = ByteTokenizer.BOS
 TEXTS = {

@@ -54,7 +54,7 @@ CORE = {
     "flexorch.workers.attention.ulysses",
     "flexorch.workers.attention.ring",
     "flexorch.workers.pipeline.executor",
-    "flexorch.tasks.step",
+    "flexorch.work.step",
 }
 
 # Shared by every child: the import blocker, then helpers. A child prints one line "RESULT <json>" at its end.
@@ -91,7 +91,7 @@ def loaded_blocked():
 def tiny_run():
     from flexorch.config.model import ModelConfig
     from flexorch.config.optim import OptimConfig
-    from flexorch.tasks.step import DocRef
+    from flexorch.work.step import DocRef
 
     cfg = ModelConfig(vocab_size=61, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=48)
     optim_cfg = OptimConfig()  # warm-up: the first step moves a parameter by at most ~3e-4
@@ -160,7 +160,7 @@ for name in needs_mip:
 BLOCKED.add("mip")
 
 # 3. Run: varlen attention, Ulysses and zigzag ring on a one-rank gloo world, one model step.
-from flexorch.tasks.step import GroupWork, StepTask
+from flexorch.work.step import GroupWork, StepWork
 from flexorch.workers.model_source import build_model
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.process_groups import ProcessGroupRegistry
@@ -172,7 +172,7 @@ registry = ProcessGroupRegistry(store=store, rank=0, world_size=1, epoch=0, back
 attention = {kind: attention_errors(kind, registry.world, 0, 1) for kind in ("ulysses", "ring")}
 
 cfg, optim_cfg, docs, refs, blocks = tiny_run()
-task = StepTask(
+task = StepWork(
     0, 0, 1, (), (GroupWork(0, (0,), "ulysses", tuple(refs[:4])), GroupWork(1, (0,), "ring", tuple(refs[4:]))),
     sum(len(d) - 1 for d in docs), 2,
 )
@@ -197,7 +197,7 @@ print("RESULT " + json.dumps(result))
 
 TWO_RANKS = r"""
 rank, store_path, part = int(sys.argv[1]), sys.argv[2], sys.argv[3]
-from flexorch.tasks.step import GroupWork, StepTask
+from flexorch.work.step import GroupWork, StepWork
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.process_groups import ProcessGroupRegistry
 from flexorch.workers.reference import reference_train
@@ -215,7 +215,7 @@ if part == "collectives":  # all-to-all (Ulysses), send/recv (ring), the gradien
     result["attention"] = {kind: attention_errors(kind, registry.world, rank, 2) for kind in ("ulysses", "ring")}
     mine = [GroupWork(2, (0,), "ulysses", tuple(refs[3:5])), GroupWork(2, (1,), "ring", (refs[5],))][rank]
     work = (GroupWork(0, (0, 1), "ulysses", tuple(refs[:2])), GroupWork(1, (0, 1), "ring", (refs[2],)), mine)
-    task = StepTask(0, rank, 2, ((0, 1),), work, n_pred, 3)
+    task = StepWork(0, rank, 2, ((0, 1),), work, n_pred, 3)
     model = build_model(cfg, 7)
     optimizer, scheduler = build_optimizer(model, optim_cfg)
     registry.ensure(task.rank_sets)
@@ -240,7 +240,7 @@ else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unuse
     work = (GroupWork(0, (0, 1), "ulysses", tuple(refs[:3])),)
     if rank == 0:
         work += (GroupWork(1, (0,), "ring", tuple(refs[3:])),)
-    task = StepTask(0, rank, 2, ((0, 1),), work, n_pred, 2)
+    task = StepWork(0, rank, 2, ((0, 1),), work, n_pred, 2)
     registry.ensure(task.rank_sets)
     recompute = "selective" if part == "sharded_compiled" else "none"
     model = fsdp.sharded_decoder(cfg, fsdp.build_mesh("fsdp", 2, None, "cpu"), recompute=recompute)

@@ -19,7 +19,7 @@ from flexorch.control.drains import DrainWatch, NodeDrain
 from flexorch.control.membership import ElasticPolicy, Leave, Stay
 from flexorch.control.transitions import Ran
 from flexorch.records.writer import read_records
-from flexorch.tasks.placement import ALL, handoff_needs, model_parts
+from flexorch.work.placement import ALL, handoff_needs, model_parts
 from tests import test_driver_transitions as transitions
 from tests.fake_cluster import Fault, fake_driver
 from tests.test_driver_transitions import STATIC, _batches, _cfg, _check_params

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexorch.config import ModelConfig, OptimConfig
-from flexorch.tasks.placement import ALL
+from flexorch.work.placement import ALL
 from flexorch.workers.model import init_model
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.pipeline.held_params import HeldParams

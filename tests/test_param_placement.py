@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flexorch.tasks.pipeline import PipelineTask
-from flexorch.tasks.placement import (
+from flexorch.work.pipeline import PipelineWork
+from flexorch.work.placement import (
     ALL,
     PartsLostError,
     holder_sets,
@@ -60,11 +60,11 @@ def test_holder_sets_give_one_bucket_per_set_of_holders():
 
 
 def test_pipeline_task_creates_the_tied_embedding_group():
-    task = PipelineTask(0, 0, 4, 0, ((0, 1), (2, 3)), (2, 2), (), (), 0, stage_params=True, tied=True)
+    task = PipelineWork(0, 0, 4, 0, ((0, 1), (2, 3)), (2, 2), (), (), 0, stage_params=True, tied=True)
     assert (0, 1, 2, 3) in task.rank_sets and (0, 1) in task.rank_sets and (2, 3) in task.rank_sets
-    untied = PipelineTask(0, 0, 4, 0, ((0, 1), (2, 3)), (2, 2), (), (), 0, stage_params=True, tied=False)
+    untied = PipelineWork(0, 0, 4, 0, ((0, 1), (2, 3)), (2, 2), (), (), 0, stage_params=True, tied=False)
     assert (0, 1, 2, 3) not in untied.rank_sets
-    replicated = PipelineTask(0, 0, 4, 0, ((0, 1), (2, 3)), (2, 2), (), (), 0, stage_params=False, tied=True)
+    replicated = PipelineWork(0, 0, 4, 0, ((0, 1), (2, 3)), (2, 2), (), (), 0, stage_params=False, tied=True)
     assert (0, 1, 2, 3) not in replicated.rank_sets
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from flexorch.config import ModelConfig
 from flexorch.solver.pipeline.schedule import one_f_one_b
 from flexorch.solver.pipeline.stage_model import stage_layers
-from flexorch.tasks.pipeline import gradient_channels
+from flexorch.work.pipeline import gradient_channels
 from flexorch.workers.model import init_model
 from tests._dist_utils import DistPool
 from tests.test_pipeline_local import LENGTHS, _reference, _sequences, _units
@@ -136,8 +136,8 @@ def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
     import numpy as np
 
     from flexorch.config import OptimConfig
-    from flexorch.tasks.pipeline import pipeline_tasks
-    from flexorch.tasks.step import DocRef
+    from flexorch.work.pipeline import pipeline_work
+    from flexorch.work.step import DocRef
     from flexorch.workers.optim import build_optimizer
     from flexorch.workers.pipeline.executor import run_pipeline_step
 
@@ -154,7 +154,7 @@ def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
     losses, ops = [], None
     with ctx.registry() as reg:
         for step in range(steps):
-            task = pipeline_tasks(staged, docs, step)[ctx.rank]
+            task = pipeline_work(staged, docs, step)[ctx.rank]
             reg.ensure(task.rank_sets)
             out = run_pipeline_step(
                 model, opt, sched, task, {0: block}, reg.group, reg.world, optim_cfg, vocab_size=cfg.vocab_size

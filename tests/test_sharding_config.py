@@ -141,7 +141,7 @@ def test_reshard_takes_the_newest_version_that_still_covers_every_shard():
 def test_activation_checkpointing_keeps_less_and_computes_the_same_gradients():
     import torch
 
-    from flexorch.tasks.step import GroupWork
+    from flexorch.work.step import GroupWork
     from flexorch.workers.calibrate import activation_bytes_per_token
     from flexorch.workers.model import init_model, loss_sum, set_activation_checkpointing
     from flexorch.workers.step_exec import group_attention, micro_batch_inputs

@@ -14,7 +14,7 @@ from flexorch.config.load import config_from_dict
 from flexorch.config.tasks import batch_counts
 from flexorch.data.corpus import Corpus
 from flexorch.data.task_corpus import TaskStreams, combine_corpora, task_fields
-from flexorch.tasks.step import DocRef, GroupWork, StepTask, step_tasks
+from flexorch.work.step import DocRef, GroupWork, StepWork, step_work
 
 
 def run_file(tasks, **extra):
@@ -163,14 +163,14 @@ def test_a_group_runs_one_task_and_the_loss_scales_weigh_each_task_by_its_own_ta
         micro_batches = (MB((G((0,), (0, 1)), G((1,), (2,)))),)
 
     docs = [_doc(0, 0), _doc(1, 0, targets=4), _doc(2, 1, length=5)]
-    tasks = step_tasks(P, docs, 3, None, ("a", "b"), (3.0, 1.0))
+    tasks = step_work(P, docs, 3, None, ("a", "b"), (3.0, 1.0))
     t0 = tasks[0]
     assert t0.task_predicted == (12, 4) and t0.num_predicted == 16 and t0.task_weights == (0.75, 0.25)
     # scaled sums divided by num_predicted: 0.75 * sum_a / 12 + 0.25 * sum_b / 4
     assert t0.loss_scale(0) * 1 / 16 == pytest.approx(0.75 / 12) and t0.loss_scale(1) / 16 == pytest.approx(0.25 / 4)
-    assert step_tasks(P, [_doc(0, 0), _doc(1, 0), _doc(2, 0, length=5)], 3)[0].loss_scale(0) == 1.0
+    assert step_work(P, [_doc(0, 0), _doc(1, 0), _doc(2, 0, length=5)], 3)[0].loss_scale(0) == 1.0
     with pytest.raises(ValueError, match="do not sum to num_predicted"):
-        StepTask(0, 0, 1, (), (), 10, 0, ("a",), (1.0,), (9,))
+        StepWork(0, 0, 1, (), (), 10, 0, ("a",), (1.0,), (9,))
 
 
 def test_step_records_get_per_task_documents_tokens_targets_and_losses():

@@ -57,7 +57,7 @@ def _check(cfg, corpus, records, replicas):
 def _assert_stage_local(cfg, rec, replicas):
     """After the last step each rank holds exactly its stage's parts, and the bytes it reported for parameters,
     gradients and AdamW's two moments and step count are those parts' and no more."""
-    from flexorch.tasks.placement import part_of, placement
+    from flexorch.work.placement import part_of, placement
     from flexorch.workers.model import init_model
 
     pipe = rec["pipeline"]
@@ -133,7 +133,7 @@ def test_pipelined_training_equals_the_reference(
 
 
 def _expected_moves(records) -> list[int]:
-    from flexorch.tasks.placement import ALL, model_parts, placement, transfers
+    from flexorch.work.placement import ALL, model_parts, placement, transfers
 
     held, out = dict.fromkeys(range(4), ALL), []  # every worker starts with the whole model
     for r in records:
@@ -158,7 +158,7 @@ def test_worker_killed_mid_pipeline_is_remapped_and_the_step_reruns(env):
     # stage-local parameters: worker 1 (now stage 1 alone) got stage 1's layers and head from worker 2, the last
     # survivor that held them; worker 2, left over, dropped them
     assert [r["pipeline"]["params"]["moved_parts"] for r in records] == [0, 3, 0]
-    from flexorch.tasks.placement import part_of
+    from flexorch.work.placement import part_of
     from flexorch.workers.model import init_model
 
     stage1 = [p for n, p in init_model(cfg.model, 0).named_parameters() if part_of(n) in ("layer:2", "layer:3", "head")]

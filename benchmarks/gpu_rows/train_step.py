@@ -23,14 +23,14 @@ __all__ = ["section_step", "step_flops", "step_task", "train_steps"]
 
 
 def step_task(step: int, lengths: list[int], vocab: int):
-    """A one-rank StepTask of one micro-batch holding ``lengths`` (one block of random tokens) and its blocks."""
-    from flexorch.tasks.step import DocRef, GroupWork, StepTask
+    """A one-rank StepWork of one micro-batch holding ``lengths`` (one block of random tokens) and its blocks."""
+    from flexorch.work.step import DocRef, GroupWork, StepWork
 
     tokens = np.random.default_rng(step).integers(0, vocab, sum(lengths)).astype(np.int32)
     offsets = offsets_of(lengths)
     docs = tuple(DocRef(i, 0, offsets[i], n) for i, n in enumerate(lengths))
     work = (GroupWork(0, (0,), "ulysses", docs),)
-    task = StepTask(step, 0, 1, (), work, sum(n - 1 for n in lengths), micro_batches=1)
+    task = StepWork(step, 0, 1, (), work, sum(n - 1 for n in lengths), micro_batches=1)
     return task, {0: tokens}
 
 

@@ -2,7 +2,7 @@
 
 Every step: (1) take the next global batch from the stream (lengths are known before any token moves); (2) get
 its plan, which the planner actor computed while the previous step ran; (3) send each worker its
-:class:`~flexorch.tasks.step.StepTask` and the refs of the token blocks its documents live in (tokens go from the
+:class:`~flexorch.work.step.StepWork` and the refs of the token blocks its documents live in (tokens go from the
 object store to the workers, never through the driver); (4) ask the planner for the next batch's plan, so the
 solve overlaps this step; (5) wait for the outcomes, record plan and outcome in ``steps.jsonl``, checkpoint when
 due. :meth:`TrainingDriver.step` is one transition, returned as a value (``control.transitions.Transition``).
@@ -47,9 +47,9 @@ from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.profiles import Profile
 from flexorch.solver.recompute import recompute_modes
 from flexorch.solver.step_planner import PlannedStep
-from flexorch.tasks.pipeline import PipelineTask, pipeline_tasks
-from flexorch.tasks.placement import PartsLostError
-from flexorch.tasks.step import step_tasks
+from flexorch.work.pipeline import PipelineWork, pipeline_work
+from flexorch.work.placement import PartsLostError
+from flexorch.work.step import step_work
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
 
@@ -146,8 +146,8 @@ class TrainingDriver(RunSetup, RunLoop):
                 return Transition(Ran.SKIPPED, step_no, self.step_no, record, tuple(run.recoveries[len(carried) :]))
             t_dispatch = time.perf_counter()
             docs = self.corpus.locate(list(batch.doc_ids))
-            tasks = self._rank_work(planned, docs, base)
-            results, failure, moved, dispatch_ms = self._dispatch(tasks, planned, n, run.attempt, t_dispatch)
+            work = self._rank_work(planned, docs, base)
+            results, failure, moved, dispatch_ms = self._dispatch(work, planned, n, run.attempt, t_dispatch)
             if failure is None:
                 outcomes = [results[w] for w in self.workers.worker_ids]
                 break
@@ -203,7 +203,7 @@ class TrainingDriver(RunSetup, RunLoop):
         if planned.pipelined:
             # sharded state: each stage's parts are FSDP units over its workers, never moved as whole parts
             stage_params = self.cfg.pipeline.params == "stage" and self.cfg.sharding_mode == "replicate"
-            return pipeline_tasks(
+            return pipeline_work(
                 planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
             )
         modes = recompute_modes(planned.plan, self.profile)  # 'auto' recompute: each group's mode
@@ -212,7 +212,7 @@ class TrainingDriver(RunSetup, RunLoop):
             if "recompute_packing" in planned.plan.meta:
                 base["recompute_packing"] = dict(planned.plan.meta["recompute_packing"])
         names, weights = tuple(t.name for t in self.cfg.tasks), tuple(t.weight for t in self.cfg.tasks)
-        return step_tasks(planned.plan, docs, self.step_no, modes, names, weights)
+        return step_work(planned.plan, docs, self.step_no, modes, names, weights)
 
     def _recover_attempt(self, run: StepRun, failure, results: dict, base: dict) -> list | None:
         """An attempt failed: the elastic policy recovers (an out-of-memory step is planned again for less memory
@@ -298,17 +298,17 @@ class TrainingDriver(RunSetup, RunLoop):
             return {}
         return {"task_of": [int(x) for x in self.corpus.task_of[list(batch.doc_ids)]]}
 
-    def _dispatch(self, tasks, planned, n: int, attempt: int, t_dispatch: float):
+    def _dispatch(self, work, planned, n: int, attempt: int, t_dispatch: float):
         """Move stage-local parameters where the step needs them, start every rank's part, plan the next batch
         meanwhile and wait: (results, failure or None, what moved or None, ms until every rank was started)."""
         moved = None
-        if isinstance(tasks[0], PipelineTask) and tasks[0].stage_params:
+        if isinstance(work[0], PipelineWork) and work[0].stage_params:
             try:
-                moved = self.workers.place_params(tasks[0].held_parts())
+                moved = self.workers.place_params(work[0].held_parts())
             except MembershipFailure as e:  # a worker died while parameters moved: nobody has run the step
                 return {}, dataclasses.replace(e.failure, completed=frozenset()), None, 0.0
-        block_refs = [{b: self.corpus.shards[b] for b in sorted(t.blocks())} for t in tasks]  # specs, not tokens
-        refs = self.workers.run_step(tasks, block_refs)
+        block_refs = [{b: self.corpus.shards[b] for b in sorted(t.blocks())} for t in work]  # specs, not tokens
+        refs = self.workers.run_step(work, block_refs)
         dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
             nxt = self.stream.peek_after()

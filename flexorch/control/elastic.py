@@ -43,7 +43,7 @@ from flexorch.control.membership import (
     WaitForCapacity,
 )
 from flexorch.control.settle import MembershipFailure, WorkerGroupError
-from flexorch.tasks.placement import PartsLostError
+from flexorch.work.placement import PartsLostError
 
 __all__ = ["Elastic", "ElasticError", "DRAIN_MARGIN_S"]
 

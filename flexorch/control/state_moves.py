@@ -5,7 +5,7 @@ sharded checkpoints written and read by every member, and what members on a drai
 :class:`ModelStateMoves` is a part of :class:`~flexorch.control.worker_group.RayWorkerGroup` (its base class), kept
 apart so that each file holds one job: this one the model state, ``control.worker_group`` the world (start, admit,
 form), ``control.settle`` the sorting of failures. It uses the group's actors, members, ``held`` (the model parts
-each member holds, ``flexorch.tasks.placement``), ``sharded`` and collective timeout.
+each member holds, ``flexorch.work.placement``), ``sharded`` and collective timeout.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 import ray
 
 from flexorch.control.settle import WorkerGroupError
-from flexorch.tasks.placement import ALL, handoff_needs, missing_parts, transfers
+from flexorch.work.placement import ALL, handoff_needs, missing_parts, transfers
 
 __all__ = ["ModelStateMoves"]
 

@@ -30,7 +30,7 @@ from flexorch.control.membership import Membership
 from flexorch.control.settle import PROGRESS_EVERY_S, Settling, WorkerGroupError
 from flexorch.control.state_moves import ModelStateMoves
 from flexorch.control.worker_start import WorkerStarter
-from flexorch.tasks.placement import ALL, PartsLostError, model_parts
+from flexorch.work.placement import ALL, PartsLostError, model_parts
 from flexorch.workers.actor import WorkerActor
 
 STOP_BEATS_S = 2.0  # at shutdown: the longest wait for the workers' heartbeat threads to stop
@@ -77,7 +77,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         """Sharded: what the last :meth:`form_world` restored (``{"version", "newest"}``, per worker.join_world)."""
         self.parts = model_parts(int(model_cfg.get("num_layers", ModelConfig().num_layers)))
         self.held: dict[int, frozenset[str] | None] = {}
-        """Model parts each member holds (``flexorch.tasks.placement``; None: the whole model)."""
+        """Model parts each member holds (``flexorch.work.placement``; None: the whole model)."""
         self.membership = Membership()
         self._actors: dict[int, ray.actor.ActorHandle] = {}
         self._nodes: dict[int, str] = {}  # member -> the Ray node id it runs on (from its start's info)
@@ -229,7 +229,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
     def form_world(self) -> float:
         """Every member joins a fresh world (the next membership epoch); returns the seconds it took. Sharded
         state is re-sharded for the new world as it forms; when the members no longer hold every shard of it
-        (``fsdp``: a lost worker's shard had no copy) this raises :class:`~flexorch.tasks.placement.PartsLostError`
+        (``fsdp``: a lost worker's shard had no copy) this raises :class:`~flexorch.work.placement.PartsLostError`
         with the world formed, and the driver loads its last checkpoint."""
         epoch = self.membership.next_epoch()
         t0 = time.perf_counter()
@@ -258,11 +258,11 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         return time.perf_counter() - t0
 
     # ---------------------------------------------------------------- calls
-    def run_step(self, tasks, block_refs: list[dict]) -> dict:
+    def run_step(self, work, block_refs: list[dict]) -> dict:
         """Start every rank's step; returns {worker id: outcome ref} (the caller settles them)."""
         return {
             w: self._actors[w].run_step.remote(t, refs)
-            for w, t, refs in zip(self.worker_ids, tasks, block_refs, strict=True)
+            for w, t, refs in zip(self.worker_ids, work, block_refs, strict=True)
         }
 
     def call(self, method: str, *args) -> list:

@@ -45,7 +45,7 @@ from flexorch.config.data import CorpusConfig
 from flexorch.data.doc_keys import DocKeys, ListKeys
 from flexorch.data.errors import DataError
 from flexorch.data.targets import token_ids
-from flexorch.tasks.step import DocRef
+from flexorch.work.step import DocRef
 
 __all__ = ["Corpus", "default_cache_dir", "fetch_documents", "load_corpus", "open_store", "resolve_blocks"]
 

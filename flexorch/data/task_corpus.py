@@ -4,7 +4,7 @@ Each task's source is loaded as a corpus of its own (``flexorch.data.corpus.load
 record kind works per task); :func:`combine_corpora` puts them one after another in one id space (task t's documents
 are ids ``first[t] .. first[t+1]-1``, its blocks follow the previous tasks' blocks) with ``Corpus.task_of``, so the
 driver, the planner and the workers index one corpus, as in a run of one task, and each
-:class:`~flexorch.tasks.step.DocRef` carries its task.
+:class:`~flexorch.work.step.DocRef` carries its task.
 
 :class:`TaskStreams` draws every global batch as ``counts[t]`` documents of each task from the task's own
 :class:`~flexorch.data.stream.DocumentStream` (its own seeded permutation, its own epochs): every document of a task

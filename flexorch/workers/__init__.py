@@ -5,5 +5,5 @@ schedule (:mod:`~.optim`), the single-process reference every plan must reproduc
 probes (:mod:`~.calibrate`) and activation-memory measurement (:mod:`~.activation_memory`). Exact sequence-parallel
 attention is in :mod:`~.attention`, pipeline execution in :mod:`~.pipeline`. Modules are imported explicitly, so
 ``import flexorch.workers`` stays light (no torch, ``torch.distributed`` or Ray at package import). Workers read the
-plain task values of :mod:`flexorch.tasks` and never import the control plane.
+plain task values of :mod:`flexorch.work` and never import the control plane.
 """

@@ -1,7 +1,7 @@
 """The worker actor: one per device (a GPU, or a CPU slot), holding the model and its optimizer.
 
 The driver creates N of these in a placement group, tells them the world to join (rendezvous on the driver's
-TCPStore, one world per membership epoch), and sends each one its :class:`~flexorch.tasks.step.StepTask` plus the
+TCPStore, one world per membership epoch), and sends each one its :class:`~flexorch.work.step.StepWork` plus the
 specs of the corpus store parts its documents live in (it reads its own documents from them). The actor builds the
 process groups the plan names (collectively, in the same order on every rank), runs its micro-batches and steps the
 optimizer. With pipeline
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
 from flexorch.data.store.shards import open_parts
-from flexorch.tasks.pipeline import PipelineTask
-from flexorch.tasks.step import StepTask
+from flexorch.work.pipeline import PipelineWork
+from flexorch.work.step import StepWork
 from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_layers, compile_seconds, compiled_layers, wants_compile
 from flexorch.workers.devices import device_memory, pin_device
@@ -281,19 +281,19 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
         if self.device is not None:
             torch.cuda.empty_cache()
 
-    def run_step(self, task: StepTask | PipelineTask, block_refs: dict) -> StepOutcome:
+    def run_step(self, rank_work: StepWork | PipelineWork, block_refs: dict) -> StepOutcome:
         """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
         index -> ``flexorch.data.store.shards.ShardSpec`` of the store part it reads."""
-        if self.registry is None or self.registry.rank != task.rank or self.registry.world_size != task.world_size:
-            raise RuntimeError(f"worker {self.worker_id} is not rank {task.rank} of a world of {task.world_size}")
+        if self.registry is None or self.registry.rank != rank_work.rank or self.registry.world_size != rank_work.world_size:
+            raise RuntimeError(f"worker {self.worker_id} is not rank {rank_work.rank} of a world of {rank_work.world_size}")
         blocks = open_parts(block_refs)  # each part opened once per process, read where the documents are
-        return self._guarded(self._run_step, task, blocks)
+        return self._guarded(self._run_step, rank_work, blocks)
 
-    def _run_step(self, task: StepTask | PipelineTask, blocks: dict) -> StepOutcome:
-        self.registry.ensure(task.rank_sets)
-        world = self.registry.world if task.world_size > 1 else None
+    def _run_step(self, rank_work: StepWork | PipelineWork, blocks: dict) -> StepOutcome:
+        self.registry.ensure(rank_work.rank_sets)
+        world = self.registry.world if rank_work.world_size > 1 else None
         extra = {}
-        if isinstance(task, PipelineTask):
+        if isinstance(rank_work, PipelineWork):
             extra = {"sharded": True} if self.sharded else {"held": self.held}
         elif self.sharded:
             extra = {"gather": self.sharding.get("gather", "layer")}
@@ -301,19 +301,19 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
             from flexorch.workers.sharded_step import run_sharded_step as sp_step
         else:
             sp_step = run_step
-        fn = run_pipeline_step if isinstance(task, PipelineTask) else sp_step
+        fn = run_pipeline_step if isinstance(rank_work, PipelineWork) else sp_step
         compiled_before = compile_seconds()
         out = fn(
             self.model,
             self.optimizer,
             self.scheduler,
-            task,
+            rank_work,
             blocks,
             self.registry.group,
             world,
             self.optim_cfg,
             vocab_size=self.model_cfg.vocab_size,
-            hook=(lambda point: self._strike(point, task.step)) if self._faults else None,
+            hook=(lambda point: self._strike(point, rank_work.step)) if self._faults else None,
             **extra,
         )
         out.compile_s = max(0.0, compile_seconds() - compiled_before)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexorch.tasks.step import GroupWork
+from flexorch.work.step import GroupWork
 from flexorch.workers.activation_memory import measure_activation_bytes
 from flexorch.workers.step_exec import group_attention, micro_batch_inputs
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from flexorch.tasks.placement import ALL
+from flexorch.work.placement import ALL
 
 __all__ = ["ReplicatedState"]
 
@@ -40,7 +40,7 @@ class ReplicatedState:
         self.version = int(self.scheduler.last_epoch)
 
     def export_parts(self, parts: list[str]) -> dict:
-        """The parameters and optimizer state of ``parts`` (``flexorch.tasks.placement``), for another worker."""
+        """The parameters and optimizer state of ``parts`` (``flexorch.work.placement``), for another worker."""
         return self.held.export(set(parts))
 
     def import_parts(self, exported: list) -> int:

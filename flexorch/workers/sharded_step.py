@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from flexorch.config.optim import OptimConfig
-from flexorch.tasks.step import StepTask
+from flexorch.work.step import StepWork
 from flexorch.workers.optim import resident_bytes
 from flexorch.workers.step_exec import (
     GroupGetter,
@@ -42,7 +42,7 @@ def run_sharded_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    task: StepTask,
+    rank_work: StepWork,
     blocks: dict[int, np.ndarray],
     group_of: GroupGetter,
     world: dist.ProcessGroup | None,
@@ -53,18 +53,18 @@ def run_sharded_step(
     hook: Callable[[str], None] | None = None,
     gather: str = "layer",
 ) -> StepOutcome:
-    """Run ``task`` on this rank and step the optimizer on its shards; every rank of the world runs it for the same
+    """Run ``rank_work`` on this rank and step the optimizer on its shards; every rank of the world runs it for the same
     step. ``hook`` as in :func:`~flexorch.workers.step_exec.run_step`. ``gather`` ('layer' or 'step',
     ``flexorch.config.sharding``): when FSDP gathers and reduces."""
-    if task.work and not task.micro_batches:
-        raise ValueError(f"step {task.step}: a sharded step needs the task's micro_batches count")
+    if rank_work.work and not rank_work.micro_batches:
+        raise ValueError(f"step {rank_work.step}: a sharded step needs the rank work's micro_batches count")
     optimizer.zero_grad(set_to_none=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    run = MicroBatches(model, task, blocks, group_of, vocab_size, backend, hook, params, params[0].device)
-    by_mb = {w.micro_batch: w for w in task.work}
-    for mb in range(task.micro_batches):
+    run = MicroBatches(model, rank_work, blocks, group_of, vocab_size, backend, hook, params, params[0].device)
+    by_mb = {w.micro_batch: w for w in rank_work.work}
+    for mb in range(rank_work.micro_batches):
         if gather == "step":  # gathered once, kept to the step's end; one reduce-scatter after the last backward
-            last = mb == task.micro_batches - 1
+            last = mb == rank_work.micro_batches - 1
             model.set_reshard_after_forward(False)
             model.set_reshard_after_backward(last)
             model.set_requires_gradient_sync(last)
@@ -73,7 +73,7 @@ def run_sharded_step(
     out.compute_end_ms = (time.perf_counter() - run.t0) * 1e3
 
     return finish_sharded_step(
-        out, params, run.loss, run.predicted, task, world, optimizer, scheduler, optim_cfg, run.hook, run.t0,
+        out, params, run.loss, run.predicted, rank_work, world, optimizer, scheduler, optim_cfg, run.hook, run.t0,
         model=model, task_losses=run.per_task,
     )  # fmt: skip
 
@@ -83,7 +83,7 @@ def finish_sharded_step(
     params: list,
     local_loss: torch.Tensor,
     local_pred: int,
-    task,
+    rank_work,
     world: dist.ProcessGroup | None,
     optimizer: torch.optim.Optimizer | None,
     scheduler,
@@ -106,9 +106,9 @@ def finish_sharded_step(
     grads = [p.grad for p in params if p.grad is not None]
     norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.zeros(())
     norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # this mesh's gradient norm (unscaled)
-    counts = task.rank == 0 if counts_norm is None else counts_norm
+    counts = rank_work.rank == 0 if counts_norm is None else counts_norm
     norm_sq = norm**2 if counts else 0.0
-    scale, norm_sq = reduce_step_stats(out, task, world, device, (local_loss, local_pred, norm_sq), task_losses)
+    scale, norm_sq = reduce_step_stats(out, rank_work, world, device, (local_loss, local_pred, norm_sq), task_losses)
     out.sync_ms = (time.perf_counter() - t_sync) * 1e3
     hook("after_sync")
 

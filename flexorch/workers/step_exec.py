@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from flexorch.config.optim import OptimConfig
-from flexorch.tasks.step import GroupWork, StepTask
+from flexorch.work.step import GroupWork, StepWork
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
@@ -42,7 +42,7 @@ class StepOutcome:
     loss: float
     """Mean cross-entropy per predicted token over the whole global batch (identical on every rank)."""
     num_predicted: int
-    """Predicted tokens the world actually saw (all-reduced); must equal the task's count."""
+    """Predicted tokens the world actually saw (all-reduced); must equal the plan's count."""
     local_tokens: int
     """Tokens (padding included) this rank held over all its micro-batches."""
     micro_batch_ms: list[float] = field(default_factory=list)
@@ -116,23 +116,23 @@ def group_attention(layout: Layout, work: GroupWork, group: dist.ProcessGroup | 
     )
 
 
-def begin_group(model: torch.nn.Module, task: StepTask, work: GroupWork | None) -> float:
+def begin_group(model: torch.nn.Module, rank_work: StepWork, work: GroupWork | None) -> float:
     """Activate the adapter of ``work``'s task (``[[tasks]]``; no task: the base alone) and return the factor its
-    summed loss is multiplied by before the backward (:meth:`StepTask.loss_scale`; 1.0 in a run of one task)."""
-    if not task.task_names:
+    summed loss is multiplied by before the backward (:meth:`StepWork.loss_scale`; 1.0 in a run of one task)."""
+    if not rank_work.task_names:
         return 1.0
     from flexorch.workers.lora import set_active_task
 
-    set_active_task(model, task.task_names[work.task] if work is not None else None)
-    return task.loss_scale(work.task) if work is not None else 0.0
+    set_active_task(model, rank_work.task_names[work.task] if work is not None else None)
+    return rank_work.loss_scale(work.task) if work is not None else 0.0
 
 
 class TaskLosses:
     """Each task's summed cross-entropy on this rank (unscaled), summed over the world with the step's stats."""
 
-    def __init__(self, task: StepTask):
-        self.task = task
-        self.sums = [0.0] * len(task.task_names)
+    def __init__(self, rank_work: StepWork):
+        self.rank_work = rank_work
+        self.sums = [0.0] * len(rank_work.task_names)
 
     def add(self, work: GroupWork | None, loss: torch.Tensor) -> None:
         if self.sums and work is not None:
@@ -140,7 +140,7 @@ class TaskLosses:
 
     def fill(self, out: StepOutcome, summed) -> None:
         """``summed``: the world's sums (same order); each task's mean over its targets into ``out``."""
-        t = self.task
+        t = self.rank_work
         out.task_losses = {
             name: float(x) / n if n else 0.0 for name, x, n in zip(t.task_names, summed, t.task_predicted, strict=True)
         }
@@ -150,7 +150,7 @@ def run_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    task: StepTask,
+    rank_work: StepWork,
     blocks: dict[int, np.ndarray],
     group_of: GroupGetter,
     world: dist.ProcessGroup | None,
@@ -160,9 +160,9 @@ def run_step(
     backend: str | None = None,
     hook: Callable[[str], None] | None = None,
 ) -> StepOutcome:
-    """Run ``task`` on this rank and step the optimizer; every rank of the world must call it for the same step.
+    """Run ``rank_work`` on this rank and step the optimizer; every rank of the world must call it for the same step.
 
-    ``group_of(ranks)`` returns the process group of an SP group (already created for ``task.rank_sets``);
+    ``group_of(ranks)`` returns the process group of an SP group (already created for ``rank_work.rank_sets``);
     ``world`` is the whole world's group (None when the world has one rank). ``hook(point)`` is called at
     ``"micro_batch"`` (after each forward), ``"before_sync"`` and ``"after_sync"`` (gradients all-reduced, the
     optimizer not yet stepped): the worker's fault injection for the elasticity tests, None otherwise.
@@ -170,15 +170,15 @@ def run_step(
     optimizer.zero_grad(set_to_none=False)
     params = [p for p in model.parameters() if p.requires_grad]
     run = MicroBatches(
-        model, task, blocks, group_of, vocab_size, backend, hook, params, next(model.parameters()).device
+        model, rank_work, blocks, group_of, vocab_size, backend, hook, params, next(model.parameters()).device
     )
-    for work in task.work:
+    for work in rank_work.work:
         run.run(work)
     out = run.out
     out.compute_end_ms = (time.perf_counter() - run.t0) * 1e3
 
     out = sync_and_step(
-        out, params, run.loss, run.predicted, task, world, optimizer, scheduler, optim_cfg, hook=run.hook, t0=run.t0,
+        out, params, run.loss, run.predicted, rank_work, world, optimizer, scheduler, optim_cfg, hook=run.hook, t0=run.t0,
         task_losses=run.per_task,
     )  # fmt: skip
     out.param_bytes = resident_bytes(model, optimizer)
@@ -195,20 +195,20 @@ class MicroBatches:
     up to: the summed loss and predicted tokens (``loss``, ``predicted``), each task's loss, and the timings and
     sizes in ``out``. Shared by the replicated and the sharded executor (``workers.sharded_step``)."""
 
-    def __init__(self, model, task: StepTask, blocks, group_of, vocab_size: int, backend, hook, params, device):
-        self.model, self.task, self.blocks, self.group_of = model, task, blocks, group_of
+    def __init__(self, model, rank_work: StepWork, blocks, group_of, vocab_size: int, backend, hook, params, device):
+        self.model, self.rank_work, self.blocks, self.group_of = model, rank_work, blocks, group_of
         self.vocab_size, self.backend, self.params, self.device = vocab_size, backend, params, device
         self.hook = hook or (lambda point: None)
         self.t0 = time.perf_counter()
-        self.out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+        self.out = StepOutcome(step=rank_work.step, rank=rank_work.rank, loss=0.0, num_predicted=0, local_tokens=0)
         self.loss = torch.zeros((), dtype=torch.float64)
         self.predicted = 0
-        self.per_task = TaskLosses(task)
+        self.per_task = TaskLosses(rank_work)
 
     def run(self, work: GroupWork | None) -> None:
         """Forward and backward of one micro-batch; ``work`` None: this rank has no tokens in it (a sharded
         model's units still gather and reduce with the others)."""
-        model, task, out = self.model, self.task, self.out
+        model, rank_work, out = self.model, self.rank_work, self.out
         t_mb = time.perf_counter()
         if work is None:
             ids = pos = labels = torch.zeros(0, dtype=torch.int64)
@@ -216,13 +216,13 @@ class MicroBatches:
         else:
             tokens, cu = _documents(work, self.blocks)
             check_token_range(stored_token_ids(tokens), self.vocab_size)
-            group_rank = work.ranks.index(task.rank)
+            group_rank = work.ranks.index(rank_work.rank)
             ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
             group = self.group_of(work.ranks) if work.degree > 1 else None
             attn = group_attention(layout, work, group, self.backend)
             if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
                 set_activation_checkpointing(model, work.recompute)
-        scale = begin_group(model, task, work)  # [[tasks]]: this group's adapter and loss weight
+        scale = begin_group(model, rank_work, work)  # [[tasks]]: this group's adapter and loss weight
         d = self.device
         with saved_tensor_meter(self.params) as meter:  # activation bytes held for backward: the plan's memory
             loss = model(ids.to(d), pos.to(d), attn, labels=labels.to(d))  # head + loss, chunked
@@ -245,7 +245,7 @@ class MicroBatches:
 @dataclass(frozen=True)
 class GradBucket:
     """Parameters whose gradients are summed over one process group (with stage-local parameters: the ranks that
-    hold them, ``flexorch.tasks.placement.holder_sets``)."""
+    hold them, ``flexorch.work.placement.holder_sets``)."""
 
     group: dist.ProcessGroup | None
     """None: this rank is the only holder, nothing to sum."""
@@ -259,7 +259,7 @@ def sync_and_step(
     params: list[torch.nn.Parameter],
     local_loss: torch.Tensor,
     local_pred: int,
-    task,
+    rank_work,
     world: dist.ProcessGroup | None,
     optimizer: torch.optim.Optimizer,
     scheduler,
@@ -271,7 +271,7 @@ def sync_and_step(
     task_losses: TaskLosses | None = None,
 ) -> StepOutcome:
     """The end of every step (SP or pipelined): sum the gradients, loss and predicted-token count over the world,
-    check the count against the task's, divide, clip (global norm over every parameter) and step the optimizer.
+    check the count against the plan's, divide, clip (global norm over every parameter) and step the optimizer.
     ``local_loss``/``local_pred``: this rank's summed cross-entropy and predicted tokens; the gradients in
     ``params`` are of that sum (not yet divided).
 
@@ -282,7 +282,7 @@ def sync_and_step(
     t_sync = time.perf_counter()
     sharded = buckets is not None
     if buckets is None:  # whole replicas: one flat float32 buffer of every gradient, summed over the world
-        buckets = [GradBucket(world if task.world_size > 1 else None, params, True)]
+        buckets = [GradBucket(world if rank_work.world_size > 1 else None, params, True)]
     device = _device(params, buckets)
     reduced = []
     norm_sq = 0.0
@@ -294,7 +294,7 @@ def sync_and_step(
         if sharded and b.counts_in_norm:
             norm_sq += float((flat.double() ** 2).sum())
         reduced.append((b.params, flat))
-    scale, norm_sq = reduce_step_stats(out, task, world, device, (local_loss, local_pred, norm_sq), task_losses)
+    scale, norm_sq = reduce_step_stats(out, rank_work, world, device, (local_loss, local_pred, norm_sq), task_losses)
     _set_divided_grads(reduced, scale)
     out.sync_ms = (time.perf_counter() - t_sync) * 1e3
     hook("after_sync")
@@ -312,7 +312,7 @@ def sync_and_step(
     return out
 
 
-def reduce_step_stats(out: StepOutcome, task, world, device, local: tuple, task_losses) -> tuple[float, float]:
+def reduce_step_stats(out: StepOutcome, rank_work, world, device, local: tuple, task_losses) -> tuple[float, float]:
     """Sum this rank's ``local`` (summed loss, predicted tokens, squared gradient norm) and each task's loss over the
     world in one small float64 buffer, check the predicted tokens against the plan's, and put the step's loss and
     count into ``out``; returns (1 / predicted tokens: what the gradients are divided by, the summed squared
@@ -321,14 +321,14 @@ def reduce_step_stats(out: StepOutcome, task, world, device, local: tuple, task_
     extra = task_losses.sums if task_losses is not None else []  # [[tasks]]: each task's loss sum rides along
     stats = [float(local_loss), float(local_pred), norm_sq, *extra]
     stats = torch.tensor(stats, dtype=torch.float64, device=device)
-    if world is not None and task.world_size > 1:
+    if world is not None and rank_work.world_size > 1:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=world)
     if task_losses is not None:
         task_losses.fill(out, stats[3:].tolist())
     total_pred = int(round(float(stats[1])))
-    if total_pred != task.num_predicted:
+    if total_pred != rank_work.num_predicted:
         raise RuntimeError(
-            f"step {task.step}: the world predicted {total_pred} tokens, the plan has {task.num_predicted}; "
+            f"step {rank_work.step}: the world predicted {total_pred} tokens, the plan has {rank_work.num_predicted}; "
             "a document was lost or counted twice"
         )
     scale = 1.0 / max(total_pred, 1)

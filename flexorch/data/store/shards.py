@@ -1,6 +1,6 @@
 """Reading documents from a store's token parts, on a worker or the driver: (part, offset, length) -> tokens.
 
-The driver sends each rank descriptors of its documents (``flexorch.tasks.step.DocRef``: part index, offset,
+The driver sends each rank descriptors of its documents (``flexorch.work.step.DocRef``: part index, offset,
 length) and a :class:`ShardSpec` per part it reads, never tokens. A worker opens a part once per process, by memory
 map for a local or shared filesystem path, or by range reads through ``pyarrow.fs`` (``s3://``, ``gs://``) with a
 bounded local cache (``flexorch.data.store.remote``), and checks each MiB chunk it reads against the part's

@@ -3,7 +3,7 @@
 The rank's stage is a :class:`~flexorch.workers.pipeline.stage.StageModule` *sharing* the worker's model modules
 (layers ``[first, last)``, plus the embedding on stage 0 and norm and head on the last stage), so the gradients of
 the stage's units land in those parameters' ``.grad``. With ``[pipeline] params = "stage"`` (the default,
-``task.stage_params``) the worker first keeps only the parts its stage runs and releases the rest
+``rank_work.stage_params``) the worker first keeps only the parts its stage runs and releases the rest
 (:class:`~flexorch.workers.pipeline.held_params.HeldParams`), so it holds its stage's layers, their gradients and
 AdamW state; with ``"replicated"`` it keeps a whole replica. Ops run in the order of the plan's schedule for this
 stage (``flexorch.solver.pipeline.schedule``): ``F u`` receives the unit's hidden states from the same-position rank
@@ -11,7 +11,7 @@ of the previous stage, runs the unit and sends its output on (non-blocking); ``B
 gradient, runs the unit backward and sends the input's gradient back. Message shapes come from the plan
 (``(t_pad/d, dim)`` per unit), tags are ``2 * unit + (0 forward, 1 backward)`` with units numbered across
 back-to-back pipelines, gradients travel on a group per neighbour pair
-(``flexorch.tasks.pipeline.gradient_channels``), sends are asynchronous and receives block: the schedule
+(``flexorch.work.pipeline.gradient_channels``), sends are asynchronous and receives block: the schedule
 ``flexorch.solver.pipeline.sim`` checked for deadlock is what runs.
 
 The last stage computes the units' summed cross-entropy (not divided), so the step ends like an SP step
@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from flexorch.config.optim import OptimConfig
-from flexorch.tasks.pipeline import PipelineTask
-from flexorch.tasks.placement import holder_sets
+from flexorch.work.pipeline import PipelineWork
+from flexorch.work.placement import holder_sets
 from flexorch.workers.model import check_token_range, stored_token_ids
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_ops
@@ -43,9 +43,9 @@ from flexorch.workers.step_exec import GradBucket, GroupGetter, StepOutcome, syn
 __all__ = ["run_pipeline_step"]
 
 
-def _sequences(task: PipelineTask, blocks: dict[int, np.ndarray], vocab_size: int) -> list[torch.Tensor]:
+def _sequences(rank_work: PipelineWork, blocks: dict[int, np.ndarray], vocab_size: int) -> list[torch.Tensor]:
     out = []
-    for d in task.docs:
+    for d in rank_work.docs:
         seq = torch.from_numpy(blocks[d.block][d.offset : d.offset + d.length].astype(np.int64))  # as stored
         check_token_range(stored_token_ids(seq), vocab_size)
         out.append(seq)
@@ -56,7 +56,7 @@ def run_pipeline_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler,
-    task: PipelineTask,
+    rank_work: PipelineWork,
     blocks: dict[int, np.ndarray],
     group_of: GroupGetter,
     world: dist.ProcessGroup | None,
@@ -67,40 +67,40 @@ def run_pipeline_step(
     held: HeldParams | None = None,
     sharded: bool = False,
 ) -> StepOutcome:
-    """Run ``task`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer.
-    With ``task.stage_params`` this rank first drops the parts its stage does not run (``held``). ``sharded``:
+    """Run ``rank_work`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer.
+    With ``rank_work.stage_params`` this rank first drops the parts its stage does not run (``held``). ``sharded``:
     ``model`` holds this stage's parts as FSDP2 units sharded over the stage's workers
     (``flexorch.workers.fsdp.stage_sharded_decoder``): their gradients are reduce-scattered over the stage as each
     unit's backward runs, and the step ends as a sharded SP step does."""
     hook = hook or (lambda point: None)
     t0 = time.perf_counter()
-    out = StepOutcome(step=task.step, rank=task.rank, loss=0.0, num_predicted=0, local_tokens=0)
+    out = StepOutcome(step=rank_work.step, rank=rank_work.rank, loss=0.0, num_predicted=0, local_tokens=0)
     if sharded:
-        return _sharded_stage_step(model, optimizer, scheduler, task, blocks, group_of, world, optim_cfg,
+        return _sharded_stage_step(model, optimizer, scheduler, rank_work, blocks, group_of, world, optim_cfg,
                                    vocab_size, hook, out, t0)  # fmt: skip
     buckets = None
-    if task.stage_params:
-        buckets = _stage_buckets(task, held, group_of)
+    if rank_work.stage_params:
+        buckets = _stage_buckets(rank_work, held, group_of)
         params = [p for b in buckets for p in b.params]
     else:
         params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=False)
     local_loss = torch.zeros((), dtype=torch.float64)
     local_pred = 0
-    if task.stage is not None:
-        sequences = _sequences(task, blocks, vocab_size)
-        local_loss, local_pred = _run_stage(model, task, sequences, group_of, out, hook, t0)
+    if rank_work.stage is not None:
+        sequences = _sequences(rank_work, blocks, vocab_size)
+        local_loss, local_pred = _run_stage(model, rank_work, sequences, group_of, out, hook, t0)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
     if held is not None:
         out.param_bytes = held.nbytes()
     return sync_and_step(
-        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0,
+        out, params, local_loss, local_pred, rank_work, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0,
         buckets=buckets,
     )  # fmt: skip
 
 
 def _sharded_stage_step(
-    model, optimizer, scheduler, task, blocks, group_of, world, optim_cfg, vocab_size, hook, out, t0
+    model, optimizer, scheduler, rank_work, blocks, group_of, world, optim_cfg, vocab_size, hook, out, t0
 ) -> StepOutcome:
     """:func:`run_pipeline_step` with this stage's parts as FSDP2 units sharded over the stage's workers: the step
     ends as a sharded SP step does, the stage's first rank counting its stage's gradient norm."""
@@ -110,29 +110,29 @@ def _sharded_stage_step(
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
     local_loss, local_pred = torch.zeros((), dtype=torch.float64), 0
-    if task.stage is not None:
-        local_loss, local_pred = _run_stage(model, task, _sequences(task, blocks, vocab_size), group_of, out, hook, t0)
+    if rank_work.stage is not None:
+        local_loss, local_pred = _run_stage(model, rank_work, _sequences(rank_work, blocks, vocab_size), group_of, out, hook, t0)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
-    first = task.stage is not None and task.rank == task.stage_ranks[task.stage][0]
+    first = rank_work.stage is not None and rank_work.rank == rank_work.stage_ranks[rank_work.stage][0]
     return finish_sharded_step(
-        out, params, local_loss, local_pred, task, world, optimizer, scheduler, optim_cfg, hook, t0,
+        out, params, local_loss, local_pred, rank_work, world, optimizer, scheduler, optim_cfg, hook, t0,
         model=model, counts_norm=first,
     )  # fmt: skip
 
 
-def _stage_buckets(task: PipelineTask, held: HeldParams, group_of) -> list[GradBucket]:
+def _stage_buckets(rank_work: PipelineWork, held: HeldParams, group_of) -> list[GradBucket]:
     """Keep only this rank's parts; one gradient bucket per set of ranks holding the same parts (in the same order
     on every rank: ``holder_sets``), summed over those ranks, counted in the norm by the first of them."""
-    placed = task.held_parts()
-    parts = placed[task.rank]
+    placed = rank_work.held_parts()
+    parts = placed[rank_work.rank]
     held.release(parts)
-    held.require(parts, f"rank {task.rank} (stage {task.stage})")
+    held.require(parts, f"rank {rank_work.rank} (stage {rank_work.stage})")
     buckets = []
     for ranks, bucket_parts in holder_sets(placed):
-        if task.rank in ranks:
+        if rank_work.rank in ranks:
             ps = [p for n, p in held.params.items() if held.part[n] in bucket_parts and p.requires_grad]
             group = group_of(ranks) if len(ranks) > 1 else None
-            buckets.append(GradBucket(group, ps, task.rank == ranks[0]))
+            buckets.append(GradBucket(group, ps, rank_work.rank == ranks[0]))
     return buckets
 
 
@@ -144,25 +144,25 @@ def _is_fsdp(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
-def _run_stage(model, task: PipelineTask, sequences, group_of, out: StepOutcome, hook, t0: float):
-    r, p = task.stage, len(task.stage_ranks)
-    ranks = task.stage_ranks[r]
-    d, j = len(ranks), ranks.index(task.rank)
-    first = sum(task.layers[:r])
+def _run_stage(model, rank_work: PipelineWork, sequences, group_of, out: StepOutcome, hook, t0: float):
+    r, p = rank_work.stage, len(rank_work.stage_ranks)
+    ranks = rank_work.stage_ranks[r]
+    d, j = len(ranks), ranks.index(rank_work.rank)
+    first = sum(rank_work.layers[:r])
     stage = StageModule(
-        model.cfg, first, first + task.layers[r], r, p, model=model, sp_group=group_of(ranks) if d > 1 else None
+        model.cfg, first, first + rank_work.layers[r], r, p, model=model, sp_group=group_of(ranks) if d > 1 else None
     )
     stage.inner_checkpoint = _is_fsdp(model)
-    pipes = [(pipe.units, pipe.ops, pipe.checkpointed) for pipe in task.pipelines]
-    prev = task.stage_ranks[r - 1][j] if r > 0 else None  # the same-position rank of the neighbouring stages
-    nxt = task.stage_ranks[r + 1][j] if r < p - 1 else None
+    pipes = [(pipe.units, pipe.ops, pipe.checkpointed) for pipe in rank_work.pipelines]
+    prev = rank_work.stage_ranks[r - 1][j] if r > 0 else None  # the same-position rank of the neighbouring stages
+    nxt = rank_work.stage_ranks[r + 1][j] if r < p - 1 else None
     res = run_stage_ops(
         stage,
         pipes,
         sequences,
         prev=prev,
         nxt=nxt,
-        grad_groups=gradient_groups(group_of, task.rank, prev, nxt),
+        grad_groups=gradient_groups(group_of, rank_work.rank, prev, nxt),
         hook=hook,
         t0=t0,
     )  # the last stage's loss is the summed cross-entropy (n_predicted = 1): sync_and_step divides

@@ -1,4 +1,4 @@
-"""The parameters (and their AdamW state) one worker holds, by model part (``flexorch.tasks.placement``).
+"""The parameters (and their AdamW state) one worker holds, by model part (``flexorch.work.placement``).
 
 A worker starts with the whole model. A pipelined step with ``[pipeline] params = "stage"`` keeps only the parts its
 stage runs: the others are *released* (their storage replaced by an empty tensor, gradient and optimizer state
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from flexorch.tasks.placement import ALL, part_of
+from flexorch.work.placement import ALL, part_of
 
 __all__ = ["HeldParams"]
 

@@ -18,7 +18,7 @@ forwards in one order and the backwards in one order. Sends are asynchronous and
 ``flexorch.solver.pipeline.sim`` assumes when it checks the schedule for deadlocks. On NCCL a send may block its
 communicator's stream until the peer posts the receive, so two neighbours sending to each other at once (an
 activation one way, a gradient the other) on one communicator would deadlock; gradients therefore travel on a
-group of their own per neighbour pair (``flexorch.tasks.pipeline.gradient_channels``, the ``grad_groups``
+group of their own per neighbour pair (``flexorch.work.pipeline.gradient_channels``, the ``grad_groups``
 argument; PyTorch's own pipelining added per-direction communicators for the same reason), and each direction
 progresses in the order both sides agree on. With tied embeddings the first and last stage all-reduce their two
 copies' gradients at the end. Tested over gloo here; the NCCL path has not run on a GPU yet.
@@ -73,7 +73,7 @@ def run_stage_ops(
     """Run this rank's ops of one step: ``pipelines`` are (units, [(kind, unit), ...] of this stage, checkpointed
     layers per unit), run one after another; ``prev``/``nxt``: the world ranks this rank receives activations from
     and sends them to over ``group`` (None at the ends); ``grad_groups``: the groups it shares with ``prev`` and
-    with ``nxt`` (``flexorch.tasks.pipeline.gradient_channels``), which carry the gradients (None: ``group``). With
+    with ``nxt`` (``flexorch.work.pipeline.gradient_channels``), which carry the gradients (None: ``group``). With
     SP inside the stage (``stage.sp_group``) each message is this rank's token shard ``(t_pad/d, dim)``. The last
     stage's loss share is divided by ``n_predicted`` (1: the summed loss)."""
     t0 = time.perf_counter() if t0 is None else t0

@@ -1,9 +1,9 @@
 """What one worker runs in one step: plain, picklable values the driver builds from a `Plan` (no torch, no Ray).
 
-The driver turns the step's plan into one :class:`StepTask` per rank with :func:`step_tasks`; a worker only sees
+The driver turns the step's plan into one :class:`StepWork` per rank with :func:`step_work`; a worker only sees
 its own groups and the token locations of their documents (object-store blocks), never the whole batch. The
 function is pure, so tests call it for every rank of a plan in one process. Every value checks itself on
-construction (a malformed task fails in the driver, naming the numbers, not on a worker inside a collective).
+construction (a malformed value fails in the driver, naming the numbers, not on a worker inside a collective).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DocRef", "GroupWork", "StepTask", "step_tasks", "check_count", "check_ranks"]
+__all__ = ["DocRef", "GroupWork", "StepWork", "step_work", "check_count", "check_ranks"]
 
 KINDS = ("ulysses", "ring")
 """SP attention kinds a group runs (``flexorch.solver.cost_model.KINDS``)."""
@@ -124,7 +124,7 @@ class GroupWork:
 
 
 @dataclass(frozen=True)
-class StepTask:
+class StepWork:
     """One rank's whole step."""
 
     step: int
@@ -151,14 +151,14 @@ class StepTask:
     """Each task's loss-target tokens in the whole global batch (they sum to ``num_predicted``)."""
 
     def __post_init__(self) -> None:
-        check_count("StepTask.step", self.step)
-        check_count(f"StepTask (step {self.step}) micro_batches", self.micro_batches)
-        check_count(f"StepTask (step {self.step}) world_size", self.world_size, 1)
-        check_count(f"StepTask (step {self.step}) rank", self.rank)
+        check_count("StepWork.step", self.step)
+        check_count(f"StepWork (step {self.step}) micro_batches", self.micro_batches)
+        check_count(f"StepWork (step {self.step}) world_size", self.world_size, 1)
+        check_count(f"StepWork (step {self.step}) rank", self.rank)
         if self.rank >= self.world_size:
-            raise ValueError(f"StepTask (step {self.step}): rank {self.rank} is outside the world of {self.world_size}")
-        check_count(f"StepTask (step {self.step}) num_predicted", self.num_predicted)
-        where = f"StepTask (step {self.step}, rank {self.rank})"
+            raise ValueError(f"StepWork (step {self.step}): rank {self.rank} is outside the world of {self.world_size}")
+        check_count(f"StepWork (step {self.step}) num_predicted", self.num_predicted)
+        where = f"StepWork (step {self.step}, rank {self.rank})"
         for rs in self.rank_sets:
             check_ranks(f"{where}: rank set", rs, self.world_size)
         sets = set(self.rank_sets)
@@ -215,10 +215,10 @@ class StepTask:
         return {d.block for w in self.work for d in w.docs}
 
 
-def step_tasks(
+def step_work(
     plan, docs: Sequence[DocRef], step: int, recompute=None, task_names=(), task_weights=()
-) -> list[StepTask]:
-    """One :class:`StepTask` per rank of ``plan``; ``docs[i]`` is the plan's sequence ``i``.
+) -> list[StepWork]:
+    """One :class:`StepWork` per rank of ``plan``; ``docs[i]`` is the plan's sequence ``i``.
 
     ``plan`` is a ``solver.plan.Plan`` whose ``seq_lengths`` must equal the documents' lengths. ``recompute``
     (``[sharding] activation_checkpointing = "auto"``): per micro-batch, each group's mode, in the plan's order.
@@ -254,6 +254,6 @@ def step_tasks(
             counts[d.task] += d.predicted
         per_task = tuple(counts)
     return [
-        StepTask(step, r, n, tuple(rank_sets), tuple(per_rank[r]), num_predicted, m, names, weights, per_task)
+        StepWork(step, r, n, tuple(rank_sets), tuple(per_rank[r]), num_predicted, m, names, weights, per_task)
         for r in range(n)
     ]

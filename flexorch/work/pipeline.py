@@ -1,9 +1,9 @@
 """What one worker runs in a pipelined step: plain, picklable values the driver builds from a staged plan.
 
-:func:`pipeline_tasks` turns a ``flexorch.solver.pipeline.staged.StagedPlan`` into one :class:`PipelineTask` per rank:
+:func:`pipeline_work` turns a ``flexorch.solver.pipeline.staged.StagedPlan`` into one :class:`PipelineWork` per rank:
 its stage (or none: ranks left over when the workers do not divide into the stages sit the step out but take part in the
 gradient all-reduce), the layers of that stage, and for every back-to-back pipeline the units and this stage's op order
-and checkpointing. Pure (no torch, no Ray), so tests build the tasks of every rank in one process. Both values check
+and checkpointing. Pure (no torch, no Ray), so tests build the work of every rank in one process. Both values check
 themselves on construction, naming the numbers.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flexorch.tasks.placement import holder_sets, placement
-from flexorch.tasks.step import DocRef, check_count, check_ranks
+from flexorch.work.placement import holder_sets, placement
+from flexorch.work.step import DocRef, check_count, check_ranks
 
-__all__ = ["PipelineTask", "StagePipeline", "gradient_channels", "pipeline_tasks"]
+__all__ = ["PipelineWork", "StagePipeline", "gradient_channels", "pipeline_work"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class StagePipeline:
 
 
 @dataclass(frozen=True)
-class PipelineTask:
+class PipelineWork:
     step: int
     rank: int
     world_size: int
@@ -66,15 +66,15 @@ class PipelineTask:
     """Every sequence of the batch (``Piece.seq`` indexes it)."""
     num_predicted: int
     stage_params: bool = False
-    """Each rank holds only its stage's parameters (``flexorch.tasks.placement``); False: whole replicas."""
+    """Each rank holds only its stage's parameters (``flexorch.work.placement``); False: whole replicas."""
     tied: bool = False
     """The model ties its embedding and LM head (the first and the last stage both hold the embedding)."""
 
     def __post_init__(self) -> None:
-        check_count("PipelineTask.step", self.step)
-        check_count(f"PipelineTask (step {self.step}) world_size", self.world_size, 1)
-        check_count(f"PipelineTask (step {self.step}) rank", self.rank)
-        where = f"PipelineTask (step {self.step}, rank {self.rank})"
+        check_count("PipelineWork.step", self.step)
+        check_count(f"PipelineWork (step {self.step}) world_size", self.world_size, 1)
+        check_count(f"PipelineWork (step {self.step}) rank", self.rank)
+        where = f"PipelineWork (step {self.step}, rank {self.rank})"
         if self.rank >= self.world_size:
             raise ValueError(f"{where}: rank {self.rank} is outside the world of {self.world_size}")
         if not self.stage_ranks:
@@ -146,10 +146,10 @@ def gradient_channels(stage_ranks: Sequence[Sequence[int]]) -> list[tuple[int, i
     return pairs
 
 
-def pipeline_tasks(
+def pipeline_work(
     staged, docs: Sequence[DocRef], step: int, *, stage_params: bool = False, tied: bool = False
-) -> list[PipelineTask]:
-    """One task per rank of ``staged`` (a ``StagedPlan``); ``docs[i]`` is sequence ``i`` of the batch."""
+) -> list[PipelineWork]:
+    """One PipelineWork per rank of ``staged`` (a ``StagedPlan``); ``docs[i]`` is sequence ``i`` of the batch."""
     lengths = [
         sum(p.end - p.start for u in staged.plan.units for p in u.pieces if p.seq == i) for i in range(len(docs))
     ]
@@ -161,7 +161,7 @@ def pipeline_tasks(
     n = staged.num_devices
     stage_of = {r: s for s, rs in enumerate(staged.stage_ranks) for r in rs}
     num_predicted = sum(d.predicted for d in docs)
-    tasks = []
+    work = []
     for rank in range(n):
         st = stage_of.get(rank)
         pipes = ()
@@ -170,8 +170,8 @@ def pipeline_tasks(
                 StagePipeline(p.units, tuple((op.kind, op.unit) for op in p.schedule[st]), tuple(p.checkpointed[st]))
                 for p in staged.plan.pipelines
             )
-        tasks.append(
-            PipelineTask(
+        work.append(
+            PipelineWork(
                 step,
                 rank,
                 n,
@@ -185,4 +185,4 @@ def pipeline_tasks(
                 tied,
             )
         )
-    return tasks
+    return work

@@ -6,7 +6,7 @@ import pytest
 
 from flexorch.solver.baselines import static_plan
 from flexorch.solver.planner import plan_step
-from flexorch.tasks.step import DocRef, GroupWork, StepTask, step_tasks
+from flexorch.work.step import DocRef, GroupWork, StepWork, step_work
 from tests.solver_helpers import TINY
 
 
@@ -19,7 +19,7 @@ def test_every_document_reaches_exactly_its_groups_ranks(n):
     lengths = [min(s, 100 * n) for s in [3, 50, 7, 120, 9, 9, 31, 64, 2, 200][: 3 + n]]
     plan = plan_step(lengths, n, TINY.with_overrides(hidden=64, num_heads=8, num_kv_heads=8)).plan
     docs = _docs(lengths)
-    tasks = step_tasks(plan, docs, step=5)
+    tasks = step_work(plan, docs, step=5)
     assert [t.rank for t in tasks] == list(range(n))
     assert {t.num_predicted for t in tasks} == {sum(s - 1 for s in lengths)}
     assert {t.rank_sets for t in tasks} == {
@@ -48,27 +48,27 @@ def test_every_document_reaches_exactly_its_groups_ranks(n):
 def test_static_plan_tasks_and_mismatch_errors():
     lengths = [10, 20, 30, 40]
     plan = static_plan(lengths, 4, TINY.with_overrides(hidden=64, num_heads=8, num_kv_heads=8), 2, "ring")
-    tasks = step_tasks(plan, _docs(lengths), step=0)
+    tasks = step_work(plan, _docs(lengths), step=0)
     assert all(w.degree == 2 and w.kind == "ring" for t in tasks for w in t.work)
     with pytest.raises(ValueError, match="3 documents"):
-        step_tasks(plan, _docs(lengths)[:3], step=0)
+        step_work(plan, _docs(lengths)[:3], step=0)
     bad = _docs(lengths)
     bad[1] = DocRef(1, 0, 0, 21)
     with pytest.raises(ValueError, match="plan says 20 tokens"):
-        step_tasks(plan, bad, step=0)
+        step_work(plan, bad, step=0)
 
 
 def test_pipeline_tasks_create_each_stage_group_and_each_gradient_channel():
     """Every rank creates the SP groups of the stages and one group per neighbour pair for the gradients (NCCL
     would deadlock with activations and gradients of one pair on one communicator)."""
-    from flexorch.tasks.pipeline import PipelineTask, gradient_channels
+    from flexorch.work.pipeline import PipelineWork, gradient_channels
 
     assert gradient_channels([(0, 1), (2, 3), (4, 5)]) == [(0, 2), (1, 3), (2, 4), (3, 5)]
     assert gradient_channels([(0,), (1,), (2,)]) == [(0, 1), (1, 2)]
     assert gradient_channels([(0, 1, 2, 3)]) == []
-    task = PipelineTask(0, 0, 6, 0, ((0, 1), (2, 3), (4, 5)), (1, 1, 1), (), (), 0)
+    task = PipelineWork(0, 0, 6, 0, ((0, 1), (2, 3), (4, 5)), (1, 1, 1), (), (), 0)
     assert task.rank_sets == ((0, 1), (2, 3), (4, 5), (0, 2), (1, 3), (2, 4), (3, 5))
-    assert PipelineTask(0, 3, 4, None, ((0,), (1,), (2,)), (2, 1, 1), (), (), 0).rank_sets == ((0, 1), (1, 2))
+    assert PipelineWork(0, 3, 4, None, ((0,), (1,), (2,)), (2, 1, 1), (), (), 0).rank_sets == ((0, 1), (1, 2))
 
 
 # ---- the values that cross the actor boundary check themselves, naming the numbers
@@ -122,18 +122,18 @@ def _group(mb: int, ranks: tuple, *lengths: int) -> GroupWork:
 @pytest.mark.parametrize(
     "args, msg",
     [
-        ((-3, 0, 4, (), (), 0), "StepTask.step must be an integer >= 0, got -3"),
-        ((1, 0, 0, (), (), 0), "StepTask (step 1) world_size must be an integer >= 1, got 0"),
-        ((1, 4, 4, (), (), 0), "StepTask (step 1): rank 4 is outside the world of 4"),
-        ((1, 0, 4, (), (), -5), "StepTask (step 1) num_predicted must be an integer >= 0, got -5"),
-        ((1, 0, 4, ((4, 5),), (), 0), "StepTask (step 1, rank 0): rank set (4, 5): rank 4 is outside the world of 4"),
+        ((-3, 0, 4, (), (), 0), "StepWork.step must be an integer >= 0, got -3"),
+        ((1, 0, 0, (), (), 0), "StepWork (step 1) world_size must be an integer >= 1, got 0"),
+        ((1, 4, 4, (), (), 0), "StepWork (step 1): rank 4 is outside the world of 4"),
+        ((1, 0, 4, (), (), -5), "StepWork (step 1) num_predicted must be an integer >= 0, got -5"),
+        ((1, 0, 4, ((4, 5),), (), 0), "StepWork (step 1, rank 0): rank set (4, 5): rank 4 is outside the world of 4"),
         (
             (1, 0, 4, ((2, 3),), (_group(0, (2, 3), 5),), 9),
-            "StepTask (step 1, rank 0): micro-batch 0 group (2, 3) does not include rank 0",
+            "StepWork (step 1, rank 0): micro-batch 0 group (2, 3) does not include rank 0",
         ),
         (
             (1, 0, 4, ((2, 3),), (_group(0, (0, 1), 5),), 9),
-            "StepTask (step 1, rank 0): micro-batch 0 group (0, 1) is not in rank_sets",
+            "StepWork (step 1, rank 0): micro-batch 0 group (0, 1) is not in rank_sets",
         ),
         (
             (1, 0, 4, (), (_group(1, (0,), 5), _group(0, (0,), 5)), 9),
@@ -141,18 +141,18 @@ def _group(mb: int, ranks: tuple, *lengths: int) -> GroupWork:
         ),
         (
             (1, 0, 4, (), (_group(0, (0,), 5, 6),), 4),
-            "StepTask (step 1, rank 0): micro-batch 0 alone predicts 9 tokens, more than the batch's num_predicted 4",
+            "StepWork (step 1, rank 0): micro-batch 0 alone predicts 9 tokens, more than the batch's num_predicted 4",
         ),
     ],
 )
-def test_step_task_refuses_work_the_rank_cannot_run(args, msg):
+def test_step_work_refuses_work_the_rank_cannot_run(args, msg):
     with pytest.raises(ValueError) as e:
-        StepTask(*args)
+        StepWork(*args)
     assert msg in str(e.value)
 
 
 def test_a_step_task_that_holds_together_is_accepted():
-    task = StepTask(1, 1, 4, ((0, 1),), (_group(0, (0, 1), 5), _group(2, (1,), 3)), 6)
+    task = StepWork(1, 1, 4, ((0, 1),), (_group(0, (0, 1), 5), _group(2, (1,), 3)), 6)
     assert task.blocks() == {0} and [w.degree for w in task.work] == [2, 1]
 
 
@@ -174,7 +174,7 @@ def test_a_step_task_that_holds_together_is_accepted():
     ],
 )
 def test_stage_pipeline_refuses_an_op_list_that_cannot_run(args, msg):
-    from flexorch.tasks.pipeline import StagePipeline
+    from flexorch.work.pipeline import StagePipeline
 
     with pytest.raises(ValueError) as e:
         StagePipeline(*args)
@@ -187,27 +187,27 @@ STAGES = ((0, 1), (2, 3), (4, 5))
 @pytest.mark.parametrize(
     "change, msg",
     [
-        ({"rank": 6}, "PipelineTask (step 0, rank 6): rank 6 is outside the world of 6"),
-        ({"world_size": 0}, "PipelineTask (step 0) world_size must be an integer >= 1, got 0"),
+        ({"rank": 6}, "PipelineWork (step 0, rank 6): rank 6 is outside the world of 6"),
+        ({"world_size": 0}, "PipelineWork (step 0) world_size must be an integer >= 1, got 0"),
         ({"stage_ranks": ()}, "stage_ranks names no stage"),
         ({"stage_ranks": ((0, 1), (2, 3), (4, 6))}, "stage 2 ranks (4, 6): rank 6 is outside the world of 6"),
         ({"stage_ranks": ((0, 1), (2, 3), (4,))}, "stages of [1, 2] ranks; every stage needs the same number of ranks"),
         ({"stage_ranks": ((0, 1), (1, 2), (4, 5))}, "stage_ranks ((0, 1), (1, 2), (4, 5)) put a rank on two stages"),
-        ({"layers": (1, 1)}, "PipelineTask (step 0, rank 0): 2 layer counts for 3 stages"),
+        ({"layers": (1, 1)}, "PipelineWork (step 0, rank 0): 2 layer counts for 3 stages"),
         ({"layers": (1, 0, 1)}, "layers of stage 1 must be an integer >= 1, got 0"),
-        ({"stage": 1}, "PipelineTask (step 0, rank 0): rank 0 is not on stage 1 (2, 3)"),
-        ({"stage": 3}, "PipelineTask (step 0, rank 0): stage 3 of 3 stages"),
-        ({"stage": None}, "PipelineTask (step 0, rank 0): rank 0 is on a stage, but stage is None"),
+        ({"stage": 1}, "PipelineWork (step 0, rank 0): rank 0 is not on stage 1 (2, 3)"),
+        ({"stage": 3}, "PipelineWork (step 0, rank 0): stage 3 of 3 stages"),
+        ({"stage": None}, "PipelineWork (step 0, rank 0): rank 0 is on a stage, but stage is None"),
         ({"num_predicted": 5}, "num_predicted is 5, the 1 documents predict 3 tokens"),
         ({"layers": (1, 2, 1)}, None),  # the base task, with a checkpointing that fits
         (
             {"layers": (1, 2, 1), "ckpt": 2},
-            "PipelineTask (step 0, rank 0): 2 checkpointed layers on stage 0 of 1 layers",
+            "PipelineWork (step 0, rank 0): 2 checkpointed layers on stage 0 of 1 layers",
         ),
     ],
 )
 def test_pipeline_task_refuses_a_stage_map_the_ranks_cannot_run(change, msg):
-    from flexorch.tasks.pipeline import PipelineTask, StagePipeline
+    from flexorch.work.pipeline import PipelineWork, StagePipeline
 
     change = dict(change)
     pipe = StagePipeline((_unit(0, 4),), (("F", 0), ("B", 0)), (change.pop("ckpt", 1),))
@@ -216,16 +216,16 @@ def test_pipeline_task_refuses_a_stage_map_the_ranks_cannot_run(change, msg):
         docs=(DocRef(0, 0, 0, 4),), num_predicted=3,
     )  # fmt: skip
     if msg is None:
-        assert PipelineTask(**{**base, **change}).blocks() == {0}
+        assert PipelineWork(**{**base, **change}).blocks() == {0}
         return
     with pytest.raises(ValueError) as e:
-        PipelineTask(**{**base, **change})
+        PipelineWork(**{**base, **change})
     assert msg in str(e.value)
 
 
 def test_a_rank_on_no_stage_runs_no_pipeline():
-    from flexorch.tasks.pipeline import PipelineTask, StagePipeline
+    from flexorch.work.pipeline import PipelineWork, StagePipeline
 
     pipe = StagePipeline((_unit(),), (("F", 0), ("B", 0)), (0,))
     with pytest.raises(ValueError, match=r"rank 6\): a rank on no stage runs no pipeline, got 1"):
-        PipelineTask(0, 6, 7, None, STAGES, (1, 1, 1), (pipe,), (), 0)
+        PipelineWork(0, 6, 7, None, STAGES, (1, 1, 1), (pipe,), (), 0)
