@@ -26,7 +26,6 @@ from pathlib import Path
 import ray
 
 from flexorch.config import TrainConfig, config_from_dict
-from flexorch.control.calibration import model_state_fields
 from flexorch.control.capacity import run_capacity
 from flexorch.control.checkpoint import load_checkpoint
 from flexorch.control.elastic import ElasticError
@@ -38,18 +37,15 @@ from flexorch.control.profile_revisions import ProfileRevisions
 from flexorch.control.run_loop import RunLoop
 from flexorch.control.run_setup import RunSetup
 from flexorch.control.settle import MembershipFailure
+from flexorch.control.step_kinds import step_kinds
 from flexorch.control.transitions import EventLog, Ran, StepRun, Transition
 from flexorch.data.mixture import source_fields
-from flexorch.data.task_corpus import multitask_fields, task_fields
 from flexorch.records.trackers import Trackers
 from flexorch.records.writer import skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.profiles import Profile
-from flexorch.solver.recompute import recompute_modes
 from flexorch.solver.step_planner import PlannedStep
-from flexorch.work.pipeline import PipelineWork, pipeline_work
 from flexorch.work.placement import PartsLostError
-from flexorch.work.step import step_work
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
 
@@ -108,6 +104,7 @@ class TrainingDriver(RunSetup, RunLoop):
         self._fallbacks = FallbackWatch(self._publish)  # warns once when many recent steps fell back
         self._checkpointed_at: int | None = None  # the step of the newest checkpoint this run has on disk
         self._last_checkpoint: str | None = None
+        self.kinds = step_kinds(self.cfg)  # SP (multi-task) or pipelined: what differs, keyed by planned.pipelined
 
     # ---------------------------------------------------------------- one step
     @property
@@ -146,7 +143,7 @@ class TrainingDriver(RunSetup, RunLoop):
                 return Transition(Ran.SKIPPED, step_no, self.step_no, record, tuple(run.recoveries[len(carried) :]))
             t_dispatch = time.perf_counter()
             docs = self.corpus.locate(list(batch.doc_ids))
-            work = self._rank_work(planned, docs, base)
+            work = self.kinds[planned.pipelined].rank_work(planned, docs, self.step_no, self.profile, base)
             results, failure, moved, dispatch_ms = self._dispatch(work, planned, n, run.attempt, t_dispatch)
             if failure is None:
                 outcomes = [results[w] for w in self.workers.worker_ids]
@@ -197,23 +194,6 @@ class TrainingDriver(RunSetup, RunLoop):
         }
         return planned, base
 
-    def _rank_work(self, planned: PlannedStep, docs, base: dict) -> list:
-        """Each rank's part of the step: pipeline stage work, or its SP groups' documents (with each group's
-        'auto' recompute mode, recorded in ``base``)."""
-        if planned.pipelined:
-            # sharded state: each stage's parts are FSDP units over its workers, never moved as whole parts
-            stage_params = self.cfg.pipeline.params == "stage" and self.cfg.sharding_mode == "replicate"
-            return pipeline_work(
-                planned.plan, docs, self.step_no, stage_params=stage_params, tied=self.cfg.model.tie_embeddings
-            )
-        modes = recompute_modes(planned.plan, self.profile)  # 'auto' recompute: each group's mode
-        if modes is not None:
-            base["recompute"] = [list(row) for row in modes]
-            if "recompute_packing" in planned.plan.meta:
-                base["recompute_packing"] = dict(planned.plan.meta["recompute_packing"])
-        names, weights = tuple(t.name for t in self.cfg.tasks), tuple(t.weight for t in self.cfg.tasks)
-        return step_work(planned.plan, docs, self.step_no, modes, names, weights)
-
     def _recover_attempt(self, run: StepRun, failure, results: dict, base: dict) -> list | None:
         """An attempt failed: the elastic policy recovers (an out-of-memory step is planned again for less memory
         per worker). The outcomes when survivors finished the update before the failure (the step stands); None
@@ -253,14 +233,10 @@ class TrainingDriver(RunSetup, RunLoop):
         record = step_record(base, planned, priced_by, outcomes, measured_ms, dispatch_ms, level)
         if run.mixed is not None:
             record["sources"] = run.mixed
-        if self.cfg.tasks:
-            record["tasks"] = task_fields(self.cfg.tasks, docs, record.get("task_losses", {}), run.task_epochs)
-            record["multitask"] = multitask_fields(planned.plan)
-        if not planned.pipelined:
-            record["model_state"] = model_state_fields(self.cfg, base["world_size"])
+        kind = self.kinds[planned.pipelined]
+        kind.add_fields(record, planned, docs, moved, run.task_epochs)
+        if kind.refits:
             self.revisions.after_step(record, self.step_no, priced_by)
-        if moved is not None:
-            record["pipeline"]["params"] = {"placement": self.cfg.pipeline.params, **moved}
         self.step_no += 1
         record["overhead_ms"] = (time.perf_counter() - run.t_done) * 1e3
         return record
@@ -301,12 +277,11 @@ class TrainingDriver(RunSetup, RunLoop):
     def _dispatch(self, work, planned, n: int, attempt: int, t_dispatch: float):
         """Move stage-local parameters where the step needs them, start every rank's part, plan the next batch
         meanwhile and wait: (results, failure or None, what moved or None, ms until every rank was started)."""
-        moved = None
-        if isinstance(work[0], PipelineWork) and work[0].stage_params:
-            try:
-                moved = self.workers.place_params(work[0].held_parts())
-            except MembershipFailure as e:  # a worker died while parameters moved: nobody has run the step
-                return {}, dataclasses.replace(e.failure, completed=frozenset()), None, 0.0
+        kind = self.kinds[planned.pipelined]
+        try:
+            moved = kind.before_start(work, self.workers)  # stage-local parameters to their stage
+        except MembershipFailure as e:  # a worker died while parameters moved: nobody has run the step
+            return {}, dataclasses.replace(e.failure, completed=frozenset()), None, 0.0
         block_refs = [{b: self.corpus.shards[b] for b in sorted(t.blocks())} for t in work]  # specs, not tokens
         refs = self.workers.run_step(work, block_refs)
         dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
@@ -316,8 +291,8 @@ class TrainingDriver(RunSetup, RunLoop):
             nxt_lengths = [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]]
             self.planner.plan_ahead(nxt.step, nxt_lengths, n, budget, **self._task_of(nxt))
         # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
-        waits = 2 * len(planned.plan.plan.units) if planned.pipelined else len(planned.plan.micro_batches)
-        results, failure = self.workers.settle(refs, self.cfg.elastic.collective_timeout_s * (waits + 2))
+        timeout_s = self.cfg.elastic.collective_timeout_s * (kind.waits(planned) + 2)
+        results, failure = self.workers.settle(refs, timeout_s)
         return results, failure, moved, dispatch_ms
 
     def _roll_back(self, err: PartsLostError, what: str, taken: list[dict]) -> Transition:

@@ -44,6 +44,7 @@ from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, b
 from flexorch.workers.recompute import built_mode
 from flexorch.workers.replicated_state import ReplicatedState
 from flexorch.workers.sharded_state import ShardedState, holding_bytes
+from flexorch.workers.step_context import StepContext
 from flexorch.workers.step_exec import StepOutcome, run_step
 
 __all__ = ["WorkerActor", "Worker", "FAULT_POINTS", "HEARTBEAT_S"]
@@ -284,41 +285,45 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
     def run_step(self, rank_work: StepWork | PipelineWork, block_refs: dict) -> StepOutcome:
         """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
         index -> ``flexorch.data.store.shards.ShardSpec`` of the store part it reads."""
-        if self.registry is None or self.registry.rank != rank_work.rank or self.registry.world_size != rank_work.world_size:
-            raise RuntimeError(f"worker {self.worker_id} is not rank {rank_work.rank} of a world of {rank_work.world_size}")
+        reg, n = self.registry, rank_work.world_size
+        if reg is None or reg.rank != rank_work.rank or reg.world_size != n:
+            raise RuntimeError(f"worker {self.worker_id} is not rank {rank_work.rank} of a world of {n}")
         blocks = open_parts(block_refs)  # each part opened once per process, read where the documents are
         return self._guarded(self._run_step, rank_work, blocks)
 
     def _run_step(self, rank_work: StepWork | PipelineWork, blocks: dict) -> StepOutcome:
         self.registry.ensure(rank_work.rank_sets)
-        world = self.registry.world if rank_work.world_size > 1 else None
-        extra = {}
-        if isinstance(rank_work, PipelineWork):
-            extra = {"sharded": True} if self.sharded else {"held": self.held}
-        elif self.sharded:
-            extra = {"gather": self.sharding.get("gather", "layer")}
-        if self.sharded:  # imported here: DTensor's import is 0.4 s of CPU per worker start, replicas never need it
-            from flexorch.workers.sharded_step import run_sharded_step as sp_step
-        else:
-            sp_step = run_step
-        fn = run_pipeline_step if isinstance(rank_work, PipelineWork) else sp_step
         compiled_before = compile_seconds()
-        out = fn(
-            self.model,
-            self.optimizer,
-            self.scheduler,
-            rank_work,
-            blocks,
-            self.registry.group,
-            world,
-            self.optim_cfg,
-            vocab_size=self.model_cfg.vocab_size,
-            hook=(lambda point: self._strike(point, rank_work.step)) if self._faults else None,
-            **extra,
-        )
+        out = self._executor(rank_work)(self._context(rank_work), rank_work, blocks)
         out.compile_s = max(0.0, compile_seconds() - compiled_before)
         self.version += 1
         return out
+
+    def _executor(self, rank_work: StepWork | PipelineWork):
+        """The executor of this kind of work on this worker's kind of model state."""
+        if isinstance(rank_work, PipelineWork):
+            return run_pipeline_step
+        if self.sharded:  # imported here: DTensor's import is 0.4 s of CPU per worker start, replicas never need it
+            from flexorch.workers.sharded_step import run_sharded_step
+
+            return run_sharded_step
+        return run_step
+
+    def _context(self, rank_work: StepWork | PipelineWork) -> StepContext:
+        """The model state and the world this step runs on (``workers.step_context``)."""
+        return StepContext(
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.registry.group,
+            self.registry.world if rank_work.world_size > 1 else None,
+            self.optim_cfg,
+            vocab_size=self.model_cfg.vocab_size,
+            hook=(lambda point: self._strike(point, rank_work.step)) if self._faults else None,
+            gather=self.sharding.get("gather", "layer"),
+            held=None if self.sharded else self.held,
+            sharded=self.sharded,
+        )
 
     def state_bytes(self) -> int:
         """Bytes of model state this worker keeps between steps (parameters, gradients, optimizer state)."""

@@ -16,18 +16,15 @@ holds a whole unsharded gradient).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from flexorch.config.optim import OptimConfig
 from flexorch.work.step import StepWork
 from flexorch.workers.optim import resident_bytes
+from flexorch.workers.step_context import StepContext
 from flexorch.workers.step_exec import (
-    GroupGetter,
     MicroBatches,
     StepOutcome,
     TaskLosses,
@@ -38,29 +35,15 @@ from flexorch.workers.step_exec import (
 __all__ = ["run_sharded_step"]
 
 
-def run_sharded_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    rank_work: StepWork,
-    blocks: dict[int, np.ndarray],
-    group_of: GroupGetter,
-    world: dist.ProcessGroup | None,
-    optim_cfg: OptimConfig,
-    *,
-    vocab_size: int,
-    backend: str | None = None,
-    hook: Callable[[str], None] | None = None,
-    gather: str = "layer",
-) -> StepOutcome:
-    """Run ``rank_work`` on this rank and step the optimizer on its shards; every rank of the world runs it for the same
-    step. ``hook`` as in :func:`~flexorch.workers.step_exec.run_step`. ``gather`` ('layer' or 'step',
-    ``flexorch.config.sharding``): when FSDP gathers and reduces."""
+def run_sharded_step(ctx: StepContext, rank_work: StepWork, blocks: dict[int, np.ndarray]) -> StepOutcome:
+    """Run ``rank_work`` on this rank and step the optimizer on its shards; every rank of the world runs it for the
+    same step. ``ctx.gather`` ('layer' or 'step', ``flexorch.config.sharding``): when FSDP gathers and reduces."""
+    model, gather = ctx.model, ctx.gather
     if rank_work.work and not rank_work.micro_batches:
         raise ValueError(f"step {rank_work.step}: a sharded step needs the rank work's micro_batches count")
-    optimizer.zero_grad(set_to_none=True)
+    ctx.optimizer.zero_grad(set_to_none=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    run = MicroBatches(model, rank_work, blocks, group_of, vocab_size, backend, hook, params, params[0].device)
+    run = MicroBatches(ctx, rank_work, blocks, params, params[0].device)
     by_mb = {w.micro_batch: w for w in rank_work.work}
     for mb in range(rank_work.micro_batches):
         if gather == "step":  # gathered once, kept to the step's end; one reduce-scatter after the last backward
@@ -72,26 +55,18 @@ def run_sharded_step(
     out = run.out
     out.compute_end_ms = (time.perf_counter() - run.t0) * 1e3
 
-    return finish_sharded_step(
-        out, params, run.loss, run.predicted, rank_work, world, optimizer, scheduler, optim_cfg, run.hook, run.t0,
-        model=model, task_losses=run.per_task,
-    )  # fmt: skip
+    return finish_sharded_step(ctx, out, rank_work, params, run.loss, run.predicted, run.t0, task_losses=run.per_task)
 
 
 def finish_sharded_step(
+    ctx: StepContext,
     out: StepOutcome,
+    rank_work,
     params: list,
     local_loss: torch.Tensor,
     local_pred: int,
-    rank_work,
-    world: dist.ProcessGroup | None,
-    optimizer: torch.optim.Optimizer | None,
-    scheduler,
-    optim_cfg: OptimConfig,
-    hook: Callable[[str], None],
     t0: float,
     *,
-    model: torch.nn.Module,
     counts_norm: bool | None = None,
     task_losses: TaskLosses | None = None,
 ) -> StepOutcome:
@@ -100,7 +75,8 @@ def finish_sharded_step(
     step AdamW on the shards. The norm of the shards is a DTensor reduced over this rank's mesh; with pipeline
     stages each stage's squared norm is added over the world once (``counts_norm``: this rank is its stage's first;
     None: the mesh is the world and rank 0 counts it). A rank holding no parameters (on no stage) only takes part."""
-    hook("before_sync")
+    world, optimizer = ctx.world, ctx.optimizer
+    ctx.hook("before_sync")
     t_sync = time.perf_counter()
     device = params[0].device if params else default_device()
     grads = [p.grad for p in params if p.grad is not None]
@@ -110,20 +86,20 @@ def finish_sharded_step(
     norm_sq = norm**2 if counts else 0.0
     scale, norm_sq = reduce_step_stats(out, rank_work, world, device, (local_loss, local_pred, norm_sq), task_losses)
     out.sync_ms = (time.perf_counter() - t_sync) * 1e3
-    hook("after_sync")
+    ctx.hook("after_sync")
 
     t_opt = time.perf_counter()
     out.grad_norm = norm_sq**0.5 * scale  # the global norm of the divided gradient
     coef = scale
-    if optim_cfg.grad_clip:  # torch.nn.utils.clip_grad_norm_'s coefficient, on the global norm
-        coef *= min(1.0, optim_cfg.grad_clip / (out.grad_norm + 1e-6))
+    if ctx.optim_cfg.grad_clip:  # torch.nn.utils.clip_grad_norm_'s coefficient, on the global norm
+        coef *= min(1.0, ctx.optim_cfg.grad_clip / (out.grad_norm + 1e-6))
     for g in grads:
         g.mul_(coef)
     if optimizer is not None:
         out.lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
-        scheduler.step()
+        ctx.scheduler.step()
     out.optim_ms = (time.perf_counter() - t_opt) * 1e3
-    out.param_bytes = resident_bytes(model, optimizer)
+    out.param_bytes = resident_bytes(ctx.model, optimizer)
     out.total_ms = (time.perf_counter() - t0) * 1e3
     return out

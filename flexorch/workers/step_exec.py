@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexorch.config.optim import OptimConfig
 from flexorch.work.step import GroupWork, StepWork
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
@@ -27,10 +25,9 @@ from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard
 from flexorch.workers.model import check_token_range, next_token_labels, stored_token_ids
 from flexorch.workers.model_source import set_activation_checkpointing
 from flexorch.workers.optim import clip_grad_norm_, resident_bytes
+from flexorch.workers.step_context import GroupGetter, StepContext
 
 __all__ = ["StepOutcome", "run_step", "sync_and_step", "GradBucket", "micro_batch_inputs", "GroupGetter"]
-
-GroupGetter = Callable[[tuple[int, ...]], dist.ProcessGroup]
 
 
 @dataclass
@@ -146,41 +143,20 @@ class TaskLosses:
         }
 
 
-def run_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    rank_work: StepWork,
-    blocks: dict[int, np.ndarray],
-    group_of: GroupGetter,
-    world: dist.ProcessGroup | None,
-    optim_cfg: OptimConfig,
-    *,
-    vocab_size: int,
-    backend: str | None = None,
-    hook: Callable[[str], None] | None = None,
-) -> StepOutcome:
+def run_step(ctx: StepContext, rank_work: StepWork, blocks: dict[int, np.ndarray]) -> StepOutcome:
     """Run ``rank_work`` on this rank and step the optimizer; every rank of the world must call it for the same step.
-
-    ``group_of(ranks)`` returns the process group of an SP group (already created for ``rank_work.rank_sets``);
-    ``world`` is the whole world's group (None when the world has one rank). ``hook(point)`` is called at
-    ``"micro_batch"`` (after each forward), ``"before_sync"`` and ``"after_sync"`` (gradients all-reduced, the
-    optimizer not yet stepped): the worker's fault injection for the elasticity tests, None otherwise.
+    ``blocks``: the token blocks its documents live in; ``ctx``: the whole replica, its optimizer and the world.
     """
+    model, optimizer = ctx.model, ctx.optimizer
     optimizer.zero_grad(set_to_none=False)
     params = [p for p in model.parameters() if p.requires_grad]
-    run = MicroBatches(
-        model, rank_work, blocks, group_of, vocab_size, backend, hook, params, next(model.parameters()).device
-    )
+    run = MicroBatches(ctx, rank_work, blocks, params, next(model.parameters()).device)
     for work in rank_work.work:
         run.run(work)
     out = run.out
     out.compute_end_ms = (time.perf_counter() - run.t0) * 1e3
 
-    out = sync_and_step(
-        out, params, run.loss, run.predicted, rank_work, world, optimizer, scheduler, optim_cfg, hook=run.hook, t0=run.t0,
-        task_losses=run.per_task,
-    )  # fmt: skip
+    out = sync_and_step(ctx, out, rank_work, params, run.loss, run.predicted, t0=run.t0, task_losses=run.per_task)
     out.param_bytes = resident_bytes(model, optimizer)
     return out
 
@@ -195,10 +171,10 @@ class MicroBatches:
     up to: the summed loss and predicted tokens (``loss``, ``predicted``), each task's loss, and the timings and
     sizes in ``out``. Shared by the replicated and the sharded executor (``workers.sharded_step``)."""
 
-    def __init__(self, model, rank_work: StepWork, blocks, group_of, vocab_size: int, backend, hook, params, device):
-        self.model, self.rank_work, self.blocks, self.group_of = model, rank_work, blocks, group_of
-        self.vocab_size, self.backend, self.params, self.device = vocab_size, backend, params, device
-        self.hook = hook or (lambda point: None)
+    def __init__(self, ctx: StepContext, rank_work: StepWork, blocks, params, device):
+        self.model, self.rank_work, self.blocks, self.group_of = ctx.model, rank_work, blocks, ctx.group_of
+        self.vocab_size, self.backend, self.params, self.device = ctx.vocab_size, ctx.backend, params, device
+        self.hook = ctx.hook
         self.t0 = time.perf_counter()
         self.out = StepOutcome(step=rank_work.step, rank=rank_work.rank, loss=0.0, num_predicted=0, local_tokens=0)
         self.loss = torch.zeros((), dtype=torch.float64)
@@ -255,17 +231,13 @@ class GradBucket:
 
 
 def sync_and_step(
+    ctx: StepContext,
     out: StepOutcome,
+    rank_work,
     params: list[torch.nn.Parameter],
     local_loss: torch.Tensor,
     local_pred: int,
-    rank_work,
-    world: dist.ProcessGroup | None,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    optim_cfg: OptimConfig,
     *,
-    hook: Callable[[str], None],
     t0: float,
     buckets: list[GradBucket] | None = None,
     task_losses: TaskLosses | None = None,
@@ -278,7 +250,8 @@ def sync_and_step(
     ``buckets`` (stage-local parameters): each bucket's gradients are summed over its holders only, and the global
     norm is the world's sum of each bucket's squared norm counted once, riding with the loss and token count;
     ``params`` are then the ones this rank holds (the optimizer skips the rest, whose gradient is None)."""
-    hook("before_sync")
+    world, optimizer, grad_clip = ctx.world, ctx.optimizer, ctx.optim_cfg.grad_clip
+    ctx.hook("before_sync")
     t_sync = time.perf_counter()
     sharded = buckets is not None
     if buckets is None:  # whole replicas: one flat float32 buffer of every gradient, summed over the world
@@ -297,16 +270,16 @@ def sync_and_step(
     scale, norm_sq = reduce_step_stats(out, rank_work, world, device, (local_loss, local_pred, norm_sq), task_losses)
     _set_divided_grads(reduced, scale)
     out.sync_ms = (time.perf_counter() - t_sync) * 1e3
-    hook("after_sync")
+    ctx.hook("after_sync")
 
     t_opt = time.perf_counter()
     if sharded:
-        out.grad_norm = _clip_sharded(params, norm_sq**0.5 * scale, optim_cfg.grad_clip)
+        out.grad_norm = _clip_sharded(params, norm_sq**0.5 * scale, grad_clip)
     else:
-        out.grad_norm = clip_grad_norm_(params, optim_cfg.grad_clip) if optim_cfg.grad_clip else _norm(params)
+        out.grad_norm = clip_grad_norm_(params, grad_clip) if grad_clip else _norm(params)
     out.lr = float(optimizer.param_groups[0]["lr"])
     optimizer.step()
-    scheduler.step()
+    ctx.scheduler.step()
     out.optim_ms = (time.perf_counter() - t_opt) * 1e3
     out.total_ms = (time.perf_counter() - t0) * 1e3
     return out

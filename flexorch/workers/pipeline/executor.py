@@ -25,20 +25,18 @@ a part stay identical and checkpoints, resume and elastic shrink/grow work as wi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from flexorch.config.optim import OptimConfig
 from flexorch.work.pipeline import PipelineWork
 from flexorch.work.placement import holder_sets
 from flexorch.workers.model import check_token_range, stored_token_ids
 from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_ops
 from flexorch.workers.pipeline.stage import StageModule
-from flexorch.workers.step_exec import GradBucket, GroupGetter, StepOutcome, sync_and_step
+from flexorch.workers.step_context import StepContext
+from flexorch.workers.step_exec import GradBucket, StepOutcome, sync_and_step
 
 __all__ = ["run_pipeline_step"]
 
@@ -52,72 +50,50 @@ def _sequences(rank_work: PipelineWork, blocks: dict[int, np.ndarray], vocab_siz
     return out
 
 
-def run_pipeline_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler,
-    rank_work: PipelineWork,
-    blocks: dict[int, np.ndarray],
-    group_of: GroupGetter,
-    world: dist.ProcessGroup | None,
-    optim_cfg: OptimConfig,
-    *,
-    vocab_size: int,
-    hook: Callable[[str], None] | None = None,
-    held: HeldParams | None = None,
-    sharded: bool = False,
-) -> StepOutcome:
+def run_pipeline_step(ctx: StepContext, rank_work: PipelineWork, blocks: dict[int, np.ndarray]) -> StepOutcome:
     """Run ``rank_work`` (this rank's stage ops, or nothing when it has no stage), then sync and step the optimizer.
-    With ``rank_work.stage_params`` this rank first drops the parts its stage does not run (``held``). ``sharded``:
-    ``model`` holds this stage's parts as FSDP2 units sharded over the stage's workers
+    With ``rank_work.stage_params`` this rank first drops the parts its stage does not run (``ctx.held``).
+    ``ctx.sharded``: ``ctx.model`` holds this stage's parts as FSDP2 units sharded over the stage's workers
     (``flexorch.workers.fsdp.stage_sharded_decoder``): their gradients are reduce-scattered over the stage as each
     unit's backward runs, and the step ends as a sharded SP step does."""
-    hook = hook or (lambda point: None)
+    model, held, group_of = ctx.model, ctx.held, ctx.group_of
     t0 = time.perf_counter()
     out = StepOutcome(step=rank_work.step, rank=rank_work.rank, loss=0.0, num_predicted=0, local_tokens=0)
-    if sharded:
-        return _sharded_stage_step(model, optimizer, scheduler, rank_work, blocks, group_of, world, optim_cfg,
-                                   vocab_size, hook, out, t0)  # fmt: skip
+    if ctx.sharded:
+        return _sharded_stage_step(ctx, rank_work, blocks, out, t0)
     buckets = None
     if rank_work.stage_params:
         buckets = _stage_buckets(rank_work, held, group_of)
         params = [p for b in buckets for p in b.params]
     else:
         params = [p for p in model.parameters() if p.requires_grad]
-    optimizer.zero_grad(set_to_none=False)
+    ctx.optimizer.zero_grad(set_to_none=False)
     local_loss = torch.zeros((), dtype=torch.float64)
     local_pred = 0
     if rank_work.stage is not None:
-        sequences = _sequences(rank_work, blocks, vocab_size)
-        local_loss, local_pred = _run_stage(model, rank_work, sequences, group_of, out, hook, t0)
+        sequences = _sequences(rank_work, blocks, ctx.vocab_size)
+        local_loss, local_pred = _run_stage(model, rank_work, sequences, group_of, out, ctx.hook, t0)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
     if held is not None:
         out.param_bytes = held.nbytes()
-    return sync_and_step(
-        out, params, local_loss, local_pred, rank_work, world, optimizer, scheduler, optim_cfg, hook=hook, t0=t0,
-        buckets=buckets,
-    )  # fmt: skip
+    return sync_and_step(ctx, out, rank_work, params, local_loss, local_pred, t0=t0, buckets=buckets)
 
 
-def _sharded_stage_step(
-    model, optimizer, scheduler, rank_work, blocks, group_of, world, optim_cfg, vocab_size, hook, out, t0
-) -> StepOutcome:
+def _sharded_stage_step(ctx: StepContext, rank_work, blocks, out: StepOutcome, t0: float) -> StepOutcome:
     """:func:`run_pipeline_step` with this stage's parts as FSDP2 units sharded over the stage's workers: the step
     ends as a sharded SP step does, the stage's first rank counting its stage's gradient norm."""
     from flexorch.workers.sharded_step import finish_sharded_step
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    if optimizer is not None:
-        optimizer.zero_grad(set_to_none=True)
+    params = [p for p in ctx.model.parameters() if p.requires_grad]
+    if ctx.optimizer is not None:
+        ctx.optimizer.zero_grad(set_to_none=True)
     local_loss, local_pred = torch.zeros((), dtype=torch.float64), 0
     if rank_work.stage is not None:
-        local_loss, local_pred = _run_stage(model, rank_work, _sequences(rank_work, blocks, vocab_size), group_of, out, hook, t0)
+        sequences = _sequences(rank_work, blocks, ctx.vocab_size)
+        local_loss, local_pred = _run_stage(ctx.model, rank_work, sequences, ctx.group_of, out, ctx.hook, t0)
     out.compute_end_ms = (time.perf_counter() - t0) * 1e3
     first = rank_work.stage is not None and rank_work.rank == rank_work.stage_ranks[rank_work.stage][0]
-    return finish_sharded_step(
-        out, params, local_loss, local_pred, rank_work, world, optimizer, scheduler, optim_cfg, hook, t0,
-        model=model, counts_norm=first,
-    )  # fmt: skip
+    return finish_sharded_step(ctx, out, rank_work, params, local_loss, local_pred, t0, counts_norm=first)
 
 
 def _stage_buckets(rank_work: PipelineWork, held: HeldParams, group_of) -> list[GradBucket]:
