@@ -85,7 +85,7 @@ class TrainingDriver(RunSetup, RunLoop):
         self.events = EventLog()
         self._publish = self.events.publish
         self._error: str | None = None
-        self._step_wall: list[float] = []
+        self.callbacks: list = []  # beside every step, in order (control.step_callbacks); set up by setup()
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
         self.revisions = ProfileRevisions(
             self.run_dir,
@@ -315,7 +315,9 @@ class TrainingDriver(RunSetup, RunLoop):
         self.step_no = int(dstate["step"])
         self.skipped_batches = int(dstate.get("skipped_batches", 0))
         self.records.truncate(self.step_no)
-        self.trackers.rewind(self.step_no)
+        for callback in self.callbacks:
+            if hasattr(callback, "on_rewind"):
+                callback.on_rewind(self.step_no)
         self.planner.forget()
         world = list(self.workers.worker_ids)
         rec = dict(what=what, rollback=True, lost=sorted(err.lost_workers), reason=str(err), from_step=from_step)
@@ -349,17 +351,9 @@ class TrainingDriver(RunSetup, RunLoop):
             rec["total_ms"] = rec.get("detect_ms", 0.0) + rec["recovery_ms"] + rec["rerun_ms"]
             record["recoveries"] = [*record["recoveries"], rec]
         record = self.records.append(record)
-        self.trackers.log_step(record)
-        self.metrics.on_step(record, plan, self.profile)
-        self._fallbacks.watch(record)
-        for rec in record["recoveries"]:
-            self.metrics.on_recovery(rec)
-        self._step_wall.append(time.perf_counter() - t_start)
-        if self.cfg.checkpoint_every and self.step_no % self.cfg.checkpoint_every == 0 and not self.finished:
-            self.checkpoint()
-        remaining = self.cfg.steps - self.step_no
-        recent = self._step_wall[-10:]
-        self._publish({"event": "step", **record, "eta_s": remaining * sum(recent) / len(recent)})
+        self.step_started = t_start  # the step's wall time, for the progress callback's ETA
+        for callback in self.callbacks:  # trackers, metrics, fallback warning, checkpoint, progress
+            callback.on_step(record, plan)
         return record
 
 

@@ -2,7 +2,7 @@
 found the batch infeasible): said once, loudly, with what to do for each reason seen.
 
 Each step's record says why it fell back (``fallback.reason``, ``flexorch.records.schema.FALLBACK_REASONS``); the
-driver hands every record to :meth:`FallbackWatch.watch`.
+driver hands every record to :meth:`FallbackWatch.watch` (a step callback, ``control.step_callbacks``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ class FallbackWatch:
         self._publish = publish
         self._fallbacks: collections.deque = collections.deque(maxlen=FALLBACK_WINDOW)
         self._fallback_warned = False
+
+    def on_step(self, record: dict, plan) -> None:
+        """The step callback (``control.step_callbacks``): :meth:`watch` the record."""
+        self.watch(record)
 
     def watch(self, record: dict) -> None:
         """Say once, loudly, when more than a tenth of the recent steps did not get the planner's plan."""

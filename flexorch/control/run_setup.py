@@ -27,6 +27,7 @@ from flexorch.control.memory_budget import resolve_device_budget
 from flexorch.control.planner_client import PlannerSpec
 from flexorch.control.recompute_choice import with_recompute_ratios
 from flexorch.control.settle import MembershipFailure
+from flexorch.control.step_callbacks import step_callbacks
 from flexorch.control.worker_group import RayWorkerGroup
 from flexorch.data.bpe import prepare_tokenizer
 from flexorch.data.corpus import load_corpus
@@ -79,6 +80,7 @@ class RunSetup:
         self.metrics = RunMetrics(self.run_dir.name)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
         self.trackers = Trackers.open(cfg.tracking, self.run_dir, cfg.to_dict(), self.resumed_from, say=say)
+        self.callbacks = step_callbacks(self)
         summary = self._setup_summary(world_s)
         self._publish(summary)
         if self._restart is not None:  # the lost driver's replacement is set up: re-run from its checkpoint now
