@@ -39,11 +39,11 @@ docs: setup
 	$(PY) -m pip install -q $(PIP_EXTRA) -e ".[docs]"
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
-# The GPU check (benchmarks/gpu_check.py): CUDA tests, attention kernels, SP on one GPU, a 1.1B step, a calibrated
+# The GPU check (benchmarks/gpu/gpu_check.py): CUDA tests, attention kernels, SP on one GPU, a 1.1B step, a calibrated
 # profile; its table goes under runs/gpu_check/. `make gpu-check ARGS=--dry` runs it on CPU. On a lent GPU machine
-# (torch, no Ray, no venv) run it from the repository root as `python3 benchmarks/gpu_check.py`.
+# (torch, no Ray, no venv) run it from the repository root as `python3 -m benchmarks.gpu.gpu_check`.
 gpu-check: setup-test
-	$(PY) benchmarks/gpu_check.py $(ARGS)
+	$(PY) -m benchmarks.gpu.gpu_check $(ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs site

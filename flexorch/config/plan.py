@@ -52,7 +52,7 @@ class PlanSettings:
     kinds: tuple[str, ...] = ("ulysses", "ring")
     """Attention methods the planner may use."""
     solver: str = "highs"
-    """MILP backend: 'highs' (default, chosen by ``benchmarks/solver_backends.py``) or 'cbc'."""
+    """MILP backend: 'highs' (default, chosen by ``benchmarks/sim/solver_backends.py``) or 'cbc'."""
     on_infeasible: str = "error"
     """A batch no plan can run: 'error' (stop with the reason) or 'skip' (record and count it, train on)."""
     timeout_s: float = 15.0

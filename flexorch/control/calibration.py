@@ -176,7 +176,7 @@ def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Prob
             per_rank.append([ms for (ms,) in group.call("probe", [p])])  # [rank] median ms of this probe
         except Exception as e:
             # a RayWorkerGroup's MembershipFailure whose workers ran past the call's limit (not imported: this
-            # module runs without Ray too, e.g. benchmarks/gpu_check.py on a machine that lacks it)
+            # module runs without Ray too, e.g. benchmarks/gpu/gpu_check.py on a machine that lacks it)
             if not getattr(getattr(e, "failure", None), "timed_out", None):
                 raise
             raise CalibrationTimeoutError(

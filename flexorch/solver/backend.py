@@ -53,7 +53,7 @@ __all__ = [
 
 SOLVERS = ("highs", "cbc")
 DEFAULT_SOLVER = "highs"
-"""Chosen by measurement: ``benchmarks/solver_backends.py`` (plan quality, solve time, crashes, quiet and beside
+"""Chosen by measurement: ``benchmarks/sim/solver_backends.py`` (plan quality, solve time, crashes, quiet and beside
 CPU hogs; the figures are in its docstring)."""
 
 MIN_SOLVE_S = 0.02

@@ -26,7 +26,7 @@ TIER_RATIO = 2.0
 """A sequence is put with its own tier when its least wall time is over this many times the average micro-batch's
 share of the work (``tiered_split``)."""
 TIER_RATIOS = (TIER_RATIO, 1.0)
-"""The planner's tiered candidates: on the code-length benchmark (``benchmarks/planner_quality.py``, code256) the
+"""The planner's tiered candidates: on the code-length benchmark (``benchmarks/sim/planner_quality.py``, code256) the
 best of the two had 0.4-5.4 points less gap than 2.0 alone on 4 of 5 steps (1.25 and 1.5 would have gained at most
 1.6 points more, on one step; measured with solver.fill packing each split)."""
 

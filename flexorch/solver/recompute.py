@@ -3,7 +3,7 @@ the fastest recompute mode whose activations for its shard fit the budget: none,
 only the MLPs are run again) or full.
 
 Recomputing a layer in the backward runs its forward twice: a third more compute (on one H200, a 40,596-token
-micro-batch of a 1.1B Llama: 1,452 ms with full recompute, 1,129 without, compiled; ``benchmarks/gpu_profile.py``),
+micro-batch of a 1.1B Llama: 1,452 ms with full recompute, 1,129 without, compiled; ``benchmarks/gpu/gpu_profile.py``),
 for 8.4 GiB of activations instead of 54 GiB there. The profile's time and memory terms are full recompute's
 (the mode the workers calibrate in); ``Profile.none_act_ratio`` / ``none_time_ratio`` (and ``selective_*``),
 measured on the workers' own model at start (``flexorch.control.recompute_choice``), say what a token keeps and

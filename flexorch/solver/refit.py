@@ -1,7 +1,7 @@
 """The cost model refitted during a run from the groups the workers really ran (``[plan] refit``).
 
 Why: the start-up calibration (``flexorch.control.calibration``) times probes that are not the run's micro-batches.
-Measured with ``benchmarks/calibration_error.py`` (4 CPU workers on 2 cores): its compute probes run
+Measured with ``benchmarks/measured/calibration_error.py`` (4 CPU workers on 2 cores): its compute probes run
 every worker at degree 1 at once, so each worker had half a core, while in training the workers of SP groups spend
 part of their time blocked in collectives and leave the cores to the others. The probes priced compute 1.3-2x too
 high (b1 44 ms, a1 2.2e-4 ms/token^2 against 14 ms and 3.5e-5 fitted on the run's own degree-1 groups); the group fit

@@ -78,7 +78,7 @@ def plan_tasks(
     faster there, the step runs them (status ``spindle-in_turn``, ``plan.meta['note']`` says by how much). Judged
     by the barrier model alone it would undo Spindle's plans exactly where their waves gain most on replicated
     workers (``tests/test_multitask_execute.py`` shows a step both ways); with 2 workers the executable Spindle
-    plan was predicted 7 % slower than the tasks in turn (``benchmarks/multi_task_cpu.py``)."""
+    plan was predicted 7 % slower than the tasks in turn (``benchmarks/measured/multi_task.py``)."""
     task_of, adapter_ranks, method, barrier = tasks
     profile = planner.profile
     used = {"crashes": 0, "short": 0, "parts": 0}

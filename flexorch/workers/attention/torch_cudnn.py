@@ -1,7 +1,7 @@
 """cuDNN's fused attention for the long documents of a varlen batch (CUDA, fp16/bf16): the ``torch_cudnn`` backend.
 
 On Hopper, cuDNN's flash attention (the kernel behind torch SDPA's ``CUDNN_ATTENTION``) runs 1.4-1.6x faster than
-the FlashAttention-2 kernels torch ships (``torch_flash``): measured on one H200 with ``benchmarks/gpu_profile.py``,
+the FlashAttention-2 kernels torch ships (``torch_flash``): measured on one H200 with ``benchmarks/gpu/gpu_profile.py``,
 documents of 16384, 16384 and 7828 tokens, forward 424 vs 289 TFLOP/s and backward 399 vs 267 at 32 heads of 64;
 555 vs 342 and 469 vs 300 at 24 heads of 128; the same error against the fp32 reference. torch's own varlen entry
 to it (``aten::_cudnn_attention_forward`` with cumulative lengths) is switched off in torch

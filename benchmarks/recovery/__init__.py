@@ -1,0 +1,1 @@
+"""Recovery benchmarks: lost workers, nodes and drivers on a Ray cluster of several raylets on this machine."""
