@@ -11,7 +11,7 @@ import pathlib
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ROOT = REPO / "flexorch"
-LAYERS = [["cli"], ["dashboards", "control"], ["records", "workers", "data"], ["config", "work"], ["solver"]]
+LAYERS = [["cli", "testing"], ["dashboards", "control"], ["records", "workers", "data"], ["config", "work"], ["solver"]]
 BOX_W, BOX_H, GAP_X, GAP_Y, MARGIN = 170, 54, 60, 70, 30
 
 

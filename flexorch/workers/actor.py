@@ -8,8 +8,8 @@ optimizer. With pipeline
 stages and ``[pipeline] params = "stage"`` it holds only its stage's parts (``flexorch.workers.pipeline.held_params``).
 One thread per worker on CPU (docs/design.md §7). The model state lives in one of two base classes, by
 ``[sharding] mode``: ``workers.replicated_state`` (the whole model, or a pipeline stage's parts) or
-``workers.sharded_state`` (FSDP2 shards, re-sharded as each world forms); measurements and the fault seam are the
-other two.
+``workers.sharded_state`` (FSDP2 shards, re-sharded as each world forms); measurements are the third. A test adds
+probes (:meth:`Worker.add_probe`, e.g. ``flexorch.testing.faults.WorkerFault``) called at :data:`PROBE_POINTS`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import socket
 import threading
 import time
 import traceback
-from collections import Counter
 
 import ray
 import torch
@@ -34,7 +33,6 @@ from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_layers, compile_seconds, compiled_layers, wants_compile
 from flexorch.workers.devices import device_memory, pin_device
 from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError
-from flexorch.workers.faults import FAULT_POINTS, FaultSeam
 from flexorch.workers.measurements import WorkerMeasurements
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
@@ -44,10 +42,10 @@ from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, b
 from flexorch.workers.recompute import built_mode
 from flexorch.workers.replicated_state import ReplicatedState
 from flexorch.workers.sharded_state import ShardedState, holding_bytes
-from flexorch.workers.step_context import StepContext
+from flexorch.workers.step_context import PROBE_POINTS, StepContext
 from flexorch.workers.step_exec import StepOutcome, run_step
 
-__all__ = ["WorkerActor", "Worker", "FAULT_POINTS", "HEARTBEAT_S"]
+__all__ = ["WorkerActor", "Worker", "PROBE_POINTS", "HEARTBEAT_S"]
 
 STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
@@ -60,7 +58,7 @@ def _is_world_error(e: BaseException) -> bool:
     return isinstance(e, dist.DistError | ConnectionError) or any(m in str(e) for m in markers)
 
 
-class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
+class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
     """The worker's state and methods, usable in-process (tests) or as a Ray actor (:data:`WorkerActor`)."""
 
     def __init__(
@@ -103,8 +101,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
             self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
-        self._faults: list[tuple[str, int, int, str]] = []
-        self._calls: Counter = Counter()
+        self._probes: list = []  # called at PROBE_POINTS (add_probe); none in a run
 
     def start_heartbeat(self, host: str, port: int, period_s: float = HEARTBEAT_S) -> None:
         """Beat every ``period_s`` into the driver's heartbeat store (``beat/<worker id>``, a counter), from a
@@ -158,6 +155,15 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
         return reg.abort_sockets()
 
     @ray.method(concurrency_group="control")
+    def add_probe(self, probe) -> None:
+        """Call ``probe.at(point, key)`` at each of :data:`PROBE_POINTS` from now on (tests add a
+        ``flexorch.testing.faults.WorkerFault``)."""
+        self._probes.append(probe)
+
+    def _at(self, point: str, key: int) -> None:
+        for probe in self._probes:
+            probe.at(point, key)
+
     def state_version(self) -> int:
         """Optimizer steps applied to the state this worker holds (0: none; a worker that has not joined yet).
         Answered on the control thread, so also while a call on the step's thread is still blocked."""
@@ -190,7 +196,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
         # Membership changed since the last world, maybe because a peer died after this rank's step had finished:
         # abort (NCCL) rather than destroy, which could wait on that peer. No collective is pending between steps.
         self.leave_world(abort=True)
-        self._strike("join", epoch)
+        self._at("join", epoch)
         self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
         out = {"version": self.version, "newest": self.version}
         if self.sharded:
@@ -319,7 +325,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements, FaultSeam):
             self.registry.world if rank_work.world_size > 1 else None,
             self.optim_cfg,
             vocab_size=self.model_cfg.vocab_size,
-            hook=(lambda point: self._strike(point, rank_work.step)) if self._faults else None,
+            hook=(lambda point: self._at(point, rank_work.step)) if self._probes else None,
             gather=self.sharding.get("gather", "layer"),
             held=None if self.sharded else self.held,
             sharded=self.sharded,

@@ -17,7 +17,12 @@ import torch.distributed as dist
 
 from flexorch.config.optim import OptimConfig
 
-__all__ = ["GroupGetter", "StepContext"]
+__all__ = ["GroupGetter", "PROBE_POINTS", "StepContext"]
+
+PROBE_POINTS = ("join", "micro_batch", "before_sync", "after_sync")
+"""Where a worker calls its probes (``Worker.add_probe``): joining a world (key: the membership epoch), after a
+micro-batch's forward, before the gradient all-reduce, after it (before the optimizer step) (key: the step). The
+last three are :attr:`StepContext.hook`'s points."""
 
 GroupGetter = Callable[[tuple[int, ...]], dist.ProcessGroup]
 """``group_of(ranks)``: the process group of a set of ranks, already created for the step's rank sets."""
