@@ -189,6 +189,7 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
     with ctx.registry() as reg:
         if strategy == "SP alone":
             from flexorch.work.step import DocRef, step_work
+            from flexorch.workers.step_context import StepContext
             from flexorch.workers.step_exec import run_step
 
             optim, sched = build_optimizer(model, OptimConfig())
@@ -202,9 +203,8 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
                 reg.ensure(task.rank_sets)
                 dist.barrier()
                 t0 = time.perf_counter()
-                out = run_step(
-                    model, optim, sched, task, blocks, reg.group, reg.world, OptimConfig(), vocab_size=cfg.vocab_size
-                )
+                step_ctx = StepContext(model, optim, sched, reg.group, reg.world, OptimConfig(), cfg.vocab_size)
+                out = run_step(step_ctx, task, blocks)
                 dist.barrier()
                 times.append((time.perf_counter() - t0) * 1e3)
                 peak = max(peak, out.peak_activation_bytes)

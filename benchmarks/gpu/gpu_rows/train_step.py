@@ -41,6 +41,7 @@ def train_steps(ctx: Ctx) -> dict:
     from flexorch.workers.calibrate import activation_bytes_per_token
     from flexorch.workers.optim import build_optimizer
     from flexorch.workers.sharded_step import run_sharded_step
+    from flexorch.workers.step_context import StepContext
 
     cfg, sz = train_config(ctx), ctx.sizes
     lengths = long_tail(*sz.step_tail)
@@ -56,9 +57,8 @@ def train_steps(ctx: Ctx) -> dict:
                 torch.cuda.reset_peak_memory_stats(ctx.device)
             sync(ctx.device)
             t0 = time.perf_counter()
-            outcome = run_sharded_step(
-                model, optimizer, scheduler, task, blocks, reg.group, None, cfg.optim, vocab_size=cfg.model.vocab_size
-            )
+            step_ctx = StepContext(model, optimizer, scheduler, reg.group, None, cfg.optim, cfg.model.vocab_size)
+            outcome = run_sharded_step(step_ctx, task, blocks)
             sync(ctx.device)
             step_s.append(time.perf_counter() - t0)
             losses.append(outcome.loss)
