@@ -185,22 +185,8 @@ class Planner:
         mb_bounds = [[micro_batch_bound_ms(step.table[c], step.deg, step.n, step.overheads) for c in s] for s in cands]
         bounds = [sum(b) for b in mb_bounds]
         # the splits in the order to solve them, and those whose every micro-batch solver.fill packed
-        order, self._filled = screen_splits(
-            cands,
-            kinds,
-            bounds,
-            mb_bounds,
-            step.types,
-            step.caps_t,
-            step.overheads,
-            step.table,
-            step.lengths,
-            step.n,
-            budget.screen,
-            budget.fill,
-            cap=step.cap,
-            config=cfg,
-        )
+        screened = screen_splits(step, cands, kinds, bounds, mb_bounds, budget.screen, budget.fill, config=cfg)
+        order, self._filled = screened
         return _Search(cands, mb_bounds, bounds, order)
 
     def _solve(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> None:
@@ -227,21 +213,8 @@ class Planner:
 
     def _solve_split(self, step: StepTables, search: _Search, ci: int, starts, budget: Budget, run: dict):
         """``SplitSolver.solve`` of candidate `ci` from `starts`, by the solve deadline."""
-        return self._solves.solve(
-            search.cands[ci],
-            search.mb_bounds[ci],
-            step.types,
-            step.caps_t,
-            step.overheads,
-            step.table,
-            step.lengths,
-            step.n,
-            budget.solve,
-            starts,
-            run,
-            wait_until=budget.polish,
-            idle=self._while_solving,
-        )
+        split, lower = search.cands[ci], search.mb_bounds[ci]
+        return self._solves.solve(step, split, lower, budget.solve, starts, run, budget.polish, self._while_solving)
 
     def _polish_best(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> None:
         """With time left (``fill_starts``): the best split's MILPs again from the homogeneous starts (the bisection

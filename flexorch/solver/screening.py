@@ -12,28 +12,14 @@ import time
 import numpy as np
 
 from flexorch.solver.fill import fill_draft
-from flexorch.solver.packing import best_homogeneous_draft
 from flexorch.solver.planner_config import PlannerConfig
+from flexorch.solver.step_tables import StepTables
 
 __all__ = ["fill_starts", "screen_splits"]
 
 
 def screen_splits(
-    cands,
-    kinds,
-    bounds,
-    mb_bounds,
-    types,
-    caps_t,
-    overheads,
-    table,
-    lengths,
-    n,
-    screen_deadline,
-    fill_deadline,
-    *,
-    cap: int,
-    config: PlannerConfig,
+    step: StepTables, cands, kinds, bounds, mb_bounds, screen_deadline, fill_deadline, *, config: PlannerConfig
 ) -> tuple[list, set[int]]:
     """Order candidate splits by their static starts (what the MILP starts from), cheapest first.
 
@@ -45,7 +31,6 @@ def screen_splits(
     cannot beat a screened split's start is not screened. Each micro-batch's start is its best homogeneous
     layout, or with ``fill_starts`` (until `fill_deadline`) the better of that and its mixed layout from
     ``solver.fill``.
-    `cap`: the tokens one device holds.
     Returns ([(candidate index, per-micro-batch static drafts or None)], the candidate indices whose every
     micro-batch ``solver.fill`` packed).
     """
@@ -53,16 +38,14 @@ def screen_splits(
     until = fill_deadline if config.fill_starts else screen_deadline
     done, rest = [], []
     best_est = np.inf
-    for ci in _screen_order(cands, kinds, bounds, lengths, n, cap):
+    for ci in _screen_order(cands, kinds, bounds, step.lengths, step.n, step.cap):
         if bounds[ci] >= best_est:  # cannot beat a split already screened: the solve loop skips it too
             rest.append((ci, None))
             continue
         if done and time.monotonic() >= until:
             rest.append((ci, None))
             continue
-        starts, whole = _static_starts(
-            cands[ci], mb_bounds[ci], types, caps_t, overheads, table, lengths, n, fill_deadline, config
-        )
+        starts, whole = _static_starts(step, cands[ci], mb_bounds[ci], fill_deadline, config)
         if whole:
             filled.add(ci)
         est = np.inf if any(s is None for s in starts) else sum(s.makespan() for s in starts)
@@ -90,31 +73,20 @@ def _screen_order(cands, kinds, bounds, lengths, n, cap: int) -> list[int]:
     return lead + [ci for ci in by_key if ci not in firsts]
 
 
-def _static_starts(split, lower, types, caps_t, overheads, table, lengths, n, fill_deadline, config: PlannerConfig):
+def _static_starts(step: StepTables, split, lower, fill_deadline, config: PlannerConfig):
     """(one split's static starts, True when ``solver.fill`` packed every micro-batch): each micro-batch's best
     homogeneous layout, with ``fill_starts`` (until `fill_deadline`) the better of that and its mixed layout."""
-    starts = [best_homogeneous_draft(c, types, table, lengths, n, caps_t, overheads) for c in split]
+    starts = step.homogeneous_starts(split)
     if config.fill_starts and time.monotonic() < fill_deadline:
-        return fill_starts(
-            split,
-            lower,
-            starts,
-            types,
-            caps_t,
-            overheads,
-            table,
-            lengths,
-            n,
-            fill_deadline,
-            tolerance=config.tolerance,
-        )
+        return fill_starts(step, split, lower, starts, fill_deadline, tolerance=config.tolerance)
     return starts, False
 
 
-def fill_starts(split, lower, starts, types, caps_t, overheads, table, lengths, n, deadline, *, tolerance: float):
+def fill_starts(step: StepTables, split, lower, starts, deadline, *, tolerance: float):
     """(the starts of one split, each micro-batch's replaced by its mixed layout from ``solver.fill`` where that
     is faster (or where no homogeneous layout packs it), True when every micro-batch was packed before
     `deadline`). A start within `tolerance` of its bound is kept."""
+    types, caps_t, overheads, table, lengths, n = step.packing
     new = list(starts)
     for j, (items, start) in enumerate(zip(split, starts, strict=True)):
         if time.monotonic() >= deadline:

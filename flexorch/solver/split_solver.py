@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from flexorch.solver.packing import Draft
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.solver_process import SolverPool
+from flexorch.solver.step_tables import StepTables
 
 __all__ = ["MIN_SOLVE_S", "SplitSolver"]
 
@@ -39,40 +40,25 @@ class SplitSolver:
     def close(self) -> None:
         self.pool.close()
 
-    def solve(
-        self,
-        split,
-        lower_bounds,
-        types,
-        caps_t,
-        overheads,
-        table,
-        lengths,
-        n,
-        deadline,
-        starts,
-        run,
-        wait_until=None,
-        idle=None,
-    ):
-        """([(draft, method)] for each micro-batch of one split, or None when one cannot be packed; True when every
-        solve finished). A solve that is not back by `deadline`, or whose solver process died, leaves that
-        micro-batch its static start (method 'timeout' / 'crash'); a crash restarts the solver process and the
-        solve is retried while time is left. ``idle(until, stop)``: the caller's work while the solver process works,
-        until ``until`` or until ``stop()`` says the solves are back (``isolate`` only)."""
+    def solve(self, step: StepTables, split, lower_bounds, deadline, starts, run, wait_until=None, idle=None):
+        """([(draft, method)] for each micro-batch of one split of ``step``'s batch, or None when one cannot be
+        packed; True when every solve finished). A solve that is not back by `deadline`, or whose solver process
+        died, leaves that micro-batch its static start (method 'timeout' / 'crash'); a crash restarts the solver
+        process and the solve is retried while time is left. ``idle(until, stop)``: the caller's work while the
+        solver process works, until ``until`` or until ``stop()`` says the solves are back (``isolate`` only)."""
         cfg = self.config
         wait_until = deadline if wait_until is None else max(deadline, wait_until)  # the solves aim at `deadline`
         kw = dict(
-            num_devices=n,
-            caps_by_type=caps_t,
-            overheads=overheads,
+            num_devices=step.n,
+            caps_by_type=step.caps_t,
+            overheads=step.overheads,
             max_buckets=cfg.max_buckets,
             tolerance=cfg.tolerance,
             max_bisection_steps=cfg.max_bisection_steps,
             ilp_time_limit_s=cfg.ilp_time_limit_s,
             solver=cfg.solver,
         )
-        st = _SplitRun(split, lower_bounds, starts, types, table, lengths, kw, deadline, wait_until, run)
+        st = _SplitRun(split, lower_bounds, starts, step.types, step.table, step.lengths, kw, deadline, wait_until, run)
         st.out = [None] * len(split)
         pending = list(range(len(split)))
         while pending:
