@@ -1,4 +1,4 @@
-"""The autoscaling scenario of ``tests/test_capacity.py``, run in a process of its own:
+"""The autoscaling scenario of ``tests/cluster/test_capacity.py``, run in a process of its own:
 
     python -m tests.capacity_scenario WORKDIR SUMMARY_JSON
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
-RECORDED_PIPELINE = Path(__file__).parent / "data" / "recorded_pipeline_plan"
+from tests.paths import DATA
+
+RECORDED_PIPELINE = DATA / "recorded_pipeline_plan"
 
 LATE_MS = 5.0
 """The first rank of every stage starts each op this much later than the others ..."""

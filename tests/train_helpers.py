@@ -106,7 +106,8 @@ def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) ->
         "model": ModelConfig(loss_chunk_tokens=24),
         # eps 1e-6, not Adam's 1e-8: Adam divides by the gradient's RMS, so an element whose gradient is ~1e-8 turns
         # a float-reordering difference into a step of ~lr (seen on 2026-11-25: one embedding element of 16,448,
-        # 4e-5 off in every mode, static-ulysses-1 included; with eps 1e-6 all equal), as tests/test_pipeline_dist.py
+        # 4e-5 off in every mode, static-ulysses-1 included; with eps 1e-6 all equal), as
+        # tests/unit/test_pipeline_dist.py
         "optim": OptimConfig(lr=1e-3, warmup_steps=1, eps=1e-6),
         "data": CorpusConfig(source=str(corpus_dir), max_context=256),
         "plan": PlanSettings(**plan),

@@ -1,0 +1,39 @@
+"""Smoke test of ``benchmarks/hf_step_time.py`` without Ray: a tiny shape through its single-process part."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.paths import BENCHMARKS
+
+pytest.importorskip("transformers")
+
+BENCH = BENCHMARKS / "hf_step_time.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_hf_step_time", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_hf_twin_has_our_shape_and_single_process_part_runs(tmp_path, capsys):
+    bench = _bench()
+    own = bench.own_model(32, 1, 2, 1, 88, 260)
+    hf = bench.hf_twin(own, tmp_path / "llama")
+    assert (hf.family, hf.hf is not None) == ("llama", True)
+    assert hf.num_params() == own.num_params()
+    assert all(getattr(hf, k) == getattr(own, k) for k in bench.SHAPE_KEYS)
+
+    out = tmp_path / "r.json"
+    args = ["--no-ray", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "88"]
+    assert bench.main([*args, "--vocab", "260", "--single-reps", "1", "--out", str(tmp_path), "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["params"] == own.num_params()
+    assert set(r["single_process"]["sizes"]) == {"128", "512", "1024"}
+    assert all(row["ratio"] > 0 for row in r["single_process"]["sizes"].values())
+    assert "pairwise HF/own" in capsys.readouterr().out
