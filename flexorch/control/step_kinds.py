@@ -94,7 +94,7 @@ class PipelinedSteps:
 
     def waits(self, planned: PlannedStep) -> int:
         """Collective waits a rank may hold: a send and a receive per unit of the pipeline."""
-        return 2 * len(planned.plan.plan.units)
+        return 2 * len(planned.plan.units)
 
     def add_fields(self, record: dict, planned: PlannedStep, docs, moved: dict | None, task_epochs) -> None:
         """Where the stage-local parameters were and what moved (the ``pipeline`` field comes with the plan)."""

@@ -86,6 +86,11 @@ class StagedPlan:
     def makespan_ms(self) -> float:
         return self.plan.makespan_ms
 
+    @property
+    def units(self) -> list:
+        """Every pipeline's units, in order (what the stages send and receive, one activation each way)."""
+        return self.plan.units
+
     def shape(self) -> str:
         b2b = f" · {len(self.plan.pipelines)} back-to-back" if len(self.plan.pipelines) > 1 else ""
         return f"pp {self.stages}x{self.degree} · {len(self.plan.units)} units{b2b}"
