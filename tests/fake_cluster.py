@@ -382,14 +382,14 @@ def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float) -> StepOut
             for i, (k, u) in enumerate(pipe.ops)
         ]
         local = sum(d.length for d in rank_work.docs) if rank_work.stage is not None else 0
-        return StepOutcome(rank_work.step, rank, loss, rank_work.num_predicted, local, compute_end_ms=ms, total_ms=ms, lr=lr,
-                           ops=ops, peak_local_tokens=local)  # fmt: skip
+        return StepOutcome(rank_work.step, rank, loss, rank_work.num_predicted, local, compute_end_ms=ms,
+                           total_ms=ms, lr=lr, ops=ops, peak_local_tokens=local)  # fmt: skip
     mbs = [w.micro_batch for w in rank_work.work]
     local = [sum(d.length for d in w.docs) // w.degree for w in rank_work.work]
     return StepOutcome(
-        rank_work.step, rank, loss, rank_work.num_predicted, sum(local), micro_batch_ms=[ms] * len(mbs), micro_batches=mbs,
-        micro_batch_start_ms=[i * ms for i in range(len(mbs))], compute_end_ms=ms * len(mbs), total_ms=ms * len(mbs),
-        lr=lr, peak_local_tokens=max(local, default=0),
+        rank_work.step, rank, loss, rank_work.num_predicted, sum(local), micro_batch_ms=[ms] * len(mbs),
+        micro_batches=mbs, micro_batch_start_ms=[i * ms for i in range(len(mbs))], compute_end_ms=ms * len(mbs),
+        total_ms=ms * len(mbs), lr=lr, peak_local_tokens=max(local, default=0),
     )  # fmt: skip
 
 

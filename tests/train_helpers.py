@@ -20,6 +20,7 @@ from flexorch.config import (
     TrainConfig,
 )
 from flexorch.solver.profiles import Profile
+from flexorch.testing.faults import WorkerFault
 
 # Byte lengths of the test documents: long-tailed, the longest (255 B + BOS = 256 tokens) needs all 4 workers
 # at 64 tokens per worker, the shortest are a few bytes.
@@ -167,7 +168,7 @@ def run_driver(cfg: TrainConfig, corpus, faults=()) -> tuple[list[dict], list]:
     try:
         driver.setup()
         for wid, point, step, nth, action in faults:
-            driver.workers.actor(wid).inject_fault.remote(point, step, nth, action)
+            driver.workers.actor(wid).add_probe.remote(WorkerFault(point, step, nth, action))
         records = []
         while not driver.finished:
             t = driver.step()

@@ -22,6 +22,7 @@ import pytest
 from flexorch.config import CorpusConfig, ModelConfig
 from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
+from flexorch.testing.faults import WorkerFault
 from tests.train_helpers import check_against_reference, own_cluster, train_config
 
 pytestmark = pytest.mark.slow
@@ -109,7 +110,8 @@ def test_a_lost_node_then_growing_back_trains_like_the_reference(cluster, case):
             if len(records) == 4 and victim is not None:
                 if case == "hsdp":  # mid-step, as a crashed machine: the node is SIGKILLed while step 4 runs
                     pids = [i["pid"] for w, i in zip(nodes, driver.workers.call("info"), strict=True) if w in lost]
-                    ray.get([driver.workers.actor(w).inject_fault.remote("before_sync", 4, 1, "hang") for w in lost])
+                    hang = WorkerFault("before_sync", 4, 1, "hang")
+                    ray.get([driver.workers.actor(w).add_probe.remote(hang) for w in lost])
                     threading.Timer(1.5, _kill_node, (c, victim, pids)).start()  # its workers are inside step 4
                 else:
                     c.remove_node(victim)  # between steps: its raylet and worker processes are killed
@@ -167,7 +169,8 @@ def test_a_fatal_error_while_growing_back_writes_an_emergency_checkpoint_that_re
         while driver.step().record["world_size"] == 4:
             pass  # until the loss shows (the step it struck is re-run on the survivors)
         survivor = min(driver.workers.worker_ids)
-        driver.workers.actor(survivor).inject_fault.remote("join", driver.workers.membership.epoch + 1, 1, "raise")
+        fault = WorkerFault("join", driver.workers.membership.epoch + 1, 1, "raise")
+        driver.workers.actor(survivor).add_probe.remote(fault)
         done = driver.step_no
         while not driver.workers.joining:
             driver.step()  # the boundary starts the newcomers on the freed slots

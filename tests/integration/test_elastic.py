@@ -1,8 +1,8 @@
 """Elastic membership on one Ray node: workers die (or hang) mid-step, the run shrinks in place and goes on.
 
-Real worker actors over gloo; a fault is injected into a worker (``Worker.inject_fault``: the process exits at a
-chosen point of a chosen step, as on a node loss) so the failure lands at a known place. Every run is checked
-against the single-process reference on the same batches (losses and parameters), and the document ledger
+Real worker actors over gloo; a fault is injected into a worker (``flexorch.testing.faults.WorkerFault``: the
+process exits at a chosen point of a chosen step, as on a node loss) so the failure lands at a known place. Every
+run is checked against the single-process reference on the same batches (losses and parameters), and the document ledger
 against the stream: every document of every step exactly once, in the order of a fault-free run.
 """
 
@@ -15,6 +15,7 @@ from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
 from flexorch.control.elastic import ElasticError
 from flexorch.records.writer import read_records
+from flexorch.testing.faults import WorkerFault
 from tests.train_helpers import check_against_reference, run_driver, train_config, training_env
 
 pytestmark = pytest.mark.slow
@@ -147,7 +148,7 @@ def test_all_workers_lost_is_a_clear_error_and_the_checkpoint_is_intact(env):
         driver.step()
         driver.step()
         for wid in range(4):
-            driver.workers.actor(wid).inject_fault.remote("micro_batch", 2, 1, "exit")
+            driver.workers.actor(wid).add_probe.remote(WorkerFault("micro_batch", 2, 1, "exit"))
         with pytest.raises(ElasticError, match=r"all 4 workers were lost.*checkpoint_000002.*--resume"):
             driver.step()
     finally:

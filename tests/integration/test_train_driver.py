@@ -13,6 +13,7 @@ from flexorch.control.driver import TrainingDriver
 from flexorch.data.errors import DataError
 from flexorch.records.writer import read_records
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.testing.faults import WorkerFault
 from tests.train_helpers import check_against_reference, train_config, training_env
 
 pytestmark = pytest.mark.slow
@@ -137,7 +138,7 @@ def test_a_worker_error_fails_the_run_fast_with_that_error(env):
     try:
         driver.setup()
         driver.step()
-        driver.workers.actor(2).inject_fault.remote("micro_batch", 1, 1, "raise")
+        driver.workers.actor(2).add_probe.remote(WorkerFault("micro_batch", 1, 1, "raise"))
         t0 = time.monotonic()
         with pytest.raises(ElasticError, match="worker 2 failed.*injected fault at micro_batch of step 1"):
             driver.step()

@@ -1,5 +1,5 @@
 """The cuDNN attention adapter at its seam (CPU fakes of the CUDA-only ops, computing with ``math``) and the measured
-choice of the attention kernel. The real cuDNN kernels run in the CUDA tests and ``benchmarks/gpu_profile.py``."""
+choice of the attention kernel. The real cuDNN kernels run in the CUDA tests and ``benchmarks/gpu/gpu_profile.py``."""
 
 from __future__ import annotations
 

@@ -189,7 +189,7 @@ def test_dtype_table_and_available_backends():
     assert available_backends(cuda, torch.float32) == ["math"]
 
 
-# ---- the torch_flash adapter at its seam (the real kernels run in the CUDA tests / benchmarks/gpu_check.py) ----
+# ---- the torch_flash adapter at its seam (the real kernels run in the CUDA tests / benchmarks/gpu/gpu_check.py) ----
 
 
 class _FakeAten:

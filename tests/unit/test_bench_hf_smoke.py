@@ -1,4 +1,4 @@
-"""Smoke test of ``benchmarks/hf_step_time.py`` without Ray: a tiny shape through its single-process part."""
+"""Smoke test of ``benchmarks/measured/hf_step_time.py`` without Ray: a tiny shape through its single-process part."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.paths import BENCHMARKS
 
 pytest.importorskip("transformers")
 
-BENCH = BENCHMARKS / "hf_step_time.py"
+BENCH = BENCHMARKS / "measured" / "hf_step_time.py"
 
 
 def _bench():

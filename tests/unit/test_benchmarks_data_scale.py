@@ -1,5 +1,5 @@
-"""Smoke test of ``benchmarks/data_scale.py`` without Ray: its corpus generator writes the JSONL the loader reads,
-with the sizes it promises, and reuses it on the next run."""
+"""Smoke test of ``benchmarks/measured/data_scale.py`` without Ray: its corpus generator writes the JSONL the loader
+reads, with the sizes it promises, and reuses it on the next run."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from tests.paths import BENCHMARKS
 
-BENCH = BENCHMARKS / "data_scale.py"
+BENCH = BENCHMARKS / "measured" / "data_scale.py"
 
 
 def _bench():

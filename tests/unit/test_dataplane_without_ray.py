@@ -165,6 +165,7 @@ from flexorch.workers.model_source import build_model
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.process_groups import ProcessGroupRegistry
 from flexorch.workers.reference import reference_train
+from flexorch.workers.step_context import StepContext
 from flexorch.workers.step_exec import run_step
 
 store = dist.FileStore(store_path, 1)
@@ -179,7 +180,8 @@ task = StepWork(
 model = build_model(cfg, 7)
 optimizer, scheduler = build_optimizer(model, optim_cfg)
 registry.ensure(task.rank_sets)  # as Worker._run_step: the plan's groups, then the step (world None for one rank)
-out = run_step(model, optimizer, scheduler, task, blocks, registry.group, None, optim_cfg, vocab_size=cfg.vocab_size)
+ctx = StepContext(model, optimizer, scheduler, registry.group, None, optim_cfg, vocab_size=cfg.vocab_size)
+out = run_step(ctx, task, blocks)
 registry.close()
 losses, state = reference_train(cfg, optim_cfg, [docs], 7)
 result = {
@@ -210,6 +212,7 @@ registry = ProcessGroupRegistry(
 result = {"rank": rank}
 if part == "collectives":  # all-to-all (Ulysses), send/recv (ring), the gradient all-reduce (run_step)
     from flexorch.workers.model_source import build_model
+    from flexorch.workers.step_context import StepContext
     from flexorch.workers.step_exec import run_step
 
     result["attention"] = {kind: attention_errors(kind, registry.world, rank, 2) for kind in ("ulysses", "ring")}
@@ -219,9 +222,8 @@ if part == "collectives":  # all-to-all (Ulysses), send/recv (ring), the gradien
     model = build_model(cfg, 7)
     optimizer, scheduler = build_optimizer(model, optim_cfg)
     registry.ensure(task.rank_sets)
-    out = run_step(
-        model, optimizer, scheduler, task, blocks, registry.group, registry.world, optim_cfg, vocab_size=cfg.vocab_size
-    )
+    ctx = StepContext(model, optimizer, scheduler, registry.group, registry.world, optim_cfg, vocab_size=cfg.vocab_size)
+    out = run_step(ctx, task, blocks)
     params = [(k, v.detach().numpy()) for k, v in model.state_dict().items()]
 else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unused_params, as in torch 2.11;
     # "sharded_compiled": FSDP2 with every decoder layer compiled (flexorch.workers.compile), selective recompute
@@ -235,6 +237,7 @@ else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unuse
         del FSDPModule.set_reduce_scatter_unused_params
     from flexorch.workers import fsdp
     from flexorch.workers.sharded_step import run_sharded_step
+    from flexorch.workers.step_context import StepContext
 
     # rank 1 sits out micro-batch 1 (an empty one under FSDP): its wk/wv get no gradient there
     work = (GroupWork(0, (0, 1), "ulysses", tuple(refs[:3])),)
@@ -248,9 +251,8 @@ else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unuse
     optimizer, scheduler = build_optimizer(model, optim_cfg, foreach=True)
     fsdp.fill_initial(model, cfg, 7)
     result["has_api"] = hasattr(model, "set_reduce_scatter_unused_params")
-    out = run_sharded_step(
-        model, optimizer, scheduler, task, blocks, registry.group, registry.world, optim_cfg, vocab_size=cfg.vocab_size
-    )
+    ctx = StepContext(model, optimizer, scheduler, registry.group, registry.world, optim_cfg, vocab_size=cfg.vocab_size)
+    out = run_sharded_step(ctx, task, blocks)
     params = fsdp.gathered_parameters(model)
 registry.close()
 losses, state = reference_train(cfg, optim_cfg, [docs], 7)

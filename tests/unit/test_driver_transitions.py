@@ -318,6 +318,48 @@ def test_stage_parts_lost_roll_back_to_the_checkpoint_and_train_again(tmp_path, 
         driver.shutdown()
 
 
+class _Seen:
+    """A step callback of a test's own (``control.step_callbacks``): the steps it was handed, and the rewinds."""
+
+    def __init__(self):
+        self.steps, self.rewinds = [], []
+
+    def on_step(self, record: dict, plan) -> None:
+        self.steps.append((record["step"], plan is not None))
+
+    def on_rewind(self, step: int) -> None:
+        self.rewinds.append(step)
+
+
+def test_step_callbacks_see_every_written_record_in_order_and_a_roll_back_rewinds_them(tmp_path, profile, corpus):
+    # the same story as above, watched through the callback list: the run's own callbacks come first, in their
+    # documented order, and a callback appended by a user sees each record once written, and the roll-back
+    from flexorch.control.step_callbacks import CheckpointCallback, MetricsCallback, ProgressCallback, TrackerCallback
+
+    cfg = _cfg(tmp_path, profile, workers=2, steps=4, checkpoint_every=1, pipeline={"stages": 2})
+    driver, _ = fake_driver(cfg, corpus, slots=3, faults=[Fault(1, "step", 2)])
+    kinds = [type(c).__name__ for c in driver.callbacks]
+    assert kinds == [c.__name__ for c in (TrackerCallback, MetricsCallback)] + [
+        "FallbackWatch",
+        CheckpointCallback.__name__,
+        ProgressCallback.__name__,
+    ]
+    seen = _Seen()
+    driver.callbacks.append(seen)
+    events = []
+    try:
+        while not driver.finished:
+            driver.step()
+        events = driver.events.poll(0)[0]
+    finally:
+        driver.shutdown()
+    assert seen.steps == [(0, True), (1, True), (2, True), (3, True)] and seen.rewinds == [2]
+    assert _on_disk(cfg) == [0, 1, 2, 3]
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [0, 1, 2, 3] and all(e["eta_s"] >= 0 for e in steps)
+    assert steps[-1]["eta_s"] == 0.0, "no step is left after the last"
+
+
 def test_stage_parts_lost_without_a_checkpoint_is_a_clear_error(tmp_path, profile, corpus):
     cfg = _cfg(tmp_path, profile, workers=2, steps=3, pipeline={"stages": 2})
     driver, group = fake_driver(cfg, corpus, slots=3, faults=[Fault(1, "step", 1)])

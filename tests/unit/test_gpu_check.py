@@ -1,6 +1,6 @@
-"""``benchmarks/gpu_check.py --dry``: every row of the GPU check runs on the CPU with Ray impossible to import (the GPU
-machine has no Ray), the CUDA-only rows are skipped saying "no CUDA", every other row passes, and the calibrated
-profile it writes loads with the planner's loader. About 20 s on 2 idle cores."""
+"""``python -m benchmarks.gpu.gpu_check --dry``: every row of the GPU check runs on the CPU with Ray impossible to
+import (the GPU machine has no Ray), the CUDA-only rows are skipped saying "no CUDA", every other row passes, and the
+calibrated profile it writes loads with the planner's loader. About 20 s on 2 idle cores."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from flexorch.solver.profiles import get_profile
-from tests.paths import BENCHMARKS
+from tests.paths import REPO
 
 # On PYTHONPATH as sitecustomize, it runs first in the check, in the pytest it starts and in the ranks it spawns.
 BLOCKER = '''
@@ -57,7 +57,12 @@ def _env(tmp_path: Path) -> tuple[dict, Path]:
     site.mkdir()
     (site / "sitecustomize.py").write_text(BLOCKER)
     log = tmp_path / "ray_imports.txt"
-    env = {**os.environ, "PYTHONPATH": str(site), "GPU_CHECK_RAY_LOG": str(log), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{site}{os.pathsep}{REPO}",
+        "GPU_CHECK_RAY_LOG": str(log),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     return env, log
 
 
@@ -69,7 +74,7 @@ def test_dry_run_passes_every_cpu_row_without_ray(tmp_path):
     log.unlink()
 
     out = tmp_path / "out"
-    cmd = [sys.executable, str(BENCHMARKS / "gpu_check.py"), "--dry", "--out", str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu.gpu_check", "--dry", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     said = f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-2000:]}"
     assert proc.returncode == 0, said
@@ -95,11 +100,7 @@ def test_dry_run_passes_every_cpu_row_without_ray(tmp_path):
 
 
 def _gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", BENCHMARKS / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("benchmarks.gpu.gpu_check")
 
 
 def test_a_failing_row_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
@@ -108,7 +109,7 @@ def test_a_failing_row_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch)
     def broken(ctx):
         raise RuntimeError("CUDA out of memory")
 
-    monkeypatch.setattr("gpu_rows.train_step.train_steps", broken)  # importable once gpu_check is loaded
+    monkeypatch.setattr("benchmarks.gpu.gpu_rows.train_step.train_steps", broken)  # importable once gpu_check is loaded
     assert gc.main(["--dry", "--only", "d", "--out", str(tmp_path)]) == 1  # a failed row: exit code 1
     rows = {r["key"]: r for r in json.loads((tmp_path / "table.json").read_text())["rows"]}
     assert (rows["d.step"]["status"], rows["d.step"]["reason"]) == ("failed", "RuntimeError: CUDA out of memory")

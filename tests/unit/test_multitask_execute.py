@@ -299,7 +299,7 @@ def test_step_planner_plans_a_multi_task_step():
     assert got.predicted_ms == pytest.approx(step_time_ms(got.plan, PROFILE))
     assert got.predicted_ms <= got.baselines_ms["in_turn"]
     assert got.plan.meta["in_turn_dataflow_ms"] >= got.plan.meta["dataflow_ms"]
-    assert got.solve_s < 10 * 2.0  # a hang, not speed (speed: benchmarks/multi_task_cpu.py)
+    assert got.solve_s < 10 * 2.0  # a hang, not speed (speed: benchmarks/measured/multi_task.py)
     assert turn.status == "in_turn" and turn.baselines_ms == {"in_turn": turn.predicted_ms}
     assert all(len(set(row)) == 1 for row in task_groups(turn.plan, task_of))
     assert bad.plan is None and bad.status == "infeasible" and "task 1" in bad.error

@@ -299,7 +299,7 @@ def test_one_long_task_and_several_short_ones_gain_over_both_baselines():
 
 
 def test_plans_256_devices_and_8_tasks_better_than_every_baseline():
-    # its speed is reported by benchmarks/multi_task.py (256 x 8 row); here a bound ten times that catches a hang
+    # its speed is reported by benchmarks/sim/multi_task.py (256 x 8 row); here a bound ten times that catches a hang
     rng = np.random.default_rng(5)
     tasks = [
         TaskBatch(
@@ -318,7 +318,7 @@ def test_plans_256_devices_and_8_tasks_better_than_every_baseline():
 def test_the_benchmark_quick_run_prints_its_table(capsys):
     import importlib.util
 
-    path = BENCHMARKS / "multi_task.py"
+    path = BENCHMARKS / "sim" / "multi_task.py"
     spec = importlib.util.spec_from_file_location("multi_task_bench", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

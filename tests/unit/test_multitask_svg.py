@@ -167,7 +167,7 @@ def test_real_tasks_default_to_their_names_and_baselines_can_be_left_out():
 
 
 def test_benchmark_writes_the_picture(tmp_path, capsys):
-    path = BENCHMARKS / "multi_task.py"
+    path = BENCHMARKS / "sim" / "multi_task.py"
     spec = importlib.util.spec_from_file_location("bench_multi_task_svg", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)

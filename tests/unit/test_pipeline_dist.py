@@ -140,6 +140,7 @@ def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
     from flexorch.work.step import DocRef
     from flexorch.workers.optim import build_optimizer
     from flexorch.workers.pipeline.executor import run_pipeline_step
+    from flexorch.workers.step_context import StepContext
 
     torch.manual_seed(0)
     cfg = ModelConfig(**cfg_kwargs)
@@ -156,9 +157,8 @@ def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
         for step in range(steps):
             task = pipeline_work(staged, docs, step)[ctx.rank]
             reg.ensure(task.rank_sets)
-            out = run_pipeline_step(
-                model, opt, sched, task, {0: block}, reg.group, reg.world, optim_cfg, vocab_size=cfg.vocab_size
-            )
+            ctx = StepContext(model, opt, sched, reg.group, reg.world, optim_cfg, vocab_size=cfg.vocab_size)
+            out = run_pipeline_step(ctx, task, {0: block})
             losses.append(out.loss)
             ops = out.ops
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, ops

@@ -1,7 +1,7 @@
 """The planner's promises under faults and load: a native crash of a MILP solve costs that solve (not the plan), a
 slow solve does not make the plan late, degenerate inputs get a clear error, and large plans stay valid.
 
-No timed assertion here measures speed (that is benchmarks/plan_scale.py): the one bound on a solve time below is a
+No timed assertion here measures speed (that is benchmarks/sim/plan_scale.py): the one bound on a solve time below is a
 deadline check, 30 s of sleep against a 0.5 s budget.
 """
 

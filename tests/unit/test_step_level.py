@@ -11,7 +11,7 @@ import pytest
 from flexorch.solver.profiles import load_profile, profile_from_dict
 from flexorch.solver.refit import step_of_record
 from flexorch.solver.step_level import LEVEL_ALPHA, LEVEL_BOUNDS, LEVEL_STEPS, step_level
-from tests.paths import BENCHMARKS, DATA
+from tests.paths import DATA, REPO
 
 
 class _Step:
@@ -77,14 +77,16 @@ def test_leveled_predictions_of_recorded_demo_runs_are_closer_than_the_profiles_
 
 
 def test_calibration_error_prints_the_per_step_table_and_the_noise_floor_of_a_recorded_run():
-    # `benchmarks/calibration_error.py --records DIR` on demo_drift: its steps 3-20 as the run predicted them, and
-    # how far steps the calibration prices alike lie from their kind's median time (what no price can get under)
+    # `python -m benchmarks.measured.calibration_error --records DIR` on demo_drift: its steps 3-20 as the run
+    # predicted them, and how far steps the calibration prices alike lie from their kind's median time (what no
+    # price can get under)
     import subprocess
     import sys
 
     out = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "calibration_error.py"), "--records", str(DATA / "demo_drift")],
-        capture_output=True, text=True, check=True, timeout=120,
+        [sys.executable, "-m", "benchmarks.measured.calibration_error", "--records", str(DATA / "demo_drift"),
+         "--results", "-"],
+        capture_output=True, text=True, check=True, timeout=120, cwd=REPO,
     ).stdout  # fmt: skip
     assert "steps 3-20: as predicted median 13.8 %, worst 26.0 %" in out, out
     assert "noise floor: 10 of these steps are of 3 kinds the calibration prices alike" in out, out
