@@ -12,7 +12,7 @@ How, all on this machine:
    --block`` (2 CPUs), each with its own short ``--temp-dir`` under /tmp (Ray's socket paths stay < 108 bytes), its
    own ports (GCS, dashboard, agents, metrics export) and ``--node-ip-address=127.0.0.1``. Ray 2.60's ``ray start
    --head`` turns token authentication on: a private HOME under ``--workdir`` gets a token from ``ray get-auth-token
-   --generate`` first, and every command runs with ``RAY_AUTH_MODE=token`` (as tests/test_ray_job_submit.py's
+   --generate`` first, and every command runs with ``RAY_AUTH_MODE=token`` (as tests/cluster/test_ray_job_submit.py's
    ``ray_head`` fixture). ``FLEXORCH_DATA_CACHE`` (a fresh directory under ``--workdir``) is set in both ``ray
    start`` processes' environment: Ray workers (the job's entrypoint, the driver actor) inherit the raylet's, so a
    restarted driver finds the store its predecessor used.

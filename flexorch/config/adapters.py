@@ -127,7 +127,7 @@ def target_modules(model_cfg: ModelShape) -> tuple[str, ...]:
 
     Our decoder: :data:`OWN_TARGETS`. A Hugging Face model: the leaf names of the linear maps of its decoder layer 0,
     from :func:`flexorch.config.hf.hf_param_shapes` (the 2-D ``.weight`` parameters of a Llama/Mistral/Qwen2 layer
-    are exactly its ``nn.Linear`` modules: q/k/v/o_proj, gate/up/down_proj; ``tests/test_lora.py`` checks this
+    are exactly its ``nn.Linear`` modules: q/k/v/o_proj, gate/up/down_proj; ``tests/unit/test_lora.py`` checks this
     against the module Transformers builds). No torch: the run file is checked before any worker starts."""
     if model_cfg.hf is None:
         return OWN_TARGETS

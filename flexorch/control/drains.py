@@ -5,7 +5,7 @@ DRAIN_NODE_REASON_PREEMPTION --deadline-remaining-seconds N`` all reach Ray as o
 deadline, and the GCS keeps the list of draining nodes with their deadlines. Ray 2.60 has no public API for that
 list (``ray.util.state.list_nodes`` says ``ALIVE`` until the node is dead, and needs the dashboard); the GCS call
 ``ray._private.state.state.get_draining_nodes()`` has it, and Ray's own Train v2 (``PreemptionWatcher``) and Data
-read the same call. This module is the one place flexorch touches it; ``tests/test_drain_cluster.py`` pins it
+read the same call. This module is the one place flexorch touches it; ``tests/cluster/test_drain_cluster.py`` pins it
 against a real multi-node Ray.
 
 The GCS keeps a drain's reason but no read API returns it while the node lives. For the nodes that matter it is

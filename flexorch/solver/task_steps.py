@@ -77,7 +77,7 @@ def plan_tasks(
     micro-batch a barrier, ``simulated_ms``; else the barrier-free ``dataflow_ms``): when the tasks in turn are
     faster there, the step runs them (status ``spindle-in_turn``, ``plan.meta['note']`` says by how much). Judged
     by the barrier model alone it would undo Spindle's plans exactly where their waves gain most on replicated
-    workers (``tests/test_multitask_execute.py`` shows a step both ways); with 2 workers the executable Spindle
+    workers (``tests/unit/test_multitask_execute.py`` shows a step both ways); with 2 workers the executable Spindle
     plan was predicted 7 % slower than the tasks in turn (``benchmarks/measured/multi_task.py``)."""
     task_of, adapter_ranks, method, barrier = tasks
     profile = planner.profile

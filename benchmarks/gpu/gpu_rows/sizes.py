@@ -11,7 +11,7 @@ from flexorch.config.model import ModelConfig
 __all__ = ["DRY", "FULL", "MATH_SCORE_BYTES", "MEMORY_SLACK", "MODEL_1B", "PREDICT_SLACK", "TOLERANCE", "Sizes"]
 
 # bf16 (and fp16) results against a reference of the same dtype: within 2e-2 of max(1, the reference's largest
-# magnitude), the bound tests/test_sp_attention.py uses against float64; fp32 within 1e-4 (observed ~1e-6).
+# magnitude), the bound tests/unit/test_sp_attention.py uses against float64; fp32 within 1e-4 (observed ~1e-6).
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 MEMORY_SLACK = 1.5
 """d.memory fails when the allocator's peak exceeds the planner's prediction by more than this factor."""
