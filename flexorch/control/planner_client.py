@@ -154,8 +154,8 @@ class PlannerClient(Protocol):
         """Plan the solves started from now on (and the fallback) with ``profile`` (a refit cost model)."""
         ...
 
-    def inject_fault(self, hangs: int = 1) -> None:
-        """Test seam: the planner's next ``hangs`` solves never return (a stuck CBC solve)."""
+    def add_probe(self, probe) -> None:
+        """Add a probe to the planner (``StepPlanner.add_probe``; tests: ``flexorch.testing.faults.PlannerHang``)."""
         ...
 
     def close(self) -> None: ...
@@ -280,8 +280,8 @@ class RayPlannerClient(_PrefetchingClient):
         pid = ray.get(self.actor.pid.remote())
         os.kill(pid, signal.SIGKILL)
 
-    def inject_fault(self, hangs: int = 1) -> None:
-        ray.get(self.actor.inject_fault.remote(hangs))
+    def add_probe(self, probe) -> None:
+        ray.get(self.actor.add_probe.remote(probe))
 
     def close(self) -> None:
         # let the planner close its solver processes first (at most a solve's wait): killed with them still up, its
@@ -328,8 +328,8 @@ class LocalPlannerClient(_PrefetchingClient):
     def _wait(self, handle, timeout_s):
         return handle.result(timeout=timeout_s)  # concurrent.futures.TimeoutError is TimeoutError (3.11)
 
-    def inject_fault(self, hangs: int = 1) -> None:
-        self.planner.inject_fault(hangs)
+    def add_probe(self, probe) -> None:
+        self.planner.add_probe(probe)
 
     def close(self) -> None:
         self.planner.close()

@@ -123,12 +123,10 @@ class Planner:
         self._filled: set[int] = set()
         self._bound = None  # the step's bound, or the call that computes it (``_step_bound``)
 
-    def inject_crashes(self, crashes: int = 1) -> None:
-        """Test seam: the solver process of each of the next ``crashes`` solves kills itself with SIGSEGV, as a
-        native crash of the MILP library does (``isolate`` only: in-process it would take the caller down)."""
-        if crashes and not self.config.isolate:
-            raise ValueError("crash injection needs PlannerConfig(isolate=True): in-process it kills the caller")
-        self._solves.crashes_to_inject = int(crashes)
+    def add_probe(self, probe) -> None:
+        """Call ``probe.at("solve", job)`` as each MILP solve's job is made (``solver.split_solver``); tests add
+        ``flexorch.testing.faults.SolverCrash``."""
+        self._solves.probes.append(probe)
 
     def close(self) -> None:
         self._solves.close()

@@ -34,8 +34,9 @@ class SplitSolver:
     def __init__(self, config: PlannerConfig):
         self.config = config
         self.pool = SolverPool(config.workers, config.isolate, config.solver)
-        self.crashes_to_inject = 0
-        """Test seam (``Planner.inject_crashes``): this many next solves' solver processes kill themselves."""
+        self.probes: list = []
+        """Called as ``probe.at("solve", job)`` as each solve's job is made (``StepPlanner.add_probe``); a probe may
+        add to ``job["before"]`` callables the solver process runs before the solve."""
 
     def close(self) -> None:
         self.pool.close()
@@ -118,12 +119,9 @@ class SplitSolver:
 
     def _job(self, st: _SplitRun, i: int, budget: float) -> dict:
         """The solve of micro-batch `i` as a job for the pool, its sequences with local indices."""
-        crash = self.crashes_to_inject > 0
-        if crash:
-            self.crashes_to_inject -= 1
         items = list(st.split[i])
         start = st.starts[i]
-        return {
+        job = {
             "table": st.table[items],
             "lengths": st.lengths[items],
             "types": st.types,
@@ -132,9 +130,12 @@ class SplitSolver:
             "kw": st.kw,
             "budget_s": budget,
             "deadline": st.deadline,
-            "crash": crash,
             "share_of": 1,
+            "before": [],
         }
+        for probe in self.probes:
+            probe.at("solve", job)
+        return job
 
 
 @dataclass

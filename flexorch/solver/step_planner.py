@@ -177,7 +177,8 @@ class StepPlanner:
         self.pipeline_recompute = pipeline_recompute
         """What pipeline stages recompute (``flexorch.solver.pipeline.stage_model.StageModel.recompute``)."""
         self._planner = Planner(profile, config) if static is None and pipeline_stages == 1 else None
-        self._hangs = 0
+        self._probes: list = []  # called at each plan (add_probe); none in a run
+        self._calls = 0
         self._baselines_s: float | None = None  # what the baselines took last step: the share kept for them
 
     def set_profile(self, profile: Profile) -> None:
@@ -187,16 +188,13 @@ class StepPlanner:
         if self._planner is not None:
             self._planner.profile = profile
 
-    def inject_fault(self, hangs: int | None = None, crashes: int = 0) -> None:
-        """Test seam: the next ``hangs`` plan calls block forever, as a stuck CBC solve does (``inject_fault(1)``);
-        ``crashes``: the solver process of each of the next ``crashes`` MILP solves kills itself with SIGSEGV, as a
-        native crash of the MILP library does (the plan is still returned; ``PlannedStep.solver_crashes`` counts
-        it)."""
-        self._hangs = (0 if crashes else 1) if hangs is None else hangs
-        if crashes:
-            if self._planner is None:
-                raise ValueError("crash injection needs the adaptive planner (no static layout, no pipeline stages)")
-            self._planner.inject_crashes(crashes)
+    def add_probe(self, probe) -> None:
+        """Call ``probe.at("plan", n)`` as the ``n``-th plan call starts, and ``probe.at("solve", job)`` as each MILP
+        solve's job is made (``solver.split_solver``); tests add ``flexorch.testing.faults`` probes (a stuck solve,
+        a native crash of the MILP library)."""
+        self._probes.append(probe)
+        if self._planner is not None:
+            self._planner.add_probe(probe)
 
     def plan(
         self,
@@ -231,9 +229,9 @@ class StepPlanner:
 
     def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float, tasks=None) -> PlannedStep:
         """Several tasks, a pipeline, adaptive SP groups or a static layout, by ``limit`` seconds from now."""
-        if self._hangs > 0:
-            self._hangs -= 1
-            time.sleep(10**6)
+        self._calls += 1
+        for probe in self._probes:
+            probe.at("plan", self._calls)
         t0 = time.perf_counter()
         start = time.monotonic()
         deadline = start + limit

@@ -13,7 +13,7 @@ from flexorch.control.driver import TrainingDriver
 from flexorch.data.errors import DataError
 from flexorch.records.writer import read_records
 from flexorch.solver.errors import InfeasibleBatchError
-from flexorch.testing.faults import WorkerFault
+from flexorch.testing.faults import PlannerHang, WorkerFault
 from tests.train_helpers import check_against_reference, train_config, training_env
 
 pytestmark = pytest.mark.slow
@@ -158,7 +158,7 @@ def test_a_stuck_planner_is_replaced_and_the_step_runs_a_heuristic_plan(env):
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()
-        driver.planner.inject_fault(1)  # the planner's next call (step 0's plan) hangs
+        driver.planner.add_probe(PlannerHang())  # the planner's next call (step 0's plan) hangs
         t0 = time.monotonic()
         records = [driver.step().record for _ in range(cfg.steps)]
         assert time.monotonic() - t0 < 60

@@ -128,6 +128,7 @@ def pool():
     p.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch_cpu", "math"])
 @pytest.mark.parametrize("dtype", DTYPES_ALL, ids=_name)
 @pytest.mark.parametrize("method", ["ulysses", "ring"])

@@ -158,6 +158,7 @@ def test_plan_lengths_drop_zero_length_documents_with_a_message_and_name_bad_lin
     assert code == 2 and "line 3" in _one_line(capsys.readouterr().err)
 
 
+@pytest.mark.slow
 def test_python_dash_m_flexorch_exits_with_the_commands_status(corpus, tmp_path):
     """`python -m flexorch` (what `ray job submit -- python -m flexorch ...` runs) returns the command's status: 0 on
     success, 2 on an error, so a failed run is not reported as SUCCEEDED. A real process: nothing is patched."""

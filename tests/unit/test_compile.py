@@ -37,6 +37,7 @@ def test_unset_compiles_on_a_gpu_only():
         ModelConfig(compile="yes")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_compiled_own_decoder_equals_eager(recompute):
     eager, compiled = build_model(CFG, 3), build_model(CFG, 3)
@@ -55,6 +56,7 @@ def test_compiled_own_decoder_equals_eager(recompute):
     assert [n for n, _ in compiled.named_parameters()] == [n for n, _ in eager.named_parameters()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_compiled_transformers_llama_equals_eager(tmp_path, recompute):
     transformers = pytest.importorskip("transformers")

@@ -140,7 +140,9 @@ SEEDS = (0, 1, 12345, -7, 2**40 + 3)
 
 def _cases(max_batches: int = 256):
     """(N, batch_size) pairs, leaving out those with more than `max_batches` batches per epoch (slow, nothing new)."""
-    return [(n, b) for n in SIZES for b in BATCHES if -(-n // b) <= max_batches]
+    cases = [(n, b) for n in SIZES for b in BATCHES if -(-n // b) <= max_batches]
+    # the largest N is slow (seconds a case) and finds nothing the smaller ones miss
+    return [pytest.param(n, b, marks=pytest.mark.slow) if n > 10**5 else (n, b) for n, b in cases]
 
 
 @pytest.mark.parametrize("n", list(range(1, 130)) + [255, 256, 257, 4097, 65536, 10**5 + 3])
@@ -152,6 +154,7 @@ def test_feistel_is_a_bijection_of_range_n(n):
         assert np.array_equal(feistel_permute(np.arange(n), n, key), ids)  # a function of (n, key) only
 
 
+@pytest.mark.slow
 def test_feistel_small_domains_reach_every_order_and_keys_matter():
     for n in (2, 3, 5):
         keys = [derive_key(s, 0) for s in range(2000 if n == 5 else 60)]

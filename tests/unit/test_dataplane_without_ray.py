@@ -323,6 +323,7 @@ def test_the_module_list_is_the_data_plane():
     assert "flexorch.workers.actor" not in modules
 
 
+@pytest.mark.slow
 def test_data_plane_imports_and_steps_on_one_rank_without_ray(tmp_path):
     modules = data_plane_modules()
     (res,) = _run_ranks(PRELUDE + SINGLE, [[json.dumps(modules), str(tmp_path / "store")]])

@@ -369,6 +369,7 @@ def _survive_a_dead_peer(rank: int, port: int, results) -> None:
     results.put((rank, x.item(), broke, close_s, still_open, y.item()))
 
 
+@pytest.mark.slow
 def test_survivors_abort_a_world_whose_peer_died_and_form_a_new_one():
     ctx = mp.get_context("spawn")
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))

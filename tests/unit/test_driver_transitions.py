@@ -29,6 +29,7 @@ from flexorch.control.membership import ElasticPolicy, Fail, Failure, Retry, Shr
 from flexorch.control.transitions import Ran
 from flexorch.data.stream import DocumentStream
 from flexorch.records.writer import read_records
+from flexorch.testing.faults import PlannerHang
 from flexorch.workers.reference import reference_train
 from tests.fake_cluster import FakeWorkerGroup, Fault, fake_driver, memory_corpus
 from tests.train_helpers import cpu_profile
@@ -376,7 +377,7 @@ def test_a_stuck_planner_costs_timeout_s_once_and_the_step_runs_the_fallback_pla
     batches = _batches(cfg, 2)
     driver, group = fake_driver(cfg, corpus)
     try:
-        driver.planner.inject_fault(1)
+        driver.planner.add_probe(PlannerHang())
         t = driver.step()
         assert t.record["status"] == "fallback" and t.record["doc_ids"] == batches[0]
         assert any(e["event"] == "planner" and "plan.timeout_s=0.2" in e["message"] for e in driver.poll(0)[0])

@@ -352,6 +352,7 @@ def test_a_deep_copy_applies_its_own_adapters():
     assert not torch.equal(_run(model, batch), _run(twin, batch))
 
 
+@pytest.mark.slow
 def test_a_compiled_layer_follows_the_active_task():
     # workers compile each layer's body (flexorch.workers.compile); the hook reads the active task, which the
     # compiled graph guards on, so a change of task runs the right graph (aot_eager: no C++ compiler needed)
@@ -477,6 +478,7 @@ def pool():
     p.close()
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_adapters_with_a_frozen_base_equal_the_unsharded_model(pool):
     cfg = ModelConfig(adapters=OURS, base_trainable=False)
     docs = [_docs(7, (9, 20)), _docs(8, (14, 3, 11))]

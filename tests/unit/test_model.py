@@ -269,6 +269,7 @@ def pool():
 GQA, MHA, GQA1 = {}, {"num_kv_heads": 4}, {"num_kv_heads": 1, "tie_embeddings": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ulysses", "ring"])
 def test_sharded_model_matches_reference(pool, method):
     # d=1 on {0} and {3}, d=2 on {0,1} and {2,3} concurrently, then d=4; GQA with 2 KV heads at d=4 makes

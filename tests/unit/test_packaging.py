@@ -64,6 +64,7 @@ def test_installed_wheel_imports_flexorch_and_no_generic_names(wheel, tmp_path):
         assert res.returncode != 0 and "ModuleNotFoundError" in res.stderr, (name, res.stderr)
 
 
+@pytest.mark.slow
 def test_the_hf_extra_is_there_where_required_and_optional_elsewhere():
     """CI (FLEXORCH_REQUIRE_HF=1) installs flexorch[hf], so the Hugging Face tests run rather than skip; and a run of
     flexorch's own decoder never imports transformers (it stays an optional extra)."""

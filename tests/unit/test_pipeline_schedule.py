@@ -288,6 +288,7 @@ def test_schedule_picture_has_one_box_per_op_and_a_shared_time_axis():
         render_pipelines_svg([])
 
 
+@pytest.mark.slow
 def test_auto_layout_picks_the_fastest_simulated_split():
     from flexorch.solver.pipeline.plan import pipeline_layouts, plan_best_layout, plan_pipeline
 

@@ -120,6 +120,7 @@ def test_degree_below_minimum_and_heads_are_refused():
         _plan([[Group(8, "ulysses", tuple(range(8)), (0, 1))]], n=8)
 
 
+@pytest.mark.slow
 def test_parallel_micro_batch_solves_in_worker_processes():
     profile = get_profile("gpt-7b-a100")
     lengths = np.random.default_rng(5).choice(read_lengths(bundled_lengths_path()), size=512)

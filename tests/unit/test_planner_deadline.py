@@ -20,6 +20,7 @@ from flexorch.solver.planner import Planner, PlannerConfig
 from flexorch.solver.profiles import get_profile
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.step_planner import StepPlanner, heuristic_plan
+from flexorch.testing.faults import SolverCrash
 
 PROFILE = get_profile("gpt-7b-a100")
 
@@ -41,7 +42,7 @@ def _valid(out, lengths, n):
 def test_a_crashed_solver_process_costs_one_solve_and_is_restarted():
     lengths = _batch(64, 256)
     with StepPlanner(PROFILE, PlannerConfig(time_limit_s=2.0)) as sp:
-        sp.inject_fault(crashes=1)  # the next MILP solve's process kills itself with SIGSEGV
+        sp.add_probe(SolverCrash())  # the next MILP solve's process kills itself with SIGSEGV
         hit = sp.plan(lengths, 64)
         _valid(hit, lengths, 64)
         assert hit.solver_crashes >= 1
@@ -55,22 +56,41 @@ def test_a_crashed_solver_process_costs_one_solve_and_is_restarted():
 def test_every_solve_crashing_still_gives_the_static_plan():
     lengths = _batch(16, 64, seed=3)
     with Planner(PROFILE, PlannerConfig(time_limit_s=1.0)) as planner:
-        planner.inject_crashes(1000)
+        crash = SolverCrash(1000)
+        planner.add_probe(crash)
         res = planner.plan(lengths, 16)
         assert res.solver_crashes >= 1
         assert all(m in ("crash", "timeout", "fallback") for m in res.details["methods"])
-        planner.inject_crashes(0)
+        crash.solves = 0
         assert planner.plan(lengths, 16).solver_crashes == 0
 
 
-def test_inject_fault_keeps_its_positional_hangs_argument():
-    sp = StepPlanner(PROFILE, PlannerConfig(isolate=False))
-    sp.inject_fault(2)
-    assert sp._hangs == 2
-    sp.inject_fault(crashes=0, hangs=0)
-    assert sp._hangs == 0
-    with pytest.raises(ValueError, match="isolate=True"):
-        sp.inject_fault(crashes=1)
+class _Seen:
+    def __init__(self):
+        self.points = []
+
+    def at(self, point, key):
+        self.points.append((point, key if point == "plan" else sorted(key)))
+
+
+def test_a_planner_probe_sees_each_plan_call_and_each_solve_job():
+    lengths = _batch(16, 64, seed=3)
+    seen = _Seen()
+    with StepPlanner(PROFILE, PlannerConfig(time_limit_s=1.0, isolate=False)) as sp:
+        sp.add_probe(seen)
+        sp.plan(lengths, 16)
+        sp.plan(lengths, 16)
+    plans = [k for p, k in seen.points if p == "plan"]
+    jobs = [k for p, k in seen.points if p == "solve"]
+    assert plans == [1, 2] and jobs, seen.points
+    assert all("before" in keys and "deadline" in keys for keys in jobs)
+
+
+def test_a_solver_crash_refuses_to_run_in_the_planners_own_process():
+    job = {"before": []}
+    SolverCrash().at("solve", job)
+    with pytest.raises(RuntimeError, match="isolate=True"):
+        job["before"][0]()
 
 
 @pytest.mark.parametrize("fill", [False, True])
@@ -158,6 +178,7 @@ import os, signal
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import get_profile
 from flexorch.solver.step_planner import StepPlanner
+from flexorch.testing.faults import SolverCrash
 if __name__ == "__main__":
     sp = StepPlanner(get_profile("gpt-7b-a100"), PlannerConfig(time_limit_s=0.3))
     sp.plan([1000, 2000, 30000, 500] * 4, 8)
@@ -166,6 +187,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_closed_planner_leaves_its_solver_processes_nothing_to_print(tmp_path):
     # the solver processes were SIGKILLed at close: the resource tracker the planner's process left behind then
     # printed KeyError tracebacks and "process died unexpectedly" into the console of a run that went well

@@ -22,7 +22,7 @@ def _instances(count, seed):
 
 
 @pytest.mark.parametrize("latency", list(TINY_PROFILES))
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed", [0, *(pytest.param(s, marks=pytest.mark.slow) for s in (1, 2))])
 def test_planner_matches_brute_force_and_bound_is_valid(seed, latency):
     profile = TINY_PROFILES[latency]
     exact_checked = 0

@@ -65,6 +65,7 @@ def _collectives_job(ctx):
         return checked
 
 
+@pytest.mark.slow
 def test_overlapping_groups_collectives(pool):
     expected = [2 * sum(r in s for s in OVERLAPPING) for r in range(4)]
     assert pool.run(_collectives_job) == expected
@@ -90,6 +91,7 @@ def _cache_and_lookup_job(ctx):
     return 1
 
 
+@pytest.mark.slow
 def test_groups_are_cached_and_lookups_are_checked(pool):
     assert pool.run(_cache_and_lookup_job) == [1] * 4
 
@@ -106,6 +108,7 @@ def _mismatched_ensure_job(ctx):
         return 1
 
 
+@pytest.mark.slow
 def test_mismatched_ensure_raises_on_every_rank(pool):
     assert pool.run(_mismatched_ensure_job, timeout_s=60) == [1] * 4
 
@@ -133,6 +136,7 @@ def _epoch_job(ctx):
         return dist.get_world_size()
 
 
+@pytest.mark.slow
 def test_new_epoch_new_world(pool):
     assert pool.run(_epoch_job) == [3, 3, 3, 0]
 
@@ -186,6 +190,7 @@ def _reformed_mesh_job(ctx, forget: bool):
     return out
 
 
+@pytest.mark.slow
 def test_a_world_formed_again_shards_on_its_own_mesh_not_an_equal_one_of_a_closed_world(pool):
     # DTensor's sharding-propagation caches compare meshes by shape, not by world or rank: without
     # forget_closed_meshes the second world got back the first world's (2, 2) mesh, which names the groups of the
@@ -215,6 +220,7 @@ def _after_a_failed_world_job(ctx):
         return int(pair.item()) + int(bridge.item())
 
 
+@pytest.mark.slow
 def test_a_world_formed_after_a_failed_one_names_its_groups_like_its_peers(pool):
     # before ProcessGroupRegistry restarted c10d's group counter, the ranks whose init had failed named every group
     # one ahead of the others, and the next world's gloo rendezvous waited for keys nobody wrote
@@ -247,6 +253,7 @@ def _abort_job(ctx):
         reg.close(abort=True)
 
 
+@pytest.mark.slow
 def test_shutting_a_worlds_sockets_down_ends_a_collective_in_flight_on_every_rank(pool):
     waited = pool.run(_abort_job, timeout_s=60)
     assert waited[0] == -1.0 and all(0.5 < w < 10.0 for w in waited[1:]), waited
@@ -281,6 +288,7 @@ def _abort_mesh_job(ctx):
         reg.close(abort=True)
 
 
+@pytest.mark.slow
 def test_a_device_mesh_made_while_tracking_is_aborted_too(pool):
     waited = pool.run(_abort_mesh_job, timeout_s=60)
     assert waited[:2] == [-1.0, -3.0] and waited[3] == -3.0 and 0.5 < waited[2] < 10.0, waited
@@ -325,6 +333,7 @@ def _broken_forward_job(ctx):
         reg.close()
 
 
+@pytest.mark.slow
 def test_the_state_after_a_forward_broken_mid_flight_is_the_shards(pool):
     got = pool.run(_broken_forward_job)
     # reshard alone left the root's gathered parameters registered (its forward never finished); the snapshot

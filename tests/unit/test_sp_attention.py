@@ -121,6 +121,7 @@ def pool():
     p.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ulysses", "ring"])
 def test_parity_degree_2_and_1(pool, method):
     # {0,1} and {2,3} run different cases concurrently; {0} and {3} are degree-1 groups (same code path).
@@ -130,12 +131,14 @@ def test_parity_degree_2_and_1(pool, method):
     assert sum(done) == sum(len(c[0]) for c in cases)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ulysses", "ring"])
 def test_parity_degree_4(pool, method):
     cases = _cases(method, [(0, 1, 2, 3)], 300)
     assert pool.run(_parity_job, [(0, 1, 2, 3)], cases) == [len(cases)] * 4
 
 
+@pytest.mark.slow
 def test_overlapping_groups_attention(pool):
     # One world, overlapping groups used one after another: {0,1,2,3}, {0,1}, {2,3}, {1,3}.
     groups = [(0, 1, 2, 3), (0, 1), (2, 3), (1, 3)]
@@ -211,6 +214,7 @@ def _bad_input_job(ctx):
         return raised
 
 
+@pytest.mark.slow
 def test_bad_input_raises_clear_errors_without_hanging(pool):
     assert pool.run(_bad_input_job, timeout_s=60) == [13] * 4
 
@@ -239,6 +243,7 @@ def _one_rank_bad_input_job(ctx):
         raise AssertionError(f"rank {ctx.rank}: no error")
 
 
+@pytest.mark.slow
 def test_bad_input_on_one_rank_times_out_instead_of_hanging(pool):
     assert pool.run(_one_rank_bad_input_job, timeout_s=60) == ["ValueError", "timeout", "timeout", "timeout"]
 

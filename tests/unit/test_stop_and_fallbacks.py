@@ -16,6 +16,7 @@ from flexorch.config import CorpusConfig, ElasticSettings, ModelConfig, OptimCon
 from flexorch.data.stream import DocumentStream
 from flexorch.records.schema import RecordError, validate_record
 from flexorch.records.writer import read_records
+from flexorch.testing.faults import PlannerHang
 from flexorch.workers.reference import reference_train
 from tests.fake_cluster import fake_driver, memory_corpus
 from tests.train_helpers import cpu_profile
@@ -141,7 +142,7 @@ def test_every_fallback_says_why_and_many_of_them_warn_once(tmp_path, profile, c
     cfg = _cfg(tmp_path / "run", profile, steps=12, plan={"mode": "static-ulysses-2", "timeout_s": 0.2})
     driver, _ = fake_driver(cfg, corpus)
     try:
-        driver.planner.inject_fault(1)  # step 0: the planner hangs past timeout_s
+        driver.planner.add_probe(PlannerHang())  # step 0: the planner hangs past timeout_s
         records = [driver.step().record]
         real = driver.planner.planner.plan
 
@@ -176,7 +177,7 @@ def test_one_fallback_in_many_steps_does_not_warn(tmp_path, profile, corpus):
     cfg = _cfg(tmp_path / "run", profile, steps=12, plan={"mode": "static-ulysses-2", "timeout_s": 0.2})
     driver, _ = fake_driver(cfg, corpus)
     try:
-        driver.planner.inject_fault(1)
+        driver.planner.add_probe(PlannerHang())
         for _ in range(12):
             driver.step()
         events = driver.poll(0)[0]

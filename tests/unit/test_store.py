@@ -157,6 +157,7 @@ def test_a_store_given_as_source_must_fit_the_run(tmp_path):
         load_corpus(CorpusConfig(source=str(tmp_path / "half")))
 
 
+@pytest.mark.slow
 def test_a_killed_prepare_is_finished_by_the_next_one_redoing_only_the_rest(tmp_path):
     src = _jsonl(tmp_path / "d.jsonl", 60_000, width=200)  # ~7 MB: over 100 parts of 64 KiB
     out = tmp_path / "s"

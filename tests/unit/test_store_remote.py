@@ -249,6 +249,7 @@ def test_flexorch_s3_endpoint(s3, big, monkeypatch):
     assert exists(big.uri)
 
 
+@pytest.mark.slow
 def test_unreachable_endpoint_says_what_to_set(s3, monkeypatch, tmp_path):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
     t0 = time.monotonic()

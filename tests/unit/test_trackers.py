@@ -224,6 +224,7 @@ def _finished_wandb_records(wandb_dir: Path, wait_s: float = 60.0) -> list:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_file_holds_every_step(recorded, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

@@ -36,6 +36,8 @@ from tests.paths import DATA, REPO
 from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
 from tests.unit.test_viewer_server import AUTO_MODES, auto_recompute_run, multitask_run, recorded_run_with_recoveries
 
+pytestmark = pytest.mark.slow  # headless Chromium end to end: about 25 s
+
 RECORDED = DATA / "recorded_run"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
