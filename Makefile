@@ -6,7 +6,7 @@ VENV ?= .venv
 PIP_EXTRA ?=
 PY := $(VENV)/bin/python
 
-.PHONY: setup setup-test demo plan-demo test test-fast lint docs gpu-check clean
+.PHONY: setup setup-test demo plan-demo test test-fast test-unit test-integration test-cluster test-gpu lint docs gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +24,17 @@ demo: setup
 plan-demo: setup
 	$(VENV)/bin/flexorch plan --workers 64 --profile gpt-7b-a100 --max-context 384K --batch 512 --steps 5 --svg runs/plan.svg
 
+# The suite by level (docs/tests.md): tests/unit (no Ray), tests/integration (a local Ray), tests/cluster (multi-node
+# clusters, `ray start`, `ray job submit`), tests/gpu (CUDA; skipped without a GPU). `make test` runs every level.
 test: setup-test
 	$(PY) -m pytest -q --durations=30
 
+# The unit level without its few tests marked slow: a couple of minutes, no Ray.
 test-fast: setup-test
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" tests/unit
+
+test-unit test-integration test-cluster test-gpu: test-%: setup-test
+	$(PY) -m pytest -q --durations=10 tests/$*
 
 lint: setup-test
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
