@@ -255,11 +255,11 @@ def _marks(decorators: list[ast.expr]) -> set[str]:
 
 def tests_table() -> str:
     rows = [
-        "| module | test functions | marked slow | marked gpu | what it tests |",
+        "| module (under `tests/`) | test functions | marked slow | marked gpu | what it tests |",
         "|---|---:|---:|---:|---|",
     ]
     total = 0
-    for path in sorted((REPO / "tests").glob("test_*.py")):
+    for path in sorted((REPO / "tests").glob("*/test_*.py")):  # by level: unit/, integration/, cluster/, gpu/
         tree = ast.parse(path.read_text())
         module_marks: set[str] = set()
         for stmt in tree.body:
@@ -276,7 +276,7 @@ def tests_table() -> str:
         doc = ast.get_docstring(tree) or ""
         first = " ".join(doc.split("\n\n")[0].split())  # the first paragraph, up to its first sentence
         first = re.split(r"(?<=\.)\s", first, maxsplit=1)[0]
-        rows.append(f"| `{path.name}` | {n} | {slow or ''} | {gpu or ''} | {_markdown(first).replace('|', '/')} |")
+        rows.append(f"| `{path.relative_to(REPO / 'tests')}` | {n} | {slow or ''} | {gpu or ''} | {_markdown(first).replace('|', '/')} |")
     head = f"{len(rows) - 2} test modules, {total} test functions (parametrized ones collect as several tests):\n\n"
     return head + "\n".join(rows) + "\n"
 
