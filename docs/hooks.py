@@ -276,7 +276,8 @@ def tests_table() -> str:
         doc = ast.get_docstring(tree) or ""
         first = " ".join(doc.split("\n\n")[0].split())  # the first paragraph, up to its first sentence
         first = re.split(r"(?<=\.)\s", first, maxsplit=1)[0]
-        rows.append(f"| `{path.relative_to(REPO / 'tests')}` | {n} | {slow or ''} | {gpu or ''} | {_markdown(first).replace('|', '/')} |")
+        name, what = path.relative_to(REPO / "tests"), _markdown(first).replace("|", "/")
+        rows.append(f"| `{name}` | {n} | {slow or ''} | {gpu or ''} | {what} |")
     head = f"{len(rows) - 2} test modules, {total} test functions (parametrized ones collect as several tests):\n\n"
     return head + "\n".join(rows) + "\n"
 
