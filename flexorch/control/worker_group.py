@@ -1,4 +1,4 @@
-"""The driver's handle on its worker actors: one WorkerActor per device, stable worker ids, one world per epoch.
+"""The driver's handle on its worker actors: one worker actor per device, stable worker ids, one world per epoch.
 
 The driver talks to workers only through this class. Workers are plain actors (``num_cpus=1``, plus
 ``num_gpus=1`` on GPU) rather than bundles of one fixed placement group, so the set can shrink when a node dies
@@ -31,7 +31,7 @@ from flexorch.control.settle import PROGRESS_EVERY_S, Settling, WorkerGroupError
 from flexorch.control.state_moves import ModelStateMoves
 from flexorch.control.worker_start import WorkerStarter
 from flexorch.work.placement import ALL, PartsLostError, model_parts
-from flexorch.workers.actor import WorkerActor
+from flexorch.workers.actor import worker_actor
 
 STOP_BEATS_S = 2.0  # at shutdown: the longest wait for the workers' heartbeat threads to stop
 
@@ -45,8 +45,9 @@ def _no_publish(event: dict) -> None:
 class RayWorkerGroup(Settling, ModelStateMoves):
     """Worker actors keyed by stable worker id; ``actors`` lists the members in rank order."""
 
-    worker_class = WorkerActor
-    """The actor class :meth:`start_workers` starts (a seam: tests start slow or failing stand-ins)."""
+    worker_class = None
+    """The actor class :meth:`start_workers` starts; None: the one for the run's sharding mode
+    (``workers.actor.worker_actor``). A seam: tests start slow or failing stand-ins."""
 
     def __init__(
         self,
@@ -69,6 +70,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         self._publish = publish or _no_publish
         self.use_gpu = use_gpu
         self._args = (model_cfg, optim_cfg, seed, threads, sharding, use_gpu)  # Worker.__init__ after worker_id
+        self._actor_class = worker_actor(sharding)  # replicated or sharded model state (workers.actor)
         self.sharded = bool(sharding) and sharding.get("mode", "replicate") != "replicate"
         """Model state sharded over the workers (FSDP2): it moves when the world re-forms, never through
         :meth:`sync_state`."""
@@ -197,7 +199,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
     def start_workers(self, count: int) -> list[int]:
         """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
         ids = self.membership.new_ids(count)
-        self._starts.start(self.worker_class, ids, self._args)
+        self._starts.start(self.worker_class or self._actor_class, ids, self._args)
         return ids
 
     def ready_joiners(self, wait_s: float = 0.0) -> list[int]:

@@ -6,10 +6,14 @@ specs of the corpus store parts its documents live in (it reads its own document
 process groups the plan names (collectively, in the same order on every rank), runs its micro-batches and steps the
 optimizer. With pipeline
 stages and ``[pipeline] params = "stage"`` it holds only its stage's parts (``flexorch.workers.pipeline.held_params``).
-One thread per worker on CPU (docs/design.md §7). The model state lives in one of two base classes, by
-``[sharding] mode``: ``workers.replicated_state`` (the whole model, or a pipeline stage's parts) or
-``workers.sharded_state`` (FSDP2 shards, re-sharded as each world forms); measurements are the third. A test adds
-probes (:meth:`Worker.add_probe`, e.g. ``flexorch.testing.faults.WorkerFault``) called at :data:`PROBE_POINTS`.
+One thread per worker on CPU (docs/design.md §7).
+
+:class:`Worker` is what every worker does; what depends on how it holds the model state is behind one interface,
+``workers.model_state.ModelState``, which the two kinds of worker implement: :class:`ReplicatedWorker`
+(``workers.replicated_state``: the whole model, or a pipeline stage's parts) and :class:`ShardedWorker`
+(``workers.sharded_state``: FSDP2 shards, re-sharded as each world forms). :func:`worker_actor` gives the Ray actor
+class for a run's ``[sharding] mode``. A test adds probes (:meth:`Worker.add_probe`, e.g.
+``flexorch.testing.faults.WorkerFault``) called at :data:`PROBE_POINTS`.
 """
 
 from __future__ import annotations
@@ -30,22 +34,27 @@ from flexorch.data.store.shards import open_parts
 from flexorch.work.pipeline import PipelineWork
 from flexorch.work.step import StepWork
 from flexorch.workers.attention.choice import set_attention
-from flexorch.workers.compile import compile_layers, compile_seconds, compiled_layers, wants_compile
+from flexorch.workers.compile import compile_seconds, compiled_layers
 from flexorch.workers.devices import device_memory, pin_device
 from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError
 from flexorch.workers.measurements import WorkerMeasurements
-from flexorch.workers.model_source import build_model, set_activation_checkpointing
-from flexorch.workers.optim import build_optimizer
+from flexorch.workers.model_state import ModelState
 from flexorch.workers.pipeline.executor import run_pipeline_step
-from flexorch.workers.pipeline.held_params import HeldParams
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
-from flexorch.workers.recompute import built_mode
 from flexorch.workers.replicated_state import ReplicatedState
 from flexorch.workers.sharded_state import ShardedState, holding_bytes
 from flexorch.workers.step_context import PROBE_POINTS, StepContext
-from flexorch.workers.step_exec import StepOutcome, run_step
+from flexorch.workers.step_exec import StepOutcome
 
-__all__ = ["WorkerActor", "Worker", "PROBE_POINTS", "HEARTBEAT_S"]
+__all__ = [
+    "HEARTBEAT_S",
+    "PROBE_POINTS",
+    "ReplicatedWorker",
+    "ShardedWorker",
+    "Worker",
+    "worker_actor",
+    "worker_class",
+]
 
 STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
@@ -58,8 +67,10 @@ def _is_world_error(e: BaseException) -> bool:
     return isinstance(e, dist.DistError | ConnectionError) or any(m in str(e) for m in markers)
 
 
-class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
-    """The worker's state and methods, usable in-process (tests) or as a Ray actor (:data:`WorkerActor`)."""
+class Worker(WorkerMeasurements, ModelState):
+    """What every worker does, usable in-process (tests) or as a Ray actor (:func:`worker_actor`); the model state's
+    part is the ``ModelState`` interface (``workers.model_state``), implemented by :class:`ReplicatedWorker` and
+    :class:`ShardedWorker`."""
 
     def __init__(
         self,
@@ -84,21 +95,12 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
         self.optim_cfg = OptimConfig(**optim_cfg)
         self.sharding = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
         self.sharding.update(sharding or {})
-        self.sharded = self.sharding["mode"] != "replicate"
         self.attention = set_attention(self.model_cfg, self.device, self.sharding["precision"])
         """What ``[model] attention`` chose here, in words (``flexorch.workers.attention.choice``)."""
         self.version = 0
         """Optimizer steps applied to the state this worker holds."""
-        self.model = None  # sharded: built for each world at join (flexorch.workers.fsdp)
-        if not self.sharded:
-            self.model = build_model(self.model_cfg, seed)
-            set_activation_checkpointing(self.model, built_mode(self.sharding))
-            if self.device is not None:
-                self.model.to(self.device)
-            if wants_compile(self.model_cfg.compile, self.device):
-                compile_layers(self.model)
-            self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
-            self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
+        self.model = None
+        self._state_init()
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
         self._probes: list = []  # called at PROBE_POINTS (add_probe); none in a run
@@ -190,7 +192,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
         "version"}``: the state version now held (None: the members no longer hold every shard of any version,
         nothing was restored) and ``"newest"``, the newest version any member held."""
         t0 = time.perf_counter()
-        own = self._holding()
+        own = self._state_holding()
         # what this worker holds and what workers that left on notice handed to it (``take_handoff``)
         holding = [h for h in (own, *getattr(self, "_handed", ())) if h is not None] or None
         # Membership changed since the last world, maybe because a peer died after this rank's step had finished:
@@ -198,11 +200,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
         self.leave_world(abort=True)
         self._at("join", epoch)
         self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
-        out = {"version": self.version, "newest": self.version}
-        if self.sharded:
-            out = self._guarded(self._reshard, holding, initial)
-            if out["version"] is not None:
-                self._handed = []  # re-sharded into this world: the handed holdings are in it now
+        out = self._state_after_join(holding, initial)
         return {"seconds": time.perf_counter() - t0, **out}
 
     @ray.method(num_returns=2)
@@ -213,9 +211,10 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
         small one and the holding goes from this worker to the stayer without passing through the driver."""
         from flexorch.workers.reshard import on_cpu
 
-        if not self.sharded or self.model is None:
+        holding = self._state_holding()
+        if holding is None:
             raise RuntimeError(f"worker {self.worker_id} holds no sharded state to hand off")
-        held = on_cpu(self._holding())
+        held = on_cpu(holding)
         return holding_bytes(held), held
 
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
@@ -255,10 +254,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
             except Exception:  # noqa: BLE001
                 pass
         self._store = None
-        if getattr(self, "sharded", False):  # DTensor caches would give the closed world's meshes to the next one
-            from flexorch.workers.fsdp import forget_closed_meshes
-
-            forget_closed_meshes()
+        self._state_after_leave()
 
     def _guarded(self, fn, *args, **kwargs):
         """Run ``fn``; on any error leave the world first (closing its connections, so peers blocked on this
@@ -307,13 +303,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
 
     def _executor(self, rank_work: StepWork | PipelineWork):
         """The executor of this kind of work on this worker's kind of model state."""
-        if isinstance(rank_work, PipelineWork):
-            return run_pipeline_step
-        if self.sharded:  # imported here: DTensor's import is 0.4 s of CPU per worker start, replicas never need it
-            from flexorch.workers.sharded_step import run_sharded_step
-
-            return run_sharded_step
-        return run_step
+        return run_pipeline_step if isinstance(rank_work, PipelineWork) else self._state_sp_executor()
 
     def _context(self, rank_work: StepWork | PipelineWork) -> StepContext:
         """The model state and the world this step runs on (``workers.step_context``)."""
@@ -326,9 +316,7 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
             self.optim_cfg,
             vocab_size=self.model_cfg.vocab_size,
             hook=(lambda point: self._at(point, rank_work.step)) if self._probes else None,
-            gather=self.sharding.get("gather", "layer"),
-            held=None if self.sharded else self.held,
-            sharded=self.sharded,
+            **self._state_context(),
         )
 
     def state_bytes(self) -> int:
@@ -337,15 +325,18 @@ class Worker(ShardedState, ReplicatedState, WorkerMeasurements):
 
         return resident_bytes(self.model, self.optimizer)
 
-    def parameters_digest(self) -> list:
-        """Parameters held, as numpy arrays in state-dict order (tests compare copies and the reference); sharded:
-        the whole parameters gathered from the shards (a collective)."""
-        if self.sharded:
-            from flexorch.workers.fsdp import gathered_parameters
 
-            return self._guarded(gathered_parameters, self.model)
-        held = set(self.held.held_names())
-        return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items() if k in held]
+class ReplicatedWorker(ReplicatedState, Worker):
+    """A worker holding the whole model (or a pipeline stage's parts): ``[sharding] mode = "replicate"``."""
+
+
+class ShardedWorker(ShardedState, Worker):
+    """A worker holding FSDP2 shards of the model state: ``[sharding] mode`` fsdp or hsdp."""
+
+
+def worker_class(sharding: dict | None) -> type[Worker]:
+    """The worker class for a run's ``[sharding]`` settings (None: replicate)."""
+    return ShardedWorker if (sharding or {}).get("mode", "replicate") != "replicate" else ReplicatedWorker
 
 
 def _drop_frames(err: BaseException) -> None:
@@ -375,6 +366,11 @@ def _td(seconds: float):
     return timedelta(seconds=seconds)
 
 
-WorkerActor = ray.remote(concurrency_groups={"control": 1})(Worker)
-"""``Worker`` as a Ray actor class; the driver sets resources with ``.options(num_cpus=..., num_gpus=...)``. Calls run
-one at a time on the default group's thread; ``abort_world`` runs on its own ("control") beside them."""
+_ACTORS = {cls: ray.remote(concurrency_groups={"control": 1})(cls) for cls in (ReplicatedWorker, ShardedWorker)}
+
+
+def worker_actor(sharding: dict | None):
+    """The Ray actor class of :func:`worker_class`; the driver sets resources with ``.options(num_cpus=...,
+    num_gpus=...)``. Calls run one at a time on the default group's thread; ``abort_world`` runs on its own
+    ("control") beside them."""
+    return _ACTORS[worker_class(sharding)]

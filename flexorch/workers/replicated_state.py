@@ -2,9 +2,9 @@
 and ``[pipeline] params = "stage"`` the parts this worker holds (``flexorch.workers.pipeline.held_params``), copied
 whole to and from other workers and checkpoints through the object store.
 
-:class:`ReplicatedState` is a part of :class:`~flexorch.workers.actor.Worker` (a base class); the sharded
-counterpart is ``flexorch.workers.sharded_state``. It uses the worker's ``model``, ``optimizer``, ``scheduler``,
-``held`` and ``version``.
+:class:`ReplicatedState` implements the worker's model-state interface (``Worker._state_*``) for
+:class:`~flexorch.workers.actor.ReplicatedWorker`; the sharded counterpart is ``flexorch.workers.sharded_state``. It
+builds the worker's ``model``, ``optimizer``, ``scheduler`` and ``held``, and keeps its ``version``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,48 @@ from __future__ import annotations
 import torch
 
 from flexorch.work.placement import ALL
+from flexorch.workers.compile import compile_layers, wants_compile
+from flexorch.workers.model_source import build_model, set_activation_checkpointing
+from flexorch.workers.model_state import ModelState
+from flexorch.workers.optim import build_optimizer
+from flexorch.workers.pipeline.held_params import HeldParams
+from flexorch.workers.recompute import built_mode
+from flexorch.workers.step_exec import run_step
 
 __all__ = ["ReplicatedState"]
 
 
-class ReplicatedState:
+class ReplicatedState(ModelState):
     """Replicated model state, as methods of the worker (see the module's docstring)."""
+
+    def _state_init(self) -> None:
+        self.model = build_model(self.model_cfg, self.seed)
+        set_activation_checkpointing(self.model, built_mode(self.sharding))
+        if self.device is not None:
+            self.model.to(self.device)
+        if wants_compile(self.model_cfg.compile, self.device):
+            compile_layers(self.model)
+        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
+        self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
+
+    def _state_holding(self):
+        return None  # a replica moves whole, through the driver (get_state, export_parts), never re-sharded
+
+    def _state_after_join(self, holding, initial: bool) -> dict:
+        return {"version": self.version, "newest": self.version}  # the replica is unchanged by a new world
+
+    def _state_after_leave(self) -> None:
+        return None
+
+    def _state_sp_executor(self):
+        return run_step
+
+    def _state_context(self) -> dict:
+        return {"held": self.held}  # stage-local parameters: the parts this worker holds
+
+    def parameters_digest(self) -> list:
+        held = set(self.held.held_names())
+        return [(k, v.detach().cpu().numpy().copy()) for k, v in self.model.state_dict().items() if k in held]
 
     def get_state(self) -> dict:
         """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers. With stage-local

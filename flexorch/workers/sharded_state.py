@@ -3,9 +3,10 @@ re-sharded from what the members hold (``flexorch.workers.reshard``), written to
 (``torch.distributed.checkpoint``), and taken from a worker that leaves when its node is drained
 (``Worker.hand_off`` gives, :meth:`ShardedState.take_handoff` takes).
 
-:class:`ShardedState` is a part of :class:`~flexorch.workers.actor.Worker` (a base class); the replicated
-counterpart is ``flexorch.workers.replicated_state``. It uses the worker's ``registry`` (the world), ``sharding``,
-``model_cfg``, ``optim_cfg``, ``seed``, ``device``, ``version`` and ``_guarded``. It imports without Ray.
+:class:`ShardedState` implements the worker's model-state interface (``Worker._state_*``) for
+:class:`~flexorch.workers.actor.ShardedWorker`; the replicated counterpart is ``flexorch.workers.replicated_state``.
+It uses the worker's ``registry`` (the world), ``sharding``, ``model_cfg``, ``optim_cfg``, ``seed``, ``device``,
+``version`` and ``_guarded``. It imports without Ray; DTensor (0.4 s of CPU at import) only when a world forms.
 """
 
 from __future__ import annotations
@@ -14,14 +15,47 @@ import torch
 import torch.distributed as dist
 
 from flexorch.workers.errors import PeerLostError
+from flexorch.workers.model_state import ModelState
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.recompute import built_mode
 
 __all__ = ["ShardedState", "holding_bytes"]
 
 
-class ShardedState:
+class ShardedState(ModelState):
     """Sharded model state, as methods of the worker (see the module's docstring)."""
+
+    sharded = True
+
+    def _state_init(self) -> None:
+        self.model = None  # built for each world as it forms (flexorch.workers.fsdp)
+
+    def _state_holding(self):
+        return self._holding()
+
+    def _state_after_join(self, holding, initial: bool) -> dict:
+        out = self._guarded(self._reshard, holding, initial)
+        if out["version"] is not None:
+            self._handed = []  # re-sharded into this world: the handed holdings are in it now
+        return out
+
+    def _state_after_leave(self) -> None:
+        from flexorch.workers.fsdp import forget_closed_meshes
+
+        forget_closed_meshes()  # DTensor's caches would give the closed world's meshes to the next one
+
+    def _state_sp_executor(self):
+        from flexorch.workers.sharded_step import run_sharded_step
+
+        return run_sharded_step
+
+    def _state_context(self) -> dict:
+        return {"sharded": True, "gather": self.sharding.get("gather", "layer")}
+
+    def parameters_digest(self) -> list:
+        from flexorch.workers.fsdp import gathered_parameters
+
+        return self._guarded(gathered_parameters, self.model)
 
     def take_handoff(self, handed: list) -> int:
         """Keep the holdings of workers that are leaving (refs to their :meth:`hand_off`) until the next world's
@@ -39,7 +73,7 @@ class ShardedState:
         return sum(holding_bytes(h) for h in got)
 
     def _holding(self):
-        if not self.sharded or self.model is None:
+        if self.model is None:
             return None
         from flexorch.workers.reshard import holding_of
 

@@ -220,7 +220,7 @@ def test_a_worker_whose_raylet_is_killed_ends_itself(cluster):
     import torch.distributed as dist
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from flexorch.workers.actor import WorkerActor
+    from flexorch.workers.actor import worker_actor
 
     c = cluster[0]
     node = c.add_node(num_cpus=1)
@@ -228,7 +228,7 @@ def test_a_worker_whose_raylet_is_killed_ends_itself(cluster):
     host = ray.util.get_node_ip_address()
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     here = NodeAffinitySchedulingStrategy(node.node_id, soft=False)
-    worker = WorkerActor.options(num_cpus=1, scheduling_strategy=here).remote(0, ModelConfig().to_dict(), {}, 0)
+    worker = worker_actor(None).options(num_cpus=1, scheduling_strategy=here).remote(0, ModelConfig().to_dict(), {}, 0)
     pid = ray.get(worker.info.remote(), timeout=120)["pid"]
     ray.get(worker.start_heartbeat.remote(host, store.port))
     deadline = time.monotonic() + 30

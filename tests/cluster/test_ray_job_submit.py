@@ -88,7 +88,7 @@ def ray_head(tmp_path):
     finally:
         try:
             os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops its node on SIGTERM
-            head.wait(timeout=30)
+            head.wait(timeout=5)  # it often takes longer (30 s seen): what is left is SIGKILLed below
         except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
         for pid in set(_pids_naming(str(temp))):

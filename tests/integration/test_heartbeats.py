@@ -70,10 +70,10 @@ def test_a_stopped_heartbeat_stops_and_the_store_closes_without_a_trace_on_the_w
     # a C++ stack trace on the worker, which Ray forwarded to the console of a run that went well
     import gc
 
-    from flexorch.workers.actor import Worker
+    from flexorch.workers.actor import ReplicatedWorker
 
     watch = hb.Heartbeats("127.0.0.1", timeout_s=10.0)
-    worker = Worker(7, {}, {}, 0, num_threads=0, use_gpu=False)
+    worker = ReplicatedWorker(7, {}, {}, 0, num_threads=0, use_gpu=False)
     worker.start_heartbeat(watch.host, watch.port, period_s=0.02)
     _beats(watch, 7, at_least=3)
     assert worker.stop_heartbeat() is True

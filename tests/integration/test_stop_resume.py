@@ -143,7 +143,7 @@ def _hogs(n: int) -> list[subprocess.Popen]:
 
 
 def test_a_run_beside_cpu_hogs_finishes_with_every_fallback_counted(tmp_path):
-    steps = 10
+    steps = 6
     config = small_run_toml(tmp_path, steps=steps)
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "flexorch.cli.main", "train", "--config", str(config), "--run-dir", str(run_dir)]

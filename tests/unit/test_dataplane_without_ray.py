@@ -31,7 +31,7 @@ EXCLUDED = {
     "flexorch.dashboards": "plan viewer, SVGs, Grafana: read step records, never run on a worker",
     "flexorch.records": "the step-record schema, writer and metrics the driver writes (Ray)",
     "flexorch.data": "corpus readers, tokenizers, the document stream: the driver's side of the object store (Ray)",
-    "flexorch.workers.actor": "the Ray actor around the data plane (`WorkerActor = ray.remote(Worker)`)",
+    "flexorch.workers.actor": "the Ray actors around the data plane (`worker_actor(sharding)`)",
 }
 MIP_ALLOWED = "flexorch.solver."
 """The planner's MILPs need python-mip; only modules under here may, and only where they solve one."""

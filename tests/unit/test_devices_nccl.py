@@ -90,10 +90,10 @@ def test_use_gpu_with_the_index_not_visible_is_a_clear_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_worker_asked_for_a_gpu_on_a_cpu_machine_fails_at_construction():
-    from flexorch.workers.actor import Worker
+    from flexorch.workers.actor import ReplicatedWorker
 
     with pytest.raises(DeviceUnavailableError, match="use_gpu is set"):
-        Worker(0, {}, {}, 0, num_threads=0, use_gpu=True)
+        ReplicatedWorker(0, {}, {}, 0, num_threads=0, use_gpu=True)
 
 
 def test_worker_wants_a_gpu_when_told_or_else_when_cuda_is_there(monkeypatch):
@@ -250,9 +250,9 @@ class RecordingRegistry:
 
 
 def _bare_worker(device=None):
-    from flexorch.workers.actor import Worker
+    from flexorch.workers.actor import ReplicatedWorker
 
-    w = Worker.__new__(Worker)  # no model: only the world-handling state
+    w = ReplicatedWorker.__new__(ReplicatedWorker)  # no model: only the world-handling state
     w.worker_id, w.device, w.registry, w._store = 5, device, None, None
     return w
 

@@ -157,8 +157,8 @@ def _train_job(ctx, stages, degree, cfg_kwargs, kind, ckpt, steps):
         for step in range(steps):
             task = pipeline_work(staged, docs, step)[ctx.rank]
             reg.ensure(task.rank_sets)
-            ctx = StepContext(model, opt, sched, reg.group, reg.world, optim_cfg, vocab_size=cfg.vocab_size)
-            out = run_pipeline_step(ctx, task, {0: block})
+            step_ctx = StepContext(model, opt, sched, reg.group, reg.world, optim_cfg, vocab_size=cfg.vocab_size)
+            out = run_pipeline_step(step_ctx, task, {0: block})
             losses.append(out.loss)
             ops = out.ops
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, ops
