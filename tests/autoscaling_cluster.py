@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.paths import REPO
+
 __all__ = ["autoscaling_cluster"]
 
 
@@ -31,15 +33,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _config(port: int, node_cpus: int, max_nodes: int) -> dict:
+def _config(port: int, node_cpus: int, max_nodes: int, preempt_dir: Path) -> dict:
     """The fake provider's cluster config: a head with no CPU (the driver and planner actors take none) and one
-    worker node type of ``node_cpus`` CPUs, none at first, up to ``max_nodes``."""
+    worker node type of ``node_cpus`` CPUs, none at first, up to ``max_nodes``; a node is preempted by a file named
+    after its id in ``preempt_dir`` (``tests.preempting_provider``)."""
     node = {"resources": {"CPU": node_cpus}, "node_config": {}, "min_workers": 0, "max_workers": max_nodes}
     return {
         "cluster_name": "flexorch-test",
         "max_workers": max_nodes,
         "provider": {
-            "type": "fake_multinode",
+            "type": "external",
+            "module": "tests.preempting_provider.PreemptingFakeProvider",
+            "preempt_dir": str(preempt_dir),
             "use_node_id_as_ip": True,
             "disable_node_updaters": True,
             "disable_launch_config_check": True,
@@ -90,12 +95,15 @@ def _kill(pids) -> None:
 
 @contextlib.contextmanager
 def autoscaling_cluster(node_cpus: int = 1, max_nodes: int = 3):
-    """Start the head (its monitor runs the autoscaler, updating every second); yield its address. Every process of
-    the cluster is killed on exit."""
+    """Start the head (its monitor runs the autoscaler, updating every second); yield its address and the directory
+    where a file named after a node's id preempts that node. Every process of the cluster is killed on exit."""
     temp = Path(tempfile.mkdtemp(prefix="fxas-", dir="/tmp"))  # short: Unix socket paths live under it
     port = _free_port()
-    (temp / "autoscaling.json").write_text(json.dumps(_config(port, node_cpus, max_nodes)))
+    preempt = temp / "preempt"
+    preempt.mkdir()
+    (temp / "autoscaling.json").write_text(json.dumps(_config(port, node_cpus, max_nodes, preempt)))
     env = {**os.environ, "RAY_FAKE_CLUSTER": "1", "AUTOSCALER_UPDATE_INTERVAL_S": "1", "RAY_AUTH_MODE": "disabled"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))  # the monitor loads tests.*
     ray_cli = str(Path(sys.executable).with_name("ray"))
     cmd = [
         ray_cli, "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--temp-dir={temp}",
@@ -104,7 +112,7 @@ def autoscaling_cluster(node_cpus: int = 1, max_nodes: int = 3):
     ]  # fmt: skip
     try:
         subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=120)
-        yield f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}", preempt
     finally:
         for _ in range(3):  # nodes the monitor is launching right now may show up a moment later
             _kill(_pids_naming(str(temp)))

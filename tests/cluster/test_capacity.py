@@ -122,11 +122,13 @@ def test_ray_s_request_resources_is_what_an_autoscaler_reads_and_an_empty_one_cl
 
 
 @pytest.mark.slow
-def test_a_run_on_an_autoscaled_cluster_scaled_to_zero_asks_for_its_workers_and_withdraws(tmp_path):
+def test_a_run_on_an_autoscaled_cluster_asks_for_its_workers_and_after_a_drain_grows_back_by_itself(tmp_path):
     # Ray's own autoscaler (v1 monitor, the fake multi-node provider: nodes are raylets on this machine), a head with
     # no CPU and no worker node: without the request the run could not start ("0 CPU slots"), or started with the
     # one worker a node launched for the corpus's Ray task holds; with it two nodes come, the workers start there,
-    # the request is withdrawn at the first step boundary, and the losses and parameters equal the single-process
+    # and the request is withdrawn at the first step boundary. Then a node is drained for preemption: its worker
+    # leaves at a boundary, the run asks again, the node goes, the autoscaler launches another, a worker starts
+    # there and joins, and the request is withdrawn; losses and parameters of every step equal the single-process
     # reference. In a process of its own, with Ray's token authentication off as on that cluster: the suite's
     # shared Ray exports RAY_AUTH_MODE=token to this process, and a driver in token mode on a cluster without it
     # gets its actors "cancelled before it started running".
@@ -136,11 +138,21 @@ def test_a_run_on_an_autoscaled_cluster_scaled_to_zero_asks_for_its_workers_and_
     out = tmp_path / "summary.json"
     subprocess.run(
         [sys.executable, "-m", "tests.capacity_scenario", str(tmp_path), str(out)],
-        check=True, timeout=300, cwd=REPO,
+        check=True, timeout=420, cwd=REPO,
     )  # fmt: skip
     summary = json.loads(out.read_text())
-    assert summary["world_sizes"] == [2, 2, 2] and summary["workers_on_new_nodes"] == 2, summary
-    assert summary["requests"] == [2, 0], summary  # asked before the workers started, withdrawn once whole
+    sizes = summary["world_sizes"]
+    assert sizes[:3] == [2, 2, 2] and summary["workers_on_new_nodes"] == 2, summary
+    assert summary["first_requests"] == [2, 0], summary  # asked before the workers started, withdrawn once whole
     assert "of the 2 workers' slots: asked its autoscaler for them (CPU 1 each)" in summary["messages"][0]
     assert summary["standing_request_after_first_step"] == []
+    # the drain: a planned leave at a boundary, nothing re-run, the world 1 until the new node's worker joined
+    drain = summary["drain"]
+    assert drain["what"] == "drain" and drain["reason"] == "preemption" and drain["fallback"] is None, summary
+    assert len(drain["left"]) == 1 and drain["rerun"] is False, summary
+    assert 2 in sizes[3:] and 1 in sizes[3:] and sizes[-1] == 2, sizes
+    assert summary["victim_gone"] and summary["grew_back"] and summary["joined_on_new_node"], summary
+    assert summary["requests"] == [2, 0, 2, 0], summary  # asked again after the leave, withdrawn once whole
+    assert summary["standing_request_at_the_end"] == []
+    assert any("back to 2 workers" in m for m in summary["messages"][2:]), summary["messages"]
     assert summary["reference_checked"]
