@@ -10,8 +10,8 @@ nodes come, the workers start on them, the request is withdrawn at the first ste
 Then one of the two nodes gets a preemption notice (``ray drain-node``, 60 s deadline): its worker leaves at the next
 step boundary, the run asks the autoscaler again for the lost worker's slot, the cloud ends the instance (here right
 after the leave, not at its deadline: ``tests.preempting_provider``), the autoscaler launches a new node, a worker
-starts there and joins, and the request is withdrawn: the run grew back with nobody acting. Checks the ledger, losses and parameters of every
-step against the single-process reference and writes what the test asserts on.
+starts there and joins, and the request is withdrawn: the run grew back with nobody acting. Checks the ledger,
+losses and parameters of every step against the single-process reference and writes what the test asserts on.
 """
 
 from __future__ import annotations

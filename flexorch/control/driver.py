@@ -166,10 +166,18 @@ class TrainingDriver(RunSetup, RunLoop):
         joiners are admitted, and the autoscaler is asked for what the world lacks. The records of what changed."""
         if self.elastic.driver_drained() and self._checkpointed_at != self.step_no:
             self.checkpoint()  # this node is going: its replacement driver starts from here, nothing re-run
-        drained = self.elastic.leave_drained(self.step_no - 1)  # workers on draining nodes leave first
+        drained = self.elastic.leave_drained(self.step_no - 1, self._plan_next_for)  # draining nodes' workers first
         joined = self.elastic.at_boundary()
         self._ask_capacity(joined)
         return drained + ([joined] if joined else [])
+
+    def _plan_next_for(self, n: int) -> None:
+        """Start solving the next batch's plan for ``n`` workers (a world about to change size at this boundary):
+        the solve runs while the world re-forms, and :meth:`_plan_attempt` takes it."""
+        if n >= 1 and not self.finished:
+            batch = self.stream.peek()
+            lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
+            self.planner.plan_ahead(batch.step, lengths, n, self._plan_budget(), **self._task_of(batch))
 
     def _plan_attempt(self, run: StepRun, n: int, boundary_ms: float) -> tuple[PlannedStep, dict]:
         """The plan of this attempt at the batch on ``n`` workers (planned ahead while the last step ran, or now),

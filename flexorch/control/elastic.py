@@ -92,19 +92,21 @@ class Elastic:
         self._driver_drain_taken = True
         return True
 
-    def leave_drained(self, after_step: int) -> list[dict]:
+    def leave_drained(self, after_step: int, plan_for=None) -> list[dict]:
         """At a step boundary (``after_step`` the last step trained): members on draining nodes leave, one node at
-        a time, soonest deadline first, as the policy decides. Returns a ``drain`` record per node."""
+        a time, soonest deadline first, as the policy decides. ``plan_for(n)`` is called once a leave is decided,
+        before the handoff, with the world size after it (the driver starts the next plan's solve, which then runs
+        while the state moves and the world re-forms). Returns a ``drain`` record per node."""
         if self.drains is None:
             return []
         records = []
         for drain, on in self.drains.take(self.workers.nodes_of()):
             on = [w for w in on if w in self.workers.worker_ids]
             if on:
-                records.append(self._leave(drain, on, after_step))
+                records.append(self._leave(drain, on, after_step, plan_for))
         return records
 
-    def _leave(self, drain: NodeDrain, on: list[int], after_step: int) -> dict:
+    def _leave(self, drain: NodeDrain, on: list[int], after_step: int, plan_for=None) -> dict:
         """Execute the policy's decision for the members ``on`` a draining node."""
         w = self.workers
         left_s = drain.left_s()
@@ -120,6 +122,8 @@ class Elastic:
             return rec
         if not isinstance(decision, Leave):
             raise TypeError(f"{type(decision).__name__} is not a decision on a drain")
+        if plan_for is not None:
+            plan_for(len(before) - len(decision.leaving))
         t0 = time.perf_counter()
         try:
             moved = w.hand_off(decision.leaving)
@@ -149,6 +153,8 @@ class Elastic:
         self.reform_s = t2 - t1
         rec.update(moved, left=list(decision.leaving), world_after=list(w.worker_ids), fallback=None)
         rec.update(reform_ms=(t2 - t1) * 1e3, recovery_ms=(t2 - t0) * 1e3, rerun=False)
+        if getattr(w, "form_phases_ms", None):  # where the re-form went (the slowest member's phases)
+            rec["reform_phases_ms"] = w.form_phases_ms
         self._note_layout(rec)
         self.publish({"event": "membership", **rec})
         return rec

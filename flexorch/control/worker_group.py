@@ -66,6 +66,8 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         publish=None,
     ):
         self.timeout_s = collective_timeout_s
+        self.form_phases_ms: dict | None = None
+        """Where the last :meth:`form_world` went: the slowest member's ms to leave, meet and build its state."""
         self._starts = WorkerStarter(use_gpu=use_gpu, placement_timeout_s=placement_timeout_s)
         self._publish = publish or _no_publish
         self.use_gpu = use_gpu
@@ -232,7 +234,8 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         """Every member joins a fresh world (the next membership epoch); returns the seconds it took. Sharded
         state is re-sharded for the new world as it forms; when the members no longer hold every shard of it
         (``fsdp``: a lost worker's shard had no copy) this raises :class:`~flexorch.work.placement.PartsLostError`
-        with the world formed, and the driver loads its last checkpoint."""
+        with the world formed, and the driver loads its last checkpoint. :attr:`form_phases_ms`: the slowest
+        member's ms per phase (leave, rendezvous, state)."""
         epoch = self.membership.next_epoch()
         t0 = time.perf_counter()
         self.store = None  # close the last epoch's rendezvous: anyone still waiting on it fails now
@@ -251,6 +254,8 @@ class RayWorkerGroup(Settling, ModelStateMoves):
             for r, w in enumerate(ids)
         }
         got = self.call_all(refs, "form a torch.distributed world", self.timeout_s + 30.0)
+        phases = [g["phases_ms"] for g in got.values() if isinstance(g, dict) and "phases_ms" in g]
+        self.form_phases_ms = {k: max(p[k] for p in phases) for k in phases[0]} if phases else None
         self._initialised = True
         if self.sharded:
             self.restored = got[ids[0]]

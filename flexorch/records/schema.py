@@ -60,9 +60,10 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   null: none), ``seen_at`` (unix seconds the driver first saw the drain), ``deadline_left_s``, ``workers`` (its
   workers), ``after_step``, ``needed_s`` (what a planned leave was expected to take) and either ``left`` (the
   workers that left at this step's boundary), ``handoff_ms``, ``handoff_bytes`` (what they handed the stayers),
-  ``reform_ms``, ``rerun: false`` and ``fallback: null``, or ``left: []`` and ``fallback`` (why they stayed for the
-  lost-node path); a loss of workers whose node was being drained has ``drain`` (the drain's fields and
-  ``fallback``: why they had not left));
+  ``reform_ms`` (with ``reform_phases_ms``: the slowest member's ``leave``, ``rendezvous`` and ``state``, the last
+  building the new world's model state), ``rerun: false`` and ``fallback: null``, or ``left: []`` and ``fallback``
+  (why they stayed for the lost-node path); a loss of workers whose node was being drained has ``drain`` (the
+  drain's fields and ``fallback``: why they had not left));
 * ``measured_ms`` (dispatch to the last outcome, as the driver saw it: what ``predicted_ms`` predicts, its
   micro-batches plus the profile's ``step_ms``), ``compute_ms`` (slowest rank, start to end of its micro-batches),
   ``sync_ms``, ``optim_ms``, ``dispatch_ms``,

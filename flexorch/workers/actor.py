@@ -189,7 +189,8 @@ class Worker(WorkerMeasurements, ModelState):
         """Join the torch.distributed world of membership ``epoch`` (blocks until every rank joined). Sharded
         state is then re-sharded for the new world (a collective, ``flexorch.workers.reshard``): from the initial
         values when ``initial`` (the run's first world), else from what the members hold. Returns ``{"seconds",
-        "version"}``: the state version now held (None: the members no longer hold every shard of any version,
+        "phases_ms", "version"}`` (``phases_ms``: leaving the last world, the rendezvous, building this world's model
+        state): the state version now held (None: the members no longer hold every shard of any version,
         nothing was restored) and ``"newest"``, the newest version any member held."""
         t0 = time.perf_counter()
         own = self._state_holding()
@@ -198,10 +199,14 @@ class Worker(WorkerMeasurements, ModelState):
         # Membership changed since the last world, maybe because a peer died after this rank's step had finished:
         # abort (NCCL) rather than destroy, which could wait on that peer. No collective is pending between steps.
         self.leave_world(abort=True)
+        t_left = time.perf_counter()
         self._at("join", epoch)
         self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
+        t_joined = time.perf_counter()
         out = self._state_after_join(holding, initial)
-        return {"seconds": time.perf_counter() - t0, **out}
+        t_end = time.perf_counter()
+        phases = {"leave": t_left - t0, "rendezvous": t_joined - t_left, "state": t_end - t_joined}
+        return {"seconds": t_end - t0, "phases_ms": {k: v * 1e3 for k, v in phases.items()}, **out}
 
     @ray.method(num_returns=2)
     def hand_off(self):

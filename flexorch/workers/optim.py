@@ -40,17 +40,17 @@ def lr_at(step: int, cfg: OptimConfig) -> float:
 
 
 def build_optimizer(
-    model: nn.Module, cfg: OptimConfig, *, foreach: bool = False
+    model: nn.Module, cfg: OptimConfig, *, foreach: bool = False, cls: type[torch.optim.AdamW] = torch.optim.AdamW
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (weight decay only on >= 2-D parameters) and its LambdaLR; call ``scheduler.step()`` after each
-    ``optimizer.step()``. ``foreach``: the multi-tensor implementation (sharded state: one DTensor dispatch per op
-    for all shards instead of one per parameter; the same math up to float reordering)."""
+    ``optimizer.step()``. ``foreach``: the multi-tensor implementation (the same math up to float reordering);
+    ``cls``: AdamW or a subclass (sharded state: ``flexorch.workers.shard_optim.ShardAdamW``)."""
     decay, no_decay = [], []
     for p in model.parameters():
         if p.requires_grad:
             (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(
+    optimizer = cls(
         [g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=foreach, fused=False
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_factor, cfg=cfg))

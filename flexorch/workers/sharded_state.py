@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from flexorch.workers.errors import PeerLostError
 from flexorch.workers.model_state import ModelState
-from flexorch.workers.optim import build_optimizer
 from flexorch.workers.recompute import built_mode
 
 __all__ = ["ShardedState", "holding_bytes"]
@@ -87,7 +86,9 @@ class ShardedState(ModelState):
         with reg.tracking():  # the mesh's groups are this world's too: abort_world must reach their sockets
             self.model = self._build_sharded()
         params = list(self.model.parameters())
-        opt = build_optimizer(self.model, self.optim_cfg, foreach=True) if params else (None, None)
+        from flexorch.workers.shard_optim import build_shard_optimizer
+
+        opt = build_shard_optimizer(self.model, self.optim_cfg) if params else (None, None)
         self.optimizer, self.scheduler = opt
         self._positions = {n: shard_position(p) for n, p in self.model.named_parameters()}
         if initial:

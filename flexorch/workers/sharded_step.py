@@ -4,7 +4,8 @@ The same math as :func:`~flexorch.workers.step_exec.run_step` (docs/design.md §
 of its local tokens, autograd through the SP attention routes every token's gradient to its owner, and FSDP2's
 reduce-scatter (a SUM, not a mean) leaves on each rank its shard of the gradient of the whole batch's summed
 loss; every rank then divides by the global count of predicted tokens, clips by the global norm (computed over
-the shards by DTensor) and steps AdamW on its shards.
+the shards) and steps AdamW on its shards (``flexorch.workers.shard_optim``: on the local shards, past DTensor's
+dispatch).
 
 What differs: FSDP gathers each layer over the whole mesh, so every rank must run the same sequence of forwards
 and backwards. Every rank runs every micro-batch of the step; where the plan gives it no group it runs an empty
@@ -19,10 +20,10 @@ import time
 
 import numpy as np
 import torch
-from torch.distributed.tensor import DTensor
 
 from flexorch.work.step import StepWork
 from flexorch.workers.optim import resident_bytes
+from flexorch.workers.shard_optim import scale_grads, shard_grad_norm
 from flexorch.workers.step_context import StepContext
 from flexorch.workers.step_exec import (
     MicroBatches,
@@ -72,7 +73,7 @@ def finish_sharded_step(
 ) -> StepOutcome:
     """The end of a sharded step (SP, or a pipeline stage's shard): sum the loss and predicted-token count over the
     world, check the count, divide the (reduce-scattered, summed) gradient shards by it, clip by the global norm and
-    step AdamW on the shards. The norm of the shards is a DTensor reduced over this rank's mesh; with pipeline
+    step AdamW on the shards. The norm of the shards is reduced over this rank's mesh; with pipeline
     stages each stage's squared norm is added over the world once (``counts_norm``: this rank is its stage's first;
     None: the mesh is the world and rank 0 counts it). A rank holding no parameters (on no stage) only takes part."""
     world, optimizer = ctx.world, ctx.optimizer
@@ -80,8 +81,7 @@ def finish_sharded_step(
     t_sync = time.perf_counter()
     device = params[0].device if params else default_device()
     grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=False) if grads else torch.zeros(())
-    norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)  # this mesh's gradient norm (unscaled)
+    norm = shard_grad_norm(grads) if grads else 0.0  # this mesh's gradient norm (unscaled)
     counts = rank_work.rank == 0 if counts_norm is None else counts_norm
     norm_sq = norm**2 if counts else 0.0
     scale, norm_sq = reduce_step_stats(out, rank_work, world, device, (local_loss, local_pred, norm_sq), task_losses)
@@ -93,8 +93,7 @@ def finish_sharded_step(
     coef = scale
     if ctx.optim_cfg.grad_clip:  # torch.nn.utils.clip_grad_norm_'s coefficient, on the global norm
         coef *= min(1.0, ctx.optim_cfg.grad_clip / (out.grad_norm + 1e-6))
-    for g in grads:
-        g.mul_(coef)
+    scale_grads(grads, coef)
     if optimizer is not None:
         out.lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()

@@ -111,6 +111,8 @@ def test_a_drained_node_leaves_at_the_next_boundary_and_the_run_matches_the_refe
     assert rec["what"] == "drain" and rec["left"] == on_node and rec["fallback"] is None, rec
     assert rec["after_step"] == 1 and rec["deadline"] == pytest.approx(asked + DEADLINE_S, abs=5)
     assert rec["handoff_bytes"] > 0, "the leaving workers' shards were handed over"
+    phases = rec["reform_phases_ms"]  # the slowest member's: leaving the last world, meeting, building the state
+    assert set(phases) == {"leave", "rendezvous", "state"} and sum(phases.values()) <= rec["reform_ms"] + 1
     assert [r["world_size"] for r in records] == [4, 4, 2, 2, 2]
     assert [len(r["recoveries"]) for r in records] == [0, 0, 1, 0, 0], "no loss, no re-run, no roll-back"
     assert [r["step"] for r in records] == list(range(5))
@@ -118,7 +120,8 @@ def test_a_drained_node_leaves_at_the_next_boundary_and_the_run_matches_the_refe
     print(f"\n{mode}: {line}")
     after = records[2]
     print(f"{mode}: step walls {[round(w, 2) for w in walls]} s; drain {rec['recovery_ms']:.0f} ms "
-          f"(handoff {rec['handoff_ms']:.0f} ms, re-form {rec['reform_ms']:.0f} ms); the step after: boundary "
+          f"(handoff {rec['handoff_ms']:.0f} ms, re-form {rec['reform_ms']:.0f} ms: "
+          f"{ {k: round(v) for k, v in rec['reform_phases_ms'].items()} }); the step after: boundary "
           f"{after['boundary_ms']:.0f} ms, plan wait {after['plan_wait_ms']:.0f} ms, measured "
           f"{after['measured_ms']:.0f} ms")  # fmt: skip
     print(f"{mode}: measured ms by step {[round(r['measured_ms']) for r in records]}")

@@ -236,6 +236,7 @@ else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unuse
     elif hasattr(FSDPModule, "set_reduce_scatter_unused_params"):
         del FSDPModule.set_reduce_scatter_unused_params
     from flexorch.workers import fsdp
+    from flexorch.workers.shard_optim import build_shard_optimizer
     from flexorch.workers.sharded_step import run_sharded_step
     from flexorch.workers.step_context import StepContext
 
@@ -248,7 +249,7 @@ else:  # "sharded_torch_2_11": FSDP2 without FSDPModule.set_reduce_scatter_unuse
     recompute = "selective" if part == "sharded_compiled" else "none"
     model = fsdp.sharded_decoder(cfg, fsdp.build_mesh("fsdp", 2, None, "cpu"), recompute=recompute)
     result["compiled"] = sum(bool(getattr(m, "_flexorch_compiled", False)) for m in model.layers)
-    optimizer, scheduler = build_optimizer(model, optim_cfg, foreach=True)
+    optimizer, scheduler = build_shard_optimizer(model, optim_cfg)
     fsdp.fill_initial(model, cfg, 7)
     result["has_api"] = hasattr(model, "set_reduce_scatter_unused_params")
     ctx = StepContext(model, optimizer, scheduler, registry.group, registry.world, optim_cfg, vocab_size=cfg.vocab_size)

@@ -104,10 +104,18 @@ def test_a_drained_node_leaves_at_the_next_boundary_and_nothing_is_rerun(tmp_pat
     cfg = _cfg(tmp_path, profile, steps=4)
     batches = _batches(cfg, 4)
     driver, group = fake_driver(cfg, corpus)
-    events = []
+    events, asked = [], []
+    ahead = driver.planner.plan_ahead
+    driver.planner.plan_ahead = lambda step, lengths, n, *a, **k: (
+        asked.append((step, n)),
+        ahead(step, lengths, n, *a, **k),
+    )
     try:
         _drain_after(driver, group, 2, "node-1", 45.0)  # workers 2 and 3
         t = driver.step()
+        # the plan of the step after the drain was started for the smaller world at the boundary, before the
+        # handoff and the re-form (which it runs beside), then the next one while that step ran
+        assert asked == [(1, 4), (2, 4), (2, 2), (3, 2)], asked
         assert (t.ran, t.step, t.decisions) == (Ran.TRAINED, 2, ()), "no failure, no decision after one"
         (rec,) = t.recoveries
         assert rec["what"] == "drain" and rec["left"] == [2, 3] and rec["workers"] == [2, 3]
