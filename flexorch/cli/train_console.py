@@ -113,9 +113,12 @@ def format_membership(ev: dict) -> str:
 
 
 def _drain_head(ev: dict, left_s: float | None) -> str:
-    """``node 10.0.0.7 draining (preemption, 45 s)``: the node, the drain's reason and the time to its deadline."""
+    """``node 10.0.0.7 draining (preemption, 45 s)``: the node, the drain's reason and the time to its deadline;
+    ``SIGTERM on node 10.0.0.7 (28 s of grace left)`` for a worker's own notice."""
     name = ev.get("node_ip") or ev["node"][:12]
     deadline = "no deadline" if left_s is None else f"{max(left_s, 0.0):.0f} s"
+    if ev["reason"] == "sigterm":
+        return f"SIGTERM on node {name} ({deadline} of grace left)"
     return f"node {name} draining ({ev['reason']}, {deadline})"
 
 

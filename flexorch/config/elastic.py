@@ -42,6 +42,12 @@ class ElasticSettings:
     rather than at ``collective_timeout_s``; a worker that is merely slow (a long step, a big all-to-all) keeps
     beating. 0 turns the watch off."""
 
+    sigterm_grace_s: float = 30.0
+    """A worker process that gets SIGTERM (a platform's notice before it kills it: Slurm's preemption and
+    ``scancel`` send it to every process of a job, then SIGKILL after ``GraceTime``) leaves at the next step boundary
+    as a drained node's workers do, its deadline this many seconds after the signal (Kubernetes' and Slurm's usual
+    grace is 30 s)."""
+
     driver_restarts: int = 3
     """How many times ``flexorch train`` starts a new driver when the one it started is lost (its process or node
     died): from the run's newest checkpoint, at the exact next batch. 0: a lost driver ends the run."""
@@ -71,6 +77,9 @@ class ElasticSettings:
         t = self.collective_timeout_s
         if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
             raise ConfigError(f"elastic.collective_timeout_s must be > 0, got {t!r}")
+        g = self.sigterm_grace_s
+        if isinstance(g, bool) or not isinstance(g, int | float) or not g > 0:
+            raise ConfigError(f"elastic.sigterm_grace_s must be > 0 (seconds), got {g!r}")
         r = self.driver_restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ConfigError(f"elastic.driver_restarts must be an integer >= 0, got {r!r}")

@@ -107,8 +107,14 @@ class DrainWatch:
         publish: Callable[[dict], None],
         interval_s: float = POLL_S,
         own_node: str | None = None,
+        notices: Callable[[], Mapping[int, float]] | None = None,
+        grace_s: float = 30.0,
     ):
         self._source, self._members, self._publish = source, members, publish
+        self._notices = notices
+        """() -> {worker id: unix seconds it got SIGTERM}: a worker's own notice, a drain of that worker alone with
+        the deadline ``grace_s`` after the signal (the worker group's ``leaving_notices``)."""
+        self.grace_s = grace_s
         self.own_node = own_node
         """The node the driver runs on (None: unknown): its drain is announced as such."""
         self.own_drain: NodeDrain | None = None
@@ -116,6 +122,7 @@ class DrainWatch:
         self.interval_s = interval_s
         self._seen: dict[str, NodeDrain] = {}  # node id -> the drain as first seen
         self._taken: set[tuple[str, int]] = set()  # (node, worker) pairs handed out
+        self._signalled: dict[int, NodeDrain] = {}  # worker id -> its SIGTERM notice as a drain of its node
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -128,9 +135,11 @@ class DrainWatch:
         try:
             current = self._source()
             members = dict(self._members())
+            signalled = dict(self._notices()) if self._notices is not None else {}
         except Exception:  # noqa: BLE001 - a GCS hiccup, or members changing under the thread: next poll
             self.errors += 1
             return list(self._seen.values())
+        self._note_signals(signalled, members, now)
         fresh = []
         with self._lock:
             for drain in current:
@@ -157,9 +166,21 @@ class DrainWatch:
                 )
         return seen
 
+    def _note_signals(self, signalled: Mapping[int, float], members: Mapping[int, str], now: float) -> None:
+        """Stamp and announce members that got SIGTERM since the last poll, each as a drain of its node that only
+        it leaves by."""
+        fresh = []
+        with self._lock:
+            for w, at in signalled.items():
+                if w in members and w not in self._signalled:
+                    self._signalled[w] = NodeDrain(members[w], at + self.grace_s, "sigterm", None, now)
+                    fresh.append((w, self._signalled[w]))
+        for w, drain in fresh:
+            self._publish({"event": "drain_seen", **drain.fields(), "workers": [w], "left_s": drain.left_s(now)})
+
     def take(self, members: Mapping[int, str]) -> list[tuple[NodeDrain, list[int]]]:
         """Drains of nodes holding some of ``members`` ({worker id: node id}), soonest deadline first, each with its
-        members not handed out before; polls first."""
+        members not handed out before (a SIGTERM notice: that worker alone); polls first."""
         self.poll()
         out = []
         with self._lock:
@@ -168,6 +189,10 @@ class DrainWatch:
                 if on:
                     self._taken |= {(node, w) for w in on}
                     out.append((drain, on))
+            for w, drain in sorted(self._signalled.items()):
+                if w in members and (drain.node_id, w) not in self._taken:
+                    self._taken.add((drain.node_id, w))
+                    out.append((drain, [w]))
         return sorted(out, key=lambda d: (d[0].deadline is None, d[0].deadline or 0.0))
 
     def draining(self, node_id: str) -> NodeDrain | None:

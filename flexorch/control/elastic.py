@@ -58,7 +58,9 @@ class ElasticError(WorkerGroupError):
 
 
 class Elastic:
-    def __init__(self, workers: WorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint, layout_note=None):
+    def __init__(
+        self, workers: WorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint, layout_note=None, grace_s=30.0
+    ):
         self.workers = workers
         self.policy = policy
         self.publish = publish
@@ -69,7 +71,10 @@ class Elastic:
         self._driver_drain_taken = False
         if hasattr(workers, "draining_nodes"):  # nodes being drained, seen from a thread within a second
             own = getattr(workers, "driver_node", None)
-            self.drains = DrainWatch(workers.draining_nodes, workers.nodes_of, publish, own_node=own)
+            notices = getattr(workers, "leaving_notices", None)  # workers that got SIGTERM (their heartbeats)
+            self.drains = DrainWatch(
+                workers.draining_nodes, workers.nodes_of, publish, own_node=own, notices=notices, grace_s=grace_s
+            )
 
     def watch_drains(self) -> None:
         """Start watching for drains from a thread (:class:`~flexorch.control.drains.DrainWatch`)."""

@@ -31,6 +31,13 @@ class Heartbeats:
         """Heartbeats counted so far per worker; 0 before the first."""
         return {w: int(self._store.add(f"beat/{w}", 0)) for w in worker_ids}
 
+    def leaving(self, worker_ids) -> dict[int, float]:
+        """Of ``worker_ids``, those whose process got SIGTERM (``Worker._on_sigterm``, announced by its heartbeat
+        thread): id -> when, in unix seconds. One store call while nobody got one."""
+        if int(self._store.add("leaving", 0)) == 0:
+            return {}
+        return {w: float(self._store.get(f"leave/{w}")) for w in worker_ids if self._store.check([f"leave/{w}"])}
+
     def beating(self, worker_id: int) -> bool:
         """Whether the worker's heartbeat moved within ``timeout_s`` (False when it never beat or not watched)."""
         if not self.timeout_s:

@@ -127,7 +127,8 @@ class RunSetup:
         policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
         mode, shard = cfg.sharding_mode, cfg.sharding.shard_size
         layout = functools.partial(uneven_world_note, mode, shard_size=shard)
-        self.elastic = Elastic(self.workers, policy, self._publish, self.checkpoints.hint, layout)
+        grace = self.cfg.elastic.sigterm_grace_s
+        self.elastic = Elastic(self.workers, policy, self._publish, self.checkpoints.hint, layout, grace)
         t_world = time.perf_counter()
         try:
             self.workers.form_world()

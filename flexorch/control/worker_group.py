@@ -198,6 +198,11 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         """Nodes of the cluster being drained (``control.drains``)."""
         return draining_nodes()
 
+    def leaving_notices(self) -> dict[int, float]:
+        """Members whose process got SIGTERM: worker id -> when (unix seconds), from their heartbeats."""
+        beats = self.heartbeats
+        return beats.leaving(list(self.membership.worker_ids)) if beats is not None else {}
+
     def start_workers(self, count: int) -> list[int]:
         """Start ``count`` new worker actors with fresh ids; they join at :meth:`admit` once ready."""
         ids = self.membership.new_ids(count)
@@ -255,7 +260,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         }
         got = self.call_all(refs, "form a torch.distributed world", self.timeout_s + 30.0)
         phases = [g["phases_ms"] for g in got.values() if isinstance(g, dict) and "phases_ms" in g]
-        self.form_phases_ms = {k: max(p[k] for p in phases) for k in phases[0]} if phases else None
+        self.form_phases_ms = max(phases, key=lambda p: sum(p.values())) if phases else None  # the slowest member
         self._initialised = True
         if self.sharded:
             self.restored = got[ids[0]]

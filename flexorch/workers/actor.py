@@ -4,9 +4,8 @@ The driver creates N of these in a placement group, tells them the world to join
 TCPStore, one world per membership epoch), and sends each one its :class:`~flexorch.work.step.StepWork` plus the
 specs of the corpus store parts its documents live in (it reads its own documents from them). The actor builds the
 process groups the plan names (collectively, in the same order on every rank), runs its micro-batches and steps the
-optimizer. With pipeline
-stages and ``[pipeline] params = "stage"`` it holds only its stage's parts (``flexorch.workers.pipeline.held_params``).
-One thread per worker on CPU (docs/design.md §7).
+optimizer. With pipeline stages and ``[pipeline] params = "stage"`` it holds only its stage's parts
+(``flexorch.workers.pipeline.held_params``). One thread per worker on CPU (docs/design.md §7).
 
 :class:`Worker` is what every worker does; what depends on how it holds the model state is behind one interface,
 ``workers.model_state.ModelState``, which the two kinds of worker implement: :class:`ReplicatedWorker`
@@ -19,6 +18,7 @@ class for a run's ``[sharding] mode``. A test adds probes (:meth:`Worker.add_pro
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -60,6 +60,11 @@ STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
 HEARTBEAT_S = 1.0
 """How often a worker's heartbeat thread beats (``Worker.start_heartbeat``)."""
+
+
+def _in_actor() -> bool:
+    """True inside a Ray actor's process (not a test's in-process worker, whose signals are the test's own)."""
+    return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
 def _is_world_error(e: BaseException) -> bool:
@@ -104,6 +109,9 @@ class Worker(WorkerMeasurements, ModelState):
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
         self._probes: list = []  # called at PROBE_POINTS (add_probe); none in a run
+        self._sigterm_at: float | None = None  # when this process got SIGTERM (unix seconds), if it did
+        if _in_actor() and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)  # instead of Ray's, which exits the process at once
 
     def start_heartbeat(self, host: str, port: int, period_s: float = HEARTBEAT_S) -> None:
         """Beat every ``period_s`` into the driver's heartbeat store (``beat/<worker id>``, a counter), from a
@@ -119,17 +127,28 @@ class Worker(WorkerMeasurements, ModelState):
         stop = self._beat_stop = threading.Event()
 
         def beat() -> None:
+            announced = False
             while not stop.is_set():
                 if os.getppid() != parent:  # the raylet that started this worker died: so does its worker
                     os._exit(1)
                 try:
                     store.add(key, 1)
+                    if self._sigterm_at is not None and not announced:  # its notice, for the driver's drain watch
+                        store.set(f"leave/{self.worker_id}", repr(self._sigterm_at))
+                        store.add("leaving", 1)
+                        announced = True
                 except Exception:  # noqa: BLE001 - the driver's store is gone (the run ended): stop beating
                     return
-                stop.wait(period_s)
+                stop.wait(0.05 if self._sigterm_at is not None and not announced else period_s)
 
         self._beat = threading.Thread(target=beat, name="flexorch-heartbeat", daemon=True)
         self._beat.start()
+
+    def _on_sigterm(self, signum, frame) -> None:
+        """SIGTERM, a notice that this process goes soon, is only noted here; the heartbeat tells the driver, which
+        takes this worker out at the next boundary (``control.drains``), or the platform's SIGKILL comes first."""
+        if self._sigterm_at is None:
+            self._sigterm_at = time.time()
 
     @ray.method(concurrency_group="control")
     def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:

@@ -8,6 +8,8 @@ against the stream: every document of every step exactly once, in the order of a
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from flexorch.cli.train_console import format_membership
@@ -135,6 +137,43 @@ def test_a_stopped_worker_is_found_by_its_heartbeat_not_the_collective_timeout(e
     assert rec["total_ms"] == pytest.approx(rec["detect_ms"] + rec["recovery_ms"] + rec["rerun_ms"])
     line = format_membership({"event": "membership", **rec})
     assert "after its last heartbeat: its heartbeat stopped" in line, line
+    _check_against_reference(cfg, env[3], records, replicas)
+
+
+def test_a_worker_that_gets_sigterm_leaves_at_the_next_boundary_and_nothing_is_rerun(env):
+    # SIGTERM to one worker's process (Slurm's preemption and `scancel` send it to every process of a job, then
+    # SIGKILL after the grace time): the worker does not exit (Ray's handler would), its heartbeat announces the
+    # notice, and the driver takes it out at the next step boundary as a planned leave, nothing re-run
+    import os
+    import signal
+
+    cfg = _cfg(env, "sigterm", elastic={"sigterm_grace_s": 45.0})
+    driver = TrainingDriver(cfg, corpus=env[3])
+    records = []
+    try:
+        driver.setup()
+        records.append(driver.step().record)
+        since = len(driver.events.poll(0)[0])
+        pid = driver.workers.call("info")[3]["pid"]
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        seen = []
+        while not seen and time.monotonic() < deadline:  # its heartbeat announces it within about a second
+            time.sleep(0.05)
+            seen = [e for e in driver.events.poll(since)[0] if e["event"] == "drain_seen"]
+        assert seen and seen[0]["workers"] == [3] and seen[0]["reason"] == "sigterm", seen
+        while not driver.finished:
+            records.append(driver.step().record)
+        replicas = driver.replica_parameters()
+    finally:
+        driver.shutdown()
+    rec = records[1]["recoveries"][0]
+    assert rec["what"] == "drain" and rec["reason"] == "sigterm" and rec["left"] == [3] and rec["fallback"] is None
+    assert rec["after_step"] == 0 and not rec["rerun"] and 40 < rec["deadline_left_s"] <= 45, rec
+    assert [r["world_size"] for r in records] == [4, 3, 3, 3]
+    assert [len(r["recoveries"]) for r in records] == [0, 1, 0, 0], "no loss, no re-run"
+    line = format_membership({"event": "membership", **rec})
+    assert "SIGTERM on node" in line and "workers [3] left after step 0" in line and "nothing re-run" in line, line
     _check_against_reference(cfg, env[3], records, replicas)
 
 

@@ -81,6 +81,26 @@ def test_the_watch_stamps_each_drain_once_and_hands_out_only_those_of_members_no
     assert flaky.take(members) == [] and flaky.errors == 1
 
 
+def test_a_worker_s_sigterm_is_a_drain_that_only_it_leaves_by():
+    members = {0: "a", 1: "a", 2: "b", 3: "b"}
+    signalled, events = {}, []
+    watch = DrainWatch(lambda: [], lambda: members, events.append, notices=lambda: signalled, grace_s=30.0)
+    assert watch.take(members) == [] and events == []
+    at = time.time() - 2.0  # worker 3 got SIGTERM 2 s ago; worker 2 on the same node did not
+    signalled[3] = at
+    taken = watch.take(members)
+    assert [(d.node_id, on, d.reason) for d, on in taken] == [("b", [3], "sigterm")]
+    assert taken[0][0].deadline == pytest.approx(at + 30.0) and taken[0][0].seen_at >= at
+    (ev,) = events
+    assert ev["event"] == "drain_seen" and ev["workers"] == [3] and 27 < ev["left_s"] <= 28.5
+    line = format_membership(ev)
+    assert line.startswith("membership: SIGTERM on node b (2") and "s of grace left): workers [3] leave" in line
+    assert watch.take(members) == [] and len(events) == 1, "announced and handed out once"
+    signalled[7] = at  # a worker that is no member (it left already): ignored
+    assert watch.take(members) == [] and len(events) == 1
+    assert ElasticPolicy(1, 4).on_drain([0, 1, 2, 3], [3], 28.0, 1.0) == Leave((3,), (0, 1, 2))
+
+
 def test_a_handoff_moves_the_parts_only_the_leaving_hold():
     parts = model_parts(4)
     stage0, stage1 = frozenset(parts[:3]), frozenset(parts[3:])

@@ -54,6 +54,7 @@ def test_flags_set_the_bounds():
         ({"elastic.max_attempts": 0}, r"elastic.max_attempts must be a positive integer, got 0"),
         ({"elastic.collective_timeout_s": 0}, r"elastic.collective_timeout_s must be > 0, got 0"),
         ({"elastic.heartbeat_timeout_s": 1}, r"heartbeat_timeout_s must be 0 \(off\) or at least 2 .*got 1"),
+        ({"elastic.sigterm_grace_s": 0}, r"elastic.sigterm_grace_s must be > 0 \(seconds\), got 0"),
         ({"elastic.driver_restarts": -1}, r"elastic.driver_restarts must be an integer >= 0, got -1"),
         ({"elastic.driver_restarts": 1.5}, r"elastic.driver_restarts must be an integer >= 0, got 1.5"),
     ],
