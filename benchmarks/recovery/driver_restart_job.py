@@ -203,10 +203,15 @@ class Cluster:
             if time.monotonic() > deadline or head_proc.poll() is not None:
                 raise RuntimeError(f"the Ray head did not come up: {probe.stderr[-2000:]} (see {self.logs[0].name})")
             time.sleep(2)
+        self.start_node(self.temps[1])
+
+    def start_node(self, temp: Path, name: str = "node") -> subprocess.Popen:
+        """``ray start --address=<head> --block`` with ``NODE_CPUS`` CPUs and its own temp dir; returns once the
+        cluster has the head's and this node's CPUs."""
         node = [RAY, "start", f"--address={self.gcs}", "--block", "--node-ip-address=127.0.0.1"]
-        node += [f"--num-cpus={NODE_CPUS}", f"--temp-dir={self.temps[1]}", "--disable-usage-stats"]
+        node += [f"--num-cpus={NODE_CPUS}", f"--temp-dir={temp}", "--disable-usage-stats"]
         node += self._node_ports()
-        node_proc = self._start(node, "node")
+        node_proc = self._start(node, name)
         deadline = time.monotonic() + 180
         while True:
             st = subprocess.run(
@@ -215,12 +220,25 @@ class Cluster:
             text = _plain(st.stdout)
             if len(re.findall(r"^\s*\d+ node_", text, re.M)) >= 2 and f"/{HEAD_CPUS + NODE_CPUS}.0 CPU" in text:
                 self.status = text
-                return
+                return node_proc
             if time.monotonic() > deadline or node_proc.poll() is not None:
                 raise RuntimeError(
-                    f"the second node did not join: {text[-1500:]}{st.stderr[-1500:]} (see {self.logs[1].name})"
+                    f"the second node did not join: {text[-1500:]}{st.stderr[-1500:]} (see {self.logs[-1].name})"
                 )
             time.sleep(2)
+
+    def stop_node(self, proc: subprocess.Popen, temp: Path) -> None:
+        """Stop one ``ray start --block`` node (SIGTERM to its group) and whatever of it is left (SIGKILL)."""
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        for pid in set(_pids_naming(str(temp))):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def stop(self) -> None:
         for proc in reversed(self.procs):  # `ray start --block` stops its node on SIGTERM

@@ -36,6 +36,10 @@ killed: they hold the state the emergency checkpoint is written from (``control.
 2-core machine a peer can take several seconds to fail out of a closed rendezvous (killed sooner, its shard is lost
 and no emergency checkpoint can be written). Well below ``collective_timeout_s``: a bug still stops the run in
 seconds."""
+REABORT_S = 2.0
+"""Once a world broke, the members still in a call on it are told to abort it again this often (``abort_world`` is
+idempotent): a socket of that world opened after the last abort, by a group the step was still creating, is shut
+too, so no survivor waits out the collective timeout on a peer that has already failed out of the world."""
 PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
 
 
@@ -113,7 +117,7 @@ class Settling:
         run stops on the error and its emergency checkpoint may need their state). With ``what``, a wait
         longer than ``PROGRESS_EVERY_S`` publishes progress (who answered, who is still working).
         """
-        self.silent, self.failed_at = {}, None
+        self.silent, self.failed_at, self._aborted_at = {}, None, 0.0
         t0 = time.monotonic()
         w = _Wait({ref: wid for wid, ref in refs.items()}, t0 + timeout_s)
         tick = t0 + PROGRESS_EVERY_S
@@ -126,6 +130,10 @@ class Settling:
                 tick = now + PROGRESS_EVERY_S
                 self._say_waiting(what, len(refs), w.pending, now - t0)
             wait_s = left if what is None else max(0.0, min(left, tick - now))
+            if self.failed_at is not None:  # a broken world: abort it again on the pending, now and then
+                if now - self._aborted_at >= REABORT_S:
+                    self._abort_pending(w.pending.values())
+                wait_s = min(wait_s, REABORT_S)
             if self.heartbeat_timeout_s:
                 wait_s = min(wait_s, BEAT_CHECK_S)
                 if self._drop_silent(w):
@@ -213,6 +221,7 @@ class Settling:
     def _abort_pending(self, worker_ids) -> None:
         """Tell workers still in a call on a broken world to shut its sockets down (``Worker.abort_world``, on
         their control thread): a collective waiting on a gone or frozen peer fails at once. Not waited for."""
+        self._aborted_at = time.monotonic()
         for w in worker_ids:
             abort = getattr(self._actors.get(w), "abort_world", None)  # a stand-in worker class may lack it
             if abort is not None:  # this epoch's world only: a late abort must not reach the next world
