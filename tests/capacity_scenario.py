@@ -18,23 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 DEADLINE_S = 60
-
-
-def _drain(address: str, node_id: str) -> None:
-    """``ray drain-node`` for preemption with a 60 s deadline: what a spot instance's notice becomes in Ray."""
-    ray_cli = Path(sys.executable).with_name("ray")
-    subprocess.run(
-        [str(ray_cli), "drain-node", "--address", address, "--node-id", node_id, "--reason",
-         "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption notice", "--deadline-remaining-seconds",
-         str(DEADLINE_S)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
 
 
 def _alive(ray, node_id: str) -> dict | None:
@@ -45,12 +33,13 @@ def drain_and_grow_back(ray, address: str, preempt: Path, driver, records: list)
     """Drain the node of the run's last worker; once its worker left, the cloud ends the instance (before its
     deadline: the test need not wait 60 s); step until a worker on a new node joined (at most every 0.3 s meanwhile,
     as the wait is the autoscaler's); what the test asserts on."""
+    from tests.ray_env import drain_node
     from tests.train_helpers import next_record
 
     nodes = dict(zip(driver.workers.worker_ids, (i["node_id"] for i in driver.workers.call("info")), strict=True))
     victim = nodes[max(nodes)]
     known = {n["NodeID"] for n in ray.nodes()}
-    _drain(address, victim)
+    drain_node(address, victim, DEADLINE_S)
     t_drain = time.monotonic()
     drain = grow = None
     left_at, ended = None, False

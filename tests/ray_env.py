@@ -69,3 +69,19 @@ def kill_private_ray(ray_tmp, remove: bool = True) -> None:
                 continue
     if remove:
         shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+def drain_node(address: str, node_id: str, deadline_s: int) -> None:
+    """``ray drain-node`` of ``node_id`` for preemption with ``deadline_s``, by Ray's own CLI, as a user (or an
+    autoscaler or KubeRay, through the same GCS call) sends it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ray_cli = Path(sys.executable).with_name("ray")
+    subprocess.run(
+        [str(ray_cli), "drain-node", "--address", address, "--node-id", node_id, "--reason",
+         "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption notice", "--deadline-remaining-seconds",
+         str(deadline_s)],
+        check=True, capture_output=True, timeout=60,
+    )  # fmt: skip

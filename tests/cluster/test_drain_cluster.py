@@ -17,16 +17,14 @@ stepped without Ray in ``tests/unit/test_drains.py``. About 20 s a case here.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from flexorch.config import ModelConfig
 from flexorch.config.sharding import ShardingSettings
 from flexorch.control.driver import TrainingDriver
+from tests.ray_env import drain_node
 from tests.train_helpers import check_against_reference, own_cluster, train_config
 
 pytestmark = pytest.mark.slow
@@ -37,17 +35,6 @@ DEADLINE_S = 60
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     yield from own_cluster(tmp_path_factory, "drain", head_cpus=2)
-
-
-def _drain_node(address: str, node_id: str, deadline_s: int) -> None:
-    """``ray drain-node`` for preemption, as a user (or an autoscaler, through the same GCS call) sends it."""
-    ray_cli = Path(sys.executable).with_name("ray")
-    subprocess.run(
-        [str(ray_cli), "drain-node", "--address", address, "--node-id", node_id, "--reason",
-         "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot preemption notice", "--deadline-remaining-seconds",
-         str(deadline_s)],
-        check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
 
 
 CASES = {
@@ -87,7 +74,7 @@ def test_a_drained_node_leaves_at_the_next_boundary_and_the_run_matches_the_refe
             records.append(driver.step().record)
             walls.append(time.perf_counter() - t0)
         since = len(driver.events.poll(0)[0])
-        _drain_node(c.address, node.node_id, DEADLINE_S)
+        drain_node(c.address, node.node_id, DEADLINE_S)
         asked = time.time()
         (drain,) = [d for d in draining_nodes() if d.node_id == node.node_id]
         assert DEADLINE_S - 5 < drain.left_s() <= DEADLINE_S and drain.ip
