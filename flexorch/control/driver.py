@@ -175,9 +175,12 @@ class TrainingDriver(RunSetup, RunLoop):
         """Start solving the next batch's plan for ``n`` workers (a world about to change size at this boundary):
         the solve runs while the world re-forms, and :meth:`_plan_attempt` takes it."""
         if n >= 1 and not self.finished:
-            batch = self.stream.peek()
-            lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
-            self.planner.plan_ahead(batch.step, lengths, n, self._plan_budget(), **self._task_of(batch))
+            self._plan_ahead(self.stream.peek(), n)
+
+    def _plan_ahead(self, batch, n: int) -> None:
+        """Start solving ``batch``'s plan for ``n`` workers (within the plan budget); a later plan call takes it."""
+        lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
+        self.planner.plan_ahead(batch.step, lengths, n, self._plan_budget(), **self._task_of(batch))
 
     def _plan_attempt(self, run: StepRun, n: int, boundary_ms: float) -> tuple[PlannedStep, dict]:
         """The plan of this attempt at the batch on ``n`` workers (planned ahead while the last step ran, or now),
@@ -294,10 +297,7 @@ class TrainingDriver(RunSetup, RunLoop):
         refs = self.workers.run_step(work, block_refs)
         dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs
-            nxt = self.stream.peek_after()
-            budget = self._plan_budget()  # with GPU workers, a share of the step this solve overlaps
-            nxt_lengths = [int(x) for x in self.corpus.lengths[list(nxt.doc_ids)]]
-            self.planner.plan_ahead(nxt.step, nxt_lengths, n, budget, **self._task_of(nxt))
+            self._plan_ahead(self.stream.peek_after(), n)  # with GPU workers, a budget share of the step it overlaps
         # a backstop only: a dead worker fails at once, a stuck collective fails on the worker after its timeout
         timeout_s = self.cfg.elastic.collective_timeout_s * (kind.waits(planned) + 2)
         results, failure = self.workers.settle(refs, timeout_s)
