@@ -14,6 +14,7 @@ the drained one before the next mode. Losses and parameters against the single-p
 
     python -m benchmarks.recovery.drain_ray_start               # batch 256: steps of about 1 s here; ~6 minutes
     python -m benchmarks.recovery.drain_ray_start --batch 64    # steps of 0.2-0.4 s
+    python -m benchmarks.recovery.drain_ray_start --mode fsdp   # one mode (repeatable; the first calibrates)
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def trial(cfg, corpus, cluster: Cluster, node_id: str, warm: int) -> dict:
         "after": walls[warm],
         "next": walls[warm + 1 :],
         "parts": [after[k] / 1e3 for k in ("boundary_ms", "plan_wait_ms", "measured_ms")],
+        "tokens": [r["tokens"] for r in records],  # batches differ (long-tailed lengths): walls per token compare them
         "drain": drain,
         "records": records,
     }
@@ -110,6 +112,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--warm", type=int, default=3, help="steps before the drain")
     ap.add_argument("--workdir", type=Path, default=ROOT / "runs" / "bench_drain_ray_start")
+    ap.add_argument("--mode", action="append", choices=list(MODES), help="only these modes (repeatable)")
     args = ap.parse_args(argv)
 
     import ray
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
             f"workload: {corpus.num_docs} documents; 4 workers on a head of 3 CPUs and a node of 2; batch {args.batch}"
         )
         for name, mode in MODES.items():
+            if args.mode and name not in args.mode:
+                continue
             node_id = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU") == 2)
             cfg = _config(base, args.workdir / name.replace(", ", "-").replace(" ", "-"), mode)
             res = trial(cfg, corpus, cluster, node_id, args.warm)
@@ -164,10 +169,23 @@ def main(argv=None) -> int:
         ray.shutdown()
         cluster.stop()
     print()
-    print(f"{'mode':<15s} {'before s (median)':>18s} {'after s':>8s} {'next s (median)':>16s} {'after/before':>13s}")
+    print(
+        f"{'mode':<15s} {'before s (median)':>18s} {'after s':>8s} {'next s (median)':>16s} {'after/before':>13s} "
+        f"{'after/next':>11s} {'per token':>10s}"
+    )
     for name, r in rows:
         before, nxt = statistics.median(r["before"]), statistics.median(r["next"])
-        print(f"{name:<15s} {before:18.2f} {r['after']:8.2f} {nxt:16.2f} {r['after'] / before:12.2f}x")
+        w, warm = r["tokens"], len(r["before"])
+        nxt_per_token = statistics.median(s / t for s, t in zip(r["next"], w[warm + 1 :], strict=True))
+        per_token = (r["after"] / w[warm]) / nxt_per_token
+        print(
+            f"{name:<15s} {before:18.2f} {r['after']:8.2f} {nxt:16.2f} {r['after'] / before:12.2f}x "
+            f"{r['after'] / nxt:10.2f}x {per_token:9.2f}x"
+        )
+    print(
+        "after/next: the step after the drain against the median of the next steps (the same smaller world); per "
+        "token: the same with each step's wall divided by its tokens (the batches' tokens differ by up to 1.6x)"
+    )
     print("ledger: every mode trained exactly the stream's documents (none lost, none re-run)")
     return 0
 

@@ -128,6 +128,8 @@ class DrainWatch:
         self._thread: threading.Thread | None = None
         self.errors = 0
         """Polls that failed (the GCS briefly unreachable): the next one tries again."""
+        self.on_seen: Callable[[list[int]], None] | None = None
+        """Called with a drain's members the moment it is first seen (the driver solves the smaller world's plan)."""
 
     def poll(self) -> list[NodeDrain]:
         """Ask once; stamp and announce drains not seen before. Returns every drain seen so far."""
@@ -164,7 +166,15 @@ class DrainWatch:
                 self._publish(
                     {"event": "drain_seen", **drain.fields(), "workers": workers, "left_s": drain.left_s(now)}
                 )
+                self._seen_members(workers)
         return seen
+
+    def _seen_members(self, workers: list[int]) -> None:
+        if self.on_seen is not None:
+            try:
+                self.on_seen(workers)
+            except Exception:  # noqa: BLE001 - a hint to the planner: the leave itself does not depend on it
+                self.errors += 1
 
     def _note_signals(self, signalled: Mapping[int, float], members: Mapping[int, str], now: float) -> None:
         """Stamp and announce members that got SIGTERM since the last poll, each as a drain of its node that only
@@ -177,6 +187,7 @@ class DrainWatch:
                     fresh.append((w, self._signalled[w]))
         for w, drain in fresh:
             self._publish({"event": "drain_seen", **drain.fields(), "workers": [w], "left_s": drain.left_s(now)})
+            self._seen_members([w])
 
     def take(self, members: Mapping[int, str]) -> list[tuple[NodeDrain, list[int]]]:
         """Drains of nodes holding some of ``members`` ({worker id: node id}), soonest deadline first, each with its

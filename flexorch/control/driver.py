@@ -180,7 +180,22 @@ class TrainingDriver(RunSetup, RunLoop):
     def _plan_ahead(self, batch, n: int) -> None:
         """Start solving ``batch``'s plan for ``n`` workers (within the plan budget); a later plan call takes it."""
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
-        self.planner.plan_ahead(batch.step, lengths, n, self._plan_budget(), **self._task_of(batch))
+        self._ahead = (batch.step, lengths, n, self._plan_budget(), self._task_of(batch))
+        self.planner.plan_ahead(batch.step, lengths, n, self._ahead[3], **self._ahead[4])
+
+    def _plan_without(self, workers: list[int]) -> None:
+        """A drain was just seen on ``workers``' node (from the drain watch's thread, mid-step): also solve the
+        next batch's plan for the world without them, so the step after their leave finds it solved."""
+        ahead = getattr(self, "_ahead", None)
+        if ahead is None:
+            return
+        step, lengths, n, budget, task = ahead
+        m = n - len(set(workers) & set(self.workers.worker_ids))
+        if 1 <= m < n:
+            try:
+                self.planner.plan_ahead(step, lengths, m, budget, also=True, **task)
+            except Exception:  # noqa: BLE001 - best effort: the boundary solves it otherwise
+                pass
 
     def _plan_attempt(self, run: StepRun, n: int, boundary_ms: float) -> tuple[PlannedStep, dict]:
         """The plan of this attempt at the batch on ``n`` workers (planned ahead while the last step ran, or now),

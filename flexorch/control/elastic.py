@@ -76,9 +76,11 @@ class Elastic:
                 workers.draining_nodes, workers.nodes_of, publish, own_node=own, notices=notices, grace_s=grace_s
             )
 
-    def watch_drains(self) -> None:
-        """Start watching for drains from a thread (:class:`~flexorch.control.drains.DrainWatch`)."""
+    def watch_drains(self, on_seen=None) -> None:
+        """Start watching for drains from a thread (:class:`~flexorch.control.drains.DrainWatch`); ``on_seen(workers)``
+        is called (from that thread) with the members of a node the moment its drain is first seen."""
         if self.drains is not None:
+            self.drains.on_seen = on_seen
             self.drains.start()
 
     def close(self) -> None:

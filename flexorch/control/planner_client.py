@@ -140,10 +140,18 @@ class PlannerClient(Protocol):
         ...
 
     def plan_ahead(
-        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+        self,
+        stream_step: int,
+        lengths: list[int],
+        n: int,
+        budget_s: float | None = None,
+        task_of=None,
+        also: bool = False,
     ) -> None:
         """Start solving that plan now, within ``budget_s``; a later :meth:`plan` with the same step and ``n``
-        takes it."""
+        takes it. A solve of the same step and ``n`` already under way is kept. ``also``: keep the solves ahead of
+        this step for other worker counts too (a drain seen mid-step: the world after it); otherwise they are
+        dropped. Callable from another thread than :meth:`plan`'s."""
         ...
 
     def forget(self) -> None:
@@ -171,7 +179,8 @@ class _PrefetchingClient:
     def __init__(self, spec: PlannerSpec, publish: Callable[[dict], None]):
         self.spec = spec
         self.publish = publish
-        self._pending: tuple[int, int, object] | None = None  # (stream step, workers, solve handle)
+        self._pending: dict[tuple[int, int], object] = {}  # (stream step, workers) -> solve handle
+        self._pending_lock = threading.Lock()  # plan_ahead(also=True) comes from the drain watch's thread
         self._start()
 
     def _start(self) -> None:
@@ -196,10 +205,10 @@ class _PrefetchingClient:
     ) -> PlannedStep:
         if n < 1:
             raise ValueError(f"stream step {stream_step}: no worker is left to plan for (n={n})")
-        pending, self._pending = self._pending, None
-        if pending is not None and pending[:2] == (stream_step, n):
-            handle = pending[2]
-        else:
+        with self._pending_lock:
+            handle = self._pending.pop((stream_step, n), None)
+            self._pending = {}
+        if handle is None:
             handle = self._submit(lengths, n, budget_s, task_of)
         try:
             return self._wait(handle, self.spec.timeout_s)
@@ -231,12 +240,23 @@ class _PrefetchingClient:
         return dataclasses.replace(planned, fallback_reason=reason, fallback_message=why)
 
     def plan_ahead(
-        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+        self,
+        stream_step: int,
+        lengths: list[int],
+        n: int,
+        budget_s: float | None = None,
+        task_of=None,
+        also: bool = False,
     ) -> None:
-        self._pending = (stream_step, n, self._submit(lengths, n, budget_s, task_of))
+        with self._pending_lock:
+            kept = {k: h for k, h in self._pending.items() if k[0] == stream_step and (also or k[1] == n)}
+            if (stream_step, n) not in kept:
+                kept[(stream_step, n)] = self._submit(lengths, n, budget_s, task_of)
+            self._pending = kept
 
     def forget(self) -> None:
-        self._pending = None
+        with self._pending_lock:
+            self._pending = {}
 
     def set_profile(self, profile: Profile) -> None:
         self.spec = dataclasses.replace(self.spec, profile=profile)  # a restarted planner and the fallback too

@@ -136,7 +136,7 @@ class RunSetup:
             self.elastic.recover(e.failure, 0, "form the first world")
         world_s = time.perf_counter() - t_world
         self.elastic.reform_s = world_s
-        self.elastic.watch_drains()  # nodes being drained are seen within a second; their workers leave between steps
+        self.elastic.watch_drains(self._plan_without)  # drains seen within a second; their workers leave between steps
         return world_s
 
     def _setup_summary(self, world_s: float) -> dict:

@@ -61,9 +61,10 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   workers), ``after_step``, ``needed_s`` (what a planned leave was expected to take) and either ``left`` (the
   workers that left at this step's boundary), ``handoff_ms``, ``handoff_bytes`` (what they handed the stayers),
   ``reform_ms`` (with ``reform_phases_ms``: the slowest member's ``leave``, ``rendezvous`` and ``state``, the last
-  building the new world's model state), ``rerun: false`` and ``fallback: null``, or ``left: []`` and ``fallback``
-  (why they stayed for the lost-node path); a loss of workers whose node was being drained has ``drain`` (the
-  drain's fields and ``fallback``: why they had not left));
+  building the new world's model state; sharded state: ``build`` and ``exchange`` in place of ``state``),
+  ``rerun: false`` and ``fallback: null``, or ``left: []`` and ``fallback`` (why they stayed for the lost-node path);
+  a loss of workers whose node was being drained has ``drain`` (the drain's fields and ``fallback``: why they had not
+  left));
 * ``measured_ms`` (dispatch to the last outcome, as the driver saw it: what ``predicted_ms`` predicts, its
   micro-batches plus the profile's ``step_ms``), ``compute_ms`` (slowest rank, start to end of its micro-batches),
   ``sync_ms``, ``optim_ms``, ``dispatch_ms``,

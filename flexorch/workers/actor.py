@@ -208,13 +208,12 @@ class Worker(WorkerMeasurements, ModelState):
         """Join the torch.distributed world of membership ``epoch`` (blocks until every rank joined). Sharded
         state is then re-sharded for the new world (a collective, ``flexorch.workers.reshard``): from the initial
         values when ``initial`` (the run's first world), else from what the members hold. Returns ``{"seconds",
-        "phases_ms", "version"}`` (``phases_ms``: leaving the last world, the rendezvous, building this world's model
-        state): the state version now held (None: the members no longer hold every shard of any version,
-        nothing was restored) and ``"newest"``, the newest version any member held."""
+        "phases_ms", "version", "newest"}``: ms leaving the last world, meeting, building the state (sharded:
+        ``build`` and ``exchange``); the state version now held (None: no version's shards are all held any more,
+        nothing was restored) and the newest version any member held."""
         t0 = time.perf_counter()
         own = self._state_holding()
-        # what this worker holds and what workers that left on notice handed to it (``take_handoff``)
-        holding = [h for h in (own, *getattr(self, "_handed", ())) if h is not None] or None
+        holding = [h for h in (own, *getattr(self, "_handed", ())) if h is not None] or None  # + take_handoff's
         # Membership changed since the last world, maybe because a peer died after this rank's step had finished:
         # abort (NCCL) rather than destroy, which could wait on that peer. No collective is pending between steps.
         self.leave_world(abort=True)
@@ -224,8 +223,9 @@ class Worker(WorkerMeasurements, ModelState):
         t_joined = time.perf_counter()
         out = self._state_after_join(holding, initial)
         t_end = time.perf_counter()
-        phases = {"leave": t_left - t0, "rendezvous": t_joined - t_left, "state": t_end - t_joined}
-        return {"seconds": t_end - t0, "phases_ms": {k: v * 1e3 for k, v in phases.items()}, **out}
+        state = out.pop("phases_ms", None) or {"state": (t_end - t_joined) * 1e3}  # sharded: build, exchange
+        phases = {"leave": (t_left - t0) * 1e3, "rendezvous": (t_joined - t_left) * 1e3, **state}
+        return {"seconds": t_end - t0, "phases_ms": phases, **out}
 
     @ray.method(num_returns=2)
     def hand_off(self):

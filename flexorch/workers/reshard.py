@@ -10,9 +10,10 @@ collective over the new world (:func:`exchange`) then moves the state:
    update before a failure holds a newer version than one that did not; old versions are used only if the newer
    one lost a shard); no covering version means the state is gone from memory: ``exchange`` returns None, nothing
    is changed, and the driver rolls back to its last checkpoint;
-3. parameter by parameter, each old shard's rows are contributed by exactly one holder (the lowest rank holding
-   it) into a zero buffer of the whole tensor, one SUM all-reduce assembles it (adding zeros is exact), and every
-   rank keeps its new rows. Only one whole parameter exists at a time.
+3. each old shard's rows are contributed by exactly one holder (the lowest rank holding it) into a zero buffer of
+   the whole tensor, a SUM all-reduce assembles it (adding zeros is exact), and every rank keeps its new rows.
+   Tensors go in buckets of up to :data:`BUCKET_BYTES` (one all-reduce each): a re-form costs a few collectives,
+   not three per parameter, and only one bucket of whole tensors exists at a time.
 
 With ``hsdp`` a lost worker's shard lives in another replica group, so survivors recover in place; with ``fsdp``
 (no replica) a lost shard is gone and the run rolls back to its checkpoint (Gemini, Wang et al., SOSP'23, keeps
@@ -25,6 +26,7 @@ re-shards from them exactly as from its own.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -113,35 +115,60 @@ def exchange(
     dist.all_gather_object(sched_states, holdings[j_first].scheduler if rank == first else None, group=world)
     mine = dict(model.named_parameters())
     device = _device(mine)
-    has_moments = version > 0
+    kinds = ("param", *_MOMENTS) if version > 0 else ("param",)  # no moments before the first step
     with torch.no_grad():
-        for name, shape in shapes:
-            p = mine.get(name)
-            kinds = ("param", *_MOMENTS) if has_moments else ("param",)
-            for kind in kinds:
-                full = torch.zeros(shape, dtype=torch.float32, device=device)
+        for bucket in _buckets([(name, shape, kind) for name, shape in shapes for kind in kinds]):
+            # one collective per bucket (not per tensor: a step's worth of small all-reduces is most of a re-form)
+            sizes = [math.prod(shape) for _, shape, _ in bucket]
+            flat = torch.zeros(sum(sizes), dtype=torch.float32, device=device)
+            fulls = [v.view(shape) for v, (_, shape, _) in zip(flat.split(sizes), bucket, strict=True)]
+            for full, (name, shape, kind) in zip(fulls, bucket, strict=True):
                 for index, (r, count, j) in contributors[name].items():
                     if r == rank:
                         a, b = shard_rows(shape[0], count, index)
                         full[a:b] = holdings[j].tensors[name][kind].to(device=device, dtype=torch.float32)
-                dist.all_reduce(full, op=dist.ReduceOp.SUM, group=world)
-                if p is None:
-                    continue
-                start, stop = local_rows(p)
-                rows = full[start:stop]
-                if kind == "param":
-                    p.to_local().copy_(rows)
-                else:
-                    optimizer.state[p][kind] = DTensor.from_local(
-                        rows.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
-                    )
-            if has_moments and p is not None:
-                optimizer.state[p]["step"] = torch.tensor(float(version))
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=world)  # (sum(sizes),): every old shard, once
+            for full, (name, _, kind) in zip(fulls, bucket, strict=True):
+                p = mine.get(name)
+                if p is not None:
+                    _keep_rows(p, kind, full, optimizer, version)
     if scheduler is not None:
         scheduler.load_state_dict(sched_states[first])
         for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr(), strict=True):
             group["lr"] = lr
     return version
+
+
+BUCKET_BYTES = 64 << 20
+"""Whole tensors summed in one all-reduce during :func:`exchange` (a tensor larger than this goes alone)."""
+
+
+def _buckets(items: list[tuple[str, tuple[int, ...], str]], limit: int = BUCKET_BYTES):
+    """``items`` (name, shape, kind) in order, cut into runs of at most ``limit`` fp32 bytes (one item at least)."""
+    run: list = []
+    size = 0
+    for item in items:
+        n = math.prod(item[1]) * 4
+        if run and size + n > limit:
+            yield run
+            run, size = [], 0
+        run.append(item)
+        size += n
+    if run:
+        yield run
+
+
+def _keep_rows(p, kind: str, full: torch.Tensor, optimizer, version: int) -> None:
+    """This rank's rows of the whole ``full`` into parameter ``p`` (``kind`` "param") or its AdamW moment."""
+    start, stop = local_rows(p)
+    rows = full[start:stop]
+    if kind == "param":
+        p.to_local().copy_(rows)
+        return
+    optimizer.state[p][kind] = DTensor.from_local(
+        rows.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+    )
+    optimizer.state[p]["step"] = torch.tensor(float(version))
 
 
 def _entries(descs: list):

@@ -11,6 +11,8 @@ It uses the worker's ``registry`` (the world), ``sharding``, ``model_cfg``, ``op
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -83,6 +85,7 @@ class ShardedState(ModelState):
         from flexorch.workers.reshard import exchange
 
         reg = self.registry
+        t0 = time.perf_counter()
         with reg.tracking():  # the mesh's groups are this world's too: abort_world must reach their sockets
             self.model = self._build_sharded()
         params = list(self.model.parameters())
@@ -91,10 +94,12 @@ class ShardedState(ModelState):
         opt = build_shard_optimizer(self.model, self.optim_cfg) if params else (None, None)
         self.optimizer, self.scheduler = opt
         self._positions = {n: shard_position(p) for n, p in self.model.named_parameters()}
+        t_built = time.perf_counter()
         if initial:
             fill_initial(self.model, self.model_cfg, self.seed)
             self.version = 0
-            return {"version": 0, "newest": 0}
+            phases = _phases(build=t_built - t0, fill=time.perf_counter() - t_built)
+            return {"version": 0, "newest": 0, "phases_ms": phases}
         newest = [None] * reg.world_size
         mine = max((h.version for h in holding), default=None) if holding is not None else None
         dist.all_gather_object(newest, mine, group=reg.world)
@@ -102,7 +107,9 @@ class ShardedState(ModelState):
         version = exchange(holding, self.model, self.optimizer, self.scheduler, reg.world, shapes)
         if version is not None:
             self.version = version
-        return {"version": version, "newest": max((v for v in newest if v is not None), default=None)}
+        newest_v = max((v for v in newest if v is not None), default=None)
+        phases = _phases(build=t_built - t0, exchange=time.perf_counter() - t_built)
+        return {"version": version, "newest": newest_v, "phases_ms": phases}
 
     def _build_sharded(self):
         """This world's sharded decoder: over the whole mesh, or (pipeline stages) this rank's stage's parts over
@@ -157,6 +164,12 @@ class ShardedState(ModelState):
 
 class _NoParams(torch.nn.Module):
     """What a rank on no pipeline stage holds of a sharded model: nothing."""
+
+
+def _phases(**seconds: float) -> dict[str, float]:
+    """Where building this world's state went, in ms: ``build`` (mesh, sharded decoder, optimizer), then ``exchange``
+    (the re-shard from the members' holdings) or ``fill`` (the initial values)."""
+    return {k: v * 1e3 for k, v in seconds.items()}
 
 
 def holding_bytes(held) -> int:

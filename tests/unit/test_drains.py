@@ -133,9 +133,10 @@ def test_a_drained_node_leaves_at_the_next_boundary_and_nothing_is_rerun(tmp_pat
     try:
         _drain_after(driver, group, 2, "node-1", 45.0)  # workers 2 and 3
         t = driver.step()
-        # the plan of the step after the drain was started for the smaller world at the boundary, before the
-        # handoff and the re-form (which it runs beside), then the next one while that step ran
-        assert asked == [(1, 4), (2, 4), (2, 2), (3, 2)], asked
+        # the plan of the step after the drain was started for the smaller world when the drain was seen (here at
+        # the boundary's poll), asked again when the leave was decided (the solve under way is kept), then the next
+        # one while that step ran
+        assert asked == [(1, 4), (2, 4), (2, 2), (2, 2), (3, 2)], asked
         assert (t.ran, t.step, t.decisions) == (Ran.TRAINED, 2, ()), "no failure, no decision after one"
         (rec,) = t.recoveries
         assert rec["what"] == "drain" and rec["left"] == [2, 3] and rec["workers"] == [2, 3]
@@ -161,6 +162,27 @@ def test_a_drained_node_leaves_at_the_next_boundary_and_nothing_is_rerun(tmp_pat
     assert format_membership(seen[0]).endswith("workers [2, 3] leave at the next step boundary")
     recs = read_records(cfg.run_dir + "/steps.jsonl", validate=True)
     assert [r["step"] for r in recs] == [0, 1, 2, 3] and [len(r["recoveries"]) for r in recs] == [0, 0, 1, 0]
+
+
+def test_a_drain_seen_mid_step_starts_the_smaller_worlds_plan_which_the_step_after_takes(tmp_path, profile, corpus):
+    cfg = _cfg(tmp_path, profile, steps=3)
+    driver, group = fake_driver(cfg, corpus)
+    solves = []
+    submit = driver.planner._submit
+    driver.planner._submit = lambda lengths, n, *a, **k: (solves.append(n), submit(lengths, n, *a, **k))[1]
+    try:
+        driver.step()
+        driver.step()  # step 2's plan for 4 workers is being solved "beside" it
+        group.drain("node-1", 45.0)  # workers 2 and 3
+        driver.elastic.drains.poll()  # what the watch's thread does within half a second, mid-step
+        assert solves == [4, 4, 4, 2], "the smaller world's plan is solved as soon as the drain is seen"
+        assert set(driver.planner._pending) == {(2, 4), (2, 2)}, "the full world's is kept: the leave may not happen"
+        t = driver.step()
+        (rec,) = t.recoveries
+        assert rec["left"] == [2, 3] and t.record["world_size"] == 2
+        assert solves == [4, 4, 4, 2], "the step after the leave took that plan: nothing was solved again"
+    finally:
+        driver.shutdown()
 
 
 def test_a_deadline_too_short_for_a_handoff_stays_and_the_loss_takes_the_lost_node_path(tmp_path, profile, corpus):

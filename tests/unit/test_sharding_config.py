@@ -220,3 +220,13 @@ def test_a_pipelined_run_s_workers_build_their_layers_without_recompute_whatever
     for stages in (2, 4, "auto"):
         for m in ("none", "full", "auto"):
             assert built_mode({"recompute": m, "stages": stages}) == "none"
+
+
+def test_reshard_moves_tensors_in_buckets_each_whole_and_in_order():
+    from flexorch.workers.reshard import _buckets
+
+    items = [("a", (4, 4), "param"), ("b", (8,), "param"), ("c", (100,), "param"), ("d", (2,), "param")]
+    # 64 + 32 bytes fit under 100; c (400 bytes) is over the limit alone; d starts the next bucket
+    assert [[n for n, _, _ in b] for b in _buckets(items, limit=100)] == [["a", "b"], ["c"], ["d"]]
+    assert [[n for n, _, _ in b] for b in _buckets(items, limit=10**6)] == [["a", "b", "c", "d"]]
+    assert list(_buckets([], limit=100)) == []
