@@ -159,14 +159,17 @@ def small_run_toml(root: Path, steps: int, **keys) -> Path:
     return path
 
 
-def run_driver(cfg: TrainConfig, corpus, faults=()) -> tuple[list[dict], list]:
-    """Set a driver up, inject ``faults`` ((worker id, point, step, nth, action), ...), step it to the end (a
-    resumed run starts after its checkpoint's step); returns the records and every replica's parameters."""
+def run_driver(cfg: TrainConfig, corpus, faults=(), before=None) -> tuple[list[dict], list]:
+    """Set a driver up, inject ``faults`` ((worker id, point, step, nth, action), ...), call ``before(driver)`` if
+    given, step it to the end (a resumed run starts after its checkpoint's step); returns the records and every
+    replica's parameters."""
     from flexorch.control.driver import TrainingDriver
 
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()
+        if before is not None:
+            before(driver)
         for wid, point, step, nth, action in faults:
             driver.workers.actor(wid).add_probe.remote(WorkerFault(point, step, nth, action))
         records = []

@@ -31,10 +31,34 @@ class WorkerMeasurements:
         ]
         reg.ensure(sets)
         world = reg.world if n > 1 else None
-        with probing_task(self.model):  # [[tasks]]: probes run through the costliest adapter
+        model = self._probe_model()
+        with probing_task(model):  # [[tasks]]: probes run through the costliest adapter
             return run_probes(
-                self.model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
+                model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
             )
+
+    def _probe_model(self):
+        """The model probes and measurements run on: this worker's, or with sharded pipeline stages (a stage's
+        shard cannot run a whole forward) a whole decoder sharded over the world as ``fsdp`` holds it (a
+        collective: every rank builds it), kept for calibration's calls and dropped at the first step or when the
+        world closes (``ShardedState``)."""
+        if not (self.sharded and self.sharding.get("stages", 1) > 1):
+            return self.model
+        reg = self.registry
+        kept = getattr(self, "_whole_for_probes", None)
+        if kept is not None and kept[0] is reg:
+            return kept[1]
+        from flexorch.workers.fsdp import build_mesh, fill_initial, sharded_decoder
+
+        with reg.tracking():  # its mesh's groups are this world's: abort_world must reach their sockets
+            mesh = build_mesh("fsdp", reg.world_size, None, "cuda" if self.device else "cpu")
+            sh = self.sharding
+            model = sharded_decoder(
+                self.model_cfg, mesh, precision=sh["precision"], recompute=built_mode(sh), device=self.device
+            )
+        fill_initial(model, self.model_cfg, self.seed)
+        self._whole_for_probes = (reg, model)
+        return model
 
     def recompute_times(self, tokens: int, modes=("none", "full"), repeats: int = 3) -> list[float]:
         """Ms of forward + backward of one document of ``tokens`` tokens in each recompute mode of ``modes``, on this
@@ -45,12 +69,13 @@ class WorkerMeasurements:
 
         probe = [Probe(1, "ulysses", (int(tokens),), repeats=repeats)]
         out = []
+        model = self._probe_model()
         try:
             for mode in modes:
-                set_activation_checkpointing(self.model, mode)
+                set_activation_checkpointing(model, mode)
                 out.append(self.probe(probe)[0])
         finally:
-            set_activation_checkpointing(self.model, built_mode(self.sharding))
+            set_activation_checkpointing(model, built_mode(self.sharding))
         return out
 
     def device_memory(self) -> dict | None:
@@ -67,21 +92,22 @@ class WorkerMeasurements:
         the units are put back to their shards after it (``reshard_after_failure``: local, no collective)."""
         from flexorch.workers.calibrate import activation_bytes_per_token
 
+        model = self._probe_model()
         if mode is not None:
-            set_activation_checkpointing(self.model, mode)
+            set_activation_checkpointing(model, mode)
         try:
-            with probing_task(self.model):
-                return activation_bytes_per_token(self.model, self.model_cfg.vocab_size)
+            with probing_task(model):
+                return activation_bytes_per_token(model, self.model_cfg.vocab_size)
         finally:
             if mode is not None:
-                set_activation_checkpointing(self.model, built_mode(self.sharding))
-            self._after_forward_only()
+                set_activation_checkpointing(model, built_mode(self.sharding))
+            self._after_forward_only(model)
 
-    def _after_forward_only(self) -> None:
+    def _after_forward_only(self, model) -> None:
         if self.sharded:
             from flexorch.workers.fsdp import reshard_after_failure
 
-            reshard_after_failure(self.model)
+            reshard_after_failure(model)
 
     def stage_activation_bytes(self) -> tuple[float, float]:
         """(bytes per token per layer, bytes per token of the LM head) pipeline stages hold

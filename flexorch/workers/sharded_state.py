@@ -43,6 +43,7 @@ class ShardedState(ModelState):
     def _state_after_leave(self) -> None:
         from flexorch.workers.fsdp import forget_closed_meshes
 
+        self._whole_for_probes = None  # built on the closed world (WorkerMeasurements._probe_model)
         forget_closed_meshes()  # DTensor's caches would give the closed world's meshes to the next one
 
     def _state_sp_executor(self):
@@ -51,6 +52,7 @@ class ShardedState(ModelState):
         return run_sharded_step
 
     def _state_context(self) -> dict:
+        self._whole_for_probes = None  # calibration is over once a step runs: its memory goes back
         return {"sharded": True, "gather": self.sharding.get("gather", "layer")}
 
     def parameters_digest(self) -> list:
