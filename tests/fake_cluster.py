@@ -262,7 +262,8 @@ class FakeWorkerGroup:
             self.held[wid] = ALL
         self.membership.add(worker_ids)
 
-    def remove(self, worker_ids) -> None:
+    def remove(self, worker_ids, retiring: bool = False) -> None:
+        self.retired = [*getattr(self, "retired", []), *worker_ids] if retiring else getattr(self, "retired", [])
         nodes = self.nodes_of()
         died = {f.worker_id for f in self.fired if f.action == "die"}  # their slots went already
         self.slots -= sum(nodes.get(w) in self.draining and w not in died for w in worker_ids)  # the node goes too

@@ -137,8 +137,9 @@ def _cmdline(pid: int) -> str:
 class Cluster:
     """A head and one more node, started with ``ray start --block`` (each its own process group and temp dir)."""
 
-    def __init__(self, workdir: Path, cache: Path, worker_niceness: int | None = None):
+    def __init__(self, workdir: Path, cache: Path, worker_niceness: int | None = None, head_cpus: int = HEAD_CPUS):
         self.workdir = workdir
+        self.head_cpus = head_cpus
         self.home = workdir / "home"
         shutil.rmtree(self.home, ignore_errors=True)
         self.home.mkdir(parents=True)
@@ -184,7 +185,7 @@ class Cluster:
             raise RuntimeError(f"`ray get-auth-token --generate` wrote no {self.home / '.ray' / 'auth_token'}")
         port, dash = _free_port(), _free_port()
         head = [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}"]
-        head += [f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--num-cpus={HEAD_CPUS}"]
+        head += [f"--dashboard-port={dash}", "--dashboard-host=127.0.0.1", f"--num-cpus={self.head_cpus}"]
         head += [f"--temp-dir={self.temps[0]}", "--include-dashboard=true", f"--ray-client-server-port={_free_port()}"]
         head += ["--disable-usage-stats", *self._node_ports()]
         head_proc = self._start(head, "head")
@@ -218,7 +219,7 @@ class Cluster:
                 [RAY, "status", f"--address={self.gcs}"], env=self.env, capture_output=True, text=True, timeout=60
             )
             text = _plain(st.stdout)
-            if len(re.findall(r"^\s*\d+ node_", text, re.M)) >= 2 and f"/{HEAD_CPUS + NODE_CPUS}.0 CPU" in text:
+            if len(re.findall(r"^\s*\d+ node_", text, re.M)) >= 2 and f"/{self.head_cpus + NODE_CPUS}.0 CPU" in text:
                 self.status = text
                 return node_proc
             if time.monotonic() > deadline or node_proc.poll() is not None:

@@ -140,7 +140,7 @@ class Elastic:
             why = "the handoff did not finish before the node went"
             return self.recover(failure, 0, f"hand off before node {drain.name} goes", drain_fallback=why)
         t1 = time.perf_counter()
-        w.remove(decision.leaving)
+        w.remove(decision.leaving, retiring=True)
         what = f"leave draining node {drain.name}"
         try:
             w.form_world()

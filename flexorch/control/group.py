@@ -41,8 +41,8 @@ class WorkerGroup(Protocol):
         """Make ready joiners members (ranks at the next :meth:`form_world`)."""
         ...
 
-    def remove(self, worker_ids: Iterable[int]) -> None:
-        """Drop members (dead, hung or unwanted)."""
+    def remove(self, worker_ids: Iterable[int], retiring: bool = False) -> None:
+        """Drop members (dead, hung or unwanted); ``retiring``: alive and idle, they left on notice."""
         ...
 
     def free_slots(self) -> int:

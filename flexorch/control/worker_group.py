@@ -34,6 +34,7 @@ from flexorch.work.placement import ALL, PartsLostError, model_parts
 from flexorch.workers.actor import worker_actor
 
 STOP_BEATS_S = 2.0  # at shutdown: the longest wait for the workers' heartbeat threads to stop
+RETIRE_S = 1.0  # a planned leave: the longest wait for the leaving workers to freeze their objects before the kill
 
 __all__ = ["RayWorkerGroup"]
 
@@ -226,9 +227,14 @@ class RayWorkerGroup(Settling, ModelStateMoves):
                 start.remote(self.host, self.heartbeats.port)
         self.membership.add(worker_ids)
 
-    def remove(self, worker_ids) -> None:
-        """Drop members (dead, hung or unwanted); their actors are killed if still running."""
+    def remove(self, worker_ids, retiring: bool = False) -> None:
+        """Drop members (dead, hung or unwanted); their actors are killed if still running. ``retiring``: they are
+        alive and idle (they left on notice): each freezes its objects first (``Worker.retire``, a bounded wait), so
+        dying costs it no garbage collection on CPU the members that stay may share."""
         self._lost_since_state = [*getattr(self, "_lost_since_state", []), *worker_ids]
+        if retiring:
+            frozen = [self._actors[w].retire.remote() for w in worker_ids]
+            ray.wait(frozen, num_returns=len(frozen), timeout=RETIRE_S)
         for wid in worker_ids:
             ray.kill(self._actors.pop(wid), no_restart=True)
             self.held.pop(wid, None)

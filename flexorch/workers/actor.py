@@ -18,9 +18,7 @@ class for a run's ``[sharding] mode``. A test adds probes (:meth:`Worker.add_pro
 from __future__ import annotations
 
 import os
-import signal
 import socket
-import threading
 import time
 import traceback
 
@@ -37,6 +35,7 @@ from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_seconds, compiled_layers
 from flexorch.workers.devices import device_memory, pin_device
 from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError
+from flexorch.workers.lifecycle import HEARTBEAT_S, WorkerLifecycle
 from flexorch.workers.measurements import WorkerMeasurements
 from flexorch.workers.model_state import ModelState
 from flexorch.workers.pipeline.executor import run_pipeline_step
@@ -58,8 +57,6 @@ __all__ = [
 
 STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
-HEARTBEAT_S = 1.0
-"""How often a worker's heartbeat thread beats (``Worker.start_heartbeat``)."""
 
 
 def _in_actor() -> bool:
@@ -72,7 +69,7 @@ def _is_world_error(e: BaseException) -> bool:
     return isinstance(e, dist.DistError | ConnectionError) or any(m in str(e) for m in markers)
 
 
-class Worker(WorkerMeasurements, ModelState):
+class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
     """What every worker does, usable in-process (tests) or as a Ray actor (:func:`worker_actor`); the model state's
     part is the ``ModelState`` interface (``workers.model_state``), implemented by :class:`ReplicatedWorker` and
     :class:`ShardedWorker`."""
@@ -109,58 +106,7 @@ class Worker(WorkerMeasurements, ModelState):
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
         self._probes: list = []  # called at PROBE_POINTS (add_probe); none in a run
-        self._sigterm_at: float | None = None  # when this process got SIGTERM (unix seconds), if it did
-        if _in_actor() and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._on_sigterm)  # instead of Ray's, which exits the process at once
-
-    def start_heartbeat(self, host: str, port: int, period_s: float = HEARTBEAT_S) -> None:
-        """Beat every ``period_s`` into the driver's heartbeat store (``beat/<worker id>``, a counter), from a
-        thread beside the steps and outside the collectives, so the driver tells a hung worker (SIGSTOP, a deadlock
-        outside Python) from a slow one. The same thread ends this process at once when its raylet is gone (its
-        parent changed): a worker orphaned by its node's raylet would otherwise keep its gloo sockets open, and its
-        peers would wait on it until their collective timeout."""
-        if getattr(self, "_beat", None) is not None:
-            return
-        parent = os.getppid()
-        store = dist.TCPStore(host, port, is_master=False, timeout=_td(30.0))
-        key = f"beat/{self.worker_id}"
-        stop = self._beat_stop = threading.Event()
-
-        def beat() -> None:
-            announced = False
-            while not stop.is_set():
-                if os.getppid() != parent:  # the raylet that started this worker died: so does its worker
-                    os._exit(1)
-                try:
-                    store.add(key, 1)
-                    if self._sigterm_at is not None and not announced:  # its notice, for the driver's drain watch
-                        store.set(f"leave/{self.worker_id}", repr(self._sigterm_at))
-                        store.add("leaving", 1)
-                        announced = True
-                except Exception:  # noqa: BLE001 - the driver's store is gone (the run ended): stop beating
-                    return
-                stop.wait(0.05 if self._sigterm_at is not None and not announced else period_s)
-
-        self._beat = threading.Thread(target=beat, name="flexorch-heartbeat", daemon=True)
-        self._beat.start()
-
-    def _on_sigterm(self, signum, frame) -> None:
-        """SIGTERM, a notice that this process goes soon, is only noted here; the heartbeat tells the driver, which
-        takes this worker out at the next boundary (``control.drains``), or the platform's SIGKILL comes first."""
-        if self._sigterm_at is None:
-            self._sigterm_at = time.time()
-
-    @ray.method(concurrency_group="control")
-    def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
-        """Stop beating and wait for the thread (the run is ending and the driver closes the store next: a beat
-        into a closed store is a caught error, but c10d first prints a C++ stack trace to the worker's stderr,
-        which Ray forwards to the user's console at the end of a run that went well). True once it has stopped."""
-        beat = getattr(self, "_beat", None)
-        if beat is None:
-            return True
-        self._beat_stop.set()
-        beat.join(timeout_s)
-        return not beat.is_alive()
+        self._note_sigterm(_in_actor())  # flexorch.workers.lifecycle
 
     @ray.method(concurrency_group="control")
     def abort_world(self, epoch: int | None = None) -> int:

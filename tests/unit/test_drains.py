@@ -147,6 +147,7 @@ def test_a_drained_node_leaves_at_the_next_boundary_and_nothing_is_rerun(tmp_pat
         assert t.record["world_size"] == 2 and t.record["worker_ids"] == [0, 1]
         assert t.record["doc_ids"] == batches[2], "the step after the drain trains the next batch, once"
         assert group.worlds[-1] == (0, 1) and group.free_slots() == 0, "the drained node's slots went with it"
+        assert group.retired == [2, 3], "the leaving were told to retire (freeze their objects) before the kill"
         line = format_membership({"event": "membership", **rec})
         assert line.startswith("membership: node 10.0.0.7 draining (preemption, 4"), line
         assert "s): workers [2, 3] left after step 1 in " in line and "nothing re-run" in line, line
@@ -319,3 +320,26 @@ def test_a_drained_node_lost_before_it_left_rolls_back_and_the_roll_back_says_so
     finally:
         driver.shutdown()
     assert [r["step"] for r in read_records(cfg.run_dir + "/steps.jsonl", validate=True)] == [0, 1, 2, 3]
+
+
+def test_a_retiring_worker_freezes_its_objects_so_dying_collects_nothing():
+    import gc
+    import weakref
+
+    from flexorch.workers.lifecycle import WorkerLifecycle
+
+    class Big:  # objects in cycles: what a collection would have to scan and free
+        def __init__(self):
+            self.me = self
+
+    keep = [Big() for _ in range(1000)]
+    probe = weakref.ref(keep[0])
+    try:
+        assert WorkerLifecycle.retire(WorkerLifecycle()) >= len(keep)
+        del keep
+        gc.collect()
+        assert probe() is not None, "frozen: no collection scans or frees it (the process is killed next)"
+    finally:
+        gc.unfreeze()
+    gc.collect()
+    assert probe() is None, "unfrozen, the same cycle is collected"
