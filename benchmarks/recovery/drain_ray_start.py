@@ -8,9 +8,9 @@ After ``--warm`` steps that node is drained for preemption with a 60 s deadline 
 boundary. The first (replicated) run calibrates the cost model; the others plan with its profile.
 For each of replicate, fsdp, hsdp and 2 pipeline stages (fsdp within each) it prints the steps before the drain,
 the step after it (its boundary, plan wait and run), the next steps of the smaller world, and the ratio of the step
-after to the median step before, and checks the ledger (every document once, none re-run). A fresh node replaces
-the drained one before the next mode. Losses and parameters against the single-process reference after a drain:
-``tests/cluster/test_drain_cluster.py``.
+after to the median step before, checks the ledger (every document once, none re-run) and compares every step's
+loss and every rank's parameters with one process training the same batches (``flexorch.workers.reference``). A
+fresh node replaces the drained one before the next mode.
 
     python -m benchmarks.recovery.drain_ray_start               # batch 256: steps of about 1 s here; ~6 minutes
     python -m benchmarks.recovery.drain_ray_start --batch 64    # steps of 0.2-0.4 s
@@ -91,6 +91,7 @@ def trial(cfg, corpus, cluster: Cluster, node_id: str, warm: int) -> dict:
             t0 = time.perf_counter()
             records.append(driver.step().record)
             walls.append(time.perf_counter() - t0)
+        replicas = driver.replica_parameters()
     finally:
         driver.shutdown()
     after = records[warm]
@@ -106,7 +107,23 @@ def trial(cfg, corpus, cluster: Cluster, node_id: str, warm: int) -> dict:
         "tokens": [r["tokens"] for r in records],  # batches differ (long-tailed lengths): walls per token compare them
         "drain": drain,
         "records": records,
+        "off_reference": _off_reference(cfg, corpus, records, replicas),
     }
+
+
+def _off_reference(cfg, corpus, records: list[dict], replicas: list) -> tuple[float, float]:
+    """(largest relative loss difference, largest parameter difference) of the run against one process training the
+    same batches (``flexorch.workers.reference``); every rank's parameters, stage-local parts included."""
+    import numpy as np
+
+    from flexorch.workers.reference import reference_train
+
+    losses, state = reference_train(cfg.model, cfg.optim, [corpus.get_stored(r["doc_ids"]) for r in records], cfg.seed)
+    loss_off = max(abs(r["loss"] - ref) / abs(ref) for r, ref in zip(records, losses, strict=True))
+    param_off = max(
+        float(np.max(np.abs(np.asarray(value) - state[name].numpy()))) for params in replicas for name, value in params
+    )
+    return loss_off, param_off
 
 
 def main(argv=None) -> int:
@@ -162,7 +179,9 @@ def main(argv=None) -> int:
                 f"{[round(w, 2) for w in res['before']]} s; the step after {res['after']:.2f} s (boundary "
                 f"{res['parts'][0]:.2f}, plan wait {res['parts'][1]:.2f}, run {res['parts'][2]:.2f}); next "
                 f"{[round(w, 2) for w in res['next']]} s; leave {d['recovery_ms'] / 1e3:.2f} s (re-form "
-                f"{d['reform_ms'] / 1e3:.2f} s), fallback {d['fallback']}, re-run {d['rerun']}",
+                f"{d['reform_ms'] / 1e3:.2f} s), fallback {d['fallback']}, re-run {d['rerun']}; against the "
+                f"single-process reference: losses within {res['off_reference'][0]:.1e} (relative), parameters "
+                f"within {res['off_reference'][1]:.1e}",
                 flush=True,
             )
             cluster.stop_node(node_proc, node_temp)  # the drained node goes; a fresh one for the next mode
@@ -191,6 +210,8 @@ def main(argv=None) -> int:
         "token: the same with each step's wall divided by its tokens (the batches' tokens differ by up to 1.6x)"
     )
     print("ledger: every mode trained exactly the stream's documents (none lost, none re-run)")
+    worst = max(r["off_reference"][0] for _, r in rows), max(r["off_reference"][1] for _, r in rows)
+    print(f"against one process on the same batches: losses within {worst[0]:.1e}, parameters within {worst[1]:.1e}")
     return 0
 
 

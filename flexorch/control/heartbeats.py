@@ -1,5 +1,5 @@
-"""The driver's side of the workers' heartbeats (``Worker.start_heartbeat``): a store they count beats into, and
-who has gone silent for how long.
+"""The driver's side of the workers' heartbeats (``Worker.start_heartbeat``, ``flexorch.workers.lifecycle``): a store
+they count beats into, and who has gone silent for how long.
 
 Each worker's thread adds 1 to ``beat/<worker id>`` once a second, outside the collectives, so a worker that is
 merely slow (a long step, a big all-to-all) keeps beating while one that is frozen (SIGSTOP, a node powered off or
