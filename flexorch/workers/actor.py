@@ -109,6 +109,17 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         self._note_sigterm(_in_actor())  # flexorch.workers.lifecycle
 
     @ray.method(concurrency_group="control")
+    def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
+        """:meth:`~flexorch.workers.lifecycle.WorkerLifecycle.stop_beating`, on the control thread."""
+        return self.stop_beating(timeout_s)
+
+    @ray.method(concurrency_group="control")
+    def retire(self) -> int:
+        """:meth:`~flexorch.workers.lifecycle.WorkerLifecycle.freeze_for_exit`, on the control thread: this worker
+        left on notice and is killed next."""
+        return self.freeze_for_exit()
+
+    @ray.method(concurrency_group="control")
     def abort_world(self, epoch: int | None = None) -> int:
         """Shut down the sockets of the world of membership ``epoch`` (None: the current one) from the control
         thread, while the step's thread may be blocked in a collective on a peer that is gone or frozen: that

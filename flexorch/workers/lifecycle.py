@@ -1,8 +1,9 @@
 """A worker process's life beside its steps: the heartbeat the driver watches, a SIGTERM taken as a notice to leave,
 and a quiet exit once it has left.
 
-Mixed into :class:`~flexorch.workers.actor.Worker`; uses its ``worker_id``. Imports Ray only for its method options
-(the data plane's other modules run without it).
+Mixed into :class:`~flexorch.workers.actor.Worker`; uses its ``worker_id``. Imports without Ray, as the rest of
+the data plane: the actor gives :meth:`WorkerLifecycle.stop_beating` and :meth:`WorkerLifecycle.freeze_for_exit`
+their Ray method options (its control thread) as ``stop_heartbeat`` and ``retire``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import threading
 import time
 from datetime import timedelta
 
-import ray
 import torch.distributed as dist
 
 __all__ = ["HEARTBEAT_S", "WorkerLifecycle"]
@@ -70,8 +70,7 @@ class WorkerLifecycle:
         if self._sigterm_at is None:
             self._sigterm_at = time.time()
 
-    @ray.method(concurrency_group="control")
-    def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
+    def stop_beating(self, timeout_s: float = 5.0) -> bool:
         """Stop beating and wait for the thread (the run is ending and the driver closes the store next: a beat
         into a closed store is a caught error, but c10d first prints a C++ stack trace to the worker's stderr,
         which Ray forwards to the user's console at the end of a run that went well). True once it has stopped."""
@@ -82,8 +81,7 @@ class WorkerLifecycle:
         beat.join(timeout_s)
         return not beat.is_alive()
 
-    @ray.method(concurrency_group="control")
-    def retire(self) -> int:
+    def freeze_for_exit(self) -> int:
         """This worker has left the run (its node is being drained) and is killed next: move every object into
         the collector's permanent generation (``gc.freeze``), so the collection that ran on the way out, seen
         under Ray's kill of a worker holding a model, finds nothing to scan. Without it, such a worker spent about
