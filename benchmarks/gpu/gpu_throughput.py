@@ -1,4 +1,4 @@
-"""`flexorch train` through Ray against a plain Transformers loop on the same document lengths, on a lent GPU.
+"""`flexorch train` through Ray against a plain Transformers loop on the same documents, on a lent GPU.
 
     bash .gpu/setup.sh && export PYTHONPATH=/tmp/site:$PWD     # on the GPU machine (../shared/tools/gpu-pack)
     python3 -m benchmarks.gpu.gpu_throughput                        # 1.1B Llama at 16K context, 10 steps: ~4 minutes
@@ -15,9 +15,10 @@ Each row is a Llama shape from a ``config.json`` (random init) and a ``max_conte
   device, recompute only where memory needs it), AdamW at lr 3e-4. Figures from its ``steps.jsonl``, steps 2 to N;
   the device budget from its start-up line; every step that ran out of memory (a recovery with ``out_of_memory``)
   is counted.
-* **plain**: the same documents' lengths (each step's ``seq_lengths``), one document per forward through
-  Transformers' ``LlamaForCausalLM`` with ``sdpa`` attention, bf16 autocast over fp32 weights, gradient
-  checkpointing (``--plain-recompute``), fused AdamW: the loop a user writes first.
+* **plain**: the same documents (each step's ``doc_ids`` from the run's corpus store) from the same initial weights,
+  one document per forward through Transformers' ``...ForCausalLM`` with ``sdpa`` attention, bf16 autocast over
+  fp32 weights, gradient checkpointing (``--plain-recompute``), fused AdamW with the run's hyperparameters, schedule
+  and clipping: the loop a user writes first. Its losses are the run's, up to bf16 rounding ("loss gap").
 
 MFU = (6 x parameters x tokens + causal attention: 3.5 x 4 x sum(L^2)/2 x heads x head_dim x layers) / time / the
 datasheet's dense bf16 peak (989 TFLOP/s for an H100 or H200 SXM); the matmul rate measured in the same run is
@@ -138,9 +139,17 @@ def summarise_flexorch(res: dict, params: int, shape: dict) -> dict:
             for mode in ("full", "none", "selective")
         },
         "recompute_measured": next((ln for ln in res["log"].splitlines() if "recompute 'auto'" in ln), None),
+        "attention": attention_line(res["log"]),
+        "calibration": next((ln for ln in res["log"].splitlines() if ln.startswith("profile: calibrated")), None),
         "used_of_free_pct": used_of_free(res["log"], state + peak_act),
         "wall_s": res["wall_s"],
     }
+
+
+def attention_line(log: str) -> str | None:
+    """The worker's line on the attention kernel it chose (with the times it measured, where it measured)."""
+    lines = [ln[ln.index("attention kernel") :] for ln in log.splitlines() if "attention kernel" in ln]
+    return next((ln for ln in lines if "measured" in ln), lines[-1] if lines else None)
 
 
 def used_of_free(log: str, used_bytes: float) -> float | None:
@@ -163,52 +172,116 @@ def step_flops(steps: list[dict], params: int, shape: dict) -> float:
     return total
 
 
-def plain_loop(model_dir: Path, steps: list[list[int]], device: torch.device, recompute: bool) -> dict:
-    """The plain Transformers loop on ``steps`` (each a list of document lengths); seconds per step after the first."""
+def same_training(run_toml: Path, steps: list[dict]) -> tuple:
+    """What the plain loop needs to train what the flexorch run trained: the run's config, each step's documents
+    (the corpus store the run prepared, opened as it is; ``doc_ids`` of each step's record) and its initial weights
+    (``build_model``: the same (model, seed) gives the same values anywhere)."""
+    from flexorch.config.load import load_train_config
+    from flexorch.data.corpus import load_corpus
+
+    cfg = load_train_config(run_toml)
+    corpus = load_corpus(cfg.data)
+    return cfg, [corpus.get_tokens(s["doc_ids"]) for s in steps]
+
+
+def plain_model(cfg, model_dir: Path, device: torch.device, recompute: bool):
+    """Transformers' ``...ForCausalLM``, ``sdpa`` attention, flexorch's initial weights, fp32 on ``device``."""
     import transformers
+
+    from flexorch.workers.model_source import build_model
 
     config = transformers.AutoConfig.from_pretrained(model_dir)
     config._attn_implementation = "sdpa"
-    model = transformers.AutoModelForCausalLM.from_config(config).to(device)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    init = build_model(cfg.model, cfg.seed)
+    missing, unexpected = model.load_state_dict(init.state_dict(), strict=False)
+    tied = {"lm_head.weight"} if cfg.model.tie_embeddings else set()
+    if unexpected or set(missing) - tied:
+        raise RuntimeError(f"flexorch's weights do not fit Transformers' model: missing {missing}, extra {unexpected}")
+    del init
     if recompute:
         if hasattr(model, "activation_checkpointing_enable"):  # Transformers 5.24's name; 5.17 has the older one
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-    gen = torch.Generator().manual_seed(0)
+    return model.to(device).train()
+
+
+def plain_loop(model, optim, docs: list[list], device: torch.device) -> dict:
+    """The plain Transformers loop on ``docs`` (each step's documents, token arrays), one document per forward,
+    bf16 autocast over fp32 weights; AdamW (fused on a GPU) with the run's hyperparameters, schedule and clipping.
+    Seconds per step after the first, and every step's loss (sum of token losses / predicted tokens, as flexorch)."""
+    import functools
+
+    from flexorch.workers.optim import lr_factor
+
     cuda = device.type == "cuda"
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]  # fmt: skip
+    opt = torch.optim.AdamW(groups, lr=optim.lr, betas=optim.betas, eps=optim.eps, fused=cuda)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, functools.partial(lr_factor, cfg=optim))
     times, losses = [], []
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    for lengths in steps:
+    for step_docs in docs:
         if cuda:
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        n_pred = sum(n - 1 for n in lengths)
+        n_pred = sum(len(d) - 1 for d in step_docs)
         total = 0.0
-        for n in lengths:
-            if n < 2:
+        for doc in step_docs:
+            if len(doc) < 2:
                 continue
-            ids = torch.randint(0, config.vocab_size, (1, n), generator=gen).to(device)
+            ids = torch.as_tensor(doc, dtype=torch.int64).view(1, -1).to(device)  # (1, n)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                loss = model(input_ids=ids, labels=ids).loss * (n - 1) / n_pred
+                loss = model(input_ids=ids, labels=ids).loss * (len(doc) - 1) / n_pred
             loss.backward()
             total += float(loss.detach())
+        if optim.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, optim.grad_clip)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         losses.append(total)
     kept = times[1:] or times
-    tokens = sum(sum(s) for s in steps[1:] or steps)
+    tokens = sum(sum(len(d) for d in s) for s in docs[1:] or docs)
     return {
         "tokens_per_s": tokens / sum(kept),
         "seconds": sum(kept),
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,
         "losses": [round(x, 4) for x in losses],
+    }
+
+
+def loss_gap(flexorch_losses: list[float], plain_losses: list[float]) -> float:
+    """Largest relative difference of the two loops' losses, step by step (the same documents and weights)."""
+    return max(abs(a - b) / abs(b) for a, b in zip(flexorch_losses, plain_losses, strict=False))
+
+
+def compare_plain(steps: list[dict], tmp: Path, device: torch.device, args, r: dict) -> dict:
+    """The plain loop on the run's ``steps``: its figures, its ratio to the run and the largest loss difference;
+    or ``plain_failed`` when it runs out of memory (its full logits at long context), the run's figures standing."""
+    cfg, docs = same_training(tmp / "run.toml", steps)
+    model = None
+    try:
+        model = plain_model(cfg, tmp / "model", device, args.plain_recompute)
+        plain = plain_loop(model, cfg.optim, docs, device)
+    except torch.OutOfMemoryError as e:
+        return {"plain_failed": f"out of memory: {str(e)[:200]}"}
+    finally:
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    shape = SHAPES[r["row"].partition("@")[0]]
+    plain["tflops"] = step_flops(steps[1:] or steps, r["params"], shape) / plain["seconds"] / 1e12
+    return {
+        "plain": plain,
+        "ratio": r["flexorch"]["tokens_per_s"] / plain["tokens_per_s"],
+        "loss_gap": loss_gap(r["flexorch"]["losses"], plain["losses"]),
     }
 
 
@@ -267,16 +340,12 @@ def main(argv=None) -> int:
                                    args.timeout_s)  # fmt: skip
                 r["flexorch"] = summarise_flexorch(res, params, shape)
                 r["flexorch"]["mfu_pct"] = 100 * r["flexorch"]["tflops"] / PEAK_TFLOPS
-                lengths = [s["seq_lengths"] for s in res["steps"]]
                 print(f"{row} flexorch: {json.dumps(r['flexorch'])}", flush=True)
                 if not args.no_plain:
-                    lengths = lengths[: args.plain_steps] if args.plain_steps else lengths
-                    r["plain"] = plain_loop(tmp / "model", lengths, device, args.plain_recompute)
-                    r["plain"]["tflops"] = step_flops(
-                        [{"seq_lengths": x} for x in lengths[1:]], params, shape
-                    ) / r["plain"]["seconds"] / 1e12  # fmt: skip
-                    r["ratio"] = r["flexorch"]["tokens_per_s"] / r["plain"]["tokens_per_s"]
-                    print(f"{row} plain: {json.dumps(r['plain'])}", flush=True)
+                    r.update(compare_plain(res["steps"][: args.plain_steps or None], tmp, device, args, r))
+                    print(f"{row} plain: {json.dumps(r.get('plain') or r.get('plain_failed'))}"
+                          + (f"; largest loss difference {r['loss_gap']:.2e}" if "loss_gap" in r else ""),
+                          flush=True)  # fmt: skip
             except Exception as e:  # noqa: BLE001 - one failed row is reported, the others go on
                 r["failed"] = f"{type(e).__name__}: {e}"
                 print(f"{row} failed: {r['failed'][-2000:]}", flush=True)
@@ -297,8 +366,8 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
         + (f"; the matmul measured {peak:.0f}" if peak else ""),
         "| row | params | flexorch tok/s | MFU | micro-batches | peak act GiB | state GiB | used of free | "
         "groups none/selective/full | steps packed for full/none/selective | OOM steps | plain tok/s | plain MFU | "
-        "ratio |",
-        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "ratio | loss gap |",
+        "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
         if "failed" in r:
@@ -306,9 +375,10 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
             continue
         f, p = r["flexorch"], r.get("plain")
         plain = (
-            f"{p['tokens_per_s']:,.0f} | {100 * p['tflops'] / PEAK_TFLOPS:.1f} % | {r['ratio']:.2f}x"
+            f"{p['tokens_per_s']:,.0f} | {100 * p['tflops'] / PEAK_TFLOPS:.1f} % | {r['ratio']:.2f}x | "
+            f"{r['loss_gap']:.1e}"
             if p
-            else "- | - | -"
+            else f"{r.get('plain_failed', '-')[:40]} | - | - | -"
         )
         lines.append(
             f"| {r['row']} | {r['params'] / 1e9:.2f}B | {f['tokens_per_s']:,.0f} | {f['mfu_pct']:.1f} % | "
@@ -320,7 +390,7 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
     notes = [
         f"- {r['row']}: {r['flexorch'][key]}"
         for r in results
-        for key in ("budget", "recompute_measured")
+        for key in ("budget", "recompute_measured", "attention", "calibration")
         if r.get("flexorch", {}).get(key)
     ]
     return "\n".join(lines + notes)
