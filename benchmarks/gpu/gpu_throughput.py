@@ -92,22 +92,30 @@ tokens_per_worker = {tokens}
     )
 
 
-def run_flexorch(cfg: Path, run_dir: Path, log: Path, timeout_s: float) -> dict:
+def run_flexorch(cfg: Path, run_dir: Path, log: Path, timeout_s: float, steps: int) -> dict:
+    """``flexorch train --config cfg``; its trained steps' records and its output. A run stopped at ``timeout_s``
+    after all its steps trained (in its final checkpoint: a 1.1B model's 17 GiB of state) still counts, and says so."""
     cmd = [sys.executable, "-c", "import sys; from flexorch.cli.main import main; sys.exit(main())", "train"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     t0 = time.perf_counter()
+    stopped = None
     with log.open("w") as f:
-        proc = subprocess.run([*cmd, "--config", str(cfg)], stdout=f, stderr=subprocess.STDOUT, env=env,
-                              timeout=timeout_s, check=False)  # fmt: skip
+        try:
+            proc = subprocess.run([*cmd, "--config", str(cfg)], stdout=f, stderr=subprocess.STDOUT, env=env,
+                                  timeout=timeout_s, check=False)  # fmt: skip
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code, stopped = None, f"stopped at --timeout-s {timeout_s:.0f} s after its last step (in its final save)"
     wall = time.perf_counter() - t0
     text = log.read_text()
-    steps = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()] if (
-        run_dir / "steps.jsonl"
-    ).exists() else []  # fmt: skip
-    trained = [s for s in steps if s.get("source") == "train" and not s.get("skipped")]
-    if proc.returncode != 0 or not trained or "done:" not in text:
-        raise RuntimeError(f"flexorch train failed (exit {proc.returncode}); the end of its output:\n{text[-3000:]}")
-    return {"wall_s": wall, "steps": trained, "log": text}
+    path = run_dir / "steps.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    trained = [s for s in records if s.get("source") == "train" and not s.get("skipped")]
+    finished = code == 0 and "done:" in text
+    if not trained or not (finished or (stopped and len(trained) >= steps)):
+        why = f"exit {code}" if code is not None else f"killed at --timeout-s {timeout_s:.0f} s"
+        raise RuntimeError(f"flexorch train failed ({why}); the end of its output:\n{text[-3000:]}")
+    return {"wall_s": wall, "steps": trained, "log": text, "stopped": stopped}
 
 
 def summarise_flexorch(res: dict, params: int, shape: dict) -> dict:
@@ -143,6 +151,7 @@ def summarise_flexorch(res: dict, params: int, shape: dict) -> dict:
         "calibration": next((ln for ln in res["log"].splitlines() if ln.startswith("profile: calibrated")), None),
         "used_of_free_pct": used_of_free(res["log"], state + peak_act),
         "wall_s": res["wall_s"],
+        "stopped": res["stopped"],
     }
 
 
@@ -337,7 +346,7 @@ def main(argv=None) -> int:
             r = {"row": row, "params": params}
             try:
                 res = run_flexorch(tmp / "run.toml", tmp / "run", out / f"flexorch_{shape_name}_{context}.log",
-                                   args.timeout_s)  # fmt: skip
+                                   args.timeout_s, args.steps)  # fmt: skip
                 r["flexorch"] = summarise_flexorch(res, params, shape)
                 r["flexorch"]["mfu_pct"] = 100 * r["flexorch"]["tflops"] / PEAK_TFLOPS
                 print(f"{row} flexorch: {json.dumps(r['flexorch'])}", flush=True)
@@ -390,7 +399,7 @@ def table(results: list[dict], gpu: str, peak: float | None) -> str:
     notes = [
         f"- {r['row']}: {r['flexorch'][key]}"
         for r in results
-        for key in ("budget", "recompute_measured", "attention", "calibration")
+        for key in ("budget", "recompute_measured", "attention", "calibration", "stopped")
         if r.get("flexorch", {}).get(key)
     ]
     return "\n".join(lines + notes)

@@ -226,7 +226,9 @@ class TrainingDriver(RunSetup, RunLoop):
         when the batch runs again. Raises PartsLostError when the run must go back to its checkpoint."""
         oom = None
         if failure.out_of_memory:  # the same batch is planned again, for less memory per worker
-            profile, oom, message = lowered_after_oom(self.profile, failure.out_of_memory, self.step_no)
+            profile, oom, message = lowered_after_oom(
+                self.profile, failure.out_of_memory, self.step_no, failure.oom_messages
+            )
             self._budget_cap = profile.memory_budget_bytes
             self.revisions.replace(profile)
             self._publish({"event": "planner", "message": message})

@@ -98,6 +98,9 @@ class Failure:
     timed_out: frozenset[int] = frozenset()
     """The part of ``lost`` that was killed because the call outlasted its time limit while nothing else had failed
     (hung, or still working on a call too long for the limit): the message says so instead of "lost"."""
+    oom_messages: tuple[tuple[int, str], ...] = ()
+    """(worker id, the first line of its out-of-memory error: what it tried to allocate, what was free) for the
+    workers in ``out_of_memory``."""
 
 
 @dataclass(frozen=True)

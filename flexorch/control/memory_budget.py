@@ -119,10 +119,11 @@ def resolve_device_budget(cfg, group, publish):
         ) from None
 
 
-def lowered_after_oom(profile, workers, step: int):
+def lowered_after_oom(profile, workers, step: int, errors=()):
     """``(profile, record, message)`` after workers ran out of device memory in ``step``: the activation part of
     the planner's memory budget cut to :data:`OOM_CUT` of what it was (the model state's part stays), so the
-    re-planned step puts fewer tokens on each worker. ``record`` goes into the step's recovery."""
+    re-planned step puts fewer tokens on each worker. ``record`` goes into the step's recovery, with ``errors``
+    ((worker id, the first line of its error), as ``Failure.oom_messages``); the message quotes the first."""
     before = profile.memory_budget_bytes - profile.model_state_bytes
     after = OOM_CUT * before
     lowered = profile.with_overrides(memory_budget_bytes=profile.model_state_bytes + after)
@@ -132,11 +133,13 @@ def lowered_after_oom(profile, workers, step: int):
         "activation_bytes_after": after,
         "tokens_per_worker_before": profile.tokens_per_device,
         "tokens_per_worker_after": lowered.tokens_per_device,
+        "errors": [list(e) for e in errors],
     }
     message = (
         f"step {step}: workers {sorted(workers)} ran out of device memory; the activation budget per worker goes "
         f"from {before / GIB:.2f} to {after / GIB:.2f} GiB ({profile.tokens_per_device:,} -> "
         f"{lowered.tokens_per_device:,} tokens) for the rest of the run, and the step is planned again"
+        + (f" ({errors[0][1]})" if errors else "")
     )
     return lowered, record, message
 

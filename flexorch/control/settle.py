@@ -87,6 +87,7 @@ class _Wait:
     peer: set = field(default_factory=set)
     errors: list = field(default_factory=list)
     oom: set = field(default_factory=set)
+    oom_messages: list = field(default_factory=list)
 
     def failure(self, timed_out: set) -> Failure | None:
         if not (self.lost or self.peer or self.errors or self.oom):
@@ -98,6 +99,7 @@ class _Wait:
             frozenset(self.results),
             frozenset(self.oom),
             frozenset(timed_out),
+            tuple(self.oom_messages),
         )
 
 
@@ -188,6 +190,7 @@ class Settling:
                 w.peer.add(wid)
             elif isinstance(cause, StepOutOfMemoryError):  # not final: re-planned with less memory
                 w.oom.add(wid)
+                w.oom_messages.append((wid, str(cause).splitlines()[0][:300]))
             else:
                 first = str(cause).splitlines()[0][:500]
                 w.errors.append((wid, f"{type(cause).__name__}: {first}{_where(cause)}"))

@@ -92,7 +92,8 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   packed for that mode's bytes), ``full_ms`` and, for each other packing planned, ``none_ms`` / ``selective_ms``
   (null: planned, but no plan came of it; absent: not planned, no group of full's packing needed it); a recovery
   after a worker ran out of device memory has ``out_of_memory`` (``workers``, the activation budget per worker
-  before and after the cut, in bytes and tokens).
+  before and after the cut, in bytes and tokens, and ``errors``: each such worker's id and the first line of its
+  error, what it tried to allocate and what was free).
 * ``sources`` (optional, runs of ``[[data.sources]]``): per source its ``docs`` and ``tokens`` in this step's batch
   and its ``epoch`` (the source's own pass over its documents; ``epoch`` above is the heaviest source's).
 * ``tasks``, ``task_losses`` and ``multitask`` (optional, runs of ``[[tasks]]``): per task its ``docs``, ``tokens``,

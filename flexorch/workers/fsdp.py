@@ -73,12 +73,22 @@ def _check_own_groups(model: nn.Module, mesh: DeviceMesh) -> None:
             )
 
 
+def param_groups(state) -> list:
+    """The parameter groups of one FSDP unit's state: ``_fsdp_param_groups`` (torch 2.13: a list), or the one
+    ``_fsdp_param_group`` of earlier releases (torch 2.11, the lent GPU machines' image), or none."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = getattr(state, "_fsdp_param_group", None)
+    return [one] if one is not None else []
+
+
 def reshard_after_failure(model: nn.Module) -> None:
     """Every FSDP unit of ``model`` back to its sharded parameters after a forward or backward that an error (a
-    broken world) stopped mid-flight. ``FSDPModule.reshard`` alone is not enough: a group stopped in its forward
-    keeps its FORWARD state, and the root (not resharded after forward) then skips the reshard, leaving plain
-    unsharded parameters registered ("'Parameter' object has no attribute 'to_local'" when the next world took
-    the state). torch 2.13's ``reset_iter_state`` on the root resets those states for this;
+    broken world, a device out of memory) stopped mid-flight. ``FSDPModule.reshard`` alone is not enough: a group
+    stopped in its forward keeps its FORWARD state, and the root (not resharded after forward) then skips the
+    reshard, leaving plain unsharded parameters registered ("'Parameter' object has no attribute 'to_local'" when
+    the next world took the state). torch 2.13's ``reset_iter_state`` on the root resets those states for this;
     without it (torch 2.11), each group's state is reset by hand. Local: no collective runs."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]
     reset = getattr(model, "reset_iter_state", None)
@@ -93,7 +103,7 @@ def reshard_after_failure(model: nn.Module) -> None:
     except ImportError:  # pragma: no cover - a torch without the module: reshard as is
         TrainingState = None  # noqa: N806
     for m in units:
-        for group in getattr(m._get_fsdp_state(), "_fsdp_param_groups", ()):
+        for group in param_groups(m._get_fsdp_state()):
             if TrainingState is not None:
                 group._training_state = TrainingState.IDLE
             group._all_gather_result = None

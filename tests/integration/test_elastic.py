@@ -72,6 +72,8 @@ def test_a_worker_out_of_memory_replans_the_step_for_less_memory_and_matches_the
     assert "workers [1] ran out of device memory" in rec["reason"]
     oom = rec["out_of_memory"]
     assert oom["workers"] == [1]
+    said = "worker 1 ran out of device memory: injected: CUDA out of memory at micro_batch of step 1"
+    assert oom["errors"] == [[1, said]]
     assert oom["activation_bytes_after"] == pytest.approx(0.8 * oom["activation_bytes_before"])
     assert oom["tokens_per_worker_after"] < oom["tokens_per_worker_before"]
     assert [r["world_size"] for r in records] == [4, 4, 4, 4]

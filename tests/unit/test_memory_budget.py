@@ -108,7 +108,11 @@ def test_out_of_memory_is_a_retry_with_a_cut_budget_not_a_crash():
     before = base.memory_budget_bytes - base.model_state_bytes
     assert lowered.memory_budget_bytes == pytest.approx(base.model_state_bytes + OOM_CUT * before)
     assert record["tokens_per_worker_after"] < record["tokens_per_worker_before"] == base.tokens_per_device
-    assert message.startswith("step 7: workers [1] ran out of device memory")
+    assert message.startswith("step 7: workers [1] ran out of device memory") and record["errors"] == []
+    # the worker's own words (what it tried to allocate, what was free) go into the record and the console line
+    oom = "worker 1 ran out of device memory: CUDA out of memory. Tried to allocate 3.92 GiB. GPU 0 has 1.2 GiB free."
+    _, record, message = lowered_after_oom(base, {1}, 7, ((1, oom),))
+    assert record["errors"] == [[1, oom]] and message.endswith(f"planned again ({oom})")
     # a refit made from the profile before the cut keeps the cut budget
     assert capped(base, lowered.memory_budget_bytes).memory_budget_bytes == lowered.memory_budget_bytes
     assert capped(lowered, None) is lowered and capped(lowered, base.memory_budget_bytes) is lowered

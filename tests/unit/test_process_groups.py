@@ -294,10 +294,11 @@ def test_a_device_mesh_made_while_tracking_is_aborted_too(pool):
     assert waited[:2] == [-1.0, -3.0] and waited[3] == -3.0 and 0.5 < waited[2] < 10.0, waited
 
 
-def _broken_forward_job(ctx):
+def _broken_forward_job(ctx, by_hand: bool):
     """An fsdp world of 4 whose forward an error stops inside layer 0 (the root's parameters gathered, its FORWARD
-    state left set, as a collective broken by a lost peer leaves it): the state taken for the next world must be
-    the shards, not the gathered parameters the root left registered."""
+    state left set, as a collective broken by a lost peer or a device out of memory leaves it): the state taken for
+    the next world must be the shards, not the gathered parameters the root left registered. ``by_hand``: without
+    ``reset_iter_state`` (torch before 2.13, the lent GPU machines' 2.11), each group's state is reset by hand."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -314,6 +315,8 @@ def _broken_forward_job(ctx):
         def broken(q, k, v):
             raise ConnectionError("the world broke")
 
+        if by_hand:
+            model.reset_iter_state = None  # as torch 2.11 has none
         ids = torch.arange(6)
         try:
             model(ids, ids, broken)
@@ -334,9 +337,23 @@ def _broken_forward_job(ctx):
 
 
 @pytest.mark.slow
-def test_the_state_after_a_forward_broken_mid_flight_is_the_shards(pool):
-    got = pool.run(_broken_forward_job)
+@pytest.mark.parametrize("by_hand", [False, True], ids=["reset_iter_state", "by-hand"])
+def test_the_state_after_a_forward_broken_mid_flight_is_the_shards(pool, by_hand):
+    got = pool.run(_broken_forward_job, by_hand)
     # reshard alone left the root's gathered parameters registered (its forward never finished); the snapshot
     # resets FSDP's iteration state first (flexorch.workers.fsdp.reshard_after_failure) and takes every shard
     assert all(r[1:] == [True, True] for r in got), got
     assert all(r[0] > 0 for r in got), f"the case no longer arises with this torch: {got}"
+
+
+def test_fsdp_param_groups_are_found_in_either_torch_layout():
+    # torch 2.13 keeps a unit's groups in a list, earlier releases (2.11, on the lent GPU machines) one attribute:
+    # looking only for the list left 2.11's root gathered after a real out-of-memory step (an H200, 3B Llama)
+    from types import SimpleNamespace
+
+    from flexorch.workers.fsdp import param_groups
+
+    group = object()
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[group])) == [group]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
