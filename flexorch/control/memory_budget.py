@@ -12,6 +12,9 @@ the least free memory:
     after state   = free at start - model state
     margin        = MARGIN_SHARE x after state + MARGIN_BYTES   (allocator fragmentation, kernel workspaces,
                     NCCL buffers, compiled kernels, the estimate's error)
+                    + the loss head's chunk  (``loss_chunk_tokens`` x vocab x 10 bytes: one chunk's float32 logits,
+                    their float32 gradient and the bf16 logits, alive together in the head's backward and not in
+                    the per-token meter, which counts what is held for the backward; 5.3 GB at a 128K vocab)
     activations   = after state - margin
     tokens        = activations / activation bytes per token
 
@@ -36,6 +39,7 @@ __all__ = [
     "DeviceBudget",
     "capped",
     "device_budget",
+    "head_chunk_bytes",
     "lowered_after_oom",
     "resolve_device_budget",
 ]
@@ -60,6 +64,8 @@ class DeviceBudget:
     activation_bytes: float
     act_bytes_per_token: float
     tokens: int
+    head_bytes: float = 0.0
+    """The loss head's chunk, the part of ``margin_bytes`` that grows with the vocabulary."""
 
     @property
     def share_of_free(self) -> float:
@@ -70,17 +76,27 @@ class DeviceBudget:
     def describe(self) -> str:
         return (
             f"memory budget from the device: {self.free_bytes / GIB:.1f} GiB free of {self.total_bytes / GIB:.1f}, "
-            f"model state {self.state_bytes / GIB:.1f} GiB, margin {self.margin_bytes / GIB:.1f} GiB -> "
+            f"model state {self.state_bytes / GIB:.1f} GiB, margin {self.margin_bytes / GIB:.1f} GiB"
+            + (f" (the loss head's chunk {self.head_bytes / GIB:.1f} of it)" if self.head_bytes else "")
+            + " -> "
             f"{self.activation_bytes / GIB:.1f} GiB for activations ({100 * self.share_of_free:.0f} % of the free "
             f"memory after the model state) = {self.tokens:,} tokens per worker at "
             f"{self.act_bytes_per_token / 2**20:.2f} MiB per token"
         )
 
 
-def device_budget(free_bytes: int, total_bytes: int, state_bytes: float, act_bytes_per_token: float) -> DeviceBudget:
+def head_chunk_bytes(loss_chunk_tokens: int, vocab_size: int) -> float:
+    """Bytes of one loss-head chunk in its backward (see the module doc); 0 without chunks, where the meter
+    counts the whole logits per token."""
+    return 10.0 * loss_chunk_tokens * vocab_size
+
+
+def device_budget(
+    free_bytes: int, total_bytes: int, state_bytes: float, act_bytes_per_token: float, head_bytes: float = 0.0
+) -> DeviceBudget:
     """The budget of a device with ``free_bytes`` free (see the module doc); ConfigError when no activation fits."""
     after = free_bytes - state_bytes
-    margin = MARGIN_SHARE * max(after, 0.0) + MARGIN_BYTES
+    margin = MARGIN_SHARE * max(after, 0.0) + MARGIN_BYTES + head_bytes
     activations = after - margin
     tokens = int(activations // act_bytes_per_token) if activations > 0 else 0
     if tokens < 16:
@@ -91,7 +107,9 @@ def device_budget(free_bytes: int, total_bytes: int, state_bytes: float, act_byt
             "MiB each. Shard the model state over more workers ([sharding] mode = 'fsdp'), recompute activations "
             "([sharding] activation_checkpointing = 'full'), or use a smaller model"
         )
-    return DeviceBudget(free_bytes, total_bytes, state_bytes, margin, activations, act_bytes_per_token, tokens)
+    return DeviceBudget(
+        free_bytes, total_bytes, state_bytes, margin, activations, act_bytes_per_token, tokens, head_bytes
+    )
 
 
 def resolve_device_budget(cfg, group, publish):
@@ -108,7 +126,8 @@ def resolve_device_budget(cfg, group, publish):
     least = min(memory, key=lambda m: m["free_at_start"])
     act = float(np.median(group.call("activation_bytes_per_token")))
     state = model_state_plan(cfg, cfg.min_workers).total
-    budget = device_budget(least["free_at_start"], least["total"], state, act)
+    head = head_chunk_bytes(cfg.model.loss_chunk_tokens, cfg.model.vocab_size)
+    budget = device_budget(least["free_at_start"], least["total"], state, act, head)
     publish({"event": "progress", "message": budget.describe()})
     plan = dataclasses.replace(cfg.plan, tokens_per_worker=budget.tokens)
     try:

@@ -72,6 +72,10 @@ def test_the_driver_measures_the_least_free_worker_and_rechecks_the_run():
     assert budget.free_bytes == 60 * GIB and cfg.plan.tokens_per_worker == budget.tokens > 8192
     assert not cfg.budget_from_device and cfg.tokens_per_worker == budget.tokens
     assert events and events[0]["message"].startswith("memory budget from the device: 60.0 GiB free")
+    # the loss head's chunk (4,096 tokens x 32,000 ids x 10 bytes) is kept free beside the share and the fixed part
+    head = 10 * 4096 * 32000
+    assert budget.head_bytes == head and "the loss head's chunk 1.2 of it" in events[0]["message"]
+    assert budget.margin_bytes == pytest.approx(MARGIN_SHARE * (60 * GIB - budget.state_bytes) + MARGIN_BYTES + head)
     # a budget too small for the longest document on the run's workers: the run's own error, with the measurement
     with pytest.raises(ConfigError, match=r"data.max_context=.*measured"):
         resolve_device_budget(_gpu_cfg(2**22, workers=1), _Group([60 * GIB], 2**20), events.append)
