@@ -208,6 +208,8 @@ class Planner:
             self._polish_s = measured(self._polish_s, time.monotonic() - p0)
             if total < search.best_total:
                 search.best_total, search.best_mbs, search.best_pre = total, kept, (ci, pre)
+            if self._at_bound(search):
+                break  # proven within the tolerance of optimal: no split can do better by more
 
     def _solve_split(self, step: StepTables, search: _Search, ci: int, starts, budget: Budget, run: dict):
         """``SplitSolver.solve`` of candidate `ci` from `starts`, by the solve deadline."""
@@ -217,7 +219,7 @@ class Planner:
     def _polish_best(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> None:
         """With time left (``fill_starts``): the best split's MILPs again from the homogeneous starts (the bisection
         is not monotone in its start), each micro-batch keeping the better of the two."""
-        if not self.config.fill_starts or search.best_pre is None:
+        if not self.config.fill_starts or search.best_pre is None or self._at_bound(search):
             return
         if time.monotonic() + 2 * MIN_SOLVE_S >= budget.solve:
             return
@@ -260,6 +262,12 @@ class Planner:
         # the step's fixed costs (sync, optimizer) on both: ``simulator.step_time_ms``'s price, and still a bound
         total_ms = float(search.best_total) + prof.step_ms
         return StepPlan(plan, total_ms, bound + prof.step_ms, done - budget.t0, status, details)
+
+    def _at_bound(self, search: _Search) -> bool:
+        """The best plan so far is within ``tolerance`` of the step's proven bound (``stop_at_bound``)."""
+        if not self.config.stop_at_bound or search.best_mbs is None:
+            return False
+        return search.best_total <= self._step_bound() * (1 + self.config.tolerance)
 
     def _step_bound(self) -> float:
         """The step's lower bound (``solver.bounds.step_bound_ms``), computed once per plan, on first call."""

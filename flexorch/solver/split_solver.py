@@ -61,7 +61,12 @@ class SplitSolver:
         )
         st = _SplitRun(split, lower_bounds, starts, step.types, step.table, step.lengths, kw, deadline, wait_until, run)
         st.out = [None] * len(split)
-        pending = list(range(len(split)))
+        pending = []
+        for i, (start, lower) in enumerate(zip(starts, lower_bounds, strict=True)):
+            if cfg.stop_at_bound and start is not None and start.makespan() <= lower * (1 + cfg.tolerance):
+                st.out[i] = (start, "bound")  # within the bisection's tolerance of its proven bound: nothing to solve
+            else:
+                pending.append(i)
         while pending:
             if deadline - time.monotonic() < MIN_SOLVE_S:
                 st.give_up(pending)
