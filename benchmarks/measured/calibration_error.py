@@ -22,7 +22,9 @@ the run made (``predicted_ms``, from the profile revision that planned it: refit
 the run's step level it was multiplied by (``solver.step_level``: measured over predicted of the steps before it),
 the same plan priced by the start-up calibration alone (revision 0, ``profile.json``, no level), the measured step
 (``measured_ms``) and both errors; then the refit lines the run printed, and the median and worst error over steps
-3-20 (the done-when of issue 48: median at most 5 %, worst within 15 %, on an otherwise idle machine).
+3-20 (the done-when of issue 48: median at most 5 %, worst within 15 %, on an otherwise idle machine); last, the
+machine's own floor (``benchmarks.measured.machine_noise``): the same work in 4 processes at once, in chunks of a
+worker's share of the median step, and how far those chunks lie from their median.
 ``--records DIR`` prints the same table for a run that has already run (its ``steps.jsonl``, ``profile.json``).
 
     python -m benchmarks.measured.calibration_error --runs demo,hf     # about 4 minutes on 2 cores
@@ -151,6 +153,7 @@ def per_step(run_dir: Path, first: int = 3) -> dict:
         "worst_err": float(np.max(errs)),
         "calibrated_median_err": float(np.median(errs0)),
         "calibrated_worst_err": float(np.max(errs0)),
+        "median_step_ms": float(np.median([measured[i] for i, step in enumerate(steps) if step >= first])),
     }
     print(
         f"steps {first}-{recs[-1]['step'] + 1}: as predicted median {100 * out['median_err']:.1f} %, worst "
@@ -223,9 +226,22 @@ def run_per_step(names: list[str], out: Path) -> int:
             if "cost model" in line or line.startswith("profile:"):
                 print("  " + line[:240])
         summary[name] = per_step(run_dir)
+    summary["machine"] = _machine_floor(summary, out)
     (out / "per_step.json").write_text(json.dumps(summary, indent=1))
     print(f"\nwrote {out / 'per_step.json'}; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f} at the end")
     return 0
+
+
+def _machine_floor(summary: dict, out: Path) -> dict:
+    """``benchmarks.measured.machine_noise`` with the demo's shape: its 4 workers' processes at once, each chunk one
+    worker's share of the median step measured (the machine's cores split between them). Printed and returned."""
+    from benchmarks.measured.machine_noise import describe, machine_noise
+
+    step_ms = float(np.median([s["median_step_ms"] for s in summary.values()]))
+    workers = 4  # examples/train_laptop.toml
+    noise = machine_noise(workers, step_ms / 1e3 * min(workers, os.cpu_count() or 1) / workers, chunks=8)
+    print(describe(noise) + ": no prediction of a step of that length can be nearer than that on this machine")
+    return noise
 
 
 def main(argv=None) -> int:

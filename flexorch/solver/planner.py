@@ -69,9 +69,10 @@ class StepPlan:
     """Proven lower bound on any plan's step time for this batch (solver.bounds)."""
     solve_s: float
     status: str
-    """'milp' (a MILP plan beat the start), 'static' (none did: the start, homogeneous or ``solver.fill``'s mixed
-    layout, stands), 'fallback' (time ran out before any candidate split was solved or packed by ``solver.fill``:
-    homogeneous starts, solves cut at the deadline)."""
+    """'milp' (a MILP plan beat the start), 'static' (none did, or none was solved because the start was within the
+    tolerance of its bound, method 'bound': the start, homogeneous or ``solver.fill``'s mixed layout, stands),
+    'fallback' (time ran out before any candidate split was solved or packed by ``solver.fill``: homogeneous starts,
+    solves cut at the deadline)."""
     details: dict = field(default_factory=dict)
     """How the time went: 'time_limit_s', 'used_s', 'solver_crashes' (solver processes that died in this plan),
     'solves_cut' (solves stopped at the deadline), candidates, methods per micro-batch."""
