@@ -1,9 +1,10 @@
 """The run's cost model refitted beside its steps (``[plan] refit``): the driver hands each trained record here.
 
 :class:`RunRefit` keeps the groups and the step of every record (``flexorch.solver.refit``: the first step on each
-world is left out, it warms up process groups and the allocator) and every ``plan.refit_every`` steps refits the
-profile's time terms on them in a thread beside the next step (0.04-0.7 s for 40-104 groups on these CPUs), one
-refit in flight at a time.
+world is left out, it warms up process groups and the allocator, and so is a step that compiled, :func:`compiled`)
+and every ``plan.refit_every`` steps refits the profile's time terms on them in a thread beside the next step
+(0.04-0.7 s for 40-104 groups on these CPUs), one refit in flight at a time. The run's step level
+(``solver.step_level``) is taken over the same steps.
 
 A refit that predicts its window better is only *on trial*: the planner plans with it, and the next
 ``TRIAL_STEPS`` steps it planned are priced both by it (their own ``predicted_ms``) and by the profile before it.
@@ -33,7 +34,12 @@ from flexorch.solver.refit import (
 )
 from flexorch.solver.step_level import step_level
 
-__all__ = ["TRIAL_STEPS", "Change", "RunRefit", "Verdict"]
+__all__ = ["COMPILE_SHARE", "TRIAL_STEPS", "Change", "RunRefit", "Verdict", "compiled"]
+
+COMPILE_SHARE = 0.02
+"""A step on whose ranks ``torch.compile`` compiled for more than this share of its measured time is left out of the
+window: its groups' times carry the compiles, not the plan (``[model] compile``: each new shape compiles the layers
+again, so a GPU run's first steps took up to 35 % longer than the same plans later on the H200)."""
 
 TRIAL_STEPS = 3
 """Steps planned with a refit before it is judged: the median of three steps' errors is not one step's noise."""
@@ -80,6 +86,13 @@ class Change:
 
     profile: Profile | None
     message: str
+
+
+def compiled(record: dict) -> bool:
+    """Some rank of this trained record compiled for more than :data:`COMPILE_SHARE` of the step (its ``compile_s``,
+    ``flexorch.workers.compile.compile_seconds`` over the step)."""
+    limit_s = COMPILE_SHARE * (record.get("measured_ms") or 0.0) / 1e3
+    return any((rank.get("compile_s") or 0.0) > limit_s for rank in record.get("ranks") or () if rank)
 
 
 class RunRefit:
@@ -136,7 +149,7 @@ class RunRefit:
         verdict once the trial is over; else after every ``every``-th step start a refit of ``profile`` (the one in
         force) on the window, unless one is in flight."""
         step = None
-        if self._warm and not record["recoveries"]:
+        if self._warm and not record["recoveries"] and not compiled(record):
             ratios = profile.mode_time_ratios()  # 'auto' recompute: each group counts at full recompute's time
             step = step_of_record(record, ratios)
             self.window.add([*samples_of_record(record, ratios), *([step] if step is not None else [])])
