@@ -16,7 +16,8 @@ the CPU the plan takes from the machine), the predicted step time and the gap to
 Settings: ``run``, the batches a training run planned (``--run-dir``, default ``runs/train``: what ``make demo``
 writes) with the newest profile it planned with (``profile_revisions.jsonl``) at its budget (``config.json``);
 ``wiki64``, FlexSP's setting (gpt-7b-a100 with 64 heads, the bundled Wikipedia lengths up to 384K, N=64, batch
-512, 1 s), where few batches reach the bound and the two should plan alike.
+512, 1 s), where few batches reach the bound and the two should plan alike; ``scale1024`` (``--settings``),
+``benchmarks/sim/plan_scale.py``'s 1,024 devices with batches of 4,096 Wikipedia lengths at 1 s.
 
     python -m benchmarks.sim.planner_stop                          # after `make demo`: about a minute
     python -m benchmarks.sim.planner_stop --settings run,wiki64 --steps 5
@@ -40,6 +41,7 @@ from flexorch.data.stream import DocumentStream  # noqa: E402
 from flexorch.solver import PlannerConfig, get_profile  # noqa: E402
 from flexorch.solver.profiles import profile_from_dict  # noqa: E402
 from flexorch.solver.step_planner import StepPlanner  # noqa: E402
+from flexorch.solver.validation import largest_degree  # noqa: E402
 
 
 def run_setting(run_dir: Path, steps: int):
@@ -64,6 +66,15 @@ def wiki64_setting(steps: int):
     data = data[(data > 0) & (data <= 384 * 1024)]
     stream = DocumentStream(data.size, 512, seed=0)
     return profile, [(data[list(stream.next_batch().doc_ids)].tolist(), 64) for _ in range(steps)], 1.0
+
+
+def scale_setting(steps: int):
+    """``benchmarks/sim/plan_scale.py``'s first setting: 1,024 devices, batches of 4,096 Wikipedia lengths, 1 s."""
+    profile = get_profile("gpt-7b-a100")
+    data = read_lengths(bundled_lengths_path())
+    data = data[(data > 0) & (data <= largest_degree(1024) * profile.tokens_per_device)]
+    stream = DocumentStream(data.size, 4096, seed=0)
+    return profile, [(data[list(stream.next_batch().doc_ids)].tolist(), 1024) for _ in range(steps)], 1.0
 
 
 def compare(name: str, profile, batches, budget: float) -> dict:
@@ -103,7 +114,7 @@ def compare(name: str, profile, batches, budget: float) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--settings", default="run,wiki64", help="comma-separated: run, wiki64")
+    ap.add_argument("--settings", default="run,wiki64", help="comma-separated: run, wiki64, scale1024")
     ap.add_argument("--run-dir", type=Path, default=ROOT / "runs" / "train", help="the run of the 'run' setting")
     ap.add_argument("--steps", type=int, default=20, help="batches per setting (default 20)")
     args = ap.parse_args(argv)
@@ -112,8 +123,10 @@ def main(argv=None) -> int:
             compare(f"run {args.run_dir}", *run_setting(args.run_dir, args.steps))
         elif name == "wiki64":
             compare("wiki64", *wiki64_setting(args.steps))
+        elif name == "scale1024":
+            compare("scale1024", *scale_setting(args.steps))
         else:
-            raise SystemExit(f"unknown setting {name!r}: use run and/or wiki64")
+            raise SystemExit(f"unknown setting {name!r}: use run, wiki64 and/or scale1024")
     return 0
 
 
