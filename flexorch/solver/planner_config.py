@@ -56,9 +56,9 @@ class PlannerConfig:
     stop_at_bound: bool = True
     """Stop searching where the answer is proven within ``tolerance`` of optimal: a micro-batch whose start is within
     it of the micro-batch's lower bound is not solved, and no further split is tried once the best plan is within it
-    of the step's bound. On the demo's batches (4 workers, 16 documents) that is most plans: 40-90 ms of planner CPU
-    instead of the whole budget, taken from the workers' cores. False: every micro-batch solved and every split
-    tried while time is left (the planner benchmarks' ``--no-stop``)."""
+    of the step's bound. On the demo's batches (4 workers, 16 documents) that is most plans: a median 62 ms of planner
+    time instead of 273 ms, taken from the workers' cores. False: every micro-batch solved and every split tried while
+    time is left (``benchmarks/sim/planner_stop.py`` plans each batch both ways)."""
     isolate: bool = True
     """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not
     the plan). False: in this process (no extra process; a crash of the MILP library takes the caller down)."""
