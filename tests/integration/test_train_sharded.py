@@ -137,22 +137,34 @@ def test_a_sharded_checkpoint_resumes_on_fewer_workers_like_the_uninterrupted_ru
         np.testing.assert_allclose(value.numpy(), ref_params[name], rtol=1e-4, atol=2e-5, err_msg=name)
 
 
-def test_a_corrupted_shard_is_a_clear_error_before_any_worker_starts(env):
-    cfg = _cfg(env, "corrupt", "hsdp", 2, steps=2)
-    shard = _train_and_checkpoint(cfg, env[3])[1] / "__1_0.distcp"
+def _copy_of(env, fsdp_checkpoint, name: str):
+    """A copy of the 2-step fsdp run (with its checkpoint) in run directory ``name``: its config there, the copied
+    checkpoint's directory."""
+    first, _, ckpt = fsdp_checkpoint
+    run_dir = env[0] / name
+    shutil.copytree(first.run_dir, run_dir)
+    return first.replace(run_dir=str(run_dir)), run_dir / ckpt.relative_to(first.run_dir)
+
+
+def test_a_corrupted_shard_is_a_clear_error_before_any_worker_starts(env, fsdp_checkpoint):
+    cfg, ckpt = _copy_of(env, fsdp_checkpoint, "corrupt")
+    for older in (p for p in ckpt.parent.iterdir() if p != ckpt):  # else the resume takes the older one (by design)
+        shutil.rmtree(older)
+    shard = ckpt / "__1_0.distcp"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    resumed = TrainingDriver(cfg.replace(resume=True), corpus=env[3])
+    resumed = TrainingDriver(cfg.replace(resume=True, steps=4), corpus=env[3])
     with pytest.raises(ValueError, match=r"__1_0\.distcp is corrupted.*nothing was loaded"):
         resumed.setup()
     assert resumed.workers is None, "no worker was started"
 
 
-def test_resuming_a_sharded_checkpoint_with_replicate_is_refused(env):
-    cfg = _cfg(env, "mixed", "fsdp", steps=2)
-    _train_and_checkpoint(cfg, env[3])
-    other = TrainingDriver(cfg.replace(resume=True, sharding=ShardingSettings(mode="replicate")), corpus=env[3])
+def test_resuming_a_sharded_checkpoint_with_replicate_is_refused(env, fsdp_checkpoint):
+    cfg, _ = _copy_of(env, fsdp_checkpoint, "mixed")
+    other = TrainingDriver(
+        cfg.replace(resume=True, steps=4, sharding=ShardingSettings(mode="replicate")), corpus=env[3]
+    )
     with pytest.raises(ConfigError, match="holds sharded"):
         other.setup()
     assert other.workers is None
