@@ -24,6 +24,11 @@ def env(tmp_path_factory):
     yield from training_env(tmp_path_factory, "driver")
 
 
+# 2 workers where the story needs no more (each worker's start is ~4 s of imports on these 2 cores): 128 tokens
+# each then hold data.max_context=256
+_TPW128 = {"tokens_per_worker": 128}
+
+
 def _run(cfg, corpus, steps=None):
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
@@ -39,7 +44,7 @@ def test_resume_equals_uninterrupted_run(env):
     # what an uninterrupted run computes is the single-process reference on the same batches (the invariant):
     # checkpoint after step 2 ("crash"), resume, and compare the 5 steps and the parameters with it
     root, corpus_dir, profile, corpus = env
-    part_cfg = train_config(corpus_dir, root / "part", profile, steps=5)
+    part_cfg = train_config(corpus_dir, root / "part", profile, steps=5, workers=2, plan=_TPW128)
     first, _ = _run(part_cfg, corpus, steps=2)  # checkpoint after step 2, then the "crash"
     resumed_cfg = dataclasses.replace(part_cfg, resume=True)
     rest, resumed_params = _run(resumed_cfg, corpus)
@@ -54,7 +59,7 @@ def test_resume_equals_uninterrupted_run(env):
 def test_every_document_once_per_epoch(env):
     root, corpus_dir, profile, corpus = env
     # 24 documents, batches of 7: epochs of 4 batches (7+7+7+3); 9 steps = 2 full epochs and one batch more
-    cfg = train_config(corpus_dir, root / "ledger", profile, steps=9, batch_size=7)
+    cfg = train_config(corpus_dir, root / "ledger", profile, steps=9, batch_size=7, workers=2, plan=_TPW128)
     records, _ = _run(cfg, corpus)
     by_epoch: dict[int, list[int]] = {}
     for r in records:
@@ -70,8 +75,8 @@ def test_every_document_once_per_epoch(env):
 
 def test_infeasible_batch_errors_or_is_skipped_and_counted(env):
     root, corpus_dir, profile, corpus = env
-    # a static SP=1 layout with 64 tokens per worker cannot run documents of up to 256 tokens
-    cfg = train_config(corpus_dir, root / "inf", profile, plan={"mode": "static-ulysses-1"})
+    # a static SP=1 layout with 128 tokens per worker cannot run documents of up to 256 tokens
+    cfg = train_config(corpus_dir, root / "inf", profile, workers=2, plan={"mode": "static-ulysses-1", **_TPW128})
     with pytest.raises(InfeasibleBatchError, match="on_infeasible"):
         _run(cfg, corpus)
     skip = dataclasses.replace(
@@ -80,8 +85,8 @@ def test_infeasible_batch_errors_or_is_skipped_and_counted(env):
     records, _ = _run(skip, corpus)
     skipped = [r for r in records if r["skipped"]]
     assert skipped and all(r["reason"] and r["doc_ids"] for r in skipped)
-    assert all(max(r["seq_lengths"]) > 64 for r in skipped)
-    assert all(max(r["seq_lengths"]) <= 64 for r in records if not r["skipped"])
+    assert all(max(r["seq_lengths"]) > 128 for r in skipped)
+    assert all(max(r["seq_lengths"]) <= 128 for r in records if not r["skipped"])
 
 
 def test_a_bad_corpus_fails_before_any_worker_starts(env, tmp_path):
