@@ -181,8 +181,8 @@ def test_a_stuck_planner_is_replaced_and_the_step_runs_a_heuristic_plan(env):
 
 @pytest.mark.parametrize("mode", ["replicate", "fsdp"])
 def test_auto_recompute_runs_each_group_in_its_own_mode_and_matches_the_reference(env, mode):
-    # [sharding] activation_checkpointing = "auto": groups whose shard fits the budget without recompute run
-    # 'none', the others 'full', in the same step (under FSDP too: every rank still runs every micro-batch)
+    # [sharding] activation_checkpointing = "auto": each group runs the fastest mode whose bytes fit its shard
+    # ('none', 'selective' or 'full'), several in one step (under FSDP too: every rank still runs every micro-batch)
     from flexorch.config.sharding import ShardingSettings
     from flexorch.solver.recompute import choose_modes
     from tests.train_helpers import check_against_reference
