@@ -33,8 +33,10 @@ from flexorch.solver.profiles import Profile
 
 __all__ = [
     "KINDS",
+    "GROUP_KINDS",
     "ULYSSES",
     "RING",
+    "HYBRID",
     "next_pow2",
     "min_degree",
     "seq_time_ms",
@@ -48,7 +50,13 @@ __all__ = [
 
 ULYSSES = "ulysses"
 RING = "ring"
+HYBRID = "hybrid"
 KINDS = (ULYSSES, RING)
+"""The one-dimensional kinds: every device of the group runs the same collective."""
+GROUP_KINDS = (ULYSSES, RING, HYBRID)
+"""Every kind a plan's group may have: ``hybrid`` is Ulysses over ``u`` ranks inside a node times zigzag ring over
+``r = d / u`` ranks across nodes (USP / yunchang's 2-D sequence parallel, Megatron-Core's hierarchical context
+parallel); its group names ``u`` (``Group.ulysses_degree``)."""
 
 
 def next_pow2(x: int) -> int:

@@ -1,7 +1,7 @@
 """The per-step plan: a frozen value that validates itself on construction and never touches a process group.
 
 A `Plan` splits one step's global batch into micro-batches; each micro-batch splits the N devices into SP groups
-(aligned blocks of consecutive ranks, power-of-two sizes) and assigns every sequence of the batch to exactly one
+(blocks of consecutive ranks, power-of-two sizes; ranks are contiguous per node, so a block can lie inside a node) and assigns every sequence of the batch to exactly one
 group of one micro-batch. Workers and the driver only consume plans.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from flexorch.solver.cost_model import KINDS, ULYSSES, min_degree
+from flexorch.solver.cost_model import GROUP_KINDS, HYBRID, ULYSSES, min_degree
 from flexorch.solver.errors import InvalidPlanError
 from flexorch.solver.profiles import Profile
 
@@ -26,21 +26,34 @@ class Group:
     degree: int
     """SP degree d: the number of devices that work on each of this group's sequences together."""
     kind: str
-    """Attention method: 'ulysses' (all-to-all, heads sharded) or 'ring' (zigzag ring attention)."""
+    """Attention method: 'ulysses' (all-to-all, heads sharded), 'ring' (zigzag ring attention) or 'hybrid'
+    (Ulysses over ``ulysses_degree`` consecutive ranks, zigzag ring across those blocks)."""
     ranks: tuple[int, ...]
-    """The devices (ranks in the current world): an aligned block, ranks[0] % degree == 0, consecutive."""
+    """The devices (ranks in the current world): ``degree`` consecutive ranks."""
     seq_ids: tuple[int, ...]
     """Indices into the step's batch of the sequences this group runs, in execution order."""
+    ulysses_degree: int | None = None
+    """A hybrid group's Ulysses degree u (2 <= u, u divides degree, degree / u >= 2): ring position j runs on
+    ``ranks[j*u:(j+1)*u]``. None for the other kinds."""
 
     def __post_init__(self) -> None:
         d = self.degree
         if not isinstance(d, int) or d < 1 or d & (d - 1):
             raise InvalidPlanError(f"group degree must be a power of two >= 1, got {d!r}")
-        if self.kind not in KINDS:
-            raise InvalidPlanError(f"group kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind not in GROUP_KINDS:
+            raise InvalidPlanError(f"group kind must be one of {GROUP_KINDS}, got {self.kind!r}")
+        u = self.ulysses_degree
+        if self.kind == HYBRID:
+            if not isinstance(u, int) or u < 2 or d % u or d // u < 2:
+                raise InvalidPlanError(
+                    f"a hybrid group of degree {d} needs ulysses_degree u with 2 <= u, u | {d} and {d} / u >= 2, "
+                    f"got {u!r}"
+                )
+        elif u is not None:
+            raise InvalidPlanError(f"only a hybrid group names a ulysses_degree; a {self.kind} group got {u!r}")
         r = self.ranks
-        if len(r) != d or r[0] % d or any(r[i] != r[0] + i for i in range(d)):
-            raise InvalidPlanError(f"group ranks {r} are not an aligned block of {d} consecutive ranks")
+        if len(r) != d or r[0] < 0 or any(r[i] != r[0] + i for i in range(d)):
+            raise InvalidPlanError(f"group ranks {r} are not a block of {d} consecutive ranks")
         if not self.seq_ids:
             raise InvalidPlanError(f"group on ranks {r[0]}..{r[-1]} has no sequence (drop empty groups)")
 
@@ -103,6 +116,8 @@ class Plan:
         deg = np.fromiter((g.degree for g in groups), dtype=np.int64, count=len(groups))
         last = np.fromiter((g.ranks[-1] for g in groups), dtype=np.int64, count=len(groups))
         uly = np.fromiter((g.kind == ULYSSES for g in groups), dtype=bool, count=len(groups))
+        if any(g.kind == HYBRID and self.num_heads % g.ulysses_degree for g in groups):
+            return False
         sizes = np.fromiter((len(g.seq_ids) for g in groups), dtype=np.int64, count=len(groups))
         sids = np.fromiter(itertools.chain.from_iterable(g.seq_ids for g in groups), dtype=np.int64)
         if (last >= n).any() or (uly & (self.num_heads % deg != 0)).any():
@@ -133,6 +148,11 @@ class Plan:
                     raise InvalidPlanError(
                         f"micro-batch {mi}: Ulysses group of degree {g.degree} does not divide "
                         f"num_heads={self.num_heads} (use ring attention or a smaller degree)"
+                    )
+                if g.kind == HYBRID and self.num_heads % g.ulysses_degree:
+                    raise InvalidPlanError(
+                        f"micro-batch {mi}: hybrid group's Ulysses degree {g.ulysses_degree} does not divide "
+                        f"num_heads={self.num_heads}"
                     )
                 tokens = 0
                 for sid in g.seq_ids:
@@ -180,6 +200,7 @@ class Plan:
                         "seq_lengths": [self.seq_lengths[i] for i in g.seq_ids],
                         "seq_ids": list(g.seq_ids),
                     }
+                    | ({"ulysses_degree": g.ulysses_degree} if g.ulysses_degree is not None else {})
                     for g in mb.groups
                 ]
                 for mb in self.micro_batches

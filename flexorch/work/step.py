@@ -14,7 +14,10 @@ from dataclasses import dataclass
 __all__ = ["DocRef", "GroupWork", "StepWork", "step_work", "check_count", "check_ranks"]
 
 KINDS = ("ulysses", "ring")
-"""SP attention kinds a group runs (``flexorch.solver.cost_model.KINDS``)."""
+"""The one-dimensional SP attention kinds (``flexorch.solver.cost_model.KINDS``)."""
+HYBRID = "hybrid"
+GROUP_KINDS = (*KINDS, HYBRID)
+"""Every kind a group runs (``flexorch.solver.cost_model.GROUP_KINDS``)."""
 
 
 def check_count(what: str, value, minimum: int = 0) -> None:
@@ -82,12 +85,15 @@ class GroupWork:
     ranks: tuple[int, ...]
     """The group's ranks in the current world; this rank is one of them."""
     kind: str
-    """'ulysses' or 'ring' (irrelevant for degree 1)."""
+    """'ulysses', 'ring' (irrelevant for degree 1) or 'hybrid' (Ulysses inside blocks of ``ulysses_degree``
+    consecutive ranks, zigzag ring across them)."""
     docs: tuple[DocRef, ...]
     """The group's documents in plan order (every member holds the same list and shards it)."""
     recompute: str | None = None
     """'none', 'selective' or 'full': the activation checkpointing this group runs this micro-batch with (every
     member the same: a recompute runs the group's collectives again); None: the model's own mode."""
+    ulysses_degree: int | None = None
+    """A hybrid group's Ulysses degree u (``flexorch.solver.plan.Group.ulysses_degree``); None otherwise."""
 
     def __post_init__(self) -> None:
         check_count("GroupWork.micro_batch", self.micro_batch)
@@ -101,9 +107,16 @@ class GroupWork:
             raise ValueError(
                 f"GroupWork (micro-batch {self.micro_batch}) ranks {self.ranks}: degree {d} is not a power of two"
             )
-        if self.kind not in KINDS:
+        if self.kind not in GROUP_KINDS:
             raise ValueError(
-                f"GroupWork (micro-batch {self.micro_batch}) kind must be one of {KINDS}, got {self.kind!r}"
+                f"GroupWork (micro-batch {self.micro_batch}) kind must be one of {GROUP_KINDS}, got {self.kind!r}"
+            )
+        u = self.ulysses_degree
+        if (self.kind == HYBRID) != (u is not None) or (u is not None and (u < 2 or d % u or d // u < 2)):
+            raise ValueError(
+                f"GroupWork (micro-batch {self.micro_batch}) on ranks {self.ranks}: a hybrid group needs a "
+                f"ulysses_degree u with 2 <= u, u | {d} and {d} / u >= 2, and only a hybrid group names one; "
+                f"got kind {self.kind!r}, ulysses_degree {u!r}"
             )
         if not isinstance(self.docs, tuple) or not all(isinstance(doc, DocRef) for doc in self.docs):
             raise ValueError(f"GroupWork (micro-batch {self.micro_batch}) docs must be a tuple of DocRef")
@@ -236,7 +249,9 @@ def step_work(
     for mi, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):
             mode = recompute[mi][gi] if recompute is not None else None
-            work = GroupWork(mi, tuple(g.ranks), g.kind, tuple(docs[i] for i in g.seq_ids), mode)
+            work = GroupWork(
+                mi, tuple(g.ranks), g.kind, tuple(docs[i] for i in g.seq_ids), mode, ulysses_degree=g.ulysses_degree
+            )
             for r in g.ranks:
                 per_rank[r].append(work)
     num_predicted = sum(d.predicted for d in docs)

@@ -103,8 +103,16 @@ def test_broken_plans_are_refused(groups, msg):
 
 
 def test_broken_groups_are_refused():
-    with pytest.raises(InvalidPlanError, match="aligned block"):
-        Group(2, "ring", (1, 2), (0,))
+    with pytest.raises(InvalidPlanError, match="consecutive ranks"):
+        Group(2, "ring", (1, 3), (0,))
+    assert Group(2, "ring", (1, 2), (0,)).ranks == (1, 2)  # a block inside a node need not be aligned
+    with pytest.raises(InvalidPlanError, match="ulysses_degree"):
+        Group(4, "hybrid", (0, 1, 2, 3), (0,))
+    with pytest.raises(InvalidPlanError, match="ulysses_degree"):
+        Group(4, "hybrid", (0, 1, 2, 3), (0,), ulysses_degree=4)  # r = 1 is plain Ulysses
+    with pytest.raises(InvalidPlanError, match="only a hybrid"):
+        Group(4, "ring", (0, 1, 2, 3), (0,), ulysses_degree=2)
+    assert Group(4, "hybrid", (0, 1, 2, 3), (0,), ulysses_degree=2).ulysses_degree == 2
     with pytest.raises(InvalidPlanError, match="power of two"):
         Group(3, "ring", (0, 1, 2), (0,))
     with pytest.raises(InvalidPlanError, match="kind"):
