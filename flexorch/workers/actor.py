@@ -34,10 +34,11 @@ from flexorch.work.step import StepWork
 from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_seconds, compiled_layers
 from flexorch.workers.devices import device_memory, pin_device
-from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError
+from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError, WorldUnreachableError
 from flexorch.workers.lifecycle import HEARTBEAT_S, WorkerLifecycle
 from flexorch.workers.measurements import WorkerMeasurements
 from flexorch.workers.model_state import ModelState
+from flexorch.workers.network import Binding, bind_collectives, check_reachable
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
 from flexorch.workers.replicated_state import ReplicatedState
@@ -105,6 +106,10 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         self._state_init()
         self.registry: ProcessGroupRegistry | None = None
         self._store: dist.Store | None = None
+        self.binding: Binding | None = None
+        """The address this worker's collectives announce, chosen at its first world (``workers.network``)."""
+        self.reach_s: float | None = None
+        """Seconds the last world's reachability check took (``workers.network.check_reachable``)."""
         self._probes: list = []  # called at PROBE_POINTS (add_probe); none in a run
         self._note_sigterm(_in_actor())  # flexorch.workers.lifecycle
 
@@ -210,6 +215,9 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         # within it, not retried for the collective timeout; the world's waits then get the collective timeout
         self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(STORE_CONNECT_S))
         self._store.set_timeout(_td(timeout_s))
+        if self.binding is None:  # once per process: later worlds keep the interface it set
+            self.binding = bind_collectives(ray.util.get_node_ip_address() if ray.is_initialized() else host)
+        self.reach_s = check_reachable(self._store, rank, world_size, epoch, self.binding, timeout_s)
         self.registry = ProcessGroupRegistry(
             store=self._store,
             rank=rank,
@@ -253,6 +261,8 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
             self._drop_step_memory()
             first = str(err).splitlines()[0][:300] if str(err) else "out of memory"
             raise StepOutOfMemoryError(f"worker {self.worker_id} ran out of device memory: {first}")
+        if isinstance(err, WorldUnreachableError):  # a setup error with its own message, not a broken world
+            raise err
         if aborted or _is_world_error(err):  # the driver shut this world down: any error now is the broken world's
             raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
         err.add_note(text)

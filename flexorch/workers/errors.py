@@ -3,7 +3,7 @@ that every part of it can raise them."""
 
 from __future__ import annotations
 
-__all__ = ["PeerLostError", "StepOutOfMemoryError"]
+__all__ = ["PeerLostError", "StepOutOfMemoryError", "WorldUnreachableError"]
 
 
 class PeerLostError(RuntimeError):
@@ -14,3 +14,9 @@ class PeerLostError(RuntimeError):
 class StepOutOfMemoryError(RuntimeError):
     """This worker's device ran out of memory in a step. Its gradients are dropped and its cache emptied, so the
     state it holds is the state before the step; the driver re-plans the step with a smaller memory budget."""
+
+
+class WorldUnreachableError(RuntimeError):
+    """Before a world formed, some of its workers could not connect to others at the addresses their collectives
+    announce (``flexorch.workers.network.check_reachable``): a setup error, named with the two addresses and what to
+    set, not a lost worker. Every rank raises it, so the driver stops the run instead of shrinking it."""
