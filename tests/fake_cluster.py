@@ -215,6 +215,9 @@ class FakeWorkerGroup:
     def nodes_of(self) -> dict[int, str]:
         return {w: f"node-{w // self.per_node}" for w in self.worker_ids}
 
+    def rank_nodes(self) -> list[str | None]:
+        return [f"node-{w // self.per_node}" for w in self.worker_ids]
+
     def draining_nodes(self) -> list:
         from flexorch.control.drains import NodeDrain
 

@@ -211,6 +211,7 @@ class TrainingDriver(RunSetup, RunLoop):
             "seq_lengths": run.lengths,
             "world_size": n,
             "worker_ids": list(self.workers.worker_ids),
+            "nodes": self.workers.rank_nodes(),
             "mode": self.cfg.plan.mode,
             "solve_s": planned.solve_s,
             "plan_wait_ms": (time.perf_counter() - t_wait) * 1e3,

@@ -61,6 +61,10 @@ class WorkerGroup(Protocol):
         """{member worker id: the node it runs on}."""
         ...
 
+    def rank_nodes(self) -> list[str | None]:
+        """Each member's node in rank order (its address where known), for the step records."""
+        ...
+
     def draining_nodes(self) -> list:
         """Nodes being drained (``control.drains.NodeDrain`` values): the elastic executor's drain watch reads them."""
         ...

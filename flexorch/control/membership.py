@@ -2,7 +2,7 @@
 
 A worker has a stable ``worker_id`` (never reused, kept in records and logs) and a ``rank`` (its position in the
 current torch.distributed world, which changes whenever the world is re-formed). :class:`Membership` keeps the
-two apart; the ranks of epoch ``e`` are the alive worker ids in ascending order.
+two apart; the ranks of epoch ``e`` are the alive worker ids, contiguous per node (:class:`Membership`).
 
 :class:`ElasticPolicy` turns what the driver observed into a decision value (docs/design.md §4):
 
@@ -20,7 +20,7 @@ Only the driver executes decisions (``flexorch/control/elastic.py``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 __all__ = [
@@ -39,11 +39,20 @@ __all__ = [
 
 
 class Membership:
-    """Alive worker ids (rank = position in ascending id order) and the membership epoch."""
+    """Alive worker ids in rank order, the node each runs on, and the membership epoch.
 
-    def __init__(self, worker_ids: Iterable[int] = ()):
-        self._alive: list[int] = sorted(set(worker_ids))
-        self._next_id = (max(self._alive) + 1) if self._alive else 0
+    Ranks are contiguous per node: the nodes in the order of their smallest alive worker id, and inside a node the
+    ids in ascending order, so a group of consecutive ranks no larger than a node's live workers can lie inside that
+    node (``flexorch.solver.topology``), after every membership change. Workers of no known node count as one node;
+    with ``by_node=False`` (``[plan] topology = "blind"``) ranks are the ids in ascending order, whatever their
+    nodes."""
+
+    def __init__(self, worker_ids: Iterable[int] = (), nodes: Mapping[int, str] | None = None, by_node: bool = True):
+        self._nodes: dict[int, str | None] = {}
+        self.by_node = by_node
+        self._alive: list[int] = []
+        self._next_id = 0
+        self.add(worker_ids, nodes)
         self.epoch = 0
 
     @property
@@ -58,21 +67,54 @@ class Membership:
     def rank_of(self, worker_id: int) -> int:
         return self._alive.index(worker_id)
 
+    def node_of(self, worker_id: int) -> str | None:
+        """The node a member runs on (None: not known)."""
+        return self._nodes.get(worker_id)
+
+    def node_sizes(self) -> list[tuple[str | None, int]]:
+        """(node, live workers) in rank order: consecutive ranks on one node form one entry (with ``by_node`` every
+        node appears once; blind, a node can appear again further on)."""
+        out: list[tuple[str | None, int]] = []
+        for w in self._alive:
+            node = self._nodes.get(w)
+            if out and out[-1][0] == node:
+                out[-1] = (node, out[-1][1] + 1)
+            else:
+                out.append((node, 1))
+        return out
+
+    def _order(self, ids: Iterable[int]) -> list[int]:
+        ids = sorted(set(ids))
+        if not self.by_node:
+            return ids
+        first: dict[str | None, int] = {}
+        for w in ids:  # ascending: each node's smallest id comes first
+            first.setdefault(self._nodes.get(w), w)
+        return sorted(ids, key=lambda w: (first[self._nodes.get(w)], w))
+
     def new_ids(self, count: int) -> list[int]:
         """Reserve ``count`` fresh worker ids (for workers about to start); they are not members yet."""
         ids = list(range(self._next_id, self._next_id + count))
         self._next_id += count
         return ids
 
-    def add(self, worker_ids: Iterable[int]) -> None:
-        self._alive = sorted(set(self._alive) | set(worker_ids))
+    def add(self, worker_ids: Iterable[int], nodes: Mapping[int, str] | None = None) -> None:
+        """Make ``worker_ids`` members; ``nodes``: the node each runs on (the next world's ranks follow them)."""
+        ids = set(worker_ids)
+        for w in ids:
+            self._nodes[w] = (nodes or {}).get(w)
+        self._alive = self._order(set(self._alive) | ids)
+        if ids:
+            self._next_id = max(self._next_id, max(ids) + 1)
 
     def remove(self, worker_ids: Iterable[int]) -> None:
         gone = set(worker_ids)
         unknown = gone - set(self._alive)
         if unknown:
             raise KeyError(f"workers {sorted(unknown)} are not members (alive: {self._alive})")
-        self._alive = [w for w in self._alive if w not in gone]
+        for w in gone:
+            self._nodes.pop(w, None)
+        self._alive = self._order(w for w in self._alive if w not in gone)
 
     def next_epoch(self) -> int:
         """Start a new world: ranks are re-assigned from the alive ids."""

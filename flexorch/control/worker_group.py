@@ -65,6 +65,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         min_workers: int | None = None,
         sharding: dict | None = None,
         publish=None,
+        by_node: bool = True,
     ):
         self.timeout_s = collective_timeout_s
         self.form_phases_ms: dict | None = None
@@ -83,9 +84,11 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         self.parts = model_parts(int(model_cfg.get("num_layers", ModelConfig().num_layers)))
         self.held: dict[int, frozenset[str] | None] = {}
         """Model parts each member holds (``flexorch.work.placement``; None: the whole model)."""
-        self.membership = Membership()
+        self.membership = Membership(by_node=by_node)
+        """Ranks contiguous per node unless ``by_node`` is False (``[plan] topology = "blind"``)."""
         self._actors: dict[int, ray.actor.ActorHandle] = {}
         self._nodes: dict[int, str] = {}  # member -> the Ray node id it runs on (from its start's info)
+        self._node_ips: dict[str, str] = {}  # Ray node id -> its address (from the starts' info)
         self.host = ray.util.get_node_ip_address()
         self.driver_node = ray.get_runtime_context().get_node_id()
         """The Ray node this group (and the driver holding it) runs on: a drain of it is announced as such."""
@@ -147,6 +150,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
                 "gather": cfg.sharding.gather,
             },
             publish=publish,
+            by_node=getattr(cfg.plan, "topology", "aware") != "blind",
         )
 
     # ---------------------------------------------------------------- membership
@@ -220,12 +224,23 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         for wid in worker_ids:
             ready = self.joining[wid][1]
             self._actors[wid] = self._starts.take(wid)
-            self._nodes[wid] = ray.get(ready).get("node_id")  # its start's ``info``, already answered
+            info = ray.get(ready)  # its start's ``info``, already answered
+            self._nodes[wid] = info.get("node_id")
+            if info.get("node_ip"):
+                self._node_ips[info["node_id"]] = info["node_ip"]
             self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
             start = getattr(self._actors[wid], "start_heartbeat", None)  # a stand-in worker class may not beat
             if self.heartbeat_timeout_s and start is not None:
                 start.remote(self.host, self.heartbeats.port)
-        self.membership.add(worker_ids)
+        self.membership.add(worker_ids, self._nodes)
+
+    def rank_nodes(self) -> list[str | None]:
+        """Each rank's node in rank order, by its address (its Ray node id where the address is not known)."""
+        out = []
+        for w in self.membership.worker_ids:
+            node = self._nodes.get(w)
+            out.append(self._node_ips.get(node, node) if node is not None else None)
+        return out
 
     def remove(self, worker_ids, retiring: bool = False) -> None:
         """Drop members (dead, hung or unwanted); their actors are killed if still running. ``retiring``: they are

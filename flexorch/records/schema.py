@@ -69,6 +69,9 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   micro-batches plus the profile's ``step_ms``), ``compute_ms`` (slowest rank, start to end of its micro-batches),
   ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
   ``plan_wait_ms`` (time the driver waited for the plan: zero when the solve hid behind the previous step),
+  ``nodes`` (optional: records written before it have none): each rank's node, in rank order (its address, or its
+  Ray node id where the address is not known; null where not known at all); ranks are contiguous per node unless
+  ``[plan] topology = "blind"``;
   ``boundary_ms`` (optional: membership work between the previous step and this one: admitting workers that finished
   starting, starting new ones; a worker starting beside the steps costs nothing here), ``overhead_ms`` (driver
   bookkeeping after the outcomes);
@@ -315,6 +318,13 @@ def validate_record(rec, where: str = "record") -> dict:
             raise RecordError(
                 f"{where}: worker_ids has {len(rec['worker_ids'])} ids for world_size {rec['world_size']}"
             )
+        nodes = rec.get("nodes")
+        if nodes is not None and (
+            not isinstance(nodes, list)
+            or len(nodes) != rec["world_size"]
+            or not all(n is None or isinstance(n, str) for n in nodes)
+        ):
+            raise RecordError(f"{where}: 'nodes' must name each rank's node (a string or null), one per rank")
         _check_drains(rec["recoveries"], where)
     if rec["skipped"]:
         if rec["plan"] is not None:

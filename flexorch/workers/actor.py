@@ -159,6 +159,7 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
             "pid": os.getpid(),
             "hostname": socket.gethostname(),
             "node_id": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+            "node_ip": ray.util.get_node_ip_address() if ray.is_initialized() else None,
             "device": str(self.device or "cpu"),
             "attention": self.attention,
             "compiled_layers": compiled_layers(self.model) if self.model is not None else 0,

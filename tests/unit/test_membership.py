@@ -89,3 +89,28 @@ def test_config_resolves_and_checks_elastic_bounds():
             workers=4, data=data, plan=PlanSettings(tokens_per_worker=128, mode="static-ring-4"),
             elastic=ElasticSettings(min_workers=2),
         )  # fmt: skip
+
+
+def test_ranks_are_contiguous_per_node_after_every_change():
+    nodes = {0: "a", 1: "b", 2: "a", 3: "b", 4: "c"}
+    m = Membership(range(5), nodes)
+    assert m.worker_ids == (0, 2, 1, 3, 4)  # node a (0, 2), node b (1, 3), node c (4)
+    assert m.node_sizes() == [("a", 2), ("b", 2), ("c", 1)]
+    m.remove([0])  # node a's smallest id is gone: a now sorts by 2, after b's 1
+    assert m.worker_ids == (1, 3, 2, 4)
+    assert m.node_sizes() == [("b", 2), ("a", 1), ("c", 1)]
+    new = m.new_ids(2)
+    assert new == [5, 6]
+    m.add(new, {5: "a", 6: "c"})  # joiners go beside their node's workers, not at the end
+    assert m.worker_ids == (1, 3, 2, 5, 4, 6)
+    assert [m.node_of(w) for w in m.worker_ids] == ["b", "b", "a", "a", "c", "c"]
+    with pytest.raises(KeyError):
+        m.remove([0])
+
+
+def test_blind_ranks_are_ascending_ids_and_unknown_nodes_are_one_node():
+    nodes = {0: "a", 1: "b", 2: "a", 3: "b"}
+    blind = Membership(range(4), nodes, by_node=False)
+    assert blind.worker_ids == (0, 1, 2, 3)
+    assert blind.node_sizes() == [("a", 1), ("b", 1), ("a", 1), ("b", 1)]
+    assert Membership(range(3)).node_sizes() == [(None, 3)]
