@@ -11,7 +11,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DocRef", "GroupWork", "StepWork", "step_work", "check_count", "check_ranks"]
+__all__ = [
+    "DocRef",
+    "GroupWork",
+    "StepWork",
+    "step_work",
+    "check_count",
+    "check_ranks",
+    "hybrid_sub_groups",
+    "sp_rank_sets",
+]
 
 KINDS = ("ulysses", "ring")
 """The one-dimensional SP attention kinds (``flexorch.solver.cost_model.KINDS``)."""
@@ -37,6 +46,29 @@ def check_ranks(what: str, ranks, world_size: int | None = None) -> None:
         raise ValueError(f"{what} {ranks}: rank {bad[0]} is outside the world of {world_size} ranks")
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"{what} {ranks} names a rank twice")
+
+
+def hybrid_sub_groups(ranks: tuple[int, ...], u: int, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(Ulysses block, ring) of ``rank`` in a hybrid group on ``ranks`` with Ulysses degree ``u``: ring position
+    ``j`` runs on ``ranks[j*u:(j+1)*u]``, so group rank ``g = j*u + i`` all-to-alls with its block and rings with
+    ``ranks[i::u]``, the ranks at its offset in every block (``flexorch.workers.attention.hybrid``)."""
+    g = ranks.index(rank)
+    j, i = divmod(g, u)
+    return ranks[j * u : (j + 1) * u], ranks[i::u]
+
+
+def sp_rank_sets(groups) -> list[tuple[int, ...]]:
+    """The process groups a step's SP groups (``ranks``, ``kind``, ``ulysses_degree`` each) need, every rank the
+    same list, smallest first: every Ulysses or ring group of degree > 1, and a hybrid group's Ulysses blocks and
+    rings (its attention runs on those alone: the whole group needs no communicator of its own)."""
+    sets = set()
+    for g in groups:
+        ranks = tuple(g.ranks)
+        if g.kind == HYBRID:
+            sets |= {s for r in ranks for s in hybrid_sub_groups(ranks, g.ulysses_degree, r)}
+        elif len(ranks) > 1:
+            sets.add(ranks)
+    return sorted(sets, key=lambda r: (len(r), r))
 
 
 @dataclass(frozen=True)
@@ -147,7 +179,8 @@ class StepWork:
     world_size: int
     """Workers in the current world."""
     rank_sets: tuple[tuple[int, ...], ...]
-    """Every SP group of degree > 1 in the plan: the process groups all ranks must create (collectively)."""
+    """The process groups all ranks must create (collectively) for the plan's SP groups (:func:`sp_rank_sets`): every
+    Ulysses or ring group of degree > 1, each hybrid group's Ulysses blocks and rings."""
     work: tuple[GroupWork, ...]
     """This rank's groups, in micro-batch order (empty when the plan leaves it idle)."""
     num_predicted: int
@@ -189,8 +222,10 @@ class StepWork:
                     f"{where}: work must be in micro-batch order, one group each; micro-batch {w.micro_batch} "
                     f"follows {last}"
                 )
-            if w.degree > 1 and w.ranks not in sets:
-                raise ValueError(f"{where}: micro-batch {w.micro_batch} group {w.ranks} is not in rank_sets")
+            missing = sorted(set(sp_rank_sets([w])) - sets)  # the group, and a hybrid group's sub-groups
+            if missing:
+                what = "is" if missing == [w.ranks] else f"needs {missing},"
+                raise ValueError(f"{where}: micro-batch {w.micro_batch} group {w.ranks} {what} not in rank_sets")
             predicted = sum(d.predicted for d in w.docs)
             if predicted > self.num_predicted:
                 raise ValueError(
@@ -242,9 +277,7 @@ def step_work(
         if doc.length != s:
             raise ValueError(f"sequence {i}: plan says {s} tokens, document {doc.doc_id} has {doc.length}")
     n = plan.num_devices
-    rank_sets = sorted(
-        {tuple(g.ranks) for mb in plan.micro_batches for g in mb.groups if g.degree > 1}, key=lambda r: (len(r), r)
-    )
+    rank_sets = sp_rank_sets(g for mb in plan.micro_batches for g in mb.groups)
     per_rank: list[list[GroupWork]] = [[] for _ in range(n)]
     for mi, mb in enumerate(plan.micro_batches):
         for gi, g in enumerate(mb.groups):

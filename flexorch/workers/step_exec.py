@@ -18,10 +18,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from flexorch.work.step import GroupWork, StepWork
+from flexorch.work.step import HYBRID, GroupWork, StepWork, hybrid_sub_groups
 from flexorch.workers.activation_memory import saved_tensor_meter
-from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
-from flexorch.workers.attention.sharding import Layout, contiguous_layout, shard, zigzag_layout
+from flexorch.workers.attention.api import (
+    hybrid_attn_varlen_func,
+    ulysses_attn_varlen_func,
+    varlen_attn_func,
+    zigzag_ring_attn_varlen_func,
+)
+from flexorch.workers.attention.sharding import Layout, contiguous_layout, hybrid_layout, shard, zigzag_layout
 from flexorch.workers.model import check_token_range, next_token_labels, stored_token_ids
 from flexorch.workers.model_source import set_activation_checkpointing
 from flexorch.workers.optim import clip_grad_norm_, resident_bytes
@@ -85,15 +90,22 @@ def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Te
 
 
 def micro_batch_inputs(
-    tokens: torch.Tensor, cu_seqlens: list[int], group_rank: int, degree: int, kind: str
+    tokens: torch.Tensor,
+    cu_seqlens: list[int],
+    group_rank: int,
+    degree: int,
+    kind: str,
+    ulysses_degree: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Layout]:
     """(input ids, position ids, labels, layout) of one group rank; padding, document ends and tokens that are not
     loss targets get label -100. ``tokens`` as stored (``flexorch.data.targets``): the labels are computed on the
-    whole micro-batch before sharding, so each shard (contiguous for Ulysses, zigzag for ring) keeps exactly its
-    tokens' targets."""
+    whole micro-batch before sharding, so each shard (contiguous for Ulysses, zigzag for ring, zigzag then
+    contiguous for hybrid, whose ``ulysses_degree`` it takes) keeps exactly its tokens' targets."""
     labels = next_token_labels(tokens, torch.tensor(cu_seqlens, dtype=torch.int64))
     tokens = stored_token_ids(tokens)
-    if kind == "ring" and degree > 1:
+    if kind == HYBRID:
+        layout = hybrid_layout(cu_seqlens, group_rank, degree, ulysses_degree)
+    elif kind == "ring" and degree > 1:
         layout = zigzag_layout(cu_seqlens, group_rank, degree)
     else:
         layout = contiguous_layout(cu_seqlens, group_rank, degree)
@@ -102,15 +114,24 @@ def micro_batch_inputs(
     return ids, layout.position_ids, lab, layout
 
 
-def group_attention(layout: Layout, work: GroupWork, group: dist.ProcessGroup | None, backend: str | None):
+def sp_groups(work: GroupWork, rank: int, group_of: GroupGetter):
+    """The process group(s) ``rank`` runs ``work``'s attention on (:func:`group_attention`'s ``group``): None for
+    degree 1, the group, or a hybrid group's (Ulysses block, ring) of ``rank``."""
+    if work.kind == HYBRID:
+        return tuple(group_of(s) for s in hybrid_sub_groups(work.ranks, work.ulysses_degree, rank))
+    return group_of(work.ranks) if work.degree > 1 else None
+
+
+def group_attention(layout: Layout, work: GroupWork, group, backend: str | None):
+    """``attn(q, k, v)`` of ``work``'s kind bound to ``layout``; ``group``: :func:`sp_groups`."""
+    kw = {"cu_seqlens": layout.cu_seqlens, "max_seqlen": layout.max_seqlen, "backend": backend}
+    if work.kind == HYBRID:
+        ulysses_group, ring_group = group
+        return functools.partial(hybrid_attn_varlen_func, ulysses_group=ulysses_group, ring_group=ring_group, **kw)
     if work.degree == 1:
-        return functools.partial(
-            varlen_attn_func, cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, backend=backend
-        )
+        return functools.partial(varlen_attn_func, **kw)
     fn = zigzag_ring_attn_varlen_func if work.kind == "ring" else ulysses_attn_varlen_func
-    return functools.partial(
-        fn, cu_seqlens=layout.cu_seqlens, max_seqlen=layout.max_seqlen, group=group, backend=backend
-    )
+    return functools.partial(fn, group=group, **kw)
 
 
 def begin_group(model: torch.nn.Module, rank_work: StepWork, work: GroupWork | None) -> float:
@@ -193,9 +214,10 @@ class MicroBatches:
             tokens, cu = _documents(work, self.blocks)
             check_token_range(stored_token_ids(tokens), self.vocab_size)
             group_rank = work.ranks.index(rank_work.rank)
-            ids, pos, labels, layout = micro_batch_inputs(tokens, cu, group_rank, work.degree, work.kind)
-            group = self.group_of(work.ranks) if work.degree > 1 else None
-            attn = group_attention(layout, work, group, self.backend)
+            ids, pos, labels, layout = micro_batch_inputs(
+                tokens, cu, group_rank, work.degree, work.kind, work.ulysses_degree
+            )
+            attn = group_attention(layout, work, sp_groups(work, rank_work.rank, self.group_of), self.backend)
             if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
                 set_activation_checkpointing(model, work.recompute)
         scale = begin_group(model, rank_work, work)  # [[tasks]]: this group's adapter and loss weight

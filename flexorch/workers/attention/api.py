@@ -7,6 +7,8 @@ of size 1 runs the same code):
 
 * :func:`ulysses_attn_varlen_func`: contiguous shards (``sharding.shard_contiguous``), all-to-all.
 * :func:`zigzag_ring_attn_varlen_func`: zigzag shards (``sharding.shard_zigzag``), K/V ring.
+* :func:`hybrid_attn_varlen_func`: Ulysses inside blocks of ``u`` ranks x zigzag ring across them
+  (``sharding.hybrid_layout``); takes the two sub-groups.
 * :func:`varlen_attn_func`: the single-device reference path (same kernels, no communication).
 """
 
@@ -14,11 +16,12 @@ from __future__ import annotations
 
 import torch
 
+from flexorch.workers.attention.hybrid import hybrid_attn_varlen_func
 from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend, varlen_attn
 from flexorch.workers.attention.ring import zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.ulysses import ulysses_attn_varlen_func
 
-__all__ = ["ulysses_attn_varlen_func", "varlen_attn_func", "zigzag_ring_attn_varlen_func"]
+__all__ = ["hybrid_attn_varlen_func", "ulysses_attn_varlen_func", "varlen_attn_func", "zigzag_ring_attn_varlen_func"]
 
 
 def varlen_attn_func(

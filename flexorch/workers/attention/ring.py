@@ -31,7 +31,7 @@ from flexorch.workers.attention.kernels import (
 )
 from flexorch.workers.attention.merge import merge_attn_outputs
 
-__all__ = ["ZigzagBlocks", "zigzag_blocks", "zigzag_ring_attn_varlen_func"]
+__all__ = ["ZigzagBlocks", "zigzag_blocks", "zigzag_ring_attn", "zigzag_ring_attn_varlen_func"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # distinct tags so the K/V and dK/dV messages in flight never match each other
 
@@ -50,14 +50,22 @@ class ZigzagBlocks:
     """Local token indices of every document's second chunk (chunk 2d-1-r)."""
 
 
-def zigzag_blocks(seqlens: Seqlens, degree: int, device: torch.device | None = None) -> ZigzagBlocks:
-    """Pure: local block structure from the global padded boundaries; ValueError unless 2d-aligned."""
+def zigzag_blocks(
+    seqlens: Seqlens,
+    degree: int,
+    device: torch.device | None = None,
+    *,
+    where: str = "zigzag_ring_attn_varlen_func",
+    layout: str = "shard_zigzag",
+) -> ZigzagBlocks:
+    """Pure: local block structure from the global padded boundaries; ValueError unless 2d-aligned (``where`` and
+    ``layout``, the ``sharding`` function that pads, name the caller in the message)."""
     two_d = 2 * degree
     for i, (a, b) in enumerate(zip(seqlens.offsets[:-1], seqlens.offsets[1:], strict=True)):
         if (b - a) % two_d:
             raise ValueError(
-                f"zigzag_ring_attn_varlen_func: document {i} has {b - a} tokens, not a multiple of 2 * degree"
-                f" = {two_d}; pad documents with flexorch.workers.attention.sharding.shard_zigzag"
+                f"{where}: document {i} has {b - a} tokens, not a multiple of 2 * degree"
+                f" = {two_d}; pad documents with flexorch.workers.attention.sharding.{layout}"
             )
     full = Seqlens(tuple(x // degree for x in seqlens.offsets))
     half = Seqlens(tuple(x // two_d for x in seqlens.offsets))
@@ -188,6 +196,23 @@ class _ZigzagRingAttn(torch.autograd.Function):
         return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None)
 
 
+def zigzag_ring_attn(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    blocks: ZigzagBlocks,
+    group: dist.ProcessGroup,
+    scale: float,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable causal zigzag ring attention on checked inputs: ``(out (t, h, hd), lse (h, t))``.
+
+    ``blocks``: :func:`zigzag_blocks` of the global batch for a ring of ``group``'s size; ``backend`` resolved. The
+    validation lives in :func:`zigzag_ring_attn_varlen_func` and in callers that run other collectives first
+    (``hybrid``), which must check before any of them."""
+    return _ZigzagRingAttn.apply(q, k, v, blocks, group, scale, backend)
+
+
 def zigzag_ring_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -227,5 +252,5 @@ def zigzag_ring_attn_varlen_func(
         raise ValueError("zigzag_ring_attn_varlen_func supports causal=True only")
     blocks = zigzag_blocks(seqlens, d, q.device)
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    out, lse = _ZigzagRingAttn.apply(q, k, v, blocks, group, scale, backend)
+    out, lse = zigzag_ring_attn(q, k, v, blocks, group, scale, backend)
     return (out, lse) if return_lse else out

@@ -1,7 +1,7 @@
 """Per-rank layouts of a packed batch for sequence parallelism (pure functions, no process group).
 
 A packed batch is ``tokens`` of shape ``(T, ...)`` plus ``cu_seqlens`` (``(n_docs + 1,)``, starting at 0,
-strictly increasing, ending at ``T``), as in flash-attn's varlen API. Two layouts:
+strictly increasing, ending at ``T``), as in flash-attn's varlen API. Three layouts:
 
 * **contiguous** (Ulysses): the batch, padded at the end to a multiple of ``world_size`` by one extra padding
   document, is cut into ``world_size`` equal contiguous pieces; rank ``r`` holds piece ``r``.
@@ -9,6 +9,10 @@ strictly increasing, ending at ``T``), as in flash-attn's varlen API. Two layout
   into ``2 * world_size`` equal chunks; rank ``r`` holds chunks ``r`` and ``2 * world_size - 1 - r`` of every
   document, which balances causal work across the ring (zhuzilin/ring-flash-attention, "zigzag"
   layout).
+* **hybrid** (Ulysses x zigzag ring, ``hybrid``): ``world_size = u * r``; the zigzag layout over ``r`` ring
+  positions, each position's tokens then cut into ``u`` contiguous pieces; group rank ``j * u + i`` holds piece
+  ``i`` of position ``j``. A padding document of a multiple of ``2r`` tokens at the end makes every position's
+  tokens divisible by ``u``.
 
 Padding sits after the real tokens of its document, so causal attention never lets a real token see it; its
 outputs are garbage and must be masked out of the loss with ``Layout.loss_mask``. Each layout function is
@@ -17,6 +21,7 @@ pure: call it for every rank in one process to check a plan.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +31,7 @@ __all__ = [
     "Layout",
     "check_cu_seqlens",
     "contiguous_layout",
+    "hybrid_layout",
     "zigzag_layout",
     "shard",
     "unshard",
@@ -135,6 +141,33 @@ def zigzag_layout(cu_seqlens: torch.Tensor | Sequence[int], rank: int, world_siz
         cu_seqlens=_i32(padded_cu),
         local_cu_seqlens=_i32([x // world_size for x in padded_cu]),
         max_seqlen=int(padded_lengths.max()),
+    )
+
+
+def hybrid_layout(cu_seqlens: torch.Tensor | Sequence[int], rank: int, world_size: int, ulysses_degree: int) -> Layout:
+    """Layout of group ``rank`` for hybrid attention on ``world_size = u * r`` ranks (``u = ulysses_degree``): piece
+    ``rank % u`` (contiguous) of ring position ``rank // u``'s zigzag shard of a ring of ``r``."""
+    _check_rank(rank, world_size)
+    u = ulysses_degree
+    if u < 1 or world_size % u:
+        raise ValueError(f"hybrid_layout: ulysses_degree {u} does not divide the group's {world_size} ranks")
+    r = world_size // u
+    offsets = check_cu_seqlens(cu_seqlens)
+    total = offsets[-1]
+    two_r = 2 * r
+    zig_total = sum(-(-(b - a) // two_r) * two_r for a, b in zip(offsets[:-1], offsets[1:], strict=True))
+    extra = -zig_total % math.lcm(two_r, r * u)  # a multiple of 2r: a zigzag document of its own
+    ring = zigzag_layout(offsets + [total + extra] if extra else offsets, rank // u, r)
+    piece = ring.index.numel() // u  # the position's (zig_total + extra) / r tokens, cut into u pieces
+    lo, hi = (rank % u) * piece, (rank % u + 1) * piece
+    index = ring.index[lo:hi]
+    inner = sorted({0, piece} | {int(b) - lo for b in ring.local_cu_seqlens.tolist() if lo < b < hi})
+    return Layout(
+        index=torch.where(index < total, index, torch.full_like(index, -1)),  # the extra document is padding
+        position_ids=ring.position_ids[lo:hi],
+        cu_seqlens=ring.cu_seqlens,
+        local_cu_seqlens=_i32(inner),
+        max_seqlen=ring.max_seqlen,
     )
 
 

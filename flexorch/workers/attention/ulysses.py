@@ -4,18 +4,30 @@ DeepSpeed-Ulysses (Jacobs et al., arXiv 2309.14509, Sec. 3): each rank holds a c
 packed batch with all ``h`` heads; an all-to-all gives each rank the whole sequence for ``h/d`` heads, so
 ordinary varlen attention over the global ``cu_seqlens`` is exact; a second all-to-all restores the sequence
 sharding. The all-to-all's backward is the reverse all-to-all (yunchang's ``SeqAllToAll4D``).
+:func:`ulysses_around` is those all-to-alls around any exact attention of a head shard: plain varlen attention here,
+a zigzag ring in ``hybrid``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend, varlen_attn
 
-__all__ = ["head_to_seq", "seq_to_head", "ulysses_attn_varlen_func"]
+__all__ = [
+    "InnerAttn",
+    "check_head_degree",
+    "head_to_seq",
+    "lse_head_to_seq",
+    "seq_to_head",
+    "spread_kv_heads",
+    "ulysses_around",
+    "ulysses_attn_varlen_func",
+]
 
 
 def _a2a_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -76,6 +88,63 @@ def head_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return _HeadToSeq.apply(x, group)
 
 
+def check_head_degree(h: int, d: int, *, where: str) -> None:
+    """Raise ValueError unless ``h`` query heads split evenly over ``d`` ranks (before any collective runs)."""
+    if h % d != 0:
+        raise ValueError(f"{where}: {h} query heads are not divisible by the sequence-parallel degree {d}")
+
+
+def spread_kv_heads(k: torch.Tensor, v: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V with a head count divisible by ``d``, so each of ``d`` head shards holds the KV heads its query heads read.
+
+    GQA with ``h_kv % d != 0`` (``d`` may exceed ``h_kv``): every KV head is repeated ``lcm(h_kv, d) / h_kv`` times
+    (``h`` is a multiple of ``lcm(h_kv, d)``), so query head ``j`` still reads (a copy of) KV head
+    ``j // (h / h_kv)`` and its shard holds that copy; autograd of ``repeat_interleave`` sums the copies' gradients
+    back onto the KV head. Unchanged when ``d`` divides ``h_kv``.
+    """
+    h_kv = k.shape[1]
+    if h_kv % d == 0:
+        return k, v
+    rep = math.lcm(h_kv, d) // h_kv
+    # (t, h_kv, hd) -> (t, lcm(h_kv, d), hd): head m of the result is KV head m // rep
+    return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+def lse_head_to_seq(lse_h: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """The log-sum-exp of a head shard back to sequence shards: ``(h/d, s) -> (h, s/d)`` (not differentiable)."""
+    # (h/d, s) -> (s, h/d, 1) -a2a-> (s/d, h, 1) -> (h, s/d)
+    return _a2a_head_to_seq(lse_h.t().unsqueeze(-1).contiguous(), group).squeeze(-1).t().contiguous()
+
+
+InnerAttn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+"""``inner(q (s, h/d, hd), k (s, h_kv'/d, hd), v) -> (out (s, h/d, hd), lse (h/d, s))``: exact attention over the
+whole sequence of a head shard."""
+
+
+def ulysses_around(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    inner: InnerAttn,
+    *,
+    return_lse: bool,
+    where: str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Ulysses's all-to-alls around ``inner``: sequence shards -> head shards, ``inner`` on the whole sequence of
+    ``h/d`` heads, head shards -> sequence shards. ``inner`` is plain varlen attention (Ulysses) or a ring over
+    other ranks with the same head shard (``hybrid``). Head counts are checked before any collective runs."""
+    d = dist.get_world_size(group)
+    check_head_degree(q.shape[1], d, where=where)
+    k, v = spread_kv_heads(k, v, d)
+    q_h = seq_to_head(q, group)  # (s/d, h, hd) -a2a-> (s, h/d, hd)
+    k_h = seq_to_head(k, group)  # (s/d, h_kv', hd) -a2a-> (s, h_kv'/d, hd)
+    v_h = seq_to_head(v, group)
+    out_h, lse_h = inner(q_h, k_h, v_h)
+    out = head_to_seq(out_h, group)  # (s, h/d, hd) -a2a-> (s/d, h, hd)
+    return (out, lse_head_to_seq(lse_h, group)) if return_lse else out
+
+
 def ulysses_attn_varlen_func(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -93,7 +162,8 @@ def ulysses_attn_varlen_func(
 
     Args:
         q: ``(s/d, h, hd)`` local queries (``sharding.shard_contiguous`` layout, rank = group rank).
-        k, v: ``(s/d, h_kv, hd)`` local keys and values, ``h % h_kv == 0`` (GQA).
+        k, v: ``(s/d, h_kv, hd)`` local keys and values, ``h % h_kv == 0`` (GQA; ``d`` may exceed ``h_kv``:
+            :func:`spread_kv_heads`).
         cu_seqlens: ``(n + 1,)`` boundaries of the *global* padded batch (``Layout.cu_seqlens``), same on
             all ranks.
         max_seqlen: longest global document (or None to derive it).
@@ -110,23 +180,9 @@ def ulysses_attn_varlen_func(
     where = "ulysses_attn_varlen_func"
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, d, where=where)
     backend = resolve_backend(backend, q)  # a dtype/device the kernels cannot run fails here, on every rank
-    h, h_kv, hd = q.shape[1], k.shape[1], q.shape[2]
-    if h % d != 0:
-        raise ValueError(f"{where}: {h} query heads are not divisible by the sequence-parallel degree {d}")
-    if h_kv % d != 0:
-        # GQA with KV heads not divisible by d: replicate every KV head lcm(h_kv, d)/h_kv times (h is a
-        # multiple of lcm(h_kv, d)); query head j still reads (a copy of) KV head j // (h / h_kv).
-        rep = math.lcm(h_kv, d) // h_kv
-        k = k.repeat_interleave(rep, dim=1)  # (s/d, h_kv, hd) -> (s/d, lcm(h_kv, d), hd)
-        v = v.repeat_interleave(rep, dim=1)
-    scale = softmax_scale if softmax_scale is not None else hd**-0.5
-    q_h = seq_to_head(q, group)  # (s/d, h, hd) -a2a-> (s, h/d, hd)
-    k_h = seq_to_head(k, group)  # (s/d, h_kv', hd) -a2a-> (s, h_kv'/d, hd)
-    v_h = seq_to_head(v, group)
-    out_h, lse_h = varlen_attn(q_h, k_h, v_h, seqlens, causal=causal, softmax_scale=scale, backend=backend)
-    out = head_to_seq(out_h, group)  # (s, h/d, hd) -a2a-> (s/d, h, hd)
-    if not return_lse:
-        return out
-    # (h/d, s) -> (s, h/d, 1) -a2a-> (s/d, h, 1) -> (h, s/d)
-    lse = _a2a_head_to_seq(lse_h.t().unsqueeze(-1).contiguous(), group).squeeze(-1).t().contiguous()
-    return out, lse
+    scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
+
+    def inner(q_h, k_h, v_h):
+        return varlen_attn(q_h, k_h, v_h, seqlens, causal=causal, softmax_scale=scale, backend=backend)
+
+    return ulysses_around(q, k, v, group, inner, return_lse=return_lse, where=where)
