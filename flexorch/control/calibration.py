@@ -7,7 +7,11 @@ kernels, all workers busy, so a shared machine is as loaded as during training):
    fitted to ``b1 + a1 * sum s^2 + a2 * sum s`` (FlexSP §4.1.2);
 2. group probes for every degree d <= N and kind: one micro-batch per group; what the compute fit does not
    explain (``group ms - b1 - compute / d``) is the communication, fitted to ``latency + bytes / bandwidth``
-   per (kind, d) (flexorch's latency extension, docs/design.md §7);
+   per (kind, d) (flexorch's latency extension, docs/design.md §7). On several nodes (the worker group's
+   ``rank_nodes``, ``control.membership.world_topology``; not with ``[plan] topology = "blind"``) each degree a
+   node holds is probed with groups inside the nodes, and each degree that can span with groups across node
+   boundaries (``flexorch.workers.calibrate.group_starts``): the first fill the profile's intra-node tables, the
+   second its ``inter_*`` ones;
 3. activation bytes per token from the tensors autograd saves (``flexorch.workers.activation_memory``).
 
 The fit lives in ``solver.calibration`` (pure); the report says how well the fitted profile predicts every
@@ -24,22 +28,26 @@ from pathlib import Path
 
 import numpy as np
 
+from flexorch.control.membership import world_topology
 from flexorch.solver.calibration import (
     CommSample,
     ComputeSample,
     GroupSample,
     fit_group_comm,
     fit_profile,
+    intra_from_inter,
     prediction_errors,
 )
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile, get_profile
 from flexorch.solver.step_planner import planner_profile
-from flexorch.workers.calibrate import Probe
+from flexorch.solver.topology import Topology
+from flexorch.workers.calibrate import Probe, group_starts
 
 __all__ = [
     "CalibrationTimeoutError",
     "calibration_probes",
+    "calibration_topology",
     "calibrate",
     "calibrate_on_workers",
     "resolve_profile",
@@ -88,12 +96,23 @@ def model_state_fields(cfg, world_size: int) -> dict:
 
 
 def calibration_probes(
-    tokens_per_worker: int, workers: int, kinds, repeats: int = 5, max_context: int | None = None
+    tokens_per_worker: int,
+    workers: int,
+    kinds,
+    repeats: int = 5,
+    max_context: int | None = None,
+    topology: Topology | None = None,
 ) -> tuple[list, list]:
     """(compute probes, group probes) sized to the per-worker token budget, with no document longer than
     ``max_context`` (the run never sees one): a group probe's tokens are then several documents of at most
     ``max_context``, so its collectives move what a full micro-batch moves without the cost of a document the data
-    cannot hold (a 16K-token probe document for a 512-token corpus outlasted the call's time limit on 2 cores)."""
+    cannot hold (a 16K-token probe document for a 512-token corpus outlasted the call's time limit on 2 cores).
+
+    ``topology`` of several nodes: each degree's probes twice over where both fit, once with groups inside the
+    nodes (``placement="intra"``) and once across node boundaries (``"inter"``); None or one node: aligned blocks."""
+    if topology is not None and topology.num_devices != workers:
+        raise ValueError(f"calibration_probes: a topology of {topology.num_devices} workers for {workers} workers")
+    placements = ("intra", "inter") if topology is not None and topology.num_nodes > 1 else ("",)
     cap = tokens_per_worker
     longest = max_context or cap * workers
 
@@ -107,17 +126,36 @@ def calibration_probes(
     groups = []
     d = 2
     while d <= workers:
-        for kind in kinds:
-            for per_rank in sorted({max(16, cap // 8), max(16, cap // 2), cap}):
-                groups.append(Probe(d, kind, docs(per_rank * d), repeats))
-            groups.append(Probe(d, kind, (32,) * max(1, d * cap // 128), repeats))
+        for placement in placements:
+            starts = group_starts(d, topology.node_sizes, placement) if placement else None
+            if starts == ():  # no group of d fits this way (inside a node too small, or across nodes that hold none)
+                continue
+            where = dict(starts=starts, placement=placement) if placement else {}
+            for kind in kinds:
+                for per_rank in sorted({max(16, cap // 8), max(16, cap // 2), cap}):
+                    groups.append(Probe(d, kind, docs(per_rank * d), repeats, **where))
+                groups.append(Probe(d, kind, (32,) * max(1, d * cap // 128), repeats, **where))
         d *= 2
     return compute, groups
+
+
+def calibration_topology(group, cfg) -> Topology | None:
+    """The nodes the worker group's ranks lie on (``group.rank_nodes()``, ``control.membership.world_topology``);
+    None (probed as one node) on one node, where a rank's node is unknown, or with ``[plan] topology = "blind"``."""
+    rank_nodes = getattr(group, "rank_nodes", None)  # a fake group of the tests may have none
+    if rank_nodes is None or getattr(cfg.plan, "topology", "aware") == "blind":
+        return None
+    nodes = list(rank_nodes())
+    if len(nodes) != group.size or any(n is None for n in nodes):
+        return None
+    return world_topology(range(len(nodes)), nodes, group.size)
 
 
 def _probe_text(p: Probe) -> str:
     docs = f"{len(p.lengths)} documents" if len(p.lengths) > 1 else "1 document"
     where = "alone" if p.degree == 1 else f"in {p.kind} groups of {p.degree}"
+    if p.placement:
+        where += " inside nodes" if p.placement == "intra" else " across nodes"
     return f"{sum(p.lengths):,} tokens as {docs}, each worker {where}"
 
 
@@ -163,9 +201,10 @@ def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Prob
     that says which probe and what to change."""
     per_rank, ran, said = [], [], time.perf_counter()
     run_ms = 1e3 * probe_run_s(probes)
-    rate: dict[int, tuple[int, float]] = {}  # degree -> (tokens per rank, ms per token) of its largest probe so far
+    # (degree, placement) -> (tokens per rank, ms per token) of its largest probe so far
+    rate: dict[tuple[int, str], tuple[int, float]] = {}
     for i, p in enumerate(probes):
-        _, ms_per_token = rate.get(p.degree) or rate.get(1) or (0, 0.0)
+        _, ms_per_token = rate.get((p.degree, p.placement)) or rate.get((1, "")) or (0, 0.0)
         if ms_per_token > 0 and _per_rank(p) * ms_per_token > run_ms:
             p = _cut(p, int(run_ms / ms_per_token))
         if time.perf_counter() - said >= PROGRESS_EVERY_S:
@@ -185,8 +224,8 @@ def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Prob
                 f"data.max_context, or set plan.profile to a calibrated profile file (flexorch profile)"
             ) from e
         ran.append(p)
-        if _per_rank(p) >= rate.get(p.degree, (0, 0.0))[0]:
-            rate[p.degree] = (_per_rank(p), max(per_rank[-1]) / _per_rank(p))
+        if _per_rank(p) >= rate.get((p.degree, p.placement), (0, 0.0))[0]:
+            rate[p.degree, p.placement] = (_per_rank(p), max(per_rank[-1]) / _per_rank(p))
     return ran, [list(ms) for ms in zip(*per_rank, strict=True)]
 
 
@@ -197,10 +236,14 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
     publish = publish or (lambda event: None)
     model = cfg.model
     kinds = tuple(cfg.plan.kinds)
-    compute, groups = calibration_probes(cfg.tokens_per_worker, group.size, kinds, repeats, cfg.data.max_context)
+    topology = calibration_topology(group, cfg)
+    compute, groups = calibration_probes(
+        cfg.tokens_per_worker, group.size, kinds, repeats, cfg.data.max_context, topology
+    )
+    on = f" ({topology.describe()})" if topology is not None else ""
     msg = (
-        f"calibrating the cost model on {group.size} worker{'s' * (group.size != 1)}: {len(compute)} compute and "
-        f"{len(groups)} group probes, {repeats} runs each"
+        f"calibrating the cost model on {group.size} worker{'s' * (group.size != 1)}{on}: {len(compute)} compute "
+        f"and {len(groups)} group probes, {repeats} runs each"
     )
     publish({"event": "progress", "message": msg})
     ran, per_rank = run_calibration_probes(group, compute + groups, publish, t0)  # [rank][probe] median ms
@@ -228,10 +271,13 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
     notes = fit.notes
     if placeholder:  # what the fit says of the placeholder's Ulysses entry is about groups this run cannot form
         notes = tuple(n for n in notes if not n.startswith("ulysses-"))
-    group_fit = {}
-    for kind, d in sorted({(p.kind, p.degree) for p in groups}):  # match the cost model's own group formula
-        profile, err = fit_group_comm(profile, group_samples, kind, d)
-        group_fit[f"{kind}-{d}"] = err.to_dict() if hasattr(err, "to_dict") else vars(err)
+    group_fit, inter_group_fit = {}, {}
+    placed = {(p.kind, p.degree, p.placement == "inter") for p in groups}
+    for kind, d, spans in sorted(placed):  # match the cost model's own group formula
+        profile, err = fit_group_comm(profile, group_samples, kind, d, spans=spans)
+        (inter_group_fit if spans else group_fit)[f"{kind}-{d}"] = dataclasses.asdict(err)
+        if spans and (kind, d, False) not in placed:  # no node holds the degree: the intra figure is this one
+            profile = intra_from_inter(profile, kind, d)
     errors = np.abs(prediction_errors(profile, comp_samples + group_samples))
     report = {
         "profile": name,
@@ -243,6 +289,10 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
         "max_rel_error": float(np.max(errors)),
         "act_bytes_per_token": act,
     }
+    if topology is not None:  # which groups were measured inside a node and which across, and how each predicts
+        report["topology"] = topology.to_dict()
+        report["inter_group_fit"] = inter_group_fit
+        report.update(_placement_errors(profile, group_samples))
     report["message"] = _report_message(profile, report, group.size, len(errors), (cut, ran), notes)
     return profile, report
 
@@ -264,19 +314,30 @@ def _profile_dims(cfg, act: float) -> dict:
     )
 
 
+def _placement_errors(profile: Profile, group_samples) -> dict:
+    """The fitted profile's median and max relative error over the group probes inside nodes and across them."""
+    out = {}
+    for key, spans in (("intra", False), ("inter", True)):
+        errors = np.abs(prediction_errors(profile, [s for s in group_samples if s.spans == spans]))
+        if errors.size:
+            out[f"{key}_median_rel_error"] = float(np.median(errors))
+            out[f"{key}_max_rel_error"] = float(np.max(errors))
+    return out
+
+
 def _group_samples(base: Profile, groups, ms) -> tuple[list[CommSample], list[GroupSample]]:
     """Each group probe's time as a collective sample (its time less the compute ``base`` predicts) and as a group
-    sample (its whole time)."""
+    sample (its whole time); a probe across nodes gives samples that span nodes."""
     comm_samples, group_samples = [], []
     for p, m in zip(groups, ms, strict=True):
         s = np.asarray(p.lengths, dtype=np.float64)
+        spans = p.placement == "inter"
         compute_ms = base.b1_ms + float((base.a1_ms * s * s + base.a2_ms * s).sum()) / p.degree
+        tokens = int(s.sum()) // p.degree
         comm_samples.append(
-            CommSample(
-                kind=p.kind, degree=p.degree, tokens_per_rank=int(s.sum()) // p.degree, ms=max(0.01, m - compute_ms)
-            )
+            CommSample(kind=p.kind, degree=p.degree, tokens_per_rank=tokens, ms=max(0.01, m - compute_ms), spans=spans)
         )
-        group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m)))
+        group_samples.append(GroupSample(seq_lengths=p.lengths, degree=p.degree, kind=p.kind, ms=float(m), spans=spans))
     return comm_samples, group_samples
 
 
@@ -292,14 +353,32 @@ def _report_message(profile: Profile, report: dict, workers: int, probes: int, c
         f"prediction error over {probes} probes: median {100 * report['median_rel_error']:.1f} %, max "
         f"{100 * report['max_rel_error']:.1f} %"
     )
+    if "topology" in report:
+        msg += (
+            f"; across nodes ({Topology.from_dict(report['topology']).describe()}): latency a2a "
+            f"{_fmt(profile.inter_a2a_latency_ms)} p2p {_fmt(profile.inter_p2p_latency_ms)}, bandwidth a2a "
+            f"{_fmt(profile.inter_a2a_gbps, 'GB/s')} p2p {_fmt(profile.inter_p2p_gbps, 'GB/s')} (inside a node: "
+            f"a2a {_fmt(profile.a2a_gbps, 'GB/s')} p2p {_fmt(profile.p2p_gbps, 'GB/s')}); prediction error inside "
+            f"nodes {_pct(report, 'intra')}, across nodes {_pct(report, 'inter')}"
+        )
     if cut:
         msg += f"; {cut} of {len(ran)} probes cut to about {probe_run_s(ran):.2g} s a run ({PROBES_S:g} s in all)"
     # a bandwidth clamped because no byte cost showed is a fact about the probes, not a problem to act on
     return msg + "".join(f"\n{'note' if ' clamped to ' in n else 'warning'}: {n}" for n in notes)
 
 
-def _fmt(table: dict) -> str:
-    return "{" + ", ".join(f"{d}: {v:.2f} ms" for d, v in sorted(table.items())) + "}"
+def _fmt(table: dict, unit: str = "ms") -> str:
+    """A degree table as '{2: 1.50 ms, 4: ...}' (latencies) or '{2: 10 GB/s, ...}' (bandwidths)."""
+    cells = (f"{d}: {v:.2f} ms" if unit == "ms" else f"{d}: {v:.3g} {unit}" for d, v in sorted(table.items()))
+    return "{" + ", ".join(cells) + "}"
+
+
+def _pct(report: dict, where: str) -> str:
+    """'median M %, max X %' of the group probes ``where`` ('intra'/'inter'), or 'not measured'."""
+    if f"{where}_median_rel_error" not in report:
+        return "not measured"
+    median, top = report[f"{where}_median_rel_error"], report[f"{where}_max_rel_error"]
+    return f"median {100 * median:.1f} %, max {100 * top:.1f} %"
 
 
 def calibrate_on_workers(cfg) -> tuple[Profile, dict]:

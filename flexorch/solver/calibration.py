@@ -8,6 +8,11 @@ per docs/design.md §7; see `solver.cost_model`):
 * collectives of one micro-batch on a group of degree d with `kind` attention, t local tokens per rank:
       ms = latency[kind][d] + comm_bytes(t * d, d, kind) / bw[kind][d]      (`solver.cost_model.comm_bytes`)
 
+On several nodes (``solver.topology``) the collectives are fitted twice over: samples of groups inside one node fill
+the profile's intra-node tables (``a2a_gbps``, ``a2a_latency_ms``, ...), samples of groups that span nodes
+(``spans``) its ``inter_*`` tables (a degree measured only across nodes, one no node holds, fills both: a profile
+priced without a topology then sees what such a group costs, as the built-in A100 tables do for d >= 16).
+
 Both are fitted by non-negative least squares on relative errors (each row divided by its measured ms, so a 1 ms
 and a 1 s sample weigh alike); with at most three unknowns the exact NNLS optimum is the best least-squares solution
 over every support of the unknowns, so plain numpy suffices. Everything here is JSON-friendly: samples and reports
@@ -42,6 +47,7 @@ __all__ = [
     "prediction_errors",
     "fit_compute_terms",
     "fit_group_comm",
+    "intra_from_inter",
 ]
 
 MIN_COMPUTE_SAMPLES = 3
@@ -74,21 +80,27 @@ class FitReport:
     compute: FitError
     """The compute fit (b1, a1, a2)."""
     comm: dict[str, FitError] = field(default_factory=dict)
-    """Per '<kind>-<degree>' (e.g. 'ulysses-2'): the latency/bandwidth fit."""
+    """Per '<kind>-<degree>' (e.g. 'ulysses-2'): the latency/bandwidth fit of groups inside one node."""
     notes: tuple[str, ...] = ()
     """What the fit could not resolve (e.g. a bandwidth clamped because the byte term was not measurable)."""
+    inter_comm: dict[str, FitError] = field(default_factory=dict)
+    """Per '<kind>-<degree>': the fit of groups that span nodes (the ``inter_*`` tables); empty on one node."""
 
     @property
     def max_rel_error(self) -> float:
-        return max([self.compute.max_rel_error, *(e.max_rel_error for e in self.comm.values())])
+        comm = [*self.comm.values(), *self.inter_comm.values()]
+        return max([self.compute.max_rel_error, *(e.max_rel_error for e in comm)])
 
     def to_dict(self) -> dict:
-        return {
+        out = {
             "compute": asdict(self.compute),
             "comm": {k: asdict(v) for k, v in sorted(self.comm.items())},
             "notes": list(self.notes),
             "max_rel_error": self.max_rel_error,
         }
+        if self.inter_comm:  # several nodes only: a one-node report reads as it always did
+            out["inter_comm"] = {k: asdict(v) for k, v in sorted(self.inter_comm.items())}
+        return out
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -167,6 +179,8 @@ def fit_profile(
     Needs >= MIN_COMPUTE_SAMPLES compute samples with different token counts and long/short mixes, and for at least
     one Ulysses degree (the profile's a2a tables need an entry) >= MIN_COMM_SAMPLES comm samples per (kind, degree)
     at different `tokens_per_rank`. Ring degrees without samples fall back to the Ulysses tables (`Profile`).
+    Samples measured across nodes (``spans``) are fitted per (kind, degree) on their own into the ``inter_*``
+    tables; a (kind, degree) measured only across nodes fills the intra table too (module docstring).
     """
     dims = Profile(  # validates the model dimensions and memory first; its a2a_gbps is a placeholder
         name=name,
@@ -188,19 +202,35 @@ def fit_profile(
     notes: list[str] = []
     b1, a1, a2 = _fit_compute(comp, notes)
     by_group = _comm_groups(comms)
-    tables: dict[str, dict[int, float]] = {t: {} for t in ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")}
-    for (kind, d), group in sorted(by_group.items()):
+    names = ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
+    tables: dict[str, dict[int, float]] = {f"{where}{t}": {} for where in ("", "inter_") for t in names}
+    for (kind, d, spans), group in sorted(by_group.items()):
         lat, gbps = _fit_comm_group(kind, d, group, dims, notes)
-        prefix = "a2a" if kind == ULYSSES else "p2p"
-        tables[f"{prefix}_gbps"][d] = float(gbps)
-        tables[f"{prefix}_latency_ms"][d] = float(max(0.0, lat))
+        bw_key, lat_key = _table_keys(kind, spans)
+        tables[bw_key][d] = float(gbps)
+        tables[lat_key][d] = float(max(0.0, lat))
+        if spans and (kind, d, False) not in by_group:  # no node holds this group: the intra figure is this one
+            intra_bw, intra_lat = _table_keys(kind, False)
+            tables[intra_bw][d], tables[intra_lat][d] = tables[bw_key][d], tables[lat_key][d]
     profile = dims.with_overrides(a1_ms=float(a1), a2_ms=float(a2), b1_ms=float(b1), **tables)
+    comm_fit = {key: FitError.from_errors(prediction_errors(profile, g)) for key, g in by_group.items()}
     report = FitReport(
         compute=FitError.from_errors(prediction_errors(profile, comp)),
-        comm={f"{k}-{d}": FitError.from_errors(prediction_errors(profile, g)) for (k, d), g in by_group.items()},
+        comm={f"{k}-{d}": e for (k, d, spans), e in comm_fit.items() if not spans},
         notes=tuple(notes),
+        inter_comm={f"{k}-{d}": e for (k, d, spans), e in comm_fit.items() if spans},
     )
     return profile, report
+
+
+def _table_keys(kind: str, spans: bool) -> tuple[str, str]:
+    """The profile's (bandwidth, latency) tables of ``kind`` groups inside a node, or across nodes (``spans``)."""
+    prefix = ("inter_" if spans else "") + ("p2p" if kind == RING else "a2a")
+    return f"{prefix}_gbps", f"{prefix}_latency_ms"
+
+
+def _group_name(kind: str, d: int, spans: bool) -> str:
+    return f"{kind}-{d}{' across nodes' if spans else ''}"
 
 
 def _fit_compute(comp: list[ComputeSample], notes: list[str]) -> tuple[float, float, float]:
@@ -221,22 +251,22 @@ def _fit_compute(comp: list[ComputeSample], notes: list[str]) -> tuple[float, fl
     return b1, a1, a2
 
 
-def _comm_groups(comms: list[CommSample]) -> dict[tuple[str, int], list[CommSample]]:
-    """The comm samples by (kind, degree); some Ulysses degree must have samples (the profile's a2a tables)."""
-    by_group: dict[tuple[str, int], list[CommSample]] = {}
+def _comm_groups(comms: list[CommSample]) -> dict[tuple[str, int, bool], list[CommSample]]:
+    """The comm samples by (kind, degree, spans); some Ulysses degree must have samples (the profile's a2a tables)."""
+    by_group: dict[tuple[str, int, bool], list[CommSample]] = {}
     for c in comms:
-        by_group.setdefault((c.kind, c.degree), []).append(c)
-    if not any(kind == ULYSSES for kind, _ in by_group):
+        by_group.setdefault((c.kind, c.degree, c.spans), []).append(c)
+    if not any(kind == ULYSSES for kind, _, _ in by_group):
         raise ProfileError(
             f"comm_samples: need at least {MIN_COMM_SAMPLES} Ulysses samples for some degree >= 2 (got degrees "
-            f"{sorted(by_group)}): the profile's a2a_gbps needs an entry"
+            f"{sorted({(k, d) for k, d, _ in by_group})}): the profile's a2a_gbps needs an entry"
         )
     return by_group
 
 
 def _fit_comm_group(kind: str, d: int, group: list[CommSample], dims: Profile, notes: list[str]):
-    """(latency ms, GB/s) of one (kind, degree)'s collectives; a note when the bandwidth was clamped."""
-    key = f"{kind}-{d}"
+    """(latency ms, GB/s) of one (kind, degree, placement)'s collectives; a note when the bandwidth was clamped."""
+    key = _group_name(kind, d, group[0].spans)
     if len(group) < MIN_COMM_SAMPLES or len({c.tokens_per_rank for c in group}) < 2:
         raise ProfileError(
             f"comm_samples for {key}: got {len(group)} sample(s) at {len({c.tokens_per_rank for c in group})} "
@@ -262,11 +292,12 @@ def predict_ms(profile: Profile, sample: ComputeSample | CommSample | GroupSampl
     if isinstance(sample, ComputeSample):
         return group_time_ms(sample.seq_lengths, 1, ULYSSES, profile)
     if isinstance(sample, GroupSample):
-        return group_time_ms(sample.seq_lengths, sample.degree, sample.kind, profile)
+        return group_time_ms(sample.seq_lengths, sample.degree, sample.kind, profile, spans=sample.spans)
     if isinstance(sample, CommSample):
-        d, ring = sample.degree, sample.kind == RING
+        d, ring, inter = sample.degree, sample.kind == RING, sample.spans
         nbytes = comm_bytes(sample.tokens_per_rank * d, d, sample.kind, profile)
-        return profile.latency_ms(d, ring=ring) + nbytes / (profile.bandwidth_gbps(d, ring=ring) * 1e9) * 1e3
+        bw = profile.bandwidth_gbps(d, ring=ring, inter=inter)
+        return profile.latency_ms(d, ring=ring, inter=inter) + nbytes / (bw * 1e9) * 1e3
     raise TypeError(f"not a calibration sample: {type(sample).__name__}")
 
 
@@ -276,20 +307,22 @@ def prediction_errors(profile: Profile, samples: Sequence[ComputeSample | CommSa
 
 
 def fit_group_comm(
-    profile: Profile, samples: Sequence[GroupSample], kind: str, degree: int, grid: int = 241
+    profile: Profile, samples: Sequence[GroupSample], kind: str, degree: int, grid: int = 241, *, spans: bool = False
 ) -> tuple[Profile, FitError]:
     """Refit one (kind, degree)'s latency and bandwidth so that `group_time_ms` itself matches measured groups.
 
     `fit_profile` fits communication as an additive term, which is exactly the Ulysses model but not the ring one
     (ring overlaps each K/V exchange with a block of attention: c + (d-1) * max(c, m)). Here the whole group time is
     the target: for every bandwidth on a log grid (1e-3 .. 1e4 GB/s) the best latency has a closed form (weighted
-    least squares on relative errors, clamped at 0); the pair with the smallest error wins.
+    least squares on relative errors, clamped at 0); the pair with the smallest error wins. ``spans``: the samples
+    of groups across nodes are fitted into the ``inter_*`` tables (those inside a node, the default, into the intra
+    ones); the others are ignored.
     """
-    mine = [s for s in samples if s.kind == kind and s.degree == degree]
+    mine = [s for s in samples if s.kind == kind and s.degree == degree and s.spans == spans]
     if len(mine) < 2:
-        raise ProfileError(f"fit_group_comm: need >= 2 group samples for {kind}-{degree}, got {len(mine)}")
-    ring = kind == RING
-    lat_key, bw_key = ("p2p_latency_ms", "p2p_gbps") if ring else ("a2a_latency_ms", "a2a_gbps")
+        name = _group_name(kind, degree, spans)
+        raise ProfileError(f"fit_group_comm: need >= 2 group samples for {name}, got {len(mine)}")
+    bw_key, lat_key = _table_keys(kind, spans)
     ms = np.array([s.ms for s in mine])
     w = 1.0 / ms**2
     best = None
@@ -297,7 +330,7 @@ def fit_group_comm(
         trial = profile.with_overrides(
             **{lat_key: {**getattr(profile, lat_key), degree: 0.0}, bw_key: {**getattr(profile, bw_key), degree: bw}}
         )
-        base = np.array([group_time_ms(s.seq_lengths, degree, kind, trial) for s in mine])
+        base = np.array([group_time_ms(s.seq_lengths, degree, kind, trial, spans=spans) for s in mine])
         lat = max(0.0, float(np.sum((ms - base) * w) / np.sum(w)))
         err = float(np.sum(((base + lat - ms) / ms) ** 2))
         if best is None or err < best[0]:
@@ -307,3 +340,18 @@ def fit_group_comm(
         **{lat_key: {**getattr(profile, lat_key), degree: lat}, bw_key: {**getattr(profile, bw_key), degree: bw}}
     )
     return fitted, FitError.from_errors(prediction_errors(fitted, mine))
+
+
+def intra_from_inter(profile: Profile, kind: str, degree: int) -> Profile:
+    """``profile`` with ``kind``'s intra-node figures at ``degree`` set to its across-node ones: for a degree that no
+    node holds (every group of it spans nodes), so that pricing without a topology sees what such a group costs."""
+    bw_key, lat_key = _table_keys(kind, False)
+    inter_bw, inter_lat = _table_keys(kind, True)
+    if degree not in getattr(profile, inter_bw) or degree not in getattr(profile, inter_lat):
+        raise ProfileError(f"intra_from_inter: {kind}-{degree} has no across-node figures to copy")
+    return profile.with_overrides(
+        **{
+            bw_key: {**getattr(profile, bw_key), degree: getattr(profile, inter_bw)[degree]},
+            lat_key: {**getattr(profile, lat_key), degree: getattr(profile, inter_lat)[degree]},
+        }
+    )

@@ -2,12 +2,16 @@
 
 Each sample is a frozen dataclass with `to_dict`/`from_dict`; a bad value (non-finite, zero or negative time, a
 degree that is not a power of two, an unknown kind) raises `ProfileError` naming the sample.
+
+A group's samples say where the group lay (``spans``: its ranks on more than one node, ``solver.topology``): the fit
+puts those measured across nodes into the profile's ``inter_*`` tables, the others into the intra-node ones. The
+field is written to a sample's dict only when true, so a one-node calibration's samples read as they always did.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -31,6 +35,12 @@ def _check_lengths(seq_lengths, what: str) -> tuple[int, ...]:
     if not out or any(isinstance(s, bool) or not isinstance(s, int | np.integer) or s < 1 for s in out):
         raise ProfileError(f"{what}: seq_lengths must be a non-empty list of integers >= 1, got {list(out)!r}")
     return tuple(int(s) for s in out)
+
+
+def _check_spans(spans, what: str) -> bool:
+    if not isinstance(spans, bool | np.bool_):
+        raise ProfileError(f"{what}: spans must be true or false, got {spans!r}")
+    return bool(spans)
 
 
 def _check_group(kind, degree, what: str, *, allow_one: bool) -> None:
@@ -80,22 +90,32 @@ class CommSample:
     """Local tokens on each rank (the group's tokens / d)."""
     ms: float
     """Measured time, ms (> 0)."""
+    spans: bool = False
+    """The group's ranks lay on more than one node (fitted into the profile's ``inter_*`` tables)."""
 
     def __post_init__(self) -> None:
-        what = f"comm sample {self.kind}-{self.degree}"
+        what = f"comm sample {self.kind}-{self.degree}{' across nodes' if self.spans is True else ''}"
         _check_group(self.kind, self.degree, what, allow_one=False)
         t = self.tokens_per_rank
         if isinstance(t, bool) or not isinstance(t, int | np.integer) or t < 1:
             raise ProfileError(f"{what}: tokens_per_rank must be an integer >= 1, got {t!r}")
         object.__setattr__(self, "tokens_per_rank", int(t))
         object.__setattr__(self, "ms", _check_ms(self.ms, what))
+        object.__setattr__(self, "spans", _check_spans(self.spans, what))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = {"kind": self.kind, "degree": self.degree, "tokens_per_rank": self.tokens_per_rank, "ms": self.ms}
+        return {**out, "spans": True} if self.spans else out
 
     @classmethod
     def from_dict(cls, data: dict) -> CommSample:
-        return cls(kind=data["kind"], degree=data["degree"], tokens_per_rank=data["tokens_per_rank"], ms=data["ms"])
+        return cls(
+            kind=data["kind"],
+            degree=data["degree"],
+            tokens_per_rank=data["tokens_per_rank"],
+            ms=data["ms"],
+            spans=data.get("spans", False),
+        )
 
 
 @dataclass(frozen=True)
@@ -110,15 +130,28 @@ class GroupSample:
     """'ulysses' or 'ring'."""
     ms: float
     """Measured wall time, ms (> 0)."""
+    spans: bool = False
+    """The group's ranks lay on more than one node (priced with the profile's ``inter_*`` tables)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "seq_lengths", _check_lengths(self.seq_lengths, "group sample"))
         _check_group(self.kind, self.degree, "group sample", allow_one=True)
-        object.__setattr__(self, "ms", _check_ms(self.ms, f"group sample {self.kind}-{self.degree}"))
+        what = f"group sample {self.kind}-{self.degree}"
+        object.__setattr__(self, "ms", _check_ms(self.ms, what))
+        object.__setattr__(self, "spans", _check_spans(self.spans, what))
+        if self.spans and self.degree == 1:
+            raise ProfileError(f"{what}: one device cannot span nodes (spans=True needs degree >= 2)")
 
     def to_dict(self) -> dict:
-        return {"seq_lengths": list(self.seq_lengths), "degree": self.degree, "kind": self.kind, "ms": self.ms}
+        out = {"seq_lengths": list(self.seq_lengths), "degree": self.degree, "kind": self.kind, "ms": self.ms}
+        return {**out, "spans": True} if self.spans else out
 
     @classmethod
     def from_dict(cls, data: dict) -> GroupSample:
-        return cls(seq_lengths=data["seq_lengths"], degree=data["degree"], kind=data["kind"], ms=data["ms"])
+        return cls(
+            seq_lengths=data["seq_lengths"],
+            degree=data["degree"],
+            kind=data["kind"],
+            ms=data["ms"],
+            spans=data.get("spans", False),
+        )

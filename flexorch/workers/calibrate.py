@@ -4,6 +4,12 @@ A probe splits the world into groups of one degree and kind; every group runs fo
 on the same synthetic packed micro-batch (documents of the given lengths), exactly as a training step would
 (same sharding, same SP attention, same kernels), while all the other groups run theirs, so the machine is as
 busy as in training. Every rank reports its median time; the driver fits the profile (``solver.calibration``).
+
+Where the groups lie: by default aligned blocks of ``degree`` ranks filling the world (one node). On several nodes
+(ranks contiguous per node, ``solver.topology``) the driver lays them out itself (:func:`group_starts`): ``"intra"``
+packs blocks inside each node, ``"inter"`` puts one block across each node boundary, so that the fit can tell a
+group inside a node from one across nodes. Every group is a block of consecutive ranks (``GroupWork``); ranks in no
+group idle.
 """
 
 from __future__ import annotations
@@ -19,17 +25,83 @@ from flexorch.work.step import GroupWork
 from flexorch.workers.activation_memory import measure_activation_bytes
 from flexorch.workers.step_exec import group_attention, micro_batch_inputs
 
-__all__ = ["Probe", "run_probes", "activation_bytes_per_token"]
+__all__ = ["Probe", "PLACEMENTS", "group_starts", "probe_groups", "run_probes", "activation_bytes_per_token"]
+
+PLACEMENTS = ("", "intra", "inter")
+"""Where a probe's groups lie: '' (aligned blocks, one node), 'intra' (each inside one node), 'inter' (each across
+node boundaries)."""
 
 
 @dataclass(frozen=True)
 class Probe:
-    """Groups of ``degree`` ranks (aligned blocks) each run one micro-batch of documents ``lengths``."""
+    """Groups of ``degree`` consecutive ranks each run one micro-batch of documents ``lengths``."""
 
     degree: int
+    """SP degree of every group (1: every rank alone)."""
     kind: str
+    """'ulysses' or 'ring'."""
     lengths: tuple[int, ...]
+    """Token counts of the documents of the micro-batch every group runs."""
     repeats: int = 3
+    """Timed runs (after one warm-up run); each rank reports their median."""
+    starts: tuple[int, ...] | None = None
+    """First rank of each group (ascending, blocks not overlapping); None: aligned blocks ``0, d, 2d, ...`` that
+    fill the world (ranks past the last whole block idle)."""
+    placement: str = ""
+    """Where the groups lie (:data:`PLACEMENTS`); 'inter' groups' samples are fitted into the across-node tables."""
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"Probe placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.starts is not None:
+            starts = tuple(int(s) for s in self.starts)
+            object.__setattr__(self, "starts", starts)
+            gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+            if not starts or starts[0] < 0 or any(g < self.degree for g in gaps):
+                raise ValueError(
+                    f"Probe starts {list(starts)} must be non-empty, >= 0 and ascending by at least the degree "
+                    f"{self.degree} (blocks that do not overlap)"
+                )
+
+
+def group_starts(degree: int, node_sizes, placement: str) -> tuple[int, ...]:
+    """First ranks of the groups of ``degree`` consecutive ranks a probe lays on nodes of ``node_sizes`` (workers
+    per node in rank order, ranks contiguous per node).
+
+    'intra': ``size // degree`` blocks packed from the start of each node (none on a node smaller than the degree).
+    'inter': one block across each node boundary, half on either side where the nodes allow (a balanced split moves
+    the most bytes across the boundary), the block spanning exactly the two nodes and not overlapping the one before;
+    a boundary no such block fits (a node too small) has none. A degree no two adjacent nodes hold: aligned blocks
+    of the world (each across several nodes). Empty when nothing fits."""
+    sizes = [int(s) for s in node_sizes]
+    d = int(degree)
+    node_starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if placement == "intra":
+        return tuple(first + k * d for first, size in zip(node_starts, sizes, strict=True) for k in range(size // d))
+    if placement != "inter":
+        raise ValueError(f"group_starts: placement must be 'intra' or 'inter', got {placement!r}")
+    if len(sizes) < 2 or d < 2:
+        return ()
+    if all(a + b < d for a, b in zip(sizes, sizes[1:], strict=False)):
+        return tuple(range(0, sum(sizes) - d + 1, d))
+    out: list[int] = []
+    for i in range(1, len(sizes)):
+        boundary = node_starts[i]
+        lo = max(node_starts[i - 1], boundary - d + 1, out[-1] + d if out else 0)
+        hi = min(boundary - 1, boundary + sizes[i] - d)
+        if lo <= hi:
+            out.append(min(max(boundary - d // 2, lo), hi))
+    return tuple(out)
+
+
+def probe_groups(probe: Probe, world_size: int) -> list[tuple[int, ...]]:
+    """The rank blocks of ``probe``'s groups in a world of ``world_size`` (every rank builds the same list)."""
+    d = probe.degree
+    starts = range(0, world_size - world_size % d, d) if probe.starts is None else probe.starts
+    groups = [tuple(range(f, f + d)) for f in starts]
+    if groups and groups[-1][-1] >= world_size:
+        raise ValueError(f"probe groups {groups} do not fit a world of {world_size} ranks")
+    return groups
 
 
 def _synthetic(lengths, vocab_size: int, seed: int) -> tuple[torch.Tensor, list[int]]:
@@ -47,26 +119,27 @@ def _sync(device: torch.device) -> None:
 def run_probes(
     model, probes, rank: int, world_size: int, group_of, world, vocab_size: int, *, every_rank: bool = False
 ) -> list[float]:
-    """Median ms of every probe on this rank (ranks beyond the last full group idle); grads are discarded.
-    ``every_rank`` (sharded model state, whose gathers span the world): idle ranks run an empty micro-batch."""
+    """Median ms of every probe on this rank (0 for a rank in none of its groups, :func:`probe_groups`, which
+    idles); grads are discarded. ``every_rank`` (sharded model state, whose gathers span the world): idle ranks run
+    an empty micro-batch."""
     out = []
     device = next(model.parameters()).device  # the probes' inputs go where the model is (a GPU worker's device)
     for i, probe in enumerate(probes):
         d = probe.degree
-        groups = world_size // d
+        mine = next((g for g in probe_groups(probe, world_size) if rank in g), None)
         times = []
         for rep in range(probe.repeats + 1):  # the first run warms up (allocations, group creation)
             if world is not None:
                 dist.barrier(group=world)
-            if rank >= groups * d:
+            if mine is None:
                 if every_rank:
                     empty = torch.zeros(0, dtype=torch.int64, device=device)
                     model(empty, empty, lambda q, k, v: q, labels=empty).backward()
                     model.zero_grad(set_to_none=True)
                 times.append(0.0)
                 continue
-            first = rank - rank % d
-            work = GroupWork(0, tuple(range(first, first + d)), probe.kind, ())
+            first = mine[0]
+            work = GroupWork(0, mine, probe.kind, ())
             tokens, cu = _synthetic(probe.lengths, vocab_size, seed=i)
             _sync(device)
             t0 = time.perf_counter()

@@ -20,15 +20,13 @@ class WorkerMeasurements:
     def probe(self, probes: list) -> list[float]:
         """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms
         each."""
-        from flexorch.workers.calibrate import run_probes
+        from flexorch.workers.calibrate import probe_groups, run_probes
 
         reg = self.registry
         if reg is None:
             raise RuntimeError(f"worker {self.worker_id} has not joined a world")
         n = reg.world_size
-        sets = [
-            tuple(range(f, f + p.degree)) for p in probes if p.degree > 1 for f in range(0, n - n % p.degree, p.degree)
-        ]
+        sets = [g for p in probes if p.degree > 1 for g in probe_groups(p, n)]
         reg.ensure(sets)
         world = reg.world if n > 1 else None
         model = self._probe_model()

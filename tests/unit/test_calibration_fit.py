@@ -209,3 +209,104 @@ def test_group_refit_matches_the_cost_models_own_group_formula(kind):
         assert group_time_ms(s, 4, kind, fitted) == pytest.approx(group_time_ms(s, 4, kind, TRUTH), rel=0.02)
     with pytest.raises(ProfileError, match="need >= 2 group samples"):
         fit_group_comm(start, measured[:1], kind, 4)
+
+
+# ---- groups inside a node and across nodes (the ``inter_*`` tables)
+
+# intra-node figures of TRUTH, and a slow link across nodes (~200 Mbit/s, docs/design.md §8's emulated hosts)
+NODES_TRUTH = TRUTH.with_overrides(
+    name="cpu-nodes-truth",
+    a2a_gbps={2: 10.0, 4: 8.0},
+    p2p_gbps={2: 12.0, 4: 9.0},
+    inter_a2a_gbps={2: 0.025, 4: 0.02, 8: 0.015},
+    inter_p2p_gbps={2: 0.03, 4: 0.025, 8: 0.02},
+    inter_a2a_latency_ms={2: 80.0, 4: 150.0, 8: 300.0},
+    inter_p2p_latency_ms={2: 40.0, 4: 90.0, 8: 200.0},
+)
+
+
+def _placed_samples(truth, placements):
+    """Exact collective samples of ``truth`` for every (kind, degree, spans) in ``placements``."""
+    return [
+        CommSample(kind, d, t, predict_ms(truth, CommSample(kind, d, t, 1.0, spans=spans)), spans=spans)
+        for kind, d, spans in placements
+        for t in (32, 256, 1024, 4096, 16384)
+    ]
+
+
+def test_samples_inside_and_across_nodes_fill_the_intra_and_inter_tables():
+    compute, _ = _samples(noise=0.0)
+    intra = [(k, d, False) for k in ("ulysses", "ring") for d in (2, 4)]
+    inter = [(k, d, True) for k in ("ulysses", "ring") for d in (2, 4, 8)]  # 8: no node holds it
+    profile, report = _fit(compute, _placed_samples(NODES_TRUTH, intra + inter))
+    for f in ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms"):
+        for d in (2, 4):
+            assert profile.__dict__[f][d] == pytest.approx(NODES_TRUTH.__dict__[f][d], rel=1e-6), (f, d)
+            want = NODES_TRUTH.__dict__[f"inter_{f}"][d]
+            assert profile.__dict__[f"inter_{f}"][d] == pytest.approx(want, rel=1e-6), (f, d)
+        # a degree measured only across nodes: both tables hold its figure (pricing without a topology sees it)
+        assert (
+            profile.__dict__[f][8]
+            == profile.__dict__[f"inter_{f}"][8]
+            == pytest.approx(NODES_TRUTH.__dict__[f"inter_{f}"][8], rel=1e-6)
+        )
+    assert profile.bandwidth_gbps(2) == pytest.approx(10.0)
+    assert profile.bandwidth_gbps(2, inter=True) == pytest.approx(0.025)
+    # the report tells the two apart, and each predicts its own samples exactly
+    assert set(report.comm) == {"ulysses-2", "ulysses-4", "ring-2", "ring-4"}
+    assert set(report.inter_comm) == {f"{k}-{d}" for k in ("ulysses", "ring") for d in (2, 4, 8)}
+    assert report.max_rel_error < 1e-6 and report.inter_comm["ring-8"].samples == 5
+    data = json.loads(json.dumps(report.to_dict()))
+    assert set(data) == {"compute", "comm", "inter_comm", "notes", "max_rel_error"}
+    # the same samples priced as if measured inside a node: every one predicted at least 3x too fast
+    flat = [CommSample(c.kind, c.degree, c.tokens_per_rank, c.ms) for c in _placed_samples(NODES_TRUTH, inter[:2])]
+    assert max(prediction_errors(profile, flat)) < -0.67
+
+
+def test_one_node_samples_fit_exactly_as_before():
+    """Samples without placement give a profile without inter tables and a report without inter entries."""
+    compute, comm = _samples(noise=0.0)
+    profile, report = _fit(compute, comm)
+    assert not profile.has_inter_tables and report.inter_comm == {}
+    assert "inter_comm" not in report.to_dict()
+    assert all("spans" not in c.to_dict() for c in comm)
+
+
+def test_samples_across_nodes_travel_as_json():
+    c = CommSample("ring", 4, 100, 7.0, spans=True)
+    g = GroupSample([10, 20], 2, "ulysses", 5.0, spans=True)
+    assert c.to_dict()["spans"] is True and CommSample.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert GroupSample.from_dict(json.loads(json.dumps(g.to_dict()))) == g
+    with pytest.raises(ProfileError, match="spans must be true or false"):
+        CommSample("ring", 2, 10, 1.0, spans="yes")
+    with pytest.raises(ProfileError, match="one device cannot span nodes"):
+        GroupSample([10], 1, "ulysses", 1.0, spans=True)
+    with pytest.raises(ProfileError, match="ulysses-2 across nodes: got 1 sample"):
+        _fit(_samples(noise=0.0)[0], [*_samples(noise=0.0)[1], CommSample("ulysses", 2, 64, 3.0, spans=True)])
+
+
+@pytest.mark.parametrize("kind", ["ring", "ulysses"])
+def test_group_refit_across_nodes_fills_the_inter_tables_only(kind):
+    from flexorch.solver.calibration import fit_group_comm, intra_from_inter
+
+    lengths = [(256,), (1024,), (2048,), (32,) * 16, (512, 512)]
+    truth = NODES_TRUTH.with_overrides(a1_ms=2e-5)  # ring: attention blocks long enough to hide some transfer
+    measured = [GroupSample(s, 4, kind, group_time_ms(s, 4, kind, truth, spans=True), spans=True) for s in lengths]
+    inside = [GroupSample(s, 4, kind, group_time_ms(s, 4, kind, truth) * 100) for s in lengths]  # ignored
+    key = "inter_p2p" if kind == "ring" else "inter_a2a"
+    start = truth.with_overrides(**{f"{key}_latency_ms": {4: 0.0}, f"{key}_gbps": {4: 1e4}})
+    fitted, err = fit_group_comm(start, measured + inside, kind, 4, spans=True)
+    assert err.samples == 5 and err.max_rel_error < 0.02
+    for s in lengths:
+        want = group_time_ms(s, 4, kind, truth, spans=True)
+        assert group_time_ms(s, 4, kind, fitted, spans=True) == pytest.approx(want, rel=0.02)
+        assert group_time_ms(s, 4, kind, fitted) == group_time_ms(s, 4, kind, start)  # intra figures untouched
+    assert fitted.bandwidth_gbps(4, ring=kind == "ring", inter=True) == pytest.approx(
+        truth.bandwidth_gbps(4, ring=kind == "ring", inter=True), rel=0.05
+    )
+    with pytest.raises(ProfileError, match=f"need >= 2 group samples for {kind}-4 across nodes, got 0"):
+        fit_group_comm(start, inside, kind, 4, spans=True)
+    copied = intra_from_inter(fitted, kind, 4)
+    assert group_time_ms(lengths[0], 4, kind, copied) == pytest.approx(
+        group_time_ms(lengths[0], 4, kind, fitted, spans=True)
+    )
