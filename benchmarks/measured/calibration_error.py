@@ -110,7 +110,7 @@ def _bias(p, m) -> float:
 def per_step(run_dir: Path, first: int = 3) -> dict:
     """The per-step table of a finished run (``--runs``/``--records``), printed; its summary returned."""
     from flexorch.solver.profiles import load_profile
-    from flexorch.solver.refit import step_of_record
+    from flexorch.solver.record_samples import step_of_record
 
     calibrated = load_profile(run_dir / "profile.json")
     recs = [json.loads(line) for line in (run_dir / "steps.jsonl").read_text().splitlines() if line.strip()]

@@ -83,6 +83,15 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
         help="plan each step as a pipeline of P stages (workers // P per stage, SP inside a stage) or 'auto' (the "
         "best split per step), against 1F1B and Seq1F1B, instead of SP groups",
     )
+    p.add_argument(
+        "--gpus-per-node", type=int, help="workers per node (the last node holds what is left): plan on nodes"
+    )
+    p.add_argument("--nodes", help="live workers per node in rank order, e.g. 8,8,7 (default: one node)")
+    p.add_argument(
+        "--topology",
+        choices=["aware", "blind"],
+        help="with nodes: 'aware' (default) places and prices groups by node; 'blind' plans as one node",
+    )
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:
@@ -240,6 +249,9 @@ _PLAN_KEYS = {
     "svg",
     "run_dir",
     "pipeline_stages",
+    "gpus_per_node",
+    "nodes",
+    "topology",
 }
 
 
@@ -274,7 +286,7 @@ def _merged(args: argparse.Namespace) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from flexorch.cli.plan import PlanRunConfig, parse_pipeline_stages, run_plan
+    from flexorch.cli.plan import PlanRunConfig, parse_nodes, parse_pipeline_stages, run_plan
     from flexorch.solver.planner import PlannerConfig
     from flexorch.solver.profiles import get_profile
 
@@ -283,10 +295,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if v.get("heads") is not None:
         profile = profile.with_overrides(num_heads=int(v["heads"]), num_kv_heads=int(v["heads"]))
     planner = PlannerConfig(time_limit_s=float(v.get("time_limit", 1.0)), workers=int(v.get("solver_workers", 1)))
+    nodes = parse_nodes(v.get("nodes"), v.get("gpus_per_node"), v.get("workers"))
     cfg = PlanRunConfig(
         lengths=Path(v["lengths"]) if v.get("lengths") else None,
         text_field=v.get("text_field", "text"),
-        workers=int(v.get("workers", 64)),
+        workers=int(v.get("workers", sum(nodes) if nodes else 64)),
+        nodes=nodes,
+        topology=v.get("topology", "aware"),
         max_context=parse_tokens(v["max_context"]) if v.get("max_context") is not None else None,
         over_long=v.get("over_long", "drop"),
         batch=int(v.get("batch", 512)),

@@ -13,6 +13,7 @@ and Seq1F1B on the same stages, and compared against them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -29,10 +30,36 @@ from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.pipeline.stage_count import check_stage_count
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import Profile
+from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.step_planner import StepPlanner
+from flexorch.solver.topology import Topology
 from flexorch.solver.validation import largest_degree
 
-__all__ = ["PlanRunConfig", "run_plan", "parse_pipeline_stages"]
+__all__ = ["PlanRunConfig", "run_plan", "parse_nodes", "parse_pipeline_stages"]
+
+
+def parse_nodes(nodes, gpus_per_node, workers) -> tuple[int, ...] | None:
+    """``--nodes 8,8,7`` (live workers per node in rank order; a list from a config file) or ``--gpus-per-node G``
+    (``workers`` cut into nodes of G, the last holding what is left: 23 workers, 8 per node -> 8, 8, 7); None when
+    neither is given. A ValueError naming the flag otherwise."""
+    if nodes is not None and gpus_per_node is not None:
+        raise ValueError("give --nodes or --gpus-per-node, not both")
+    if nodes is not None:
+        try:
+            out = tuple(int(x) for x in (nodes.split(",") if isinstance(nodes, str) else nodes))
+        except (TypeError, ValueError):
+            raise ValueError(f"--nodes must be worker counts separated by commas, e.g. 8,8,7; got {nodes!r}") from None
+        if not out or min(out) < 1:
+            raise ValueError(f"--nodes needs every node to hold >= 1 worker, got {nodes!r}")
+        if workers is not None and int(workers) != sum(out):
+            raise ValueError(f"--nodes {nodes} holds {sum(out)} workers, --workers is {workers}")
+        return out
+    if gpus_per_node is None:
+        return None
+    g, n = int(gpus_per_node), int(64 if workers is None else workers)
+    if g < 1:
+        raise ValueError(f"--gpus-per-node must be >= 1, got {gpus_per_node!r}")
+    return (g,) * (n // g) + ((n % g,) if n % g else ())
 
 
 def parse_pipeline_stages(value) -> int | str | None:
@@ -82,6 +109,11 @@ class PlanRunConfig:
     """Write every step's record (``flexorch.step/4``) to ``run_dir/steps.jsonl``, for `flexorch dashboard`."""
     planner: PlannerConfig = PlannerConfig()
     """Solver knobs."""
+    nodes: tuple[int, ...] | None = None
+    """Live workers per node in rank order (``--nodes`` / ``--gpus-per-node``); None: one node."""
+    topology: str = "aware"
+    """With ``nodes``: 'aware' plans on them (``flexorch.solver.topology``), 'blind' as one node (its plan still
+    priced, drawn and recorded on the nodes, for comparison)."""
     pipeline_stages: int | str | None = None
     """None: plan SP groups. P >= 1 or 'auto': plan every step as a pipeline of P stages (``workers // P`` workers
     each, SP inside a stage; the ``workers - P * (workers // P)`` left over sit out) or the best split per step."""
@@ -96,6 +128,10 @@ class PlanRunConfig:
         p = self.pipeline_stages
         if p is not None and p != "auto" and (not isinstance(p, int) or isinstance(p, bool) or p < 1):
             raise ValueError(f"--pipeline-stages must be a positive integer (>= 1) or 'auto', got {p!r}")
+        if self.topology not in ("aware", "blind"):
+            raise ValueError(f"--topology must be 'aware' or 'blind', got {self.topology!r}")
+        if self.nodes is not None and sum(self.nodes) != self.workers:
+            raise ValueError(f"--nodes {list(self.nodes)} holds {sum(self.nodes)} workers, --workers is {self.workers}")
 
 
 def _filter(lengths: np.ndarray, max_context: int, policy: str) -> tuple[np.ndarray, dict]:
@@ -173,7 +209,9 @@ def _kept_lengths(cfg: PlanRunConfig, profile: Profile, out):
             f"flexorch plan: {source} ({report['total']} sequences; kept {report['kept']}, dropped "
             f"{report['empty_dropped']} empty and {report['over_long_dropped']} over {max_context} tokens)\n"
             f"  profile {profile.name}, N={cfg.workers} workers, batch {cfg.batch}, {cfg.steps} steps, "
-            f"seed {cfg.seed}" + (f", pipeline stages {cfg.pipeline_stages} (SP inside a stage)" if pipelined else ""),
+            f"seed {cfg.seed}"
+            + (f", pipeline stages {cfg.pipeline_stages} (SP inside a stage)" if pipelined else "")
+            + (f", {Topology(cfg.nodes).describe()} ({cfg.topology})" if cfg.nodes and not pipelined else ""),
             file=out,
         )
         print(_pipeline_head() if pipelined else _head(), file=out)
@@ -188,11 +226,14 @@ def _plan_steps(cfg: PlanRunConfig, profile: Profile, lengths, out):
     records, pictures = [], []
     writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
     t_start = time.perf_counter()
+    topo = Topology(cfg.nodes) if cfg.nodes is not None and not pipelined else None
     with StepPlanner(profile, cfg.planner, pipeline_stages=cfg.pipeline_stages or 1) as planner:
         for step in range(cfg.steps):
             batch = stream.next_batch()
             seqs = lengths[list(batch.doc_ids)]
-            planned = planner.plan(seqs, cfg.workers)
+            planned = planner.plan(seqs, cfg.workers, topology=topo if cfg.topology == "aware" else None)
+            if topo is not None and cfg.topology == "blind" and planned.plan is not None:
+                planned = on_nodes(planned, topo, profile)
             if planned.plan is None:  # an error (exit 2); the steps before it stay written
                 where = f" (--pipeline-stages {cfg.pipeline_stages})" if pipelined else ""
                 raise InfeasibleBatchError(f"step {step}{where}: {planned.error}")
@@ -203,6 +244,14 @@ def _plan_steps(cfg: PlanRunConfig, profile: Profile, lengths, out):
             row = None if cfg.json else (_pipeline_row(rec, eta) if pipelined else _row(rec, eta))
             _emit(cfg, out, writer, records, rec, row)
     return records, pictures, writer
+
+
+def on_nodes(planned, topo: Topology, profile: Profile):
+    """A blind plan (planned as one node) as it runs on ``topo``: the same groups on the same ranks, priced where
+    they lie (a group across a node boundary at the inter-node figures). Its baselines stay as planned (one node)."""
+    plan = dataclasses.replace(planned.plan, topology=topo)
+    ms = step_time_ms(plan, profile)
+    return dataclasses.replace(planned, plan=plan, predicted_ms=ms, bound_ms=min(planned.bound_ms, ms))
 
 
 def _step_fields(step: int, batch: Batch, cfg: PlanRunConfig, seqs) -> dict:

@@ -51,6 +51,15 @@ class PlanSettings:
     """Steps between refits (each uses the most recent groups of every type)."""
     kinds: tuple[str, ...] = ("ulysses", "ring")
     """Attention methods the planner may use."""
+    topology: str = "aware"
+    """'aware' (default): the planner knows which node each worker is on (live workers per node, ranks contiguous
+    per node: ``flexorch.solver.topology``), prices a group that spans nodes with the profile's inter-node figures,
+    places groups inside nodes where they fit and may run hybrid groups across nodes; 'blind': plans as if all
+    workers shared one node (ranks in membership order), kept for comparison
+    (``benchmarks/sim/topology.py``)."""
+    hybrid: bool = True
+    """With ``topology = "aware"`` on several nodes: the planner may choose hybrid groups where a group spans nodes
+    (Ulysses inside each node x ring across them); false: Ulysses and ring groups only."""
     solver: str = "highs"
     """MILP backend: 'highs' (default, chosen by ``benchmarks/sim/solver_backends.py``) or 'cbc'."""
     on_infeasible: str = "error"
@@ -93,6 +102,10 @@ class PlanSettings:
         bad = [k for k in self.kinds if k not in ("ulysses", "ring")]
         if not self.kinds or bad:
             raise ConfigError(f"plan.kinds must be a non-empty subset of ['ulysses', 'ring'], got {list(self.kinds)}")
+        if self.topology not in ("aware", "blind"):
+            raise ConfigError(f"plan.topology must be 'aware' or 'blind', got {self.topology!r}")
+        if not isinstance(self.hybrid, bool):
+            raise ConfigError(f"plan.hybrid must be true or false, got {self.hybrid!r}")
         if self.solver not in ("highs", "cbc"):
             raise ConfigError(f"plan.solver must be 'highs' or 'cbc', got {self.solver!r}")
         if self.on_infeasible not in ("error", "skip"):

@@ -13,5 +13,5 @@
 * :mod:`~flexorch.control.fallback_watch`: the run's warning when many steps go without the planner's plan.
 * :mod:`~flexorch.control.refitting`: the run's cost model refitted in a thread beside its steps (``[plan] refit``).
 * :mod:`~flexorch.control.checkpoint` and :mod:`~flexorch.control.calibration`: checkpoints on disk, the cost
-  model calibrated on the workers.
+  model calibrated on the workers (the probes it runs: :mod:`~flexorch.control.calibration_probes`).
 """

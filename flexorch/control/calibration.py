@@ -14,21 +14,25 @@ kernels, all workers busy, so a shared machine is as loaded as during training):
    second its ``inter_*`` ones;
 3. activation bytes per token from the tensors autograd saves (``flexorch.workers.activation_memory``).
 
-The fit lives in ``solver.calibration`` (pure); the report says how well the fitted profile predicts every
-probe.
+Which probes run and how (sized, placed on the nodes, cut to a time budget) is ``control.calibration_probes``; the
+fit lives in ``solver.calibration`` (pure); the report says how well the fitted profile predicts every probe.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import time
 from pathlib import Path
 
 import numpy as np
 
-from flexorch.control.membership import world_topology
+from flexorch.control.calibration_probes import (
+    calibration_probes,
+    calibration_topology,
+    cut_note,
+    run_calibration_probes,
+)
 from flexorch.solver.calibration import (
     CommSample,
     ComputeSample,
@@ -42,14 +46,13 @@ from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile, get_profile
 from flexorch.solver.step_planner import planner_profile
 from flexorch.solver.topology import Topology
-from flexorch.workers.calibrate import Probe, group_starts
 
 __all__ = [
-    "CalibrationTimeoutError",
-    "calibration_probes",
-    "calibration_topology",
     "calibrate",
     "calibrate_on_workers",
+    "fitted_profile",
+    "model_state_fields",
+    "model_state_plan",
     "resolve_profile",
     "run_profile",
 ]
@@ -95,150 +98,14 @@ def model_state_fields(cfg, world_size: int) -> dict:
     }
 
 
-def calibration_probes(
-    tokens_per_worker: int,
-    workers: int,
-    kinds,
-    repeats: int = 5,
-    max_context: int | None = None,
-    topology: Topology | None = None,
-) -> tuple[list, list]:
-    """(compute probes, group probes) sized to the per-worker token budget, with no document longer than
-    ``max_context`` (the run never sees one): a group probe's tokens are then several documents of at most
-    ``max_context``, so its collectives move what a full micro-batch moves without the cost of a document the data
-    cannot hold (a 16K-token probe document for a 512-token corpus outlasted the call's time limit on 2 cores).
-
-    ``topology`` of several nodes: each degree's probes twice over where both fit, once with groups inside the
-    nodes (``placement="intra"``) and once across node boundaries (``"inter"``); None or one node: aligned blocks."""
-    if topology is not None and topology.num_devices != workers:
-        raise ValueError(f"calibration_probes: a topology of {topology.num_devices} workers for {workers} workers")
-    placements = ("intra", "inter") if topology is not None and topology.num_nodes > 1 else ("",)
-    cap = tokens_per_worker
-    longest = max_context or cap * workers
-
-    def docs(total: int) -> tuple[int, ...]:  # total tokens as near-equal documents of at most `longest`
-        n = -(-total // longest)
-        return tuple(total // n + (i < total % n) for i in range(n))
-
-    singles = sorted({max(16, min(longest, cap) // k) for k in (16, 8, 4, 2, 1)})  # a1's range: up to the longest
-    packed = [(16,) * max(1, cap // 32), (32,) * max(1, cap // 64), (64,) * max(1, cap // 128)]
-    compute = [Probe(1, "ulysses", (s,), repeats) for s in singles] + [Probe(1, "ulysses", p, repeats) for p in packed]
-    groups = []
-    d = 2
-    while d <= workers:
-        for placement in placements:
-            starts = group_starts(d, topology.node_sizes, placement) if placement else None
-            if starts == ():  # no group of d fits this way (inside a node too small, or across nodes that hold none)
-                continue
-            where = dict(starts=starts, placement=placement) if placement else {}
-            for kind in kinds:
-                for per_rank in sorted({max(16, cap // 8), max(16, cap // 2), cap}):
-                    groups.append(Probe(d, kind, docs(per_rank * d), repeats, **where))
-                groups.append(Probe(d, kind, (32,) * max(1, d * cap // 128), repeats, **where))
-        d *= 2
-    return compute, groups
-
-
-def calibration_topology(group, cfg) -> Topology | None:
-    """The nodes the worker group's ranks lie on (``group.rank_nodes()``, ``control.membership.world_topology``);
-    None (probed as one node) on one node, where a rank's node is unknown, or with ``[plan] topology = "blind"``."""
-    rank_nodes = getattr(group, "rank_nodes", None)  # a fake group of the tests may have none
-    if rank_nodes is None or getattr(cfg.plan, "topology", "aware") == "blind":
-        return None
-    nodes = list(rank_nodes())
-    if len(nodes) != group.size or any(n is None for n in nodes):
-        return None
-    return world_topology(range(len(nodes)), nodes, group.size)
-
-
-def _probe_text(p: Probe) -> str:
-    docs = f"{len(p.lengths)} documents" if len(p.lengths) > 1 else "1 document"
-    where = "alone" if p.degree == 1 else f"in {p.kind} groups of {p.degree}"
-    if p.placement:
-        where += " inside nodes" if p.placement == "intra" else " across nodes"
-    return f"{sum(p.lengths):,} tokens as {docs}, each worker {where}"
-
-
-PROBES_S = 60.0
-"""About how long the probes may take in all: each run of a probe gets its share, ``PROBES_S`` over all the runs
-(at least ``MIN_RUN_S``), and a probe predicted longer (from the largest probe of its degree run so far) is cut to
-fewer tokens. A device budget of ~870K tokens (an H200's free memory at full recompute's bytes for a 1.1B model)
-made packed probes of 435K tokens, 17 s a run and 100 s a probe; on 4 CPU workers a 100K-token budget took 220 s
-with 2 s a run. The fit needs the shapes, not the size (its terms are per token and per token squared)."""
-MIN_RUN_S = 0.1
-PROGRESS_EVERY_S = 10.0
-"""While the probes run: a progress event at most this often, naming the probe."""
-
-
-class CalibrationTimeoutError(RuntimeError):
-    """A calibration probe outlasted the workers' call limit; the message names it and what to change."""
-
-
-def _per_rank(p: Probe) -> int:
-    return max(1, sum(p.lengths) // p.degree)
-
-
-def _cut(p: Probe, per_rank: int) -> Probe:
-    """``p`` with at most ``per_rank`` tokens per rank (at least 16): documents dropped from its end, or its one
-    document shortened."""
-    total = max(16, per_rank) * p.degree
-    if sum(p.lengths) <= total:
-        return p
-    keep = list(itertools.takewhile(lambda n: n <= total, itertools.accumulate(p.lengths)))
-    lengths = p.lengths[: len(keep)] if keep else (total,)
-    return dataclasses.replace(p, lengths=tuple(lengths))
-
-
-def probe_run_s(probes) -> float:
-    """The seconds one run of a probe may take: ``PROBES_S`` shared by every run of every probe."""
-    return max(MIN_RUN_S, PROBES_S / max(1, sum(p.repeats + 1 for p in probes)))
-
-
-def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Probe], list[list[float]]]:
-    """Every probe on every rank, one call each (each call has the group's time limit, so a slow machine does not
-    add the probes up against one limit), each cut to about :func:`probe_run_s` a run; (the probes as run,
-    [rank][probe] median ms). Progress every ``PROGRESS_EVERY_S``. A probe that outlasts the limit is a clear error
-    that says which probe and what to change."""
-    per_rank, ran, said = [], [], time.perf_counter()
-    run_ms = 1e3 * probe_run_s(probes)
-    # (degree, placement) -> (tokens per rank, ms per token) of its largest probe so far
-    rate: dict[tuple[int, str], tuple[int, float]] = {}
-    for i, p in enumerate(probes):
-        _, ms_per_token = rate.get((p.degree, p.placement)) or rate.get((1, "")) or (0, 0.0)
-        if ms_per_token > 0 and _per_rank(p) * ms_per_token > run_ms:
-            p = _cut(p, int(run_ms / ms_per_token))
-        if time.perf_counter() - said >= PROGRESS_EVERY_S:
-            said = time.perf_counter()
-            msg = f"calibrating: probe {i + 1} of {len(probes)} ({_probe_text(p)}) after {said - t0:.0f} s"
-            publish({"event": "progress", "message": msg})
-        try:
-            per_rank.append([ms for (ms,) in group.call("probe", [p])])  # [rank] median ms of this probe
-        except Exception as e:
-            # a RayWorkerGroup's MembershipFailure whose workers ran past the call's limit (not imported: this
-            # module runs without Ray too, e.g. benchmarks/gpu/gpu_check.py on a machine that lacks it)
-            if not getattr(getattr(e, "failure", None), "timed_out", None):
-                raise
-            raise CalibrationTimeoutError(
-                f"calibration probe {i + 1} of {len(probes)} ({_probe_text(p)}, {p.repeats + 1} runs) did not "
-                f"finish in time: {e}. Raise [elastic] collective_timeout_s, lower plan.tokens_per_worker or "
-                f"data.max_context, or set plan.profile to a calibrated profile file (flexorch profile)"
-            ) from e
-        ran.append(p)
-        if _per_rank(p) >= rate.get((p.degree, p.placement), (0, 0.0))[0]:
-            rate[p.degree, p.placement] = (_per_rank(p), max(per_rank[-1]) / _per_rank(p))
-    return ran, [list(ms) for ms in zip(*per_rank, strict=True)]
-
-
 def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, dict]:
     """Run the probes on a formed worker group and fit a profile; returns (profile, report). ``publish`` gets a
     progress event as each phase starts (a ``RayWorkerGroup`` built with one also reports while its calls run)."""
     t0 = time.perf_counter()
     publish = publish or (lambda event: None)
-    model = cfg.model
-    kinds = tuple(cfg.plan.kinds)
     topology = calibration_topology(group, cfg)
     compute, groups = calibration_probes(
-        cfg.tokens_per_worker, group.size, kinds, repeats, cfg.data.max_context, topology
+        cfg.tokens_per_worker, group.size, tuple(cfg.plan.kinds), repeats, cfg.data.max_context, topology
     )
     on = f" ({topology.describe()})" if topology is not None else ""
     msg = (
@@ -247,54 +114,63 @@ def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, d
     )
     publish({"event": "progress", "message": msg})
     ran, per_rank = run_calibration_probes(group, compute + groups, publish, t0)  # [rank][probe] median ms
-    cut = sum(a != b for a, b in zip(ran, compute + groups, strict=True))
+    cut = cut_note(compute + groups, ran)
     compute, groups = ran[: len(compute)], ran[len(compute) :]
     msg = f"calibrating: probes done after {time.perf_counter() - t0:.0f} s; measuring activation memory"
     publish({"event": "progress", "message": msg})
     ms = np.max(np.array(per_rank), axis=0)  # a group is as slow as its slowest member
     comp_samples = [ComputeSample(seq_lengths=p.lengths, ms=float(m)) for p, m in zip(compute, ms, strict=False)]
     act = float(np.median(group.call("activation_bytes_per_token")))
+    name = f"calibrated-{cfg.model.num_layers}x{cfg.model.dim}-{group.size}w"
     dims = _profile_dims(cfg, act)
-    # the compute fit alone first: it says how much of a group's time is not compute
-    base, _ = fit_profile(
-        "compute-only",
-        **dims,
-        compute_samples=comp_samples,
-        comm_samples=_A2A_PLACEHOLDER,
-    )
-    comm_samples, group_samples = _group_samples(base, groups, ms[len(compute) :])
-    placeholder = not any(c.kind == "ulysses" for c in comm_samples)
-    if placeholder:  # one worker or ring only: a2a table needs an entry
-        comm_samples += _A2A_PLACEHOLDER
-    name = f"calibrated-{model.num_layers}x{model.dim}-{group.size}w"
-    profile, fit = fit_profile(name, **dims, compute_samples=comp_samples, comm_samples=comm_samples)
-    notes = fit.notes
-    if placeholder:  # what the fit says of the placeholder's Ulysses entry is about groups this run cannot form
-        notes = tuple(n for n in notes if not n.startswith("ulysses-"))
-    group_fit, inter_group_fit = {}, {}
-    placed = {(p.kind, p.degree, p.placement == "inter") for p in groups}
-    for kind, d, spans in sorted(placed):  # match the cost model's own group formula
-        profile, err = fit_group_comm(profile, group_samples, kind, d, spans=spans)
-        (inter_group_fit if spans else group_fit)[f"{kind}-{d}"] = dataclasses.asdict(err)
-        if spans and (kind, d, False) not in placed:  # no node holds the degree: the intra figure is this one
-            profile = intra_from_inter(profile, kind, d)
-    errors = np.abs(prediction_errors(profile, comp_samples + group_samples))
+    profile, fit, notes, group_samples = _fit_probes(name, dims, comp_samples, groups, ms[len(compute) :])
+    profile, group_fit, inter_group_fit = _fit_group_times(profile, groups, group_samples)
     report = {
         "profile": name,
         "seconds": time.perf_counter() - t0,
         "fit": fit.to_dict(),
         "group_fit": group_fit,
         "probes": [s.to_dict() for s in comp_samples + group_samples],
-        "median_rel_error": float(np.median(errors)),
-        "max_rel_error": float(np.max(errors)),
+        **_error_summary(profile, comp_samples + group_samples),
         "act_bytes_per_token": act,
     }
     if topology is not None:  # which groups were measured inside a node and which across, and how each predicts
         report["topology"] = topology.to_dict()
         report["inter_group_fit"] = inter_group_fit
-        report.update(_placement_errors(profile, group_samples))
-    report["message"] = _report_message(profile, report, group.size, len(errors), (cut, ran), notes)
+        for where, spans in (("intra", False), ("inter", True)):
+            report.update(_error_summary(profile, [s for s in group_samples if s.spans == spans], f"{where}_"))
+    probes = len(comp_samples) + len(group_samples)
+    report["message"] = _report_message(profile, report, group.size, probes, cut, notes)
     return profile, report
+
+
+def _fit_probes(name: str, dims: dict, comp_samples, groups, group_ms):
+    """(profile, fit report, its notes, group samples) of the probes: the compute fit alone first (it says how much
+    of a group's time is not compute), then compute and communication together (``solver.calibration.fit_profile``).
+    Where no Ulysses group was probed (one worker, ring only) a placeholder fills the a2a table, and the fit's notes
+    on it are dropped: they are about groups this run cannot form."""
+    base, _ = fit_profile("compute-only", **dims, compute_samples=comp_samples, comm_samples=_A2A_PLACEHOLDER)
+    comm_samples, group_samples = _group_samples(base, groups, group_ms)
+    placeholder = not any(c.kind == "ulysses" for c in comm_samples)
+    if placeholder:
+        comm_samples += _A2A_PLACEHOLDER
+    profile, fit = fit_profile(name, **dims, compute_samples=comp_samples, comm_samples=comm_samples)
+    notes = tuple(n for n in fit.notes if not n.startswith("ulysses-")) if placeholder else fit.notes
+    return profile, fit, notes, group_samples
+
+
+def _fit_group_times(profile: Profile, groups, group_samples) -> tuple[Profile, dict, dict]:
+    """``profile`` with each probed (kind, degree, placement)'s latency and bandwidth refitted to whole group times,
+    matching the cost model's own group formula (``solver.calibration.fit_group_comm``); with the fit errors of the
+    groups inside a node and of those across nodes, by '<kind>-<degree>'."""
+    group_fit, inter_group_fit = {}, {}
+    placed = {(p.kind, p.degree, p.placement == "inter") for p in groups}
+    for kind, d, spans in sorted(placed):
+        profile, err = fit_group_comm(profile, group_samples, kind, d, spans=spans)
+        (inter_group_fit if spans else group_fit)[f"{kind}-{d}"] = dataclasses.asdict(err)
+        if spans and (kind, d, False) not in placed:  # no node holds the degree: the intra figure is this one
+            profile = intra_from_inter(profile, kind, d)
+    return profile, group_fit, inter_group_fit
 
 
 def _profile_dims(cfg, act: float) -> dict:
@@ -314,15 +190,13 @@ def _profile_dims(cfg, act: float) -> dict:
     )
 
 
-def _placement_errors(profile: Profile, group_samples) -> dict:
-    """The fitted profile's median and max relative error over the group probes inside nodes and across them."""
-    out = {}
-    for key, spans in (("intra", False), ("inter", True)):
-        errors = np.abs(prediction_errors(profile, [s for s in group_samples if s.spans == spans]))
-        if errors.size:
-            out[f"{key}_median_rel_error"] = float(np.median(errors))
-            out[f"{key}_max_rel_error"] = float(np.max(errors))
-    return out
+def _error_summary(profile: Profile, samples, prefix: str = "") -> dict:
+    """The fitted profile's median and max relative error over ``samples`` (keys ``{prefix}median_rel_error`` and
+    ``{prefix}max_rel_error``); nothing when there are none."""
+    errors = np.abs(prediction_errors(profile, samples))
+    if not errors.size:
+        return {}
+    return {f"{prefix}median_rel_error": float(np.median(errors)), f"{prefix}max_rel_error": float(np.max(errors))}
 
 
 def _group_samples(base: Profile, groups, ms) -> tuple[list[CommSample], list[GroupSample]]:
@@ -341,10 +215,9 @@ def _group_samples(base: Profile, groups, ms) -> tuple[list[CommSample], list[Gr
     return comm_samples, group_samples
 
 
-def _report_message(profile: Profile, report: dict, workers: int, probes: int, cut_of, notes) -> str:
+def _report_message(profile: Profile, report: dict, workers: int, probes: int, cut: str, notes) -> str:
     """The calibration's console line: the fitted terms and the prediction error over the probes, how many probes
-    were cut to fit the time (``cut_of``: (count, the probes as run)), then the fit's notes, one line each."""
-    cut, ran = cut_of
+    were cut to fit the time (``cut``: ``calibration_probes.cut_note``), then the fit's notes, one line each."""
     msg = (
         f"calibrated on {workers} worker{'s' * (workers != 1)} in {report['seconds']:.1f} s: "
         f"a1={profile.a1_ms:.3g} ms/tok^2 "
@@ -361,8 +234,7 @@ def _report_message(profile: Profile, report: dict, workers: int, probes: int, c
             f"a2a {_fmt(profile.a2a_gbps, 'GB/s')} p2p {_fmt(profile.p2p_gbps, 'GB/s')}); prediction error inside "
             f"nodes {_pct(report, 'intra')}, across nodes {_pct(report, 'inter')}"
         )
-    if cut:
-        msg += f"; {cut} of {len(ran)} probes cut to about {probe_run_s(ran):.2g} s a run ({PROBES_S:g} s in all)"
+    msg += cut
     # a bandwidth clamped because no byte cost showed is a fact about the probes, not a problem to act on
     return msg + "".join(f"\n{'note' if ' clamped to ' in n else 'warning'}: {n}" for n in notes)
 

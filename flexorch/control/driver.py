@@ -32,6 +32,7 @@ from flexorch.control.elastic import ElasticError
 from flexorch.control.fallback_watch import FallbackWatch
 from flexorch.control.group import WorkerGroup
 from flexorch.control.memory_budget import lowered_after_oom
+from flexorch.control.membership import world_topology
 from flexorch.control.planner_client import PlannerFactory, RayPlannerClient
 from flexorch.control.profile_revisions import ProfileRevisions
 from flexorch.control.run_loop import RunLoop
@@ -45,6 +46,7 @@ from flexorch.records.writer import skip_record, step_record
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.profiles import Profile
 from flexorch.solver.step_planner import PlannedStep
+from flexorch.solver.topology import Topology
 from flexorch.work.placement import PartsLostError
 
 __all__ = ["TrainingDriver", "TrainingDriverActor"]
@@ -181,7 +183,13 @@ class TrainingDriver(RunSetup, RunLoop):
         """Start solving ``batch``'s plan for ``n`` workers (within the plan budget); a later plan call takes it."""
         lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
         self._ahead = (batch.step, lengths, n, self._plan_budget(), self._task_of(batch))
-        self.planner.plan_ahead(batch.step, lengths, n, self._ahead[3], **self._ahead[4])
+        self.planner.plan_ahead(batch.step, lengths, n, self._ahead[3], topology=self._topology(n), **self._ahead[4])
+
+    def _topology(self, n: int, without=()) -> Topology | None:
+        """The nodes of a world of ``n`` workers: the members less ``without`` (``membership.world_topology``)."""
+        if self.cfg.plan.topology == "blind":
+            return None
+        return world_topology(self.workers.worker_ids, self.workers.rank_nodes(), n, without)
 
     def _plan_without(self, workers: list[int]) -> None:
         """A drain was just seen on ``workers``' node (from the drain watch's thread, mid-step): also solve the
@@ -193,7 +201,8 @@ class TrainingDriver(RunSetup, RunLoop):
         m = n - len(set(workers) & set(self.workers.worker_ids))
         if 1 <= m < n:
             try:
-                self.planner.plan_ahead(step, lengths, m, budget, also=True, **task)
+                topology = self._topology(m, without=workers)
+                self.planner.plan_ahead(step, lengths, m, budget, also=True, topology=topology, **task)
             except Exception:  # noqa: BLE001 - best effort: the boundary solves it otherwise
                 pass
 
@@ -202,7 +211,10 @@ class TrainingDriver(RunSetup, RunLoop):
         and the record fields every outcome of it has."""
         batch = run.batch
         t_wait = time.perf_counter()
-        planned = self.planner.plan(batch.step, run.lengths, n, self._plan_budget(), **self._task_of(batch))
+        topology = self._topology(n)
+        planned = self.planner.plan(
+            batch.step, run.lengths, n, self._plan_budget(), topology=topology, **self._task_of(batch)
+        )
         base = {
             "step": self.step_no,
             "epoch": batch.epoch,

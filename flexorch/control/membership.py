@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from flexorch.solver.topology import Topology
+
 __all__ = [
     "Membership",
     "Failure",
@@ -35,6 +37,7 @@ __all__ = [
     "Decision",
     "Leave",
     "Stay",
+    "world_topology",
 ]
 
 
@@ -120,6 +123,26 @@ class Membership:
         """Start a new world: ranks are re-assigned from the alive ids."""
         self.epoch += 1
         return self.epoch
+
+
+def world_topology(worker_ids, rank_nodes, n: int, without=()) -> Topology | None:
+    """The planner's view of a world of ``n`` workers: the members ``worker_ids`` (rank order) less ``without``, by
+    their nodes ``rank_nodes`` (rank order): live workers per node in rank order. None, planned as one node, when
+    every member is on one node, when ranks are not contiguous per node (``by_node=False``), or when the world is not
+    the members' (joiners not admitted yet)."""
+    gone = set(without)
+    nodes = [str(node) for w, node in zip(worker_ids, rank_nodes, strict=True) if w not in gone]
+    if len(nodes) != n or len(set(nodes)) <= 1:
+        return None
+    sizes: list[int] = []
+    names: list[str] = []
+    for node in nodes:
+        if names and names[-1] == node:
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+            names.append(node)
+    return Topology(tuple(sizes), tuple(names)) if len(set(names)) == len(names) else None
 
 
 @dataclass(frozen=True)

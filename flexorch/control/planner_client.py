@@ -32,6 +32,7 @@ import ray
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.step_planner import PlannedStep, StepPlanner, heuristic_plan
+from flexorch.solver.topology import Topology
 
 __all__ = [
     "LocalPlannerClient",
@@ -86,7 +87,12 @@ class PlannerSpec:
     @classmethod
     def for_run(cls, cfg, profile: Profile) -> PlannerSpec:
         """The spec of a ``TrainConfig``'s run planned with ``profile``."""
-        config = PlannerConfig(time_limit_s=cfg.plan.time_limit_s, kinds=tuple(cfg.plan.kinds), solver=cfg.plan.solver)
+        config = PlannerConfig(
+            time_limit_s=cfg.plan.time_limit_s,
+            kinds=tuple(cfg.plan.kinds),
+            solver=cfg.plan.solver,
+            hybrid=cfg.plan.hybrid,
+        )
         stages, params = cfg.pipeline.stages, cfg.pipeline.params
         ranks = tuple(t.lora_rank for t in cfg.tasks)
         method = cfg.plan.tasks
@@ -132,11 +138,17 @@ class PlannerClient(Protocol):
     """How the driver gets plans: ``plan_ahead`` while a step runs, ``plan`` when the next step starts."""
 
     def plan(
-        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+        self,
+        stream_step: int,
+        lengths: list[int],
+        n: int,
+        budget_s: float | None = None,
+        task_of=None,
+        topology: Topology | None = None,
     ) -> PlannedStep:
         """The plan of stream step ``stream_step`` (its documents' ``lengths``; ``task_of``: each document's
-        ``[[tasks]]`` task, None for one task) for ``n`` workers, solved within ``budget_s`` (default: the
-        planner's ``time_limit_s``) when it was not solved ahead."""
+        ``[[tasks]]`` task, None for one task) for ``n`` workers on ``topology`` (their nodes; None: planned as one
+        node), solved within ``budget_s`` (default: the planner's ``time_limit_s``) when it was not solved ahead."""
         ...
 
     def plan_ahead(
@@ -147,9 +159,10 @@ class PlannerClient(Protocol):
         budget_s: float | None = None,
         task_of=None,
         also: bool = False,
+        topology: Topology | None = None,
     ) -> None:
-        """Start solving that plan now, within ``budget_s``; a later :meth:`plan` with the same step and ``n``
-        takes it. A solve of the same step and ``n`` already under way is kept. ``also``: keep the solves ahead of
+        """Start solving that plan now, within ``budget_s``; a later :meth:`plan` with the same step, ``n`` and
+        ``topology`` takes it. A solve of the same step and ``n`` already under way is kept. ``also``: keep the solves ahead of
         this step for other worker counts too (a drain seen mid-step: the world after it); otherwise they are
         dropped. Callable from another thread than :meth:`plan`'s."""
         ...
@@ -179,14 +192,14 @@ class _PrefetchingClient:
     def __init__(self, spec: PlannerSpec, publish: Callable[[dict], None]):
         self.spec = spec
         self.publish = publish
-        self._pending: dict[tuple[int, int], object] = {}  # (stream step, workers) -> solve handle
+        self._pending: dict[tuple, object] = {}  # (stream step, workers, topology) -> solve handle
         self._pending_lock = threading.Lock()  # plan_ahead(also=True) comes from the drain watch's thread
         self._start()
 
     def _start(self) -> None:
         raise NotImplementedError
 
-    def _submit(self, lengths: list[int], n: int, budget_s: float | None = None, task_of=None):
+    def _submit(self, lengths: list[int], n: int, budget_s: float | None = None, task_of=None, topology=None):
         raise NotImplementedError
 
     def _wait(self, handle, timeout_s: float) -> PlannedStep:
@@ -201,15 +214,21 @@ class _PrefetchingClient:
         return False
 
     def plan(
-        self, stream_step: int, lengths: list[int], n: int, budget_s: float | None = None, task_of=None
+        self,
+        stream_step: int,
+        lengths: list[int],
+        n: int,
+        budget_s: float | None = None,
+        task_of=None,
+        topology: Topology | None = None,
     ) -> PlannedStep:
         if n < 1:
             raise ValueError(f"stream step {stream_step}: no worker is left to plan for (n={n})")
         with self._pending_lock:
-            handle = self._pending.pop((stream_step, n), None)
+            handle = self._pending.pop((stream_step, n, topology), None)
             self._pending = {}
         if handle is None:
-            handle = self._submit(lengths, n, budget_s, task_of)
+            handle = self._submit(lengths, n, budget_s, task_of, topology)
         try:
             return self._wait(handle, self.spec.timeout_s)
         except TimeoutError:
@@ -247,11 +266,13 @@ class _PrefetchingClient:
         budget_s: float | None = None,
         task_of=None,
         also: bool = False,
+        topology: Topology | None = None,
     ) -> None:
+        key = (stream_step, n, topology)
         with self._pending_lock:
-            kept = {k: h for k, h in self._pending.items() if k[0] == stream_step and (also or k[1] == n)}
-            if (stream_step, n) not in kept:
-                kept[(stream_step, n)] = self._submit(lengths, n, budget_s, task_of)
+            kept = {k: h for k, h in self._pending.items() if k[0] == stream_step and (also or k[1:] == key[1:])}
+            if key not in kept:
+                kept[key] = self._submit(lengths, n, budget_s, task_of, topology)
             self._pending = kept
 
     def forget(self) -> None:
@@ -277,8 +298,9 @@ class RayPlannerClient(_PrefetchingClient):
         args = self.spec.planner_args(self.spec.niceness)
         self.actor = StepPlannerActor.options(scheduling_strategy=here).remote(*args)
 
-    def _submit(self, lengths, n, budget_s=None, task_of=None):
-        return self.actor.plan.remote(lengths, n, time_limit_s=budget_s, **self.spec.task_kwargs(task_of))
+    def _submit(self, lengths, n, budget_s=None, task_of=None, topology=None):
+        kwargs = self.spec.task_kwargs(task_of)
+        return self.actor.plan.remote(lengths, n, time_limit_s=budget_s, topology=topology, **kwargs)
 
     def _push_profile(self, profile):
         self.actor.set_profile.remote(profile)  # an actor runs one caller's calls in order: before the next solve
@@ -328,7 +350,7 @@ class LocalPlannerClient(_PrefetchingClient):
     def _push_profile(self, profile):
         self._profile = profile
 
-    def _submit(self, lengths, n, budget_s=None, task_of=None):
+    def _submit(self, lengths, n, budget_s=None, task_of=None, topology=None):
         future: concurrent.futures.Future = concurrent.futures.Future()
         kwargs = self.spec.task_kwargs(task_of)
         planner, lock, profile, self._profile = self.planner, self._lock, self._profile, None
@@ -338,7 +360,7 @@ class LocalPlannerClient(_PrefetchingClient):
                 if profile is not None:
                     planner.set_profile(profile)
                 try:
-                    future.set_result(planner.plan(lengths, n, time_limit_s=budget_s, **kwargs))
+                    future.set_result(planner.plan(lengths, n, time_limit_s=budget_s, topology=topology, **kwargs))
                 except BaseException as e:  # noqa: BLE001 - handed to the waiting step
                     future.set_exception(e)
 

@@ -23,15 +23,8 @@ import dataclasses
 import numpy as np
 
 from flexorch.solver.profiles import Profile
-from flexorch.solver.refit import (
-    GroupWindow,
-    RefitReport,
-    StepSample,
-    refit_times,
-    samples_of_record,
-    step_of_record,
-    with_time_terms,
-)
+from flexorch.solver.record_samples import StepSample, samples_of_record, step_of_record
+from flexorch.solver.refit import GroupWindow, RefitReport, refit_times, with_time_terms
 from flexorch.solver.step_level import step_level
 
 __all__ = ["COMPILE_SHARE", "TRIAL_STEPS", "Change", "RunRefit", "Verdict", "compiled"]

@@ -150,7 +150,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
                 "gather": cfg.sharding.gather,
             },
             publish=publish,
-            by_node=getattr(cfg.plan, "topology", "aware") != "blind",
+            by_node=cfg.plan.topology != "blind",
         )
 
     # ---------------------------------------------------------------- membership

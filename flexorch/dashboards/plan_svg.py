@@ -73,9 +73,12 @@ def _panel(
         w = max(0.5, g.time_ms * ms_scale)
         y = top + g.first_rank * row
         h = g.degree * row
+        u = grp.ulysses_degree
+        kind = g.kind if u is None else f"{g.kind} {u}x{g.degree // u}"
+        spans = plan.topology is not None and plan.topology.spans(grp.ranks)
         tip = (
-            f"micro-batch {g.micro_batch}, ranks {grp.ranks[0]}-{grp.ranks[-1]}, degree {g.degree} {g.kind}, "
-            f"{len(grp.seq_ids)} seqs, {g.time_ms:.0f} ms"
+            f"micro-batch {g.micro_batch}, ranks {grp.ranks[0]}-{grp.ranks[-1]}, degree {g.degree} {kind}, "
+            f"{len(grp.seq_ids)} seqs, {g.time_ms:.0f} ms" + (", across nodes" if spans else "")
         )
         fill, attrs = _colour(g.degree), ""
         if names is not None:  # task mode: a step without tasks (task_of None) is no task's, grey
@@ -99,9 +102,32 @@ def _panel(
         parts.append(
             f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{top + height:.1f}" stroke="#000" stroke-dasharray="4 3"/>'
         )
+    parts += _node_lines(plan, left, top, width, row)
     parts.append(f'<text x="{left - 6}" y="{top + 10}" font-size="10" text-anchor="end">rank 0</text>')
     parts.append(f'<text x="{left - 6}" y="{top + height:.1f}" font-size="10" text-anchor="end">{n - 1}</text>')
     return parts, top + height + 22
+
+
+def _node_lines(plan: Plan, left: float, top: float, width: float, row: float) -> list[str]:
+    """A plan with a topology: a line across the panel at each node boundary, each node's name and size at its
+    left (``class="node"``)."""
+    topo = plan.topology
+    if topo is None or topo.num_nodes < 2:
+        return []
+    out = []
+    for i, (a, size, name) in enumerate(zip(topo.node_starts, topo.node_sizes, topo.names(), strict=True)):
+        y = top + a * row
+        if i:
+            out.append(
+                f'<line class="node" x1="{left - 28}" y1="{y:.2f}" x2="{left + width:.1f}" y2="{y:.2f}" '
+                f'stroke="#c00" stroke-width="1.2"/>'
+            )
+        if size * row >= 10:
+            out.append(
+                f'<text class="node" x="{left - 30}" y="{y + size * row / 2 + 3:.2f}" font-size="9" fill="#c00" '
+                f'text-anchor="end"><title>{escape(name)}: {size} live workers</title>{escape(name)} ({size})</text>'
+            )
+    return out
 
 
 def _check_task_of(steps, task_of) -> list:

@@ -69,9 +69,7 @@ Keys of ``source == "train"`` records only (null where the step was skipped):
   micro-batches plus the profile's ``step_ms``), ``compute_ms`` (slowest rank, start to end of its micro-batches),
   ``sync_ms``, ``optim_ms``, ``dispatch_ms``,
   ``plan_wait_ms`` (time the driver waited for the plan: zero when the solve hid behind the previous step),
-  ``nodes`` (optional: records written before it have none): each rank's node, in rank order (its address, or its
-  Ray node id where the address is not known; null where not known at all); ranks are contiguous per node unless
-  ``[plan] topology = "blind"``;
+  ``nodes`` (optional, absent in older records): each rank's node by address (else Ray node id, else null);
   ``boundary_ms`` (optional: membership work between the previous step and this one: admitting workers that finished
   starting, starting new ones; a worker starting beside the steps costs nothing here), ``overhead_ms`` (driver
   bookkeeping after the outcomes);
@@ -314,16 +312,11 @@ def validate_record(rec, where: str = "record") -> dict:
             raise RecordError(f"{where}: 'targets' must be an integer in 0..tokens ({rec['tokens']}), got {t!r}")
         if len(rec["doc_ids"]) != len(rec["seq_lengths"]):
             raise RecordError(f"{where}: doc_ids and seq_lengths differ in length")
-        if len(rec["worker_ids"]) != rec["world_size"]:
-            raise RecordError(
-                f"{where}: worker_ids has {len(rec['worker_ids'])} ids for world_size {rec['world_size']}"
-            )
-        nodes = rec.get("nodes")
-        if nodes is not None and (
-            not isinstance(nodes, list)
-            or len(nodes) != rec["world_size"]
-            or not all(n is None or isinstance(n, str) for n in nodes)
-        ):
+        n = rec["world_size"]
+        if len(rec["worker_ids"]) != n:
+            raise RecordError(f"{where}: worker_ids has {len(rec['worker_ids'])} ids for world_size {n}")
+        nodes = rec.get("nodes", [None] * n)
+        if not isinstance(nodes, list) or len(nodes) != n or any(x and not isinstance(x, str) for x in nodes):
             raise RecordError(f"{where}: 'nodes' must name each rank's node (a string or null), one per rank")
         _check_drains(rec["recoveries"], where)
     if rec["skipped"]:

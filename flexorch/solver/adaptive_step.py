@@ -36,19 +36,28 @@ class AdaptiveStep:
 
 
 def plan_adaptive(
-    planner: Planner, lengths, num_devices: int, limit: float, start: float, deadline: float, baselines_s, used: dict
+    planner: Planner,
+    lengths,
+    num_devices: int,
+    limit: float,
+    start: float,
+    deadline: float,
+    baselines_s,
+    used: dict,
+    topology=None,
 ) -> AdaptiveStep:
     """The step of ``lengths`` on ``num_devices`` by ``deadline`` (``limit`` seconds after ``start``). The baselines
     keep what they took last step (``baselines_s``, None at first) x1.5, 10-40 % of the budget (40 % at first).
     ``used['crashes']``: the solver crashes so far, ``used['baselines_s']``: what the baselines took after the
-    planner (the time to keep for them next step), both set also when this raises later."""
+    planner (the time to keep for them next step), both set also when this raises later. ``topology``: the plan and
+    the baselines placed on its nodes and priced where their groups lie (``solver.topology``)."""
     profile = planner.profile
     keep = 0.4 * limit if baselines_s is None else min(0.4 * limit, max(0.1 * limit, 1.5 * baselines_s))
-    run = BaselineRun(lengths, num_devices, profile)
+    run = BaselineRun(lengths, num_devices, profile, topology=topology)
     auto = uses_auto(profile)  # [sharding] activation_checkpointing = "auto": several packings
     due = deadline - keep
     first = start + 0.5 * (due - start) if auto else due
-    sp = planner.plan(lengths, num_devices, deadline=first, idle=run.advance)
+    sp = planner.plan(lengths, num_devices, deadline=first, idle=run.advance, topology=topology)
     used["crashes"] = sp.solver_crashes
     plan, predicted, bound, status = sp.plan, sp.predicted_ms, sp.bound_ms, sp.status
     others = {}

@@ -22,11 +22,11 @@ from flexorch.solver.packing import (
     GroupType,
     drop_empty,
     improve_step,
-    layout_groups,
     pack,
     time_table,
     type_overheads,
 )
+from flexorch.solver.placement import place_groups
 from flexorch.solver.plan import MicroBatch, Plan
 from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import step_time_ms
@@ -50,8 +50,10 @@ def static_plan(
     kind: str,
     extra_micro_batches: int = 4,
     deadline: float | None = None,
+    topology=None,
 ) -> Plan | None:
-    """Every group of `degree` with `kind` attention; None when that layout cannot run the batch.
+    """Every group of `degree` with `kind` attention; None when that layout cannot run the batch. With a
+    ``topology`` (``solver.topology``) the groups are placed on its nodes and priced where they lie.
 
     A split (and every larger M) whose lower bound (per micro-batch O + max(longest time, total time / groups))
     cannot beat the best split packed so far is not packed: the plan is the one packing every split gives (ties
@@ -61,7 +63,7 @@ def static_plan(
     lengths = check_batch(lengths, num_devices, profile)
     if degree > num_devices or degree & (degree - 1) or not kind_allowed(kind, degree, profile):
         return None
-    types = [GroupType(degree, ULYSSES if degree == 1 else kind)]
+    types = [_static_type(degree, kind, topology)]
     table = time_table(lengths, types, profile)
     overheads = type_overheads(types, profile)  # b1 + this degree's collective latency
     if not np.isfinite(table).all():
@@ -89,14 +91,21 @@ def static_plan(
         return None
     improve_step(best, [caps] * len(best), table, lengths, overheads, deadline=deadline)
     best = drop_empty(best)
-    mbs = [MicroBatch(tuple(layout_groups(d, types, range(len(lengths))))) for d in best]
+    mbs = [MicroBatch(tuple(place_groups(d, types, range(len(lengths)), topology))) for d in best]
     return Plan.for_profile(
         num_devices=num_devices,
         seq_lengths=lengths,
         micro_batches=mbs,
         profile=profile,
         meta={"planner": f"static-{kind}-{degree}"},
+        topology=topology,
     )
+
+
+def _static_type(degree: int, kind: str, topology) -> GroupType:
+    """A static layout's group type, priced as spanning nodes where its degree exceeds the largest node."""
+    spans = topology is not None and topology.num_nodes > 1 and degree > topology.max_node_size
+    return GroupType(degree, ULYSSES if degree == 1 else kind, spans)
 
 
 def static_layouts(num_devices: int) -> list[tuple[str, int]]:
@@ -109,7 +118,12 @@ def static_layouts(num_devices: int) -> list[tuple[str, int]]:
 
 
 def baseline_plans(
-    lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4, deadline: float | None = None
+    lengths,
+    num_devices: int,
+    profile: Profile,
+    extra_micro_batches: int = 4,
+    deadline: float | None = None,
+    topology=None,
 ) -> dict:
     """name -> Plan (or None when infeasible) for every static degree/kind, plus 'batchada' (the best of them).
 
@@ -117,12 +131,13 @@ def baseline_plans(
     (most promising first) and those not reached in time are None too, listed by :func:`skipped_baselines`:
     'batchada' is then the best of those planned (one layout at least is always planned).
     """
-    plans, _ = _baselines(lengths, num_devices, profile, extra_micro_batches, deadline)
+    plans, _ = _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, topology=topology)
     return plans
 
 
-def _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, times=None):
-    run = BaselineRun(lengths, num_devices, profile, extra_micro_batches, ordered=deadline is not None)
+def _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, times=None, topology=None):
+    ordered = deadline is not None
+    run = BaselineRun(lengths, num_devices, profile, extra_micro_batches, ordered=ordered, topology=topology)
     run.advance(deadline)
     plans, ms, skipped = run.result()
     if times is not None:
@@ -134,14 +149,20 @@ class BaselineRun:
     """The static layouts of one batch, planned a few at a time: :meth:`advance` plans layouts until a deadline (the
     planner calls it while its MILP solves run in the solver process, and again after), :meth:`result` gives the
     plans, their predicted times and the layouts not planned. ``ordered``: most promising layouts first (by a lower
-    bound on their step time), so that 'batchada' is right even when time cuts the list short."""
+    bound on their step time), so that 'batchada' is right even when time cuts the list short. ``topology``: the
+    layouts are placed on its nodes and priced where their groups lie."""
 
-    def __init__(self, lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4, ordered=True):
+    def __init__(
+        self, lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4, ordered=True, topology=None
+    ):
         self.lengths = check_batch(lengths, num_devices, profile)
         self.num_devices, self.profile, self.extra = num_devices, profile, extra_micro_batches
+        self.topology = topology
         layouts = static_layouts(num_devices)
         if ordered:
-            layouts = sorted(layouts, key=lambda kd: _layout_bound(self.lengths, num_devices, profile, *kd))
+            layouts = sorted(
+                layouts, key=lambda kd: _layout_bound(self.lengths, num_devices, profile, *kd, topology=topology)
+            )
         self.todo = list(layouts)
         self.plans: dict[str, Plan | None] = {f"static-{k}-{d}": None for k, d in static_layouts(num_devices)}
         self.ms: dict[str, float | None] = dict.fromkeys(self.plans)
@@ -158,7 +179,10 @@ class BaselineRun:
                 return
             kind, d = self.todo.pop(0)
             name = f"static-{kind}-{d}"
-            p = static_plan(self.lengths, self.num_devices, self.profile, d, kind, self.extra, deadline=deadline)
+            p = static_plan(
+                self.lengths, self.num_devices, self.profile, d, kind, self.extra, deadline=deadline,
+                topology=self.topology,
+            )  # fmt: skip
             self.plans[name] = p
             self.ms[name] = None if p is None else step_time_ms(p, self.profile)
             self.longest = max(self.longest, time.monotonic() - t)
@@ -181,18 +205,19 @@ class BaselineRun:
             kind, d = self.todo.pop(0)
             name = f"static-{kind}-{d}"
             p = static_plan(
-                self.lengths, self.num_devices, self.profile, d, kind, self.extra, deadline=time.monotonic()
-            )
+                self.lengths, self.num_devices, self.profile, d, kind, self.extra, deadline=time.monotonic(),
+                topology=self.topology,
+            )  # fmt: skip
             self.plans[name] = p
             self.ms[name] = None if p is None else step_time_ms(p, self.profile)
 
 
-def _layout_bound(lengths, num_devices, profile, kind, degree) -> float:
+def _layout_bound(lengths, num_devices, profile, kind, degree, topology=None) -> float:
     """A lower bound on the static layout's step time (inf when it cannot run the batch): M_min * O +
     max(total sequence time / groups, the longest sequence's time)."""
     if not kind_allowed(kind, degree, profile):
         return np.inf
-    t = GroupType(degree, ULYSSES if degree == 1 else kind)
+    t = _static_type(degree, kind, topology)
     times = time_table(lengths, [t], profile)[:, 0]
     if not np.isfinite(times).all():
         return np.inf
@@ -202,12 +227,17 @@ def _layout_bound(lengths, num_devices, profile, kind, degree) -> float:
 
 
 def baseline_times_ms(
-    lengths, num_devices: int, profile: Profile, extra_micro_batches: int = 4, deadline: float | None = None
+    lengths,
+    num_devices: int,
+    profile: Profile,
+    extra_micro_batches: int = 4,
+    deadline: float | None = None,
+    topology=None,
 ) -> dict:
     """name -> simulated step time in ms (None when that layout cannot run the batch, or was not reached before
     `deadline`)."""
     times: dict = {}
-    _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, times)
+    _baselines(lengths, num_devices, profile, extra_micro_batches, deadline, times, topology=topology)
     return times
 
 

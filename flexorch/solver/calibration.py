@@ -202,6 +202,16 @@ def fit_profile(
     notes: list[str] = []
     b1, a1, a2 = _fit_compute(comp, notes)
     by_group = _comm_groups(comms)
+    tables = _fit_comm_tables(by_group, dims, notes)
+    profile = dims.with_overrides(a1_ms=float(a1), a2_ms=float(a2), b1_ms=float(b1), **tables)
+    return profile, _fit_report(profile, comp, by_group, notes)
+
+
+def _fit_comm_tables(
+    by_group: dict[tuple[str, int, bool], list[CommSample]], dims: Profile, notes: list[str]
+) -> dict[str, dict[int, float]]:
+    """The profile's bandwidth and latency tables, intra-node and ``inter_*``, each (kind, degree, spans) fitted on
+    its own; a (kind, degree) measured only across nodes fills the intra table too."""
     names = ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
     tables: dict[str, dict[int, float]] = {f"{where}{t}": {} for where in ("", "inter_") for t in names}
     for (kind, d, spans), group in sorted(by_group.items()):
@@ -212,15 +222,23 @@ def fit_profile(
         if spans and (kind, d, False) not in by_group:  # no node holds this group: the intra figure is this one
             intra_bw, intra_lat = _table_keys(kind, False)
             tables[intra_bw][d], tables[intra_lat][d] = tables[bw_key][d], tables[lat_key][d]
-    profile = dims.with_overrides(a1_ms=float(a1), a2_ms=float(a2), b1_ms=float(b1), **tables)
+    return tables
+
+
+def _fit_report(
+    profile: Profile,
+    comp: list[ComputeSample],
+    by_group: dict[tuple[str, int, bool], list[CommSample]],
+    notes: list[str],
+) -> FitReport:
+    """How well the fitted ``profile`` reproduces the compute samples and each (kind, degree, spans)'s comm samples."""
     comm_fit = {key: FitError.from_errors(prediction_errors(profile, g)) for key, g in by_group.items()}
-    report = FitReport(
+    return FitReport(
         compute=FitError.from_errors(prediction_errors(profile, comp)),
         comm={f"{k}-{d}": e for (k, d, spans), e in comm_fit.items() if not spans},
         notes=tuple(notes),
         inter_comm={f"{k}-{d}": e for (k, d, spans), e in comm_fit.items() if spans},
     )
-    return profile, report
 
 
 def _table_keys(kind: str, spans: bool) -> tuple[str, str]:

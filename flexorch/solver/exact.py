@@ -41,6 +41,7 @@ def solve_exact(
     time_limit_s: float,
     start: Draft | None = None,
     solver: str = DEFAULT_SOLVER,
+    capacity: tuple = (),
 ):
     """(draft, proven_optimal) for the micro-batch `items`, or None when the solver found nothing in time.
 
@@ -72,12 +73,19 @@ def solve_exact(
         m += float(overheads[t]) * uv + mip.xsum(float(table[i, t]) * v for i, v in mine) <= c
         m += mip.xsum(float(lengths[i]) * v for i, v in mine) <= int(caps_by_type[t]) * uv
     m += mip.xsum(deg[t] * uv for (t, _), uv in u.items()) <= num_devices
+    for coef, rhs in capacity:  # a topology's node capacity (``solver.placement.capacity_rows``)
+        m += mip.xsum(int(coef[t]) * uv for (t, _), uv in u.items() if coef[t]) <= int(rhs)
     m.objective = c
     if start is not None and (values := _start_values(start, u, y, c)):
         m.start = values  # HiGHS completes a start with zeros: exactly the slots and pairs the draft leaves unused
     status = backend.optimize(m, deadline)
     if status not in backend.SOLVED:
         return None
+    return _draft(u, y, table, lengths, overheads), status == mip.OptimizationStatus.OPTIMAL
+
+
+def _draft(u, y, table, lengths, overheads) -> Draft:
+    """The groups a solved model opened and the sequences each runs."""
     gtype, members = [], []
     for (t, j), uv in u.items():
         if uv.x >= 0.5:
@@ -87,7 +95,7 @@ def solve_exact(
         [overheads[t] + sum(table[i, t] for i in mem) if mem else 0.0 for t, mem in zip(gtype, members, strict=True)]
     )
     tokens = np.array([int(sum(lengths[i] for i in mem)) for mem in members], dtype=np.int64)
-    return Draft(gtype, members, loads, tokens), status == mip.OptimizationStatus.OPTIMAL
+    return Draft(gtype, members, loads, tokens)
 
 
 def _start_values(draft: Draft, u, y, c):

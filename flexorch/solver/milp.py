@@ -15,6 +15,7 @@ latency(t) is the type's fixed cost per micro-batch, `solver.cost_model.group_ov
                        big_k: time > C'_t/k or tokens > d*cap/k (at most k-1 such per group: packing cuts)
     x_bt = 0 if time(s_b, t) > C'_t or d_t < min degree(s_b)
     minimise sum_t d_t n_t                               the devices that makespan C needs
+    sum_t a_rt n_t <= K_r                                with a topology: node capacity (``solver.placement``)
 
 For fixed C every constraint is linear; C itself is found by bisection between the area bound and the best
 static plan (`solve_micro_batch`). Each MILP starts from a greedy cover (every bucket on its least-area type,
@@ -37,6 +38,7 @@ from flexorch.solver.backend import DEFAULT_SOLVER
 from flexorch.solver.bucketing import optimal_buckets
 from flexorch.solver.exact import MAX_EXACT_SEQUENCES, solve_exact
 from flexorch.solver.packing import Draft, GroupType, improve, pack
+from flexorch.solver.placement import counts_fit
 
 __all__ = ["MicroBatchSolution", "solve_micro_batch", "best_static_draft"]
 
@@ -87,13 +89,15 @@ def solve_micro_batch(
     ilp_time_limit_s: float = 0.25,
     start: Draft | None = None,
     solver: str = DEFAULT_SOLVER,
+    capacity: tuple = (),
 ) -> MicroBatchSolution | None:
     """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits.
 
     `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
     `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`). Every MILP it solves gets the time left of
     `time_budget_s` (a bisection step at most `ilp_time_limit_s`), never more (`solver.backend.time_left`).
-    `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`).
+    `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`). `capacity`: a topology's node-capacity rows
+    (``solver.placement.capacity_rows``: the group counts that keep each type where it is priced); empty: none.
     """
     deadline = time.perf_counter() + time_budget_s
     backend.check_solver(solver)  # a bad name fails here, also when the greedy cover leaves nothing to solve
@@ -116,12 +120,13 @@ def solve_micro_batch(
             time_limit_s=backend.time_left(deadline),
             start=start,
             solver=solver,
+            capacity=capacity,
         )
         if exact is not None and (best is None or exact[0].makespan() <= best.makespan_ms):
             return MicroBatchSolution(exact[0], exact[0].makespan(), "exact" if exact[1] else "milp", 1, 0)
     buckets = _bucket_tables(items, table, lengths, max_buckets)
     pack = (types, table, lengths, num_devices, caps_by_type, overheads)
-    limits = (lower_bound_ms, tolerance, max_bisection_steps, ilp_time_limit_s, deadline, solver)
+    limits = (lower_bound_ms, tolerance, max_bisection_steps, ilp_time_limit_s, deadline, solver, capacity)
     best, solves, steps = _bisect(best, buckets, pack, limits)
     if best is None:
         return None  # this micro-batch cannot be packed: the caller splits it further
@@ -146,7 +151,7 @@ def _bisect(best: MicroBatchSolution | None, buckets: tuple, pack: tuple, limits
     realised as a draft (:func:`_realise`)."""
     b_items, b_len, b_cnt, b_time = buckets
     types, table, lengths, num_devices, caps_by_type, overheads = pack
-    lower_bound_ms, tolerance, max_bisection_steps, ilp_time_limit_s, deadline, solver = limits
+    lower_bound_ms, tolerance, max_bisection_steps, ilp_time_limit_s, deadline, solver, capacity = limits
     lo = lower_bound_ms
     hi = best.makespan_ms if best is not None else lo * 4
     solves = steps = 0
@@ -155,21 +160,25 @@ def _bisect(best: MicroBatchSolution | None, buckets: tuple, pack: tuple, limits
         c = 0.5 * (lo + hi)
         limit = backend.time_left(deadline, cap=ilp_time_limit_s)
         cp = c - np.asarray(overheads, dtype=np.float64)  # per-type room for sequence time
-        counts = _devices_needed(cp, types, b_time, b_len, b_cnt, num_devices, caps_by_type, limit, solver=solver)
+        counts = _devices_needed(
+            cp, types, b_time, b_len, b_cnt, num_devices, caps_by_type, limit, solver=solver, capacity=capacity
+        )
         solves += 1
         if counts is None:
             lo = c
             continue
         hi = c
-        draft = _realise(counts, types, table, lengths, b_items, num_devices, caps_by_type, overheads)
+        draft = _realise(counts, types, table, lengths, b_items, num_devices, caps_by_type, overheads, capacity)
         if draft is not None and (best is None or draft.makespan() < best.makespan_ms):
             best = MicroBatchSolution(draft, draft.makespan(), "milp", 0, 0)
     return best, solves, steps
 
 
-def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_limit_s, *, solver=DEFAULT_SOLVER):
+def _devices_needed(
+    cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_limit_s, *, solver=DEFAULT_SOLVER, capacity=()
+):
     """Solve the MILP at C'_t = cp[t] within `time_limit_s` of the call, on backend `solver`. Returns (n_t, x_bt)
-    when it fits on n_dev devices, else None."""
+    when it fits on n_dev devices (and the node-capacity rows `capacity`), else None."""
     deadline = time.perf_counter() + time_limit_s
     if not (cp > 0).any():
         return None
@@ -189,7 +198,7 @@ def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_l
     x0 = np.zeros((nb, nt), dtype=np.int64)
     x0[np.arange(nb), pick] = b_cnt
     n0 = _groups_for(x0, b_time, b_len, big2, big3, cp, gcap, allowed)
-    if int((n0 * deg).sum()) <= n_dev:
+    if int((n0 * deg).sum()) <= n_dev and counts_fit(n0, capacity):
         return n0, x0  # the greedy cover already fits: no solve needed at this C
 
     m = backend.new_model(solver)
@@ -212,16 +221,22 @@ def _devices_needed(cp, types, b_time, b_len, b_cnt, n_dev, caps_by_type, time_l
         b3 = np.flatnonzero(big3[:, t])
         if b3.size:
             m += mip.xsum(x[b, t] for b in b3) <= 2 * n[t]
+    for coef, rhs in capacity:  # a topology's node capacity: every type stays where it is priced
+        m += mip.xsum(int(coef[t]) * n[t] for t in range(nt) if coef[t]) <= int(rhs)
     m.objective = mip.xsum(int(deg[t]) * n[t] for t in range(nt))
     m.max_mip_gap_abs = 0.999  # the objective is an integer: within 1 is optimal
     m.start = [(n[t], float(n0[t])) for t in range(nt)] + [(v, float(x0[b, t])) for (b, t), v in x.items()]
-    status = backend.optimize(m, deadline)
-    if status not in backend.SOLVED:
+    if backend.optimize(m, deadline) not in backend.SOLVED:
         return None
+    return _solution(n, x, (nb, nt), deg, n_dev, capacity)
+
+
+def _solution(n, x, shape, deg, n_dev, capacity):
+    """(n_t, x_bt) of a solved model, None when its counts do not fit the devices (or the node-capacity rows)."""
     nv = np.array([round(v.x) for v in n], dtype=np.int64)
-    if int((nv * deg).sum()) > n_dev:
+    if int((nv * deg).sum()) > n_dev or not counts_fit(nv, capacity):
         return None
-    xv = np.zeros((nb, nt), dtype=np.int64)
+    xv = np.zeros(shape, dtype=np.int64)
     for (b, t), v in x.items():
         xv[b, t] = round(v.x)
     return nv, xv
@@ -254,8 +269,9 @@ def _groups_for(x, b_time, b_len, big2, big3, cp, gcap, allowed):
     return need.astype(np.int64)
 
 
-def _realise(counts, types, table, lengths, b_items, n_dev, caps_by_type, overheads):
-    """Turn (n_t, x_bt) into groups holding real sequences; spare devices become extra groups."""
+def _realise(counts, types, table, lengths, b_items, n_dev, caps_by_type, overheads, capacity=()):
+    """Turn (n_t, x_bt) into groups holding real sequences; spare devices become extra groups (within the node
+    capacity rows `capacity`)."""
     n, x = counts
     n = n.copy()
     deg = np.array([t.degree for t in types])
@@ -279,6 +295,10 @@ def _realise(counts, types, table, lengths, b_items, n_dev, caps_by_type, overhe
         if per[t] <= 0:
             break
         n[t] += 1
+        if capacity and not counts_fit(n, capacity):  # no room for it where it is priced: not this type again
+            n[t] -= 1
+            load[t] = 0.0
+            continue
         spare -= deg[t]
     gtype = [t for t in range(len(types)) for _ in range(int(n[t]))]
     caps = np.array([caps_by_type[t] for t in gtype], dtype=np.int64)

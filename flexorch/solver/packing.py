@@ -14,9 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexorch.solver.cost_model import KINDS, RING, ULYSSES, group_overhead_ms, kind_allowed, seq_times_ms
+from flexorch.solver.cost_model import HYBRID, KINDS, RING, ULYSSES, group_overhead_ms, kind_allowed, seq_times_ms
 from flexorch.solver.plan import Group
 from flexorch.solver.profiles import Profile
+from flexorch.solver.topology import Topology
 
 __all__ = [
     "GroupType",
@@ -32,6 +33,7 @@ __all__ = [
     "drop_empty",
     "best_homogeneous_draft",
     "layout_groups",
+    "hybrid_share",
 ]
 
 
@@ -39,13 +41,39 @@ __all__ = [
 class GroupType:
     degree: int
     kind: str
+    spans: bool = False
+    """Priced as spanning nodes (the profile's inter-node tables): a type of degree > the largest node."""
+    ulysses_degree: int | None = None
+    """A hybrid type's Ulysses degree u (ring over degree / u positions)."""
+
+    @property
+    def placement(self) -> dict:
+        """The cost model's placement keywords for this type ({} for a type priced inside a node)."""
+        out: dict = {"spans": True} if self.spans else {}
+        if self.kind == HYBRID:
+            out["ulysses_degree"] = self.ulysses_degree
+        return out
 
 
-def group_types(num_devices: int, profile: Profile, kinds=KINDS) -> list[GroupType]:
-    """Every (degree, kind) a group can have on N devices: powers of two <= N; degree 1 needs no comm (ulysses)."""
+def hybrid_share(topology: Topology) -> int:
+    """u of the planner's hybrid groups: the largest power of two <= the nominal node size (a ring position per
+    node of 8; 4 on nodes of 6)."""
+    return 1 << (topology.nominal_node_size.bit_length() - 1)
+
+
+def group_types(
+    num_devices: int, profile: Profile, kinds=KINDS, topology: Topology | None = None, hybrid: bool = True
+) -> list[GroupType]:
+    """Every (degree, kind) a group can have on N devices: powers of two <= N; degree 1 needs no comm (ulysses).
+
+    With a ``topology`` of several nodes, a type of degree above the largest node spans nodes (``spans``: priced
+    with the inter-node tables) and, with ``hybrid``, gains a hybrid type of Ulysses degree u = ``hybrid_share``
+    where u divides the heads (Ulysses inside each node, ring across them). Without one: every type inside one node."""
     out = []
+    biggest = topology.max_node_size if topology is not None and topology.num_nodes > 1 else num_devices
     d = 1
     while d <= num_devices:
+        spans = d > biggest
         for kind in kinds:
             if d == 1 and kind == RING:
                 continue
@@ -53,7 +81,11 @@ def group_types(num_devices: int, profile: Profile, kinds=KINDS) -> list[GroupTy
                 out.append(GroupType(1, ULYSSES))
                 continue
             if kind_allowed(kind, d, profile):
-                out.append(GroupType(d, kind))
+                out.append(GroupType(d, kind, spans))
+        if spans and hybrid:
+            u = hybrid_share(topology)
+            if kind_allowed(HYBRID, d, profile, u):
+                out.append(GroupType(d, HYBRID, True, u))
         d *= 2
     return out
 
@@ -61,7 +93,13 @@ def group_types(num_devices: int, profile: Profile, kinds=KINDS) -> list[GroupTy
 def type_caps(types: list[GroupType], profile: Profile) -> np.ndarray:
     """C[t]: tokens a group of type t holds in one micro-batch (``Profile.group_token_cap``: a Ulysses group holds
     a little less per device than a ring group of the same degree)."""
-    return np.array([profile.group_token_cap(t.kind, t.degree) for t in types], dtype=np.int64)
+    return np.array([_group_cap(t, profile) for t in types], dtype=np.int64)
+
+
+def _group_cap(t: GroupType, profile: Profile) -> int:
+    if t.kind == HYBRID:  # its Ulysses all-to-alls at degree u copy what a Ulysses group of u copies
+        return t.degree * profile.local_token_cap(ULYSSES, t.ulysses_degree)
+    return profile.group_token_cap(t.kind, t.degree)
 
 
 def time_table(lengths: np.ndarray, types: list[GroupType], profile: Profile) -> np.ndarray:
@@ -70,14 +108,14 @@ def time_table(lengths: np.ndarray, types: list[GroupType], profile: Profile) ->
     table = np.empty((lengths.size, len(types)))
     caps = type_caps(types, profile)
     for j, t in enumerate(types):
-        col = seq_times_ms(lengths, t.degree, t.kind, profile)
+        col = seq_times_ms(lengths, t.degree, t.kind, profile, **t.placement)
         table[:, j] = np.where(lengths <= caps[j], col, np.inf)
     return table
 
 
 def type_overheads(types: list[GroupType], profile: Profile) -> np.ndarray:
     """O[t]: fixed ms a group of type t pays once per micro-batch (b1 + its collective latency), like `table[:, t]`."""
-    return np.array([group_overhead_ms(t.degree, t.kind, profile) for t in types], dtype=np.float64)
+    return np.array([group_overhead_ms(t.degree, t.kind, profile, **t.placement) for t in types], dtype=np.float64)
 
 
 @dataclass
@@ -349,6 +387,7 @@ def layout_groups(draft: Draft, types: list[GroupType], seq_ids) -> list[Group]:
     live.sort(key=lambda x: -x[0].degree)
     out, rank = [], 0
     for t, m in live:
-        out.append(Group(t.degree, t.kind, tuple(range(rank, rank + t.degree)), tuple(seq_ids[i] for i in m)))
+        ranks = tuple(range(rank, rank + t.degree))
+        out.append(Group(t.degree, t.kind, ranks, tuple(seq_ids[i] for i in m), t.ulysses_degree))
         rank += t.degree
     return out

@@ -15,6 +15,7 @@ import numpy as np
 from flexorch.solver.cost_model import GROUP_KINDS, HYBRID, ULYSSES, min_degree
 from flexorch.solver.errors import InvalidPlanError
 from flexorch.solver.profiles import Profile
+from flexorch.solver.topology import Topology
 
 __all__ = ["Group", "MicroBatch", "Plan", "shape_string"]
 
@@ -95,11 +96,19 @@ class Plan:
     ``tokens_per_device`` (``Profile.local_token_cap``); degrees not listed use ``tokens_per_device``."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     """Free-form provenance (planner name, solver status); not validated, not compared."""
+    topology: Topology | None = field(default=None, compare=False, hash=False)
+    """The nodes the ranks lie on (``solver.topology``), when the plan was placed knowing them: the cost model
+    prices each group by whether it spans nodes (``solver.simulator``). None: one node."""
 
     def __post_init__(self) -> None:
         n = self.num_devices
         if not isinstance(n, int) or n < 1:
             raise InvalidPlanError(f"num_devices must be a positive integer, got {n!r}")
+        if self.topology is not None and self.topology.num_devices != n:
+            raise InvalidPlanError(
+                f"the plan's topology has {self.topology.num_devices} ranks ({self.topology.describe()}), "
+                f"num_devices is {n}"
+            )
         k = len(self.seq_lengths)
         if k == 0:
             raise InvalidPlanError("a plan needs at least one sequence")
@@ -188,8 +197,16 @@ class Plan:
         """Compact shape such as '<32, 16, 8x2> | <1x64>' (group degrees per micro-batch)."""
         return " | ".join(shape_string([g.degree for g in mb.groups]) for mb in self.micro_batches)
 
+    def placement(self, group: Group) -> dict:
+        """The cost model's placement keywords for ``group`` (``Topology.placement``; {} without a topology, and
+        for a hybrid group without one only its Ulysses degree)."""
+        if self.topology is None:
+            return {"ulysses_degree": group.ulysses_degree} if group.kind == HYBRID else {}
+        return self.topology.placement(group.ranks, group.kind, group.ulysses_degree)
+
     def to_dict(self) -> dict:
-        return {
+        topo = {} if self.topology is None else {"topology": self.topology.to_dict()}
+        return topo | {
             "num_devices": self.num_devices,
             "micro_batches": [
                 [
@@ -208,7 +225,9 @@ class Plan:
         }
 
     @classmethod
-    def for_profile(cls, *, num_devices: int, seq_lengths, micro_batches, profile: Profile, meta=None) -> Plan:
+    def for_profile(
+        cls, *, num_devices: int, seq_lengths, micro_batches, profile: Profile, meta=None, topology=None
+    ) -> Plan:
         return cls(
             num_devices=num_devices,
             seq_lengths=tuple(int(s) for s in seq_lengths),
@@ -219,6 +238,7 @@ class Plan:
                 d: profile.local_token_cap(ULYSSES, d) for d in (2**i for i in range(1, num_devices.bit_length()))
             },
             meta=dict(meta or {}),
+            topology=topology,
         )
 
 

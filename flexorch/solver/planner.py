@@ -43,12 +43,13 @@ from flexorch.solver.packing import (
     best_homogeneous_draft,
     drop_empty,
     improve_step,
-    layout_groups,
 )
+from flexorch.solver.placement import place_groups
 from flexorch.solver.plan import MicroBatch, Plan
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.screening import screen_splits
+from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.split_solver import MIN_SOLVE_S, SplitSolver
 from flexorch.solver.step_tables import StepTables, split_tiers, step_tables
 from flexorch.solver.validation import check_batch, check_num_devices
@@ -138,24 +139,30 @@ class Planner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def plan(self, lengths, num_devices: int, deadline: float | None = None, idle=None) -> StepPlan:
+    def plan(self, lengths, num_devices: int, deadline: float | None = None, idle=None, topology=None) -> StepPlan:
         """Plan one step by ``deadline`` (a ``time.monotonic()`` value; default: ``time_limit_s`` from now).
 
         ``idle(until, stop)``: work of the caller's to do here while MILP solves run in the solver process (the
-        baselines), until ``until`` or until ``stop()`` says the solves are back."""
+        baselines), until ``until`` or until ``stop()`` says the solves are back. ``topology``
+        (``solver.topology.Topology`` of ``num_devices`` ranks): groups are priced by where they will lie, placed
+        on the nodes (``solver.placement``) and the plan carries it; None: one node (no inter-node prices)."""
+        if topology is not None and topology.num_devices != num_devices:
+            raise ValueError(
+                f"topology has {topology.num_devices} ranks ({topology.describe()}), num_devices is {num_devices}"
+            )
         self._idle = idle
         try:
-            return self._plan(lengths, num_devices, deadline)
+            return self._plan(lengths, num_devices, deadline, topology)
         finally:
             self._idle = None
 
-    def _plan(self, lengths, num_devices: int, deadline: float | None) -> StepPlan:
+    def _plan(self, lengths, num_devices: int, deadline: float | None, topology=None) -> StepPlan:
         """screen -> solve -> polish -> finish, each by its deadline of the plan's :class:`Budget`."""
         t0 = time.monotonic()
         deadline = t0 + self.config.time_limit_s if deadline is None else deadline
         check_num_devices(num_devices)
         lengths = check_batch(lengths, num_devices, self.profile)
-        step = step_tables(lengths, int(num_devices), self.profile, self.config)
+        step = step_tables(lengths, int(num_devices), self.profile, self.config, topology)
         # the step's bound is reported, not used to plan: computed while the first MILPs run (or at the end)
         self._bound = functools.partial(
             step_bound_ms, step.table, step.types, lengths, step.n, step.cap, step.overheads, slowest=step.slowest
@@ -242,9 +249,12 @@ class Planner:
             status = "fallback"
         else:
             status = "milp" if any(m in ("milp", "exact") for _, m in search.best_mbs) else "static"
-        mbs = [MicroBatch(tuple(layout_groups(draft, step.types, range(len(lengths))))) for draft, _ in search.best_mbs]
+        topo = step.topology
+        mbs = [MicroBatch(tuple(place_groups(d, step.types, range(len(lengths)), topo))) for d, _ in search.best_mbs]
         meta = {"planner": "flexorch-milp", "status": status}
-        plan = Plan.for_profile(num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof, meta=meta)
+        plan = Plan.for_profile(
+            num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof, meta=meta, topology=topo
+        )
         bound = self._step_bound()  # computed already if a MILP ran in the solver process; else now (in `finish`)
         done = time.monotonic()
         self._finish_s = measured(self._finish_s, done - t_finish)
@@ -262,6 +272,9 @@ class Planner:
         }
         # the step's fixed costs (sync, optimizer) on both: ``simulator.step_time_ms``'s price, and still a bound
         total_ms = float(search.best_total) + prof.step_ms
+        if topo is not None:  # priced where the groups were placed (a group the nodes had no room for spans them)
+            total_ms = step_time_ms(plan, prof)
+            bound = min(bound, total_ms - prof.step_ms)  # the bound's types are priced no slower than placed ones
         return StepPlan(plan, total_ms, bound + prof.step_ms, done - budget.t0, status, details)
 
     def _at_bound(self, search: _Search) -> bool:

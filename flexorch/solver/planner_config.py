@@ -59,6 +59,10 @@ class PlannerConfig:
     of the step's bound. On the demo's batches (4 workers, 16 documents) that is most plans: a median 62 ms of planner
     time instead of 273 ms, taken from the workers' cores. False: every micro-batch solved and every split tried while
     time is left (``benchmarks/sim/planner_stop.py`` plans each batch both ways)."""
+    hybrid: bool = True
+    """With a topology of several nodes (``Planner.plan(topology=...)``): offer hybrid groups where a group spans
+    nodes (Ulysses inside each node x ring across them, ``solver.cost_model.hybrid_seq_times_ms``). False: the 1-D
+    kinds only (the topology benchmark's comparison)."""
     isolate: bool = True
     """Solve the MILPs in solver processes the Planner owns (a native crash or a stuck solve costs that solve, not
     the plan). False: in this process (no extra process; a crash of the MILP library takes the caller down)."""

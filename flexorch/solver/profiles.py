@@ -23,7 +23,25 @@ __all__ = ["Profile", "BUILTIN_PROFILES", "get_profile", "load_profile", "profil
 # FlexSP release, A100-40GB, NVLink inside a node of 8 and InfiniBand across nodes: all-to-all bandwidth (GB/s)
 # measured per group size d; it collapses once a group spans nodes (d >= 16).
 _A100_A2A_GBPS = {2: 119.54, 4: 104.07, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
-_DEGREE_TABLES = ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
+# The same table split by where a group lies (`Topology`, `cost_model`'s ``spans``): inside a node of 8 the rows
+# d = 2..8 (NVLink); across nodes the rows d = 16..64 (InfiniBand), a spanning group of d < 16 (e.g. 4 ranks over
+# two nodes after a worker was lost) taking the 16-row (the nearest larger measured degree). The intra rows stay in
+# `a2a_gbps` whole, 16..64 included, so a profile priced without a topology keeps FlexSP's figures per degree.
+_A100_INTER_A2A_GBPS = {16: 10.33, 32: 5.94, 64: 4.87}  # FlexSP release, rows d >= 16 of its all-to-all table
+# Point-to-point (ring) bandwidth and the latency tables: FlexSP publishes neither. The built-in profiles take the
+# ring's bandwidth from the all-to-all table of the same degree (`p2p_gbps` empty: the rule every profile has), across
+# nodes too (`inter_p2p_gbps` empty: `inter_a2a_gbps`), and no collective latency (FlexSP folds every fixed cost
+# into b1); a calibrated or hand-written profile can give all four tables (examples/profiles/my-cluster.json).
+_DEGREE_TABLES = (
+    "a2a_gbps",
+    "p2p_gbps",
+    "a2a_latency_ms",
+    "p2p_latency_ms",
+    "inter_a2a_gbps",
+    "inter_p2p_gbps",
+    "inter_a2a_latency_ms",
+    "inter_p2p_latency_ms",
+)
 
 
 def _lookup(table: dict[int, float], d: int) -> float:
@@ -76,6 +94,17 @@ class Profile:
     p2p_latency_ms: dict[int, float] = field(default_factory=dict)
     """Fixed latency (ms) a ring group of d devices pays once per micro-batch for all its K/V exchanges (d-1 per
     layer forward, ~d backward), whatever its tokens; defaults to `a2a_latency_ms` when empty (like `p2p_gbps`)."""
+    inter_a2a_gbps: dict[int, float] = field(default_factory=dict)
+    """All-to-all bandwidth per device (GB/s) of a group of d whose ranks span nodes (``solver.topology``); the
+    tables above are then the figures inside one node. Empty: `a2a_gbps` (no difference between the two)."""
+    inter_p2p_gbps: dict[int, float] = field(default_factory=dict)
+    """Point-to-point bandwidth (GB/s) of a ring of d that spans nodes; empty: `inter_a2a_gbps` when given, else
+    the intra ring figure (`p2p_gbps`, itself defaulting to `a2a_gbps`)."""
+    inter_a2a_latency_ms: dict[int, float] = field(default_factory=dict)
+    """`a2a_latency_ms` of a group that spans nodes; empty: `a2a_latency_ms`."""
+    inter_p2p_latency_ms: dict[int, float] = field(default_factory=dict)
+    """`p2p_latency_ms` of a ring that spans nodes; empty: `inter_a2a_latency_ms` when given, else the intra ring
+    latency."""
     none_act_ratio: float = 0.0
     """``[sharding] activation_checkpointing = "auto"``: activation bytes per token a layer keeps without recompute
     over ``act_bytes_per_token`` (those of full recompute), measured on the workers' model
@@ -192,21 +221,34 @@ class Profile:
         """Tokens a ``kind`` group of ``degree`` devices holds in one micro-batch: ``degree * local_token_cap``."""
         return degree * self.local_token_cap(kind, degree)
 
-    def bandwidth_gbps(self, d: int, *, ring: bool = False) -> float:
-        """Bandwidth for a group of d devices; sizes not measured use the nearest larger (beyond: largest) size."""
+    def bandwidth_gbps(self, d: int, *, ring: bool = False, inter: bool = False) -> float:
+        """Bandwidth for a group of d devices; sizes not measured use the nearest larger (beyond: largest) size.
+        ``inter``: of a group that spans nodes (the ``inter_*`` tables; a profile without them: the same figure)."""
         table = (self.p2p_gbps or self.a2a_gbps) if ring else self.a2a_gbps
+        if inter:
+            a2a = self.inter_a2a_gbps or self.a2a_gbps
+            table = (self.inter_p2p_gbps or self.inter_a2a_gbps or table) if ring else a2a
         return _lookup(table, d)
 
-    def latency_ms(self, d: int, *, ring: bool = False) -> float:
+    def latency_ms(self, d: int, *, ring: bool = False, inter: bool = False) -> float:
         """Collective latency per micro-batch of a group of d devices (0 for d == 1 or empty tables).
 
         A degree not measured takes the nearest larger measured degree (latency grows with d, so this errs on the
-        slow side), beyond the table the largest measured one, as for the bandwidth tables.
+        slow side), beyond the table the largest measured one, as for the bandwidth tables. ``inter``: of a group
+        that spans nodes (the ``inter_*`` tables, each defaulting as the bandwidth tables do).
         """
         table = (self.p2p_latency_ms or self.a2a_latency_ms) if ring else self.a2a_latency_ms
+        if inter:
+            a2a = self.inter_a2a_latency_ms or self.a2a_latency_ms
+            table = (self.inter_p2p_latency_ms or self.inter_a2a_latency_ms or table) if ring else a2a
         if d <= 1 or not table:
             return 0.0
         return _lookup(table, d)
+
+    @property
+    def has_inter_tables(self) -> bool:
+        """Whether the profile prices a group that spans nodes differently from one inside a node."""
+        return any(getattr(self, t) for t in _DEGREE_TABLES if t.startswith("inter_"))
 
     def to_json(self) -> str:
         data = asdict(self)
@@ -242,6 +284,7 @@ BUILTIN_PROFILES: dict[str, Profile] = {
             num_heads=32,
             num_kv_heads=32,
             a2a_gbps=_A100_A2A_GBPS,
+            inter_a2a_gbps=_A100_INTER_A2A_GBPS,
         ),
         Profile(
             name="gpt-13b-a100",
@@ -255,6 +298,7 @@ BUILTIN_PROFILES: dict[str, Profile] = {
             num_heads=40,
             num_kv_heads=40,
             a2a_gbps=_A100_A2A_GBPS,
+            inter_a2a_gbps=_A100_INTER_A2A_GBPS,
         ),
         Profile(
             name="gpt-30b-a100",
@@ -268,6 +312,7 @@ BUILTIN_PROFILES: dict[str, Profile] = {
             num_heads=52,
             num_kv_heads=52,
             a2a_gbps=_A100_A2A_GBPS,
+            inter_a2a_gbps=_A100_INTER_A2A_GBPS,
         ),
     )
 }

@@ -110,12 +110,18 @@ def concatenated(profile: Profile, lengths, parts) -> Plan:
     from flexorch.solver.plan import Group, MicroBatch
 
     micro_batches = [
-        MicroBatch(tuple(Group(g.degree, g.kind, g.ranks, tuple(ids[j] for j in g.seq_ids)) for g in mb.groups))
+        MicroBatch(
+            tuple(
+                Group(g.degree, g.kind, g.ranks, tuple(ids[j] for j in g.seq_ids), g.ulysses_degree) for g in mb.groups
+            )
+        )
         for part, ids in parts
         for mb in part.micro_batches
     ]
-    n = parts[0][0].num_devices
-    return Plan.for_profile(num_devices=n, seq_lengths=lengths, micro_batches=micro_batches, profile=profile)
+    n, topology = parts[0][0].num_devices, parts[0][0].topology
+    return Plan.for_profile(
+        num_devices=n, seq_lengths=lengths, micro_batches=micro_batches, profile=profile, topology=topology
+    )
 
 
 def choose_modes(plan: Plan, profile: Profile) -> tuple[tuple[str, ...], ...]:
@@ -184,7 +190,7 @@ def recompute_bound(plan: Plan, bound: float, profile: Profile) -> float:
     return bound * ratios[fastest] if every else 0.0
 
 
-def mode_packing(planner, mode: str, lengths, n: int, due: float, idle=None) -> tuple[Plan | None, int]:
+def mode_packing(planner, mode: str, lengths, n: int, due: float, idle=None, topology=None) -> tuple[Plan | None, int]:
     """The MILP plan of ``planner`` (a ``solver.planner.Planner`` planning with full recompute's profile) packed for
     ``mode``'s activation bytes by ``due``, the documents too long for that in micro-batches of their own packed
     for full recompute's bytes first; None when every document is too long, or a solve ran out of time. Also the
@@ -204,7 +210,7 @@ def mode_packing(planner, mode: str, lengths, n: int, due: float, idle=None) -> 
             planner.profile = profile
             left = due - time.monotonic()  # the long documents (few) get a quarter of the time left
             until = due if ids is short else time.monotonic() + 0.25 * left
-            sp = planner.plan([lengths[i] for i in ids], n, deadline=until, idle=idle)
+            sp = planner.plan([lengths[i] for i in ids], n, deadline=until, idle=idle, topology=topology)
             crashes += sp.solver_crashes
             if sp.status == "fallback":
                 return None, crashes
@@ -230,7 +236,7 @@ def other_packings(planner, plan: Plan, lengths, n: int, due: float, idle=None, 
     for i, mode in enumerate(todo):
         until = time.monotonic() + (due - time.monotonic()) / (len(todo) - i)
         others[mode], more = (
-            mode_packing(planner, mode, lengths, n, until, idle)
+            mode_packing(planner, mode, lengths, n, until, idle, plan.topology)
             if until - time.monotonic() >= min_s
             else (None, 0)  # no time left to plan it
         )

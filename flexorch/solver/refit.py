@@ -8,19 +8,19 @@ high (b1 44 ms, a1 2.2e-4 ms/token^2 against 14 ms and 3.5e-5 fitted on the run'
 per (kind, degree) absorbed the error for SP groups, so static layouts of one degree were predicted within 7-9 %
 while adaptive plans, which mix degree-1 groups in, were off by 33 %.
 
-The fix is the run's own evidence: every trained step's record holds, per rank and micro-batch, how long it took.
-:class:`GroupWindow` keeps the most recent groups (a degree-1 group is pure compute; an SP group is compute plus its
-collectives), and :func:`refit_times` fits FlexSP's compute terms (arXiv 2412.01523, §4.1.2: ``b1 + a1 sum s^2 +
-a2 sum s``) on the degree-1 groups and each (kind, degree)'s latency and bandwidth on its groups
-(``solver.calibration.fit_group_comm``), keeping a term's old value when the window cannot identify it, and the
-whole refit only when it predicts the window's groups better than the profile in force *and* its steps at least as
-well. The steps are what the planner plans with: a step is predicted as the barrier schedule of its micro-batches
-(each as long as its slowest group, ``solver.simulator``) and measured as the slowest rank's compute (the record's
-``compute_ms``). Groups alone are not enough: on a 3-node HF run under hsdp a refit fitted on the window's many small
-groups lowered their median error from 8.5 % to 7.4 % and was kept, while the slow groups that set each micro-batch's
-length were priced 3-5x too fast, and every step for 26 steps was predicted at 238-296 ms against 800-1,460 ms
-measured. Only times change: memory (the activation bytes, the budget) is the calibrated one, so a plan's feasibility
-never depends on a refit.
+The fix is the run's own evidence: every trained step's record holds, per rank and micro-batch, how long it took
+(``solver.record_samples``). :class:`GroupWindow` keeps the most recent groups (a degree-1 group is pure compute; an
+SP group is compute plus its collectives), and :func:`refit_times` fits FlexSP's compute terms (arXiv 2412.01523,
+§4.1.2: ``b1 + a1 sum s^2 + a2 sum s``) on the degree-1 groups and each (kind, degree)'s latency and bandwidth on
+its groups (``solver.calibration.fit_group_comm``), keeping a term's old value when the window cannot identify it,
+and the whole refit only when it predicts the window's groups better than the profile in force *and* its steps at
+least as well. The steps are what the planner plans with: a step is predicted as the barrier schedule of its
+micro-batches (each as long as its slowest group, ``solver.simulator``) and measured as the slowest rank's compute
+(the record's ``compute_ms``). Groups alone are not enough: on a 3-node HF run under hsdp a refit fitted on the
+window's many small groups lowered their median error from 8.5 % to 7.4 % and was kept, while the slow groups that
+set each micro-batch's length were priced 3-5x too fast, and every step for 26 steps was predicted at 238-296 ms
+against 800-1,460 ms measured. Only times change: memory (the activation bytes, the budget) is the calibrated one,
+so a plan's feasibility never depends on a refit.
 """
 
 from __future__ import annotations
@@ -39,18 +39,10 @@ from flexorch.solver.calibration import (
 )
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile
-from flexorch.solver.simulator import span_ms
+from flexorch.solver.record_samples import StepSample
 from flexorch.solver.step_level import LEVEL_STEPS
 
-__all__ = [
-    "GroupWindow",
-    "RefitReport",
-    "StepSample",
-    "refit_times",
-    "samples_of_record",
-    "step_of_record",
-    "with_time_terms",
-]
+__all__ = ["GroupWindow", "RefitReport", "refit_times", "with_time_terms"]
 
 MIN_COMPUTE = 6
 """Degree-1 groups needed before the compute terms are refitted (two per unknown)."""
@@ -60,92 +52,13 @@ MIN_STEPS = 2
 """Steps needed before the step's fixed costs (``Profile.step_ms``) are refitted."""
 
 
-def _time_scales(record: dict, ratios: dict[str, float] | None) -> list[list[float]] | None:
-    """Per micro-batch, each group's time factor against full recompute: ``ratios[mode]`` for the mode the record ran
-    it in ('auto' recompute's ``recompute``; ``Profile.mode_time_ratios``); None without per-group modes."""
-    modes = record.get("recompute")
-    if not modes or not ratios:
-        return None
-    return [[ratios.get(m, 1.0) for m in row] for row in modes]
-
-
-def samples_of_record(record: dict, ratios: dict[str, float] | None = None) -> list[ComputeSample | GroupSample]:
-    """One sample per group of a trained SP step's record: its sequences, degree, kind and measured time (the slowest
-    of its ranks' ``micro_batch_ms``). Empty for pipelined, skipped and plan-only records, and for groups a lost rank
-    did not report. A group run without recompute or with selective recompute ('auto' recompute) counts as its time
-    divided by its mode's ratio in ``ratios``: what it would have taken with full recompute, the mode the time terms
-    describe."""
-    if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
-        return []
-    ranks = record.get("ranks") or []
-    scales = _time_scales(record, ratios)
-    out: list[ComputeSample | GroupSample] = []
-    for mi, mb in enumerate(record["plan"]["micro_batches"]):
-        for gi, g in enumerate(mb):
-            times = [ranks[r]["micro_batch_ms"][mi] if r < len(ranks) and ranks[r] else None for r in g["ranks"]]
-            if any(t is None or not t > 0 for t in times):
-                continue
-            lengths = tuple(int(s) for s in g["seq_lengths"])
-            ms = float(max(times)) / (1.0 if scales is None else scales[mi][gi])
-            if g["degree"] == 1:
-                out.append(ComputeSample(seq_lengths=lengths, ms=ms))
-            else:
-                out.append(GroupSample(seq_lengths=lengths, degree=g["degree"], kind=g["kind"], ms=ms))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class StepSample:
-    """One trained SP step as the planner sees it: per micro-batch, its groups as ``(seq_lengths, degree, kind)``;
-    ``ms`` the measured step (the record's ``measured_ms``: dispatch to the last outcome, what the console shows
-    beside the prediction), ``compute_ms`` its micro-batches (slowest rank, start to end of its micro-batches)."""
-
-    micro_batches: tuple[tuple[tuple[tuple[int, ...], int, str], ...], ...]
-    ms: float
-    compute_ms: float = 0.0
-    scales: tuple[tuple[float, ...], ...] = ()
-    """Per micro-batch, each group's time factor ('auto' recompute: its mode's time ratio); empty: 1 everywhere."""
-
-    def predict_ms(self, profile: Profile) -> float:
-        """The planner's prediction: micro-batches one after another, each as long as its slowest group, each group
-        in its recompute mode (``solver.simulator.span_ms``, the one price the planner and the records use), plus
-        the step's fixed costs (``profile.step_ms``): ``solver.simulator.step_time_ms`` of the plan that ran."""
-        total = 0.0
-        for mi, mb in enumerate(self.micro_batches):
-            lengths = np.fromiter((s for lens, _d, _k in mb for s in lens), dtype=np.int64)
-            groups, start = [], 0
-            for gi, (lens, d, kind) in enumerate(mb):
-                groups.append((range(start, start + len(lens)), d, kind, self.scales[mi][gi] if self.scales else 1.0))
-                start += len(lens)
-            total += span_ms(groups, lengths, profile)
-        return total + profile.step_ms
-
-
-def step_of_record(record: dict, ratios: dict[str, float] | None = None) -> StepSample | None:
-    """The step of a trained SP step's record, None for pipelined, skipped and plan-only records; a group run in a
-    mode other than full recompute is priced at ``ratios[mode]`` of its time with full recompute."""
-    if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
-        return None
-    ms, compute = record.get("measured_ms"), record.get("compute_ms")
-    if not all(isinstance(x, int | float) and x > 0 for x in (ms, compute)):
-        return None
-    mbs = tuple(
-        tuple((tuple(int(s) for s in g["seq_lengths"]), int(g["degree"]), str(g["kind"])) for g in mb)
-        for mb in record["plan"]["micro_batches"]
-    )
-    scales = _time_scales(record, ratios)
-    return StepSample(
-        micro_batches=mbs, ms=float(ms), compute_ms=float(compute), scales=tuple(map(tuple, scales or ()))
-    )
-
-
 class GroupWindow:
     """The most recent ``size`` samples of each group type (degree 1; each SP kind and degree) and the most recent
     ``steps`` steps they came from."""
 
     def __init__(self, size: int = 64, steps: int = 16) -> None:
         self.size = size
-        self._by_type: dict[tuple[str, int], deque] = {}
+        self._by_type: dict[tuple[str, int, bool], deque] = {}
         self._steps: deque[StepSample] = deque(maxlen=steps)
 
     def add(self, samples) -> None:
@@ -154,7 +67,7 @@ class GroupWindow:
             if isinstance(s, StepSample):
                 self._steps.append(s)
                 continue
-            key = ("compute", 1) if isinstance(s, ComputeSample) else (s.kind, s.degree)
+            key = ("compute", 1, False) if isinstance(s, ComputeSample) else (s.kind, s.degree, s.spans)
             self._by_type.setdefault(key, deque(maxlen=self.size)).append(s)
 
     def copy(self) -> GroupWindow:
@@ -168,9 +81,10 @@ class GroupWindow:
         return list(self._steps)
 
     def compute(self) -> list[ComputeSample]:
-        return list(self._by_type.get(("compute", 1), ()))
+        return list(self._by_type.get(("compute", 1, False), ()))
 
-    def groups(self) -> dict[tuple[str, int], list[GroupSample]]:
+    def groups(self) -> dict[tuple[str, int, bool], list[GroupSample]]:
+        """Each (kind, degree, spans nodes)'s samples."""
         return {k: list(v) for k, v in self._by_type.items() if k[0] != "compute"}
 
     def __len__(self) -> int:
@@ -188,7 +102,7 @@ class RefitReport:
     error_after: float
     accepted: bool
     refitted: tuple[str, ...]
-    """The terms refitted: 'compute' and/or '<kind>-<degree>'."""
+    """The terms refitted: 'compute' and/or '<kind>-<degree>' ('<kind>-<degree>-across': its groups across nodes)."""
     steps: int = 0
     step_error_before: float = 0.0
     step_error_after: float = 0.0
@@ -242,20 +156,41 @@ took 8 s)."""
 COMM_GRID = 61
 
 
-def _pinned(profile: Profile, degrees) -> Profile:
+def _pinned(profile: Profile, degrees, inter: bool = False) -> Profile:
     """``profile`` with its collective tables written out for every power-of-two degree up to the largest it or
     ``degrees`` has: a ring group reads the all-to-all tables where its own are empty, and a degree not in a table
-    the nearest larger one, so refitting one (kind, degree) would otherwise move the price of others it never saw."""
-    top = max([*degrees, *(d for t in ("a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
-                           for d in getattr(profile, t))])  # fmt: skip
+    the nearest larger one, so refitting one (kind, degree) would otherwise move the price of others it never saw.
+    The inter-node tables too when ``inter`` (a group across nodes is refitted) or the profile has them: an empty
+    inter table reads the intra one, which a refit of a group inside a node would otherwise move."""
+    top = max([*degrees, *(d for t in _TABLES for d in getattr(profile, t))])
     ds = [2**i for i in range(1, top.bit_length())]
-    return dataclasses.replace(
-        profile,
-        a2a_gbps={d: profile.bandwidth_gbps(d) for d in ds},
-        p2p_gbps={d: profile.bandwidth_gbps(d, ring=True) for d in ds},
-        a2a_latency_ms={d: profile.latency_ms(d) for d in ds},
-        p2p_latency_ms={d: profile.latency_ms(d, ring=True) for d in ds},
-    )
+    tables = {
+        "a2a_gbps": {d: profile.bandwidth_gbps(d) for d in ds},
+        "p2p_gbps": {d: profile.bandwidth_gbps(d, ring=True) for d in ds},
+        "a2a_latency_ms": {d: profile.latency_ms(d) for d in ds},
+        "p2p_latency_ms": {d: profile.latency_ms(d, ring=True) for d in ds},
+    }
+    if inter or profile.has_inter_tables:
+        tables |= {
+            "inter_a2a_gbps": {d: profile.bandwidth_gbps(d, inter=True) for d in ds},
+            "inter_p2p_gbps": {d: profile.bandwidth_gbps(d, ring=True, inter=True) for d in ds},
+            "inter_a2a_latency_ms": {d: profile.latency_ms(d, inter=True) for d in ds},
+            "inter_p2p_latency_ms": {d: profile.latency_ms(d, ring=True, inter=True) for d in ds},
+        }
+    return dataclasses.replace(profile, **tables)
+
+
+_TABLES = (
+    "a2a_gbps",
+    "p2p_gbps",
+    "a2a_latency_ms",
+    "p2p_latency_ms",
+    "inter_a2a_gbps",
+    "inter_p2p_gbps",
+    "inter_a2a_latency_ms",
+    "inter_p2p_latency_ms",
+)
+"""The collective tables (per degree): bandwidths (GB/s) and latencies (ms), inside a node and across nodes."""
 
 
 def _times_scaled(profile: Profile, k: float) -> Profile:
@@ -263,10 +198,7 @@ def _times_scaled(profile: Profile, k: float) -> Profile:
     (a ring's exposed transfer, max(transfer - compute, 0), scales with both)."""
     return dataclasses.replace(
         _scaled(profile, k),
-        a2a_gbps={d: v / k for d, v in profile.a2a_gbps.items()},
-        p2p_gbps={d: v / k for d, v in profile.p2p_gbps.items()},
-        a2a_latency_ms={d: v * k for d, v in profile.a2a_latency_ms.items()},
-        p2p_latency_ms={d: v * k for d, v in profile.p2p_latency_ms.items()},
+        **{t: {d: v / k if t.endswith("gbps") else v * k for d, v in getattr(profile, t).items()} for t in _TABLES},
     )
 
 
@@ -287,13 +219,13 @@ def _leveled(profile: Profile, steps: list[StepSample]) -> Profile:
 
 def _with_comm(profile: Profile, groups: dict) -> Profile:
     if groups:
-        profile = _pinned(profile, [d for _, d in groups])
-    for (kind, degree), samples in sorted(groups.items()):
-        profile, _err = fit_group_comm(profile, samples[-COMM_SAMPLES:], kind, degree, grid=COMM_GRID)
+        profile = _pinned(profile, [d for _, d, _ in groups], inter=any(spans for _, _, spans in groups))
+    for (kind, degree, spans), samples in sorted(groups.items()):
+        profile, _err = fit_group_comm(profile, samples[-COMM_SAMPLES:], kind, degree, grid=COMM_GRID, spans=spans)
     return profile
 
 
-TIME_TERMS = ("a1_ms", "a2_ms", "b1_ms", "step_ms", "a2a_gbps", "p2p_gbps", "a2a_latency_ms", "p2p_latency_ms")
+TIME_TERMS = ("a1_ms", "a2_ms", "b1_ms", "step_ms", *_TABLES)
 """The fields a refit changes (and a roll-back restores); memory and recompute terms are never refitted."""
 
 
@@ -382,5 +314,5 @@ def _refit_groups(profile: Profile, new: Profile, groups: dict, refitted: list[s
             refitted.append("compute-scale")
     else:
         new = _with_comm(new, fit)
-    refitted += [f"{kind}-{degree}" for kind, degree in sorted(fit)]
+    refitted += [f"{kind}-{degree}{'-across' if spans else ''}" for kind, degree, spans in sorted(fit)]
     return new

@@ -44,20 +44,24 @@ def _mode_scales(plan: Plan, profile: Profile):
 
 def span_ms(groups, lengths: np.ndarray, profile: Profile) -> float:
     """How long one micro-batch takes: its slowest group. ``groups``: ``(seq_ids, degree, kind, scale)`` per group,
-    ``seq_ids`` indexing ``lengths``, ``scale`` its recompute mode's time factor (1.0 for full recompute). Each group
-    is ``group_time_ms`` (its overhead plus its sequences' times), computed per (degree, kind) at once: the groups of
-    one type share their overhead, and their sequence times are one vectorised call. The one price of a micro-batch:
-    the planner's plans, the records' ``predicted_ms`` and the refit's verdict all come from here."""
-    by_type: dict[tuple[int, str], list] = {}
-    for ids, d, kind, scale in groups:
-        by_type.setdefault((d, kind), []).append((ids, scale))
+    or ``(seq_ids, degree, kind, scale, placement)`` with the cost model's placement keywords (``Plan.placement``:
+    whether the group spans nodes, a hybrid group's Ulysses degree), ``seq_ids`` indexing ``lengths``, ``scale``
+    its recompute mode's time factor (1.0 for full recompute). Each group is ``group_time_ms`` (its overhead plus
+    its sequences' times), computed per (degree, kind, placement) at once: the groups of one type share their
+    overhead, and their sequence times are one vectorised call. The one price of a micro-batch: the planner's plans,
+    the records' ``predicted_ms`` and the refit's verdict all come from here."""
+    by_type: dict[tuple, list] = {}
+    for ids, d, kind, scale, *place in groups:
+        key = (d, kind, tuple(sorted(place[0].items())) if place else ())
+        by_type.setdefault(key, []).append((ids, scale))
     worst = 0.0
-    for (d, kind), members in by_type.items():
+    for (d, kind, place), members in by_type.items():
+        kw = dict(place)
         sizes = np.fromiter((len(ids) for ids, _ in members), dtype=np.int64, count=len(members))
         ids = np.fromiter(itertools.chain.from_iterable(i for i, _ in members), dtype=np.int64, count=int(sizes.sum()))
-        times = seq_times_ms(lengths[ids], d, kind, profile)
+        times = seq_times_ms(lengths[ids], d, kind, profile, **kw)
         sums = np.add.reduceat(times, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
-        spans = (group_overhead_ms(d, kind, profile) + sums) * np.fromiter((s for _, s in members), dtype=float)
+        spans = (group_overhead_ms(d, kind, profile, **kw) + sums) * np.fromiter((s for _, s in members), dtype=float)
         worst = max(worst, float(spans.max()))
     return worst
 
@@ -71,7 +75,11 @@ def micro_batch_times_ms(plan: Plan, profile: Profile) -> list[float]:
     for mi, mb in enumerate(plan.micro_batches):
         row = [1.0] * len(mb.groups) if scales is None else scales[mi]
         out.append(
-            span_ms([(g.seq_ids, g.degree, g.kind, x) for g, x in zip(mb.groups, row, strict=True)], lengths, profile)
+            span_ms(
+                [(g.seq_ids, g.degree, g.kind, x, plan.placement(g)) for g, x in zip(mb.groups, row, strict=True)],
+                lengths,
+                profile,
+            )
         )
     return out
 
@@ -90,7 +98,7 @@ def group_timings(plan: Plan, profile: Profile) -> list[GroupTiming]:
     for mi, mb in enumerate(plan.micro_batches):
         span = 0.0
         for gi, g in enumerate(mb.groups):
-            t = group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile)
+            t = group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile, **plan.placement(g))
             t *= 1.0 if scales is None else scales[mi][gi]
             out.append(GroupTiming(mi, gi, g.degree, g.kind, g.ranks[0], start, t))
             span = max(span, t)
@@ -106,8 +114,8 @@ def comm_share(plan: Plan, profile: Profile) -> float:
         times = []
         for g in mb.groups:
             lengths = [plan.seq_lengths[i] for i in g.seq_ids]
-            times.append((group_time_ms(lengths, g.degree, g.kind, profile), lengths, g))
+            times.append((group_time_ms(lengths, g.degree, g.kind, profile, **plan.placement(g)), lengths, g))
         t, lengths, g = max(times, key=lambda x: x[0])
         total += t
-        comm += group_comm_ms(lengths, g.degree, g.kind, profile)
+        comm += group_comm_ms(lengths, g.degree, g.kind, profile, **plan.placement(g))
     return comm / total if total > 0 else 0.0

@@ -59,6 +59,8 @@ class SplitSolver:
             ilp_time_limit_s=cfg.ilp_time_limit_s,
             solver=cfg.solver,
         )
+        if step.capacity:  # a topology's node-capacity rows (``solver.placement``); none: no rows
+            kw["capacity"] = step.capacity
         st = _SplitRun(split, lower_bounds, starts, step.types, step.table, step.lengths, kw, deadline, wait_until, run)
         st.out = [None] * len(split)
         pending = []

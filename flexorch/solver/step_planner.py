@@ -207,9 +207,11 @@ class StepPlanner:
         adapter_ranks=None,
         task_method: str = "spindle",
         task_barrier: bool = False,
+        topology=None,
     ) -> PlannedStep:
         """Plan one batch within ``time_limit_s`` (default ``config.time_limit_s``) of wall time, everything included
         (the MILP planner, the BatchAda floor, the baselines' predictions); the answer says the budget it had.
+        ``topology`` (``solver.topology.Topology``): SP groups placed and priced by node (None: one node).
 
         ``task_of`` (each sequence's task 0..T-1) makes it a step of several tasks, ``adapter_ranks[t]`` task t's
         LoRA rank: planned by ``task_method`` ('spindle', 'in_turn' or 'fixed_split'; see
@@ -222,12 +224,12 @@ class StepPlanner:
             check_task_mode(self.static, self.pipeline_stages)
             tasks = (task_of, adapter_ranks, task_method, task_barrier)
         return dataclasses.replace(
-            self._plan(lengths, num_devices, with_baselines, limit, tasks),
+            self._plan(lengths, num_devices, with_baselines, limit, tasks, topology),
             budget_s=limit,
             profile_revision=self.profile.revision,
         )
 
-    def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float, tasks=None) -> PlannedStep:
+    def _plan(self, lengths, num_devices: int, with_baselines: bool, limit: float, tasks=None, topology=None):
         """Several tasks, a pipeline, adaptive SP groups or a static layout, by ``limit`` seconds from now."""
         self._calls += 1
         for probe in self._probes:
@@ -243,8 +245,8 @@ class StepPlanner:
             if self.pipeline_stages != 1:
                 return self._plan_pipeline(lengths, num_devices, t0, limit)
             if self.static is None:
-                return self._plan_adaptive(lengths, num_devices, limit, start, deadline, t0, used)
-            return self._plan_static(lengths, num_devices, with_baselines, deadline, t0)
+                return self._plan_adaptive(lengths, num_devices, limit, start, deadline, t0, used, topology)
+            return self._plan_static(lengths, num_devices, with_baselines, deadline, t0, topology)
         except PlanningError as e:
             return PlannedStep(
                 None,
@@ -254,10 +256,11 @@ class StepPlanner:
                 solver_crashes=used["crashes"],
             )
 
-    def _plan_adaptive(self, lengths, num_devices: int, limit: float, start: float, deadline: float, t0, used):
+    def _plan_adaptive(self, lengths, num_devices: int, limit: float, start, deadline, t0, used, topology=None):
         """Adaptive SP groups (:func:`flexorch.solver.adaptive_step.plan_adaptive`), the baselines' time measured."""
         try:
-            got = plan_adaptive(self._planner, lengths, num_devices, limit, start, deadline, self._baselines_s, used)
+            got = plan_adaptive(self._planner, lengths, num_devices, limit, start, deadline, self._baselines_s, used,
+                                topology)  # fmt: skip
         finally:  # what the baselines took, kept also where the plan then failed
             self._baselines_s = used.get("baselines_s", self._baselines_s)
         return PlannedStep(
@@ -272,10 +275,10 @@ class StepPlanner:
             solver_crashes=used["crashes"],
         )
 
-    def _plan_static(self, lengths, num_devices: int, with_baselines: bool, deadline: float, t0) -> PlannedStep:
+    def _plan_static(self, lengths, num_devices: int, with_baselines: bool, deadline: float, t0, topology=None):
         """The forced static layout (``static``), with the baselines' predicted times."""
         kind, d = self.static
-        plan = static_plan(lengths, num_devices, self.profile, d, kind, deadline=deadline)
+        plan = static_plan(lengths, num_devices, self.profile, d, kind, deadline=deadline, topology=topology)
         if plan is None:
             raise InfeasibleBatchError(
                 f"the static layout {kind} x{d} cannot run this batch on {num_devices} workers (a document "
@@ -283,7 +286,8 @@ class StepPlanner:
             )
         plan = with_chosen_modes(plan, self.profile)
         predicted, bound, status = step_time_ms(plan, self.profile), 0.0, f"static-{kind}-{d}"
-        baselines = baseline_times_ms(lengths, num_devices, self.profile, deadline=deadline) if with_baselines else {}
+        kw = {"deadline": deadline, "topology": topology}
+        baselines = baseline_times_ms(lengths, num_devices, self.profile, **kw) if with_baselines else {}
         return PlannedStep(plan, predicted, bound, time.perf_counter() - t0, status, baselines)
 
     def _plan_tasks(
@@ -359,6 +363,7 @@ def heuristic_plan(
     task_of=None,
     adapter_ranks=None,
     task_method: str = "spindle",
+    topology=None,
 ) -> PlannedStep:
     """Without a MILP: the BatchAda plan (or the forced static layout, or a fully checkpointed pipeline), for when
     the planner actor is stuck. With ``task_of`` (several tasks): ``plan_task_step`` with BatchAda per part."""
@@ -385,9 +390,9 @@ def heuristic_plan(
             return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
         return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, "fallback", {})
     if static is None:
-        plan = baseline_plans(lengths, num_devices, profile)["batchada"]
+        plan = baseline_plans(lengths, num_devices, profile, topology=topology)["batchada"]
     else:
-        plan = static_plan(lengths, num_devices, profile, static[1], static[0])
+        plan = static_plan(lengths, num_devices, profile, static[1], static[0], topology=topology)
     if plan is None:
         error = f"no heuristic plan fits this batch on {num_devices} workers (the planner timed out)"
         return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error)

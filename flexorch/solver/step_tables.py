@@ -13,6 +13,7 @@ from flexorch.solver.bounds import area_and_min_time
 from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.halves import light_fill, plan_rounds, tier_devices
 from flexorch.solver.packing import best_homogeneous_draft, group_types, time_table, type_caps, type_overheads
+from flexorch.solver.placement import capacity_rows
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.round_bounds import best_round_split, slowest_fronts
@@ -41,6 +42,10 @@ class StepTables:
     deg: np.ndarray
     slowest: tuple
     """The slowest sequences' rounds (``solver.round_bounds.slowest_fronts``): for the bound and the splits."""
+    topology: object = None
+    """The nodes (``solver.topology.Topology``) the groups are placed on and priced by; None: one node."""
+    capacity: tuple = ()
+    """The MILP's node-capacity rows (``solver.placement.capacity_rows``); empty without a topology."""
 
     @property
     def packing(self) -> tuple:
@@ -53,10 +58,12 @@ class StepTables:
         return [best_homogeneous_draft(c, t, table, lengths, n, caps_t, overheads, deadline=deadline) for c in split]
 
 
-def step_tables(lengths, n: int, prof: Profile, cfg: PlannerConfig) -> StepTables:
-    """The step's group types and time tables; raises InfeasibleBatchError when a sequence fits no group."""
+def step_tables(lengths, n: int, prof: Profile, cfg: PlannerConfig, topology=None) -> StepTables:
+    """The step's group types and time tables; raises InfeasibleBatchError when a sequence fits no group. With a
+    ``topology`` the types are priced by where they will lie (``packing.group_types``) and the MILP gets the node
+    capacity rows that keep them there (``solver.placement``)."""
     cap = prof.tokens_per_device
-    types = group_types(n, prof, cfg.kinds)
+    types = group_types(n, prof, cfg.kinds, topology, cfg.hybrid)
     caps_t = type_caps(types, prof)
     table = time_table(lengths, types, prof)
     overheads = type_overheads(types, prof)
@@ -69,7 +76,8 @@ def step_tables(lengths, n: int, prof: Profile, cfg: PlannerConfig) -> StepTable
         )
     deg = np.array([t.degree for t in types], dtype=np.float64)
     slowest = slowest_fronts(table, deg, lengths, n, cap)
-    return StepTables(lengths, n, cap, types, caps_t, table, overheads, area, wall, deg, slowest)
+    rows = capacity_rows([t.degree for t in types], [t.spans for t in types], topology)
+    return StepTables(lengths, n, cap, types, caps_t, table, overheads, area, wall, deg, slowest, topology, rows)
 
 
 def split_tiers(step: StepTables, cfg: PlannerConfig) -> tuple:

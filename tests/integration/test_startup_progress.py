@@ -215,7 +215,7 @@ class _ProbeGroup:
 
 
 def test_calibration_publishes_its_phases(tmp_path, monkeypatch):
-    from flexorch.control import calibration
+    from flexorch.control import calibration_probes
     from flexorch.control.calibration import calibrate
     from tests.train_helpers import train_config
 
@@ -227,7 +227,7 @@ def test_calibration_publishes_its_phases(tmp_path, monkeypatch):
     assert said[1].startswith("calibrating: probes done after"), said
     assert np.isfinite(report["median_rel_error"]) and profile.a2_ms > 0
     events.clear()
-    monkeypatch.setattr(calibration, "PROGRESS_EVERY_S", 0.0)  # a slow machine: progress at every probe
+    monkeypatch.setattr(calibration_probes, "PROGRESS_EVERY_S", 0.0)  # a slow machine: progress at every probe
     calibrate(_ProbeGroup(), cfg, repeats=1, publish=events.append)
     said = messages(events)
     n = len(report["probes"])
@@ -236,7 +236,7 @@ def test_calibration_publishes_its_phases(tmp_path, monkeypatch):
 
 
 def test_calibration_probes_stay_within_the_longest_document_the_data_holds():
-    from flexorch.control.calibration import calibration_probes
+    from flexorch.control.calibration_probes import calibration_probes
 
     compute, groups = calibration_probes(4096, 4, ("ulysses", "ring"), max_context=512)
     uncapped = calibration_probes(4096, 4, ("ulysses", "ring"))[1]
@@ -251,7 +251,7 @@ def test_calibration_probes_stay_within_the_longest_document_the_data_holds():
 def test_calibration_probes_are_cut_to_a_bounded_run_and_the_fit_still_holds(tmp_path, monkeypatch):
     # a device-sized budget (an H200's ~870K tokens at full recompute) made packed probes of 435K tokens, 100 s each;
     # each probe is now cut to its share of PROBES_S a run, predicted from the largest probe of its degree so far
-    from flexorch.control import calibration
+    from flexorch.control import calibration_probes
     from flexorch.data.corpus import CorpusConfig
     from tests.train_helpers import train_config
 
@@ -261,8 +261,8 @@ def test_calibration_probes_are_cut_to_a_bounded_run_and_the_fit_still_holds(tmp
     )
     _, whole = calibrate_report(cfg)
     # every probe runs twice here: 50 ms a run; the fake's 4096-token document takes ~172 ms
-    monkeypatch.setattr(calibration, "PROBES_S", 0.05 * 2 * len(whole["probes"]))
-    monkeypatch.setattr(calibration, "MIN_RUN_S", 0.01)
+    monkeypatch.setattr(calibration_probes, "PROBES_S", 0.05 * 2 * len(whole["probes"]))
+    monkeypatch.setattr(calibration_probes, "MIN_RUN_S", 0.01)
     profile, cut = calibrate_report(cfg)
     largest = max(sum(p["seq_lengths"]) for p in whole["probes"])
     assert max(sum(p["seq_lengths"]) for p in cut["probes"]) < largest / 2
@@ -284,7 +284,8 @@ def calibrate_report(cfg):
 
 
 def test_a_calibration_probe_that_outlasts_the_call_limit_is_a_clear_error(tmp_path):
-    from flexorch.control.calibration import CalibrationTimeoutError, calibrate, calibration_probes
+    from flexorch.control.calibration import calibrate
+    from flexorch.control.calibration_probes import CalibrationTimeoutError, calibration_probes
     from flexorch.control.membership import Failure
     from tests.train_helpers import train_config
 

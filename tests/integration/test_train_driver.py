@@ -106,7 +106,7 @@ def test_flexorch_profile_calibrates_on_the_workers(env, tmp_path):
     import io
 
     from flexorch.cli.train import run_profile
-    from flexorch.control.calibration import calibration_probes
+    from flexorch.control.calibration_probes import calibration_probes
     from flexorch.solver.profiles import get_profile
 
     root, corpus_dir, profile, _ = env

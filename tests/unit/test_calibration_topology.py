@@ -1,7 +1,7 @@
 """Calibration on several nodes: probe groups inside a node and across node boundaries
 (``flexorch.workers.calibrate.group_starts``), laid out by the driver from the worker group's nodes
-(``flexorch.control.calibration``), fitted into the profile's intra and ``inter_*`` tables. One node: the probes and
-the profile are those of before."""
+(``flexorch.control.calibration_probes``), fitted by ``flexorch.control.calibration`` into the profile's intra and
+``inter_*`` tables. One node: the probes and the profile are those of before."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import re
 import pytest
 import torch
 
-from flexorch.control.calibration import _profile_dims, calibrate, calibration_probes, calibration_topology
+from flexorch.control.calibration import _profile_dims, calibrate
+from flexorch.control.calibration_probes import calibration_probes, calibration_topology
 from flexorch.data.corpus import CorpusConfig
 from flexorch.solver.cost_model import group_time_ms
 from flexorch.solver.profiles import Profile

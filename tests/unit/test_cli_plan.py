@@ -350,3 +350,24 @@ def test_pipeline_stages_from_a_config_file_and_1_means_sp(tmp_path, capsys):
     assert code == 0, err
     (rec,) = [validate_record(json.loads(line)) for line in out.splitlines()]
     assert rec["pipeline"] is None and rec["plan"]["num_devices"] == 8
+
+
+def test_gpus_per_node_plans_on_nodes_and_blind_compares(tmp_path, capsys):
+    args = ["plan", "--workers", "23", "--gpus-per-node", "8", "--batch", "48", "--steps", "1", "--time-limit", "0.4"]
+    code, out, _ = _run([*args, "--json"], capsys)
+    assert code == 0
+    (rec,) = [json.loads(line) for line in out.strip().splitlines()]
+    assert validate_record(rec) is rec and rec["plan"]["topology"] == {"node_sizes": [8, 8, 7]}
+    bounds = [0, 8, 16, 23]
+    for mb in rec["plan"]["micro_batches"]:
+        for g in mb:
+            if g["degree"] <= 2:  # two nodes hold any set of groups of 1 and 2: none crosses a boundary
+                assert not any(g["ranks"][0] < b <= g["ranks"][-1] for b in bounds)
+    svg = tmp_path / "p.svg"
+    code, out, _ = _run(["plan", "--nodes", "8,7,8", "--topology", "blind", "--batch", "48", "--steps", "1",
+                         "--time-limit", "0.4", "--svg", str(svg)], capsys)  # fmt: skip
+    assert code == 0 and "3 nodes: 8, 7, 8 (blind)" in out and 'class="node"' in svg.read_text()
+    code, _, err = _run(["plan", "--nodes", "8,x", "--steps", "1"], capsys)
+    assert code == 2 and "--nodes" in err
+    code, _, err = _run(["plan", "--nodes", "8,8", "--workers", "12", "--steps", "1"], capsys)
+    assert code == 2 and "--workers is 12" in err

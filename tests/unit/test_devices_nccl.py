@@ -254,6 +254,7 @@ def _bare_worker(device=None):
 
     w = ReplicatedWorker.__new__(ReplicatedWorker)  # no model: only the world-handling state
     w.worker_id, w.device, w.registry, w._store = 5, device, None, None
+    w.binding = None
     return w
 
 
@@ -261,6 +262,8 @@ def test_worker_passes_its_device_and_backend_to_the_registry(monkeypatch):
     from flexorch.workers import actor
 
     monkeypatch.setattr(actor, "ProcessGroupRegistry", RecordingRegistry)
+    checked = []  # the reachability check (tests/unit/test_network.py) needs the peer this test has not
+    monkeypatch.setattr(actor, "check_reachable", lambda store, rank, n, epoch, binding, t: checked.append(rank) or 0.0)
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
     w = _bare_worker(CUDA0)
     w._join("127.0.0.1", master.port, 1, 2, 3, 9.0)
@@ -270,6 +273,7 @@ def test_worker_passes_its_device_and_backend_to_the_registry(monkeypatch):
     w = _bare_worker(None)
     w._join("127.0.0.1", master.port, 0, 2, 3, 9.0)
     assert w.registry.kwargs["device"] is None and w.registry.kwargs["backend"] == "gloo"
+    assert checked == [1, 0]  # every join checks its world's pairs before it forms
 
 
 def test_a_failed_step_leaves_the_world_by_aborting_it():

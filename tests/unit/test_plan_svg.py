@@ -4,6 +4,7 @@ the dashboards' SVG pictures share. Pure and fast."""
 
 from __future__ import annotations
 
+import dataclasses
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -84,3 +85,19 @@ def test_one_palette_for_every_picture():
     assert [task_colour(t) for t in range(len(PALETTE))] == list(PALETTE)
     assert len({task_colour(t) for t in range(40)}) == 40
     assert not hasattr(multitask_svg, "_PALETTE")  # no second copy
+
+
+def test_node_boundaries_are_drawn_for_a_plan_on_nodes():
+    from flexorch.solver.planner import Planner, PlannerConfig
+    from flexorch.solver.topology import Topology
+
+    profile = get_profile("gpt-7b-a100")
+    topo = Topology((8, 8, 7), ("gpu-a", "gpu-b", "gpu-c"))
+    with Planner(profile, PlannerConfig(time_limit_s=0.3, isolate=False)) as planner:
+        plan = planner.plan([300, 4096, 60_000, 80, 2048, 9000], 23, topology=topo).plan
+    svg = render_svg(plan, profile)
+    root = ET.fromstring(svg)
+    lines = [e for e in root.iter("{http://www.w3.org/2000/svg}line") if e.get("class") == "node"]
+    assert len(lines) == 2  # between nodes 0/1 and 1/2
+    assert "gpu-c (7)" in svg
+    assert 'class="node"' not in render_svg(dataclasses.replace(plan, topology=None), profile)

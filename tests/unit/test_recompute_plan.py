@@ -20,7 +20,7 @@ from flexorch.solver.recompute import (
     too_long_without_recompute,
     with_modes,
 )
-from flexorch.solver.refit import samples_of_record, step_of_record
+from flexorch.solver.record_samples import samples_of_record, step_of_record
 from flexorch.solver.simulator import group_timings, step_time_ms
 from flexorch.solver.step_planner import StepPlanner, heuristic_plan, planner_profile
 from tests.solver_helpers import TINY

@@ -13,7 +13,8 @@ from flexorch.config import ConfigError, PlanSettings
 from flexorch.solver.calibration import ComputeSample, GroupSample, predict_ms
 from flexorch.solver.cost_model import group_time_ms
 from flexorch.solver.profiles import get_profile
-from flexorch.solver.refit import GroupWindow, StepSample, refit_times, samples_of_record, step_of_record
+from flexorch.solver.record_samples import StepSample, samples_of_record, step_of_record
+from flexorch.solver.refit import GroupWindow, refit_times
 from tests.train_helpers import cpu_profile
 
 

@@ -11,7 +11,8 @@ from flexorch.control import refitting
 from flexorch.control.refitting import TRIAL_STEPS, RunRefit
 from flexorch.solver.cost_model import group_time_ms
 from flexorch.solver.profiles import get_profile
-from flexorch.solver.refit import RefitReport, step_of_record
+from flexorch.solver.record_samples import step_of_record
+from flexorch.solver.refit import RefitReport
 from flexorch.solver.step_level import step_level
 from tests.paths import DATA
 from tests.train_helpers import cpu_profile

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from flexorch.solver.profiles import load_profile, profile_from_dict
-from flexorch.solver.refit import step_of_record
+from flexorch.solver.record_samples import step_of_record
 from flexorch.solver.step_level import LEVEL_ALPHA, LEVEL_BOUNDS, LEVEL_STEPS, step_level
 from tests.paths import DATA, REPO
 

@@ -153,6 +153,7 @@ def test_a_group_runs_one_task_and_the_loss_scales_weigh_each_task_by_its_own_ta
         class G:
             def __init__(self, ranks, seq_ids):
                 self.ranks, self.seq_ids, self.kind, self.degree = ranks, seq_ids, "ulysses", len(ranks)
+                self.ulysses_degree = None
 
         class MB:
             def __init__(self, groups):
