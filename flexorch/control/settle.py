@@ -18,7 +18,7 @@ from pathlib import Path
 import ray
 
 from flexorch.control.membership import Failure
-from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError
+from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError, WorldUnreachableError
 
 __all__ = ["MembershipFailure", "Settling", "WorkerGroupError"]
 
@@ -60,7 +60,10 @@ class MembershipFailure(WorkerGroupError):
             parts.append(f"workers {sorted(failure.timed_out)} did not finish{limit} and were killed")
         if failure.peer_errors:
             parts.append(f"workers {sorted(failure.peer_errors)} left the broken world")
-        parts += [f"worker {w}: {m}" for w, m in failure.errors]
+        said: dict[str, list[int]] = {}  # the same error from several workers (a world that cannot connect) once
+        for w, m in failure.errors:
+            said.setdefault(m, []).append(w)
+        parts += [f"worker {ws[0]}: {m}" if len(ws) == 1 else f"workers {sorted(ws)}: {m}" for m, ws in said.items()]
         super().__init__(f"could not {what}: {'; '.join(parts)}")
 
 
@@ -191,8 +194,8 @@ class Settling:
             elif isinstance(cause, StepOutOfMemoryError):  # not final: re-planned with less memory
                 w.oom.add(wid)
                 w.oom_messages.append((wid, str(cause).splitlines()[0][:300]))
-            else:
-                first = str(cause).splitlines()[0][:500]
+            else:  # a setup error says what to do at its end: kept whole
+                first = str(cause).splitlines()[0][: None if isinstance(cause, WorldUnreachableError) else 500]
                 w.errors.append((wid, f"{type(cause).__name__}: {first}{_where(cause)}"))
         return False
 
