@@ -255,13 +255,24 @@ def task_view(rec: dict, groups: list[dict] | None = None) -> dict | None:
     return {"tasks": tasks, "multitask": _multitask_view(rec, names), "task_note": note}
 
 
+def _rank_nodes(rec: dict) -> list[str] | None:
+    """Each rank's node (the record's ``nodes``, or the plan's topology for a plan record), None where the ranks are
+    on one node or it is not known: the page draws a boundary between consecutive ranks on different nodes."""
+    nodes = rec.get("nodes")
+    topology = (rec.get("plan") or {}).get("topology")
+    if nodes is None and topology is not None:
+        names = topology.get("node_names") or [f"node {i}" for i in range(len(topology["node_sizes"]))]
+        nodes = [name for name, size in zip(names, topology["node_sizes"], strict=True) for _ in range(size)]
+    return nodes if nodes and len(set(nodes)) > 1 else None
+
+
 def step_view(rec: dict) -> dict:
     """One validated record as the page draws it (the record's summary fields plus ``groups`` for SP steps, or
     ``pipeline`` (:func:`pipeline_view`; null for SP steps) for pipelined ones). ``tasks``, ``multitask`` and
     ``task_note`` are :func:`task_view`'s (all null for a record without tasks), and each group's ``task`` the index
     of the task it ran (null without tasks, or where that cannot be told); with 'auto' recompute each group's
     ``recompute`` is the mode it ran in ('none', 'selective', 'full'; null otherwise) and ``recompute_packing`` the
-    planner's packings (the record's)."""
+    planner's packings (the record's). ``nodes``: each rank's node where the ranks lie on several (else null)."""
     groups = []
     of = seq_tasks(rec)
     modes = rec.get("recompute")  # 'auto' recompute: each group's mode, per micro-batch
@@ -301,6 +312,7 @@ def step_view(rec: dict) -> dict:
     view["longest"] = max(rec["seq_lengths"], default=0)
     view["micro_batches"] = len(rec["plan"]["micro_batches"]) if rec["plan"] else 0
     view["groups"] = groups
+    view["nodes"] = _rank_nodes(rec)
     view["pipeline"] = pipeline_view(rec) if rec.get("pipeline") is not None else None
     view.update(task_view(rec, groups) or {"tasks": None, "multitask": None, "task_note": None})
     return view

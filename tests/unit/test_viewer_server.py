@@ -68,6 +68,17 @@ def test_measured_group_time_is_its_slowest_member():
     assert g["measured_ms"] == max(times)
 
 
+def test_the_view_names_each_ranks_node_where_the_ranks_lie_on_several():
+    rec = json.loads((RECORDED / "steps.jsonl").read_text().splitlines()[0])
+    assert step_view(rec)["nodes"] is None  # one node (a record from before nodes were recorded): no boundary
+    n = rec["world_size"]
+    rec["nodes"] = ["10.0.0.1"] * (n // 2) + ["10.0.0.2"] * (n - n // 2)
+    assert step_view(rec)["nodes"] == rec["nodes"]
+    del rec["nodes"]
+    rec["plan"]["topology"] = {"node_sizes": [n - 1, 1]}  # a plan record: the plan's topology
+    assert step_view(rec)["nodes"] == ["node 0"] * (n - 1) + ["node 1"]
+
+
 def test_malformed_line_keeps_the_good_records_and_names_it(tmp_path):
     lines = (RECORDED / "steps.jsonl").read_text().splitlines()
     bad = json.loads(lines[1])

@@ -123,6 +123,23 @@ function microBatchLines(view, which) {
   }));
 }
 
+function nodeLines(view) {  // a boundary between consecutive ranks on different nodes, named by the node below it
+  const nodes = view.nodes;
+  if (!Array.isArray(nodes)) return { shapes: [], annotations: [] };
+  const shapes = [], annotations = [];
+  for (let r = 0; r < nodes.length; r++) {
+    if (r > 0 && nodes[r] !== nodes[r - 1]) {
+      shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, y0: r - 0.5, y1: r - 0.5,
+        line: { color: "#c0392b", width: 1.5 } });
+    }
+    if (r === 0 || nodes[r] !== nodes[r - 1]) {
+      annotations.push({ xref: "paper", x: 1, xanchor: "right", y: r - 0.5, yanchor: "top", showarrow: false,
+        text: `node ${nodes[r] ?? "?"}`, font: { size: 10, color: "#c0392b" } });
+    }
+  }
+  return { shapes, annotations };
+}
+
 function drawPlan(div, view, which, title) {
   if (!div._fullLayout) div.textContent = "";  // a skipped step left a note there
   const layout = {
@@ -134,7 +151,8 @@ function drawPlan(div, view, which, title) {
     xaxis: { title: { text: "time (ms)" }, rangemode: "tozero" },
     yaxis: { title: { text: "device (rank)" }, autorange: "reversed", range: [view.world_size - 0.5, -0.5],
              dtick: view.world_size <= 16 ? 1 : undefined, zeroline: false },
-    shapes: microBatchLines(view, which),
+    shapes: [...microBatchLines(view, which), ...nodeLines(view).shapes],
+    annotations: nodeLines(view).annotations,
     legend: { orientation: "h", y: -0.18 },
     showlegend: true,
   };
@@ -145,6 +163,7 @@ function drawPlan(div, view, which, title) {
     div.dataset.layout = "sp";
     div.dataset.colour = tasks ? "task" : "degree";
     div.dataset.ops = "0";
+    div.dataset.nodes = String(nodeLines(view).annotations.length);
     div.dataset.groups = String(view.groups.filter((g) => g[`${which}_ms`] !== null).length);
     div.dataset.recompute = view.groups.filter((g) => g[`${which}_ms`] !== null && g.recompute)
       .map((g) => g.recompute).join(",");
