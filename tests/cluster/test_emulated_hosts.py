@@ -5,13 +5,16 @@ resolves to 127.0.0.1 as on this machine.
 The cluster forms and each host's tasks see their own address and a hostname that resolves to loopback; a 4-worker
 run forms its world at the first try with two workers on each host and trains like the single-process reference
 (a world whose collectives announce the hostname's address, 127.0.0.1, never formed here: ``Gloo connectFullMesh
-failed ... Connection refused``, read as dying workers); and with ``GLOO_SOCKET_IFNAME=lo`` in the hosts'
+failed ... Connection refused``, read as dying workers), its ranks contiguous per host, no group of 2 across the
+hosts and its groups of 4 hybrid (Ulysses inside a host, ring across); a host that crashes between steps costs its
+workers and the run trains on, on the other host; and with ``GLOO_SOCKET_IFNAME=lo`` in the hosts'
 environment (a user's own setting wins, so every worker announces loopback) the run fails in seconds with a message
 naming two addresses that could not connect and what to set, not as lost workers.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -43,6 +46,13 @@ def _train(hosts, root: Path, timeout_s: float) -> tuple[int | None, str, dict, 
     it was killed at ``timeout_s``; its output; seconds: ``wall`` and ``forming`` (from the line announcing the first
     world to the end, None without one); the run dir; the config)."""
     config = small_run_toml(root, steps=STEPS)
+    # a link across hosts 100x slower than inside one (the profile's inter-node tables), and 32 tokens a worker: the
+    # longest documents need groups of 4, which span the hosts; the planner runs them hybrid (Ulysses inside a host,
+    # ring across), whose exactness end to end the reference below checks
+    profile = json.loads((root / "profile.json").read_text())
+    profile.update(inter_a2a_gbps={"2": 0.01, "4": 0.01}, inter_p2p_gbps={"2": 0.05, "4": 0.05})
+    (root / "profile.json").write_text(json.dumps(profile))
+    config.write_text(config.read_text().replace("tokens_per_worker = 64", "tokens_per_worker = 32"))
     run_dir = root / "run"
     cmd = [FLEXORCH, "train", "--address", hosts.head_address, "--config", str(config), "--workers", str(WORKERS)]
     cmd += ["--run-dir", str(run_dir)]
@@ -73,6 +83,8 @@ def test_the_cluster_forms_and_each_host_sees_its_own_address_and_a_loopback_hos
 
     hosts = emulated_hosts
     hosts.use_env({})
+    if ray.is_initialized():  # the suite's shared local Ray, from an earlier module
+        ray.shutdown()
     ray.init(address=hosts.head_address, logging_level="ERROR", log_to_driver=False)
     try:
         alive = {n["NodeManagerAddress"]: n for n in ray.nodes() if n["Alive"]}
@@ -113,6 +125,13 @@ def test_a_world_across_hosts_forms_at_once_and_trains_like_one_process(emulated
         assert not r["skipped"] and r["world_size"] == WORKERS and r["worker_ids"] == first, r
         assert r["recoveries"] == [], r["recoveries"]
         assert sorted(Counter(r["nodes"]).items()) == [(ip, 2) for ip in sorted(hosts.host_ips)], r["nodes"]
+        assert r["nodes"][0] == r["nodes"][1] and r["nodes"][2] == r["nodes"][3], "ranks are contiguous per host"
+        groups = [g for mb in r["plan"]["micro_batches"] for g in mb]
+        assert r["plan"]["topology"]["node_sizes"] == [2, 2]
+        across = [g for g in groups if g["degree"] <= 2 and len({r["nodes"][i] for i in g["ranks"]}) > 1]
+        assert not across, f"groups of 2 across the hosts: {across}"
+    kinds = Counter(g["kind"] for r in got for mb in r["plan"]["micro_batches"] for g in mb if g["degree"] == 4)
+    assert kinds["hybrid"] >= 1, kinds  # the groups across hosts ran hybrid: the losses below check them
 
     cfg = load_train_config(config, {"workers": WORKERS})
     corpus = load_corpus(CorpusConfig(source=str(tmp_path / "corpus"), max_context=128))
@@ -120,6 +139,48 @@ def test_a_world_across_hosts_forms_at_once_and_trains_like_one_process(emulated
     assert [r["doc_ids"] for r in got] == [list(stream.next_batch().doc_ids) for _ in got]
     ref_losses, _ = reference_losses_and_params(cfg, corpus, got)
     assert [r["loss"] for r in got] == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+
+
+def test_a_host_lost_mid_run_shrinks_the_world_to_the_other_host_and_trains_on(emulated_hosts, tmp_path):
+    """Host 1's raylet is SIGKILLed between steps (the host crashes: its workers go with it, their sockets across
+    the link reset): the next step finds its 2 workers lost, re-forms the world on host 0's and trains on, as one
+    process would."""
+    import ray
+
+    from flexorch.control.driver import TrainingDriver
+    from tests.train_helpers import check_against_reference, cpu_profile, next_record, train_config, write_corpus
+
+    hosts = emulated_hosts
+    hosts.use_env({})
+    if ray.is_initialized():  # a local Ray of an earlier module's: this test drives the emulated cluster
+        ray.shutdown()
+    ray.init(address=hosts.head_address, logging_level="ERROR", log_to_driver=False)
+    driver = None
+    try:
+        corpus_dir = write_corpus(tmp_path / "corpus")
+        corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
+        cfg = train_config(corpus_dir, tmp_path / "run", cpu_profile(tmp_path / "profile.json"), steps=3,
+                           plan={"tokens_per_worker": 128})  # fmt: skip
+        driver = TrainingDriver(cfg, corpus=corpus)
+        driver.setup()
+        records = [next_record(driver)]
+        nodes = records[0]["nodes"]
+        on_1 = sorted(w for w, n in zip(records[0]["worker_ids"], nodes, strict=True) if n == hosts.host_ips[1])
+        assert len(on_1) == 2 and nodes[0] == nodes[1] and nodes[2] == nodes[3], nodes  # contiguous per host
+        hosts.kill_raylet(1)
+        records.append(next_record(driver))
+        (lost,) = records[1]["recoveries"]
+        assert sorted(lost["lost"]) == on_1 and records[1]["world_size"] == 2, lost
+        assert records[1]["nodes"] == [hosts.host_ips[0]] * 2 and records[1]["step"] == 1
+        records.append(next_record(driver))
+        replicas = driver.replica_parameters()
+    finally:
+        if driver is not None:
+            driver.shutdown()
+        ray.shutdown()
+        hosts.stop_host(1)
+        hosts.start_host(1)
+    check_against_reference(cfg, corpus, records, replicas)
 
 
 def test_collectives_bound_to_loopback_fail_in_seconds_naming_the_addresses(emulated_hosts, tmp_path):
