@@ -31,8 +31,8 @@ from flexorch.control.checkpoint import load_checkpoint
 from flexorch.control.elastic import ElasticError
 from flexorch.control.fallback_watch import FallbackWatch
 from flexorch.control.group import WorkerGroup
-from flexorch.control.memory_budget import lowered_after_oom
 from flexorch.control.membership import world_topology
+from flexorch.control.memory_budget import lowered_after_oom
 from flexorch.control.planner_client import PlannerFactory, RayPlannerClient
 from flexorch.control.profile_revisions import ProfileRevisions
 from flexorch.control.run_loop import RunLoop

@@ -162,9 +162,9 @@ class PlannerClient(Protocol):
         topology: Topology | None = None,
     ) -> None:
         """Start solving that plan now, within ``budget_s``; a later :meth:`plan` with the same step, ``n`` and
-        ``topology`` takes it. A solve of the same step and ``n`` already under way is kept. ``also``: keep the solves ahead of
-        this step for other worker counts too (a drain seen mid-step: the world after it); otherwise they are
-        dropped. Callable from another thread than :meth:`plan`'s."""
+        ``topology`` takes it. A solve of the same step and ``n`` already under way is kept. ``also``: keep the
+        solves ahead of this step for other worker counts too (a drain seen mid-step: the world after it); otherwise
+        they are dropped. Callable from another thread than :meth:`plan`'s."""
         ...
 
     def forget(self) -> None:

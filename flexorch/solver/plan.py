@@ -1,8 +1,9 @@
 """The per-step plan: a frozen value that validates itself on construction and never touches a process group.
 
 A `Plan` splits one step's global batch into micro-batches; each micro-batch splits the N devices into SP groups
-(blocks of consecutive ranks, power-of-two sizes; ranks are contiguous per node, so a block can lie inside a node) and assigns every sequence of the batch to exactly one
-group of one micro-batch. Workers and the driver only consume plans.
+(blocks of consecutive ranks, power-of-two sizes; ranks are contiguous per node, so a block can lie inside a node)
+and assigns every sequence of the batch to exactly one group of one micro-batch. Workers and the driver only consume
+plans.
 """
 
 from __future__ import annotations

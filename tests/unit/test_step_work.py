@@ -105,7 +105,10 @@ def test_doc_ref_refuses_an_impossible_location(args, msg):
         ((2, (1, 1), "ring", ()), "GroupWork (micro-batch 2) ranks (1, 1) names a rank twice"),
         ((2, (), "ring", ()), "GroupWork (micro-batch 2) ranks must be a non-empty tuple of ranks, got ()"),
         ((2, (0, -4), "ring", ()), "GroupWork (micro-batch 2) ranks: rank must be an integer >= 0, got -4"),
-        ((2, (0, 1), "flash", ()), "GroupWork (micro-batch 2) kind must be one of ('ulysses', 'ring', 'hybrid'), got 'flash'"),
+        (
+            (2, (0, 1), "flash", ()),
+            "GroupWork (micro-batch 2) kind must be one of ('ulysses', 'ring', 'hybrid'), got 'flash'",
+        ),
         ((2, (0, 1), "ring", ((1, 0, 0, 4),)), "GroupWork (micro-batch 2) docs must be a tuple of DocRef"),
     ],
 )
