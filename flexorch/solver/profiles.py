@@ -18,7 +18,15 @@ from pathlib import Path
 
 from flexorch.solver.errors import ProfileError
 
-__all__ = ["Profile", "BUILTIN_PROFILES", "get_profile", "load_profile", "profile_from_dict", "profile_names"]
+__all__ = [
+    "DEGREE_TABLES",
+    "Profile",
+    "BUILTIN_PROFILES",
+    "get_profile",
+    "load_profile",
+    "profile_from_dict",
+    "profile_names",
+]
 
 # FlexSP release, A100-40GB, NVLink inside a node of 8 and InfiniBand across nodes: all-to-all bandwidth (GB/s)
 # measured per group size d; it collapses once a group spans nodes (d >= 16).
@@ -32,7 +40,7 @@ _A100_INTER_A2A_GBPS = {16: 10.33, 32: 5.94, 64: 4.87}  # FlexSP release, rows d
 # ring's bandwidth from the all-to-all table of the same degree (`p2p_gbps` empty: the rule every profile has), across
 # nodes too (`inter_p2p_gbps` empty: `inter_a2a_gbps`), and no collective latency (FlexSP folds every fixed cost
 # into b1); a calibrated or hand-written profile can give all four tables (examples/profiles/my-cluster.json).
-_DEGREE_TABLES = (
+DEGREE_TABLES = (
     "a2a_gbps",
     "p2p_gbps",
     "a2a_latency_ms",
@@ -42,6 +50,7 @@ _DEGREE_TABLES = (
     "inter_a2a_latency_ms",
     "inter_p2p_latency_ms",
 )
+"""The per-degree collective tables: bandwidths (GB/s) and latencies (ms), inside a node and across nodes."""
 
 
 def _lookup(table: dict[int, float], d: int) -> float:
@@ -164,7 +173,7 @@ class Profile:
                 f"memory_budget_bytes={self.memory_budget_bytes:.3g} leaves nothing for activations after "
                 f"model_state_bytes={self.model_state_bytes:.3g}"
             )
-        for table in _DEGREE_TABLES:
+        for table in DEGREE_TABLES:
             values = getattr(self, table)
             if not isinstance(values, dict):
                 problems.append(f"{table} must be a mapping {{group size: value}}, got {type(values).__name__}")
@@ -248,11 +257,11 @@ class Profile:
     @property
     def has_inter_tables(self) -> bool:
         """Whether the profile prices a group that spans nodes differently from one inside a node."""
-        return any(getattr(self, t) for t in _DEGREE_TABLES if t.startswith("inter_"))
+        return any(getattr(self, t) for t in DEGREE_TABLES if t.startswith("inter_"))
 
     def to_json(self) -> str:
         data = asdict(self)
-        for table in _DEGREE_TABLES:
+        for table in DEGREE_TABLES:
             data[table] = {str(k): v for k, v in sorted(getattr(self, table).items())}
         return json.dumps(data, indent=2)
 
@@ -357,7 +366,7 @@ def profile_from_dict(raw, where: str = "profile", name: str = "profile") -> Pro
     if unknown:
         raise ProfileError(f"{where} has unknown fields {unknown}; known fields: {sorted(known)}")
     raw.setdefault("name", name)
-    for table in _DEGREE_TABLES:
+    for table in DEGREE_TABLES:
         if table in raw:
             if not isinstance(raw[table], dict):
                 unit = "GB/s" if table.endswith("_gbps") else "ms"

@@ -38,7 +38,7 @@ from flexorch.solver.calibration import (
     prediction_errors,
 )
 from flexorch.solver.errors import ProfileError
-from flexorch.solver.profiles import Profile
+from flexorch.solver.profiles import DEGREE_TABLES, Profile
 from flexorch.solver.record_samples import StepSample
 from flexorch.solver.step_level import LEVEL_STEPS
 
@@ -162,7 +162,7 @@ def _pinned(profile: Profile, degrees, inter: bool = False) -> Profile:
     the nearest larger one, so refitting one (kind, degree) would otherwise move the price of others it never saw.
     The inter-node tables too when ``inter`` (a group across nodes is refitted) or the profile has them: an empty
     inter table reads the intra one, which a refit of a group inside a node would otherwise move."""
-    top = max([*degrees, *(d for t in _TABLES for d in getattr(profile, t))])
+    top = max([*degrees, *(d for t in DEGREE_TABLES for d in getattr(profile, t))])
     ds = [2**i for i in range(1, top.bit_length())]
     tables = {
         "a2a_gbps": {d: profile.bandwidth_gbps(d) for d in ds},
@@ -180,25 +180,15 @@ def _pinned(profile: Profile, degrees, inter: bool = False) -> Profile:
     return dataclasses.replace(profile, **tables)
 
 
-_TABLES = (
-    "a2a_gbps",
-    "p2p_gbps",
-    "a2a_latency_ms",
-    "p2p_latency_ms",
-    "inter_a2a_gbps",
-    "inter_p2p_gbps",
-    "inter_a2a_latency_ms",
-    "inter_p2p_latency_ms",
-)
-"""The collective tables (per degree): bandwidths (GB/s) and latencies (ms), inside a node and across nodes."""
-
-
 def _times_scaled(profile: Profile, k: float) -> Profile:
     """``profile`` with every group's time scaled by ``k``: compute terms and latencies times k, bandwidths over k
     (a ring's exposed transfer, max(transfer - compute, 0), scales with both)."""
     return dataclasses.replace(
         _scaled(profile, k),
-        **{t: {d: v / k if t.endswith("gbps") else v * k for d, v in getattr(profile, t).items()} for t in _TABLES},
+        **{
+            t: {d: v / k if t.endswith("gbps") else v * k for d, v in getattr(profile, t).items()}
+            for t in DEGREE_TABLES
+        },
     )
 
 
@@ -225,7 +215,7 @@ def _with_comm(profile: Profile, groups: dict) -> Profile:
     return profile
 
 
-TIME_TERMS = ("a1_ms", "a2_ms", "b1_ms", "step_ms", *_TABLES)
+TIME_TERMS = ("a1_ms", "a2_ms", "b1_ms", "step_ms", *DEGREE_TABLES)
 """The fields a refit changes (and a roll-back restores); memory and recompute terms are never refitted."""
 
 
