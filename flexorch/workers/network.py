@@ -108,7 +108,10 @@ class _Listener:
     """Answers every connection with this rank's hello until closed (a daemon thread)."""
 
     def __init__(self, address: str, epoch: int, rank: int):
-        self.sock = socket.create_server((address, 0), backlog=128)
+        try:
+            self.sock = socket.create_server((address, 0), backlog=128)
+        except OSError:  # an address no interface here holds (a NAT's): listen on all, peers still dial `address`
+            self.sock = socket.create_server(("", 0), backlog=128)
         self.port = self.sock.getsockname()[1]
         self.sock.settimeout(0.2)
         self._hello = _hello(epoch, rank)

@@ -117,3 +117,25 @@ def test_repeated_epochs_on_one_store():
     for epoch in (1, 2):
         got = _ranks(n, master.port, epoch, lambda store, r, e=epoch: check_reachable(store, r, n, e, lo, 20))
         assert all(isinstance(v, float) for v in got.values()), got
+
+
+def test_an_address_no_interface_here_holds_is_listened_for_on_all(monkeypatch):
+    """A node address no local interface holds (behind a NAT) cannot be bound: the check listens on every interface
+    and its peers dial the announced address (here loopback, where the listener on all interfaces answers)."""
+    from flexorch.workers import network
+
+    real = socket.create_server
+    refused = []
+
+    def create_server(address, **kw):
+        if address[0]:  # binding the announced address fails, as for an address held by no interface here
+            refused.append(address[0])
+            raise OSError(99, "Cannot assign requested address")
+        return real(address, **kw)
+
+    monkeypatch.setattr(network.socket, "create_server", create_server)
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    lo = Binding("127.0.0.1", None, "ray")
+    got = _ranks(2, master.port, 3, lambda store, r: check_reachable(store, r, 2, 3, lo, timeout_s=20))
+    assert all(isinstance(v, float) for v in got.values()), got
+    assert refused == ["127.0.0.1", "127.0.0.1"]
