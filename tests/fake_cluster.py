@@ -1,11 +1,11 @@
 """An in-process stand-in for a Ray cluster of workers, for stepping the real ``TrainingDriver`` without Ray.
 
 * :func:`memory_corpus`: a :class:`~flexorch.data.corpus.Corpus` whose blocks are numpy arrays in this process
-  (the driver hands them to the worker group as they are; a store's part specs are opened as a worker would).
+  (the driver hands them to the worker group as they are; a store's block specs are opened as a worker would).
 * :class:`FakeWorkerGroup`: the :class:`~flexorch.control.group.WorkerGroup` seam over :class:`FakeWorker` objects,
   each holding its own training state (model, AdamW, schedule of the real ``flexorch.workers.model`` /
   ``flexorch.workers.optim``). A step trains the step's documents with the single-process reference step
-  (``flexorch.workers.reference``), so the parameters after a step are the real ones a distributed step reaches (the
+  (``flexorch.testing.reference``), so the parameters after a step are the real ones a distributed step reaches (the
   invariant: a plan changes where work runs, never what is computed); every rank that completes a step gets the
   same new state, as the gradient all-reduce gives real workers, and a rank that does not keeps its old one. States
   are immutable snapshots shared by reference (a step makes a new one), so a step costs one training step whatever
@@ -28,14 +28,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from flexorch.control.membership import Failure, Membership
-from flexorch.control.settle import MembershipFailure, WorkerGroupError
-from flexorch.data.corpus import Corpus, resolve_blocks
+from flexorch.control.failures import Failure, MembershipFailure, Outcomes, WorkerGroupError
+from flexorch.control.group import WorkerGroup
+from flexorch.control.membership import Membership
+from flexorch.data.corpus import Corpus
+from flexorch.data.store.blocks import fetch_documents, open_blocks
+from flexorch.testing.reference import reference_step
 from flexorch.work.pipeline import PipelineWork
 from flexorch.work.placement import ALL, missing_parts, model_parts, transfers
 from flexorch.workers.model import init_model
 from flexorch.workers.optim import build_optimizer
-from flexorch.workers.reference import reference_step
 from flexorch.workers.step_exec import StepOutcome
 
 __all__ = ["Fault", "FakeWorker", "FakeWorkerGroup", "memory_corpus"]
@@ -55,7 +57,7 @@ def memory_corpus(docs: list[np.ndarray], vocab_size: int, block_docs: int = 4) 
         lengths=np.array([len(d) for d in docs], dtype=np.int64),
         doc_blocks=np.array(doc_blocks, dtype=np.int64),
         doc_offsets=np.array(doc_offsets, dtype=np.int64),
-        block_refs=blocks,
+        blocks=blocks,
         stats={"source": "memory", "docs": len(docs)},
         tokenizer_name="memory",
         vocab_size=vocab_size,
@@ -144,7 +146,7 @@ class _Handle:
     error: str | None = None
 
 
-class FakeWorkerGroup:
+class FakeWorkerGroup(WorkerGroup):
     """The :class:`~flexorch.control.group.WorkerGroup` seam in one process, with failure injection.
 
     ``slots``: device slots of the fake cluster (members and joiners each take one); ``faults``: :class:`Fault`
@@ -159,7 +161,9 @@ class FakeWorkerGroup:
         self.fired: list[Fault] = []
         self.membership = Membership()
         self.workers: dict[int, FakeWorker] = {}
-        self.joining: dict[int, int] = {}  # worker id -> polls until it is up
+        self._joining: dict[int, int] = {}  # worker id -> polls until it is up
+        self.retired: list[int] = []  # the workers removed on notice (retiring), in order
+        self.handed_parts = 0  # the parts the last hand_off moved
         self.parts = model_parts(cfg.model.num_layers)
         self.held: dict[int, frozenset[str] | None] = {}
         self.worlds: list[tuple[int, ...]] = []  # every world formed, in order
@@ -209,6 +213,11 @@ class FakeWorkerGroup:
     def worker_ids(self) -> tuple[int, ...]:
         return self.membership.worker_ids
 
+    @property
+    def joining(self) -> dict[int, int]:
+        """Worker id -> polls until it is up."""
+        return self._joining
+
     def free_slots(self) -> int:
         return max(0, self.slots - self.size - len(self.joining))
 
@@ -217,6 +226,10 @@ class FakeWorkerGroup:
 
     def rank_nodes(self) -> list[str | None]:
         return [f"node-{w // self.per_node}" for w in self.worker_ids]
+
+    def leaving_notices(self) -> dict[int, float]:
+        """No fake worker gets SIGTERM: a drain is told through :meth:`drain` alone."""
+        return {}
 
     def draining_nodes(self) -> list:
         from flexorch.control.drains import NodeDrain
@@ -266,7 +279,8 @@ class FakeWorkerGroup:
         self.membership.add(worker_ids)
 
     def remove(self, worker_ids, retiring: bool = False) -> None:
-        self.retired = [*getattr(self, "retired", []), *worker_ids] if retiring else getattr(self, "retired", [])
+        if retiring:
+            self.retired += worker_ids
         nodes = self.nodes_of()
         died = {f.worker_id for f in self.fired if f.action == "die"}  # their slots went already
         self.slots -= sum(nodes.get(w) in self.draining and w not in died for w in worker_ids)  # the node goes too
@@ -313,7 +327,7 @@ class FakeWorkerGroup:
         the faults of this step decide who completes it."""
         ids = self.worker_ids
         step = work[0].step
-        blocks = resolve_blocks({b: a for refs in block_refs for b, a in refs.items()})  # arrays, or store parts
+        blocks = open_blocks({b: a for refs in block_refs for b, a in refs.items()})  # arrays, or store blocks
         docs = _batch_docs(work)
         hit = self._take_fault("step", step, ids)
         handles = {w: _Handle() for w in ids}
@@ -322,7 +336,7 @@ class FakeWorkerGroup:
                 handles[w].lost, handles[w].peer = fate == "lost", fate == "peer"
                 handles[w].error = f"RuntimeError: injected fault at step {step}" if fate == "error" else None
             return handles
-        tokens = [blocks[d.block][d.offset : d.offset + d.length] for d in docs]
+        tokens = fetch_documents(blocks, docs)
         t0 = time.perf_counter()
         before = {id(self.workers[w].state) for w in ids}
         if len(before) != 1:
@@ -336,13 +350,15 @@ class FakeWorkerGroup:
         return handles
 
     def settle(self, handles: dict, timeout_s: float) -> tuple[dict, Failure | None]:
-        results = {w: h.outcome for w, h in handles.items() if h.outcome is not None}
-        lost = frozenset(w for w, h in handles.items() if h.lost)
-        peer = frozenset(w for w, h in handles.items() if h.peer)
-        errors = tuple((w, h.error) for w, h in handles.items() if h.error)
-        if not (lost or peer or errors):
-            return results, None
-        return results, Failure(lost, peer, errors, frozenset(results))
+        got = Outcomes(results={w: h.outcome for w, h in handles.items() if h.outcome is not None})
+        got.lost = {w for w, h in handles.items() if h.lost}
+        got.peer = {w for w, h in handles.items() if h.peer}
+        got.errors = [(w, h.error) for w, h in handles.items() if h.error]
+        return got.results, got.failure()
+
+    def detection(self, lost) -> dict | None:
+        """No heartbeats here: how a failure was found is not known."""
+        return None
 
     # ---------------------------------------------------------------- state
     def get_state(self, rank: int = 0) -> dict:
@@ -355,6 +371,9 @@ class FakeWorkerGroup:
         for w in self.worker_ids:
             self.workers[w].set_state(state)
             self.held[w] = ALL
+
+    def save_sharded(self, directory: str) -> None:
+        raise WorkerGroupError("the fake group holds no sharded model state")
 
     def call(self, method: str, *args) -> list:
         return [getattr(self.workers[w], method)(*args) for w in self.worker_ids]

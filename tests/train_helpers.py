@@ -120,7 +120,7 @@ def train_config(corpus_dir: Path, run_dir: Path, profile: Path, **overrides) ->
 
 
 def reference_losses_and_params(cfg: TrainConfig, corpus, records) -> tuple[list[float], dict]:
-    from flexorch.workers.reference import reference_train
+    from flexorch.testing.reference import reference_train
 
     batches = [corpus.get_stored(r["doc_ids"]) for r in records if not r["skipped"]]  # with any loss masks
     losses, state = reference_train(cfg.model, cfg.optim, batches, cfg.seed)

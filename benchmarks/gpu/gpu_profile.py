@@ -260,7 +260,7 @@ def model_config(kind: str, cfg: dict, tmp: Path) -> ModelConfig:
 
 
 def packed(docs, vocab, device):
-    from flexorch.workers.reference import pack_documents
+    from flexorch.testing.reference import pack_documents
 
     g = torch.Generator().manual_seed(0)
     batch = pack_documents([torch.randint(0, vocab, (n,), generator=g) for n in docs])

@@ -33,9 +33,10 @@ memory comparison). Per corpus, side by side in one run:
    (``corpus.lengths[next batch]``) as the driver does; bytes per document, and the growth
    (rss(short3M) - rss(short30K)) / (3M - 30K) documents.
 4. per-step data time on a worker: in that fresh process, after the memory is taken, the wall time of
-   ``fetch_documents(resolve_blocks(corpus.refs_for(locs)), locs)`` for 20 batches of 16 and of 512 random
-   documents each: the median, the first batch (it opens the parts), and the median of the same batches read
-   again (a worker checks each 1 MiB chunk against its digest the first time it reads it, once per process).
+   ``fetch_documents(open_blocks(corpus.block_specs(loc.block for loc in locs)), locs)`` for 20 batches of 16
+   and of 512 random documents each: the median, the first batch (it opens the blocks), and the median of the
+   same batches read again (a worker checks each 1 MiB chunk against its digest the first time it reads it, once
+   per process).
 
 Prints the tables (markdown) with the machine, date, command and flexorch's commit, and writes them to
 ``--results`` (default ``benchmarks/results/measured/data_scale.md``; ``-``: no file); the raw figures go to
@@ -302,7 +303,7 @@ def probe(args: dict) -> dict:
     from flexorch.data import corpus as corpus_mod
     from flexorch.data.listing import list_source  # noqa: F401 - imported before the baseline is taken
     from flexorch.data.record_kinds import resolve_kind  # noqa: F401
-    from flexorch.data.store import fingerprint, layout, prepare, shards  # noqa: F401
+    from flexorch.data.store import blocks, fingerprint, layout, prepare  # noqa: F401
     from flexorch.data.stream import DocumentStream
 
     cfg = CorpusConfig(source=args["source"], tokenizer="byte", max_context=MAX_CONTEXT, cache=args["cache"])
@@ -335,7 +336,8 @@ def probe(args: dict) -> dict:
         for out in (times, again):  # again: the same batches, their chunks already checked in this process
             for locs in batches:
                 t = time.perf_counter()
-                docs = corpus_mod.fetch_documents(corpus_mod.resolve_blocks(corpus.refs_for(locs)), locs)
+                specs = corpus.block_specs(loc.block for loc in locs)
+                docs = blocks.fetch_documents(blocks.open_blocks(specs), locs)
                 out.append((time.perf_counter() - t) * 1e3)
                 assert len(docs) == len(locs)
         reads[str(bs)] = {
@@ -526,7 +528,7 @@ def report(results: dict, args, command: str) -> str:
         "other work shares this machine and its load is outside this benchmark's control. Busy: the share of the "
         "machine's cores busy while it ran (/proc/stat; any process, this benchmark's Ray and others' work alike).",
         "",
-        "| corpus | tokenizer | records | documents | tokens | JSONL MB | one task | every CPU (parts) | speedup "
+        "| corpus | tokenizer | records | documents | tokens | JSONL MB | one task | every CPU (blocks) | speedup "
         "| load | busy |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -558,9 +560,10 @@ def report(results: dict, args, command: str) -> str:
         "Driver memory: VmRSS growth of the fresh process over `load_corpus` + a "
         "`DocumentStream` (batch 512) + `locate()` of 20 batches + the lookahead lengths (anonymous + file-backed "
         "pages of the memory-mapped index), measured over a second `load_corpus` in that process (the first one "
-        "loaded the modules it imports). Worker reads: `fetch_documents(resolve_blocks(refs_for(locs)), locs)` "
+        "loaded the modules it imports). Worker reads: "
+        "`fetch_documents(open_blocks(block_specs(blocks of locs)), locs)` "
         "of 20 random batches in a fresh process (16-doc batches first): the median ms (the first batch's: it "
-        "opens the parts) / the median when the same 20 batches are read again (their 1 MiB chunks already checked "
+        "opens the blocks) / the median when the same 20 batches are read again (their 1 MiB chunks already checked "
         "against their digests: a worker checks each chunk once per process).",
         "",
         "| corpus | documents | `load_corpus` s | train #2: corpus s / first step s | resume: corpus s | restart: "

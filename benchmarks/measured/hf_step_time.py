@@ -87,7 +87,7 @@ def sample_docs(lengths: list[int], vocab: int, seed: int = 0) -> list[np.ndarra
 
 
 def fwd_bwd(model, batch) -> float:
-    from flexorch.workers.reference import reference_loss_sum
+    from flexorch.testing.reference import reference_loss_sum
 
     model.zero_grad(set_to_none=True)
     loss = reference_loss_sum(model, batch)
@@ -100,8 +100,8 @@ def single_process(models: list[ModelConfig], sizes: list[int], reps: int, profi
     three documents of 1/2, 1/4, 1/4), one thread, the models interleaved (order flipped every repetition)."""
     import torch
 
+    from flexorch.testing.reference import pack_documents
     from flexorch.workers.model_source import build_model
-    from flexorch.workers.reference import pack_documents
 
     torch.set_num_threads(1)
     built = {label(m): build_model(m, 0) for m in models}

@@ -155,8 +155,8 @@ def _calibrate(cfg) -> tuple[float, float, float]:
     import torch
 
     from flexorch.solver.pipeline.chunking import Piece
+    from flexorch.testing.pipeline_local import build_stages
     from flexorch.workers.model import init_model
-    from flexorch.workers.pipeline.local import build_stages
     from flexorch.workers.pipeline.stage import UnitInput
 
     model = init_model(cfg, seed=0)
@@ -211,8 +211,8 @@ def _cpu_job(ctx, strategy: str, batches, units_per_batch, cfg_dict, plans):
             return times, peak
         from flexorch.solver.pipeline.schedule import one_f_one_b
         from flexorch.solver.pipeline.stage_model import stage_layers
+        from flexorch.testing.pipeline_local import build_stages
         from flexorch.work.pipeline import gradient_channels
-        from flexorch.workers.pipeline.local import build_stages
         from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_step
 
         r = ctx.rank

@@ -12,7 +12,7 @@ lengths scaled to a CPU context, the tiny model, ``plan.profile = "auto"``: each
 
 Prints, per run: how its ranks lay on the hosts, the median step time (steps after the first two; ``measured_ms``),
 the groups of degree 2 that spanned the two hosts, the hybrid groups, and the losses' largest gap to the
-single-process reference (``flexorch.workers.reference``); then the blind/aware ratio of the median step times per
+single-process reference (``flexorch.testing.reference``); then the blind/aware ratio of the median step times per
 round. Every run's losses must equal the reference (the script fails otherwise).
 
     python -m benchmarks.measured.topology             # ~8 minutes on 2 cores, as root
@@ -37,7 +37,7 @@ from benchmarks.measured.train import write_workload
 from flexorch.config import CorpusConfig, load_train_config
 from flexorch.data.corpus import load_corpus
 from flexorch.records.writer import read_records
-from flexorch.workers.reference import reference_train
+from flexorch.testing.reference import reference_train
 
 FLEXORCH = str(Path(sys.executable).with_name("flexorch"))
 SKIP = 2

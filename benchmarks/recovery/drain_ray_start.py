@@ -9,7 +9,7 @@ boundary. The first (replicated) run calibrates the cost model; the others plan 
 For each of replicate, fsdp, hsdp and 2 pipeline stages (fsdp within each) it prints the steps before the drain,
 the step after it (its boundary, plan wait and run), the next steps of the smaller world, and the ratio of the step
 after to the median step before, checks the ledger (every document once, none re-run) and compares every step's
-loss and every rank's parameters with one process training the same batches (``flexorch.workers.reference``). A
+loss and every rank's parameters with one process training the same batches (``flexorch.testing.reference``). A
 fresh node replaces the drained one before the next mode.
 
     python -m benchmarks.recovery.drain_ray_start               # batch 256: steps of about 1 s here; ~6 minutes
@@ -113,10 +113,10 @@ def trial(cfg, corpus, cluster: Cluster, node_id: str, warm: int) -> dict:
 
 def _off_reference(cfg, corpus, records: list[dict], replicas: list) -> tuple[float, float]:
     """(largest relative loss difference, largest parameter difference) of the run against one process training the
-    same batches (``flexorch.workers.reference``); every rank's parameters, stage-local parts included."""
+    same batches (``flexorch.testing.reference``); every rank's parameters, stage-local parts included."""
     import numpy as np
 
-    from flexorch.workers.reference import reference_train
+    from flexorch.testing.reference import reference_train
 
     losses, state = reference_train(cfg.model, cfg.optim, [corpus.get_stored(r["doc_ids"]) for r in records], cfg.seed)
     loss_off = max(abs(r["loss"] - ref) / abs(ref) for r, ref in zip(records, losses, strict=True))

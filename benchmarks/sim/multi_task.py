@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         if args.svg and (devices, num_tasks) == svg_row:
-            from flexorch.dashboards.multitask_svg import multitask_svg
+            from flexorch.testing.multitask_svg import multitask_svg
 
             plan, names = r["first"]
             title = f"multi_task.py seed {args.seed}, {devices} devices x {num_tasks} tasks, step 1 (gpt-7b-a100)"

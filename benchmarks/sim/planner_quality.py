@@ -51,6 +51,7 @@ from flexorch.data.lengths import bundled_lengths_path, read_lengths  # noqa: E4
 from flexorch.data.stream import DocumentStream  # noqa: E402
 from flexorch.solver import Planner, PlannerConfig, get_profile  # noqa: E402
 from flexorch.solver.bounds import micro_batch_bound_ms  # noqa: E402
+from flexorch.solver.group_tables import GroupTables  # noqa: E402
 from flexorch.solver.milp import solve_micro_batch  # noqa: E402
 from flexorch.solver.packing import group_types, layout_groups, time_table, type_caps, type_overheads  # noqa: E402
 from flexorch.solver.plan import MicroBatch, Plan  # noqa: E402
@@ -85,17 +86,13 @@ def same_split(plan: Plan, lengths: np.ndarray, n: int, profile, long_s: float, 
     table = time_table(lengths, types, profile)
     caps, overheads = type_caps(types, profile), type_overheads(types, profile)
     deg = np.array([t.degree for t in types], dtype=np.float64)
+    tables = GroupTables(types, table, lengths, n, caps, overheads)
     mbs = []
     for mb in plan.micro_batches:
         items = sorted(i for g in mb.groups for i in g.seq_ids)
         s = solve_micro_batch(
             items,
-            types,
-            table,
-            lengths,
-            num_devices=n,
-            caps_by_type=caps,
-            overheads=overheads,
+            tables,
             lower_bound_ms=micro_batch_bound_ms(table[items], deg, n, overheads),
             time_budget_s=long_s,
             tolerance=0.002,

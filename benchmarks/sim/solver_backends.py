@@ -143,6 +143,7 @@ def _stress_child(solver: str, seed: int, conn) -> None:
     import threading
 
     from flexorch.solver.exact import solve_exact
+    from flexorch.solver.group_tables import GroupTables
     from flexorch.solver.milp import best_static_draft
     from flexorch.solver.packing import group_types, time_table, type_caps, type_overheads
 
@@ -163,18 +164,8 @@ def _stress_child(solver: str, seed: int, conn) -> None:
         items = list(range(k))
         start = best_static_draft(items, types, table, lengths, n, caps, overheads) if rng.random() < 0.5 else None
         limit = float(rng.choice([0.02, 0.05, 0.1, 0.2]))
-        solve_exact(
-            items,
-            types,
-            table,
-            lengths,
-            num_devices=n,
-            caps_by_type=caps,
-            overheads=overheads,
-            time_limit_s=limit,
-            start=start,
-            solver=solver,
-        )
+        tables = GroupTables(types, table, lengths, n, caps, overheads)
+        solve_exact(items, tables, time_limit_s=limit, start=start, solver=solver)
         solves += 1
         done.put(solves)
 

@@ -1,6 +1,6 @@
 """``flexorch prepare SOURCE OUT``: tokenize a corpus once, in parallel over the Ray cluster, into a store that
 ``flexorch train`` (``[data] source = OUT`` or ``--data OUT``) opens in milliseconds (``flexorch.data.store``).
-Run again on a finished store, it checks every part's sha256 and prepares again only the parts that differ.
+Run again on a finished store, it checks every block's sha256 and prepares again only the blocks that differ.
 
 The ``[data]`` settings come from ``--config`` (a run TOML: its ``[data]`` table, with a ``[model] hf`` model's
 tokenizer) and the flags, which win. ``OUT`` is a directory, or an ``s3://``/``gs://`` URI: the store is prepared
@@ -34,7 +34,7 @@ def add_prepare_parser(sub) -> None:
     p.add_argument("--max-context", help="longest document in tokens, e.g. 8K (default 2048)")
     p.add_argument("--over-long", choices=["split", "drop", "reject"], help="documents over --max-context")
     p.add_argument("--parallelism", type=int, help="unit tasks at once (default: every CPU of the cluster)")
-    p.add_argument("--part-mb", type=float, help="source MiB per part (default: 4 parts per CPU, 4-128 MiB)")
+    p.add_argument("--part-mb", type=float, help="source MiB per block (default: 4 blocks per CPU, 4-128 MiB)")
     p.add_argument("--address", help="Ray cluster to run on (default RAY_ADDRESS, else a local Ray)")
     p.add_argument("--local-dir", type=Path, help="with an s3:// or gs:// OUT: where to prepare before uploading")
 
@@ -87,7 +87,7 @@ def cmd_prepare(args: argparse.Namespace) -> int:
     st = manifest["stats"]
     print(
         f"flexorch prepare: {args.out}: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens "
-        f"({manifest['dtype']}), {len(manifest['parts'])} parts; skipped: {st.get('skipped_binary', 0)} binary, "
+        f"({manifest['dtype']}), {len(manifest['parts'])} blocks; skipped: {st.get('skipped_binary', 0)} binary, "
         f"{st.get('skipped_empty', 0)} empty, {st.get('bad_records', 0)} malformed, {st.get('dropped_over_long', 0)} "
         f"over-long; {st.get('split_docs', 0)} split. Train on it: flexorch train --data {args.out}",
         flush=True,

@@ -17,7 +17,15 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
-__all__ = ["OWN_TARGETS", "LoraSpec", "adapter_shapes", "check_adapters", "target_modules", "with_adapter_shapes"]
+__all__ = [
+    "OWN_TARGETS",
+    "LoraSpec",
+    "adapter_shapes",
+    "check_adapters",
+    "check_targets",
+    "target_modules",
+    "with_adapter_shapes",
+]
 
 OWN_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
 """The linear maps of a decoder layer of flexorch's own decoder (``flexorch.workers.model.Block``)."""
@@ -152,12 +160,19 @@ def check_adapters(model_cfg: ModelShape, specs) -> None:
         )
     have = target_modules(model_cfg)
     for s in specs:
-        unknown = [t for t in s.targets if t not in have]
-        if unknown:
-            raise ValueError(
-                f"task {s.task!r}: unknown LoRA target module {unknown[0]!r}; this model's decoder layers have "
-                f"{', '.join(have)} (set [[tasks]] lora_targets to some of them)"
-            )
+        check_targets(s, have)
+
+
+def check_targets(spec: LoraSpec, have) -> None:
+    """Raise ValueError unless every target of ``spec`` is one of ``have``, the leaf names of a decoder layer's linear
+    maps (in order: the error lists them). The config checks against the parameter list, the built model against its
+    modules."""
+    unknown = [t for t in spec.targets if t not in have]
+    if unknown:
+        raise ValueError(
+            f"task {spec.task!r}: unknown LoRA target module {unknown[0]!r}; this model's decoder layers have "
+            f"{', '.join(have)} (set [[tasks]] lora_targets to some of them)"
+        )
 
 
 def adapter_shapes(layer: str, linears: Mapping[str, tuple[int, int]], specs) -> list[tuple[str, tuple[int, int]]]:

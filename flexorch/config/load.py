@@ -11,30 +11,16 @@ import dataclasses
 import tomllib
 from pathlib import Path
 
-from flexorch.config.data import CorpusConfig
-from flexorch.config.elastic import ElasticSettings
 from flexorch.config.errors import ConfigError
 from flexorch.config.hf import hf_model_config
 from flexorch.config.model import RUN_KEYS, ModelConfig, model_config
-from flexorch.config.optim import OptimConfig
-from flexorch.config.pipeline import PipelineSettings
-from flexorch.config.plan import PlanSettings
+from flexorch.config.run import TABLES as RUN_TABLES
 from flexorch.config.run import TrainConfig
-from flexorch.config.sharding import ShardingSettings
 from flexorch.config.tasks import task_from_dict
-from flexorch.config.tracking import TrackingSettings
 
 __all__ = ["MOVED_KEYS", "config_from_dict", "load_train_config"]
 
-TABLES = {
-    "optim": OptimConfig,
-    "data": CorpusConfig,
-    "plan": PlanSettings,
-    "elastic": ElasticSettings,
-    "pipeline": PipelineSettings,
-    "sharding": ShardingSettings,
-    "tracking": TrackingSettings,
-}
+TABLES = {name: cls for name, cls in RUN_TABLES.items() if name != "model"}
 """The tables built field by field (``[model]`` also takes ``preset``)."""
 
 MOVED_KEYS = {

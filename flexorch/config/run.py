@@ -36,9 +36,9 @@ from flexorch.config.tasks import TaskSettings, batch_counts, lora_specs
 from flexorch.config.tracking import TrackingSettings
 from flexorch.solver.pipeline.stage_count import check_stage_count
 
-__all__ = ["TrainConfig"]
+__all__ = ["TABLES", "TrainConfig"]
 
-_TABLES = {
+TABLES = {
     "model": ModelConfig,
     "optim": OptimConfig,
     "data": CorpusConfig,
@@ -48,6 +48,7 @@ _TABLES = {
     "sharding": ShardingSettings,
     "tracking": TrackingSettings,
 }
+"""The tables of a run file by name, each the dataclass of one :class:`TrainConfig` field."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,9 +99,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if f.name in _TABLES and not isinstance(getattr(self, f.name), _TABLES[f.name]):
+            if f.name in TABLES and not isinstance(getattr(self, f.name), TABLES[f.name]):
                 raise ConfigError(
-                    f"{f.name} must be {_TABLES[f.name].__name__} (the [{f.name}] table of a run file: "
+                    f"{f.name} must be {TABLES[f.name].__name__} (the [{f.name}] table of a run file: "
                     f"flexorch.config.config_from_dict reads tables from dicts), got {getattr(self, f.name)!r}"
                 )
         for name in ("steps", "workers", "batch_size", "keep_checkpoints", "worker_threads"):

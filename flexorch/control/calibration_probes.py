@@ -17,6 +17,7 @@ import dataclasses
 import itertools
 import time
 
+from flexorch.control.failures import MembershipFailure
 from flexorch.control.membership import world_topology
 from flexorch.solver.topology import Topology
 from flexorch.workers.calibrate import Probe, group_starts
@@ -95,10 +96,9 @@ def calibration_probes(
 def calibration_topology(group, cfg) -> Topology | None:
     """The nodes the worker group's ranks lie on (``group.rank_nodes()``, ``control.membership.world_topology``);
     None (probed as one node) on one node, where a rank's node is unknown, or with ``[plan] topology = "blind"``."""
-    rank_nodes = getattr(group, "rank_nodes", None)  # a fake group of the tests may have none
-    if rank_nodes is None or getattr(cfg.plan, "topology", "aware") == "blind":
+    if cfg.plan.topology == "blind":
         return None
-    nodes = list(rank_nodes())
+    nodes = list(group.rank_nodes())
     if len(nodes) != group.size or any(n is None for n in nodes):
         return None
     return world_topology(range(len(nodes)), nodes, group.size)
@@ -160,10 +160,8 @@ def run_calibration_probes(group, probes, publish, t0: float) -> tuple[list[Prob
             publish({"event": "progress", "message": msg})
         try:
             per_rank.append([ms for (ms,) in group.call("probe", [p])])  # [rank] median ms of this probe
-        except Exception as e:
-            # a RayWorkerGroup's MembershipFailure whose workers ran past the call's limit (not imported: this
-            # module runs without Ray too, e.g. benchmarks/gpu/gpu_check.py on a machine that lacks it)
-            if not getattr(getattr(e, "failure", None), "timed_out", None):
+        except MembershipFailure as e:
+            if not e.failure.timed_out:  # only workers that ran past the call's limit make this a probe's timeout
                 raise
             raise CalibrationTimeoutError(
                 f"calibration probe {i + 1} of {len(probes)} ({_probe_text(p)}, {p.repeats + 1} runs) did not "

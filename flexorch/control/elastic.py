@@ -8,11 +8,12 @@
   the members are then brought to one state (if some finished the step's optimizer update before the failure, the
   others copy their state and the step counts as done; otherwise every survivor still holds the state from before
   the step) and form a new world (new epoch, new ranks, new rendezvous). A failure during any of this (a second
-  worker dying while the world forms, say) goes back to the policy. Returns what happened, as a record.
-  With stage-local parameters (``[pipeline] params = "stage"``) a part whose every holder was lost raises
-  ``PartsLostError``: the driver rolls back to its last checkpoint. With sharded model state the new world
-  re-shards it from the survivors as it forms (``hsdp``: in place; ``fsdp``: a lost shard had no copy, so
-  ``PartsLostError`` and the roll-back).
+  worker dying while the world forms, say) goes back to the policy. Returns what happened, a
+  :class:`~flexorch.control.membership.Recovery`. With stage-local parameters (``[pipeline] params = "stage"``) a
+  part whose every holder was lost is the policy's :class:`~flexorch.control.membership.RollBack`, raised to the
+  driver as :class:`RollingBack`: the driver goes back to its last checkpoint. With sharded model state the new
+  world re-shards it from the survivors as it forms (``hsdp``: in place; ``fsdp``: a lost shard had no copy, so
+  the group's ``PartsLostError`` and the roll-back).
 * :meth:`Elastic.at_boundary` between steps: admit workers that finished starting (new world, state copied to
   them from a member), then start new ones where the cluster has free slots, up to ``max_workers``.
 * :meth:`Elastic.leave_drained` at a step boundary, before that: the members on nodes being drained
@@ -29,23 +30,24 @@ import dataclasses
 import time
 
 from flexorch.control.drains import DrainWatch, NodeDrain
+from flexorch.control.failures import Failure, MembershipFailure, WorkerGroupError
 from flexorch.control.group import WorkerGroup
 from flexorch.control.membership import (
     Decision,
     ElasticPolicy,
     Fail,
-    Failure,
     Grow,
     Leave,
+    Recovery,
     Retry,
+    RollBack,
     Shrink,
     Stay,
     WaitForCapacity,
 )
-from flexorch.control.settle import MembershipFailure, WorkerGroupError
 from flexorch.work.placement import PartsLostError
 
-__all__ = ["Elastic", "ElasticError", "DRAIN_MARGIN_S"]
+__all__ = ["Elastic", "ElasticError", "RollingBack", "DRAIN_MARGIN_S"]
 
 DRAIN_MARGIN_S = 5.0
 """The least time before a drain's deadline that a planned leave is tried with (or twice the last world's
@@ -55,6 +57,15 @@ node that goes mid-handoff only costs the lost-node path it would have cost anyw
 
 class ElasticError(WorkerGroupError):
     """The run cannot go on with the workers it has (the policy said Fail); the last checkpoint is intact."""
+
+
+class RollingBack(RuntimeError):
+    """Carries the policy's :class:`~flexorch.control.membership.RollBack` out of a boundary or a recovery to the
+    driver, which executes it (the step it interrupts cannot go on)."""
+
+    def __init__(self, decision: RollBack):
+        self.decision = decision
+        super().__init__(decision.reason)
 
 
 class Elastic:
@@ -67,30 +78,30 @@ class Elastic:
         self.checkpoint_hint = checkpoint_hint  # () -> str: where the last checkpoint is and how to resume
         self.layout_note = layout_note or (lambda size: None)  # world size -> what the sharding does with it, or None
         self.reform_s = 0.0  # how long the last world took to form: a planned leave needs about that again
-        self.drains: DrainWatch | None = None
         self._driver_drain_taken = False
-        if hasattr(workers, "draining_nodes"):  # nodes being drained, seen from a thread within a second
-            own = getattr(workers, "driver_node", None)
-            notices = getattr(workers, "leaving_notices", None)  # workers that got SIGTERM (their heartbeats)
-            self.drains = DrainWatch(
-                workers.draining_nodes, workers.nodes_of, publish, own_node=own, notices=notices, grace_s=grace_s
-            )
+        # nodes being drained, seen from a thread within a second; workers that got SIGTERM (their heartbeats)
+        self.drains = DrainWatch(
+            workers.draining_nodes,
+            workers.nodes_of,
+            publish,
+            own_node=workers.driver_node,
+            notices=workers.leaving_notices,
+            grace_s=grace_s,
+        )
 
     def watch_drains(self, on_seen=None) -> None:
         """Start watching for drains from a thread (:class:`~flexorch.control.drains.DrainWatch`); ``on_seen(workers)``
         is called (from that thread) with the members of a node the moment its drain is first seen."""
-        if self.drains is not None:
-            self.drains.on_seen = on_seen
-            self.drains.start()
+        self.drains.on_seen = on_seen
+        self.drains.start()
 
     def close(self) -> None:
-        if self.drains is not None:
-            self.drains.close()
+        self.drains.close()
 
     def driver_drained(self) -> bool:
         """True once, at the first step boundary after the driver's own node was seen draining: the driver then
         writes a checkpoint, so that the new driver started when the node goes re-runs no step."""
-        if self.drains is None or self._driver_drain_taken:
+        if self._driver_drain_taken:
             return False
         if self.drains.own_drain is None:
             self.drains.poll()
@@ -104,8 +115,6 @@ class Elastic:
         a time, soonest deadline first, as the policy decides. ``plan_for(n)`` is called once a leave is decided,
         before the handoff, with the world size after it (the driver starts the next plan's solve, which then runs
         while the state moves and the world re-forms). Returns a ``drain`` record per node."""
-        if self.drains is None:
-            return []
         records = []
         for drain, on in self.drains.take(self.workers.nodes_of()):
             on = [w for w in on if w in self.workers.worker_ids]
@@ -138,29 +147,30 @@ class Elastic:
             # nobody ran a step: ``completed`` (workers that finished the call) says nothing about model state
             failure = dataclasses.replace(e.failure, completed=frozenset())
             why = "the handoff did not finish before the node went"
-            return self.recover(failure, 0, f"hand off before node {drain.name} goes", drain_fallback=why)
+            return self.recover(failure, 0, f"hand off before node {drain.name} goes", drain_fallback=why).to_record()
         t1 = time.perf_counter()
         w.remove(decision.leaving, retiring=True)
         what = f"leave draining node {drain.name}"
         try:
             w.form_world()
         except MembershipFailure as e:  # a stayer failed while the smaller world formed: the usual recovery
-            out = self.recover(dataclasses.replace(e.failure, completed=frozenset()), 0, "re-form after a drain")
+            failure = dataclasses.replace(e.failure, completed=frozenset())
+            out = self.recover(failure, 0, "re-form after a drain").to_record()
             out["drain"] = drain.fields()
             return out
         except PartsLostError as e:  # the handoff missed a shard: the driver rolls back, and says why
-            e.drain, e.what = {**drain.fields(), "fallback": "the handoff left a shard behind"}, what
-            raise
+            left = {**drain.fields(), "fallback": "the handoff left a shard behind"}
+            raise RollingBack(self.policy.on_parts_lost(e.lost_workers, str(e), what, left)) from e
         missing = w.missing_parts()  # the handoff gave the stayers every part; were any left behind, roll back
         if missing:
             err = PartsLostError(missing, list(decision.leaving))
-            err.drain, err.what = {**drain.fields(), "fallback": "the handoff left a part behind"}, what
-            raise err
+            left = {**drain.fields(), "fallback": "the handoff left a part behind"}
+            raise RollingBack(self.policy.on_parts_lost(err.lost_workers, str(err), what, left))
         t2 = time.perf_counter()
         self.reform_s = t2 - t1
         rec.update(moved, left=list(decision.leaving), world_after=list(w.worker_ids), fallback=None)
         rec.update(reform_ms=(t2 - t1) * 1e3, recovery_ms=(t2 - t0) * 1e3, rerun=False)
-        if getattr(w, "form_phases_ms", None):  # where the re-form went (the slowest member's phases)
+        if w.form_phases_ms:  # where the re-form went (the slowest member's phases)
             rec["reform_phases_ms"] = w.form_phases_ms
         self._note_layout(rec)
         self.publish({"event": "membership", **rec})
@@ -169,8 +179,6 @@ class Elastic:
     def _drained(self, lost, why: str | None = None) -> dict | None:
         """The drain of the node the lost workers ran on, if it was being drained, with ``why`` they did not leave
         on notice (default: its deadline came before a step boundary took them out)."""
-        if self.drains is None:
-            return None
         nodes = self.workers.nodes_of()
         for wid in sorted(lost):
             drain = self.drains.draining(nodes.get(wid, ""))
@@ -179,16 +187,19 @@ class Elastic:
                 return {**drain.fields(), "fallback": why}
         return None
 
-    def recover(self, failure: Failure, attempt: int, what: str, fresh=(), drain_fallback: str | None = None) -> dict:
-        """Bring the run back to a formed world after ``failure``; raises :class:`ElasticError` when it cannot.
+    def recover(
+        self, failure: Failure, attempt: int, what: str, fresh=(), drain_fallback: str | None = None
+    ) -> Recovery:
+        """Bring the run back to a formed world after ``failure``; raises :class:`ElasticError` when it cannot, and
+        :class:`RollingBack` with the policy's roll-back when some model state lost its every holder.
 
         ``failure.completed`` are the workers that finished the failed step (their state is after it); ``fresh``
         are members that hold no model state yet."""
         w = self.workers
         t0 = time.perf_counter()
-        detected = getattr(w, "detection", lambda lost: None)(failure.lost)  # before a re-formed world forgets it
+        detected = w.detection(failure.lost)  # before a re-formed world forgets it
         drained = self._drained(failure.lost, drain_fallback)  # lost with a draining node: the record says so
-        before = list(w.worker_ids)
+        before = tuple(w.worker_ids)
         ahead = set(failure.completed)  # finished the attempt: hold the state after it
         fresh = set(fresh)  # started to replace the lost: hold no state yet
         decisions, reasons, lost_all = [], [], set()
@@ -209,36 +220,27 @@ class Elastic:
                 attempt += 1
                 continue
             except PartsLostError as e:  # the roll-back's record says the lost were on a draining node
-                e.drain = drained
-                raise
-            restored = getattr(w, "restored", None)  # sharded state: the version the new world re-sharded
+                raise RollingBack(self.policy.on_parts_lost(e.lost_workers, str(e), drain=drained)) from e
+            restored = w.restored  # sharded state: the version the new world re-sharded
             if ahead and restored is not None and restored["version"] != restored["newest"]:
                 ahead = set()  # the update survived only on workers that lost shards: the step runs again
             missing = w.missing_parts()  # stage-local parameters: some part's every holder may be gone
             if missing:
                 err = PartsLostError(missing, sorted(lost_all))
-                err.drain = drained
-                raise err
-            rec = {
-                "what": what,
-                "attempt": attempt,
-                "decisions": decisions,
-                "lost": sorted(lost_all),
-                "reason": "; then ".join(reasons),
-                "world_before": before,
-                "world_after": list(w.worker_ids),
-                "step_completed": bool(ahead),
-                "recovery_ms": (time.perf_counter() - t0) * 1e3,
-            }
+                raise RollingBack(self.policy.on_parts_lost(err.lost_workers, str(err), drain=drained))
+            recovery = Recovery(
+                what, attempt, tuple(decisions), tuple(sorted(lost_all)), "; then ".join(reasons), before,
+                tuple(w.worker_ids), bool(ahead), (time.perf_counter() - t0) * 1e3, drain=drained,
+            )  # fmt: skip
             if detected is not None:  # from the lost workers' last heartbeat to the failure seen
-                rec["detected_by"], rec["detect_ms"] = detected["by"], detected["detect_ms"]
                 # re-forming starts when the failure is seen: the survivors' way out of the broken world counts
-                rec["recovery_ms"] += detected.get("since_ms", 0.0)
-            if drained is not None:
-                rec["drain"] = drained
-            self._note_layout(rec)
-            self.publish({"event": "membership", **rec})
-            return rec
+                recovery = dataclasses.replace(
+                    recovery, detected_by=detected["by"], detect_ms=detected["detect_ms"],
+                    recovery_ms=recovery.recovery_ms + detected.get("since_ms", 0.0),
+                )  # fmt: skip
+            recovery = dataclasses.replace(recovery, layout=self._layout(len(before), len(w.worker_ids)))
+            self.publish({"event": "membership", **recovery.to_record()})
+            return recovery
 
     def _reform(self, decision: Decision, ahead: set[int], fresh: set[int]) -> None:
         """Wait for capacity when the decision says so, copy the state to the members that lack it (from one that
@@ -255,10 +257,16 @@ class Elastic:
         fresh.clear()
         self.reform_s = w.form_world()
 
+    def _layout(self, before: int, after: int) -> str | None:
+        """What the sharding does with a world of ``after`` workers, when that differs from ``before``'s; else
+        None."""
+        note = self.layout_note(after)
+        return note if note and note != self.layout_note(before) else None
+
     def _note_layout(self, rec: dict) -> None:
         """Add ``layout`` to a membership record when the new world's size changes what the sharding does."""
-        note = self.layout_note(len(rec["world_after"]))
-        if note and note != self.layout_note(len(rec["world_before"])):
+        note = self._layout(len(rec["world_before"]), len(rec["world_after"]))
+        if note:
             rec["layout"] = note
 
     def _drop(self, decision: Decision, what: str) -> set[int]:
@@ -325,7 +333,9 @@ class Elastic:
             except MembershipFailure as e:
                 # the joiners hold no state unless the copy finished; let recovery sort the survivors out
                 failure = dataclasses.replace(e.failure, completed=frozenset())
-                return self.recover(failure, 0, "admit joining workers", fresh=set(ready))
+                return self.recover(failure, 0, "admit joining workers", fresh=set(ready)).to_record()
+            except PartsLostError as e:  # sharded state lost a shard with a member that left since the last world
+                raise RollingBack(self.policy.on_parts_lost(e.lost_workers, str(e))) from e
             record = {
                 "what": "grow",
                 "joined": ready,

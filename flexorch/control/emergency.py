@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from flexorch.control.failures import MembershipFailure
 from flexorch.control.group import WorkerGroup
 
 __all__ = ["save_after_error"]
@@ -47,7 +48,7 @@ def save_after_error(
         others = [w for w in workers.worker_ids if w not in holders]
         if others:
             workers.remove(others)
-        if getattr(workers, "sharded", False):  # the holders' rows, re-sharded over a world of the holders
+        if workers.sharded:  # the holders' rows, re-sharded over a world of the holders
             _form_world_of_holders(workers)
             restored = workers.restored
             if restored is None or restored["version"] != done:
@@ -69,10 +70,9 @@ def _form_world_of_holders(workers: WorkerGroup) -> None:
         try:
             workers.form_world()
             return
-        except Exception as e:
-            failure = getattr(e, "failure", None)  # a MembershipFailure: who was lost
-            gone = sorted(set(failure.lost) & set(workers.worker_ids)) if failure is not None else []
-            if not gone or failure.errors or len(gone) == len(workers.worker_ids):
+        except MembershipFailure as e:  # who was lost
+            gone = sorted(set(e.failure.lost) & set(workers.worker_ids))
+            if not gone or e.failure.errors or len(gone) == len(workers.worker_ids):
                 raise
             workers.remove(gone)
     workers.form_world()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 
+from flexorch.control.step_callbacks import StepCallback
+
 __all__ = ["FALLBACK_MIN_STEPS", "FALLBACK_WINDOW", "FallbackWatch"]
 
 FALLBACK_WINDOW = 20
@@ -17,7 +19,7 @@ FALLBACK_WINDOW = 20
 FALLBACK_MIN_STEPS = 10
 
 
-class FallbackWatch:
+class FallbackWatch(StepCallback):
     """The fallback reasons of the last :data:`FALLBACK_WINDOW` steps, and whether the run has warned yet."""
 
     def __init__(self, publish):

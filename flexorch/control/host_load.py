@@ -1,7 +1,7 @@
 """Is this process niced on a busy node? Ray starts its worker processes, and so every flexorch actor (the driver, the
 planner, the workers), at niceness 15 by default (Ray's ``worker_niceness`` setting), so on a node whose CPUs other
-processes keep busy they run on what is left: measured on 2 cores with one CPU hog per core, Ray's actors
-got 2-4 % of a core each, a 10-step run waited 15 s for every plan, and workers took minutes to import torch.
+processes keep busy they run on what is left, and plans and the workers' start crawl (what was measured is in
+docs/guide/elastic.md).
 
 flexorch's own local Ray starts them at niceness 0 (``flexorch.cli.train.ray_session``); a cluster started with
 ``ray start`` keeps its own setting, so the driver says once when it finds itself niced on a busy node.

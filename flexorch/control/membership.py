@@ -13,9 +13,14 @@ two apart; the ranks of epoch ``e`` are the alive worker ids, contiguous per nod
 * at a step boundary: :class:`Grow` (start this many workers; they join when ready) or ``None``;
 * when a node holding workers is being drained (``control.drains``): :class:`Leave` (at the next step boundary its
   workers hand off what only they hold and the world re-forms without them: nothing is re-run) or :class:`Stay`
-  (they stay until the node goes, and the lost-node path recovers then), with why.
+  (they stay until the node goes, and the lost-node path recovers then), with why;
+* when some model state lost its every holder (stage-local parameters, or a shard without a copy):
+  :class:`RollBack` (load the last checkpoint and train again from its step);
+* when workers ran out of device memory in a step: :class:`ReplanForMemory` (plan the step again with a smaller
+  memory budget, ``control.memory_budget.lowered_after_oom``), beside the decision on the failure.
 
-Only the driver executes decisions (``flexorch/control/elastic.py``).
+:class:`Recovery` is what executing a decision after a failure came to: the recovery record of the step.
+Only the driver executes decisions (``flexorch/control/elastic.py``, ``flexorch/control/driver.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +28,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from flexorch.control.failures import Failure
 from flexorch.solver.topology import Topology
 
 __all__ = [
     "Membership",
-    "Failure",
     "ElasticPolicy",
     "Shrink",
     "Grow",
@@ -37,6 +42,9 @@ __all__ = [
     "Decision",
     "Leave",
     "Stay",
+    "RollBack",
+    "ReplanForMemory",
+    "Recovery",
     "world_topology",
 ]
 
@@ -146,29 +154,6 @@ def world_topology(worker_ids, rank_nodes, n: int, without=()) -> Topology | Non
 
 
 @dataclass(frozen=True)
-class Failure:
-    """What the driver saw when an attempt (a step, a world formation, a state transfer) failed."""
-
-    lost: frozenset[int]
-    """Worker ids that died, or hung past the collective timeout and were killed."""
-    peer_errors: frozenset[int] = frozenset()
-    """Alive workers whose collective failed because a peer went away (they left the broken world)."""
-    errors: tuple[tuple[int, str], ...] = ()
-    """Alive workers that raised anything else: (worker id, message). Deterministic: never retried."""
-    completed: frozenset[int] = frozenset()
-    """Alive workers that finished the attempt (e.g. the step's optimizer update) before the failure."""
-    out_of_memory: frozenset[int] = frozenset()
-    """Alive workers whose device ran out of memory in the step (``StepOutOfMemoryError``): the step is re-planned
-    with a smaller memory budget and run again."""
-    timed_out: frozenset[int] = frozenset()
-    """The part of ``lost`` that was killed because the call outlasted its time limit while nothing else had failed
-    (hung, or still working on a call too long for the limit): the message says so instead of "lost"."""
-    oom_messages: tuple[tuple[int, str], ...] = ()
-    """(worker id, the first line of its out-of-memory error: what it tried to allocate, what was free) for the
-    workers in ``out_of_memory``."""
-
-
-@dataclass(frozen=True)
 class Shrink:
     lost: tuple[int, ...]
     survivors: tuple[int, ...]
@@ -216,6 +201,80 @@ class Stay:
 
     leaving: tuple[int, ...]
     reason: str
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """Some model state lost its every holder: the driver loads its last checkpoint on the workers alive and trains
+    again from its step."""
+
+    lost: tuple[int, ...]
+    """The lost workers that held it (ascending)."""
+    reason: str
+    """What was lost, in words (the error that showed it)."""
+    what: str | None = None
+    """What the run was doing when it showed (e.g. a drained node's leave); None: the driver names it (the step it
+    was running, or the admission of joining workers at a step boundary)."""
+    drain: dict | None = None
+    """The lost workers' node was being drained (``NodeDrain.fields()`` and why they did not leave in time)."""
+
+
+@dataclass(frozen=True)
+class ReplanForMemory:
+    """Workers ran out of device memory in a step: plan it again for a smaller memory budget, then run it again."""
+
+    workers: frozenset[int]
+    messages: tuple[tuple[int, str], ...] = ()
+    """(worker id, the first line of its out-of-memory error)."""
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """What a recovery after a failed attempt came to: the decisions executed, who was lost, the world before and
+    after, whether the failed step stands (``step_completed``: some survivor finished its update) and what it
+    cost. :meth:`to_record` is its entry in the step record's ``recoveries``."""
+
+    what: str
+    attempt: int
+    decisions: tuple[str, ...]
+    lost: tuple[int, ...]
+    reason: str
+    world_before: tuple[int, ...]
+    world_after: tuple[int, ...]
+    step_completed: bool
+    recovery_ms: float
+    detected_by: str | None = None
+    """How the failure was found ("heartbeat" or "ray"; None: not known) and ``detect_ms`` after the lost workers'
+    last sign of life."""
+    detect_ms: float | None = None
+    drain: dict | None = None
+    """The lost workers' node was being drained (``NodeDrain.fields()`` and why they did not leave in time)."""
+    layout: str | None = None
+    """What the sharding does differently with the new world's size, when that changed."""
+    out_of_memory: dict | None = None
+    """The memory budget lowered for the re-plan (``control.memory_budget.lowered_after_oom``'s record)."""
+
+    def to_record(self) -> dict:
+        rec = {
+            "what": self.what,
+            "attempt": self.attempt,
+            "decisions": list(self.decisions),
+            "lost": list(self.lost),
+            "reason": self.reason,
+            "world_before": list(self.world_before),
+            "world_after": list(self.world_after),
+            "step_completed": self.step_completed,
+            "recovery_ms": self.recovery_ms,
+        }
+        if self.detected_by is not None:
+            rec["detected_by"], rec["detect_ms"] = self.detected_by, self.detect_ms
+        if self.drain is not None:
+            rec["drain"] = self.drain
+        if self.layout:
+            rec["layout"] = self.layout
+        if self.out_of_memory is not None:
+            rec["out_of_memory"] = self.out_of_memory
+        return rec
 
 
 @dataclass(frozen=True)
@@ -276,6 +335,20 @@ class ElasticPolicy:
                 f"the deadline is {max(left_s, 0.0):.1f} s away and a handoff needs about {needed_s:.1f} s",
             )
         return Leave(leaving, survivors)
+
+    def on_parts_lost(
+        self, lost: Iterable[int], reason: str, what: str | None = None, drain: dict | None = None
+    ) -> RollBack:
+        """Model state whose every holder was lost (``lost``; ``reason``: what was lost) cannot be rebuilt from
+        the survivors: back to the last checkpoint."""
+        return RollBack(tuple(sorted(lost)), reason, what, drain)
+
+    def on_out_of_memory(self, failure: Failure) -> ReplanForMemory | None:
+        """A failed attempt in which workers ran out of device memory is planned again for less memory per worker,
+        whatever :meth:`on_failure` decides about who was lost; None when nobody ran out."""
+        if not failure.out_of_memory:
+            return None
+        return ReplanForMemory(failure.out_of_memory, failure.oom_messages)
 
     def at_boundary(self, size: int, joining: int, free_slots: int) -> Grow | None:
         """Grow by what fits under ``max_workers`` and the free slots; ``joining`` workers are already starting."""

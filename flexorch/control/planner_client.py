@@ -7,9 +7,9 @@ next batch while the current step runs, bounds the wait for a plan and falls bac
   solve overlaps the step on another process; :class:`LocalPlannerClient` runs the same planner in a daemon thread
   of this process (real MILP solves, no Ray: tests and benchmarks that step the driver in-process).
 
-Both share :class:`_PrefetchingClient`: a plan solved ahead is used only when it was solved for the same stream step
-and the same number of workers (a membership change in between makes it stale). A step that cannot get the planner's
-plan runs :func:`~flexorch.solver.step_planner.heuristic_plan` (status 'fallback') and says why in
+Both share :class:`_PrefetchingClient`: a plan solved ahead is used only when it was solved for the same stream step and
+the same number of workers (a membership change in between makes it stale). A step that cannot get the planner's plan
+runs :func:`~flexorch.solver.step_planner.heuristic_plan` (status 'fallback', ``PlannedStep.heuristic``) and says why in
 ``PlannedStep.fallback_reason``: 'timeout' (not back within ``timeout_s``: the planner is abandoned and replaced),
 'crash' (the planner process died: replaced) or 'error' (the planner raised: the message is kept). The planner's own
 solves run in a solver process of its own (``solver.planner``), so a native MILP crash normally costs one solve and
@@ -29,9 +29,10 @@ from typing import Protocol
 
 import ray
 
+from flexorch.solver.planned_step import PlannedStep
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import Profile
-from flexorch.solver.step_planner import PlannedStep, StepPlanner, heuristic_plan
+from flexorch.solver.step_planner import StepPlanner, heuristic_plan
 from flexorch.solver.topology import Topology
 
 __all__ = [
@@ -56,9 +57,9 @@ when it dies the client sees it at once, counts a 'crash' fallback and starts a 
 would spend the step's wait in silence)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlannerSpec:
-    """What a planner client needs to build its :class:`StepPlanner` and its fallback."""
+    """What a planner client needs to build its :class:`StepPlanner` and its fallback. Built with keywords only."""
 
     profile: Profile
     config: PlannerConfig
@@ -67,20 +68,18 @@ class PlannerSpec:
     pipeline_stages: int | str
     pipeline_params: str
     timeout_s: float
+    """How long a step waits for its plan before the fallback (``plan.timeout_s``)."""
     adapter_ranks: tuple[int, ...] = ()
     """``[[tasks]]``: each task's LoRA rank (0: none); a step's ``task_of`` then gets Spindle's multi-task plan
     (``flexorch.solver.multitask.execute``). Empty: one task."""
     task_method: str = "spindle"
     """How a multi-task step is planned: 'spindle' or 'in_turn' (the tasks one after another on every worker)."""
     task_barrier: bool = False
-    """Sharded model state: the workers meet at every micro-batch, which is how a multi-task plan is timed against
-    the tasks in turn (replicated workers run without a barrier)."""
-    """How long a step waits for its plan before the fallback (``plan.timeout_s``)."""
+    """The workers meet at every micro-batch: true with sharded model state (every rank runs every micro-batch), so
+    a multi-task plan is timed against the tasks in turn with barriers; replicated workers run without one."""
     niceness: int = 0
     """Added to the planner process's niceness (a separate process only). A run's planner gets none: its solve is a
-    few per cent of a step's CPU, and niced beside busy CPU workers it ran out of time. Measured
-    (examples/train_laptop.toml, 4 workers on 2 cores, 0.5 s budget, 8 steps each): +10 gave 6 of 8 steps the
-    fallback, +5 the same, 0 none, at the same step time (median 1,012 / 1,139 / 1,039 ms)."""
+    few per cent of a step's CPU, and niced beside busy CPU workers it runs out of time (docs/guide/planner.md)."""
     pipeline_recompute: str = "auto"
     """With pipeline stages: what they recompute (``flexorch.solver.pipeline.stage_model.StageModel.recompute``)."""
 
@@ -93,15 +92,18 @@ class PlannerSpec:
             solver=cfg.plan.solver,
             hybrid=cfg.plan.hybrid,
         )
-        stages, params = cfg.pipeline.stages, cfg.pipeline.params
-        ranks = tuple(t.lora_rank for t in cfg.tasks)
-        method = cfg.plan.tasks
-        sharded = cfg.sharding_mode != "replicate"
-        recompute = cfg.recompute if cfg.pipelined else "auto"
         return cls(
-            profile, config, cfg.plan.static, stages, params, cfg.plan.timeout_s, ranks, method, sharded,
-            pipeline_recompute=recompute,
-        )  # fmt: skip
+            profile=profile,
+            config=config,
+            static=cfg.plan.static,
+            pipeline_stages=cfg.pipeline.stages,
+            pipeline_params=cfg.pipeline.params,
+            timeout_s=cfg.plan.timeout_s,
+            adapter_ranks=tuple(t.lora_rank for t in cfg.tasks),
+            task_method=cfg.plan.tasks,
+            task_barrier=cfg.sharding_mode != "replicate",  # sharded state: a barrier at every micro-batch
+            pipeline_recompute=cfg.recompute if cfg.pipelined else "auto",
+        )
 
     def planner_args(self, niceness: int) -> tuple:
         return (
@@ -187,14 +189,22 @@ PlannerFactory = Callable[[PlannerSpec, Callable[[dict], None]], PlannerClient]
 
 
 class _PrefetchingClient:
-    """Prefetch, timeout and fallback over a planner handle; subclasses say how a solve is started and awaited."""
+    """Prefetch, timeout and fallback over a planner handle; subclasses say how a solve is started and awaited.
+
+    Thread safety: the run loop's thread calls :meth:`plan`, :meth:`plan_ahead`, :meth:`forget` and
+    :meth:`set_profile`, and the drain watch's thread calls ``plan_ahead(..., also=True)`` at the same time. All the
+    client's mutable state (``spec``, the solves ahead in ``_pending``, the planner handle that ``_start`` makes and
+    ``_submit`` sends to, and a subclass's profile handed to the next solve) is read and written only under
+    ``_state_lock``, so a solve is always submitted to the planner in place and a restart drops the solves ahead that
+    went to the planner it replaced. Waiting for a solve (``_wait``) happens outside the lock."""
 
     def __init__(self, spec: PlannerSpec, publish: Callable[[dict], None]):
         self.spec = spec
         self.publish = publish
         self._pending: dict[tuple, object] = {}  # (stream step, workers, topology) -> solve handle
-        self._pending_lock = threading.Lock()  # plan_ahead(also=True) comes from the drain watch's thread
-        self._start()
+        self._state_lock = threading.RLock()
+        with self._state_lock:
+            self._start()
 
     def _start(self) -> None:
         raise NotImplementedError
@@ -208,6 +218,13 @@ class _PrefetchingClient:
 
     def _abandon(self) -> None:
         """Drop the stuck planner (a fresh one is started after)."""
+
+    def _restart(self) -> None:
+        """A fresh planner in place of a stuck or dead one; the solves ahead sent to the old one are dropped."""
+        with self._state_lock:
+            self._abandon()
+            self._pending = {}
+            self._start()
 
     def _died(self, error: BaseException) -> bool:
         """True when ``error`` means the planner process is gone (it crashed or was killed)."""
@@ -224,16 +241,16 @@ class _PrefetchingClient:
     ) -> PlannedStep:
         if n < 1:
             raise ValueError(f"stream step {stream_step}: no worker is left to plan for (n={n})")
-        with self._pending_lock:
+        with self._state_lock:
             handle = self._pending.pop((stream_step, n, topology), None)
             self._pending = {}
-        if handle is None:
-            handle = self._submit(lengths, n, budget_s, task_of, topology)
+            if handle is None:
+                handle = self._submit(lengths, n, budget_s, task_of, topology)
+            timeout_s = self.spec.timeout_s
         try:
-            return self._wait(handle, self.spec.timeout_s)
+            return self._wait(handle, timeout_s)
         except TimeoutError:
-            self._abandon()
-            self._start()
+            self._restart()
             why = (
                 f"the planner gave no plan within plan.timeout_s={self.spec.timeout_s:g} s (restarted it); raise "
                 "plan.timeout_s if the machine is busy"
@@ -241,11 +258,10 @@ class _PrefetchingClient:
             return self._fallback(stream_step, lengths, n, "timeout", why, task_of)
         except Exception as e:  # noqa: BLE001 - any planner failure costs this step's plan, never the run
             if self._died(e):
-                self._abandon()
-                self._start()
+                self._restart()
                 why = f"the planner process died ({type(e).__name__}; restarted it)"
                 return self._fallback(stream_step, lengths, n, "crash", why, task_of)
-            cause = getattr(e, "cause", None) or e
+            cause = getattr(e, "cause", None) or e  # optional: Ray's RayTaskError holds the planner's error as .cause
             why = f"the planner raised {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
             return self._fallback(stream_step, lengths, n, "error", why, task_of)
 
@@ -255,7 +271,9 @@ class _PrefetchingClient:
         self.publish(
             {"event": "planner", "message": f"stream step {stream_step}: {why}; this step runs the heuristic plan"}
         )
-        planned = self.spec.fallback(lengths, n, task_of)
+        with self._state_lock:
+            spec = self.spec
+        planned = spec.fallback(lengths, n, task_of)
         return dataclasses.replace(planned, fallback_reason=reason, fallback_message=why)
 
     def plan_ahead(
@@ -269,26 +287,30 @@ class _PrefetchingClient:
         topology: Topology | None = None,
     ) -> None:
         key = (stream_step, n, topology)
-        with self._pending_lock:
+        with self._state_lock:
             kept = {k: h for k, h in self._pending.items() if k[0] == stream_step and (also or k[1:] == key[1:])}
             if key not in kept:
                 kept[key] = self._submit(lengths, n, budget_s, task_of, topology)
             self._pending = kept
 
     def forget(self) -> None:
-        with self._pending_lock:
+        with self._state_lock:
             self._pending = {}
 
     def set_profile(self, profile: Profile) -> None:
-        self.spec = dataclasses.replace(self.spec, profile=profile)  # a restarted planner and the fallback too
-        self._push_profile(profile)
+        with self._state_lock:
+            self.spec = dataclasses.replace(self.spec, profile=profile)  # a restarted planner and the fallback too
+            self._push_profile(profile)
 
     def _push_profile(self, profile: Profile) -> None:
         raise NotImplementedError
 
 
 class RayPlannerClient(_PrefetchingClient):
-    """The planner in :data:`StepPlannerActor` on the driver's node (it survives the loss of a worker node)."""
+    """The planner in :data:`StepPlannerActor` on the driver's node (it survives the loss of a worker node).
+
+    Thread safety: as :class:`_PrefetchingClient`'s; the actor handle is replaced and submitted to under the client's
+    ``_state_lock``, and the actor runs one caller's calls in order."""
 
     def _start(self) -> None:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -319,20 +341,25 @@ class RayPlannerClient(_PrefetchingClient):
 
     def inject_crash(self) -> None:
         """Test seam: the planner process dies now (a native crash outside a solve)."""
-        pid = ray.get(self.actor.pid.remote())
-        os.kill(pid, signal.SIGKILL)
+        with self._state_lock:
+            actor = self.actor
+        os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
 
     def add_probe(self, probe) -> None:
-        ray.get(self.actor.add_probe.remote(probe))
+        with self._state_lock:
+            done = self.actor.add_probe.remote(probe)
+        ray.get(done)
 
     def close(self) -> None:
         # let the planner close its solver processes first (at most a solve's wait): killed with them still up, its
         # finalizers ran under Ray's SIGTERM handler and printed a traceback into the run's console output
+        with self._state_lock:
+            actor = self.actor
         try:
-            ray.get(self.actor.close.remote(), timeout=_CLOSE_WAIT_S)
+            ray.get(actor.close.remote(), timeout=_CLOSE_WAIT_S)
         except Exception:  # noqa: BLE001 - stuck, dead or busy past the wait: it is killed all the same
             pass
-        ray.kill(self.actor)
+        ray.kill(actor)
 
 
 _CLOSE_WAIT_S = 3.0
@@ -340,11 +367,15 @@ _CLOSE_WAIT_S = 3.0
 
 class LocalPlannerClient(_PrefetchingClient):
     """The planner in this process: each solve runs in a daemon thread, one at a time (as the actor runs its calls),
-    so a solve ahead overlaps the step and a stuck one is abandoned without blocking the process's exit."""
+    so a solve ahead overlaps the step and a stuck one is abandoned without blocking the process's exit.
+
+    Thread safety: as :class:`_PrefetchingClient`'s; the planner, its solve lock and the refit handed to the next
+    solve are replaced and read under the client's ``_state_lock``, and the solves themselves take the planner's
+    ``_solve_lock`` (a ``StepPlanner`` plans one batch at a time)."""
 
     def _start(self) -> None:
         self.planner = StepPlanner(*self.spec.planner_args(0))  # never renice the caller's own process
-        self._lock = threading.Lock()
+        self._solve_lock = threading.Lock()
         self._profile: Profile | None = None  # a refit the next solve takes up (a solve in flight holds the lock)
 
     def _push_profile(self, profile):
@@ -353,7 +384,7 @@ class LocalPlannerClient(_PrefetchingClient):
     def _submit(self, lengths, n, budget_s=None, task_of=None, topology=None):
         future: concurrent.futures.Future = concurrent.futures.Future()
         kwargs = self.spec.task_kwargs(task_of)
-        planner, lock, profile, self._profile = self.planner, self._lock, self._profile, None
+        planner, lock, profile, self._profile = self.planner, self._solve_lock, self._profile, None
 
         def solve() -> None:
             with lock:
@@ -371,7 +402,10 @@ class LocalPlannerClient(_PrefetchingClient):
         return handle.result(timeout=timeout_s)  # concurrent.futures.TimeoutError is TimeoutError (3.11)
 
     def add_probe(self, probe) -> None:
-        self.planner.add_probe(probe)
+        with self._state_lock:
+            self.planner.add_probe(probe)
 
     def close(self) -> None:
-        self.planner.close()
+        with self._state_lock:
+            planner = self.planner
+        planner.close()

@@ -40,6 +40,18 @@ class ProfileRevisions:
         self._publish = publish
         self._planner = None
 
+    @classmethod
+    def for_run(cls, cfg, publish: Callable) -> ProfileRevisions:
+        """The revisions of the run ``cfg`` (a TrainConfig) describes: its ``[plan]`` refit settings, in its run dir."""
+        plan = cfg.plan
+        return cls(
+            cfg.run_dir,
+            refits=plan.refits,
+            refit_every=plan.refit_every,
+            static=plan.static is not None,
+            publish=publish,
+        )
+
     def start(self, profile: Profile, resumed: bool, step_no: int) -> Profile:
         """The profile this start plans with: revision 0 of a fresh run (``profile_revisions.jsonl`` begins anew);
         a resumed or restarted run goes on counting after the file's last revision, so that a record's

@@ -10,9 +10,8 @@
   longer. The document is the longest a worker holds without recompute, up to ``data.max_context``, that the
   calibrated profile predicts at most :data:`TIME_PROBE_MS` with full recompute; at least
   :data:`TIME_PROBE_TOKENS` where a worker holds that many. A ratio prices whole groups, fixed costs included, so
-  it is measured near the size of a micro-batch's groups, not on a short document whose fixed costs weigh more:
-  on these CPUs the tiny model's ratio drifts from 0.66 to 0.77 with the length; on one H200 a 1.1B Llama's is
-  0.78 at 16,384 tokens (565 ms without recompute, 723 ms with full) and at 40,596 (1,129 and 1,452 ms).
+  it is measured near the size of a micro-batch's groups, not on a short document whose fixed costs weigh more
+  (how a ratio moves with the length is in docs/guide/sharding.md).
 
 A Hugging Face model runs 'full' as Transformers' own per-layer checkpointing and 'selective' as its layers' MLPs
 recomputed (``flexorch.workers.hf_model``).

@@ -2,8 +2,8 @@
 
 :class:`RunRefit` keeps the groups and the step of every record (``flexorch.solver.refit``: the first step on each
 world is left out, it warms up process groups and the allocator, and so is a step that compiled, :func:`compiled`)
-and every ``plan.refit_every`` steps refits the profile's time terms on them in a thread beside the next step
-(0.04-0.7 s for 40-104 groups on these CPUs), one refit in flight at a time. The run's step level
+and every ``plan.refit_every`` steps refits the profile's time terms on them in a thread beside the next step, one
+refit in flight at a time (its cost is in docs/guide/planner.md). The run's step level
 (``solver.step_level``) is taken over the same steps.
 
 A refit that predicts its window better is only *on trial*: the planner plans with it, and the next
@@ -11,8 +11,8 @@ A refit that predicts its window better is only *on trial*: the planner plans wi
 It is kept for good when it predicts them at least as well, and rolled back otherwise. A window's steps cannot show
 what a refit does to the plans it was not fitted on: the planner goes for whatever the new prices make cheapest, so a
 refit that prices a group type it never saw too low is judged exactly on the steps that use that type (the demo's
-case: a refit "5.3 % -> 2.8 %" on its window was followed by ``<2x2>`` steps predicted 43-46 % low). No refit starts
-while one is on trial. The driver executes what this decides (:class:`Verdict`) and decides nothing here.
+case is in docs/guide/planner.md). No refit starts while one is on trial. The driver executes what this decides
+(:class:`Verdict`) and decides nothing here.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ __all__ = ["COMPILE_SHARE", "TRIAL_STEPS", "Change", "RunRefit", "Verdict", "com
 COMPILE_SHARE = 0.02
 """A step on whose ranks ``torch.compile`` compiled for more than this share of its measured time is left out of the
 window: its groups' times carry the compiles, not the plan (``[model] compile``: each new shape compiles the layers
-again, so a GPU run's first steps took up to 35 % longer than the same plans later on the H200)."""
+again, so a run's first steps take longer than the same plans later; docs/guide/planner.md)."""
 
 TRIAL_STEPS = 3
 """Steps planned with a refit before it is judged: the median of three steps' errors is not one step's noise."""

@@ -1,26 +1,29 @@
-"""Waiting on the workers and sorting what happened: :meth:`Settling.settle` waits for a call on every worker and
-returns a :class:`~flexorch.control.membership.Failure` value (lost, peer errors, deterministic errors, out of memory,
+"""Waiting on the workers and sorting what happened: :meth:`Settler.settle` waits for a call on every worker and
+returns a :class:`~flexorch.control.failures.Failure` value (lost, peer errors, deterministic errors, out of memory,
 completed) instead of failing on the first error: the elastic driver needs to know who survived and in which state.
 
-:class:`Settling` is a part of :class:`~flexorch.control.worker_group.RayWorkerGroup` (its base class), kept apart so
-that each file holds one job: this one the sorting of failures, ``control.worker_group`` the world (start, admit,
-form), ``control.state_moves`` the model state. It uses the group's actors, heartbeats, rendezvous store,
-collective timeout and ``publish``.
+:class:`Settler` is a component of :class:`~flexorch.control.worker_group.RayWorkerGroup`: it is given the group's
+actors (a live view: the group adds and removes them), the heartbeat watch, the membership (for the epoch a late
+abort must not reach past), the collective timeout, a way to close the current rendezvous and ``publish``; it owns
+what one wait found out (who went silent, when the world broke, when it last told the pending to abort).
 """
 
 from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ray
 
-from flexorch.control.membership import Failure
+from flexorch.control.failures import Failure, MembershipFailure, Outcomes
+from flexorch.control.heartbeats import Heartbeats
+from flexorch.control.membership import Membership
 from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError, WorldUnreachableError
 
-__all__ = ["MembershipFailure", "Settling", "WorkerGroupError"]
+__all__ = ["Settler"]
 
 BEAT_CHECK_S = 0.5  # while waiting on workers: how often their heartbeats are looked at
 BROKEN_WORLD_SILENCE_S = 3.0
@@ -43,34 +46,11 @@ too, so no survivor waits out the collective timeout on a peer that has already 
 PROGRESS_EVERY_S = 10.0  # while setup waits: a progress event at least this often (and whenever something changed)
 
 
-class WorkerGroupError(RuntimeError):
-    """Workers could not be placed, or failed in a way the run cannot recover from."""
-
-
-class MembershipFailure(WorkerGroupError):
-    """A call on the workers failed; ``failure`` says who was lost and in which state the others are."""
-
-    def __init__(self, what: str, failure: Failure, timeout_s: float | None = None):
-        self.failure = failure
-        parts = []
-        if failure.lost - failure.timed_out:
-            parts.append(f"lost workers {sorted(failure.lost - failure.timed_out)}")
-        if failure.timed_out:
-            limit = f" within its limit of {timeout_s:.3g} s" if timeout_s is not None else " in time"
-            parts.append(f"workers {sorted(failure.timed_out)} did not finish{limit} and were killed")
-        if failure.peer_errors:
-            parts.append(f"workers {sorted(failure.peer_errors)} left the broken world")
-        said: dict[str, list[int]] = {}  # the same error from several workers (a world that cannot connect) once
-        for w, m in failure.errors:
-            said.setdefault(m, []).append(w)
-        parts += [f"worker {ws[0]}: {m}" if len(ws) == 1 else f"workers {sorted(ws)}: {m}" for m, ws in said.items()]
-        super().__init__(f"could not {what}: {'; '.join(parts)}")
-
-
 def _where(err: BaseException) -> str:
     """`` (at FILE:LINE in FUNC)``: the innermost frame of a worker's own error, from the traceback its worker
     attached as a note (``Worker._guarded``), so a one-line reason still says where it was raised."""
-    for note in reversed(getattr(err, "__notes__", None) or ()):
+    notes = getattr(err, "__notes__", None) or ()  # optional: only an exception given a note has it (PEP 678)
+    for note in reversed(notes):
         frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', note)
         if frames:
             path, line, func = frames[-1]
@@ -80,35 +60,41 @@ def _where(err: BaseException) -> str:
 
 @dataclass
 class _Wait:
-    """One :meth:`Settling.settle`: the calls still pending (ref -> worker id), what the others came to, and the
+    """One :meth:`Settler.settle`: the calls still pending (ref -> worker id), what the others came to, and the
     wait's deadline (brought forward once the world broke)."""
 
     pending: dict
     deadline: float
-    results: dict = field(default_factory=dict)
-    lost: set = field(default_factory=set)
-    peer: set = field(default_factory=set)
-    errors: list = field(default_factory=list)
-    oom: set = field(default_factory=set)
-    oom_messages: list = field(default_factory=list)
-
-    def failure(self, timed_out: set) -> Failure | None:
-        if not (self.lost or self.peer or self.errors or self.oom):
-            return None
-        return Failure(
-            frozenset(self.lost),
-            frozenset(self.peer),
-            tuple(self.errors),
-            frozenset(self.results),
-            frozenset(self.oom),
-            frozenset(timed_out),
-            tuple(self.oom_messages),
-        )
+    got: Outcomes = field(default_factory=Outcomes)
 
 
-class Settling:
-    """Waiting on calls to the workers and sorting their failures, as methods of the worker group (see the module's
-    docstring)."""
+class Settler:
+    """Waiting on calls to the workers and sorting their failures (see the module's docstring)."""
+
+    def __init__(
+        self,
+        actors: dict,
+        heartbeats: Heartbeats,
+        membership: Membership,
+        *,
+        timeout_s: float,
+        heartbeat_timeout_s: float,
+        close_rendezvous: Callable[[], None],
+        publish,
+    ) -> None:
+        self._actors = actors  # worker id -> actor handle: the group's own dict, members and joiners it admitted
+        self.heartbeats: Heartbeats | None = heartbeats
+        """The heartbeat watch (None once the group shut down: its store is closed with it)."""
+        self._membership = membership
+        self.timeout_s = timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._close_rendezvous = close_rendezvous
+        self._publish = publish
+        self.silent: dict[int, float] = {}
+        """Workers declared hung by their heartbeat during the last :meth:`settle`: worker id -> seconds silent."""
+        self.failed_at: float | None = None
+        """When the last :meth:`settle` saw its first failure (``time.monotonic()``); None: none."""
+        self._aborted_at = 0.0  # when the pending were last told to abort the broken world
 
     def settle(self, refs: dict, timeout_s: float, what: str | None = None) -> tuple[dict, Failure | None]:
         """Wait for every worker's call; returns ({worker id: result} of those that finished, failure or None).
@@ -146,8 +132,8 @@ class Settling:
             ready, _ = ray.wait(list(w.pending), num_returns=1, timeout=wait_s)
             for ref in ready:
                 if not self._take(w, ref):
-                    self._world_broke(w, ERROR_GRACE_S if w.errors else self.timeout_s + 5.0)
-        return w.results, w.failure(self._end_wait(w))
+                    self._world_broke(w, ERROR_GRACE_S if w.got.errors else self.timeout_s + 5.0)
+        return w.got.results, w.got.failure(self._end_wait(w))
 
     def _say_waiting(self, what: str, total: int, pending: dict, waited_s: float) -> None:
         msg = (
@@ -161,20 +147,20 @@ class Settling:
         was lost, ``BROKEN_WORLD_SILENCE_S``): their sockets close, so peers blocked on them fail at once. True when
         any was dropped."""
         limit = self.heartbeat_timeout_s
-        if self.failed_at is not None and not w.errors:  # a member was lost: silence means gone too
+        if self.failed_at is not None and not w.got.errors:  # a member was lost: silence means gone too
             limit = min(limit, BROKEN_WORLD_SILENCE_S)
         hung = self.heartbeats.silent(set(w.pending.values()), limit)
         if not hung:
             return False
         for ref in [r for r, wid in w.pending.items() if wid in hung]:
             ray.kill(self._actors[w.pending.pop(ref)], no_restart=True)
-        w.lost |= set(hung)
+        w.got.lost |= set(hung)
         self.silent.update(hung)
         if self.failed_at is None:
             self.failed_at = time.monotonic()
             self._abort_pending(w.pending.values())
-        self.store = None
-        if not w.errors:
+        self._close_rendezvous()
+        if not w.got.errors:
             w.deadline = min(w.deadline, time.monotonic() + self.timeout_s + 5.0)
         return True
 
@@ -183,20 +169,19 @@ class Settling:
         True when it succeeded."""
         wid = w.pending.pop(ref)
         try:
-            w.results[wid] = ray.get(ref)
+            w.got.results[wid] = ray.get(ref)
             return True
         except ray.exceptions.RayActorError:
-            w.lost.add(wid)
+            w.got.lost.add(wid)
         except ray.exceptions.RayTaskError as e:
             cause = e.cause if e.cause is not None else e
             if isinstance(cause, PeerLostError) or isinstance(e, PeerLostError):
-                w.peer.add(wid)
+                w.got.peer.add(wid)
             elif isinstance(cause, StepOutOfMemoryError):  # not final: re-planned with less memory
-                w.oom.add(wid)
-                w.oom_messages.append((wid, str(cause).splitlines()[0][:300]))
+                w.got.out_of_memory(wid, str(cause).splitlines()[0][:300])
             else:  # a setup error says what to do at its end: kept whole
                 first = str(cause).splitlines()[0][: None if isinstance(cause, WorldUnreachableError) else 500]
-                w.errors.append((wid, f"{type(cause).__name__}: {first}{_where(cause)}"))
+                w.got.errors.append((wid, f"{type(cause).__name__}: {first}{_where(cause)}"))
         return False
 
     def _world_broke(self, w: _Wait, grace_s: float) -> None:
@@ -206,8 +191,7 @@ class Settling:
         if self.failed_at is None:
             self.failed_at = time.monotonic()
             self._abort_pending(w.pending.values())
-        if self.store is not None:
-            self.store = None
+        self._close_rendezvous()
         w.deadline = min(w.deadline, time.monotonic() + grace_s)
 
     def _end_wait(self, w: _Wait) -> set:
@@ -216,10 +200,10 @@ class Settling:
         ``control.emergency``). Returns those that ran past the call's limit with nothing else failing."""
         timed_out = set()
         for wid in w.pending.values():  # hung past the collective timeout
-            if w.errors and self.heartbeats.beating(wid):
+            if w.got.errors and self.heartbeats.beating(wid):
                 continue
             ray.kill(self._actors[wid], no_restart=True)
-            w.lost.add(wid)
+            w.got.lost.add(wid)
             if self.failed_at is None:  # nothing else failed: the call itself ran past its limit
                 timed_out.add(wid)
         return timed_out
@@ -228,10 +212,8 @@ class Settling:
         """Tell workers still in a call on a broken world to shut its sockets down (``Worker.abort_world``, on
         their control thread): a collective waiting on a gone or frozen peer fails at once. Not waited for."""
         self._aborted_at = time.monotonic()
-        for w in worker_ids:
-            abort = getattr(self._actors.get(w), "abort_world", None)  # a stand-in worker class may lack it
-            if abort is not None:  # this epoch's world only: a late abort must not reach the next world
-                abort.remote(self.membership.epoch)
+        for w in worker_ids:  # this epoch's world only: a late abort must not reach the next world
+            self._actors[w].abort_world.remote(self._membership.epoch)
 
     def detection(self, lost) -> dict | None:
         """How the last :meth:`settle`'s failure was found (``Heartbeats.detection``): by, detect_ms, since_ms."""

@@ -2,11 +2,10 @@
 parameters placed where a pipelined step needs them, the whole state assembled for a checkpoint or set from one,
 sharded checkpoints written and read by every member, and what members on a draining node hand over before they go.
 
-:class:`ModelStateMoves` is a part of :class:`~flexorch.control.worker_group.RayWorkerGroup` (its base class), kept
-apart so that each file holds one job: this one the model state, ``control.worker_group`` the world (start, admit,
-form), ``control.settle`` the sorting of failures. It uses the group's actors, members, ``held`` (the model parts
-each member holds, ``flexorch.work.placement``), ``sharded`` and collective timeout.
-"""
+:class:`StateMoves` is a component of :class:`~flexorch.control.worker_group.RayWorkerGroup`: it is given the
+group's actors (a live view), its membership (the members in rank order), the settler that waits on its calls
+(``control.settle``), whether the state is sharded and the model's parts; it owns ``held``, the model parts each
+member holds (``flexorch.work.placement``), which the group updates as members come and go."""
 
 from __future__ import annotations
 
@@ -14,14 +13,44 @@ import time
 
 import ray
 
-from flexorch.control.settle import WorkerGroupError
+from flexorch.control.failures import WorkerGroupError
+from flexorch.control.membership import Membership
+from flexorch.control.settle import Settler
 from flexorch.work.placement import ALL, handoff_needs, missing_parts, transfers
 
-__all__ = ["ModelStateMoves"]
+__all__ = ["StateMoves"]
 
 
-class ModelStateMoves:
-    """Moving model state between the workers, as methods of the worker group (see the module's docstring)."""
+class StateMoves:
+    """Moving model state between the workers (see the module's docstring)."""
+
+    def __init__(self, actors: dict, membership: Membership, settler: Settler, *, sharded: bool, parts) -> None:
+        self._actors = actors  # worker id -> actor handle: the group's own dict
+        self._membership = membership
+        self._settler = settler
+        self.sharded = sharded
+        self.parts = parts
+        """The model's parts (``flexorch.work.placement.model_parts``)."""
+        self.held: dict[int, frozenset[str] | None] = {}
+        """Model parts each member holds (None: the whole model)."""
+
+    @property
+    def worker_ids(self) -> tuple[int, ...]:
+        return self._membership.worker_ids
+
+    @property
+    def timeout_s(self) -> float:
+        return self._settler.timeout_s
+
+    def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
+        return self._settler.call_all(refs, what, timeout_s)
+
+    def joined(self, worker_id: int) -> None:
+        """A new member: it builds the whole model (its state comes from :meth:`sync_state`)."""
+        self.held[worker_id] = ALL
+
+    def left(self, worker_id: int) -> None:
+        self.held.pop(worker_id, None)
 
     def hand_off(self, leaving) -> dict:
         """Before members ``leaving`` go (their node is being drained), give the members that stay what only the
@@ -134,5 +163,5 @@ class ModelStateMoves:
         """{worker id: optimizer steps in the state it holds} of the members that answer within ``timeout_s``; one
         that does not (dead or hung) is left out (and killed, as :meth:`settle` does)."""
         refs = {w: self._actors[w].state_version.remote() for w in self.worker_ids}
-        results, _ = self.settle(refs, timeout_s)
+        results, _ = self._settler.settle(refs, timeout_s)
         return {w: int(v) for w, v in results.items()}

@@ -10,14 +10,16 @@ handing it to each :class:`StepCallback` of :func:`step_callbacks`, in this orde
 5. :class:`ProgressCallback`: the step event the console and the dashboards read, with the run's ETA.
 
 A callback sees the record as the file has it (schema version and time added). After a roll-back to a checkpoint
-the driver calls ``on_rewind(step)`` on the callbacks that have one: the records after ``step`` are written again.
+the driver calls ``on_rewind(step)`` on every callback (a no-op unless it keeps something per step): the records
+after ``step`` are written again. Each callback is given what it needs (the trackers, a function that saves a
+checkpoint), never the driver.
 Ray Train v2 is the model: the controller's decisions stay values, everything beside the step is a callback.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Protocol
+from collections.abc import Callable
 
 __all__ = [
     "CheckpointCallback",
@@ -29,12 +31,18 @@ __all__ = [
 ]
 
 
-class StepCallback(Protocol):
+class StepCallback:
+    """What runs beside every step: :meth:`on_step` after each record, :meth:`on_rewind` after a roll-back."""
+
     def on_step(self, record: dict, plan) -> None:
         """``record``: the step's record as written; ``plan``: the plan it ran (None for a skipped batch)."""
+        raise NotImplementedError
+
+    def on_rewind(self, step: int) -> None:
+        """The run went back to the checkpoint of ``step``: the records after it are written again."""
 
 
-class TrackerCallback:
+class TrackerCallback(StepCallback):
     """Every record to the run's trackers; a roll-back rewinds them."""
 
     def __init__(self, trackers):
@@ -47,7 +55,7 @@ class TrackerCallback:
         self.trackers.rewind(step)
 
 
-class MetricsCallback:
+class MetricsCallback(StepCallback):
     """The step's metrics (priced with the profile the run plans with now) and each recovery's."""
 
     def __init__(self, metrics, profile_of):
@@ -59,40 +67,43 @@ class MetricsCallback:
             self.metrics.on_recovery(rec)
 
 
-class CheckpointCallback:
-    """A checkpoint every ``checkpoint_every`` steps (the run's end writes its own)."""
+class CheckpointCallback(StepCallback):
+    """A checkpoint every ``every`` steps (``checkpoint_every``; the run's end after ``steps`` writes its own)."""
 
-    def __init__(self, driver):
-        self.driver = driver
+    def __init__(self, every: int | None, steps: int, save: Callable[[], object]):
+        self.every, self.steps, self._save = every, steps, save
 
     def on_step(self, record: dict, plan) -> None:
-        d = self.driver
-        every = d.cfg.checkpoint_every
-        if every and d.step_no % every == 0 and not d.finished:
-            d.checkpoint()
+        done = record["step"] + 1  # steps done once this one is: the driver's step number now
+        if self.every and done % self.every == 0 and done < self.steps:
+            self._save()
 
 
-class ProgressCallback:
-    """The step event (the record, and the time left at the pace of the last 10 steps' wall time)."""
+class ProgressCallback(StepCallback):
+    """The step event (the record, and the time left at the pace of the last 10 steps' wall time); ``started``
+    says when the step just recorded began (``time.perf_counter``)."""
 
-    def __init__(self, driver):
-        self.driver = driver
+    def __init__(self, steps: int, publish: Callable[[dict], None], started: Callable[[], float]):
+        self.steps, self._publish, self._started = steps, publish, started
         self._wall: list[float] = []
 
     def on_step(self, record: dict, plan) -> None:
-        d = self.driver
-        self._wall.append(time.perf_counter() - d.step_started)
+        self._wall.append(time.perf_counter() - self._started())
         recent = self._wall[-10:]
-        eta_s = (d.cfg.steps - d.step_no) * sum(recent) / len(recent)
-        d._publish({"event": "step", **record, "eta_s": eta_s})
+        eta_s = (self.steps - (record["step"] + 1)) * sum(recent) / len(recent)
+        self._publish({"event": "step", **record, "eta_s": eta_s})
 
 
-def step_callbacks(driver) -> list[StepCallback]:
-    """The run's callbacks in the order they are called (the module's docstring says why each is there)."""
+def step_callbacks(
+    cfg, trackers, metrics, fallbacks: StepCallback, *, profile_of, save, publish, started
+) -> list[StepCallback]:
+    """The run's callbacks in the order they are called (the module's docstring says why each is there):
+    ``profile_of`` gives the profile the run plans with now, ``save`` writes a checkpoint, ``publish`` an event,
+    ``started`` the time the step just recorded began."""
     return [
-        TrackerCallback(driver.trackers),
-        MetricsCallback(driver.metrics, lambda: driver.profile),
-        driver._fallbacks,
-        CheckpointCallback(driver),
-        ProgressCallback(driver),
+        TrackerCallback(trackers),
+        MetricsCallback(metrics, profile_of),
+        fallbacks,
+        CheckpointCallback(cfg.checkpoint_every, cfg.steps, save),
+        ProgressCallback(cfg.steps, publish, started),
     ]

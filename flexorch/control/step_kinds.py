@@ -15,6 +15,8 @@ work value it receives (``workers.actor.Worker._executor``).
 
 from __future__ import annotations
 
+import enum
+
 from flexorch.config import TrainConfig
 from flexorch.control.calibration import model_state_fields
 from flexorch.data.task_corpus import multitask_fields, task_fields
@@ -24,7 +26,19 @@ from flexorch.solver.step_planner import PlannedStep
 from flexorch.work.pipeline import PipelineWork, pipeline_work
 from flexorch.work.step import step_work
 
-__all__ = ["MultiTaskSteps", "PipelinedSteps", "SpSteps", "step_kinds"]
+__all__ = ["MultiTaskSteps", "PipelinedSteps", "SpSteps", "StepKind", "step_kinds"]
+
+
+class StepKind(enum.Enum):
+    """The kind of step a plan is: the name its strategy is found by in :func:`step_kinds`."""
+
+    SP = "sp"
+    PIPELINED = "pipelined"
+
+    @classmethod
+    def of(cls, planned: PlannedStep) -> StepKind:
+        """The kind of step ``planned`` runs as (the planner decides: a pipelined plan or SP groups)."""
+        return cls.PIPELINED if planned.pipelined else cls.SP
 
 
 class SpSteps:
@@ -102,7 +116,11 @@ class PipelinedSteps:
             record["pipeline"]["params"] = {"placement": self.cfg.pipeline.params, **moved}
 
 
-def step_kinds(cfg: TrainConfig) -> dict[bool, SpSteps | PipelinedSteps]:
-    """The run's strategies keyed by ``PlannedStep.pipelined``: the pipelined one, and the SP one (multi-task SP
-    with ``[[tasks]]``). The plan decides which runs a step, so a plan of either kind is run by its own strategy."""
-    return {True: PipelinedSteps(cfg), False: MultiTaskSteps(cfg) if cfg.tasks else SpSteps(cfg)}
+def step_kinds(cfg: TrainConfig) -> dict[StepKind, SpSteps | PipelinedSteps]:
+    """The run's strategies keyed by :class:`StepKind` (``StepKind.of(planned)``): the pipelined one, and the SP one
+    (multi-task SP with ``[[tasks]]``). The plan decides which runs a step, so a plan of either kind is run by its
+    own strategy."""
+    return {
+        StepKind.PIPELINED: PipelinedSteps(cfg),
+        StepKind.SP: MultiTaskSteps(cfg) if cfg.tasks else SpSteps(cfg),
+    }

@@ -92,3 +92,24 @@ class StepRun:
     mixed: dict | None = None
     rerun_from: float = 0.0
     t_done: float = 0.0
+
+    def base_fields(self, step: int, n: int, workers, planned, mode: str, plan_wait_ms: float, boundary_ms: float):
+        """The record fields every outcome of an attempt at the batch has: the batch, the world of ``n`` workers it
+        runs on (``workers``' members), what its plan (``planned``) cost to get, and the recoveries so far."""
+        batch = self.batch
+        return {
+            "step": step,
+            "epoch": batch.epoch,
+            "batch_index": batch.index_in_epoch,
+            "doc_ids": list(batch.doc_ids),
+            "seq_lengths": self.lengths,
+            "world_size": n,
+            "worker_ids": list(workers.worker_ids),
+            "nodes": workers.rank_nodes(),
+            "mode": mode,
+            "solve_s": planned.solve_s,
+            "plan_wait_ms": plan_wait_ms,
+            "boundary_ms": boundary_ms,
+            "baselines_ms": planned.baselines_ms,
+            "recoveries": self.recoveries,
+        }

@@ -6,9 +6,12 @@ and grow when one joins. ``membership`` maps stable worker ids to ranks (rank = 
 Every :meth:`form_world` starts a new membership epoch with a fresh rendezvous TCPStore hosted here; dropping the
 old store closes its connections, so workers stuck in an abandoned rendezvous fail at once.
 
-:meth:`settle` (``control.settle``, a base class) waits for a call on every worker and sorts what happened into a
-:class:`~flexorch.control.membership.Failure` value; ``control.state_moves`` (the other base class) moves the model
-state between members. This file holds the world: starting, admitting and removing members, forming a world.
+The group is built from two components, each given what it needs and owning its own state: a
+:class:`~flexorch.control.settle.Settler` waits for a call on every worker and sorts what happened into a
+:class:`~flexorch.control.failures.Failure` value; a :class:`~flexorch.control.state_moves.StateMoves` moves the
+model state between members and keeps which parts each holds. This file holds the world (starting, admitting and
+removing members, forming a world) and hands the rest of the :class:`~flexorch.control.group.WorkerGroup`
+interface to them.
 
 Starting workers on a slow machine (``control.worker_start``): a worker is waited for while it makes progress, not for
 a fixed time; the group gives up only when nothing changed for ``placement_timeout_s``, when a start failed, or at
@@ -25,12 +28,14 @@ import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
 from flexorch.control.drains import NodeDrain, draining_nodes, free_slots_on_draining
+from flexorch.control.failures import Failure, WorkerGroupError
+from flexorch.control.group import WorkerGroup
 from flexorch.control.heartbeats import Heartbeats
 from flexorch.control.membership import Membership
-from flexorch.control.settle import PROGRESS_EVERY_S, Settling, WorkerGroupError
-from flexorch.control.state_moves import ModelStateMoves
+from flexorch.control.settle import PROGRESS_EVERY_S, Settler
+from flexorch.control.state_moves import StateMoves
 from flexorch.control.worker_start import WorkerStarter
-from flexorch.work.placement import ALL, PartsLostError, model_parts
+from flexorch.work.placement import PartsLostError, model_parts
 from flexorch.workers.actor import worker_actor
 
 STOP_BEATS_S = 2.0  # at shutdown: the longest wait for the workers' heartbeat threads to stop
@@ -43,7 +48,7 @@ def _no_publish(event: dict) -> None:
     """The default ``publish``: progress goes nowhere."""
 
 
-class RayWorkerGroup(Settling, ModelStateMoves):
+class RayWorkerGroup(WorkerGroup):
     """Worker actors keyed by stable worker id; ``actors`` lists the members in rank order."""
 
     worker_class = None
@@ -74,6 +79,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         self._publish = publish or _no_publish
         self.use_gpu = use_gpu
         self._args = (model_cfg, optim_cfg, seed, threads, sharding, use_gpu)  # Worker.__init__ after worker_id
+        parts = model_parts(int(model_cfg.get("num_layers", ModelConfig().num_layers)))
         self._actor_class = worker_actor(sharding)  # replicated or sharded model state (workers.actor)
         self.sharded = bool(sharding) and sharding.get("mode", "replicate") != "replicate"
         """Model state sharded over the workers (FSDP2): it moves when the world re-forms, never through
@@ -81,9 +87,8 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         self._initialised = False  # the first world fills the initial parameters
         self.restored: dict | None = None
         """Sharded: what the last :meth:`form_world` restored (``{"version", "newest"}``, per worker.join_world)."""
-        self.parts = model_parts(int(model_cfg.get("num_layers", ModelConfig().num_layers)))
-        self.held: dict[int, frozenset[str] | None] = {}
-        """Model parts each member holds (``flexorch.work.placement``; None: the whole model)."""
+        self._lost_since_state: list[int] = []
+        """Members removed since the last world restored the sharded state: those a lost shard was held by."""
         self.membership = Membership(by_node=by_node)
         """Ranks contiguous per node unless ``by_node`` is False (``[plan] topology = "blind"``)."""
         self._actors: dict[int, ray.actor.ActorHandle] = {}
@@ -95,13 +100,23 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         self.store: dist.TCPStore | None = None
         self._worlds = 0
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.heartbeats = Heartbeats(self.host, heartbeat_timeout_s)
-        self.silent: dict[int, float] = {}
-        """Workers declared hung by their heartbeat during the last :meth:`settle`: worker id -> seconds silent."""
-        need = num_workers if min_workers is None else min_workers
+        self._settler = Settler(
+            self._actors,
+            Heartbeats(self.host, heartbeat_timeout_s),
+            self.membership,
+            timeout_s=collective_timeout_s,
+            heartbeat_timeout_s=heartbeat_timeout_s,
+            close_rendezvous=self._close_rendezvous,
+            publish=self._publish,
+        )
+        self._moves = StateMoves(self._actors, self.membership, self._settler, sharded=self.sharded, parts=parts)
+        self._start_first(num_workers, num_workers if min_workers is None else min_workers)
+
+    def _start_first(self, num_workers: int, need: int) -> None:
+        """Start the run's workers: no more than the cluster holds (a job on a smaller cluster starts with what fits;
+        the elastic policy grows it up to max_workers when nodes join), at least ``need``; slots other jobs hold
+        are waited for while anything progresses."""
         self._check_capacity(need)
-        # no more than the cluster holds (a job on a smaller cluster starts with what fits; the elastic policy grows
-        # it up to max_workers when nodes join); slots other jobs hold are waited for while anything progresses
         self.start_workers(max(need, min(num_workers, self._starts.total_slots())))
         self._await_start(need)
 
@@ -228,10 +243,9 @@ class RayWorkerGroup(Settling, ModelStateMoves):
             self._nodes[wid] = info.get("node_id")
             if info.get("node_ip"):
                 self._node_ips[info["node_id"]] = info["node_ip"]
-            self.held[wid] = ALL  # a new worker builds the whole model (its state comes from sync_state)
-            start = getattr(self._actors[wid], "start_heartbeat", None)  # a stand-in worker class may not beat
-            if self.heartbeat_timeout_s and start is not None:
-                start.remote(self.host, self.heartbeats.port)
+            self._moves.joined(wid)
+            if self.heartbeat_timeout_s:
+                self._actors[wid].start_heartbeat.remote(self.host, self.heartbeats.port)
         self.membership.add(worker_ids, self._nodes)
 
     def rank_nodes(self) -> list[str | None]:
@@ -246,13 +260,13 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         """Drop members (dead, hung or unwanted); their actors are killed if still running. ``retiring``: they are
         alive and idle (they left on notice): each freezes its objects first (``Worker.retire``, a bounded wait), so
         dying costs it no garbage collection on CPU the members that stay may share."""
-        self._lost_since_state = [*getattr(self, "_lost_since_state", []), *worker_ids]
+        self._lost_since_state += worker_ids
         if retiring:
             frozen = [self._actors[w].retire.remote() for w in worker_ids]
             ray.wait(frozen, num_returns=len(frozen), timeout=RETIRE_S)
         for wid in worker_ids:
             ray.kill(self._actors.pop(wid), no_restart=True)
-            self.held.pop(wid, None)
+            self._moves.left(wid)
             self._nodes.pop(wid, None)
         self.membership.remove(worker_ids)
 
@@ -290,7 +304,27 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         self._lost_since_state = []
         return time.perf_counter() - t0
 
+    def _close_rendezvous(self) -> None:
+        """Drop this epoch's rendezvous store: workers still waiting in it fail at once (``Settler``)."""
+        self.store = None
+
     # ---------------------------------------------------------------- calls
+    @property
+    def heartbeats(self) -> Heartbeats | None:
+        """The workers' heartbeat watch (``control.heartbeats``; None once shut down)."""
+        return self._settler.heartbeats
+
+    def settle(self, refs: dict, timeout_s: float, what: str | None = None) -> tuple[dict, Failure | None]:
+        """:meth:`Settler.settle <flexorch.control.settle.Settler.settle>`."""
+        return self._settler.settle(refs, timeout_s, what)
+
+    def call_all(self, refs: dict, what: str, timeout_s: float) -> dict:
+        """:meth:`settle`, raising :class:`~flexorch.control.failures.MembershipFailure` on any failure."""
+        return self._settler.call_all(refs, what, timeout_s)
+
+    def detection(self, lost) -> dict | None:
+        return self._settler.detection(lost)
+
     def run_step(self, work, block_refs: list[dict]) -> dict:
         """Start every rank's step; returns {worker id: outcome ref} (the caller settles them)."""
         return {
@@ -300,7 +334,8 @@ class RayWorkerGroup(Settling, ModelStateMoves):
 
     def call(self, method: str, *args) -> list:
         """Call a worker method on every rank and wait; results in rank order (e.g. 'parameters_digest')."""
-        refs = {w: getattr(self._actors[w], method).remote(*args) for w in self.worker_ids}
+        calls = {w: getattr(self._actors[w], method) for w in self.worker_ids}  # optional: not a probe, by name
+        refs = {w: c.remote(*args) for w, c in calls.items()}
         out = self.call_all(refs, method, self.timeout_s + 30)
         return [out[w] for w in self.worker_ids]
 
@@ -308,7 +343,7 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         """Stop the workers' heartbeats (a bounded wait: a hung worker does not answer), kill the workers, then
         drop the stores: a beat into a store already closed prints a C++ stack trace on the worker."""
         actors = list(self._actors.values()) + [j[0] for j in self.joining.values()]
-        stops = [s.remote() for s in (getattr(a, "stop_heartbeat", None) for a in actors) if s is not None]
+        stops = [a.stop_heartbeat.remote() for a in actors]
         if stops:
             ray.wait(stops, num_returns=len(stops), timeout=STOP_BEATS_S)
         for actor in actors:
@@ -316,4 +351,29 @@ class RayWorkerGroup(Settling, ModelStateMoves):
         self._actors.clear()
         self.joining.clear()
         self.store = None
-        self.heartbeats = None
+        self._settler.heartbeats = None
+
+    # ---------------------------------------------------------------- model state (control.state_moves)
+    def hand_off(self, leaving) -> dict:
+        return self._moves.hand_off(leaving)
+
+    def sync_state(self, source: int, targets) -> None:
+        self._moves.sync_state(source, targets)
+
+    def missing_parts(self) -> list[str]:
+        return self._moves.missing_parts()
+
+    def place_params(self, needed_by_rank) -> dict:
+        return self._moves.place_params(needed_by_rank)
+
+    def get_state(self, rank: int = 0) -> dict:
+        return self._moves.get_state(rank)
+
+    def set_state(self, state: dict) -> None:
+        self._moves.set_state(state)
+
+    def save_sharded(self, directory: str) -> None:
+        self._moves.save_sharded(directory)
+
+    def state_versions(self, timeout_s: float) -> dict[int, int]:
+        return self._moves.state_versions(timeout_s)

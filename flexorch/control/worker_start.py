@@ -55,11 +55,13 @@ def _cpu_seconds(pid: int) -> float | None:
 
 def _start_error(e: ray.exceptions.RayError) -> str:
     """A failed worker start in one line: the constructor's own exception (e.g. an ImportError), else Ray's reason."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", getattr(e, "error_msg", None) or str(e)).strip()
+    msg = getattr(e, "error_msg", None)  # optional: only some of Ray's errors have it (RayActorError and its kin)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", msg or str(e)).strip()
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     if not lines:
         return type(e).__name__
-    return (lines[-1] if getattr(e, "actor_init_failed", False) else lines[0])[:500]
+    init_failed = getattr(e, "actor_init_failed", False)  # optional: only on Ray's actor errors
+    return (lines[-1] if init_failed else lines[0])[:500]
 
 
 @dataclasses.dataclass

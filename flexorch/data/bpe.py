@@ -36,7 +36,7 @@ from flexorch.data.source_records import parse_record, record_rows
 __all__ = ["SAMPLE_BYTES", "TOKENIZER_DIR", "prepare_tokenizer", "sample_documents", "train_bpe"]
 
 SAMPLE_BYTES = 8 << 20
-"""Text the BPE is trained on, at most (the first documents of the sorted listing; ~8 s for the stdlib's)."""
+"""Text the BPE is trained on, at most (the first documents of the sorted listing)."""
 TOKENIZER_DIR = "tokenizer"
 """The directory under ``run_dir`` the trained tokenizer is saved in."""
 META_FILE = "flexorch_bpe.json"

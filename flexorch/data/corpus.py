@@ -1,5 +1,5 @@
 """A tokenized training corpus: a prepared store on disk (``flexorch.data.store``) whose index the driver keeps
-by memory map; the tokens stay in the store's parts and workers read their own documents.
+by memory map; the tokens stay in the store's blocks and workers read their own documents.
 
 Sources: a directory of text/code files (one document per file), JSONL (one per non-blank line), Parquet (one per
 row), a ``datasets`` ``save_to_disk`` directory, or a store ``flexorch prepare`` wrote. Default: the Python
@@ -21,13 +21,14 @@ pieces_added`.
 
 Loading: `load_corpus` finds the source's store in ``[data] cache`` by its fingerprints (source files, tokenizer,
 settings: ``flexorch.data.store.fingerprint``) and opens it in milliseconds; a source never prepared, changed since,
-or a store with a damaged part is prepared (again) first, in parallel over the cluster
+or a store with a damaged block is prepared (again) first, in parallel over the cluster
 (``flexorch.data.store.prepare``). With a ``publish`` callable it reports what it is doing as
 ``{"event": "progress", "message": ...}`` events: each phase as it starts, and every ``PROGRESS_EVERY_S`` while one
 runs (a background thread only publishes; the phases run unchanged on the calling thread).
 
-On a worker: a Ray task or actor that receives the ``{part: ShardSpec}`` dict from `Corpus.refs_for` calls
-`resolve_blocks(specs)` (it opens each part once per process) and then `fetch_documents(blocks, locations)`.
+On a worker: a Ray task or actor that receives the ``{block: BlockSpec}`` dict from `Corpus.block_specs` calls
+``flexorch.data.store.blocks.open_blocks(specs)`` (it opens each block once per process) and then
+``fetch_documents(blocks, locations)`` (same module).
 """
 
 from __future__ import annotations
@@ -47,14 +48,14 @@ from flexorch.data.errors import DataError
 from flexorch.data.targets import token_ids
 from flexorch.work.step import DocRef
 
-__all__ = ["Corpus", "default_cache_dir", "fetch_documents", "load_corpus", "open_store", "resolve_blocks"]
+__all__ = ["Corpus", "default_cache_dir", "load_corpus", "open_store"]
 
 PROGRESS_EVERY_S = 10.0
 CACHE_ENV = "FLEXORCH_DATA_CACHE"
 
 
 class Corpus:
-    """The index of a corpus (keys, lengths, locations; arrays that may be memory-mapped) plus its parts' specs."""
+    """The index of a corpus (keys, lengths, locations; arrays that may be memory-mapped) plus its blocks' specs."""
 
     def __init__(
         self,
@@ -63,7 +64,7 @@ class Corpus:
         lengths,
         doc_blocks,
         doc_offsets,
-        shards=None,
+        blocks,
         stats,
         tokenizer_name,
         vocab_size,
@@ -71,20 +72,17 @@ class Corpus:
         task_of=None,
         task_names=(),
         store=None,
-        block_refs=None,
     ):
-        if (shards is None) == (block_refs is None):
-            raise TypeError("give a corpus its parts as shards= (block_refs= is the older name of the same)")
         self.keys: DocKeys = keys if isinstance(keys, DocKeys) else ListKeys(keys)
         self.lengths: np.ndarray = lengths
         self.targets: np.ndarray | None = targets
         """Tokens that carry loss per document (chat, prompt/completion, tokenized records); None: plain text,
         every token after the first."""
         self.doc_blocks: np.ndarray = doc_blocks
-        """The part (index into ``shards``) each document lives in."""
+        """The block (index into ``blocks``) each document lives in."""
         self.doc_offsets: np.ndarray = doc_offsets
-        self.shards: list = list(shards if shards is not None else block_refs)
-        """``flexorch.data.store.shards.ShardSpec`` per part (an in-memory corpus: the token arrays themselves)."""
+        self.blocks: list = list(blocks)
+        """``flexorch.data.store.blocks.BlockSpec`` per block (an in-memory corpus: the token arrays themselves)."""
         self.stats: dict = stats
         self.tokenizer_name: str = tokenizer_name
         self.vocab_size: int = vocab_size
@@ -103,17 +101,12 @@ class Corpus:
         return len(self.lengths)
 
     @property
-    def block_refs(self) -> list:
-        """The older name of :attr:`shards`."""
-        return self.shards
-
-    @property
     def total_tokens(self) -> int:
         """Tokens in the corpus (from the stats: no pass over the lengths)."""
         return int(self.stats["tokens"]) if "tokens" in self.stats else int(np.asarray(self.lengths).sum())
 
     def locate(self, doc_ids) -> list[DocRef]:
-        """Part, offset and length of each document id (``shards[part]``, tokens ``offset : offset + length``)."""
+        """Block, offset and length of each document id (``blocks[block]``, tokens ``offset : offset + length``)."""
         ids = np.asarray(doc_ids, dtype=np.int64).reshape(-1)
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_docs):
             bad = int(ids[(ids < 0) | (ids >= self.num_docs)][0])
@@ -126,9 +119,10 @@ class Corpus:
             for i, bi, oi, ni, ti, ki in zip(ids, b, o, n, t, k, strict=True)
         ]
 
-    def refs_for(self, locations) -> dict:
-        """The specs of just the parts these documents live in, by part index."""
-        return {blk: self.shards[blk] for blk in sorted({loc.block for loc in locations})}
+    def block_specs(self, blocks) -> dict:
+        """The specs of just these blocks (indices, e.g. ``{loc.block for loc in locations}`` or a rank's
+        ``StepWork.blocks()``), by block index in order: what a worker opens to read its documents."""
+        return {b: self.blocks[b] for b in sorted(set(blocks))}
 
     def get_tokens(self, doc_ids) -> list[np.ndarray]:
         """Driver-side convenience (tests, references): the token ids of `doc_ids`, copied out of the store."""
@@ -137,31 +131,17 @@ class Corpus:
     def get_stored(self, doc_ids) -> list[np.ndarray]:
         """The documents as stored, loss mask included (``flexorch.data.targets``: a token that carries no loss is
         ``~id``); plain text: the ids. What a single-process reference needs to compute the run's loss."""
+        from flexorch.data.store.blocks import fetch_documents, open_blocks
+
         locs = self.locate(doc_ids)
-        return [np.array(t, dtype=np.int32) for t in fetch_documents(resolve_blocks(self.refs_for(locs)), locs)]
+        blocks = open_blocks(self.block_specs(loc.block for loc in locs))
+        return [np.array(t, dtype=np.int32) for t in fetch_documents(blocks, locs)]
 
     def __repr__(self) -> str:
         return (
-            f"Corpus({self.num_docs} docs, {self.total_tokens} tokens, {len(self.shards)} parts, "
+            f"Corpus({self.num_docs} docs, {self.total_tokens} tokens, {len(self.blocks)} blocks, "
             f"tokenizer {self.tokenizer_name!r}, source {self.stats.get('source')!r})"
         )
-
-
-def resolve_blocks(specs: dict) -> dict:
-    """Open the parts of a `refs_for` dict in this process (each once): ``{part: tokens indexable by slice}``."""
-    from flexorch.data.store.shards import open_parts
-
-    return open_parts(specs)
-
-
-def fetch_documents(blocks: dict, locations) -> list[np.ndarray]:
-    """Token arrays (int32, as stored) of `locations` from opened parts."""
-    out = []
-    for loc in locations:
-        if loc.block not in blocks:
-            raise KeyError(f"part {loc.block} of document {loc.doc_id} was not passed; use corpus.refs_for(locations)")
-        out.append(blocks[loc.block][loc.offset : loc.offset + loc.length])
-    return out
 
 
 def default_cache_dir() -> str:
@@ -174,12 +154,12 @@ def default_cache_dir() -> str:
 
 def open_store(store: str | Path) -> Corpus:
     """The corpus of a finished store: its index arrays memory-mapped, nothing read per document. ``store``: a
-    directory, or an ``s3://``/``gs://`` URI (its manifest and index are fetched once into a local cache, its parts
+    directory, or an ``s3://``/``gs://`` URI (its manifest and index are fetched once into a local cache, its blocks
     read by range: ``flexorch.data.store.remote``)."""
     from flexorch.data.store import remote
-    from flexorch.data.store.shards import ShardSpec
+    from flexorch.data.store.blocks import BlockSpec
 
-    where, manifest, local, part = _store_files(store)
+    where, manifest, local, block = _store_files(store)
 
     def arr(name: str):
         return np.load(local("index", f"{name}.npy"), mmap_mode="r")
@@ -195,7 +175,8 @@ def open_store(store: str | Path) -> Corpus:
 
     names = json.loads(Path(local("index", "key_names.json")).read_text())
     keys = DocKeys(names["names"], names["fmt"], arr("key_path"), arr("key_row"), arr("key_piece"))
-    shards = [ShardSpec(part(p["file"]), part(p["sums"]), manifest["dtype"], p["tokens"]) for p in manifest["parts"]]
+    # "parts" and the index's "part" array: the store format's names for its blocks
+    blocks = [BlockSpec(block(p["file"]), block(p["sums"]), manifest["dtype"], p["tokens"]) for p in manifest["parts"]]
     stats = dict(manifest["stats"])
     stats["store"] = where
     corpus = Corpus(
@@ -204,7 +185,7 @@ def open_store(store: str | Path) -> Corpus:
         targets=arr("targets") if "targets" in manifest.get("index", ()) or has_targets() else None,
         doc_blocks=arr("part"),
         doc_offsets=arr("offset"),
-        shards=shards,
+        blocks=blocks,
         stats=stats,
         tokenizer_name=manifest["tokenizer_name"],
         vocab_size=int(manifest["vocab_size"]),
@@ -216,9 +197,10 @@ def open_store(store: str | Path) -> Corpus:
 
 def _store_files(store: str | Path):
     """A finished store's location, its manifest, and where to read its small files (``local(*rel)``: a local path,
-    fetched once for a remote store) and its parts (``part(name)``); a local store with a damaged part is an error."""
+    fetched once for a remote store) and its blocks (``block(name)``); a local store with a damaged block is an
+    error."""
     from flexorch.data.store import layout, remote
-    from flexorch.data.store.prepare import damaged_parts
+    from flexorch.data.store.prepare import damaged_blocks
 
     if remote.is_remote(str(store)):
         where = str(store).rstrip("/")
@@ -229,25 +211,25 @@ def _store_files(store: str | Path):
         def local(*rel: str) -> str:
             return remote.fetch_small(remote.join(where, *rel))
 
-        def part(name: str) -> str:
-            return remote.join(where, "parts", name)
+        def block(name: str) -> str:
+            return remote.join(where, "parts", name)  # "parts/": the store format's directory of blocks
     else:
         root = Path(os.path.abspath(Path(store).expanduser()))
         where, manifest = str(root), layout.read_manifest(root)
-        bad = damaged_parts(root, manifest)
+        bad = damaged_blocks(root, manifest)
         if bad:
             raise DataError(
                 f"corpus store {root} is damaged: {'; '.join(bad[:3])}; run `flexorch prepare` on its source again "
-                "(it redoes only the damaged parts), or remove the store to prepare it anew"
+                "(it redoes only the damaged blocks), or remove the store to prepare it anew"
             )
 
         def local(*rel: str) -> str:
             return str(root.joinpath(*rel))
 
-        def part(name: str) -> str:
+        def block(name: str) -> str:
             return str(root / "parts" / name)
 
-    return where, manifest, local, part
+    return where, manifest, local, block
 
 
 def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = None) -> Corpus:
@@ -285,7 +267,7 @@ def load_corpus(cfg: CorpusConfig, publish=None, *, parallelism: int | None = No
                 try:
                     return _opened(_as_run(open_store(store), fp), t0, publish, "opened the corpus store")
                 except DataError as e:
-                    phase(f"{e}; preparing the damaged parts again")
+                    phase(f"{e}; preparing the damaged blocks again")
             elif old is not None:
                 change = describe_change(old["fingerprints"], fp, *_file_lists(store, listing))
                 phase(f"the corpus store {store} is out of date ({change}); preparing it again")

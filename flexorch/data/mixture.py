@@ -24,7 +24,7 @@ import numpy as np
 
 from flexorch.data.doc_keys import DocKeys
 from flexorch.data.feistel import derive_key, feistel_permute
-from flexorch.data.stream import Batch
+from flexorch.data.stream import Batch, BatchStream
 
 __all__ = [
     "IdRanges",
@@ -33,12 +33,11 @@ __all__ = [
     "combine_sources",
     "load_mixture",
     "mixture_tokenizer",
-    "source_fields",
 ]
 
 
 class IdRanges:
-    """One read-only per-document array over several sources' arrays, each shifted by ``add[s]`` (part indices)."""
+    """One read-only per-document array over several sources' arrays, each shifted by ``add[s]`` (block indices)."""
 
     def __init__(self, arrays: Sequence, add: Sequence[int] | None = None):
         self.arrays = list(arrays)
@@ -79,7 +78,7 @@ def combine_sources(corpora, names: Sequence[str]):
     tok = {c.tokenizer_name for c in corpora}
     if len(tok) > 1:
         raise ValueError(f"the sources were tokenized differently ({sorted(tok)}); a mixture shares one tokenizer")
-    parts_before = np.cumsum([0] + [len(c.shards) for c in corpora])[:-1]
+    blocks_before = np.cumsum([0] + [len(c.blocks) for c in corpora])[:-1]
     masked = any(c.targets is not None for c in corpora)
     targets = [c.targets if c.targets is not None else _minus_one(c.lengths) for c in corpora]
     stats: dict = {"sources": {n: c.stats for n, c in zip(names, corpora, strict=True)}}
@@ -90,9 +89,9 @@ def combine_sources(corpora, names: Sequence[str]):
     return Corpus(
         keys=_MixedKeys([c.keys for c in corpora], names),
         lengths=IdRanges([c.lengths for c in corpora]),
-        doc_blocks=IdRanges([c.doc_blocks for c in corpora], [int(b) for b in parts_before]),
+        doc_blocks=IdRanges([c.doc_blocks for c in corpora], [int(b) for b in blocks_before]),
         doc_offsets=IdRanges([c.doc_offsets for c in corpora]),
-        shards=[s for c in corpora for s in c.shards],
+        blocks=[s for c in corpora for s in c.blocks],
         stats=stats,
         tokenizer_name=corpora[0].tokenizer_name,
         vocab_size=max(c.vocab_size for c in corpora),
@@ -143,9 +142,9 @@ def blend_counts(weights: Sequence[float], taken: Sequence[int], k: int) -> np.n
     return out
 
 
-class MixtureStream:
-    """``DocumentStream``'s interface over a mixture: batches of ``batch_size`` documents, ``blend_counts`` of
-    each source, each source read in its own seeded epoch order (``derive_key(seed_s, epoch)``)."""
+class MixtureStream(BatchStream):
+    """A :class:`~flexorch.data.stream.BatchStream` over a mixture: batches of ``batch_size`` documents,
+    ``blend_counts`` of each source, each source read in its own seeded epoch order (``derive_key(seed_s, epoch)``)."""
 
     def __init__(self, sizes: Sequence[int], weights: Sequence[float], batch_size: int, seed: int = 0, names=()):
         if len(sizes) != len(weights) or not sizes or min(sizes) < 1 or min(weights) <= 0:
@@ -226,18 +225,15 @@ class MixtureStream:
         )
         return batch
 
-    def source_counts(self, doc_ids, lengths) -> dict:
-        """``{name: {"docs", "tokens"}}`` of a batch (what the step record says came from each source)."""
-        ids = np.asarray(doc_ids, dtype=np.int64)
+    def sources(self, batch: Batch, lengths) -> dict:
+        """``{name: {"docs", "tokens", "epoch"}}`` of a batch (what the step record says came from each source)."""
+        ids = np.asarray(batch.doc_ids, dtype=np.int64)
         src = np.searchsorted(self.first, ids, side="right") - 1
         lens = np.asarray(lengths[ids]) if len(ids) else np.zeros(0, np.int64)
         return {
             n: {"docs": int((src == s).sum()), "tokens": int(lens[src == s].sum()), "epoch": int(self.epoch[s])}
             for s, n in enumerate(self.names)
         }
-
-    def epochs(self) -> dict[str, int]:
-        return dict(zip(self.names, self.epoch, strict=True))
 
     def state_dict(self) -> dict:
         """A few integers: ``{"mixture": names, "sizes", "weights", "seed", "batch_size", "step", "taken", "epoch",
@@ -270,13 +266,6 @@ class MixtureStream:
         self.seed = int(state["seed"])
         self.step, self.taken = int(state["step"]), [int(x) for x in state["taken"]]
         self.epoch, self.position = [int(x) for x in state["epoch"]], [int(x) for x in state["position"]]
-
-
-def source_fields(stream, batch, lengths) -> dict | None:
-    """A step record's ``sources`` (documents, tokens and epoch per source) in a mixture run; None otherwise."""
-    if not isinstance(stream, MixtureStream):
-        return None
-    return stream.source_counts(batch.doc_ids, lengths)
 
 
 def load_mixture(cfg, publish=None, *, parallelism: int | None = None):

@@ -1,8 +1,8 @@
 """Building a corpus: records -> tokenized, split documents with their loss targets -> the document index.
 
 A prepare (``flexorch.data.store.prepare``) runs two steps of this module: `pack_records`, in each work unit's
-task, validates, tokenizes and splits the unit's documents and yields ``int32`` blocks of about ``block_tokens``
-tokens (which the task writes to its part) and then a small metadata dict; `assemble_index`, in the preparing
+task, validates, tokenizes and splits the unit's documents and yields ``int32`` buffers of about ``block_tokens``
+tokens (which the task writes to its block) and then a small metadata dict; `assemble_index`, in the preparing
 process, merges the units' metadata, checks it (a malformed record named by file and line, a wrong text field,
 documents over ``max_context``) and numbers the documents by sorted (path, record, piece), independent of the
 order in which units finished. `list_source` (``flexorch.data.listing``, re-exported here) says which files and
@@ -131,7 +131,7 @@ def _record_pieces(r: int, data, malformed: bool, kind: str, tok, cfg: CorpusCon
 
 
 def pack_records(table, spec: tuple, block_tokens: int):
-    """Validate, tokenize and split one Arrow block's documents; yield int32 blocks, then the metadata dict.
+    """Validate, tokenize and split one Arrow block's documents; yield int32 token buffers, then the metadata dict.
 
     JSONL and ``datasets`` rows are whole files: their records are read here. With on_bad_record='error' the task
     stops tokenizing at the first malformed record and returns after that file (the driver raises the error).
@@ -143,8 +143,8 @@ def pack_records(table, spec: tuple, block_tokens: int):
     info = {"bad_type": None, "bad_type_in": None, "columns": set(), "bad": [], "bad_kind": []}
     paths: dict[str, int] = {}
     rec = {"path": [], "row": [], "status": [], "tokens": [], "short": []}
-    doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": [], "targets": []}
-    parts, fill, n_blocks, max_id = [], 0, 0, -1
+    doc = {"rec": [], "piece": [], "block": [], "offset": [], "length": [], "targets": []}  # "block": its buffer
+    buffer, fill, n_buffers, max_id = [], 0, 0, -1
     rel_of = lambda path: path[len(prefix) :] if path.startswith(prefix) else path  # noqa: E731
     records = block_records(table, fmt, cfg.text_field, info, rel_of, cfg.on_bad_record == "error", fields)
     for r, (path, row, data, malformed) in enumerate(records):
@@ -152,18 +152,18 @@ def pack_records(table, spec: tuple, block_tokens: int):
         status, n, pieces, short = _record_pieces(r, data, malformed, kind, tok, cfg, info)
         for k, piece in enumerate(pieces):
             if fill and fill + len(piece) > block_tokens:
-                yield np.concatenate(parts)
-                parts, fill, n_blocks = [], 0, n_blocks + 1
-            for key, v in zip(doc, (r, k, n_blocks, fill, len(piece), count_targets(piece)), strict=True):
+                yield np.concatenate(buffer)
+                buffer, fill, n_buffers = [], 0, n_buffers + 1
+            for key, v in zip(doc, (r, k, n_buffers, fill, len(piece), count_targets(piece)), strict=True):
                 doc[key].append(v)
-            parts.append(piece)
+            buffer.append(piece)
             fill += len(piece)
             if kind == "tokenized":
                 max_id = max(max_id, int(token_ids(piece).max()))
         for key, v in zip(rec, (paths.setdefault(rel, len(paths)), row, status, n, short), strict=True):
             rec[key].append(v)
     if fill:
-        yield np.concatenate(parts)
+        yield np.concatenate(buffer)
     meta = {f"rec_{k}": np.asarray(v, dtype=np.int64) for k, v in rec.items()}
     meta |= {f"doc_{k}": np.asarray(v, dtype=np.int64) for k, v in doc.items()}
     columns = sorted(info["columns"]) if fmt in ("jsonl", "hf_dataset") else table.column_names
@@ -321,7 +321,7 @@ def assemble_index(
 ):
     """Driver side: merge the per-block metadata, check it, number the documents by sorted key.
 
-    Returns the `Corpus` fields other than the tokenizer's: keys (their parts: ``flexorch.data.doc_keys``),
+    Returns the `Corpus` fields other than the tokenizer's: keys (their components: ``flexorch.data.doc_keys``),
     lengths, targets (per document, None for text: every token after the first), doc_blocks, doc_offsets,
     block_refs (flattened) and stats (without `load_s`).
     """
@@ -338,7 +338,7 @@ def assemble_index(
     order = np.lexsort((doc["piece"], row[drec], rank[rec["path"][drec]]))
     split, drec = rec["status"] == _SPLIT, drec[order]
     return {
-        "keys": {  # the parts of each document's key (``flexorch.data.doc_keys``), not one string per document
+        "keys": {  # the components of each document's key (``flexorch.data.doc_keys``), not one string per document
             "names": names,
             "fmt": fmt,
             "path": rec["path"][drec].astype(np.int32),

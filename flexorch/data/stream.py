@@ -8,24 +8,31 @@ order depends only on the seed and the epoch number:
   ``feistel_permute(p, num_docs, derive_key(seed, e))`` (``flexorch.data.feistel``: a keyed Feistel bijection of
   ``[0, num_docs)`` with cycle-walking), computed per batch: O(1) memory, O(batch) time per batch, whatever the
   corpus size (10**9 documents are shuffled without a permutation array).
-* ``order="rng"`` (legacy): ``np.random.default_rng([seed, epoch]).permutation(num_docs)``, the order of streams
-  saved before the Feistel order existed; it materialises the whole epoch (O(num_docs) memory and time per epoch).
+* ``order="rng"`` (legacy): ``np.random.default_rng([seed, epoch]).permutation(num_docs)``, the order of a saved
+  stream state without an ``"order"`` key; it materialises the whole epoch (O(num_docs) memory and time per epoch).
   A state without an ``"order"`` key (saved by such a stream) resumes in this order, so an old run continues
   exactly as it would have.
 
 The driver calls `peek()` to plan step t+1 while step t runs, then `next_batch()` to take it. `state_dict()` is a
 plain JSON-able dict of a few ints and the order's name; `load_state_dict()` continues at exactly the next document.
+
+:class:`BatchStream` is what the driver reads of any run's stream: this one, a mixture of sources
+(``flexorch.data.mixture.MixtureStream``) or several tasks (``flexorch.data.task_corpus.TaskStreams``); each
+answers every member, the per-kind ones (``task_epochs``, ``sources``) with None where they do not apply, so the
+driver never asks which kind it holds. ``flexorch.data.run_stream.open_stream`` picks the kind from the run's
+config.
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 
 import numpy as np
 
 from flexorch.data.feistel import derive_key, feistel_permute
 
-__all__ = ["ORDERS", "Batch", "DocumentStream"]
+__all__ = ["ORDERS", "Batch", "BatchStream", "DocumentStream"]
 
 _STATE_KEYS = ("seed", "epoch", "position", "step", "num_docs", "batch_size")
 ORDERS = ("feistel", "rng")
@@ -56,7 +63,53 @@ class Batch:
         return len(self.doc_ids)
 
 
-class DocumentStream:
+class BatchStream(abc.ABC):
+    """A resumable stream of global batches: what the driver plans, takes and checkpoints (the module doc)."""
+
+    batch_size: int
+    """Documents in a full global batch."""
+
+    @property
+    @abc.abstractmethod
+    def batches_per_epoch(self) -> int:
+        """Batches in one epoch (of the kind's own notion of an epoch; the run summary reports it)."""
+
+    @abc.abstractmethod
+    def peek(self) -> Batch:
+        """The next batch, without advancing the stream."""
+
+    @abc.abstractmethod
+    def peek_after(self) -> Batch:
+        """The batch after the next one, without advancing the stream (the driver plans it while a step runs)."""
+
+    @abc.abstractmethod
+    def next_batch(self) -> Batch:
+        """Take the next batch and advance."""
+
+    @abc.abstractmethod
+    def state_dict(self) -> dict:
+        """Plain JSON-able position of the stream (what a checkpoint saves)."""
+
+    @abc.abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Continue exactly at the next document of ``state`` (from ``state_dict()`` of the same kind of stream);
+        a state of another kind or size is a ValueError that says how to resume."""
+
+    def task_epochs(self) -> dict[str, int] | None:
+        """``[[tasks]]``: each task's current epoch (a step record's ``tasks[name].epoch``); None otherwise."""
+        return None
+
+    def sources(self, batch: Batch, lengths) -> dict | None:
+        """``[[data.sources]]``: what ``batch`` took from each source (a step record's ``sources``: documents,
+        tokens, epoch per source; ``lengths``: the corpus's per-document lengths); None otherwise."""
+        return None
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+
+class DocumentStream(BatchStream):
     """Seeded, epoch-exact stream of global batches over `num_docs` documents."""
 
     def __init__(self, num_docs: int, batch_size: int, seed: int = 0, *, order: str = "feistel"):
@@ -128,10 +181,6 @@ class DocumentStream:
         self.step += 1
         return batch
 
-    def __iter__(self):
-        while True:
-            yield self.next_batch()
-
     def state_dict(self) -> dict[str, int | str]:
         """Plain JSON-able position of the stream (seed, epoch, position, step, num_docs, batch_size, order)."""
         return {**{k: int(getattr(self, k)) for k in _STATE_KEYS}, "order": self.order}
@@ -139,8 +188,8 @@ class DocumentStream:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (from `state_dict()` of a stream over the same corpus size and batch size).
 
-        The state's order wins over this stream's; a state without one (saved before orders existed) continues in
-        the legacy ``"rng"`` order, and this stream's later states say so."""
+        The state's order wins over this stream's; a state without one continues in the legacy ``"rng"``
+        order, and this stream's later states say so."""
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"stream state lacks {missing}; expected the dict from DocumentStream.state_dict()")

@@ -1,12 +1,12 @@
 """Which tokens carry loss: the mask travels inside the token ids themselves.
 
-Chat, prompt/completion and pre-tokenized data train on some tokens only (the answers), yet every token is still
-fed to the model (a masked prompt conditions its answer). flexorch stores a document as one int32 array in the
-object-store blocks, and a token that is *not* a loss target is stored as ``~id`` (``-id - 1``, always negative);
-a target keeps its id. So the mask rides with the tokens through every path that moves them (Ray Data blocks, the
-stream, each SP shard, pipeline units, checkpoints of the stream) without a second array to keep in step, and a
-reader that forgot to decode fails loudly (a negative id is outside every vocabulary: ``check_token_range``)
-instead of training on the wrong tokens.
+Chat, prompt/completion and pre-tokenized data train on some tokens only (the answers), yet every token is still fed
+to the model (a masked prompt conditions its answer). flexorch stores a document as one run of ids in a block of the
+prepared store (read back as int32), and a token that is *not* a loss target is stored as ``~id`` (``-id - 1``,
+always negative); a target keeps its id. So the mask rides with the tokens through every path that moves them (Ray
+Data blocks, the stream, each SP shard, pipeline units, checkpoints of the stream) without a second array to keep in
+step, and a reader that forgot to decode fails loudly (a negative id is outside every vocabulary:
+``check_token_range``) instead of training on the wrong tokens.
 
 Token ``i`` being a target means the loss includes predicting it from tokens ``0..i-1`` (the Hugging Face
 convention: ``labels[i] = input_ids[i]`` where it is a target, ``-100`` where not). Token 0 of a document is never

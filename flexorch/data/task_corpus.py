@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 
 from flexorch.data.corpus import Corpus
-from flexorch.data.stream import Batch, DocumentStream
+from flexorch.data.stream import Batch, BatchStream, DocumentStream
 
 __all__ = ["TaskStreams", "combine_corpora", "load_task_corpus"]
 
@@ -32,7 +32,7 @@ def combine_corpora(corpora, names) -> Corpus:
     tok = {c.tokenizer_name for c in corpora}
     if len(tok) > 1:
         raise ValueError(f"the tasks' corpora were tokenized differently ({sorted(tok)}); tasks share one tokenizer")
-    blocks_before = np.cumsum([0] + [len(c.shards) for c in corpora])[:-1]
+    blocks_before = np.cumsum([0] + [len(c.blocks) for c in corpora])[:-1]
     targets = [c.targets if c.targets is not None else c.lengths - 1 for c in corpora]
     stats: dict = {"tasks": {n: c.stats for n, c in zip(names, corpora, strict=True)}}
     counted = {k for c in corpora for k, v in c.stats.items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -45,7 +45,7 @@ def combine_corpora(corpora, names) -> Corpus:
         lengths=np.concatenate([np.asarray(c.lengths) for c in corpora]),
         doc_blocks=np.concatenate([c.doc_blocks + b for c, b in zip(corpora, blocks_before, strict=True)]),
         doc_offsets=np.concatenate([c.doc_offsets for c in corpora]),
-        shards=[r for c in corpora for r in c.shards],
+        blocks=[r for c in corpora for r in c.blocks],
         stats=stats,
         tokenizer_name=corpora[0].tokenizer_name,
         vocab_size=max(c.vocab_size for c in corpora),
@@ -81,9 +81,10 @@ def _first_docs(task_of: np.ndarray, num_tasks: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts)])
 
 
-class TaskStreams:
-    """``DocumentStream``'s interface over several tasks: each batch is ``counts[t]`` documents of every task t
-    (fewer at the end of that task's epoch), drawn from the task's own stream seeded ``[seed, t]``-style."""
+class TaskStreams(BatchStream):
+    """A :class:`~flexorch.data.stream.BatchStream` over several tasks: each batch is ``counts[t]`` documents of
+    every task t (fewer at the end of that task's epoch), drawn from the task's own stream
+    seeded ``[seed, t]``-style."""
 
     def __init__(self, corpus: Corpus, counts, seed: int = 0):
         if corpus.task_of is None:
@@ -122,7 +123,7 @@ class TaskStreams:
         self.step += 1
         return batch
 
-    def epochs(self) -> dict[str, int]:
+    def task_epochs(self) -> dict[str, int]:
         """Each task's current epoch."""
         return {n: s.epoch for n, s in zip(self.names, self.streams, strict=True)}
 
@@ -166,7 +167,7 @@ def tasks_tokenizer(cfg, run_dir):
 
 def task_fields(tasks, docs, losses: dict, epochs: dict | None = None) -> dict:
     """A step record's ``tasks``: per task, its documents, tokens, loss-target tokens, mean loss and (``epochs``:
-    :meth:`TaskStreams.epochs` when the batch was drawn) the task's own epoch."""
+    :meth:`TaskStreams.task_epochs` when the batch was drawn) the task's own epoch."""
     out = {t.name: {"docs": 0, "tokens": 0, "targets": 0, "loss": losses.get(t.name)} for t in tasks}
     for name, epoch in (epochs or {}).items():
         out[name]["epoch"] = int(epoch)

@@ -1,8 +1,8 @@
 """The run directory's step records: one JSON object per line in ``RUN_DIR/steps.jsonl``.
 
-The schema, ``flexorch.step/4``, is documented and checked in :mod:`flexorch.records.schema`; `flexorch plan`
-and `flexorch train` build their records with :func:`plan_fields`, :func:`plan_record` and :func:`step_record`
-here, so both write the same keys.
+The schema, ``flexorch.step/4``, is documented in :mod:`flexorch.records.step_keys` and checked by
+:mod:`flexorch.records.schema`; `flexorch plan` and `flexorch train` build their records with :func:`plan_fields`,
+:func:`plan_record` and :func:`step_record` here, so both write the same keys.
 
 On ``--resume`` the records of steps after the checkpoint are dropped, so the file always describes the steps
 the current model has trained on, each exactly once.
@@ -79,7 +79,7 @@ def pipeline_fields(staged) -> dict:
 
 def plan_fields(planned, profile, level: float = 1.0) -> dict:
     """``shape``, ``plan``, ``timeline`` (the cost model's schedule: when each group starts and how long it runs) and
-    ``pipeline`` (null) of a planned step (``flexorch.solver.step_planner.PlannedStep``), or :func:`pipeline_fields`
+    ``pipeline`` (null) of a planned step (``flexorch.solver.planned_step.PlannedStep``), or :func:`pipeline_fields`
     when it is pipelined; then how it was planned: ``status``, ``predicted_ms``, ``bound_ms``.
 
     ``level``: the run's step level when the step was dispatched (``solver.step_level``); every price of the plan
@@ -190,7 +190,7 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
         "peak_local_tokens": o.peak_local_tokens,
         "peak_activation_bytes": o.peak_activation_bytes,
         "state_bytes": o.param_bytes,
-        "compile_s": getattr(o, "compile_s", 0.0),
+        "compile_s": o.compile_s,
     }
 
 
@@ -224,7 +224,7 @@ def step_record(
         "lr": done[0].lr,
         "grad_norm": done[0].grad_norm,
         "ranks": [_rank_entry(o, n_mb, pipelined) for o in outcomes],
-        **({"task_losses": dict(done[0].task_losses)} if getattr(done[0], "task_losses", None) else {}),
+        **({"task_losses": dict(done[0].task_losses)} if done[0].task_losses else {}),
     }
 
 

@@ -27,7 +27,7 @@ _WHERE = {
     "InvalidPlanError": "flexorch.solver.errors",
     "MicroBatch": "flexorch.solver.plan",
     "Plan": "flexorch.solver.plan",
-    "PlannedStep": "flexorch.solver.step_planner",
+    "PlannedStep": "flexorch.solver.planned_step",
     "Planner": "flexorch.solver.planner",
     "PlannerConfig": "flexorch.solver.planner_config",
     "PlanningError": "flexorch.solver.errors",

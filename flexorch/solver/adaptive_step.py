@@ -4,35 +4,23 @@ predicted time as a baseline (``solver.baselines.BaselineRun``: planned while th
 process, and after the planner in the time kept for them). Under 'auto' recompute the planner has the first half of
 the time and the packings for faster modes' bytes the rest (``solver.recompute``).
 
-The answer is an :class:`AdaptiveStep`; the step planner reports it as its ``PlannedStep``.
+The answer is the planner's :class:`~flexorch.solver.planned_step.PlannedStep` with these added: the floor's plan
+and status 'batchada' where the floor won, the baselines, and why the step runs a static layout where the planner
+ran out of time (``fallback_reason`` 'timeout' and ``fallback_message``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from dataclasses import dataclass
 
 from flexorch.solver.baselines import BaselineRun
-from flexorch.solver.plan import Plan
+from flexorch.solver.planned_step import PlannedStep
 from flexorch.solver.planner import Planner
 from flexorch.solver.recompute import choose_packing, other_packings, recompute_bound, uses_auto
 from flexorch.solver.task_steps import MIN_PART_S
 
-__all__ = ["AdaptiveStep", "plan_adaptive"]
-
-
-@dataclass(frozen=True)
-class AdaptiveStep:
-    """A step of adaptive SP groups as :func:`plan_adaptive` planned it."""
-
-    plan: Plan
-    predicted_ms: float
-    bound_ms: float
-    status: str
-    """The planner's status, or 'batchada' where the floor won."""
-    baselines_ms: dict
-    fallback: str
-    """Why the step runs a static layout after the planner ran out of time ('' when it did not)."""
+__all__ = ["plan_adaptive"]
 
 
 def plan_adaptive(
@@ -45,7 +33,7 @@ def plan_adaptive(
     baselines_s,
     used: dict,
     topology=None,
-) -> AdaptiveStep:
+) -> PlannedStep:
     """The step of ``lengths`` on ``num_devices`` by ``deadline`` (``limit`` seconds after ``start``). The baselines
     keep what they took last step (``baselines_s``, None at first) x1.5, 10-40 % of the budget (40 % at first).
     ``used['crashes']``: the solver crashes so far, ``used['baselines_s']``: what the baselines took after the
@@ -75,12 +63,23 @@ def plan_adaptive(
         plan, packing = choose_packing(plan, others, profile)
         predicted = packing[f"{packing['packing']}_ms"]
         bound = recompute_bound(plan, bound, profile)
-    return AdaptiveStep(plan, predicted, bound, status, baselines, timeout_reason(sp, limit, skipped))
+    why = timeout_reason(sp, limit, skipped)
+    return dataclasses.replace(
+        sp,
+        plan=plan,
+        predicted_ms=predicted,
+        bound_ms=bound,
+        status=status,
+        baselines_ms=baselines,
+        fallback_reason="timeout" if why else None,
+        fallback_message=why,
+        solver_crashes=used["crashes"],
+    )
 
 
-def timeout_reason(sp, limit: float, skipped: list[str]) -> str:
+def timeout_reason(sp: PlannedStep, limit: float, skipped: list[str]) -> str:
     """What a step that ran out of planning time should tell the user ('' when it did not)."""
-    if sp.status != "fallback":
+    if not sp.out_of_time:
         return ""
     d = sp.details
     cut = f"; {d.get('solves_cut', 0)} MILP solve(s) cut at the deadline" if d.get("solves_cut") else ""

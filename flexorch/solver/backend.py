@@ -21,14 +21,13 @@ What python-mip 2.0's HiGHS interface does with the settings the planner uses (r
 - statuses: OPTIMAL; FEASIBLE when a limit stopped it holding a solution; NO_SOLUTION_FOUND without one;
   INFEASIBLE. ``objective_bound`` is HiGHS's ``mip_dual_bound``.
 
-CBC's ``max_seconds`` is CBC's ``seconds`` limit. Both limits are wall clock here: beside 4 CPU hogs a 0.3 s limit
-ended each backend's solve after 0.30-0.35 s wall having used 0.04-0.11 s of CPU (measured on 2 cores) - which
-is how a starved CBC reaches its limit inside preprocessing.
+CBC's ``max_seconds`` is CBC's ``seconds`` limit. Both limits are wall clock here, so a solve starved of CPU may
+reach its limit having used a fraction of it in CPU time - which is how a starved CBC reaches its limit inside
+preprocessing.
 
-HiGHS runs on its defaults. Tried on 75 bisection MILPs captured from the planner at FlexSP's setting, with limits of
-0.05, 0.1 and 0.2 s: presolve off, symmetry detection off, ``mip_heuristic_effort`` 0.3 and the feasibility jump
-off each answered no more of them correctly (fits on N devices or not) than the defaults did (misses at 0.2 s:
-defaults 1, CBC 2, the variants 1-6 of the 35 that fit).
+HiGHS runs on its defaults: the variants tried (presolve off, symmetry detection off, ``mip_heuristic_effort`` 0.3,
+the feasibility jump off) answered no more of the planner's bisection MILPs correctly at short limits (the figures
+are in docs/guide/planner.md).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ the smallest tau with tau >= sum_s a(s, tau)/N (found by bisection: the right si
 
     step >= M_min * O + tau*.
 
-The other micro-batches hold what the slowest one cannot (split bound, issue 22). Let X be the largest micro-batch's
+The other micro-batches hold what the slowest one cannot (split bound). Let X be the largest micro-batch's
 X - O. Every sequence finishes within X, so the areas are at least sum_s a(s, X), and the other micro-batches hold
 at least L = (total tokens - N*cap) tokens (the slowest holds at most N*cap), whose least area is at least R, the
 fractional-knapsack minimum of sum a(s) over sequences holding L tokens (cheapest device-time per token first). The
@@ -45,7 +45,7 @@ With R = 0 (everything fits one micro-batch) this is the latency bound. It is wh
 micro-batches pays for their count: each of them is shorter than the step, so a long sequence may need a faster,
 costlier group than the latency bound (which lets it take the whole step) allows.
 
-Slow sequences that need many devices (tall bound, issue 22). Let w(s) = min_t t(s, t), the least time of s on any
+Slow sequences that need many devices (tall bound). Let w(s) = min_t t(s, t), the least time of s on any
 group (without the fixed costs), and n(s) the least degree of a group that holds it. Take a threshold tau and the
 sequences H with w >= tau. A group of a micro-batch lasting X < j*tau runs fewer than j of them one after another,
 and its degree is at least the n(s) of each, so the micro-batches with X >= tau ("tall"; every H sequence is in
@@ -61,7 +61,7 @@ slowest sequences. It binds where a few sequences need a large share of the devi
 micro-batch's share of the work (FlexSP's 64-device groups over slow links), which the other bounds spread thin.
 
 The rounds bound and the absorption bound (``solver.round_bounds``) place the slowest sequences exactly into
-micro-batches and groups, each chain on a degree that holds it with its time there (issue 48), and charge the idle
+micro-batches and groups, each chain on a degree that holds it with its time there, and charge the idle
 time they leave that the rest cannot use. A plan with more micro-batches than the fewest pays their fixed cost, and
 one with the fewest may have to run short sequences on the slowest ones' large groups (``solver.count_bounds``).
 

@@ -11,7 +11,7 @@ field is written to a sample's dict only when true, so a one-node calibration's 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -43,6 +43,23 @@ def _check_spans(spans, what: str) -> bool:
     return bool(spans)
 
 
+def _to_dict(sample) -> dict:
+    """A sample's fields in order (``seq_lengths`` as a list); ``spans`` only when true (see the module docstring)."""
+    out = {}
+    for f in fields(sample):
+        value = getattr(sample, f.name)
+        if f.name != "spans":
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        elif value:
+            out["spans"] = True
+    return out
+
+
+def _from_dict(cls, data: dict):
+    """A ``cls`` sample from :func:`_to_dict`'s dict: every field but ``spans`` required, ``spans`` false if absent."""
+    return cls(**{f.name: data.get("spans", False) if f.name == "spans" else data[f.name] for f in fields(cls)})
+
+
 def _check_group(kind, degree, what: str, *, allow_one: bool) -> None:
     if kind not in KINDS:
         raise ProfileError(f"{what}: kind must be one of {KINDS}, got {kind!r}")
@@ -65,11 +82,11 @@ class ComputeSample:
         object.__setattr__(self, "ms", _check_ms(self.ms, f"compute sample {list(self.seq_lengths)[:4]}"))
 
     def to_dict(self) -> dict:
-        return {"seq_lengths": list(self.seq_lengths), "ms": self.ms}
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> ComputeSample:
-        return cls(seq_lengths=data["seq_lengths"], ms=data["ms"])
+        return _from_dict(cls, data)
 
 
 @dataclass(frozen=True)
@@ -104,18 +121,11 @@ class CommSample:
         object.__setattr__(self, "spans", _check_spans(self.spans, what))
 
     def to_dict(self) -> dict:
-        out = {"kind": self.kind, "degree": self.degree, "tokens_per_rank": self.tokens_per_rank, "ms": self.ms}
-        return {**out, "spans": True} if self.spans else out
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> CommSample:
-        return cls(
-            kind=data["kind"],
-            degree=data["degree"],
-            tokens_per_rank=data["tokens_per_rank"],
-            ms=data["ms"],
-            spans=data.get("spans", False),
-        )
+        return _from_dict(cls, data)
 
 
 @dataclass(frozen=True)
@@ -143,15 +153,8 @@ class GroupSample:
             raise ProfileError(f"{what}: one device cannot span nodes (spans=True needs degree >= 2)")
 
     def to_dict(self) -> dict:
-        out = {"seq_lengths": list(self.seq_lengths), "degree": self.degree, "kind": self.kind, "ms": self.ms}
-        return {**out, "spans": True} if self.spans else out
+        return _to_dict(self)
 
     @classmethod
     def from_dict(cls, data: dict) -> GroupSample:
-        return cls(
-            seq_lengths=data["seq_lengths"],
-            degree=data["degree"],
-            kind=data["kind"],
-            ms=data["ms"],
-            spans=data.get("spans", False),
-        )
+        return _from_dict(cls, data)

@@ -1,4 +1,4 @@
-"""What the fewest micro-batches cost when the slowest sequences fill their devices (issue 48), for ``solver.bounds``.
+"""What the fewest micro-batches cost when the slowest sequences fill their devices, for ``solver.bounds``.
 
 Every bound of ``solver.bounds`` is M_min * O plus a bound W on the rest of the step that holds for any number of
 micro-batches M (O: the least fixed cost a micro-batch pays, M_min: the fewest micro-batches memory allows). A plan

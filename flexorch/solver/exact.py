@@ -22,7 +22,8 @@ import numpy as np
 
 from flexorch.solver import backend
 from flexorch.solver.backend import DEFAULT_SOLVER
-from flexorch.solver.packing import Draft, GroupType
+from flexorch.solver.group_tables import GroupTables
+from flexorch.solver.packing import Draft
 
 __all__ = ["MAX_EXACT_SEQUENCES", "solve_exact"]
 
@@ -31,26 +32,20 @@ MAX_EXACT_SEQUENCES = 8
 
 def solve_exact(
     items,
-    types: list[GroupType],
-    table: np.ndarray,
-    lengths: np.ndarray,
+    tables: GroupTables,
     *,
-    num_devices: int,
-    caps_by_type: np.ndarray,
-    overheads: np.ndarray,
     time_limit_s: float,
     start: Draft | None = None,
     solver: str = DEFAULT_SOLVER,
-    capacity: tuple = (),
 ):
-    """(draft, proven_optimal) for the micro-batch `items`, or None when the solver found nothing in time.
-
-    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
-    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`). `time_limit_s` counts from the call (building
-    the model included); `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`).
+    """(draft, proven_optimal) for the micro-batch `items` (indices into `tables`), or None when the solver found
+    nothing in time. `time_limit_s` counts from the call (building the model included); `solver`: the MILP backend,
+    'highs' or 'cbc' (`solver.backend`); the node-capacity rows of a topology are ``tables.capacity``.
     """
     deadline = time.perf_counter() + time_limit_s
     items = list(items)
+    types, table, lengths, num_devices = tables.types, tables.table, tables.lengths, tables.num_devices
+    caps_by_type, overheads, capacity = tables.caps_by_type, tables.overheads, tables.capacity
     deg = [t.degree for t in types]
     m = backend.new_model(solver)
     slots = {t: min(len(items), num_devices // deg[t]) for t in range(len(types))}

@@ -24,7 +24,8 @@ import time
 
 import numpy as np
 
-from flexorch.solver.packing import Draft, GroupType, improve
+from flexorch.solver.group_tables import GroupTables
+from flexorch.solver.packing import Draft, improve
 
 __all__ = ["fill_pack", "fill_draft"]
 
@@ -91,26 +92,24 @@ def fill_pack(
 
 def fill_draft(
     items,
-    types: list[GroupType],
-    table: np.ndarray,
-    lengths: np.ndarray,
-    num_devices: int,
-    caps_by_type: np.ndarray,
-    overheads: np.ndarray,
+    tables: GroupTables,
+    *,
     lower_ms: float,
     upper_ms: float,
     tolerance: float = 0.01,
     max_steps: int = 10,
     deadline: float | None = None,
 ) -> Draft | None:
-    """The best `fill_pack` over a bisection of the target in [lower_ms, upper_ms] (`upper_ms`: the makespan of a
-    plan in hand, e.g. the static start), then its spare devices added as groups and the loads balanced by local
-    search.
+    """The best `fill_pack` of the micro-batch `items` (indices into `tables`) over a bisection of the target in
+    [lower_ms, upper_ms] (`upper_ms`: the makespan of a plan in hand, e.g. the static start), then its spare devices
+    added as groups and the loads balanced by local search.
     None when no target packed. Past `deadline` (``time.monotonic()``) no further target is tried."""
     items = list(items)
     if not items:
         return None
-    deg = np.array([t.degree for t in types], dtype=np.int64)
+    table, lengths, num_devices = tables.table, tables.lengths, tables.num_devices
+    caps_by_type, overheads = tables.caps_by_type, tables.overheads
+    deg = np.array([t.degree for t in tables.types], dtype=np.int64)
     order = _hardest_first(items, table, overheads)
     best: Draft | None = None
     lo, hi = float(lower_ms), float(upper_ms)

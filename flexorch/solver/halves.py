@@ -1,14 +1,13 @@
-"""The tallest sequences laid out as they will run (issue 48, "never behind FlexSP's solver").
+"""The tallest sequences laid out as they will run, so that the search is never behind FlexSP's solver.
 
-FlexSP's solver (arXiv 2412.01523, §4.1.1) chooses every group's degree per micro-batch; on code lengths it ran the
-tallest micro-batch's sequences on two groups of N/2 devices side by side where ours ran them one after another on
-one group of all N devices, and won that step. Two places of our search decided the tallest micro-batch's layout
-before any packer saw it, both from memory alone:
+FlexSP's solver (arXiv 2412.01523, §4.1.1) chooses every group's degree per micro-batch, so it may run the tallest
+micro-batch's sequences on two groups of N/2 devices side by side rather than one after another on one group of all
+N devices. Two splits decide the tallest micro-batch's layout before any packer sees it, both from memory alone:
 
-* the rounds-seeded splits (``solver.round_bounds.best_round_split``) placed the slowest sequences into micro-batches
+* the rounds-seeded splits (``solver.round_bounds.best_round_split``) place the slowest sequences into micro-batches
   as chains on the least degree that holds them, timed as if on their fastest group;
 * the tiered splits (``solver.microbatching.tiered_split``) put slow sequences side by side by that least degree,
-  and topped the micro-batch up with other sequences on the devices it seemed to leave free.
+  and top the micro-batch up with other sequences on the devices it seems to leave free.
 
 A sequence that runs fastest on all N devices then shares its micro-batch with work that either waits (it is put
 on the same group) or slows it down (it is moved to the least degree). Here each chain of the slowest sequences
@@ -17,12 +16,12 @@ takes a degree that holds it, with the time it takes there (the per-degree front
 a share, or any other mix; each round (micro-batch of slow sequences) takes the point of its front that costs the
 step least, its length less the work of the other sequences that the devices it leaves free can take in its time and
 in their memory (:func:`effective_ms`), and a tier gives each of the slowest the devices of its best point alone
-(:func:`tier_devices`). These splits are offered beside the old ones (the screening and the solves choose), as are
+(:func:`tier_devices`). These splits are offered beside the others (the screening and the solves choose), as are
 splits whose tiered micro-batch takes the shortest sequences onto its group where the rest would need one micro-batch
 more (``solver.microbatching.tiered_split``'s ``squeeze``). After the packers, the local search may split a packed
-micro-batch's slowest group in two half-size groups where that is faster (:func:`split_halves`): on code lengths
-(FlexSP's GPT-7B constants, 64 heads, 64 devices) memory-tight micro-batches of ten ~34K-token sequences ran on one
-group of 64 where two of 32 side by side are 8 % faster (the 64-device all-to-all is slower per device).
+micro-batch's slowest group in two half-size groups where that is faster (:func:`split_halves`): a memory-tight
+micro-batch of long sequences may run faster on two groups of N/2 side by side than on one of N, whose all-to-all is
+slower per device (docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ def split_halves(
     within memory, then single moves and swaps while the later one finishes sooner) so that both finish before it
     did, it is; at most ``most`` splits per micro-batch, none begun past ``deadline`` (``time.monotonic()``). Returns
     how many groups were split. FlexSP's solver
-    (arXiv 2412.01523) chooses such layouts; ours kept one group of N where two of N/2 were faster (issue 48)."""
+    (arXiv 2412.01523) chooses such layouts; a search without this keeps one group of N where two of N/2 are faster."""
     deg = np.array([t.degree for t in types], dtype=np.int64)
     fixed = np.asarray(overheads, dtype=np.float64)
     caps = np.asarray(caps_by_type, dtype=np.int64)

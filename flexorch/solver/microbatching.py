@@ -1,8 +1,9 @@
 """Candidate micro-batch splits of one step (Sequence Blaster, FlexSP §4.2), shared by planner and baselines.
 
-The splits are ``solver.blaster``'s (FlexSP's sorted min-max split and flexorch's balanced one), computed here in
-O(M log K) per feasibility test (prefix sums and binary search instead of a pass over the sequences) and with one
-heap over the micro-batches, so that 16,384-sequence batches split in milliseconds; the answers are the same.
+The splits are FlexSP's sorted min-max split (:func:`sorted_split`) and flexorch's balanced one
+(:func:`balanced_split`), computed in O(M log K) per feasibility test (prefix sums and binary search instead of a pass
+over the sequences) and with one heap over the micro-batches, so that batches of many thousands of sequences split in
+milliseconds.
 
 With the sequences' least wall times and group sizes the planner adds a third kind, the tiered split
 (:func:`tiered_split`): the step's time is the *sum* of its micro-batches' makespans, and a micro-batch lasts at
@@ -26,9 +27,8 @@ TIER_RATIO = 2.0
 """A sequence is put with its own tier when its least wall time is over this many times the average micro-batch's
 share of the work (``tiered_split``)."""
 TIER_RATIOS = (TIER_RATIO, 1.0)
-"""The planner's tiered candidates: on the code-length benchmark (``benchmarks/sim/planner_quality.py``, code256) the
-best of the two had 0.4-5.4 points less gap than 2.0 alone on 4 of 5 steps (1.25 and 1.5 would have gained at most
-1.6 points more, on one step; measured with solver.fill packing each split)."""
+"""The planner's tiered candidates: one ratio alone misses the best tiering on some steps of long-tailed lengths
+(``benchmarks/sim/planner_quality.py``'s code256; the figures are in docs/benchmarks.md)."""
 
 
 def partition_candidates(
@@ -82,7 +82,7 @@ def _candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None)
             wall, need, num_devices, *more = tiers
             own = more[0] if more else None
             rounds = more[1] if len(more) > 1 else None
-            halves = more[2] if len(more) > 2 else None  # (devices, seeds) of the slowest as they run (issue 48)
+            halves = more[2] if len(more) > 2 else None  # (devices, seeds) of the slowest as they run
             variants = [("tiered", need, None, TIER_RATIOS)]
             if rounds:
                 variants.append(("rounds", need, rounds, (TIER_RATIO,)))  # one more candidate, not two
@@ -107,9 +107,9 @@ def _candidates(lengths, work, capacity_tokens: int, extra: int = 4, tiers=None)
 
 
 def sorted_split(lengths, m: int, order=None) -> list[list[int]]:
-    """FlexSP's split (``blaster.sorted_chunks``): sort descending, cut into at most m consecutive chunks that
-    minimise the largest chunk's tokens (binary search on the bound, greedy check by prefix sums), then split the
-    largest chunks until there are min(m, K)."""
+    """FlexSP's split (§4.2): sort descending, cut into at most m consecutive chunks that minimise the largest
+    chunk's tokens (the linear-partition argument: binary search on the bound, greedy check by prefix sums, greedy
+    filling uses the fewest chunks for a fixed bound), then split the largest chunks until there are min(m, K)."""
     lengths = np.asarray(lengths, dtype=np.int64)
     order = np.argsort(-lengths, kind="stable") if order is None else order
     t = lengths[order]
@@ -152,8 +152,8 @@ def _greedy_ends(prefix: np.ndarray, bound: int, most: int) -> list[int]:
 
 
 def balanced_split(lengths, work, m: int, capacity_tokens: int, order=None) -> list[list[int]] | None:
-    """Longest-first into the micro-batch with the least work that still has memory room, ties to the first
-    (``blaster.balanced_chunks``); None if a sequence fits none."""
+    """Longest-first into the micro-batch with the least work that still has memory room, ties to the first; None
+    if a sequence fits none."""
     lengths = np.asarray(lengths, dtype=np.int64)
     work = np.asarray(work, dtype=np.float64)
     order = np.argsort(-work, kind="stable") if order is None else order
@@ -311,8 +311,8 @@ def _balance_rest(rest, lengths, work, capacity_tokens: int, extra: int) -> list
 def _squeeze(chunks, rest, lengths, capacity_tokens: int, fill: float):
     """The rest of a tiered split after the tiered micro-batches (``chunks``) took the shortest of it, the cheapest
     on their large groups, until the rest fits the fewest micro-batches memory allows (at ``fill``): a sequence that
-    runs fastest on all N devices and the short ones that would need one micro-batch more share its group (issue 48;
-    one more micro-batch costs its fixed cost). None where the rest fits already, or cannot be made to."""
+    runs fastest on all N devices and the short ones that would need one micro-batch more share its group (one
+    more micro-batch costs its fixed cost). None where the rest fits already, or cannot be made to."""
     total = sum(int(lengths[c[0]].sum()) for c in chunks) + int(lengths[rest].sum())
     fewest = max(1, math.ceil(total / capacity_tokens))
     room = fewest - len(chunks)  # micro-batches left for the rest

@@ -37,7 +37,8 @@ from flexorch.solver import backend
 from flexorch.solver.backend import DEFAULT_SOLVER
 from flexorch.solver.bucketing import optimal_buckets
 from flexorch.solver.exact import MAX_EXACT_SEQUENCES, solve_exact
-from flexorch.solver.packing import Draft, GroupType, improve, pack
+from flexorch.solver.group_tables import GroupTables
+from flexorch.solver.packing import Draft, improve, pack
 from flexorch.solver.placement import counts_fit
 
 __all__ = ["MicroBatchSolution", "solve_micro_batch", "best_static_draft"]
@@ -74,13 +75,8 @@ def best_static_draft(items, types, table, lengths, num_devices, caps_by_type, o
 
 def solve_micro_batch(
     items,
-    types: list[GroupType],
-    table: np.ndarray,
-    lengths: np.ndarray,
+    tables: GroupTables,
     *,
-    num_devices: int,
-    caps_by_type: np.ndarray,
-    overheads: np.ndarray,
     lower_bound_ms: float,
     time_budget_s: float,
     max_buckets: int = 16,
@@ -89,19 +85,18 @@ def solve_micro_batch(
     ilp_time_limit_s: float = 0.25,
     start: Draft | None = None,
     solver: str = DEFAULT_SOLVER,
-    capacity: tuple = (),
 ) -> MicroBatchSolution | None:
-    """Plan one micro-batch (sequences `items`, indices into `lengths`/`table`) on N devices; None if none fits.
+    """Plan one micro-batch (sequences `items`, indices into `tables`) on its N devices; None if none fits.
 
-    `overheads[t]` is the fixed cost of a group of type t per micro-batch (`solver.packing.type_overheads`);
-    `caps_by_type[t]` the tokens it holds (`solver.packing.type_caps`). Every MILP it solves gets the time left of
-    `time_budget_s` (a bisection step at most `ilp_time_limit_s`), never more (`solver.backend.time_left`).
-    `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`). `capacity`: a topology's node-capacity rows
-    (``solver.placement.capacity_rows``: the group counts that keep each type where it is priced); empty: none.
+    Every MILP it solves gets the time left of `time_budget_s` (a bisection step at most `ilp_time_limit_s`), never
+    more (`solver.backend.time_left`). `solver`: the MILP backend, 'highs' or 'cbc' (`solver.backend`). A topology's
+    node-capacity rows are ``tables.capacity`` (the group counts that keep each type where it is priced).
     """
     deadline = time.perf_counter() + time_budget_s
     backend.check_solver(solver)  # a bad name fails here, also when the greedy cover leaves nothing to solve
     items = list(items)
+    types, table, lengths, num_devices = tables.types, tables.table, tables.lengths, tables.num_devices
+    caps_by_type, overheads, capacity = tables.caps_by_type, tables.overheads, tables.capacity
     if start is None:
         start = best_static_draft(items, types, table, lengths, num_devices, caps_by_type, overheads)
     else:  # screened by the planner without polish: polish a copy now
@@ -109,19 +104,7 @@ def solve_micro_batch(
         start = improve(copy.deepcopy(start), table, lengths, caps, overheads)
     best = MicroBatchSolution(start, start.makespan(), "static", 0, 0) if start is not None else None
     if len(items) <= MAX_EXACT_SEQUENCES:
-        exact = solve_exact(
-            items,
-            types,
-            table,
-            lengths,
-            num_devices=num_devices,
-            caps_by_type=caps_by_type,
-            overheads=overheads,
-            time_limit_s=backend.time_left(deadline),
-            start=start,
-            solver=solver,
-            capacity=capacity,
-        )
+        exact = solve_exact(items, tables, time_limit_s=backend.time_left(deadline), start=start, solver=solver)
         if exact is not None and (best is None or exact[0].makespan() <= best.makespan_ms):
             return MicroBatchSolution(exact[0], exact[0].makespan(), "exact" if exact[1] else "milp", 1, 0)
     buckets = _bucket_tables(items, table, lengths, max_buckets)

@@ -1,4 +1,5 @@
-"""The per-step planner: lengths + N devices + profile in, a frozen `Plan` out.
+"""The per-step planner: lengths + N devices + profile in, a frozen `Plan` out, in the one plan result
+(``solver.planned_step.PlannedStep``) that the step planner then adds the BatchAda floor and the baselines to.
 
 Per step (docs/design.md §2): candidate micro-batch splits (Sequence Blaster, FlexSP arXiv 2412.01523 §4.2),
 ordered by their best static layouts; each candidate's micro-batches are planned by the bisection MILP
@@ -19,7 +20,7 @@ a solve still running at the deadline is killed the same way. With ``isolate=Fal
 Around the search here: its knobs (``solver.planner_config``), the screening that orders candidate splits by their
 static starts (``solver.screening``), the deadline-bound solves of one split's micro-batches
 (``solver.split_solver``) and the slowest sequences laid out on the groups they run on, one of all N devices or two
-of N/2 side by side (``solver.halves``, issue 48: FlexSP's solver chose such layouts where ours did not).
+of N/2 side by side (``solver.halves``: FlexSP's solver chooses such layouts, arXiv 2412.01523 §4.1.1).
 
 A plan is screen -> solve -> polish -> finish (:meth:`Planner._plan`), each stage by its deadline of the plan's
 ``solver.budget.Budget``, over the step's tables (``solver.step_tables``).
@@ -30,7 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,6 +47,7 @@ from flexorch.solver.packing import (
 )
 from flexorch.solver.placement import place_groups
 from flexorch.solver.plan import MicroBatch, Plan
+from flexorch.solver.planned_step import OUT_OF_TIME, PlannedStep
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.screening import screen_splits
@@ -54,37 +56,7 @@ from flexorch.solver.split_solver import MIN_SOLVE_S, SplitSolver
 from flexorch.solver.step_tables import StepTables, split_tiers, step_tables
 from flexorch.solver.validation import check_batch, check_num_devices
 
-__all__ = ["PlannerConfig", "StepPlan", "Planner", "plan_step"]
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """A plan with how it was found: the inner :class:`Planner`'s answer, without the BatchAda floor. Callers
-    outside the solver get a :class:`flexorch.solver.step_planner.PlannedStep` (the one solve result) from
-    :class:`~flexorch.solver.step_planner.StepPlanner` instead."""
-
-    plan: Plan
-    predicted_ms: float
-    """Predicted step time under the cost model (simulator, real lengths)."""
-    bound_ms: float
-    """Proven lower bound on any plan's step time for this batch (solver.bounds)."""
-    solve_s: float
-    status: str
-    """'milp' (a MILP plan beat the start), 'static' (none did, or none was solved because the start was within the
-    tolerance of its bound, method 'bound': the start, homogeneous or ``solver.fill``'s mixed layout, stands),
-    'fallback' (time ran out before any candidate split was solved or packed by ``solver.fill``: homogeneous starts,
-    solves cut at the deadline)."""
-    details: dict = field(default_factory=dict)
-    """How the time went: 'time_limit_s', 'used_s', 'solver_crashes' (solver processes that died in this plan),
-    'solves_cut' (solves stopped at the deadline), candidates, methods per micro-batch."""
-
-    @property
-    def gap(self) -> float:
-        return self.predicted_ms / self.bound_ms - 1.0
-
-    @property
-    def solver_crashes(self) -> int:
-        return int(self.details.get("solver_crashes", 0))
+__all__ = ["PlannerConfig", "Planner", "plan_step"]
 
 
 @dataclass
@@ -139,8 +111,15 @@ class Planner:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def plan(self, lengths, num_devices: int, deadline: float | None = None, idle=None, topology=None) -> StepPlan:
-        """Plan one step by ``deadline`` (a ``time.monotonic()`` value; default: ``time_limit_s`` from now).
+    def plan(self, lengths, num_devices: int, deadline: float | None = None, idle=None, topology=None) -> PlannedStep:
+        """Plan one step by ``deadline`` (a ``time.monotonic()`` value; default: ``time_limit_s`` from now), without
+        the BatchAda floor (:class:`~flexorch.solver.step_planner.StepPlanner` adds it).
+
+        The answer's ``status`` is 'milp' (a MILP plan beat the start), 'static' (none did, or none was solved
+        because the start was within the tolerance of its bound, method 'bound': the start, homogeneous or
+        ``solver.fill``'s mixed layout, stands) or :data:`~flexorch.solver.planned_step.OUT_OF_TIME` (time ran out
+        before any candidate split was solved or packed by ``solver.fill``: homogeneous starts, solves cut at the
+        deadline); its ``details`` say how the time went.
 
         ``idle(until, stop)``: work of the caller's to do here while MILP solves run in the solver process (the
         baselines), until ``until`` or until ``stop()`` says the solves are back. ``topology``
@@ -156,7 +135,7 @@ class Planner:
         finally:
             self._idle = None
 
-    def _plan(self, lengths, num_devices: int, deadline: float | None, topology=None) -> StepPlan:
+    def _plan(self, lengths, num_devices: int, deadline: float | None, topology=None) -> PlannedStep:
         """screen -> solve -> polish -> finish, each by its deadline of the plan's :class:`Budget`."""
         t0 = time.monotonic()
         deadline = t0 + self.config.time_limit_s if deadline is None else deadline
@@ -235,7 +214,7 @@ class Planner:
         if got is not None and got[0] < search.best_total:
             search.best_total, search.best_mbs = got
 
-    def _finish(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> StepPlan:
+    def _finish(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> PlannedStep:
         """The plan of the best split (or, none packing, of micro-batches halved until each packs) and its report."""
         t_finish = time.monotonic()
         lengths, n, prof = step.lengths, step.n, self.profile
@@ -246,7 +225,7 @@ class Planner:
             drafts = drop_empty(drafts)
             search.best_total, search.best_mbs = sum(d.makespan() for d in drafts), [(d, "fallback") for d in drafts]
         if not search.finished:
-            status = "fallback"
+            status = OUT_OF_TIME
         else:
             status = "milp" if any(m in ("milp", "exact") for _, m in search.best_mbs) else "static"
         topo = step.topology
@@ -275,7 +254,15 @@ class Planner:
         if topo is not None:  # priced where the groups were placed (a group the nodes had no room for spans them)
             total_ms = step_time_ms(plan, prof)
             bound = min(bound, total_ms - prof.step_ms)  # the bound's types are priced no slower than placed ones
-        return StepPlan(plan, total_ms, bound + prof.step_ms, done - budget.t0, status, details)
+        return PlannedStep(
+            plan,
+            total_ms,
+            bound + prof.step_ms,
+            done - budget.t0,
+            status,
+            details=details,
+            solver_crashes=run["crashes"],
+        )
 
     def _at_bound(self, search: _Search) -> bool:
         """The best plan so far is within ``tolerance`` of the step's proven bound (``stop_at_bound``)."""
@@ -338,7 +325,7 @@ def _polish(sols, caps_t, table, lengths, overheads, deadline, types=None) -> tu
     return sum(d.makespan() for d in drafts), [(d, m) for d, m in sols if any(d.members)]
 
 
-def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> StepPlan:
+def plan_step(lengths, num_devices: int, profile: Profile, config: PlannerConfig | None = None) -> PlannedStep:
     """Plan one step (a convenience wrapper around `Planner`)."""
     with Planner(profile, config) as planner:
         return planner.plan(lengths, num_devices)

@@ -47,12 +47,12 @@ class PlannerConfig:
     """With ``tiered_splits``: tiered splits that start from the slowest sequences' best micro-batches, as the rounds
     bound places them (``solver.round_bounds.best_round_split``: chains of them in one group where memory allows)."""
     halves: bool = True
-    """Issue 48's search (``solver.halves``): with ``tiered_splits``, more tiered splits whose slowest sequences take
-    the groups they run on (one of all N devices, or two of N/2 side by side each running a share: the per-degree
-    fronts of ``solver.round_bounds``) where the others take their least degree, and at the fewest micro-batches
-    tiered splits whose tiered micro-batches take the shortest sequences where the rest would need one more; and the
-    local search splits a slow group in two half-size groups where that is faster. False: none of these (the
-    planner-quality benchmark's ``--no-halves``)."""
+    """The search of the slowest sequences' layouts (``solver.halves``): with ``tiered_splits``, more tiered splits
+    whose slowest sequences take the groups they run on (one of all N devices, or two of N/2 side by side each running a
+    share: the per-degree fronts of ``solver.round_bounds``) where the others take their least degree, and at the fewest
+    micro-batches tiered splits whose tiered micro-batches take the shortest sequences where the rest would need one
+    more; and the local search splits a slow group in two half-size groups where that is faster. False: none of these
+    (the planner-quality benchmark's ``--no-halves``)."""
     stop_at_bound: bool = True
     """Stop searching where the answer is proven within ``tolerance`` of optimal: a micro-batch whose start is within
     it of the micro-batch's lower bound is not solved, and no further split is tried once the best plan is within it

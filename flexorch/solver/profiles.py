@@ -276,53 +276,34 @@ class Profile:
         return Profile(**data)
 
 
+def _flexsp_a100(
+    name: str, a1_ms: float, a2_ms: float, b1_ms: float, act_bytes: float, layers: int, hidden: int, heads: int
+) -> Profile:
+    """A FlexSP release profile (docs/design.md §2.1): multi-head attention on A100s. FlexSP's 28 GB budget (of 40 GB)
+    is the activation budget: model states are sharded (ZeRO-3) into the rest, so model_state_bytes is 0."""
+    return Profile(
+        name=name,
+        a1_ms=a1_ms,
+        a2_ms=a2_ms,
+        b1_ms=b1_ms,
+        act_bytes_per_token=act_bytes,
+        memory_budget_bytes=28e9,
+        num_layers=layers,
+        hidden=hidden,
+        num_heads=heads,
+        num_kv_heads=heads,
+        a2a_gbps=_A100_A2A_GBPS,
+        inter_a2a_gbps=_A100_INTER_A2A_GBPS,
+    )
+
+
 BUILTIN_PROFILES: dict[str, Profile] = {
     p.name: p
     for p in (
-        # FlexSP release constants (docs/design.md §2.1). FlexSP's 28 GB budget (of 40 GB) is the activation budget:
-        # model states are sharded (ZeRO-3) into the rest, so model_state_bytes is 0 here.
-        Profile(
-            name="gpt-7b-a100",
-            a1_ms=5.128e-6,
-            a2_ms=0.18396,
-            b1_ms=629.36,
-            act_bytes_per_token=4.48e6,
-            memory_budget_bytes=28e9,
-            num_layers=32,
-            hidden=4096,
-            num_heads=32,
-            num_kv_heads=32,
-            a2a_gbps=_A100_A2A_GBPS,
-            inter_a2a_gbps=_A100_INTER_A2A_GBPS,
-        ),
-        Profile(
-            name="gpt-13b-a100",
-            a1_ms=9.2852e-6,
-            a2_ms=0.30602,
-            b1_ms=1132.56,
-            act_bytes_per_token=4.22e6,
-            memory_budget_bytes=28e9,
-            num_layers=40,
-            hidden=5120,
-            num_heads=40,
-            num_kv_heads=40,
-            a2a_gbps=_A100_A2A_GBPS,
-            inter_a2a_gbps=_A100_INTER_A2A_GBPS,
-        ),
-        Profile(
-            name="gpt-30b-a100",
-            a1_ms=15.4262e-6,
-            a2_ms=0.80357,
-            b1_ms=2789.36,
-            act_bytes_per_token=3.42e6,
-            memory_budget_bytes=28e9,
-            num_layers=60,
-            hidden=6656,
-            num_heads=52,
-            num_kv_heads=52,
-            a2a_gbps=_A100_A2A_GBPS,
-            inter_a2a_gbps=_A100_INTER_A2A_GBPS,
-        ),
+        # FlexSP release constants: name, a1, a2, b1, activation bytes per token, layers, hidden, heads.
+        _flexsp_a100("gpt-7b-a100", 5.128e-6, 0.18396, 629.36, 4.48e6, 32, 4096, 32),
+        _flexsp_a100("gpt-13b-a100", 9.2852e-6, 0.30602, 1132.56, 4.22e6, 40, 5120, 40),
+        _flexsp_a100("gpt-30b-a100", 15.4262e-6, 0.80357, 2789.36, 3.42e6, 60, 6656, 52),
     )
 }
 

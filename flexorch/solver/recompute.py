@@ -212,7 +212,7 @@ def mode_packing(planner, mode: str, lengths, n: int, due: float, idle=None, top
             until = due if ids is short else time.monotonic() + 0.25 * left
             sp = planner.plan([lengths[i] for i in ids], n, deadline=until, idle=idle, topology=topology)
             crashes += sp.solver_crashes
-            if sp.status == "fallback":
+            if sp.out_of_time:
                 return None, crashes
             parts.append((sp.plan, ids))
     finally:

@@ -1,12 +1,11 @@
 """The cost model refitted during a run from the groups the workers really ran (``[plan] refit``).
 
 Why: the start-up calibration (``flexorch.control.calibration``) times probes that are not the run's micro-batches.
-Measured with ``benchmarks/measured/calibration_error.py`` (4 CPU workers on 2 cores): its compute probes run
-every worker at degree 1 at once, so each worker had half a core, while in training the workers of SP groups spend
-part of their time blocked in collectives and leave the cores to the others. The probes priced compute 1.3-2x too
-high (b1 44 ms, a1 2.2e-4 ms/token^2 against 14 ms and 3.5e-5 fitted on the run's own degree-1 groups); the group fit
-per (kind, degree) absorbed the error for SP groups, so static layouts of one degree were predicted within 7-9 %
-while adaptive plans, which mix degree-1 groups in, were off by 33 %.
+Its compute probes run every worker at degree 1 at once, so on shared cores each worker gets a share of them, while
+in training the workers of SP groups spend part of their time blocked in collectives and leave the cores to the
+others. The probes then price compute too high; the group fit per (kind, degree) absorbs the error for SP groups, so
+static layouts of one degree are predicted well while adaptive plans, which mix degree-1 groups in, are not
+(``benchmarks/measured/calibration_error.py``; the figures are in docs/design.md).
 
 The fix is the run's own evidence: every trained step's record holds, per rank and micro-batch, how long it took
 (``solver.record_samples``). :class:`GroupWindow` keeps the most recent groups (a degree-1 group is pure compute; an
@@ -16,11 +15,10 @@ its groups (``solver.calibration.fit_group_comm``), keeping a term's old value w
 and the whole refit only when it predicts the window's groups better than the profile in force *and* its steps at
 least as well. The steps are what the planner plans with: a step is predicted as the barrier schedule of its
 micro-batches (each as long as its slowest group, ``solver.simulator``) and measured as the slowest rank's compute
-(the record's ``compute_ms``). Groups alone are not enough: on a 3-node HF run under hsdp a refit fitted on the
-window's many small groups lowered their median error from 8.5 % to 7.4 % and was kept, while the slow groups that
-set each micro-batch's length were priced 3-5x too fast, and every step for 26 steps was predicted at 238-296 ms
-against 800-1,460 ms measured. Only times change: memory (the activation bytes, the budget) is the calibrated one,
-so a plan's feasibility never depends on a refit.
+(the record's ``compute_ms``). Groups alone are not enough: a refit fitted on the window's many small groups can
+predict them better while pricing the few slow groups that set each micro-batch's length far too fast, and then
+every step it plans is mispredicted (docs/design.md has a run where it happened). Only times change: memory (the
+activation bytes, the budget) is the calibrated one, so a plan's feasibility never depends on a refit.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Lower bounds that place the slowest sequences of a step exactly (issue 22), for ``solver.bounds``.
+"""Lower bounds that place the slowest sequences of a step exactly, for ``solver.bounds``.
 
-Chains of slow sequences (rounds bound, issue 22). The tall bound's S >= tau*k counts devices only; the K slowest
+Chains of slow sequences (rounds bound). The tall bound's S >= tau*k counts devices only; the K slowest
 sequences (K <= 8) are also few enough to place exactly. In any plan, the micro-batches holding some of them last
 at least the optimum of this relaxation: each such micro-batch ("round") splits its slow sequences into groups
 ("chains") that run one after another, a chain lasting at least the sum of its sequences' w(s), holding at most
@@ -12,7 +12,7 @@ S_K) in the tall bound above: the rounds are tall micro-batches. It binds where 
 group (their tokens exceed its memory) and more of them need a large group than N allows side by side (code256's
 five 64-device sequences on 256 devices: two rounds, 97 + 67 s, where tau*k gave 2 x 67 s).
 
-What the rounds leave idle (absorption bound, issue 22). Take H, the j slowest of those K (at each change of the
+What the rounds leave idle (absorption bound). Take H, the j slowest of those K (at each change of the
 least degree that holds them), and the rest "light", A = sum of the light sequences' least device-time a'(s) = min_t
 d*t(s, t). A round (a micro-batch holding some of H) of length X whose chains take u devices can run light work
 only on its N - u free devices, at most (N - u)*X of device-time and at most the light device-time G((N - u)*cap)

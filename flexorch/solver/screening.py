@@ -86,7 +86,7 @@ def fill_starts(step: StepTables, split, lower, starts, deadline, *, tolerance: 
     """(the starts of one split, each micro-batch's replaced by its mixed layout from ``solver.fill`` where that
     is faster (or where no homogeneous layout packs it), True when every micro-batch was packed before
     `deadline`). A start within `tolerance` of its bound is kept."""
-    types, caps_t, overheads, table, lengths, n = step.packing
+    tables = step.groups
     new = list(starts)
     for j, (items, start) in enumerate(zip(split, starts, strict=True)):
         if time.monotonic() >= deadline:
@@ -94,7 +94,7 @@ def fill_starts(step: StepTables, split, lower, starts, deadline, *, tolerance: 
         if start is not None and start.makespan() <= lower[j] * (1 + tolerance):
             continue  # already at its bound
         upper = start.makespan() if start is not None else 4.0 * lower[j]
-        got = fill_draft(items, types, table, lengths, n, caps_t, overheads, lower[j], upper, deadline=deadline)
+        got = fill_draft(items, tables, lower_ms=lower[j], upper_ms=upper, deadline=deadline)
         if got is not None and (start is None or got.makespan() < start.makespan()):
             new[j] = got
     return new, True

@@ -40,12 +40,10 @@ def solve_job(job: dict):
     # may end one bisection step (a short MILP and a packing) past its budget
     left = job["deadline"] - time.monotonic()
     budget = max(0.0, min(job["budget_s"], left / job["share_of"]) * 0.9 - 0.01)
-    k = job["table"].shape[0]
+    tables = job["tables"]
     s = solve_micro_batch(
-        range(k),
-        job["types"],
-        job["table"],
-        job["lengths"],
+        range(tables.lengths.size),
+        tables,
         lower_bound_ms=job["lower_bound_ms"],
         time_budget_s=budget,
         start=job["start"],

@@ -16,6 +16,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
+from flexorch.solver.group_tables import GroupTables
 from flexorch.solver.packing import Draft
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.solver_process import SolverPool
@@ -50,18 +51,13 @@ class SplitSolver:
         cfg = self.config
         wait_until = deadline if wait_until is None else max(deadline, wait_until)  # the solves aim at `deadline`
         kw = dict(
-            num_devices=step.n,
-            caps_by_type=step.caps_t,
-            overheads=step.overheads,
             max_buckets=cfg.max_buckets,
             tolerance=cfg.tolerance,
             max_bisection_steps=cfg.max_bisection_steps,
             ilp_time_limit_s=cfg.ilp_time_limit_s,
             solver=cfg.solver,
         )
-        if step.capacity:  # a topology's node-capacity rows (``solver.placement``); none: no rows
-            kw["capacity"] = step.capacity
-        st = _SplitRun(split, lower_bounds, starts, step.types, step.table, step.lengths, kw, deadline, wait_until, run)
+        st = _SplitRun(split, lower_bounds, starts, step.groups, kw, deadline, wait_until, run)
         st.out = [None] * len(split)
         pending = []
         for i, (start, lower) in enumerate(zip(starts, lower_bounds, strict=True)):
@@ -129,9 +125,7 @@ class SplitSolver:
         items = list(st.split[i])
         start = st.starts[i]
         job = {
-            "table": st.table[items],
-            "lengths": st.lengths[items],
-            "types": st.types,
+            "tables": st.tables.rows(items),
             "lower_bound_ms": st.lower_bounds[i],
             "start": None if start is None else _to_local(start, items),
             "kw": st.kw,
@@ -152,9 +146,8 @@ class _SplitRun:
     split: list
     lower_bounds: list
     starts: list
-    types: list
-    table: object
-    lengths: object
+    tables: GroupTables
+    """The step's tables (``StepTables.groups``); a job carries its micro-batch's rows."""
     kw: dict
     """The MILP's arguments shared by every job (``solver.milp.solve_micro_batch``)."""
     deadline: float

@@ -2,9 +2,9 @@
 
 On CPU workers that share a machine's cores, the time of the same plan drifts within a run: the first steps warm up
 the allocator and the caches, and every step shares the cores with the planner's solve of the next step and with
-whatever else the machine runs. On the demo (4 workers on 2 cores) the measured time per predicted ms moved by 20 %
-between steps 1-5 and steps 7-20, with the plans' shapes unchanged. A refit (``solver.refit``) relevels the profile
-every few steps; between refits, the level is tracked here after every step.
+whatever else the machine runs, with the plans' shapes unchanged (docs/guide/planner.md has the demo's figures). A
+refit (``solver.refit``) relevels the profile every few steps; between refits, the level is tracked here after every
+step.
 
 The level is one factor on a whole step's price, so no plan changes rank: the planner plans with the profile, and
 the step's record prices its plan with the profile that planned it times the level the steps before it showed
@@ -21,9 +21,8 @@ from flexorch.solver.profiles import Profile
 __all__ = ["LEVEL_ALPHA", "LEVEL_BOUNDS", "LEVEL_STEPS", "step_level"]
 
 LEVEL_ALPHA = 0.4
-"""Weight of the newest step. Replayed on four recorded runs of the demo and its Transformers twin (steps 3-20,
-each step leveled by the steps before it): median error 13.8 -> 9.2 %, 5.9 -> 4.7 %, 18.7 -> 6.3 % and 19.7 ->
-17.5 %; 0.3 and 0.5 gave medians within 1 point of these."""
+"""Weight of the newest step, chosen by replaying recorded runs of the demo and its Transformers twin (each step
+leveled by the steps before it; the errors before and after are in docs/guide/planner.md)."""
 
 LEVEL_STEPS = 8
 """The most recent steps the level is taken over (older ones weigh under 2 % at ``LEVEL_ALPHA``)."""

@@ -3,7 +3,8 @@
 :class:`StepPlanner` wraps :class:`~flexorch.solver.planner.Planner` (adaptive SP groups, never slower than the
 BatchAda floor: ``solver.adaptive_step``), :func:`~flexorch.solver.baselines.static_plan` (a forced static layout,
 for comparisons and the invariant tests) or :func:`~flexorch.solver.pipeline.staged.plan_staged` (pipeline stages),
-and adds the baselines' predicted step times to every answer. :func:`heuristic_plan` is the MILP-free fallback.
+and adds the baselines' predicted step times to every answer, each by adding to the one result type
+(``solver.planned_step``). :func:`heuristic_plan` is the MILP-free fallback.
 Pure: the control plane runs a :class:`StepPlanner` in its own Ray actor (:mod:`flexorch.control.planner_client`)
 so a solve overlaps a step.
 
@@ -15,18 +16,16 @@ BatchAda in :func:`heuristic_plan`): one ``Plan`` whose every group runs one tas
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import time
-from dataclasses import dataclass, field
 
 from flexorch.solver.adaptive_step import plan_adaptive
 from flexorch.solver.baselines import baseline_plans, baseline_times_ms, static_plan
 from flexorch.solver.cost_model import ULYSSES, kind_allowed
 from flexorch.solver.errors import InfeasibleBatchError, PlanningError
 from flexorch.solver.multitask.execute import plan_task_step
-from flexorch.solver.pipeline.staged import StagedPlan, fallback_staged, pipeline_baselines, plan_staged
-from flexorch.solver.plan import Plan
+from flexorch.solver.pipeline.staged import fallback_staged, pipeline_baselines, plan_staged
+from flexorch.solver.planned_step import HEURISTIC, PlannedStep
 from flexorch.solver.planner import Planner, PlannerConfig
 from flexorch.solver.profiles import Profile
 from flexorch.solver.recompute import with_chosen_modes
@@ -35,79 +34,6 @@ from flexorch.solver.task_steps import check_task_mode, plan_tasks
 from flexorch.solver.validation import check_num_devices
 
 __all__ = ["PlannedStep", "StepPlanner", "heuristic_plan", "planner_profile", "stage_memory_profile"]
-
-
-@dataclass(frozen=True)
-class PlannedStep:
-    """A plan and how it was found (or why there is none): the one solve result that `flexorch plan`, the train
-    driver and the step records read. Checks itself on construction (it crosses the planner actor's boundary)."""
-
-    plan: Plan | StagedPlan | None
-    """SP groups per micro-batch, or a pipeline over stages (``pipeline_stages``; see :attr:`pipelined`)."""
-    predicted_ms: float = 0.0
-    """Step time the cost model predicts for the plan (``solver.simulator``; the pipeline simulator's makespan)."""
-    bound_ms: float = 0.0
-    """Proven lower bound for this batch (0 where none is computed: static, pipelined and fallback plans)."""
-    solve_s: float = 0.0
-    status: str = ""
-    """How the plan was found: 'milp', 'static', 'fallback' (the inner planner ran out of time), 'batchada' (the
-    floor won), 'static-<kind>-<d>', 'pipeline', 'pipeline-<baseline>' (a baseline schedule won), 'infeasible';
-    for several tasks the method: 'spindle', 'in_turn', 'fixed_split'."""
-    baselines_ms: dict = field(default_factory=dict)
-    """Predicted step time of each static layout and BatchAda, or of plain 1F1B and Seq1F1B on the same stages for a
-    pipelined step (None where infeasible, or where the time limit left no time to plan that layout: the layouts most
-    likely to be the best are planned first, and 'batchada' is the best of those planned)."""
-    error: str | None = None
-    """Why no plan exists (an infeasible batch); ``plan`` is None then, and only then."""
-    fallback_reason: str | None = None
-    """Why this step did not get the planner's own plan, or None when it did: 'timeout' (no plan within
-    ``plan.timeout_s``, or the planner's budget ran out before any MILP plan), 'crash' (the planner process died),
-    'error' (the planner raised), 'infeasible' (no plan fits the batch)."""
-    fallback_message: str = ""
-    """The reason in words (what happened, what to do), shown in the progress line and the viewer."""
-    solver_crashes: int = 0
-    """MILP solves that died natively in this plan (each cost that solve, not the plan: ``solver.planner``)."""
-    budget_s: float = 0.0
-    """The planning budget this plan was given (s): ``time_limit_s``, or in a run the share of the measured step
-    time the overlap gives (``PlanSettings.budget_for``); 0 where no planner ran (a fallback)."""
-    profile_revision: int = 0
-    """The ``Profile.revision`` that priced this plan (its ``predicted_ms``): a refit taken up while it was solved
-    does not price it."""
-
-    @property
-    def gap(self) -> float | None:
-        """How far the plan may be from the optimum: predicted / bound - 1 (None where no bound is computed)."""
-        if self.bound_ms <= 0 or self.plan is None:
-            return None
-        return max(0.0, self.predicted_ms / self.bound_ms - 1.0)  # the bound is below the plan (checked above)
-
-    def __post_init__(self) -> None:
-        if self.plan is not None and not isinstance(self.plan, Plan | StagedPlan):
-            raise TypeError(f"PlannedStep.plan must be a Plan, a StagedPlan or None, got {type(self.plan).__name__}")
-        if (self.plan is None) != (self.error is not None):
-            raise ValueError(
-                f"PlannedStep needs exactly one of a plan and an error, got plan={self.plan is not None} and "
-                f"error={self.error!r}"
-            )
-        if not isinstance(self.status, str) or not self.status:
-            raise ValueError(f"PlannedStep.status must name how the plan was found, got {self.status!r}")
-        for name in ("predicted_ms", "bound_ms", "solve_s"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"PlannedStep.{name} must be a finite number >= 0, got {v!r}")
-        if self.plan is not None and self.bound_ms > self.predicted_ms * (1 + 1e-9) + 1e-9:
-            raise ValueError(
-                f"PlannedStep: the lower bound {self.bound_ms} ms exceeds the predicted step time "
-                f"{self.predicted_ms} ms ({self.status})"
-            )
-        for name, v in self.baselines_ms.items():
-            if v is not None and not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"PlannedStep.baselines_ms[{name!r}] must be None or a finite number >= 0, got {v!r}")
-
-    @property
-    def pipelined(self) -> bool:
-        """True when :attr:`plan` is a pipeline over stages (a :class:`StagedPlan`), False for SP groups (or none)."""
-        return isinstance(self.plan, StagedPlan)
 
 
 def planner_profile(
@@ -263,17 +189,7 @@ class StepPlanner:
                                 topology)  # fmt: skip
         finally:  # what the baselines took, kept also where the plan then failed
             self._baselines_s = used.get("baselines_s", self._baselines_s)
-        return PlannedStep(
-            got.plan,
-            got.predicted_ms,
-            got.bound_ms,
-            time.perf_counter() - t0,
-            got.status,
-            got.baselines_ms,
-            fallback_reason="timeout" if got.fallback else None,
-            fallback_message=got.fallback,
-            solver_crashes=used["crashes"],
-        )
+        return dataclasses.replace(got, solve_s=time.perf_counter() - t0, solver_crashes=used["crashes"])
 
     def _plan_static(self, lengths, num_devices: int, with_baselines: bool, deadline: float, t0, topology=None):
         """The forced static layout (``static``), with the baselines' predicted times."""
@@ -304,17 +220,7 @@ class StepPlanner:
             deadline=deadline,
             time_limit_s=self.config.time_limit_s,
         )
-        return PlannedStep(
-            got.plan,
-            got.predicted_ms,
-            0.0,
-            time.perf_counter() - t0,
-            got.status,
-            got.baselines_ms,
-            fallback_reason="timeout" if got.short else None,
-            fallback_message=got.short,
-            solver_crashes=got.solver_crashes,
-        )
+        return dataclasses.replace(got, solve_s=time.perf_counter() - t0)
 
     def _plan_pipeline(self, lengths, num_devices: int, t0: float, limit: float) -> PlannedStep:
         """The elastic pipeline plan, never slower (simulated) than plain 1F1B or Seq1F1B on the same stages: when a
@@ -377,9 +283,11 @@ def heuristic_plan(
                 lengths, task_of, num_devices, profile, adapter_ranks=adapter_ranks, method=task_method
             )
             plan = with_chosen_modes(plan, profile)
-            return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
+            return PlannedStep(
+                plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, HEURISTIC, {}, heuristic=True
+            )
     except PlanningError as e:
-        return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
+        return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e), heuristic=True)
     if pipeline_stages != 1:
         try:
             staged = fallback_staged(
@@ -387,14 +295,16 @@ def heuristic_plan(
                 pipeline_recompute,
             )  # fmt: skip
         except PlanningError as e:
-            return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e))
-        return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, "fallback", {})
+            return PlannedStep(
+                None, solve_s=time.perf_counter() - t0, status="infeasible", error=str(e), heuristic=True
+            )
+        return PlannedStep(staged, staged.makespan_ms, 0.0, time.perf_counter() - t0, HEURISTIC, {}, heuristic=True)
     if static is None:
         plan = baseline_plans(lengths, num_devices, profile, topology=topology)["batchada"]
     else:
         plan = static_plan(lengths, num_devices, profile, static[1], static[0], topology=topology)
     if plan is None:
         error = f"no heuristic plan fits this batch on {num_devices} workers (the planner timed out)"
-        return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error)
+        return PlannedStep(None, solve_s=time.perf_counter() - t0, status="infeasible", error=error, heuristic=True)
     plan = with_chosen_modes(plan, profile)
-    return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, "fallback", {})
+    return PlannedStep(plan, step_time_ms(plan, profile), 0.0, time.perf_counter() - t0, HEURISTIC, {}, heuristic=True)

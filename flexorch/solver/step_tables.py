@@ -11,6 +11,7 @@ import numpy as np
 
 from flexorch.solver.bounds import area_and_min_time
 from flexorch.solver.errors import InfeasibleBatchError
+from flexorch.solver.group_tables import GroupTables
 from flexorch.solver.halves import light_fill, plan_rounds, tier_devices
 from flexorch.solver.packing import best_homogeneous_draft, group_types, time_table, type_caps, type_overheads
 from flexorch.solver.placement import capacity_rows
@@ -46,6 +47,11 @@ class StepTables:
     """The nodes (``solver.topology.Topology``) the groups are placed on and priced by; None: one node."""
     capacity: tuple = ()
     """The MILP's node-capacity rows (``solver.placement.capacity_rows``); empty without a topology."""
+
+    @property
+    def groups(self) -> GroupTables:
+        """The tables the micro-batch solvers take (``solver.fill``, ``solver.exact``, ``solver.milp``)."""
+        return GroupTables(self.types, self.table, self.lengths, self.n, self.caps_t, self.overheads, self.capacity)
 
     @property
     def packing(self) -> tuple:

@@ -2,42 +2,28 @@
 (:func:`flexorch.solver.multitask.execute.plan_task_step`) with the MILP planner's SP plan for every part, and the
 tasks in turn as the baseline it must beat in the time model the workers run.
 
-The answer is a :class:`TaskStep`; the step planner reports it as its ``PlannedStep``.
+The answer is a :class:`~flexorch.solver.planned_step.PlannedStep` (``bound_ms`` 0) that the step planner completes.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 
 from flexorch.solver.baselines import BaselineRun, baseline_plans
 from flexorch.solver.errors import PlanningError
 from flexorch.solver.multitask.execute import plan_task_step
 from flexorch.solver.plan import Plan
+from flexorch.solver.planned_step import PlannedStep
 from flexorch.solver.planner import Planner
 from flexorch.solver.profiles import Profile
 from flexorch.solver.recompute import choose_packing, other_packings, uses_auto, with_chosen_modes
 from flexorch.solver.simulator import step_time_ms
 
-__all__ = ["MIN_PART_S", "TaskStep", "check_task_mode", "plan_tasks"]
+__all__ = ["MIN_PART_S", "check_task_mode", "plan_tasks"]
 
 MIN_PART_S = 0.02
 """A task part's MILP planner (or a packing for a faster recompute mode) is not started with less time than this
 left: its BatchAda plan (no packing) is the answer."""
-
-
-@dataclass(frozen=True)
-class TaskStep:
-    """A step of several tasks as :func:`plan_tasks` planned it."""
-
-    plan: Plan
-    predicted_ms: float
-    status: str
-    """The method ('spindle', 'in_turn', 'fixed_split'), or '<method>-in_turn' where the tasks in turn won."""
-    baselines_ms: dict
-    short: str
-    """Why some parts did not get a MILP plan ('' when all did)."""
-    solver_crashes: int
 
 
 def check_task_mode(static, pipeline_stages) -> None:
@@ -58,7 +44,7 @@ def plan_tasks(
     limit: float,
     deadline: float,
     time_limit_s: float,
-) -> TaskStep:
+) -> PlannedStep:
     """A step of several tasks (``tasks`` = (task_of, adapter_ranks, method, barrier)): ``plan_task_step`` by
     ``method`` with ``planner``'s MILP for every part's SP plan (the time left shared by the parts,
     :func:`part_plan`; ``time_limit_s`` for a part without a deadline); ``with_baselines``, the tasks in turn with
@@ -77,8 +63,8 @@ def plan_tasks(
     micro-batch a barrier, ``simulated_ms``; else the barrier-free ``dataflow_ms``): when the tasks in turn are
     faster there, the step runs them (status ``spindle-in_turn``, ``plan.meta['note']`` says by how much). Judged
     by the barrier model alone it would undo Spindle's plans exactly where their waves gain most on replicated
-    workers (``tests/unit/test_multitask_execute.py`` shows a step both ways); with 2 workers the executable Spindle
-    plan was predicted 7 % slower than the tasks in turn (``benchmarks/measured/multi_task.py``)."""
+    workers (``tests/unit/test_multitask_execute.py`` shows a step both ways;
+    ``benchmarks/results/measured/multi_task.md`` a run where the tasks in turn won)."""
     task_of, adapter_ranks, method, barrier = tasks
     profile = planner.profile
     used = {"crashes": 0, "short": 0, "parts": 0}
@@ -103,7 +89,15 @@ def plan_tasks(
         baselines["in_turn"] = predicted
     if uses_auto(profile):  # each group in its recompute mode (each part in its fastest packing)
         predicted = step_time_ms(with_chosen_modes(plan, profile), profile)
-    return TaskStep(plan, predicted, status, baselines, _short_note(used, limit), used["crashes"])
+    return _task_step(plan, predicted, status, baselines, used, limit)
+
+
+def _task_step(plan: Plan, predicted: float, status: str, baselines: dict, used: dict, limit: float) -> PlannedStep:
+    """The answer of :func:`plan_tasks`: ``bound_ms`` 0, and 'timeout' where some parts ran out of planning time."""
+    short = _short_note(used, limit)
+    reason = "timeout" if short else None
+    return PlannedStep(plan, predicted, status=status, baselines_ms=baselines, fallback_reason=reason,
+                       fallback_message=short, solver_crashes=used["crashes"])  # fmt: skip
 
 
 def _turn_is_faster(turn: Plan, info: dict, mine: dict, method: str, barrier: bool) -> bool:
@@ -148,7 +142,7 @@ def part_plan(planner: Planner, lengths, n: int, due: float | None, used: dict, 
     used["crashes"] += sp.solver_crashes
     run.advance(first)
     statics, ms, _ = run.result()
-    if sp.status == "fallback":
+    if sp.out_of_time:
         used["short"] += 1
     plan = statics["batchada"] if ms["batchada"] < sp.predicted_ms else sp.plan
     if not auto:

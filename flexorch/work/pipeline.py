@@ -133,7 +133,7 @@ class PipelineWork:
         return sets
 
     def blocks(self) -> set[int]:
-        """Object-store blocks this rank reads."""
+        """Corpus blocks this rank reads (their specs: ``Corpus.block_specs``)."""
         return {d.block for d in self.docs} if self.stage is not None else set()
 
 

@@ -1,7 +1,7 @@
 """What one worker runs in one step: plain, picklable values the driver builds from a `Plan` (no torch, no Ray).
 
 The driver turns the step's plan into one :class:`StepWork` per rank with :func:`step_work`; a worker only sees
-its own groups and the token locations of their documents (object-store blocks), never the whole batch. The
+its own groups and the token locations of their documents (blocks of the prepared store), never the whole batch. The
 function is pure, so tests call it for every rank of a plan in one process. Every value checks itself on
 construction (a malformed value fails in the driver, naming the numbers, not on a worker inside a collective).
 """
@@ -78,7 +78,7 @@ class DocRef:
     doc_id: int
     """Corpus document id (for the ledger)."""
     block: int
-    """Index of the object-store block holding the tokens."""
+    """Index of the corpus block holding the tokens (``Corpus.blocks``, ``flexorch.data.store.blocks``)."""
     offset: int
     """First token inside the block."""
     length: int
@@ -259,7 +259,7 @@ class StepWork:
         return self.task_weights[t] * self.num_predicted / n_t if n_t else 0.0
 
     def blocks(self) -> set[int]:
-        """Object-store blocks this rank reads."""
+        """Corpus blocks this rank reads (their specs: ``Corpus.block_specs``)."""
         return {d.block for w in self.work for d in w.docs}
 
 

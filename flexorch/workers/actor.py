@@ -2,17 +2,22 @@
 
 The driver creates N of these in a placement group, tells them the world to join (rendezvous on the driver's
 TCPStore, one world per membership epoch), and sends each one its :class:`~flexorch.work.step.StepWork` plus the
-specs of the corpus store parts its documents live in (it reads its own documents from them). The actor builds the
+specs of the stored blocks its documents live in (it reads its own documents from them). The actor builds the
 process groups the plan names (collectively, in the same order on every rank), runs its micro-batches and steps the
 optimizer. With pipeline stages and ``[pipeline] params = "stage"`` it holds only its stage's parts
 (``flexorch.workers.pipeline.held_params``). One thread per worker on CPU (docs/design.md §7).
 
-:class:`Worker` is what every worker does; what depends on how it holds the model state is behind one interface,
-``workers.model_state.ModelState``, which the two kinds of worker implement: :class:`ReplicatedWorker`
-(``workers.replicated_state``: the whole model, or a pipeline stage's parts) and :class:`ShardedWorker`
-(``workers.sharded_state``: FSDP2 shards, re-sharded as each world forms). :func:`worker_actor` gives the Ray actor
-class for a run's ``[sharding] mode``. A test adds probes (:meth:`Worker.add_probe`, e.g.
-``flexorch.testing.faults.WorkerFault``) called at :data:`PROBE_POINTS`.
+:class:`Worker` owns the world (joining, leaving, aborting it, and :meth:`Worker._guarded`, where a failure inside it
+becomes a typed error of ``workers.errors``) and is built from components, each owning its state:
+
+* ``state``: the model state, behind one interface (``workers.model_state.ModelState``), chosen by the run's
+  ``[sharding] mode``: ``workers.replicated_state.ReplicatedState`` (the whole model, or a pipeline stage's parts)
+  or ``workers.sharded_state.ShardedState`` (FSDP2 shards, re-sharded as each world forms);
+* ``measure``: calibration's measurements (``workers.measurements.WorkerMeasurements``);
+* ``life``: the heartbeat, SIGTERM notice and retirement (``workers.lifecycle.WorkerLifecycle``).
+
+Its remote methods are what the driver calls; those of a component delegate to it. :func:`worker_actor` gives the Ray
+actor class. Tests add probes called at :data:`PROBE_POINTS` (:meth:`Worker.add_probe`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import socket
 import time
 import traceback
+from datetime import timedelta
 
 import ray
 import torch
@@ -28,16 +34,16 @@ import torch.distributed as dist
 
 from flexorch.config.model import ModelConfig
 from flexorch.config.optim import OptimConfig
-from flexorch.data.store.shards import open_parts
+from flexorch.data.store.blocks import open_blocks
 from flexorch.work.pipeline import PipelineWork
 from flexorch.work.step import StepWork
 from flexorch.workers.attention.choice import set_attention
 from flexorch.workers.compile import compile_seconds, compiled_layers
 from flexorch.workers.devices import device_memory, pin_device
-from flexorch.workers.errors import PeerLostError, StepOutOfMemoryError, WorldUnreachableError
+from flexorch.workers.errors import PeerLostError, drop_frames, typed_failure
 from flexorch.workers.lifecycle import HEARTBEAT_S, WorkerLifecycle
 from flexorch.workers.measurements import WorkerMeasurements
-from flexorch.workers.model_state import ModelState
+from flexorch.workers.model_state import ModelState, StateSpec
 from flexorch.workers.network import Binding, bind_collectives, check_reachable
 from flexorch.workers.pipeline.executor import run_pipeline_step
 from flexorch.workers.process_groups import ProcessGroupRegistry, abort_world, backend_for
@@ -46,18 +52,13 @@ from flexorch.workers.sharded_state import ShardedState, holding_bytes
 from flexorch.workers.step_context import PROBE_POINTS, StepContext
 from flexorch.workers.step_exec import StepOutcome
 
-__all__ = [
-    "HEARTBEAT_S",
-    "PROBE_POINTS",
-    "ReplicatedWorker",
-    "ShardedWorker",
-    "Worker",
-    "worker_actor",
-    "worker_class",
-]
+__all__ = ["HEARTBEAT_S", "PROBE_POINTS", "Worker", "worker_actor"]
 
 STORE_CONNECT_S = 10.0
 """How long joining a world may take to reach the driver's rendezvous store (a closed one is refused at once)."""
+
+SHARDING_DEFAULTS = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
+"""``[sharding]`` as a worker reads it when the driver leaves a key out."""
 
 
 def _in_actor() -> bool:
@@ -65,15 +66,14 @@ def _in_actor() -> bool:
     return ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None
 
 
-def _is_world_error(e: BaseException) -> bool:
-    markers = ("gloo", "NCCL", "Connection closed", "Connection reset", "Timed out", "timed out", "Broken pipe")
-    return isinstance(e, dist.DistError | ConnectionError) or any(m in str(e) for m in markers)
+def model_state_class(sharding: dict | None) -> type[ModelState]:
+    """The model state of a run's ``[sharding]`` settings (None: replicate)."""
+    return ShardedState if (sharding or {}).get("mode", "replicate") != "replicate" else ReplicatedState
 
 
-class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
-    """What every worker does, usable in-process (tests) or as a Ray actor (:func:`worker_actor`); the model state's
-    part is the ``ModelState`` interface (``workers.model_state``), implemented by :class:`ReplicatedWorker` and
-    :class:`ShardedWorker`."""
+class Worker:
+    """What every worker does, usable in-process (tests) or as a Ray actor (:func:`worker_actor`); see the module's
+    docstring for its components."""
 
     def __init__(
         self,
@@ -88,41 +88,48 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.device = pin_device(_wants_gpu(use_gpu))
-        self._memory = device_memory(self.device)  # before this worker allocates anything
         """This worker's CUDA device, made current (``flexorch.workers.devices``); None on CPU. ``use_gpu`` None:
         a GPU exactly when Ray gave this actor one (``num_gpus``), or, outside a Ray actor, when CUDA is
         available."""
+        memory = device_memory(self.device)  # before this worker allocates anything
         self.worker_id = worker_id
-        self.seed = seed
-        self.model_cfg = ModelConfig.from_dict(model_cfg)
-        self.optim_cfg = OptimConfig(**optim_cfg)
-        self.sharding = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
-        self.sharding.update(sharding or {})
-        self.attention = set_attention(self.model_cfg, self.device, self.sharding["precision"])
+        spec = StateSpec(
+            worker_id=worker_id,
+            model_cfg=ModelConfig.from_dict(model_cfg),
+            optim_cfg=OptimConfig(**optim_cfg),
+            seed=seed,
+            sharding={**SHARDING_DEFAULTS, **(sharding or {})},
+            device=self.device,
+        )
+        self.spec = spec
+        self.attention = set_attention(spec.model_cfg, self.device, spec.sharding["precision"])
         """What ``[model] attention`` chose here, in words (``flexorch.workers.attention.choice``)."""
-        self.version = 0
-        """Optimizer steps applied to the state this worker holds."""
-        self.model = None
-        self._state_init()
         self.registry: ProcessGroupRegistry | None = None
+        """The world this worker is in (None: between worlds)."""
         self._store: dist.Store | None = None
         self.binding: Binding | None = None
         """The address this worker's collectives announce, chosen at its first world (``workers.network``)."""
         self.reach_s: float | None = None
         """Seconds the last world's reachability check took (``workers.network.check_reachable``)."""
+        self._aborted_epoch: int | None = None  # the epoch abort_world shut down last
         self._probes: list = []  # called at PROBE_POINTS (add_probe); none in a run
-        self._note_sigterm(_in_actor())  # flexorch.workers.lifecycle
+        self.state: ModelState = model_state_class(spec.sharding)(spec, self._world, self._guarded)
+        self.measure = WorkerMeasurements(spec, self.state, self._world, memory)
+        self.life = WorkerLifecycle(worker_id, _in_actor())
+
+    def _world(self) -> ProcessGroupRegistry | None:
+        return self.registry
 
     @ray.method(concurrency_group="control")
     def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
-        """:meth:`~flexorch.workers.lifecycle.WorkerLifecycle.stop_beating`, on the control thread."""
-        return self.stop_beating(timeout_s)
+        """:meth:`~flexorch.workers.lifecycle.WorkerLifecycle.stop_heartbeat`, on the control thread."""
+        return self.life.stop_heartbeat(timeout_s)
 
     @ray.method(concurrency_group="control")
     def retire(self) -> int:
         """:meth:`~flexorch.workers.lifecycle.WorkerLifecycle.freeze_for_exit`, on the control thread: this worker
         left on notice and is killed next."""
-        return self.freeze_for_exit()
+        return self.life.freeze_for_exit()
 
     @ray.method(concurrency_group="control")
     def abort_world(self, epoch: int | None = None) -> int:
@@ -150,10 +157,11 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
     def state_version(self) -> int:
         """Optimizer steps applied to the state this worker holds (0: none; a worker that has not joined yet).
         Answered on the control thread, so also while a call on the step's thread is still blocked."""
-        return self.version
+        return self.state.version
 
     def info(self) -> dict:
         """Where this worker runs."""
+        model = self.state.model
         return {
             "worker_id": self.worker_id,
             "pid": os.getpid(),
@@ -162,8 +170,12 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
             "node_ip": ray.util.get_node_ip_address() if ray.is_initialized() else None,
             "device": str(self.device or "cpu"),
             "attention": self.attention,
-            "compiled_layers": compiled_layers(self.model) if self.model is not None else 0,
+            "compiled_layers": compiled_layers(model) if model is not None else 0,
         }
+
+    def start_heartbeat(self, host: str, port: int, period_s: float = HEARTBEAT_S) -> None:
+        """:meth:`~flexorch.workers.lifecycle.WorkerLifecycle.start_heartbeat`."""
+        self.life.start_heartbeat(host, port, period_s)
 
     def join_world(
         self, host: str, port: int, rank: int, world_size: int, epoch: int, timeout_s: float, initial: bool = False
@@ -175,8 +187,7 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         ``build`` and ``exchange``); the state version now held (None: no version's shards are all held any more,
         nothing was restored) and the newest version any member held."""
         t0 = time.perf_counter()
-        own = self._state_holding()
-        holding = [h for h in (own, *getattr(self, "_handed", ())) if h is not None] or None  # + take_handoff's
+        holdings = self.state.holdings()  # its own and those handed to it (take_handoff)
         # Membership changed since the last world, maybe because a peer died after this rank's step had finished:
         # abort (NCCL) rather than destroy, which could wait on that peer. No collective is pending between steps.
         self.leave_world(abort=True)
@@ -184,25 +195,11 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         self._at("join", epoch)
         self._guarded(self._join, host, port, rank, world_size, epoch, timeout_s)
         t_joined = time.perf_counter()
-        out = self._state_after_join(holding, initial)
+        out = self.state.after_join(holdings, initial)
         t_end = time.perf_counter()
         state = out.pop("phases_ms", None) or {"state": (t_end - t_joined) * 1e3}  # sharded: build, exchange
         phases = {"leave": (t_left - t0) * 1e3, "rendezvous": (t_joined - t_left) * 1e3, **state}
         return {"seconds": t_end - t0, "phases_ms": phases, **out}
-
-    @ray.method(num_returns=2)
-    def hand_off(self):
-        """``(bytes, holding)``: what this worker holds of the sharded model state (a
-        :class:`~flexorch.workers.reshard.Holding`, on the CPU) and its size, for one that stays: this worker's node
-        is being drained and it leaves the world at this step boundary. Two returns, so the driver waits on the
-        small one and the holding goes from this worker to the stayer without passing through the driver."""
-        from flexorch.workers.reshard import on_cpu
-
-        holding = self._state_holding()
-        if holding is None:
-            raise RuntimeError(f"worker {self.worker_id} holds no sharded state to hand off")
-        held = on_cpu(holding)
-        return holding_bytes(held), held
 
     def _join(self, host, port, rank, world_size, epoch, timeout_s) -> None:
         # The store is up when the driver asks us to join; when the driver has already closed it (the world broke
@@ -211,11 +208,12 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         try:
             socket.create_connection((host, port), timeout=STORE_CONNECT_S).close()
         except OSError as e:
-            raise ConnectionError(f"the rendezvous store of epoch {epoch} is gone ({e}): the world broke") from None
+            gone = f"the rendezvous store of epoch {epoch} is gone ({e}): the world broke"
+            raise PeerLostError(f"worker {self.worker_id}: the world broke ({gone})") from None
         # connecting is bounded by STORE_CONNECT_S too: a store closed between the check above and here is refused
         # within it, not retried for the collective timeout; the world's waits then get the collective timeout
-        self._store = dist.TCPStore(host, port, is_master=False, timeout=_td(STORE_CONNECT_S))
-        self._store.set_timeout(_td(timeout_s))
+        self._store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_CONNECT_S))
+        self._store.set_timeout(timedelta(seconds=timeout_s))
         if self.binding is None:  # once per process: later worlds keep the interface it set
             self.binding = bind_collectives(ray.util.get_node_ip_address() if ray.is_initialized() else host)
         self.reach_s = check_reachable(self._store, rank, world_size, epoch, self.binding, timeout_s)
@@ -244,45 +242,37 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
             except Exception:  # noqa: BLE001
                 pass
         self._store = None
-        self._state_after_leave()
+        self.state.after_leave()
+        self.measure.drop_probe_model()  # built on the closed world
 
     def _guarded(self, fn, *args, **kwargs):
-        """Run ``fn``; on any error leave the world first (closing its connections, so peers blocked on this
-        worker fail at once instead of at their timeout), then raise :class:`PeerLostError` for a broken world
-        or the original error otherwise."""
+        """Run ``fn`` in this worker's world; on any error leave the world first (closing its connections, so peers
+        blocked on this worker fail at once instead of at their timeout), then raise the typed error it stands for
+        (``workers.errors.typed_failure``: out of memory, the step's memory dropped first; a lost peer; a collective
+        timeout) or else the original error, the worker's own, with its traceback as a note."""
         try:
             return fn(*args, **kwargs)
         except Exception as e:  # noqa: BLE001 - re-raised below
             err, text = e, traceback.format_exc()
-        _drop_frames(err)  # release the failed collective's frames, so leaving the world closes sockets
-        epoch = getattr(self.registry, "epoch", None)  # a stand-in registry may have none
-        aborted = epoch is not None and getattr(self, "_aborted_epoch", None) == epoch
+        drop_frames(err)  # release the failed collective's frames, so leaving the world closes sockets
+        epoch = self.registry.epoch if self.registry is not None else None
+        aborted = epoch is not None and self._aborted_epoch == epoch
         self.leave_world(abort=True)  # the step failed: the world's state is unknown, a destroy could wait forever
         if isinstance(err, torch.OutOfMemoryError):
-            self._drop_step_memory()
-            first = str(err).splitlines()[0][:300] if str(err) else "out of memory"
-            raise StepOutOfMemoryError(f"worker {self.worker_id} ran out of device memory: {first}")
-        if isinstance(err, WorldUnreachableError):  # a setup error with its own message, not a broken world
-            raise err
-        if aborted or _is_world_error(err):  # the driver shut this world down: any error now is the broken world's
-            raise PeerLostError(f"worker {self.worker_id}: the world broke ({str(err).splitlines()[0][:300]})")
+            self.state.drop_step_memory()
+        typed = typed_failure(err, f"worker {self.worker_id}", aborted)  # aborted: any error is the broken world's
+        if typed is not None:
+            raise typed
         err.add_note(text)
         raise err
 
-    def _drop_step_memory(self) -> None:
-        """After an out-of-memory step: drop the gradients it accumulated and give the allocator's cache back."""
-        if self.model is not None:
-            self.model.zero_grad(set_to_none=True)
-        if self.device is not None:
-            torch.cuda.empty_cache()
-
     def run_step(self, rank_work: StepWork | PipelineWork, block_refs: dict) -> StepOutcome:
         """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
-        index -> ``flexorch.data.store.shards.ShardSpec`` of the store part it reads."""
+        index -> ``flexorch.data.store.blocks.BlockSpec`` of the stored block it reads."""
         reg, n = self.registry, rank_work.world_size
         if reg is None or reg.rank != rank_work.rank or reg.world_size != n:
             raise RuntimeError(f"worker {self.worker_id} is not rank {rank_work.rank} of a world of {n}")
-        blocks = open_parts(block_refs)  # each part opened once per process, read where the documents are
+        blocks = open_blocks(block_refs)  # each block opened once per process, read where the documents are
         return self._guarded(self._run_step, rank_work, blocks)
 
     def _run_step(self, rank_work: StepWork | PipelineWork, blocks: dict) -> StepOutcome:
@@ -290,56 +280,98 @@ class Worker(WorkerLifecycle, WorkerMeasurements, ModelState):
         compiled_before = compile_seconds()
         out = self._executor(rank_work)(self._context(rank_work), rank_work, blocks)
         out.compile_s = max(0.0, compile_seconds() - compiled_before)
-        self.version += 1
+        self.state.stepped()
         return out
 
     def _executor(self, rank_work: StepWork | PipelineWork):
         """The executor of this kind of work on this worker's kind of model state."""
-        return run_pipeline_step if isinstance(rank_work, PipelineWork) else self._state_sp_executor()
+        return run_pipeline_step if isinstance(rank_work, PipelineWork) else self.state.sp_executor()
 
     def _context(self, rank_work: StepWork | PipelineWork) -> StepContext:
         """The model state and the world this step runs on (``workers.step_context``)."""
+        self.measure.drop_probe_model()  # calibration is over once a step runs: its memory goes back
+        st = self.state
         return StepContext(
-            self.model,
-            self.optimizer,
-            self.scheduler,
+            st.model,
+            st.optimizer,
+            st.scheduler,
             self.registry.group,
             self.registry.world if rank_work.world_size > 1 else None,
-            self.optim_cfg,
-            vocab_size=self.model_cfg.vocab_size,
+            self.spec.optim_cfg,
+            vocab_size=self.spec.model_cfg.vocab_size,
             hook=(lambda point: self._at(point, rank_work.step)) if self._probes else None,
-            **self._state_context(),
+            **st.context_fields(),
         )
 
     def state_bytes(self) -> int:
         """Bytes of model state this worker keeps between steps (parameters, gradients, optimizer state)."""
-        from flexorch.workers.optim import resident_bytes
+        return self.state.state_bytes()
 
-        return resident_bytes(self.model, self.optimizer)
+    def parameters_digest(self) -> list:
+        """:meth:`~flexorch.workers.model_state.ModelState.parameters_digest`."""
+        return self.state.parameters_digest()
 
+    def get_state(self) -> dict:
+        """:meth:`~flexorch.workers.replicated_state.ReplicatedState.get_state`."""
+        return self.state.get_state()
 
-class ReplicatedWorker(ReplicatedState, Worker):
-    """A worker holding the whole model (or a pipeline stage's parts): ``[sharding] mode = "replicate"``."""
+    def set_state(self, state: dict) -> None:
+        """:meth:`~flexorch.workers.replicated_state.ReplicatedState.set_state`."""
+        self.state.set_state(state)
 
+    def export_parts(self, parts: list[str]) -> dict:
+        """:meth:`~flexorch.workers.replicated_state.ReplicatedState.export_parts`."""
+        return self.state.export_parts(parts)
 
-class ShardedWorker(ShardedState, Worker):
-    """A worker holding FSDP2 shards of the model state: ``[sharding] mode`` fsdp or hsdp."""
+    def import_parts(self, exported: list) -> int:
+        """:meth:`~flexorch.workers.replicated_state.ReplicatedState.import_parts`."""
+        return self.state.import_parts(exported)
 
+    @ray.method(num_returns=2)
+    def hand_off(self):
+        """``(bytes, holding)``: what this worker holds of the sharded model state (a
+        :class:`~flexorch.workers.reshard.Holding`, on the CPU) and its size, for one that stays: this worker's node
+        is being drained and it leaves the world at this step boundary. Two returns, so the driver waits on the
+        small one and the holding goes from this worker to the stayer without passing through the driver."""
+        from flexorch.workers.reshard import on_cpu
 
-def worker_class(sharding: dict | None) -> type[Worker]:
-    """The worker class for a run's ``[sharding]`` settings (None: replicate)."""
-    return ShardedWorker if (sharding or {}).get("mode", "replicate") != "replicate" else ReplicatedWorker
+        holding = self.state.holding()
+        if holding is None:
+            raise RuntimeError(f"worker {self.worker_id} holds no sharded state to hand off")
+        held = on_cpu(holding)
+        return holding_bytes(held), held
 
+    def take_handoff(self, handed: list) -> int:
+        """:meth:`~flexorch.workers.sharded_state.ShardedState.take_handoff`."""
+        return self.state.take_handoff(handed)
 
-def _drop_frames(err: BaseException) -> None:
-    """Clear the tracebacks of ``err`` and of every exception chained to it (``__cause__``, ``__context__``): their
-    frames hold the failed step's locals (the model, its activations and hooks, and through them the world's process
-    groups), and a gloo group closes its sockets only when nothing holds it any more."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        err.__traceback__ = None
-        err = err.__cause__ or err.__context__
+    def save_sharded(self, directory: str) -> None:
+        """:meth:`~flexorch.workers.sharded_state.ShardedState.save_sharded`."""
+        self.state.save_sharded(directory)
+
+    def load_sharded(self, directory: str) -> int:
+        """:meth:`~flexorch.workers.sharded_state.ShardedState.load_sharded`."""
+        return self.state.load_sharded(directory)
+
+    def probe(self, probes: list) -> list[float]:
+        """:meth:`~flexorch.workers.measurements.WorkerMeasurements.probe`."""
+        return self.measure.probe(probes)
+
+    def recompute_times(self, tokens: int, modes=("none", "full"), repeats: int = 3) -> list[float]:
+        """:meth:`~flexorch.workers.measurements.WorkerMeasurements.recompute_times`."""
+        return self.measure.recompute_times(tokens, modes, repeats)
+
+    def device_memory(self) -> dict | None:
+        """:meth:`~flexorch.workers.measurements.WorkerMeasurements.device_memory`."""
+        return self.measure.device_memory()
+
+    def activation_bytes_per_token(self, mode: str | None = None) -> float:
+        """:meth:`~flexorch.workers.measurements.WorkerMeasurements.activation_bytes_per_token`."""
+        return self.measure.activation_bytes_per_token(mode)
+
+    def stage_activation_bytes(self) -> tuple[float, float]:
+        """:meth:`~flexorch.workers.measurements.WorkerMeasurements.stage_activation_bytes`."""
+        return self.measure.stage_activation_bytes()
 
 
 def _wants_gpu(use_gpu: bool | None) -> bool:
@@ -347,22 +379,17 @@ def _wants_gpu(use_gpu: bool | None) -> bool:
     actor), or outside a Ray actor whether CUDA is available."""
     if use_gpu is not None:
         return use_gpu
-    if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+    if _in_actor():
         return bool(ray.get_gpu_ids())
     return torch.cuda.is_available()
 
 
-def _td(seconds: float):
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
-
-
-_ACTORS = {cls: ray.remote(concurrency_groups={"control": 1})(cls) for cls in (ReplicatedWorker, ShardedWorker)}
+_ACTOR = ray.remote(concurrency_groups={"control": 1})(Worker)
 
 
 def worker_actor(sharding: dict | None):
-    """The Ray actor class of :func:`worker_class`; the driver sets resources with ``.options(num_cpus=...,
-    num_gpus=...)``. Calls run one at a time on the default group's thread; ``abort_world`` runs on its own
-    ("control") beside them."""
-    return _ACTORS[worker_class(sharding)]
+    """The Ray actor class that starts a worker of a run's ``[sharding]`` settings (the worker picks its model state
+    from the ``sharding`` it is given; :func:`model_state_class`); the driver sets resources with
+    ``.options(num_cpus=..., num_gpus=...)``. Calls run one at a time on the default group's thread; the control
+    group's (``stop_heartbeat``, ``retire``, ``abort_world``, ``add_probe``) on their own beside them."""
+    return _ACTOR

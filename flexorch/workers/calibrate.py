@@ -156,7 +156,7 @@ def run_probes(
 
 def activation_bytes_per_token(model, vocab_size: int, tokens: int = 512) -> float:
     """Bytes saved for backward per token by a training step's forward and loss (the loss keeps the fp32
-    log-softmax of the logits, ~9 % of the total on the default model), measured on one device for one document
+    log-softmax of the logits), measured on one device for one document
     of ``tokens`` tokens. What an SP group of degree d > 1 holds beyond this per local token (Ulysses's all-to-all
     copies) is added by the profile (``Profile.act_bytes_per_local_token``)."""
     ids, cu = _synthetic([tokens], vocab_size, seed=0)

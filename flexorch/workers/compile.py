@@ -5,9 +5,9 @@ One compiled region per layer body, not the whole model: the 22 layers of a 1.1B
 layers stays eager: FSDP2's gather/reshard hooks, activation checkpointing, the chunked loss. Inside a layer the
 graph breaks once, at the attention call (:func:`flexorch.workers.model.call_attention`): varlen attention reads
 host offsets and sequence parallelism runs collectives, so it stays a plain call, and Inductor fuses what is
-around it (RMSNorm, RoPE, SwiGLU, residual adds, casts). Measured on one H200 (``benchmarks/gpu/gpu_profile.py``):
-a 40,596-token micro-batch of the 1.1B Llama, 1,318 -> 1,129 ms without recompute and 1,679 -> 1,452 ms with
-full recompute (copies, casts and elementwise kernels 286 -> 74 ms).
+around it (RMSNorm, RoPE, SwiGLU, residual adds, casts): the copies, casts and elementwise kernels between the
+matmuls and the attention shrink most (``benchmarks/gpu/gpu_profile.py``; its H200 numbers, with and without
+recompute, are in ``benchmarks/results/gpu/gpu_profile_h200.md``).
 
 What is compiled is the function activation checkpointing wraps, so a recompute re-runs compiled code:
 

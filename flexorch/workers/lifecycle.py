@@ -1,9 +1,9 @@
 """A worker process's life beside its steps: the heartbeat the driver watches, a SIGTERM taken as a notice to leave,
 and a quiet exit once it has left.
 
-Mixed into :class:`~flexorch.workers.actor.Worker`; uses its ``worker_id``. Imports without Ray, as the rest of
-the data plane: the actor gives :meth:`WorkerLifecycle.stop_beating` and :meth:`WorkerLifecycle.freeze_for_exit`
-their Ray method options (its control thread) as ``stop_heartbeat`` and ``retire``.
+A component of the worker actor (``flexorch.workers.actor.Worker``), which answers ``start_heartbeat``,
+``stop_heartbeat`` and ``retire`` with it (the last two on its control thread). Imports without Ray, as the rest of
+the data plane.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ HEARTBEAT_S = 1.0
 
 
 class WorkerLifecycle:
-    """Heartbeat, SIGTERM notice and retirement, as methods of the worker."""
+    """Heartbeat, SIGTERM notice and retirement of worker ``worker_id``. ``in_actor``: this process is a Ray actor's,
+    so SIGTERM is taken by :meth:`_on_sigterm` (from the main thread) instead of Ray's handler, which exits the
+    process at once; a test's in-process worker leaves the test's signals alone."""
 
-    def _note_sigterm(self, in_actor: bool) -> None:
-        """From the worker's constructor: in a Ray actor's main thread, SIGTERM is taken by :meth:`_on_sigterm`
-        instead of Ray's handler, which exits the process at once."""
+    def __init__(self, worker_id: int, in_actor: bool = False):
+        self.worker_id = worker_id
         self._sigterm_at: float | None = None  # when this process got SIGTERM (unix seconds), if it did
+        self._beat: threading.Thread | None = None
+        self._beat_stop = threading.Event()
         if in_actor and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
@@ -39,12 +42,12 @@ class WorkerLifecycle:
         outside Python) from a slow one. The same thread ends this process at once when its raylet is gone (its
         parent changed): a worker orphaned by its node's raylet would otherwise keep its gloo sockets open, and its
         peers would wait on it until their collective timeout."""
-        if getattr(self, "_beat", None) is not None:
+        if self._beat is not None:
             return
         parent = os.getppid()
         store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30.0))
         key = f"beat/{self.worker_id}"
-        stop = self._beat_stop = threading.Event()
+        stop = self._beat_stop
 
         def beat() -> None:
             announced = False
@@ -70,11 +73,11 @@ class WorkerLifecycle:
         if self._sigterm_at is None:
             self._sigterm_at = time.time()
 
-    def stop_beating(self, timeout_s: float = 5.0) -> bool:
+    def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
         """Stop beating and wait for the thread (the run is ending and the driver closes the store next: a beat
         into a closed store is a caught error, but c10d first prints a C++ stack trace to the worker's stderr,
         which Ray forwards to the user's console at the end of a run that went well). True once it has stopped."""
-        beat = getattr(self, "_beat", None)
+        beat = self._beat
         if beat is None:
             return True
         self._beat_stop.set()
@@ -84,9 +87,8 @@ class WorkerLifecycle:
     def freeze_for_exit(self) -> int:
         """This worker has left the run (its node is being drained) and is killed next: move every object into
         the collector's permanent generation (``gc.freeze``), so the collection that ran on the way out, seen
-        under Ray's kill of a worker holding a model, finds nothing to scan. Without it, such a worker spent about
-        a second of CPU collecting before it died, on the cores the workers that stay were running their next step
-        on (a `ray start` node on the same 2-core machine; on a real cluster it is the draining node's own CPU).
-        Returns the objects frozen."""
+        under Ray's kill of a worker holding a model, finds nothing to scan. Without it, such a worker spends CPU
+        collecting before it dies, on cores the workers that stay may be running their next step on (nodes that
+        share a machine; on a real cluster it is the draining node's own CPU). Returns the objects frozen."""
         gc.freeze()
         return gc.get_freeze_count()

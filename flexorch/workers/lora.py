@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flexorch.config.adapters import LoraSpec
+from flexorch.config.adapters import LoraSpec, check_targets
 
 __all__ = [
     "ActiveTask",
@@ -140,12 +140,7 @@ def add_adapters(model: nn.Module, specs) -> ActiveTask:
         linears = _linears(layer)
         lora = LayerAdapters(active)
         for s in specs:
-            missing = [t for t in s.targets if t not in linears]
-            if missing:
-                raise ValueError(
-                    f"task {s.task!r}: unknown LoRA target module {missing[0]!r}; this model's decoder "
-                    f"layers have {', '.join(linears)} (set [[tasks]] lora_targets to some of them)"
-                )
+            check_targets(s, linears)
             lora[s.task] = nn.ModuleDict(
                 {t: LoraWeights(linears[t].in_features, linears[t].out_features, s.rank, s.scale) for t in s.targets}
             )

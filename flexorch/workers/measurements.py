@@ -1,60 +1,74 @@
 """What a worker measures for the driver at start: calibration probes, its device's memory, the activation bytes a
-token costs on its model (``flexorch.workers.calibrate``), mixed into :class:`~flexorch.workers.actor.Worker`."""
+token costs on its model (``flexorch.workers.calibrate``). A component of the worker actor
+(``flexorch.workers.actor.Worker``), which answers the driver's calls with it."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 from flexorch.workers.lora import probing_task
 from flexorch.workers.model import init_model
 from flexorch.workers.model_source import set_activation_checkpointing
+from flexorch.workers.model_state import ModelState, StateSpec
 from flexorch.workers.recompute import built_mode
 
 __all__ = ["WorkerMeasurements"]
 
 
 class WorkerMeasurements:
-    """Needs the worker's ``model``, ``model_cfg``, ``registry``, ``sharded``, ``sharding``, ``seed``,
-    ``worker_id`` and ``_memory``."""
+    """Measures on the worker's model state (``state``) in its current world (``world()``: a
+    ``ProcessGroupRegistry``, None between worlds). ``memory``: the device's memory when the worker started, before
+    it allocated anything (``workers.devices.device_memory``; None on a CPU)."""
+
+    def __init__(self, spec: StateSpec, state: ModelState, world: Callable[[], Any], memory: dict | None):
+        self.spec, self.state, self._world, self._memory = spec, state, world, memory
+        self._whole_for_probes = None
+        """With sharded pipeline stages: ``(world, whole sharded decoder)`` the probes ran on (:meth:`_probe_model`)."""
+
+    def drop_probe_model(self) -> None:
+        """Give back the whole model built for calibration (:meth:`_probe_model`): its world closed, or a step runs
+        (calibration is over)."""
+        self._whole_for_probes = None
 
     def probe(self, probes: list) -> list[float]:
         """Run calibration probes (``flexorch.workers.calibrate.Probe``) with every rank of the world; median ms
         each."""
         from flexorch.workers.calibrate import probe_groups, run_probes
 
-        reg = self.registry
+        reg = self._world()
         if reg is None:
-            raise RuntimeError(f"worker {self.worker_id} has not joined a world")
+            raise RuntimeError(f"worker {self.spec.worker_id} has not joined a world")
         n = reg.world_size
         sets = [g for p in probes if p.degree > 1 for g in probe_groups(p, n)]
         reg.ensure(sets)
         world = reg.world if n > 1 else None
-        model = self._probe_model()
+        model, vocab = self._probe_model(), self.spec.model_cfg.vocab_size
         with probing_task(model):  # [[tasks]]: probes run through the costliest adapter
-            return run_probes(
-                model, probes, reg.rank, n, reg.group, world, self.model_cfg.vocab_size, every_rank=self.sharded
-            )
+            return run_probes(model, probes, reg.rank, n, reg.group, world, vocab, every_rank=self.state.sharded)
 
     def _probe_model(self):
         """The model probes and measurements run on: this worker's, or with sharded pipeline stages (a stage's
         shard cannot run a whole forward) a whole decoder sharded over the world as ``fsdp`` holds it (a
         collective: every rank builds it), kept for calibration's calls and dropped at the first step or when the
-        world closes (``ShardedState``)."""
-        if not (self.sharded and self.sharding.get("stages", 1) > 1):
-            return self.model
-        reg = self.registry
-        kept = getattr(self, "_whole_for_probes", None)
+        world closes (:meth:`drop_probe_model`)."""
+        spec = self.spec
+        if not (self.state.sharded and spec.sharding.get("stages", 1) > 1):
+            return self.state.model
+        reg = self._world()
+        kept = self._whole_for_probes
         if kept is not None and kept[0] is reg:
             return kept[1]
         from flexorch.workers.fsdp import build_mesh, fill_initial, sharded_decoder
 
         with reg.tracking():  # its mesh's groups are this world's: abort_world must reach their sockets
-            mesh = build_mesh("fsdp", reg.world_size, None, "cuda" if self.device else "cpu")
-            sh = self.sharding
+            mesh = build_mesh("fsdp", reg.world_size, None, "cuda" if spec.device else "cpu")
+            sh = spec.sharding
             model = sharded_decoder(
-                self.model_cfg, mesh, precision=sh["precision"], recompute=built_mode(sh), device=self.device
+                spec.model_cfg, mesh, precision=sh["precision"], recompute=built_mode(sh), device=spec.device
             )
-        fill_initial(model, self.model_cfg, self.seed)
+        fill_initial(model, spec.model_cfg, spec.seed)
         self._whole_for_probes = (reg, model)
         return model
 
@@ -73,7 +87,7 @@ class WorkerMeasurements:
                 set_activation_checkpointing(model, mode)
                 out.append(self.probe(probe)[0])
         finally:
-            set_activation_checkpointing(model, built_mode(self.sharding))
+            set_activation_checkpointing(model, built_mode(self.spec.sharding))
         return out
 
     def device_memory(self) -> dict | None:
@@ -84,10 +98,10 @@ class WorkerMeasurements:
         """Activation bytes one token costs on this worker's model, in its own recompute mode or in ``mode``.
 
         The measurement is a forward without a backward. On a sharded model that leaves FSDP2's root unit with its
-        gathered parameters registered and in its forward state, and the next step trained with the root's
-        parameters of one update before (a two-step fsdp run's second loss 6e-6 off the
-        reference after one such call, its third 5e-3; calibration makes that call in every calibrated run), so
-        the units are put back to their shards after it (``reshard_after_failure``: local, no collective)."""
+        gathered parameters registered and in its forward state, and the next step would train with the root's
+        parameters of one update before (its losses then leave the reference's; calibration makes this call in every
+        calibrated run), so the units are put back to their shards after it (``reshard_after_failure``: local, no
+        collective)."""
         from flexorch.workers.calibrate import activation_bytes_per_token
 
         model = self._probe_model()
@@ -95,14 +109,14 @@ class WorkerMeasurements:
             set_activation_checkpointing(model, mode)
         try:
             with probing_task(model):
-                return activation_bytes_per_token(model, self.model_cfg.vocab_size)
+                return activation_bytes_per_token(model, self.spec.model_cfg.vocab_size)
         finally:
             if mode is not None:
-                set_activation_checkpointing(model, built_mode(self.sharding))
+                set_activation_checkpointing(model, built_mode(self.spec.sharding))
             self._after_forward_only(model)
 
     def _after_forward_only(self, model) -> None:
-        if self.sharded:
+        if self.state.sharded:
             from flexorch.workers.fsdp import reshard_after_failure
 
             reshard_after_failure(model)
@@ -112,7 +126,7 @@ class WorkerMeasurements:
         (``flexorch.workers.calibrate``)."""
         from flexorch.workers.calibrate import stage_activation_bytes
 
-        model = self.model
-        if self.sharded:  # a stage's shard cannot run alone: measure on a 2-layer model (bytes per layer and head)
-            model = init_model(dataclasses.replace(self.model_cfg, num_layers=2), self.seed)
-        return stage_activation_bytes(model, self.model_cfg.vocab_size)
+        cfg, model = self.spec.model_cfg, self.state.model
+        if self.state.sharded:  # a stage's shard cannot run alone: measure on a 2-layer model (bytes per layer, head)
+            model = init_model(dataclasses.replace(cfg, num_layers=2), self.spec.seed)
+        return stage_activation_bytes(model, cfg.vocab_size)

@@ -14,8 +14,9 @@ own gloo/NCCL communicator, so collectives on them stay correct (unlike ``ray.ut
 docs/design.md §3). Nothing here is global state: callers pass the groups on as arguments.
 
 NCCL (backends ``"nccl"`` and ``"cpu:gloo,cuda:nccl"``). Read against the torch 2.13 source (``distributed_c10d.py``,
-``ProcessGroupNCCL.hpp``/``.cpp``); the calls used are older than 2.11, the GPU machines' torch, and the one private
-call (``_abort_process_group``) is looked up with a fallback:
+``ProcessGroupNCCL.hpp``/``.cpp``); the calls used are older than 2.11, the GPU machines' torch. Two private names
+are looked up, never assumed: ``_abort_process_group`` (with a fallback, :func:`abort_world`) and c10d's group
+counter (:func:`_restart_group_names`, which says why no public call does its job):
 
 * Given the worker's CUDA ``device``, the world is created with ``init_process_group(..., device_id=device)``: the
   world is bound to that device (``ProcessGroup.bound_device_id``) and its NCCL communicator is formed at once.
@@ -107,12 +108,20 @@ def abort_world(groups: Iterable[dist.ProcessGroup] = ()) -> None:
 
 
 def _restart_group_names() -> None:
-    """Name this world's groups from the start, as every other rank does: c10d names a group by a per-process
-    counter (``_World.group_count``, "0" for the world, then "1", "2", ...), which ``destroy_process_group`` resets.
-    An ``init_process_group`` that failed (its rendezvous broke when a peer died while the world formed) has taken a
-    number and left no world to destroy, so that process would name every group of its next world one ahead of its
-    peers, whose gloo rendezvous then wait on keys nobody writes (a world formed after a failed one timed out on
-    ``.../epoch4/1//cpu//0/0``). Called only while no world is open, when no group holds a name."""
+    """Name this world's groups from the start, as every other rank does. The one write to c10d's private state in
+    flexorch, kept here alone.
+
+    Why: c10d names the world and each ``new_group`` by a per-process counter (``_World.group_count``: "0" for the
+    world, then "1", "2", ...), and each group's gloo rendezvous keys carry that name. ``init_process_group`` takes a
+    number before its rendezvous; when that rendezvous fails (a peer died while the world formed) no world is left,
+    yet the number stays taken. Without the reset, that process names every group of its next world one ahead of its
+    peers, and their rendezvous wait on keys nobody writes until the collective timeout.
+
+    No public call does it in torch 2.13 (read in ``distributed_c10d.py``): ``destroy_process_group`` resets the
+    counter, but only by destroying a world, and raises when there is none (as after a failed init);
+    ``init_process_group``'s ``group_name`` is ignored; ``new_group(use_local_synchronization=True)`` names sub-groups
+    by their ranks but not the world, and changes who must enter it. Called only while no world is open, when no
+    group holds a name; looked up, so a torch without the attribute skips it."""
     world = getattr(c10d, "_world", None)  # private: looked up, not assumed
     if world is not None and getattr(world, "group_count", 0):
         world.group_count = 0

@@ -2,9 +2,9 @@
 and ``[pipeline] params = "stage"`` the parts this worker holds (``flexorch.workers.pipeline.held_params``), copied
 whole to and from other workers and checkpoints through the object store.
 
-:class:`ReplicatedState` implements the worker's model-state interface (``Worker._state_*``) for
-:class:`~flexorch.workers.actor.ReplicatedWorker`; the sharded counterpart is ``flexorch.workers.sharded_state``. It
-builds the worker's ``model``, ``optimizer``, ``scheduler`` and ``held``, and keeps its ``version``.
+:class:`ReplicatedState` implements the model-state interface (``workers.model_state.ModelState``); the sharded
+counterpart is ``flexorch.workers.sharded_state``. It builds the ``model``, ``optimizer``, ``scheduler`` and
+``held`` at once and keeps them for the worker's life; a new world leaves them as they are.
 """
 
 from __future__ import annotations
@@ -24,31 +24,35 @@ __all__ = ["ReplicatedState"]
 
 
 class ReplicatedState(ModelState):
-    """Replicated model state, as methods of the worker (see the module's docstring)."""
+    """Replicated model state (see the module's docstring)."""
 
-    def _state_init(self) -> None:
-        self.model = build_model(self.model_cfg, self.seed)
-        set_activation_checkpointing(self.model, built_mode(self.sharding))
-        if self.device is not None:
-            self.model.to(self.device)
-        if wants_compile(self.model_cfg.compile, self.device):
+    def __init__(self, spec, world, guard):
+        super().__init__(spec, world, guard)
+        self.model = build_model(spec.model_cfg, spec.seed)
+        set_activation_checkpointing(self.model, built_mode(spec.sharding))
+        if spec.device is not None:
+            self.model.to(spec.device)
+        if wants_compile(spec.model_cfg.compile, spec.device):
             compile_layers(self.model)
-        self.optimizer, self.scheduler = build_optimizer(self.model, self.optim_cfg)
+        self.optimizer, self.scheduler = build_optimizer(self.model, spec.optim_cfg)
         self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
 
-    def _state_holding(self):
+    def holding(self):
         return None  # a replica moves whole, through the driver (get_state, export_parts), never re-sharded
 
-    def _state_after_join(self, holding, initial: bool) -> dict:
-        return {"version": self.version, "newest": self.version}  # the replica is unchanged by a new world
-
-    def _state_after_leave(self) -> None:
+    def holdings(self) -> list | None:
         return None
 
-    def _state_sp_executor(self):
+    def after_join(self, holdings, initial: bool) -> dict:
+        return {"version": self.version, "newest": self.version}  # the replica is unchanged by a new world
+
+    def after_leave(self) -> None:
+        return None
+
+    def sp_executor(self):
         return run_step
 
-    def _state_context(self) -> dict:
+    def context_fields(self) -> dict:
         return {"held": self.held}  # stage-local parameters: the parts this worker holds
 
     def parameters_digest(self) -> list:

@@ -2,9 +2,9 @@
 
 Why not through DTensor: DTensor's sharding propagation caches each op's output spec by its input specs, and every
 world that closes empties those caches (:func:`flexorch.workers.fsdp.forget_closed_meshes`, for correctness). So
-the first optimizer step of each new world (a run's start, a resume, a shrink, a planned leave, a grow) propagated
-every foreach op, per-gradient norm and scaling again: 0.5-0.7 s of CPU on the test model against 5-17 ms once
-cached, which made the step after a drain several times a normal one (issue 49).
+the first optimizer step of each new world (a run's start, a resume, a shrink, a planned leave, a grow) would
+propagate every foreach op, per-gradient norm and scaling again, on the CPU, making the step after each membership
+change many times slower than the steps that follow it.
 
 Why it is the same arithmetic: after FSDP2's reduce-scatter (and, under hsdp, its all-reduce over the replicas)
 every gradient is ``Shard``/``Replicate``, with no pending reduction, and the parameters and AdamW's moments are

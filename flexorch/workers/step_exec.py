@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from flexorch.data.store.blocks import fetch_documents
 from flexorch.work.step import HYBRID, GroupWork, StepWork, hybrid_sub_groups
 from flexorch.workers.activation_memory import saved_tensor_meter
 from flexorch.workers.attention.api import (
@@ -81,11 +82,11 @@ class StepOutcome:
 
 
 def _documents(work: GroupWork, blocks: dict[int, np.ndarray]) -> tuple[torch.Tensor, list[int]]:
-    parts = [blocks[d.block][d.offset : d.offset + d.length] for d in work.docs]
-    tokens = torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))
+    docs = fetch_documents(blocks, work.docs)
+    tokens = torch.from_numpy(np.concatenate(docs).astype(np.int64, copy=False))
     cu = [0]
-    for p in parts:
-        cu.append(cu[-1] + len(p))
+    for d in docs:
+        cu.append(cu[-1] + len(d))
     return tokens, cu
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from flexorch.config import ModelConfig
+from flexorch.testing.reference import pack_documents, reference_loss_sum
 from flexorch.workers.attention.api import varlen_attn_func
 from flexorch.workers.model import init_model, loss_sum
-from flexorch.workers.reference import pack_documents, reference_loss_sum
 from tests.unit.test_model import make_docs
 
 

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from flexorch.config import CorpusConfig
-from flexorch.data.corpus import fetch_documents, load_corpus, resolve_blocks
+from flexorch.data.corpus import load_corpus
 from flexorch.data.errors import DataError
+from flexorch.data.store.blocks import BlockSpec, fetch_documents, open_blocks
 from flexorch.data.store.prepare import prepare_store
-from flexorch.data.store.shards import ShardSpec
 from flexorch.data.tokenizer import ByteTokenizer
 from flexorch.work.step import DocRef
 
@@ -76,31 +76,31 @@ def test_split_keys_ids_lengths_stats_and_tokens(ray_cluster, text_dir):
 
 def test_ids_are_deterministic_across_part_layouts(ray_cluster, text_dir, tmp_path):
     b = load_corpus(_cfg(text_dir, block_tokens=1 << 20))
-    prepare_store(_cfg(text_dir, block_tokens=1), tmp_path / "store", unit_bytes=1)  # a part per file
+    prepare_store(_cfg(text_dir, block_tokens=1), tmp_path / "store", unit_bytes=1)  # a block per file
     a = load_corpus(CorpusConfig(source=str(tmp_path / "store")))
-    assert len(a.shards) == 7 and len(b.shards) == 1  # empty.txt joins the next file's part
+    assert len(a.blocks) == 7 and len(b.blocks) == 1  # empty.txt joins the next file's block
     assert a.store == str(tmp_path / "store")
     assert a.keys == b.keys and np.array_equal(a.lengths, b.lengths)
     assert [t.tolist() for t in a.get_tokens(range(a.num_docs))] == [t.tolist() for t in b.get_tokens(range(8))]
 
 
-def test_fetch_documents_on_a_worker_from_part_specs(ray_cluster, text_dir, tmp_path):
+def test_fetch_documents_on_a_worker_from_block_specs(ray_cluster, text_dir, tmp_path):
     ray = ray_cluster
     prepare_store(_cfg(text_dir), tmp_path / "store", unit_bytes=1)
     c = load_corpus(CorpusConfig(source=str(tmp_path / "store")))
     ids = [c.keys.index("sub/b.py"), c.keys.index("a.txt")]
     locs = c.locate(ids)
     assert all(isinstance(loc, DocRef) for loc in locs) and pickle.loads(pickle.dumps(locs)) == locs
-    refs = c.refs_for(locs)
-    assert set(refs) == {loc.block for loc in locs} and len(refs) < len(c.block_refs)
+    refs = c.block_specs(loc.block for loc in locs)
+    assert set(refs) == {loc.block for loc in locs} and len(refs) < len(c.blocks)
 
     @ray.remote
-    def worker(locations, specs):  # descriptors only: the worker reads the parts itself
-        assert all(isinstance(s, ShardSpec) for s in specs.values())
-        return [t.tolist() for t in fetch_documents(resolve_blocks(specs), locations)]
+    def worker(locations, specs):  # descriptors only: the worker reads the blocks itself
+        assert all(isinstance(s, BlockSpec) for s in specs.values())
+        return [t.tolist() for t in fetch_documents(open_blocks(specs), locations)]
 
     assert ray.get(worker.remote(locs, refs)) == [_tokens(TEXTS["sub/b.py"]), _tokens(TEXTS["a.txt"])]
-    with pytest.raises(KeyError, match="refs_for"):
+    with pytest.raises(KeyError, match="block_specs"):
         fetch_documents({}, locs)
     with pytest.raises(IndexError, match="out of range"):
         c.locate([c.num_docs])
@@ -151,7 +151,7 @@ def test_jsonl_record_numbers_survive_many_byte_ranges(ray_cluster, tmp_path):
     (tmp_path / "src" / "big.jsonl").write_text("".join(json.dumps({"text": f"record {i}"}) + "\n" for i in range(400)))
     prepare_store(_cfg(tmp_path / "src", block_tokens=64), tmp_path / "store", unit_bytes=300)  # ~14 lines a range
     c = load_corpus(CorpusConfig(source=str(tmp_path / "store")))
-    assert len(c.shards) > 10 and c.keys == sorted(c.keys, key=lambda k: int(k.split(":")[1]))
+    assert len(c.blocks) > 10 and c.keys == sorted(c.keys, key=lambda k: int(k.split(":")[1]))
     assert c.keys[0] == "big.jsonl:1" and c.keys[-1] == "big.jsonl:400"
     for doc_id, tokens in zip(range(0, 400, 37), c.get_tokens(range(0, 400, 37)), strict=True):
         assert tokens.tolist() == _tokens(f"record {doc_id}".encode())

@@ -70,10 +70,10 @@ def test_a_stopped_heartbeat_stops_and_the_store_closes_without_a_trace_on_the_w
     # a C++ stack trace on the worker, which Ray forwarded to the console of a run that went well
     import gc
 
-    from flexorch.workers.actor import ReplicatedWorker
+    from flexorch.workers.actor import Worker
 
     watch = hb.Heartbeats("127.0.0.1", timeout_s=10.0)
-    worker = ReplicatedWorker(7, {}, {}, 0, num_threads=0, use_gpu=False)
+    worker = Worker(7, {}, {}, 0, num_threads=0, use_gpu=False)
     worker.start_heartbeat(watch.host, watch.port, period_s=0.02)
     _beats(watch, 7, at_least=3)
     assert worker.stop_heartbeat() is True
@@ -110,6 +110,16 @@ def _quiet_worker_class():
         def slow(self, seconds: float) -> int:
             time.sleep(seconds)
             return self.worker_id
+
+        # the rest of the control-thread calls the group makes on every worker actor (``workers.actor.Worker``)
+        def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
+            return True
+
+        def abort_world(self, epoch: int | None = None) -> int:
+            return 0
+
+        def retire(self) -> int:
+            return 0
 
     return Quiet
 

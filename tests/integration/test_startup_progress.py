@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from flexorch.control import settle
-from flexorch.control.settle import MembershipFailure, WorkerGroupError
+from flexorch.control.failures import MembershipFailure, WorkerGroupError
 from flexorch.control.worker_group import RayWorkerGroup
 from tests.ray_env import SHARED_CPUS
 
@@ -42,6 +42,20 @@ def stand_in(busy_s: float = 0.0, idle_s: float = 0.0, fail: str | None = None):
         def slow(self, seconds: float) -> int:
             time.sleep(seconds)
             return self.worker_id
+
+        # the control-thread calls the group makes on every worker actor (``workers.actor.Worker``): a stand-in
+        # does not beat (never judged silent), holds no world to abort and nothing to freeze
+        def start_heartbeat(self, host: str, port: int) -> None:
+            pass
+
+        def stop_heartbeat(self, timeout_s: float = 5.0) -> bool:
+            return True
+
+        def abort_world(self, epoch: int | None = None) -> int:
+            return 0
+
+        def retire(self) -> int:
+            return 0
 
     return StandIn
 
@@ -173,7 +187,7 @@ def test_corpus_loading_reports_its_phases(ray_cluster, tmp_path):
     assert said[0] == "loading the corpus: listing the source"
     assert f"loading the corpus: preparing 3 text files under {tmp_path}" in said
     assert any(m.startswith("preparing the corpus into ") and "1 parts" in m for m in said), said
-    assert any(m.startswith("preparing the corpus: 1/1 parts") and "tokens/s), ETA" in m for m in said), said
+    assert any(m.startswith("preparing the corpus: 1/1 blocks") and "tokens/s), ETA" in m for m in said), said
     assert any(m.startswith("prepared the corpus: 3 documents") for m in said), said
     assert said[-1].startswith(f"loaded the corpus: 3 documents, {int(corpus.lengths.sum())} tokens in")
     events.clear()  # a second start: the store is found by its fingerprints and opened, nothing prepared
@@ -286,7 +300,7 @@ def calibrate_report(cfg):
 def test_a_calibration_probe_that_outlasts_the_call_limit_is_a_clear_error(tmp_path):
     from flexorch.control.calibration import calibrate
     from flexorch.control.calibration_probes import CalibrationTimeoutError, calibration_probes
-    from flexorch.control.membership import Failure
+    from flexorch.control.failures import Failure
     from tests.train_helpers import train_config
 
     class TooSlow(_ProbeGroup):

@@ -54,9 +54,9 @@ def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[li
     """Transformers' own model and attention (``impl``) in one process, on each step's documents packed with a
     block-diagonal causal mask; starts from ``start`` (default: flexorch's initial parameters, which the test of
     weight loading checks on their own), trains with the run's AdamW."""
+    from flexorch.testing.reference import pack_documents
     from flexorch.workers.model_source import build_model
     from flexorch.workers.optim import build_optimizer
-    from flexorch.workers.reference import pack_documents
 
     conf = transformers.AutoConfig.from_pretrained(cfg.model.hf, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation=impl, dtype=torch.float32)
@@ -155,9 +155,9 @@ def _flexorch_logits(model_cfg, state, docs):
     """Logits of flexorch's HFDecoder (single-device varlen attention) holding ``state`` on the packed ``docs``."""
     import functools
 
+    from flexorch.testing.reference import pack_documents
     from flexorch.workers.attention.api import varlen_attn_func
     from flexorch.workers.model_source import build_model
-    from flexorch.workers.reference import pack_documents
 
     model = build_model(model_cfg, 0)
     model.load_state_dict(state)

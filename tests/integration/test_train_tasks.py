@@ -2,7 +2,7 @@
 long text files, short prompt/completion pairs) and adapter ranks, trained on 4 real Ray workers with Spindle's
 per-step device allocation, each task's groups running its own LoRA adapter. Each task's losses and the trained
 parameters equal a single-process reference that trains the same tasks on the same documents
-(``flexorch.workers.reference.reference_train_tasks``), with the base frozen and trained, replicated and FSDP2-sharded,
+(``flexorch.testing.reference.reference_train_tasks``), with the base frozen and trained, replicated and FSDP2-sharded,
 for flexorch's decoder and a Hugging Face Llama."""
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ def _run(env, tag: str, model: ModelConfig, faults=(), **kw):
 def _check(cfg, corpus, records, replicas, whole=True):
     """The ledger (each task's documents from its own stream), each task's loss and the parameters against the
     reference; with the base frozen, the base parameters are their initial values."""
+    from flexorch.testing.reference import reference_train_tasks
     from flexorch.workers.model_source import build_model
-    from flexorch.workers.reference import reference_train_tasks
 
     streams = TaskStreams(corpus, cfg.task_counts, cfg.seed)
     assert [r["doc_ids"] for r in records] == [list(streams.next_batch().doc_ids) for _ in records]

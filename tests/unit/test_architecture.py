@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 import sys
 
 import pytest
@@ -19,12 +20,12 @@ ROOT = PACKAGE
 # "<torch>" and "<torch.distributed>"; a sub-package missing here may import none of them.
 ALLOWED: dict[str, set[str]] = {
     "__main__": {"cli"},
-    "testing": {"workers", "<torch>"},  # what tests inject (worker faults); nothing in the package imports it
+    "testing": {"workers", "dashboards", "solver", "config", "<torch>"},  # test-only tools; nothing imports it
     "cli": {"control", "dashboards", "records", "data", "config", "solver", "work", "<ray>"},
     "control": {"workers", "records", "data", "config", "work", "solver", "<ray>", "<torch>", "<torch.distributed>"},
     "dashboards": {"records", "solver"},
     "records": {"solver", "work", "config", "<ray>"},
-    "workers": {"data", "work", "config", "solver", "<ray>", "<torch>", "<torch.distributed>"},  # data: reads parts
+    "workers": {"data", "work", "config", "solver", "<ray>", "<torch>", "<torch.distributed>"},  # data: reads blocks
     "data": {"work", "config", "solver", "<ray>"},
     "config": {"solver"},
     "work": {"solver"},
@@ -205,21 +206,115 @@ def test_the_graph_sees_imports_inside_functions(tmp_path):
     assert "flexorch.control.driver" in names and "torch.distributed" in names
 
 
-def test_the_code_says_what_and_why_never_when():
-    # history (dates, "as before", issue numbers of what used to be) goes into CHANGELOG.md
-    import re
+WHEN = re.compile(r"20[0-9]{2}-[0-9]{2}-[0-9]{2}|as before|before issue|\bissues? ?#?\d+\b", re.IGNORECASE)
+"""History in the code: a date, "as before", an issue's number."""
 
-    when = re.compile(r"20[0-9]{2}-[0-9]{2}-[0-9]{2}|as before|before issue")
-    bad = [
-        f"{p.relative_to(ROOT.parent)}:{i}: {line.strip()[:80]}"
-        for p in sorted(ROOT.rglob("*.py"))
+
+def _lines_matching(pattern: re.Pattern, root: pathlib.Path = ROOT) -> list[str]:
+    return [
+        f"{p.relative_to(root.parent)}:{i}: {line.strip()[:80]}"
+        for p in sorted(root.rglob("*.py"))
         for i, line in enumerate(p.read_text().splitlines(), 1)
-        if when.search(line)
+        if pattern.search(line)
     ]
+
+
+def test_the_code_says_what_and_why_never_when():
+    # history (dates, "as before", the issue a change came from) goes into CHANGELOG.md
+    bad = _lines_matching(WHEN)
     assert not bad, "dated or historical notes (move them to CHANGELOG.md):\n" + "\n".join(bad)
 
 
-MAX_MODULE_LINES = 400
+def test_the_history_check_sees_an_issue_number(tmp_path):
+    pkg = tmp_path / "flexorch"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("x = 1  # see Issue #22\ny = 2  # issues 48\nz = 3  # the issue is 4 workers\n")
+    assert [line.split(":")[1] for line in _lines_matching(WHEN, pkg)] == ["1", "2"]
+
+
+def _classes(root: pathlib.Path = ROOT) -> list[tuple[str, str, list[str]]]:
+    """(where, class name, the names of its bases) for every class under ``root``."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = [ast.unparse(b).split("[")[0].rsplit(".", 1)[-1] for b in node.bases]
+                out.append((f"{path.relative_to(root.parent)}:{node.lineno}", node.name, bases))
+    return out
+
+
+NOT_MIXINS = {"Protocol", "ABC", "Enum", "IntEnum", "StrEnum", "Exception", "Generic"}
+"""Bases a class may add beside one flexorch base: interfaces and kinds, not shared state."""
+ERRORS = ("Error", "Exception", "Failure", "Warning")
+
+
+def _mixed(root: pathlib.Path = ROOT) -> list[str]:
+    """The classes under ``root`` with two or more bases defined under ``root`` (exceptions and NOT_MIXINS aside)."""
+    classes = _classes(root)
+    bases_of: dict[str, set[str]] = {}
+    for _, name, bases in classes:
+        bases_of.setdefault(name, set()).update(bases)
+
+    def is_error(name: str, seen: frozenset = frozenset()) -> bool:
+        if name.endswith(ERRORS):
+            return True
+        return name not in seen and any(is_error(b, seen | {name}) for b in bases_of.get(name, ()))
+
+    bad = []
+    for where, name, bases in classes:
+        own = [b for b in bases if b in bases_of and b not in NOT_MIXINS and not is_error(b)]
+        if len(own) >= 2:
+            bad.append(f"{where} {name}({', '.join(bases)})")
+    return bad
+
+
+def test_no_class_is_built_from_mixins():
+    # one class, one concept: state is shared by passing components, never by several flexorch base classes that
+    # read and set each other's attributes (exceptions, protocols, abstract bases and enums aside)
+    bad = _mixed()
+    assert not bad, "classes built from two or more flexorch base classes (make them components):\n" + "\n".join(bad)
+
+
+def test_the_mixin_check_sees_a_class_of_two_own_bases(tmp_path):
+    pkg = tmp_path / "flexorch"
+    pkg.mkdir()
+    (pkg / "a.py").write_text(
+        "class Setup:\n    pass\n\n\nclass Loop:\n    pass\n\n\nclass BadError(ValueError):\n    pass\n"
+    )
+    (pkg / "b.py").write_text(
+        "import enum\nfrom a import BadError, Loop, Setup\n\n\nclass Driver(Setup, Loop):\n    pass\n\n\n"
+        "class Kind(Setup, enum.Enum):\n    pass\n\n\nclass Lost(BadError, Setup):\n    pass\n"
+    )
+    assert [line.split(" ")[1] for line in _mixed(pkg)] == ["Driver(Setup,"]
+
+
+def _probes(root: pathlib.Path = ROOT) -> list[str]:
+    """Lines under ``root / "control"`` that call getattr/hasattr without a ``# optional:`` comment saying why."""
+    probe = re.compile(r"\b(getattr|hasattr)\(")
+    return [
+        f"{p.relative_to(root.parent)}:{i}: {line.strip()[:80]}"
+        for p in sorted((root / "control").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if probe.search(line) and "# optional:" not in line
+    ]
+
+
+def test_control_never_probes_attributes():
+    # the control plane calls the interfaces it is given (control.group.WorkerGroup and the rest); an attribute that
+    # is truly optional (a third-party object's) is read on a line that says why: `# optional: ...`
+    bad = _probes()
+    assert not bad, "getattr/hasattr in flexorch/control (declare it on the interface):\n" + "\n".join(bad)
+
+
+def test_the_probe_check_sees_a_getattr_without_a_reason(tmp_path):
+    (tmp_path / "flexorch" / "control").mkdir(parents=True)
+    (tmp_path / "flexorch" / "control" / "a.py").write_text(
+        'x = getattr(g, "sharded", False)\ny = getattr(e, "error_msg", None)  # optional: a Ray error may lack it\n'
+    )
+    assert [line.split(":")[1] for line in _probes(tmp_path / "flexorch")] == ["1"]
+
+
+MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
 

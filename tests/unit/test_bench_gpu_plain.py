@@ -14,8 +14,8 @@ pytest.importorskip("transformers")
 def test_the_plain_loop_trains_the_single_process_reference(tmp_path):
     from benchmarks.gpu.gpu_throughput import loss_gap, plain_loop, plain_model, write_model
     from flexorch.config.load import load_train_config
+    from flexorch.testing.reference import reference_train
     from flexorch.workers.model_source import build_model
-    from flexorch.workers.reference import reference_train
 
     write_model(tmp_path / "model", "tiny", 256)
     model_dir = tmp_path / "model"

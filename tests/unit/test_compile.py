@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from flexorch.config.model import ModelConfig
+from flexorch.testing.reference import pack_documents, reference_loss_sum
 from flexorch.workers.compile import compile_layers, compiled_layers, wants_compile
 from flexorch.workers.model_source import build_model, set_activation_checkpointing
-from flexorch.workers.reference import pack_documents, reference_loss_sum
 
 CFG = ModelConfig(vocab_size=97, dim=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=64, loss_chunk_tokens=16)
 

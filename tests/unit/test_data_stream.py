@@ -315,3 +315,45 @@ def test_task_streams_pass_each_task_order_through():
     assert {t["order"] for t in old.state_dict()["tasks"].values()} == {"rng"}
     big = np.random.default_rng([7, 1]).permutation(10)  # task 0 keeps the run's seed; 3 batches of 4 = epoch 1
     assert old.next_batch().doc_ids[:4] == tuple(int(i) for i in big[:4])
+
+
+def test_every_stream_kind_answers_the_one_stream_interface_and_open_stream_picks_it():
+    """Plain, mixture and task streams are ``BatchStream``s: the per-kind members answer None where they do not
+    apply, so the driver reads any of them the same way; ``open_stream`` picks the kind from the config."""
+    from types import SimpleNamespace
+
+    from flexorch.data.mixture import MixtureStream
+    from flexorch.data.run_stream import open_stream
+    from flexorch.data.stream import BatchStream
+    from flexorch.data.task_corpus import TaskStreams
+
+    lengths = np.arange(1, 14)
+    tasks = SimpleNamespace(task_of=np.array([0] * 10 + [1] * 3, dtype=np.int32), task_names=("big", "small"))
+    mixed = SimpleNamespace(num_docs=13, mixture=(("a", "b"), [10, 3], [0.75, 0.25]))
+
+    def cfg(tasks=(), sources=()):
+        data = SimpleNamespace(sources=sources)
+        return SimpleNamespace(tasks=tasks, data=data, task_counts=(4, 1), batch_size=4, seed=7)
+
+    plain = open_stream(cfg(), SimpleNamespace(num_docs=13))
+    mixture = open_stream(cfg(sources=("a", "b")), mixed)
+    task = open_stream(cfg(tasks=("big", "small")), tasks)
+    assert (type(plain), type(mixture), type(task)) == (DocumentStream, MixtureStream, TaskStreams)
+    assert plain.state_dict() == DocumentStream(13, 4, 7).state_dict()
+    assert mixture.state_dict() == MixtureStream([10, 3], [0.75, 0.25], 4, 7, ("a", "b")).state_dict()
+    for stream in (plain, mixture, task):
+        assert isinstance(stream, BatchStream) and stream.batches_per_epoch >= 1
+        batch = stream.peek()
+        assert stream.peek_after().step == batch.step + 1 and stream.next_batch() == batch
+        again = type(stream).__new__(type(stream))
+        again.__dict__.update(stream.__dict__)  # the same configuration, then the saved position
+        again.load_state_dict(json.loads(json.dumps(stream.state_dict())))
+        assert again.peek() == stream.peek()
+    assert (
+        plain.task_epochs() is None and mixture.task_epochs() is None and task.task_epochs() == {"big": 0, "small": 0}
+    )
+    assert plain.sources(batch, lengths) is None and task.sources(batch, lengths) is None
+    got = mixture.sources(mixture.peek(), lengths)
+    assert set(got) == {"a", "b"} and sum(s["docs"] for s in got.values()) == 4
+    with pytest.raises(TypeError):
+        BatchStream()

@@ -6,7 +6,7 @@ Each check runs in fresh interpreters (``sys.executable``) whose ``sys.meta_path
 ImportError for ``ray``/``ray.*``, ``transformers``/``transformers.*`` and, until the planner's modules load,
 ``mip``/``mip.*``. The modules are found by walking ``flexorch/`` on disk, minus :data:`EXCLUDED`; the runs call the
 functions the worker actor calls (``flexorch.workers.actor.Worker._run_step``: ``ProcessGroupRegistry.ensure`` then
-``run_step`` / ``run_sharded_step``) and compare with the single-process reference (``flexorch.workers.reference``).
+``run_step`` / ``run_sharded_step``) and compare with the single-process reference (``flexorch.testing.reference``).
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ from flexorch.work.step import GroupWork, StepWork
 from flexorch.workers.model_source import build_model
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.process_groups import ProcessGroupRegistry
-from flexorch.workers.reference import reference_train
+from flexorch.testing.reference import reference_train
 from flexorch.workers.step_context import StepContext
 from flexorch.workers.step_exec import run_step
 
@@ -202,7 +202,7 @@ rank, store_path, part = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 from flexorch.work.step import GroupWork, StepWork
 from flexorch.workers.optim import build_optimizer
 from flexorch.workers.process_groups import ProcessGroupRegistry
-from flexorch.workers.reference import reference_train
+from flexorch.testing.reference import reference_train
 
 cfg, optim_cfg, docs, refs, blocks = tiny_run()
 n_pred = sum(len(d) - 1 for d in docs)

@@ -90,10 +90,10 @@ def test_use_gpu_with_the_index_not_visible_is_a_clear_error():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_worker_asked_for_a_gpu_on_a_cpu_machine_fails_at_construction():
-    from flexorch.workers.actor import ReplicatedWorker
+    from flexorch.workers.actor import Worker
 
     with pytest.raises(DeviceUnavailableError, match="use_gpu is set"):
-        ReplicatedWorker(0, {}, {}, 0, num_threads=0, use_gpu=True)
+        Worker(0, {}, {}, 0, num_threads=0, use_gpu=True)
 
 
 def test_worker_wants_a_gpu_when_told_or_else_when_cuda_is_there(monkeypatch):
@@ -244,17 +244,17 @@ def test_backend_names():
 class RecordingRegistry:
     def __init__(self, **kwargs):
         self.kwargs, self.closed = kwargs, []
+        self.epoch = kwargs.get("epoch")
 
     def close(self, abort=False):
         self.closed.append(abort)
 
 
 def _bare_worker(device=None):
-    from flexorch.workers.actor import ReplicatedWorker
+    from flexorch.workers.actor import Worker
 
-    w = ReplicatedWorker.__new__(ReplicatedWorker)  # no model: only the world-handling state
-    w.worker_id, w.device, w.registry, w._store = 5, device, None, None
-    w.binding = None
+    w = Worker(5, {}, {}, 0, num_threads=0, use_gpu=False)  # on the CPU; the world's device is what the test says
+    w.device = device
     return w
 
 

@@ -336,7 +336,7 @@ def test_a_retiring_worker_freezes_its_objects_so_dying_collects_nothing():
     keep = [Big() for _ in range(1000)]
     probe = weakref.ref(keep[0])
     try:
-        assert WorkerLifecycle().freeze_for_exit() >= len(keep)
+        assert WorkerLifecycle(0).freeze_for_exit() >= len(keep)
         del keep
         gc.collect()
         assert probe() is not None, "frozen: no collection scans or frees it (the process is killed next)"

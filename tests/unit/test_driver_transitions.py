@@ -25,12 +25,13 @@ from flexorch.config import (
     TrainConfig,
 )
 from flexorch.control.elastic import Elastic, ElasticError
-from flexorch.control.membership import ElasticPolicy, Fail, Failure, Retry, Shrink, WaitForCapacity
+from flexorch.control.failures import Failure
+from flexorch.control.membership import ElasticPolicy, Fail, Retry, Shrink, WaitForCapacity
 from flexorch.control.transitions import Ran
 from flexorch.data.stream import DocumentStream
 from flexorch.records.writer import read_records
 from flexorch.testing.faults import PlannerHang
-from flexorch.workers.reference import reference_train
+from flexorch.testing.reference import reference_train
 from tests.fake_cluster import FakeWorkerGroup, Fault, fake_driver, memory_corpus
 from tests.train_helpers import cpu_profile
 
@@ -96,7 +97,7 @@ def _check_params(driver, corpus, cfg, trained: list[list[int]]) -> None:
 @functools.cache
 def _reference(corpus, model_cfg, optim_cfg, seed: int, trained: tuple[tuple[int, ...], ...]) -> dict:
     """``reference_train``'s parameters after ``trained`` (computed once per distinct run: tests share prefixes)."""
-    batches = [[corpus.block_refs[b][o : o + n] for b, o, n in _where(corpus, ids)] for ids in trained]
+    batches = [[corpus.blocks[b][o : o + n] for b, o, n in _where(corpus, ids)] for ids in trained]
     return reference_train(model_cfg, optim_cfg, batches, seed)[1]
 
 
@@ -414,7 +415,7 @@ def test_the_executor_does_what_the_decision_says(tmp_path, profile, decision, w
         return
     rec = elastic.recover(Failure(frozenset({3})), 0, "recover")
     assert group.worker_ids == world_after and group.worlds[-1] == world_after
-    assert rec["decisions"] == [type(decision).__name__] and rec["world_after"] == list(world_after)
+    assert rec.decisions == (type(decision).__name__,) and rec.world_after == world_after
 
 
 def test_run_loops_the_transitions_to_the_end_without_ray(tmp_path, profile, corpus):

@@ -57,7 +57,7 @@ def test_param_shapes_are_the_transformers_models(tmp_path, family, tied):
 
 
 def _packed(docs):
-    from flexorch.workers.reference import pack_documents
+    from flexorch.testing.reference import pack_documents
 
     b = pack_documents(docs)
     seg = torch.repeat_interleave(torch.arange(len(docs)), torch.diff(b.cu_seqlens.long()))

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from flexorch.config import ModelConfig, OptimConfig
 from flexorch.config.adapters import LoraSpec, check_adapters, target_modules
 from flexorch.config.model import RUN_KEYS
+from flexorch.testing.reference import pack_documents
 from flexorch.workers.attention.api import varlen_attn_func
 from flexorch.workers.lora import active_task, adapter_tasks, initial_adapter_value, set_active_task
 from flexorch.workers.model import init_model, loss_sum
 from flexorch.workers.model_source import build_model, initial_parameters, set_activation_checkpointing
 from flexorch.workers.optim import build_optimizer
-from flexorch.workers.reference import pack_documents
 from tests._dist_utils import DistPool
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from flexorch.control.failures import Failure
 from flexorch.control.membership import (
     ElasticPolicy,
     Fail,
-    Failure,
     Grow,
     Membership,
     Retry,

@@ -98,7 +98,8 @@ def test_a_cpu_worker_reports_no_device_memory():
 
 
 def test_out_of_memory_is_a_retry_with_a_cut_budget_not_a_crash():
-    from flexorch.control.membership import ElasticPolicy, Failure, Retry, Shrink
+    from flexorch.control.failures import Failure
+    from flexorch.control.membership import ElasticPolicy, Retry, Shrink
     from flexorch.control.memory_budget import OOM_CUT, capped, lowered_after_oom
 
     policy = ElasticPolicy(1, 4)

@@ -12,7 +12,7 @@ from flexorch.config import ModelConfig, OptimConfig, PlanSettings, TrainConfig
 from flexorch.config.load import config_from_dict
 from flexorch.data.mixture import IdRanges, MixtureStream, blend_counts, load_mixture
 from flexorch.records.writer import read_records
-from flexorch.workers.reference import reference_train
+from flexorch.testing.reference import reference_train
 from tests.chat_helpers import write_jsonl
 from tests.fake_cluster import fake_driver
 from tests.train_helpers import cpu_profile

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from flexorch.config import MODEL_PRESETS, ModelConfig, OptimConfig, model_config
+from flexorch.testing.reference import pack_documents, reference_loss_sum, reference_step, reference_train
 from flexorch.workers.activation_memory import measure_activation_bytes, saved_tensor_meter
 from flexorch.workers.attention.api import ulysses_attn_varlen_func, varlen_attn_func, zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.sharding import shard, shard_contiguous, shard_zigzag
 from flexorch.workers.model import IGNORE_INDEX, check_token_range, init_model, loss_sum, next_token_labels
 from flexorch.workers.optim import build_optimizer, clip_grad_norm_, lr_at
-from flexorch.workers.reference import pack_documents, reference_loss_sum, reference_step, reference_train
 from tests._dist_utils import DistPool
 
 PARITY_TOL = {"rtol": 1e-4, "atol": 1e-5}

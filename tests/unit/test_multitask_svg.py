@@ -1,4 +1,4 @@
-"""The multi-task plan picture (``flexorch/dashboards/multitask_svg.py``): valid SVG, one rectangle per part per
+"""The multi-task plan picture (``flexorch/testing/multitask_svg.py``): valid SVG, one rectangle per part per
 panel, placed by its start/time and block, coloured by task, with the plan's figures in the title. Pure and fast."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from flexorch.dashboards.multitask_svg import multitask_svg, task_colour
 from flexorch.solver.multitask import MetaOp, TaskBatch, plan_metaops, plan_tasks
 from flexorch.solver.multitask.baselines import fixed_split_parts, in_turn_parts
 from flexorch.solver.profiles import get_profile
+from flexorch.testing.multitask_svg import multitask_svg, task_colour
 from tests.paths import BENCHMARKS
 
 NS = "{http://www.w3.org/2000/svg}"

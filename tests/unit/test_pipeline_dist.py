@@ -32,7 +32,7 @@ def pool():
 
 
 def _job(ctx, stages, cfg_kwargs, kind, ckpt, split):
-    from flexorch.workers.pipeline.local import build_stages
+    from flexorch.testing.pipeline_local import build_stages
     from flexorch.workers.pipeline.p2p import gradient_groups, run_stage_step
 
     torch.manual_seed(0)
@@ -176,7 +176,7 @@ def test_pipelined_training_on_stage_workers_equals_the_reference(pool, stages, 
     """The worker's executor (stage sharing the replica's modules, SP inside a stage, world all-reduce, clipped
     AdamW): per-step losses and parameters after 2 steps equal the single-process reference, every replica equal."""
     from flexorch.config import OptimConfig
-    from flexorch.workers.reference import reference_train
+    from flexorch.testing.reference import reference_train
 
     cfg_kwargs = {"num_layers": 4, "tie_embeddings": tied}
     cfg = ModelConfig(**cfg_kwargs)

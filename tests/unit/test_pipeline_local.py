@@ -15,9 +15,9 @@ from flexorch.solver.pipeline.chunking import chunk_batch
 from flexorch.solver.pipeline.plan import packed_1f1b_units
 from flexorch.solver.pipeline.schedule import one_f_one_b
 from flexorch.solver.pipeline.stage_model import stage_layers
+from flexorch.testing.pipeline_local import build_stages, run_local_step, stage_grads_as_full
+from flexorch.testing.reference import pack_documents, reference_loss_sum
 from flexorch.workers.model import init_model
-from flexorch.workers.pipeline.local import build_stages, run_local_step, stage_grads_as_full
-from flexorch.workers.reference import pack_documents, reference_loss_sum
 
 LENGTHS = [300, 17, 90, 5, 160, 41, 8, 220, 2, 64]
 

@@ -10,11 +10,12 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import pytest
 
-from flexorch.dashboards import multitask_svg, plan_svg
+from flexorch.dashboards import plan_svg
 from flexorch.dashboards.plan_svg import MIXED_COLOUR, PALETTE, render_steps_svg, render_svg, task_colour
 from flexorch.solver.multitask.execute import plan_task_step, task_groups
 from flexorch.solver.profiles import get_profile
 from flexorch.solver.step_planner import heuristic_plan
+from flexorch.testing import multitask_svg
 
 NS = "{http://www.w3.org/2000/svg}"
 PROFILE = get_profile("gpt-7b-a100")

@@ -1,4 +1,4 @@
-"""Issue 22's planner parts: mixed-layout starts (``solver.fill``), tiered splits, the split bound, and the budget a
+"""The planner's parts: mixed-layout starts (``solver.fill``), tiered splits, the split bound, and the budget a
 plan gets (``PlanSettings.budget_for``, ``StepPlanner.plan(time_limit_s=)``, the records' ``plan_budget_s``/``gap``)."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from flexorch.records.schema import RecordError, validate_record
 from flexorch.solver import PlannerConfig, plan_step, round_bounds, step_time_ms
 from flexorch.solver.bounds import area_and_min_time, micro_batch_bound_ms, step_bound_ms, tall_bound_ms
 from flexorch.solver.fill import fill_draft, fill_pack
+from flexorch.solver.group_tables import GroupTables
 from flexorch.solver.microbatching import tiered_split
 from flexorch.solver.packing import best_homogeneous_draft, group_types, time_table, type_caps, type_overheads
 from flexorch.solver.profiles import get_profile
@@ -51,7 +52,8 @@ def test_fill_packs_validly_and_never_beats_the_brute_force_optimum(seed):
     deg = np.array([t.degree for t in types], dtype=np.float64)
     lower = micro_batch_bound_ms(table, deg, n, overheads)
     start = best_homogeneous_draft(items, types, table, lengths, n, caps, overheads)
-    got = fill_draft(items, types, table, lengths, n, caps, overheads, lower, start.makespan())
+    tables = GroupTables(types, table, lengths, n, caps, overheads)
+    got = fill_draft(items, tables, lower_ms=lower, upper_ms=start.makespan())
     assert got is not None
     _check_draft(got, items, types, table, lengths, caps, overheads, n)
     best, best_single = brute_force_optimum(lengths, n, profile)
@@ -74,14 +76,9 @@ def test_fill_mixes_group_types_where_the_homogeneous_start_cannot():
     start = best_homogeneous_draft(items, types, table, lengths, n, caps, overheads)
     got = fill_draft(
         items,
-        types,
-        table,
-        lengths,
-        n,
-        caps,
-        overheads,
-        micro_batch_bound_ms(table, deg, n, overheads),
-        start.makespan(),
+        GroupTables(types, table, lengths, n, caps, overheads),
+        lower_ms=micro_batch_bound_ms(table, deg, n, overheads),
+        upper_ms=start.makespan(),
     )
     _check_draft(got, items, types, table, lengths, caps, overheads, n)
     assert len({types[t].degree for t, m in zip(got.group_type, got.members, strict=True) if m}) >= 2

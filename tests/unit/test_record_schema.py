@@ -47,7 +47,7 @@ def _broken(rec, change):
             lambda r: r["plan"]["micro_batches"][0][0].update(ranks=[99] * r["plan"]["micro_batches"][0][0]["degree"]),
             "ranks [99",
         ),
-        (lambda r: r["plan"]["micro_batches"][0][0].pop("kind"), "must be an object with keys degree, kind"),
+        (lambda r: r["plan"]["micro_batches"][0][0].pop("kind"), "plan.micro_batches[0][0] lacks kind"),
         (lambda r: r["plan"]["micro_batches"][0][0]["seq_ids"].pop(), "every sequence of the batch exactly once"),
         (lambda r: r["plan"].update(num_devices=3), "plan.num_devices 3 differs from world_size 8"),
         (lambda r: r["timeline"].pop(), "one entry per group"),
@@ -95,8 +95,11 @@ def test_skipped_train_record_validates():
     }
     rec = {"schema": SCHEMA, "time": 1.0, **skip_record(base, "infeasible", "the longest sequence needs 3 workers")}
     assert validate_record(rec)["tokens"] == 9 + 4999
-    for bad in (-1, 9 + 4999 + 1, 2.5, True):  # loss targets: at most the positions the step predicted at
+    for bad in (-1, 9 + 4999 + 1):  # loss targets: at most the positions the step predicted at
         with pytest.raises(RecordError, match="'targets' must be an integer in 0..tokens"):
+            validate_record({**rec, "targets": bad})
+    for bad in (2.5, True):
+        with pytest.raises(RecordError, match=rf"'targets' is \w+ {bad}, expected integer"):
             validate_record({**rec, "targets": bad})
     assert validate_record({**rec, "targets": 120})["targets"] == 120
     rec["doc_ids"] = [7]
@@ -142,14 +145,26 @@ def test_pipeline_records_validate(pipeline_records):
         ("plan", lambda r: r["pipeline"].update(degree=64), "must be positive and fit world_size 8"),
         ("plan", lambda r: r["pipeline"]["stage_ranks"][0].__setitem__(0, 7), "stages of 2 distinct ranks"),
         ("plan", lambda r: r["pipeline"]["units"][0]["pieces"].pop(), "cover every token of sequence"),
-        ("plan", lambda r: r["pipeline"]["units"].__setitem__(0, [1, 2]), "must be an object with integer chain"),
+        (
+            "plan",
+            lambda r: r["pipeline"]["units"].__setitem__(0, [1, 2]),
+            "'pipeline.units[0]' is list [1, 2], expected an object",
+        ),
         ("plan", lambda r: r["pipeline"]["checkpointed"][0].pop(), "one entry per unit"),
         ("plan", lambda r: r.update(plan={"num_devices": 8, "micro_batches": []}), "one of 'plan' or 'pipeline'"),
         ("train", lambda r: r["ranks"][0]["ops"].pop(), "ranks[0].ops must hold its stage's"),
-        ("train", lambda r: r["ranks"][0]["ops"][0].update(kind="X"), "ranks[0].ops entry"),
+        (
+            "train",
+            lambda r: r["ranks"][0]["ops"][0].update(kind="X"),
+            "'ranks[0].ops[0].kind' is 'X', expected 'F' or 'B'",
+        ),
         ("train", lambda r: r["ranks"][0]["ops"][1].update(r["ranks"][0]["ops"][0]), "each (kind, unit) once"),
         ("train", lambda r: r["ranks"][0]["ops"][0].update(start_ms=1e9), "start_ms <= end_ms"),
-        ("train", lambda r: r["ranks"][0]["ops"][0].update(wait_ms=-1.0), "wait_ms >= 0 if given"),
+        (
+            "train",
+            lambda r: r["ranks"][0]["ops"][0].update(wait_ms=-1.0),
+            "'ranks[0].ops[0].wait_ms' must be >= 0, got -1.0",
+        ),
     ],
 )
 def test_pipeline_damage_is_named(pipeline_records, which, change, message):
@@ -174,3 +189,26 @@ def test_measured_bubble_share_is_the_time_stage_ranks_spent_outside_their_ops(p
     assert measured_bubble_share(rec) == pytest.approx(1 / 3)
     assert measured_bubble_share({**rec, "pipeline": None}) is None  # an SP step
     assert 0.0 <= measured_bubble_share(train_rec) < 1.0
+
+
+def test_the_json_schema_describes_every_key(plan_records):
+    from flexorch.records.schema import record_json_schema
+
+    schema = record_json_schema()
+    assert set(plan_records[0]) <= set(schema["properties"])  # every key a plan record has is documented
+    undocumented = [
+        f"{name}.{key}"
+        for name, obj in [("record", schema), *schema["$defs"].items()]
+        for key, prop in obj["properties"].items()
+        if "description" not in prop and "$ref" not in prop
+    ]
+    assert len(undocumented) <= 8, undocumented  # a few self-explaining names (stage, kind, end_ms, ...) only
+
+
+def test_recompute_packing_names_a_priced_packing(plan_records):
+    rec = {**plan_records[0], "recompute_packing": {"packing": "none", "full_ms": 12.0, "none_ms": 10.0}}
+    assert validate_record(rec) is rec
+    with pytest.raises(RecordError, match="the packing that ran, 'selective', needs a number in 'selective_ms'"):
+        validate_record({**rec, "recompute_packing": {"packing": "selective", "full_ms": 12.0, "selective_ms": None}})
+    with pytest.raises(RecordError, match=r"'recompute_packing.packing' is 'fast', expected 'full', 'none' or"):
+        validate_record({**rec, "recompute_packing": {"packing": "fast", "full_ms": 12.0}})

@@ -15,6 +15,7 @@ from flexorch.data.lengths import bundled_lengths_path, read_lengths
 from flexorch.solver import backend, get_profile
 from flexorch.solver.bounds import micro_batch_bound_ms
 from flexorch.solver.exact import solve_exact
+from flexorch.solver.group_tables import GroupTables
 from flexorch.solver.milp import best_static_draft, solve_micro_batch
 from flexorch.solver.packing import Draft, group_types, time_table, type_caps, type_overheads
 from tests.solver_helpers import TINY
@@ -79,7 +80,7 @@ def test_exact_plans_are_valid_on_each_backend(solver, built_on):
         p = _problem(lengths, n, TINY)
         items = list(range(len(lengths)))
         start = best_static_draft(items, p["types"], p["table"], p["lengths"], n, p["caps_by_type"], p["overheads"])
-        got = solve_exact(items, **p, time_limit_s=10.0, start=start, solver=solver)
+        got = solve_exact(items, GroupTables(**p), time_limit_s=10.0, start=start, solver=solver)
         assert got is not None, (n, lengths)
         draft, proven = got
         assert proven
@@ -96,7 +97,7 @@ def test_highs_exact_optimum_equals_cbcs():
         for n, lengths in _tiny_instances(6, seed):
             p = _problem(lengths, n, TINY)
             items = list(range(len(lengths)))
-            got = {s: solve_exact(items, **p, time_limit_s=10.0, solver=s) for s in backend.SOLVERS}
+            got = {s: solve_exact(items, GroupTables(**p), time_limit_s=10.0, solver=s) for s in backend.SOLVERS}
             assert all(g is not None and g[1] for g in got.values()), (n, lengths, got)
             assert got["highs"][0].makespan() == pytest.approx(got["cbc"][0].makespan(), rel=2e-4), (n, lengths)
             compared += 1
@@ -105,7 +106,7 @@ def test_highs_exact_optimum_equals_cbcs():
     for lengths in ([150_000, 80_000, 30_000, 9_000], [100_000, 90_000, 33_000, 31_000, 20_000, 12_000]):
         p = _problem(lengths, 64, profile)
         items = list(range(len(lengths)))
-        got = {s: solve_exact(items, **p, time_limit_s=20.0, solver=s) for s in backend.SOLVERS}
+        got = {s: solve_exact(items, GroupTables(**p), time_limit_s=20.0, solver=s) for s in backend.SOLVERS}
         assert all(g is not None and g[1] for g in got.values()), (lengths, got)
         assert got["highs"][0].makespan() == pytest.approx(got["cbc"][0].makespan(), rel=2e-4), lengths
         _check_draft(got["highs"][0], items, p)
@@ -125,7 +126,7 @@ def test_micro_batch_plans_are_valid_on_each_backend(solver, built_on):
     items = list(range(len(lengths)))
     degrees = np.array([t.degree for t in p["types"]], dtype=np.float64)
     lb = micro_batch_bound_ms(p["table"], degrees, 64, p["overheads"])
-    sol = solve_micro_batch(items, **p, lower_bound_ms=lb, time_budget_s=30.0, solver=solver)
+    sol = solve_micro_batch(items, GroupTables(**p), lower_bound_ms=lb, time_budget_s=30.0, solver=solver)
     assert sol is not None
     _check_draft(sol.draft, items, p)
     assert sol.makespan_ms == pytest.approx(sol.draft.makespan()) and sol.makespan_ms >= lb * (1 - 1e-9)
@@ -138,9 +139,9 @@ def test_an_unknown_solver_name_is_a_clear_value_error():
     with pytest.raises(ValueError, match=r"unknown MILP solver 'glpk'; choose one of \['highs', 'cbc'\]"):
         backend.new_model("glpk")
     with pytest.raises(ValueError, match="unknown MILP solver 'gurobi'"):
-        solve_exact([0, 1, 2], **p, time_limit_s=1.0, solver="gurobi")
+        solve_exact([0, 1, 2], GroupTables(**p), time_limit_s=1.0, solver="gurobi")
     with pytest.raises(ValueError, match="unknown MILP solver 'CBC'"):  # also where no MILP would be needed
-        solve_micro_batch([0, 1, 2], **p, lower_bound_ms=0.0, time_budget_s=1.0, solver="CBC")
+        solve_micro_batch([0, 1, 2], GroupTables(**p), lower_bound_ms=0.0, time_budget_s=1.0, solver="CBC")
     assert backend.solver_available("glpk") == (False, "unknown MILP solver 'glpk'; choose one of ['highs', 'cbc']")
 
 

@@ -7,12 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 
+from flexorch.records.writer import plan_fields
 from flexorch.solver.errors import InvalidPlanError
 from flexorch.solver.pipeline.staged import StagedPlan, plan_staged
+from flexorch.solver.planned_step import HEURISTIC, OUT_OF_TIME, PlannedStep
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import get_profile
 from flexorch.solver.simulator import step_time_ms
-from flexorch.solver.step_planner import StepPlanner, planner_profile
+from flexorch.solver.step_planner import StepPlanner, heuristic_plan, planner_profile
 from tests.solver_helpers import TINY
 
 PROFILE = planner_profile(
@@ -122,3 +124,15 @@ def test_staged_plan_refuses_a_shape_the_ranks_cannot_hold():
         with pytest.raises(InvalidPlanError) as e:
             dataclasses.replace(staged, **change)
         assert msg in str(e.value), change
+
+
+def test_the_two_fallbacks_share_their_status_and_differ_by_heuristic():
+    """The planner out of time and the client's MILP-free plan both write status 'fallback' into the records (as
+    they always have); ``PlannedStep.heuristic`` tells them apart, and is not written."""
+    client = heuristic_plan(PROFILE, [10, 20, 150, 5], 4, None)
+    assert client.status == HEURISTIC == "fallback" and client.heuristic and not client.out_of_time
+    late = PlannedStep(client.plan, client.predicted_ms, status=OUT_OF_TIME)
+    assert late.out_of_time and not late.heuristic and late.kind == "sp" and not late.pipelined
+    a, b = plan_fields(client, PROFILE), plan_fields(late, PROFILE)
+    assert a["status"] == b["status"] == "fallback" and "heuristic" not in a
+    assert {k: v for k, v in a.items() if k != "gap"} == {k: v for k, v in b.items() if k != "gap"}

@@ -17,7 +17,7 @@ from flexorch.data.stream import DocumentStream
 from flexorch.records.schema import RecordError, validate_record
 from flexorch.records.writer import read_records
 from flexorch.testing.faults import PlannerHang
-from flexorch.workers.reference import reference_train
+from flexorch.testing.reference import reference_train
 from tests.fake_cluster import fake_driver, memory_corpus
 from tests.train_helpers import cpu_profile
 
@@ -58,7 +58,7 @@ def _reference_losses(cfg, corpus, records) -> list[float]:
     batches = []
     for r in records:
         docs = corpus.locate(sorted(r["doc_ids"]))
-        batches.append([corpus.block_refs[d.block][d.offset : d.offset + d.length] for d in docs])
+        batches.append([corpus.blocks[d.block][d.offset : d.offset + d.length] for d in docs])
     return reference_train(cfg.model, cfg.optim, batches, cfg.seed)[0]
 
 

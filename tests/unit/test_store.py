@@ -1,5 +1,5 @@
 """The prepared corpus store (flexorch.data.store): prepared once, reused while its fingerprints match, redone
-where a part is missing or damaged, and read back exactly. In-process prepares (``parallelism=0``, no Ray) except
+where a block is missing or damaged, and read back exactly. In-process prepares (``parallelism=0``, no Ray) except
 where a real prepare process is killed."""
 
 from __future__ import annotations
@@ -59,13 +59,13 @@ def test_a_store_reads_back_every_document_and_a_second_load_prepares_nothing(tm
     assert isinstance(b.lengths, np.memmap)  # the index is mapped, not read
 
 
-def test_byte_ranges_give_the_same_corpus_as_one_part(tmp_path):
+def test_byte_ranges_give_the_same_corpus_as_one_block(tmp_path):
     src = _jsonl(tmp_path / "d.jsonl", 300)
     cfg = CorpusConfig(source=str(src), max_context=12)
     prepare_store(cfg, tmp_path / "one", parallelism=0, unit_bytes=1 << 40)
     prepare_store(cfg, tmp_path / "many", parallelism=0, unit_bytes=700)
     one, many = open_store(tmp_path / "one"), open_store(tmp_path / "many")
-    assert len(one.shards) == 1 and len(many.shards) > 10
+    assert len(one.blocks) == 1 and len(many.blocks) > 10
     assert one.keys == many.keys and np.array_equal(one.lengths, many.lengths)
     for x, y in zip(one.get_stored(range(one.num_docs)), many.get_stored(range(many.num_docs)), strict=True):
         assert np.array_equal(x, y)
@@ -108,7 +108,7 @@ def test_a_truncated_or_corrupted_part_is_named_and_prepared_again(tmp_path):
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "s" / "parts").glob("*.bin")}
     seen, say = _events()
     prepare_store(cfg, tmp_path / "s", say, parallelism=0, unit_bytes=2000, verify=True)  # `flexorch prepare`
-    assert any("part 1 of" in m and "sha256 differs" in m for m in seen), seen
+    assert any("block 1 of" in m and "sha256 differs" in m for m in seen), seen
     after = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "s" / "parts").glob("*.bin")}
     assert [n for n in before if before[n] != after[n]] == ["part-00001.bin"]
     prepare_store(cfg, tmp_path / "fresh", parallelism=0, unit_bytes=2000)
@@ -123,7 +123,7 @@ def test_a_damaged_part_in_the_cache_is_redone_by_the_next_load(tmp_path):
     src = _jsonl(tmp_path / "d.jsonl", 200)
     cfg = CorpusConfig(source=str(src), cache=str(tmp_path / "cache"))
     c = load_corpus(cfg, parallelism=0)
-    part = Path(c.shards[0].path)
+    part = Path(c.blocks[0].path)
     part.write_bytes(part.read_bytes()[:100])
     seen, say = _events()
     again = load_corpus(cfg, say, parallelism=0)
@@ -159,7 +159,7 @@ def test_a_store_given_as_source_must_fit_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_a_killed_prepare_is_finished_by_the_next_one_redoing_only_the_rest(tmp_path):
-    src = _jsonl(tmp_path / "d.jsonl", 60_000, width=200)  # ~7 MB: over 100 parts of 64 KiB
+    src = _jsonl(tmp_path / "d.jsonl", 60_000, width=200)  # ~7 MB: over 100 blocks of 64 KiB
     out = tmp_path / "s"
     cmd = [sys.executable, "-m", "flexorch", "prepare", str(src), str(out), "--parallelism", "0", "--part-mb"]
     proc = subprocess.Popen([*cmd, "0.0625"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -174,7 +174,7 @@ def test_a_killed_prepare_is_finished_by_the_next_one_redoing_only_the_rest(tmp_
     assert not [p for p in os.listdir("/dev/shm") if "flexorch" in p]
     run = subprocess.run([*cmd, "0.0625"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert f"{len(done)} of {units} parts already done" in run.stdout
+    assert f"{len(done)} of {units} blocks already done" in run.stdout
     assert all((out / "parts" / n).stat().st_mtime_ns == t for n, t in done.items())  # not redone
     c = open_store(out)
     assert c.num_docs == 60_000 and c.keys[-1] == "d.jsonl:60000"

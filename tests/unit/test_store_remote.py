@@ -272,7 +272,7 @@ def test_a_store_uploaded_to_s3_trains_from_range_reads_like_the_local_one(s3, t
     upload_dir(str(tmp_path / "store"), uri)
     here = open_store(tmp_path / "store")
     there = load_corpus(CorpusConfig(source=uri, max_context=64))  # a store URI as the run's source
-    assert there.store == uri and there.shards[0].path.startswith("s3://") and len(there.shards) > 3
+    assert there.store == uri and there.blocks[0].path.startswith("s3://") and len(there.blocks) > 3
     assert there.keys == here.keys and np.array_equal(there.lengths, here.lengths)
     ids = list(range(0, here.num_docs, 7))
     for a, b in zip(here.get_stored(ids), there.get_stored(ids), strict=True):

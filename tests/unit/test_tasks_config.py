@@ -102,7 +102,7 @@ def _corpus(n_docs: int, start_len: int, blocks: int = 2) -> Corpus:
         lengths=lengths,
         doc_blocks=np.arange(n_docs) % blocks,
         doc_offsets=np.zeros(n_docs, dtype=np.int64),
-        block_refs=[f"ref{start_len}-{b}" for b in range(blocks)],
+        blocks=[f"ref{start_len}-{b}" for b in range(blocks)],
         stats={"documents": n_docs, "tokens": int(lengths.sum()), "source": f"s{start_len}"},
         tokenizer_name="byte",
         vocab_size=257,
@@ -113,7 +113,7 @@ def test_combined_corpus_keeps_each_task_in_its_own_id_range_and_blocks():
     c = combine_corpora([_corpus(5, 10), _corpus(3, 100, blocks=1)], ["a", "b"])
     assert c.num_docs == 8 and c.task_names == ("a", "b")
     assert c.task_of.tolist() == [0] * 5 + [1] * 3
-    assert c.block_refs == ["ref10-0", "ref10-1", "ref100-0"]
+    assert c.blocks == ["ref10-0", "ref10-1", "ref100-0"]
     refs = c.locate([4, 5])
     assert (refs[0].task, refs[0].block, refs[0].length) == (0, 0, 14)
     assert (refs[1].task, refs[1].block, refs[1].length) == (1, 2, 100)  # block index shifted past task a's

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from flexorch.control.settle import _where
-from flexorch.workers.actor import ReplicatedWorker
+from flexorch.workers.actor import Worker
 from flexorch.workers.errors import PeerLostError
 
 
@@ -25,7 +25,7 @@ class _Registry:
 
 @pytest.fixture
 def worker():
-    return ReplicatedWorker(0, {}, {}, 0, num_threads=0, use_gpu=False)
+    return Worker(0, {}, {}, 0, num_threads=0, use_gpu=False)
 
 
 def test_a_late_abort_for_an_older_world_leaves_the_new_one_alone(worker):

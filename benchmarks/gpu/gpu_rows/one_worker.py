@@ -42,7 +42,8 @@ def train_config(ctx: Ctx):
 
 
 def sharded_model(ctx: Ctx, cfg):
-    """The decoder as a sharded worker builds it (``flexorch.workers.actor.Worker._build_sharded`` / ``_reshard``)."""
+    """The decoder as a sharded worker builds it (``flexorch.workers.sharded_state.ShardedState._build_sharded``
+    and ``_reshard``)."""
     from flexorch.workers.fsdp import build_mesh, fill_initial, sharded_decoder
 
     mesh = build_mesh("fsdp", 1, None, ctx.device.type)

@@ -4,13 +4,17 @@ A store is a directory (the anchors: Megatron-Core's indexed datasets, a ``.bin`
 lengths and pointers; MosaicML Streaming's immutable shards with an index of hashes)::
 
     STORE/
-      plan.json                      the work units (which source bytes each part reads) and the fingerprints
+      plan.json                      the work units (which source bytes each block reads) and the fingerprints
       parts/part-00000.bin           tokens of unit 0, raw little-endian ``dtype`` (see below), ~256 MB at most
       parts/part-00000.sums.npy      a blake2b-64 digest per MiB of the .bin (workers check what they read)
       parts/part-00000.meta.npz      the unit's record and document index (lengths, offsets, target counts)
       parts/part-00000.done.json     written last: the unit finished (bytes, tokens, sha256 of the .bin)
-      index/lengths.npy ...          per document in id order: lengths, targets, part, offset, key parts
+      index/lengths.npy ...          per document in id order: lengths, targets, part (block), offset, key components
       manifest.json                  written last of all: the store is complete
+
+Each ``parts/part-NNNNN.bin`` is one block: the stored piece of tokens a worker opens and reads documents from
+(``flexorch.data.store.blocks``). "part" in file names, the manifest's ``"parts"`` list and the index's ``part``
+array is the format's name for a block; the format keeps it so stores already prepared stay readable.
 
 Every file is written to a temporary name and renamed into place, so a prepare killed midway leaves only whole
 files; run again, it redoes only the units without a ``done.json``. Nothing lives in ``/dev/shm``.
@@ -38,7 +42,7 @@ __all__ = [
     "atomic_save_npy",
     "check_manifest",
     "is_store",
-    "part_paths",
+    "block_paths",
     "read_manifest",
     "token_dtype",
 ]
@@ -46,7 +50,7 @@ __all__ = [
 FORMAT = "flexorch.store/1"
 """The manifest's ``format``: a store of another format is refused by name (prepare it again)."""
 HASH_CHUNK = 1 << 20
-"""Bytes per digest in a part's ``.sums.npy``: a worker checks the MiB chunks it reads, once per process."""
+"""Bytes per digest in a block's ``.sums.npy``: a worker checks the MiB chunks it reads, once per process."""
 INDEX_ARRAYS = ("lengths", "targets", "part", "offset", "key_path", "key_row", "key_piece")
 """The per-document arrays under ``index/`` (``targets`` only for records with a loss mask)."""
 
@@ -60,13 +64,13 @@ def token_dtype(vocab_size: int | None, masked: bool) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
 
 
-def part_paths(store: str | Path, unit: int) -> dict[str, Path]:
-    """The files of work unit ``unit``: bin, sums, meta, done."""
+def block_paths(store: str | Path, unit: int) -> dict[str, Path]:
+    """The files of work unit ``unit``'s block: bin, sums, meta, done (the format's names: ``parts/part-NNNNN``)."""
     base = Path(store) / "parts" / f"part-{unit:05d}"
-    return {k: base.with_name(base.name + ext) for k, ext in _PART_FILES.items()}
+    return {k: base.with_name(base.name + ext) for k, ext in _BLOCK_FILES.items()}
 
 
-_PART_FILES = {"bin": ".bin", "sums": ".sums.npy", "meta": ".meta.npz", "done": ".done.json"}
+_BLOCK_FILES = {"bin": ".bin", "sums": ".sums.npy", "meta": ".meta.npz", "done": ".done.json"}
 
 
 def _tmp(path: Path) -> Path:
@@ -112,7 +116,7 @@ def read_manifest(store: str | Path) -> dict:
         if (p / "plan.json").is_file():
             raise DataError(
                 f"{p} is a corpus store whose prepare did not finish (no manifest.json); run `flexorch prepare` "
-                "with the same source and settings again: it redoes only the parts that were not finished"
+                "with the same source and settings again: it redoes only the blocks that were not finished"
             )
         raise DataError(f"{p} is not a prepared corpus store (no manifest.json); prepare one with `flexorch prepare`")
     try:

@@ -1,7 +1,7 @@
 """The merge step of a prepare: the units' metadata files -> one checked, numbered index -> ``index/`` + manifest.
 
-Each unit task writes its part's metadata (`save_unit_meta`: the per-record and per-document arrays of
-``flexorch.data.readers.pack_records``, with document offsets made part-relative); the preparing process reads them
+Each unit task writes its block's metadata (`save_unit_meta`: the per-record and per-document arrays of
+``flexorch.data.readers.pack_records``, with document offsets made block-relative); the preparing process reads them
 all back (`load_unit_meta`), continues a JSONL file's rows and line numbers across its ranges, merges them with the
 checks and numbering of a whole-corpus read (``flexorch.data.readers.assemble_index``), writes the per-document
 index arrays and, last, the manifest (`finalize`).
@@ -26,9 +26,11 @@ _META_ARRAYS = ("rec_path", "rec_row", "rec_status", "rec_tokens", "rec_short") 
 
 
 def save_unit_meta(paths: dict, meta: dict, starts: list[int], lines: int | None) -> None:
-    """Write one unit's metadata (``paths["meta"]``, atomically), its document offsets counted from the part's start.
+    """Write one unit's metadata (``paths["meta"]``, atomically), its document offsets counted from the block's start.
 
-    ``starts``: where each block begins in the part; ``lines``: a JSONL range's newlines (None for other formats)."""
+    ``starts``: where each of `pack_records`' token buffers begins in the block (``doc_block`` holds a document's
+    buffer until here, then its block within the unit: 0); ``lines``: a JSONL range's newlines (None for other
+    formats)."""
     starts_arr = np.asarray(starts or [0], dtype=np.int64)
     meta["doc_offset"] = (
         starts_arr[meta["doc_block"]] + meta["doc_offset"] if len(meta["doc_block"]) else meta["doc_offset"]
@@ -47,7 +49,7 @@ def save_unit_meta(paths: dict, meta: dict, starts: list[int], lines: int | None
 
 
 def load_unit_meta(store: Path, i: int) -> dict:
-    with np.load(layout.part_paths(store, i)["meta"]) as z:
+    with np.load(layout.block_paths(store, i)["meta"]) as z:
         meta = {k: z[k] for k in _META_ARRAYS}
         meta |= json.loads(bytes(z["info"]).decode())
     meta["bad"] = [tuple(b) for b in meta["bad"]]
@@ -61,7 +63,7 @@ def finalize(out: Path, cfg, listing, kind: str, plan: dict, spec: dict, fp: dic
 
     units = plan["units"]
     metas = [load_unit_meta(out, i) for i in range(len(units))]
-    dones = [json.loads(layout.part_paths(out, i)["done"].read_text()) for i in range(len(units))]
+    dones = [json.loads(layout.block_paths(out, i)["done"].read_text()) for i in range(len(units))]
     if listing.fmt == "jsonl":
         _continue_ranges(units, metas)
     tok_name = "pre-tokenized" if kind == "tokenized" else _tokenizer_name(cfg)
@@ -81,7 +83,7 @@ def finalize(out: Path, cfg, listing, kind: str, plan: dict, spec: dict, fp: dic
             "event": "progress",
             "message": (
                 f"prepared the corpus: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in "
-                f"{len(manifest['parts'])} parts ({np.dtype(spec['dtype']).name}) in {seconds:.1f} s "
+                f"{len(manifest['parts'])} blocks ({np.dtype(spec['dtype']).name}) in {seconds:.1f} s "
                 f"({rate / 1e6:.2f}M tokens/s) -> {out}"
             ),
         }
@@ -104,7 +106,8 @@ def _continue_ranges(units: list[dict], metas: list[dict]) -> None:
 
 
 def _index_arrays(index: dict, dones: list[dict], n_units: int) -> dict[str, np.ndarray]:
-    """The per-document arrays of ``index/``: lengths, part, offset, the key's parts and (masked kinds) targets."""
+    """The per-document arrays of ``index/``: lengths, block ("part": the store format's name), offset, the key's
+    components and (masked kinds) targets."""
     nonempty = np.asarray([i for i, d in enumerate(dones) if d["tokens"]] or [0], dtype=np.int32)
     keys = index["keys"]
     max_offset = int(index["doc_offsets"].max()) if len(index["doc_offsets"]) else 0
@@ -123,12 +126,13 @@ def _index_arrays(index: dict, dones: list[dict], n_units: int) -> dict[str, np.
 
 
 def _manifest(out: Path, kind: str, spec: dict, fp: dict, stats: dict, dones: list, index: list, tok_name, seconds):
-    """The store's manifest: format, fingerprints, token type and vocabulary, counts, parts, index arrays, stats."""
+    """The store's manifest: format, fingerprints, token type and vocabulary, counts, blocks (under the format's key
+    "parts"), index arrays, stats."""
     vocab = stats["max_token_id"] + 1 if kind == "tokenized" else spec["vocab_size"]
-    parts = [
+    blocks = [
         {
-            "file": layout.part_paths(out, i)["bin"].name,
-            "sums": layout.part_paths(out, i)["sums"].name,
+            "file": layout.block_paths(out, i)["bin"].name,
+            "sums": layout.block_paths(out, i)["sums"].name,
             "bytes": d["bytes"],
             "tokens": d["tokens"],
             "documents": d["documents"],
@@ -136,7 +140,7 @@ def _manifest(out: Path, kind: str, spec: dict, fp: dict, stats: dict, dones: li
         }
         for i, d in enumerate(dones)
     ]
-    stats |= {"prepare_s": round(seconds, 3), "parts": len(parts)}
+    stats |= {"prepare_s": round(seconds, 3), "parts": len(blocks)}  # "parts": the store format's name
     return {
         "format": layout.FORMAT,
         "fingerprints": fp,
@@ -146,7 +150,7 @@ def _manifest(out: Path, kind: str, spec: dict, fp: dict, stats: dict, dones: li
         "documents": int(stats["documents"]),
         "tokens": int(stats["tokens"]),
         "targets": int(stats["targets"]),
-        "parts": parts,
+        "parts": blocks,  # the store format's name for its blocks
         "index": index,
         "stats": stats,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),

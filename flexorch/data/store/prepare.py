@@ -1,17 +1,16 @@
-"""Prepare a corpus store once, in parallel: source -> work units -> token parts -> index + manifest.
+"""Prepare a corpus store once, in parallel: source -> work units -> token blocks -> index + manifest.
 
 :func:`prepare_store` lists the source, cuts it into work units (``flexorch.data.store.units``: JSONL by
 line-aligned byte ranges), and runs one Ray task per unfinished unit over the whole cluster (SPREAD-scheduled, one
-CPU each, one task per CPU in flight). Plain tasks, not a Ray Data ``map``: on a 2-CPU machine Ray Data's streaming
-executor kept the two tasks overlapped only part of the time (a BPE prepare of 30 MB: 1.41x one task, against 1.76x
-with tasks, side by side). A unit task reads its bytes, tokenizes
-and splits its documents with the same code the whole corpus always used (``flexorch.data.readers.pack_records``),
-and writes its part files atomically (``flexorch.data.store.layout``). The preparing process then merges the
-units' small indices with the checks and numbering of a whole-corpus read (``flexorch.data.readers.assemble_index``:
-documents by sorted key, the skip counts, a malformed record named by file and line), writes the per-document
-index arrays and, last, the manifest (``flexorch.data.store.merge``).
+CPU each, one task per CPU in flight). Plain tasks, not a Ray Data ``map``: Ray Data's streaming executor kept the
+tasks overlapped only part of the time (docs/guide/data.md has the measurement). A unit task reads its bytes,
+tokenizes and splits its documents with the same code the whole corpus always used
+(``flexorch.data.readers.pack_records``), and writes its block files atomically (``flexorch.data.store.layout``).
+The preparing process then merges the units' small indices with the checks and numbering of a whole-corpus read
+(``flexorch.data.readers.assemble_index``: documents by sorted key, the skip counts, a malformed record named by
+file and line), writes the per-document index arrays and, last, the manifest (``flexorch.data.store.merge``).
 
-Progress: one line per finished unit at most every ``PROGRESS_EVERY_S`` s, with parts done, source bytes read,
+Progress: one line per finished unit at most every ``PROGRESS_EVERY_S`` s, with blocks done, source bytes read,
 tokens/s and an ETA. A prepare killed midway and run again redoes only units without a ``done.json``; a prepare
 whose source changed since its plan starts over (and says so). Two processes preparing one store take turns
 (an advisory file lock).
@@ -59,7 +58,7 @@ def prepare_store(
 
     ``parallelism``: None, every CPU of the Ray cluster (``ray.init()`` is called if Ray is not running); N >= 1,
     at most N unit tasks at once; 0, in this process without Ray. ``unit_bytes``: source bytes per unit (default:
-    four units per CPU, 4-128 MiB). ``verify``: of a finished store, also check every part's sha256 (reads them all)
+    four units per CPU, 4-128 MiB). ``verify``: of a finished store, also check every block's sha256 (reads them all)
     and prepare again the ones that differ."""
     from flexorch.data.listing import list_source
     from flexorch.data.record_kinds import resolve_kind
@@ -91,23 +90,23 @@ def prepare_store(
         unseen = [i for i in todo if not _unit_done(out, i)]
         if unseen:  # the tasks finished, but not here: they wrote to another node's disk
             raise DataError(
-                f"{len(unseen)} of the {len(todo)} parts prepared into {out} are not visible from this node (first: "
-                f"{layout.part_paths(out, unseen[0])['bin'].name}); on a cluster, put the store ([data] cache or "
+                f"{len(unseen)} of the {len(todo)} blocks prepared into {out} are not visible from this node (first: "
+                f"{layout.block_paths(out, unseen[0])['bin'].name}); on a cluster, put the store ([data] cache or "
                 "`flexorch prepare` OUT) on a filesystem every node mounts, or prepare to s3:// and train from there"
             )
         return finalize(out, cfg, listing, kind, plan, spec, fp, say, time.perf_counter() - t0)
 
 
 def _finished_manifest(out: Path, fp: dict, verify: bool, say) -> dict | None:
-    """The manifest of a store finished from the same source and settings with no damaged part, else None (the
-    damaged parts are marked to be prepared again)."""
+    """The manifest of a store finished from the same source and settings with no damaged block, else None (the
+    damaged blocks are marked to be prepared again)."""
     if not (out / "manifest.json").is_file():
         return None
     manifest = layout.read_manifest(out)
     bad = _bad_units(out, manifest, verify) if same_fingerprints(manifest["fingerprints"], fp) else []
-    for i, why in bad:  # redone below; the other parts are kept
-        say({"event": "progress", "message": f"part {i} of {out} is damaged ({why}): preparing it again"})
-        layout.part_paths(out, i)["done"].unlink(missing_ok=True)
+    for i, why in bad:  # redone below; the other blocks are kept
+        say({"event": "progress", "message": f"block {i} of {out} is damaged ({why}): preparing it again"})
+        layout.block_paths(out, i)["done"].unlink(missing_ok=True)
     if same_fingerprints(manifest["fingerprints"], fp) and not bad:
         say(
             {
@@ -120,9 +119,9 @@ def _finished_manifest(out: Path, fp: dict, verify: bool, say) -> dict | None:
 
 
 def _bad_units(out: Path, manifest: dict, verify: bool) -> list[tuple[int, str]]:
-    """Units of a finished store whose part is missing, of the wrong size, or (``verify``) of another sha256."""
+    """Units of a finished store whose block is missing, of the wrong size, or (``verify``) of another sha256."""
     bad = []
-    for i, p in enumerate(manifest["parts"]):
+    for i, p in enumerate(manifest["parts"]):  # "parts": the store format's name for its blocks
         path = out / "parts" / p["file"]
         if not path.is_file() or path.stat().st_size != p["bytes"]:
             bad.append((i, "missing" if not path.is_file() else f"{path.stat().st_size:,} bytes, not {p['bytes']:,}"))
@@ -139,8 +138,8 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def damaged_parts(out: Path, manifest: dict) -> list[str]:
-    """Parts of a finished store whose files are missing or of the wrong size (a truncated copy, a lost file)."""
+def damaged_blocks(out: Path, manifest: dict) -> list[str]:
+    """Blocks of a finished store whose files are missing or of the wrong size (a truncated copy, a lost file)."""
     bad = []
     for p in manifest["parts"]:
         path = out / "parts" / p["file"]
@@ -177,7 +176,7 @@ def _cpus(parallelism: int | None) -> int:
 
 def _load_or_make_plan(out: Path, listing, kind: str, fp: dict, unit_bytes: int, say) -> dict:
     """The store's work plan: the one on disk when it was made for the same source and settings (an interrupted
-    prepare continues it), else a new one (old parts are removed)."""
+    prepare continues it), else a new one (old blocks are removed)."""
     path = out / "plan.json"
     files = source_files(listing)
     if path.is_file():
@@ -192,7 +191,7 @@ def _load_or_make_plan(out: Path, listing, kind: str, fp: dict, unit_bytes: int,
                     {
                         "event": "progress",
                         "message": f"continuing an unfinished prepare of {out}: "
-                        f"{done} of {len(plan['units'])} parts already done",
+                        f"{done} of {len(plan['units'])} blocks already done",
                     }
                 )
             return plan
@@ -204,7 +203,7 @@ def _load_or_make_plan(out: Path, listing, kind: str, fp: dict, unit_bytes: int,
                     "message": f"{out} was prepared from other data or settings ({change}); preparing it again",
                 }
             )
-    for sub in ("parts", "index"):
+    for sub in ("parts", "index"):  # "parts/": the store format's directory of blocks
         shutil.rmtree(out / sub, ignore_errors=True)
     (out / "manifest.json").unlink(missing_ok=True)
     (out / "parts").mkdir(parents=True)
@@ -216,7 +215,7 @@ def _load_or_make_plan(out: Path, listing, kind: str, fp: dict, unit_bytes: int,
 
 
 def _unit_done(out: Path, i: int) -> bool:
-    paths = layout.part_paths(out, i)
+    paths = layout.block_paths(out, i)
     if not paths["done"].is_file():
         return False
     try:
@@ -245,23 +244,23 @@ def _unit_spec(cfg, listing, kind: str) -> dict:
 
 
 class _Progress:
-    """The prepare's progress line: parts done, source bytes read, tokens/s and an ETA, at most every
-    ``PROGRESS_EVERY_S`` s (and for the last part)."""
+    """The prepare's progress line: blocks done, source bytes read, tokens/s and an ETA, at most every
+    ``PROGRESS_EVERY_S`` s (and for the last block)."""
 
     def __init__(self, units: list[dict], todo: list[int], say):
         self.units, self.n_todo, self.say = units, len(todo), say
         self.total_bytes = sum(units[i]["bytes"] for i in todo) or 1
         self.t0, self.told = time.monotonic(), -1e9
-        self.state = {"parts": 0, "bytes": 0, "tokens": 0}
+        self.state = {"blocks": 0, "bytes": 0, "tokens": 0}
 
     def report(self, res: dict) -> None:
         """Count one finished unit; say the line when it is due."""
         state, total_bytes = self.state, self.total_bytes
-        state["parts"] += 1
+        state["blocks"] += 1
         state["bytes"] += self.units[res["unit"]]["bytes"]
         state["tokens"] += res["tokens"]
         now = time.monotonic()
-        if now - self.told < PROGRESS_EVERY_S and state["parts"] < self.n_todo:
+        if now - self.told < PROGRESS_EVERY_S and state["blocks"] < self.n_todo:
             return
         self.told, dt = now, max(now - self.t0, 1e-6)
         eta = (total_bytes - state["bytes"]) / max(state["bytes"] / dt, 1e-9)
@@ -269,7 +268,7 @@ class _Progress:
             {
                 "event": "progress",
                 "message": (
-                    f"preparing the corpus: {state['parts']}/{self.n_todo} parts, {state['bytes'] / 2**20:,.1f} of "
+                    f"preparing the corpus: {state['blocks']}/{self.n_todo} blocks, {state['bytes'] / 2**20:,.1f} of "
                     f"{total_bytes / 2**20:,.1f} MiB read, {state['tokens']:,} tokens "
                     f"({state['tokens'] / dt / 1e6:.2f}M tokens/s), ETA {eta:.0f} s"
                 ),
@@ -283,7 +282,7 @@ def _run_units(out: Path, plan: dict, todo: list[int], spec: dict, say, parallel
     say(
         {
             "event": "progress",
-            "message": f"preparing the corpus into {out}: {len(todo)} parts of "
+            "message": f"preparing the corpus into {out}: {len(todo)} blocks of "
             f"{progress.total_bytes / 2**20:,.1f} MiB of {plan['fmt']} source",
         }
     )
@@ -316,16 +315,16 @@ def _run_units_on_ray(out: Path, units: list[dict], todo: list[int], spec: dict,
                     failed.append(res)
                 else:
                     report(res)
-    except ray.exceptions.RayError as e:  # a node lost mid-prepare: its finished parts stay, run again to finish
+    except ray.exceptions.RayError as e:  # a node lost mid-prepare: its finished blocks stay, run again to finish
         raise DataError(
             f"preparing {out} failed: {type(e).__name__}: {str(e).splitlines()[0]}; run it again: "
-            "finished parts are kept"
+            "finished blocks are kept"
         ) from e
-    if failed:  # the finished parts stay: a run after the fix redoes only the failed ones
+    if failed:  # the finished blocks stay: a run after the fix redoes only the failed ones
         first = min(failed, key=lambda r: r["unit"])
         if first["data_error"]:
             raise DataError(first["error"])
-        raise DataError(f"preparing part {first['unit']} of {out} failed: {first['error']}")
+        raise DataError(f"preparing block {first['unit']} of {out} failed: {first['error']}")
 
 
 def _unit_task(store: str, i: int, unit: dict, spec: dict) -> dict:
@@ -337,11 +336,11 @@ def _unit_task(store: str, i: int, unit: dict, spec: dict) -> dict:
 
 
 def prepare_unit(store: str, i: int, unit: dict, spec: dict) -> dict:
-    """Read, tokenize and write one work unit's part (its .bin, .sums.npy, .meta.npz and, last, .done.json)."""
+    """Read, tokenize and write one work unit's block (its .bin, .sums.npy, .meta.npz and, last, .done.json)."""
     from flexorch.data.readers import pack_records
 
     t0 = time.perf_counter()
-    paths = layout.part_paths(store, i)
+    paths = layout.block_paths(store, i)
     cfg, fmt, dtype = spec["cfg"], spec["fmt"], np.dtype(spec["dtype"])
     try:
         table = read_unit(unit, fmt, spec["columns"])
@@ -352,7 +351,7 @@ def prepare_unit(store: str, i: int, unit: dict, spec: dict) -> dict:
             f"{type(e).__name__}: {msg} (fix or remove the file, or set format= to how the data is stored)"
         ) from e
     gen = pack_records(table, (spec["base"], fmt, cfg, spec["kind"]), cfg.block_tokens)
-    sha, sums, written, starts, meta = _write_part(paths["bin"], gen, dtype, unit)
+    sha, sums, written, starts, meta = _write_block(paths["bin"], gen, dtype, unit)
     layout.atomic_save_npy(paths["sums"], np.asarray(sums, dtype=np.uint64))
     save_unit_meta(paths, meta, starts, _newlines(table) if fmt == "jsonl" else None)
     tokens = int(written)
@@ -362,9 +361,9 @@ def prepare_unit(store: str, i: int, unit: dict, spec: dict) -> dict:
     return {"unit": i, "tokens": tokens, "seconds": done["seconds"]}
 
 
-def _write_part(path: Path, gen, dtype: np.dtype, unit: dict):
-    """Write `pack_records`' token blocks to the part file ``path`` (atomically); returns its sha256, its
-    ``layout.HASH_CHUNK`` chunk digests, the tokens written, each block's start and the metadata dict."""
+def _write_block(path: Path, gen, dtype: np.dtype, unit: dict):
+    """Write `pack_records`' token buffers to the block file ``path`` (atomically); returns its sha256, its
+    ``layout.HASH_CHUNK`` chunk digests, the tokens written, each buffer's start and the metadata dict."""
     sha, sums, pending, written, starts, meta = hashlib.sha256(), [], bytearray(), 0, [], None
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:

@@ -2,7 +2,7 @@
 
 A store lives in a local directory (a shared filesystem is local too; ``file:///path`` is a local path) or under an
 object-store URI, ``s3://bucket/prefix`` or ``gs://bucket/prefix``. Training workers read a few KB-MB at random
-offsets of the large immutable shard files through :func:`open_range_source`; remote reads go through a bounded
+offsets of the large immutable block files through :func:`open_range_source`; remote reads go through a bounded
 on-disk cache of fixed-size chunks (``~/.cache/flexorch/remote`` unless ``cache_dir`` says otherwise) that the
 processes of a host share. The driver gets the small files (manifest, indices) as local paths from
 :func:`fetch_small`. Objects are read with pyarrow's filesystems, configured the standard way:

@@ -1,4 +1,4 @@
-"""Work units of a prepare: which source bytes each part reads, and reading them into the Arrow table that
+"""Work units of a prepare: which source bytes each block reads, and reading them into the Arrow table that
 ``flexorch.data.readers.pack_records`` takes. Pure Python + pyarrow, no Ray.
 
 - JSONL: each file is cut into line-aligned byte ranges of about ``unit_bytes`` (a record never straddles two

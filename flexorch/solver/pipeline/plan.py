@@ -69,11 +69,8 @@ class PipelinePlan:
         return [u for p in self.pipelines for u in p.units]
 
 
-def _one_pipeline(model: StageModel, units: list[Unit], time_limit_s: float) -> Pipeline | None:
-    sched = one_f_one_b(units, model.stages)
-    ckpt = checkpoint_plan(model, units, sched, time_limit_s)
-    if ckpt is None:
-        return None
+def _simulated(model: StageModel, units: list[Unit], sched, ckpt) -> Pipeline:
+    """``units`` run in the order ``sched`` with ``ckpt[stage][unit]`` layers checkpointed, simulated on ``model``."""
     p = model.stages
     run = simulate(
         sched,
@@ -83,6 +80,12 @@ def _one_pipeline(model: StageModel, units: list[Unit], time_limit_s: float) -> 
         p2p_ms=[model.send_ms(u) for u in units],
     )
     return Pipeline(tuple(units), tuple(tuple(s) for s in sched), tuple(tuple(c) for c in ckpt), run)
+
+
+def _one_pipeline(model: StageModel, units: list[Unit], time_limit_s: float) -> Pipeline | None:
+    sched = one_f_one_b(units, model.stages)
+    ckpt = checkpoint_plan(model, units, sched, time_limit_s)
+    return None if ckpt is None else _simulated(model, units, sched, ckpt)
 
 
 def _split_between_chains(units: list[Unit], parts: int) -> list[list[Unit]]:
@@ -203,18 +206,7 @@ def plan_fully_checkpointed(
     groups = _split_that_fits(model, units)
     if groups is None:
         raise ValueError(_too_big(model, units))
-    pipes = []
-    for g in groups:
-        sched = one_f_one_b(g, stages)
-        ckpt = every.most_checkpointed(len(g))
-        run = simulate(
-            sched,
-            [[model.fwd_ms(u, r) for u in g] for r in range(stages)],
-            [[model.bwd_ms(u, r, ckpt[r][i]) for i, u in enumerate(g)] for r in range(stages)],
-            [[model.act_bytes(u, r, ckpt[r][i]) for i, u in enumerate(g)] for r in range(stages)],
-            p2p_ms=[model.send_ms(u) for u in g],
-        )
-        pipes.append(Pipeline(tuple(g), tuple(tuple(s) for s in sched), tuple(tuple(c) for c in ckpt), run))
+    pipes = [_simulated(model, g, one_f_one_b(g, stages), every.most_checkpointed(len(g))) for g in groups]
     return PipelinePlan(stages, stages, tuple(pipes))
 
 

@@ -1,8 +1,9 @@
 """The attention kernel a worker runs, chosen by measurement on its own device, dtype and head shape.
 
-Which varlen kernel is fastest depends on the GPU, the dtype and the head size (on an H200 cuDNN's runs 1.4-1.6x
-torch's FlashAttention-2 at head dims 64 and 128; on another card or torch the order may differ), so ``[model]
-attention = "auto"`` (the default) does not assume it. At worker start :func:`choose_backend`:
+Which varlen kernel is fastest depends on the GPU, the dtype and the head size (on an H200 cuDNN's beats torch's
+FlashAttention-2 at head dims 64 and 128, ``benchmarks/results/gpu/gpu_profile_h200.md``; on another card or torch
+the order may differ), so ``[model] attention = "auto"`` (the default) does not assume it. At worker start
+:func:`choose_backend`:
 
 1. checks each candidate against the ``math`` reference in fp32 (fp64 for fp64) on a small batch that reaches
    every path of the kernel (a document long enough for cuDNN's and one-token ones): output, log-sum-exp and the

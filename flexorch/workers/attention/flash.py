@@ -10,6 +10,8 @@ import inspect
 
 import torch
 
+from flexorch.workers.attention.seqlens import kernel_boundaries
+
 __all__ = ["flash_attn_module", "flash_backward", "flash_forward"]
 
 
@@ -29,10 +31,7 @@ def flash_forward(q, k, v, cu_q, cu_k, causal, scale):
         q,
         k,
         v,
-        cu_q.tensor(q.device),
-        cu_k.tensor(q.device),
-        cu_q.max_seqlen,
-        cu_k.max_seqlen,
+        *kernel_boundaries(cu_q, cu_k, q.device),
         dropout_p=0.0,
         softmax_scale=scale,
         causal=causal,
@@ -63,10 +62,7 @@ def flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
         dq,
         dk,
         dv,
-        cu_q.tensor(q.device),
-        cu_k.tensor(q.device),
-        cu_q.max_seqlen,
-        cu_k.max_seqlen,
+        *kernel_boundaries(cu_q, cu_k, q.device),
         0.0,
         scale,
         causal,

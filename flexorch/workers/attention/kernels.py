@@ -13,7 +13,8 @@ refused at the call with the policy in the message, never run at a silently lowe
 
 * ``"flash_attn"``: flash-attn's CUDA varlen kernels (optional dependency, imported lazily); fp16, bf16.
 * ``"torch_cudnn"``: cuDNN's fused attention for the long documents (one dense call each, :mod:`~.torch_cudnn`), the
-  rest on ``torch_flash``; CUDA; fp16, bf16. 1.4-1.6x ``torch_flash`` on an H200.
+  rest on ``torch_flash``; CUDA; fp16, bf16. Faster than ``torch_flash`` on an H200
+  (``benchmarks/results/gpu/gpu_profile_h200.md``).
 * ``"torch_flash"``: PyTorch's own fused varlen flash kernels (``aten::_flash_attention_forward``/``_backward``,
   :mod:`~.torch_flash`); CUDA without flash-attn; fp16, bf16.
 * ``"torch_cpu"``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its ``_backward`` (both return /

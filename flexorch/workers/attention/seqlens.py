@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Seqlens"]
+__all__ = ["Seqlens", "kernel_boundaries"]
 
 
 @dataclass(frozen=True)
@@ -31,3 +31,11 @@ class Seqlens:
     def tensor(self, device: torch.device) -> torch.Tensor:
         """cu_seqlens as an int32 tensor on ``device`` (what flash-attn takes)."""
         return torch.tensor(self.offsets, dtype=torch.int32, device=device)
+
+
+def kernel_boundaries(
+    cu_q: Seqlens, cu_k: Seqlens, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, the four boundary arguments, in this order, of
+    every FlashAttention-2 varlen kernel (flash-attn's and ATen's, forward and backward)."""
+    return cu_q.tensor(device), cu_k.tensor(device), cu_q.max_seqlen, cu_k.max_seqlen

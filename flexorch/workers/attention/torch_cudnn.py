@@ -1,13 +1,13 @@
 """cuDNN's fused attention for the long documents of a varlen batch (CUDA, fp16/bf16): the ``torch_cudnn`` backend.
 
-On Hopper, cuDNN's flash attention (the kernel behind torch SDPA's ``CUDNN_ATTENTION``) runs 1.4-1.6x faster than
-the FlashAttention-2 kernels torch ships (``torch_flash``): measured on one H200 with ``benchmarks/gpu/gpu_profile.py``,
-documents of 16384, 16384 and 7828 tokens, forward 424 vs 289 TFLOP/s and backward 399 vs 267 at 32 heads of 64;
-555 vs 342 and 469 vs 300 at 24 heads of 128; the same error against the fp32 reference. torch's own varlen entry
-to it (``aten::_cudnn_attention_forward`` with cumulative lengths) is switched off in torch
-(``torch.nn.attention.varlen._should_use_cudnn`` returns False) and hit an illegal memory access when we tried it,
-so this adapter calls the dense ops ``aten::_scaled_dot_product_cudnn_attention`` and its ``_backward`` once per
-document, ``(1, h, L, hd)`` each, and keeps the rest of the batch on ``torch_flash`` in one varlen call:
+On Hopper, cuDNN's flash attention (the kernel behind torch SDPA's ``CUDNN_ATTENTION``) is faster than the
+FlashAttention-2 kernels torch ships (``torch_flash``), forward and backward, at head dims 64 and 128, with the same
+error against the fp32 reference (``benchmarks/gpu/gpu_profile.py``; its H200 numbers are in
+``benchmarks/results/gpu/gpu_profile_h200.md``). torch's own varlen entry to it (``aten::_cudnn_attention_forward``
+with cumulative lengths) is switched off in torch (``torch.nn.attention.varlen._should_use_cudnn`` returns False)
+and hits an illegal memory access, so this adapter calls the dense ops
+``aten::_scaled_dot_product_cudnn_attention`` and its ``_backward`` once per document, ``(1, h, L, hd)`` each, and
+keeps the rest of the batch on ``torch_flash`` in one varlen call:
 
 * a document goes to cuDNN when the call is causal, its query and key lengths are equal and at least
   :data:`MIN_TOKENS` (attention grows with L^2, so the long documents are where the time is; short ones would pay

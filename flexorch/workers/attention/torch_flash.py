@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from flexorch.workers.attention.seqlens import kernel_boundaries
+
 __all__ = ["torch_flash_available", "torch_flash_backward", "torch_flash_forward"]
 
 
@@ -34,10 +36,7 @@ def torch_flash_forward(q, k, v, cu_q, cu_k, causal, scale):
         q,
         k,
         v,
-        cu_q.tensor(q.device),
-        cu_k.tensor(q.device),
-        cu_q.max_seqlen,
-        cu_k.max_seqlen,
+        *kernel_boundaries(cu_q, cu_k, q.device),
         0.0,  # dropout_p
         causal,
         False,  # return_debug_mask
@@ -56,10 +55,7 @@ def torch_flash_backward(dout, q, k, v, out, lse, cu_q, cu_k, causal, scale):
         v,
         out,
         lse,
-        cu_q.tensor(q.device),
-        cu_k.tensor(q.device),
-        cu_q.max_seqlen,
-        cu_k.max_seqlen,
+        *kernel_boundaries(cu_q, cu_k, q.device),
         0.0,  # dropout_p
         causal,
         rng_state,

@@ -56,36 +56,27 @@ def _a2a_head_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return recv.transpose(0, 1).reshape(s // d, d * h_local, hd)
 
 
-class _SeqToHead(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One of the two all-to-alls; its backward is the other (yunchang's ``SeqAllToAll4D``)."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _a2a_seq_to_head(x, group)
+    def forward(ctx, x, group, to_head: bool):
+        ctx.group, ctx.to_head = group, to_head
+        return (_a2a_seq_to_head if to_head else _a2a_head_to_seq)(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _a2a_head_to_seq(grad, ctx.group), None
-
-
-class _HeadToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _a2a_head_to_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _a2a_seq_to_head(grad, ctx.group), None
+        return (_a2a_head_to_seq if ctx.to_head else _a2a_seq_to_head)(grad, ctx.group), None, None
 
 
 def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-to-all ``(s/d, h, hd) -> (s, h/d, hd)`` over ``group`` (ranks in group order)."""
-    return _SeqToHead.apply(x, group)
+    return _AllToAll.apply(x, group, True)
 
 
 def head_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-to-all ``(s, h/d, hd) -> (s/d, h, hd)``, the inverse of :func:`seq_to_head`."""
-    return _HeadToSeq.apply(x, group)
+    return _AllToAll.apply(x, group, False)
 
 
 def check_head_degree(h: int, d: int, *, where: str) -> None:

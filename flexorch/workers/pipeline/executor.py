@@ -29,6 +29,7 @@ import time
 import numpy as np
 import torch
 
+from flexorch.data.store.blocks import fetch_documents
 from flexorch.work.pipeline import PipelineWork
 from flexorch.work.placement import holder_sets
 from flexorch.workers.model import check_token_range, stored_token_ids
@@ -43,8 +44,8 @@ __all__ = ["run_pipeline_step"]
 
 def _sequences(rank_work: PipelineWork, blocks: dict[int, np.ndarray], vocab_size: int) -> list[torch.Tensor]:
     out = []
-    for d in rank_work.docs:
-        seq = torch.from_numpy(blocks[d.block][d.offset : d.offset + d.length].astype(np.int64))  # as stored
+    for stored in fetch_documents(blocks, rank_work.docs):
+        seq = torch.from_numpy(stored.astype(np.int64))  # as stored
         check_token_range(stored_token_ids(seq), vocab_size)
         out.append(seq)
     return out

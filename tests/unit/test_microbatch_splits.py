@@ -1,12 +1,13 @@
-"""Bucketing DP and Blaster's min-max split against brute force on small inputs."""
+"""Bucketing DP and the micro-batch splits (``solver.microbatching``: FlexSP's sorted min-max split, the balanced
+split) against brute force on small inputs."""
 
 from itertools import combinations
 
 import numpy as np
 import pytest
 
-from flexorch.solver.blaster import balanced_chunks, min_max_partition, sorted_chunks
 from flexorch.solver.bucketing import optimal_buckets, padding_tokens
+from flexorch.solver.microbatching import balanced_split, sorted_split
 
 
 def _brute_padding(lengths, q):
@@ -57,23 +58,22 @@ def _brute_minmax(t, m):
 
 
 @pytest.mark.parametrize("seed", range(25))
-def test_min_max_partition_is_optimal(seed):
+def test_sorted_split_is_min_max_optimal(seed):
     rng = np.random.default_rng(100 + seed)
-    t = rng.integers(1, 50, size=int(rng.integers(1, 10))).tolist()
+    t = sorted(rng.integers(1, 50, size=int(rng.integers(1, 10))).tolist(), reverse=True)
     m = int(rng.integers(1, 5))
-    ends = min_max_partition(t, m)
-    assert ends[-1] == len(t) and ends == sorted(set(ends)) and len(ends) <= m
-    starts = [0, *ends[:-1]]
-    assert max(sum(t[a:b]) for a, b in zip(starts, ends, strict=True)) == _brute_minmax(t, m)
-    assert len(ends) == min(m, len(t))
+    split = sorted_split(t, m)
+    assert [i for c in split for i in c] == list(range(len(t)))  # consecutive chunks of the sorted lengths
+    assert max(sum(t[i] for i in c) for c in split) == _brute_minmax(t, m)
+    assert len(split) == min(m, len(t))
 
 
-def test_sorted_and_balanced_chunks_cover_every_sequence_once():
+def test_sorted_and_balanced_splits_cover_every_sequence_once():
     rng = np.random.default_rng(3)
     lengths = rng.integers(1, 1000, size=50)
     for m in (1, 2, 5):
-        for split in (sorted_chunks(lengths, m), balanced_chunks(lengths, lengths * 1.0, m, 10**9)):
+        for split in (sorted_split(lengths, m), balanced_split(lengths, lengths * 1.0, m, 10**9)):
             assert sorted(i for c in split for i in c) == list(range(50))
-    srt = sorted_chunks(lengths, 3)
+    srt = sorted_split(lengths, 3)
     assert min(lengths[srt[0]]) >= max(lengths[srt[1]])  # FlexSP: longest sequences together
-    assert balanced_chunks(lengths, lengths * 1.0, 2, 100) is None  # a sequence fits nowhere
+    assert balanced_split(lengths, lengths * 1.0, 2, 100) is None  # a sequence fits nowhere

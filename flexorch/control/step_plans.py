@@ -1,0 +1,117 @@
+"""How the driver gets each step's plan: solved ahead while the previous step runs, taken when the step starts, and
+the one lock the drain watch's thread goes through.
+
+While a step runs, the driver asks the planner client for the next batch's plan (:meth:`StepPlans.ahead_of`), so the
+solve overlaps the step; when the world is about to change size at a boundary, for the world it will have. When the
+step starts it takes the plan (:meth:`StepPlans.plan`), solved by then or waited for. Each solve may take a share of
+the last measured step (``[plan] budget``), and sees the world's nodes unless ``[plan] topology = "blind"``.
+
+The drain watch (``control.drains``, its own thread) calls :meth:`StepPlans.without` when it sees a node draining
+mid-step: the next batch's plan is then also solved for the world without that node's workers, so the step after
+their leave finds it solved. Both paths read the last plan asked for ahead and call the planner client, from two
+threads: :class:`StepPlans` holds a lock around that state and around the client calls they make. The wait in
+:meth:`plan` does not take it, so a drain seen during a wait is not held up by it; the client guards its own table
+of solves under way (``control.planner_client``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from flexorch.config import TrainConfig
+from flexorch.control.group import WorkerGroup
+from flexorch.control.membership import world_topology
+from flexorch.solver.step_planner import PlannedStep
+from flexorch.solver.topology import Topology
+
+__all__ = ["Ahead", "StepPlans"]
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """The last plan asked for ahead: the stream step of its batch, the batch's lengths, the world's size, the
+    seconds the solve may take and the planner's task arguments (``{"task_of": [...]}`` or {})."""
+
+    step: int
+    lengths: list[int]
+    n: int
+    budget_s: float
+    task: dict
+
+
+class StepPlans:
+    """The plans of a run's steps on its ``workers``; ``corpus`` gives each batch's lengths and, in a run of
+    ``[[tasks]]``, each document's task. Made as the world forms, when the drain watch starts; it plans once
+    :meth:`use` gives it the run's config (as resolved) and planner client (nothing is planned ahead before, so a
+    drain seen then needs nothing of it)."""
+
+    def __init__(self, corpus, workers: WorkerGroup):
+        self.corpus, self.workers = corpus, workers
+        self.cfg: TrainConfig | None = None
+        self.planner = None
+        self.last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
+        self._lock = threading.RLock()  # the run loop's thread and the drain watch's
+        self._ahead: Ahead | None = None
+
+    def use(self, cfg: TrainConfig, planner) -> None:
+        """Plan for ``cfg`` (the run's config, as resolved) with ``planner`` (the run's planner client)."""
+        with self._lock:
+            self.cfg, self.planner = cfg, planner
+
+    @property
+    def ahead(self) -> Ahead | None:
+        """The last plan asked for ahead (None before the first)."""
+        with self._lock:
+            return self._ahead
+
+    def budget(self) -> float:
+        """Seconds the next plan may take (``[plan] budget``): a share of the last measured step on GPU workers."""
+        return self.cfg.plan.budget_for(self.last_step_ms, use_gpu=self.cfg.use_gpu)
+
+    def task_of(self, batch) -> dict:
+        """``{"task_of": [...]}`` (each document's task) for the planner in a run of ``[[tasks]]``; {} otherwise (a
+        run of one task plans without it)."""
+        if not self.cfg.tasks:
+            return {}
+        return {"task_of": [int(x) for x in self.corpus.task_of[list(batch.doc_ids)]]}
+
+    def topology(self, n: int, without=()) -> Topology | None:
+        """The nodes of a world of ``n`` workers: the members less ``without`` (``membership.world_topology``)."""
+        if self.cfg.plan.topology == "blind":
+            return None
+        return world_topology(self.workers.worker_ids, self.workers.rank_nodes(), n, without)
+
+    def plan(self, batch, lengths: list[int], n: int) -> PlannedStep:
+        """The plan of ``batch`` (its documents' ``lengths``) on ``n`` workers: the one solved ahead, or solved now
+        (the planner client falls back to a heuristic plan when the solve takes too long)."""
+        topology = self.topology(n)
+        return self.planner.plan(batch.step, lengths, n, self.budget(), topology=topology, **self.task_of(batch))
+
+    def ahead_of(self, batch, n: int) -> None:
+        """Start solving ``batch``'s plan for ``n`` workers (within the plan budget); :meth:`plan` takes it. From the
+        run loop's thread."""
+        lengths = [int(x) for x in self.corpus.lengths[list(batch.doc_ids)]]
+        with self._lock:
+            self._ahead = ahead = Ahead(batch.step, lengths, n, self.budget(), self.task_of(batch))
+            self.planner.plan_ahead(
+                ahead.step, ahead.lengths, ahead.n, ahead.budget_s, topology=self.topology(ahead.n), **ahead.task
+            )
+
+    def without(self, workers: list[int]) -> None:
+        """A drain was just seen on ``workers``' node: also solve the last batch asked for ahead for the world without
+        them. From the drain watch's thread (mid-step) or the run loop's (at a boundary); best effort."""
+        with self._lock:
+            ahead = self._ahead
+            if ahead is None:
+                return
+            m = ahead.n - len(set(workers) & set(self.workers.worker_ids))
+            if not 1 <= m < ahead.n:
+                return
+            try:
+                topology = self.topology(m, without=workers)
+                self.planner.plan_ahead(
+                    ahead.step, ahead.lengths, m, ahead.budget_s, also=True, topology=topology, **ahead.task
+                )
+            except Exception:  # noqa: BLE001 - best effort: the boundary solves it otherwise
+                pass
