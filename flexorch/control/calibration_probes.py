@@ -37,9 +37,9 @@ __all__ = [
 PROBES_S = 60.0
 """About how long the probes may take in all: each run of a probe gets its share, ``PROBES_S`` over all the runs
 (at least ``MIN_RUN_S``), and a probe predicted longer (from the largest probe of its degree run so far) is cut to
-fewer tokens. A device budget of ~870K tokens (an H200's free memory at full recompute's bytes for a 1.1B model)
-made packed probes of 435K tokens, 17 s a run and 100 s a probe; on 4 CPU workers a 100K-token budget took 220 s
-with 2 s a run. The fit needs the shapes, not the size (its terms are per token and per token squared)."""
+fewer tokens. A large device budget (a GPU's free memory at full recompute's bytes) would otherwise make probes of
+hundreds of thousands of tokens, minutes each. The fit needs the shapes, not the size (its terms are per token and
+per token squared)."""
 MIN_RUN_S = 0.1
 PROGRESS_EVERY_S = 10.0
 """While the probes run: a progress event at most this often, naming the probe."""

@@ -97,7 +97,6 @@ class TrainingDriver:
         self._rolled_back: list[dict] = []  # a roll-back to the last checkpoint, recorded with the next step
         # the profile planned with, the revisions records name, and the refit loop
         self.revisions = ProfileRevisions.for_run(self.cfg, self._publish)
-        self._budget_cap: float | None = None  # the memory budget an out-of-memory step lowered to (bytes)
         # the run's parts, built by setup() (control.run_setup.RunParts), each owned by this driver from then on
         self.stream = self.elastic = self.checkpoints = self.planner = self.records = self.metrics = None
         self.workers: WorkerGroup | None = None
@@ -248,7 +247,6 @@ class TrainingDriver:
         oom = None
         if replan is not None:  # the same batch is planned again, for less memory per worker
             profile, oom, message = lowered_after_oom(self.profile, replan.workers, self.step_no, replan.messages)
-            self._budget_cap = profile.memory_budget_bytes
             self.revisions.replace(profile)
             self._publish({"event": "planner", "message": message})
         recovery = self.elastic.recover(failure, run.attempt, f"run step {self.step_no}")

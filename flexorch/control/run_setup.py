@@ -100,31 +100,6 @@ class RunStart:
         self._planner_factory, self.revisions = planner_factory, revisions
         self._fallbacks, self._save, self._started = fallbacks, save, started
 
-    @property
-    def cfg(self) -> TrainConfig:
-        """The config as resolved so far."""
-        return self.parts.cfg
-
-    @cfg.setter
-    def cfg(self, cfg: TrainConfig) -> None:
-        self.parts.cfg = cfg
-
-    @property
-    def corpus(self):
-        return self.parts.corpus
-
-    @corpus.setter
-    def corpus(self, corpus) -> None:
-        self.parts.corpus = corpus
-
-    @property
-    def stream(self):
-        return self.parts.stream
-
-    @stream.setter
-    def stream(self, stream) -> None:
-        self.parts.stream = stream
-
     def build(self) -> RunParts:
         """Read the data, start the workers and form the first world, resume from a checkpoint when asked, find the
         profile to plan with and start the planner, records and trackers; publishes the ``setup`` event."""
@@ -134,7 +109,7 @@ class RunStart:
             self._publish({"event": "planner", "message": note})
         parts = self.parts
         corpus, stream = self._open_data()
-        cfg = self.cfg
+        cfg = parts.cfg
         sharded = cfg.sharding_mode != "replicate"
         parts.checkpoints = RunCheckpoints(self.run_dir, corpus, cfg.keep_checkpoints, sharded=sharded)
         resumed = parts.checkpoints.resume() if cfg.resume else None  # checked before any worker starts
@@ -147,10 +122,10 @@ class RunStart:
             parts.resumed_from, parts.skipped_batches = int(dstate["step"]), int(dstate.get("skipped_batches", 0))
             parts.workers.set_state(state)
         parts.planner = self._start_planner(parts.workers, parts.resumed_from)
-        parts.plans.use(self.cfg, parts.planner)
+        parts.plans.use(parts.cfg, parts.planner)
         parts.records = StepRecords(self.run_dir, keep_before_step=parts.resumed_from)
         parts.metrics = RunMetrics(self.run_dir.name)
-        cfg = self.cfg
+        cfg = parts.cfg
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
         parts.trackers = Trackers.open(cfg.tracking, self.run_dir, cfg.to_dict(), parts.resumed_from, say=self._say)
         profile_of = lambda: self.revisions.profile  # noqa: E731 - the profile the run plans with now
@@ -168,8 +143,9 @@ class RunStart:
     def _start_planner(self, workers: WorkerGroup, resumed_from: int | None):
         """Resolve the device budget (``tokens_per_worker = 'auto'``), find the profile to plan with and start the
         planner client with it; the config becomes the resolved one."""
-        self.cfg, budget = resolve_device_budget(self.cfg, workers, self._publish)  # tokens_per_worker = 'auto'
-        cfg = self.cfg
+        parts = self.parts
+        parts.cfg, budget = resolve_device_budget(parts.cfg, workers, self._publish)  # tokens_per_worker = 'auto'
+        cfg = parts.cfg
         act_budget = budget.activation_bytes if budget is not None else None
         profile = run_profile(cfg, workers, self.run_dir, self._publish, act_budget)
         profile = with_recompute_ratios(cfg, workers, profile, self._say)  # 'auto' recompute's terms
@@ -181,29 +157,30 @@ class RunStart:
     def _open_data(self) -> tuple:
         """(the run's corpus (read here unless given), its batch stream); ``[data]`` tokenizers trained here
         ('bpe:N') become the config's. Raises ConfigError when the tokenizer's ids do not fit the model."""
-        cfg = self.cfg
-        if self.corpus is None and cfg.tasks:  # [[tasks]]: each task's data, one id space (data.task_corpus)
-            self.cfg = cfg = tasks_tokenizer(cfg, self.run_dir)
-            self.corpus = load_task_corpus(cfg.tasks, publish=self._publish)
-        elif self.corpus is None and cfg.data.sources:  # [[data.sources]]: a mixture, each source its own store
-            self.cfg = cfg = cfg.replace(data=mixture_tokenizer(cfg.data, self.run_dir))
-            self.corpus = load_mixture(cfg.data, publish=self._publish)
-        elif self.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
-            self.cfg = cfg = cfg.replace(data=prepare_tokenizer(cfg.data, self.run_dir))
-            self.corpus = load_corpus(cfg.data, publish=self._publish)
-        if self.corpus.vocab_size > cfg.model.vocab_size:
+        parts = self.parts
+        cfg = parts.cfg
+        if parts.corpus is None and cfg.tasks:  # [[tasks]]: each task's data, one id space (data.task_corpus)
+            parts.cfg = cfg = tasks_tokenizer(cfg, self.run_dir)
+            parts.corpus = load_task_corpus(cfg.tasks, publish=self._publish)
+        elif parts.corpus is None and cfg.data.sources:  # [[data.sources]]: a mixture, each source its own store
+            parts.cfg = cfg = cfg.replace(data=mixture_tokenizer(cfg.data, self.run_dir))
+            parts.corpus = load_mixture(cfg.data, publish=self._publish)
+        elif parts.corpus is None:  # 'bpe:N' is trained here (or reused) and becomes 'hf:<run_dir>/tokenizer'
+            parts.cfg = cfg = cfg.replace(data=prepare_tokenizer(cfg.data, self.run_dir))
+            parts.corpus = load_corpus(cfg.data, publish=self._publish)
+        if parts.corpus.vocab_size > cfg.model.vocab_size:
             raise ConfigError(
-                f"tokenizer {self.corpus.tokenizer_name!r} has {self.corpus.vocab_size} ids but model.vocab_size="
-                f"{cfg.model.vocab_size}; raise model.vocab_size to at least {self.corpus.vocab_size}"
+                f"tokenizer {parts.corpus.tokenizer_name!r} has {parts.corpus.vocab_size} ids but model.vocab_size="
+                f"{cfg.model.vocab_size}; raise model.vocab_size to at least {parts.corpus.vocab_size}"
             )
-        self.stream = open_stream(cfg, self.corpus)  # plain, [[data.sources]] or [[tasks]]: one BatchStream
-        return self.corpus, self.stream
+        parts.stream = open_stream(cfg, parts.corpus)  # plain, [[data.sources]] or [[tasks]]: one BatchStream
+        return parts.corpus, parts.stream
 
     def _start_workers(self, corpus, checkpoints: RunCheckpoints) -> float:
         """Start the workers (an autoscaled cluster may have to grow first), form the first world and watch for
         drains (a drain seen mid-step starts the smaller world's plan, ``control.step_plans``): the parts' workers,
         elastic executor and step plans; returns the seconds the world took to form."""
-        cfg = self.cfg
+        cfg = self.parts.cfg
         if self._capacity is not None and self._given_workers is None:  # an autoscaled cluster may start empty
             key = "GPU" if cfg.use_gpu else "CPU"
             slots = lambda: ray.cluster_resources().get(key, 0)  # noqa: E731
@@ -212,7 +189,7 @@ class RunStart:
         policy = ElasticPolicy(cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s, cfg.elastic.max_attempts)
         mode, shard = cfg.sharding_mode, cfg.sharding.shard_size
         layout = functools.partial(uneven_world_note, mode, shard_size=shard)
-        grace = self.cfg.elastic.sigterm_grace_s
+        grace = cfg.elastic.sigterm_grace_s
         self.parts.elastic = elastic = Elastic(workers, policy, self._publish, checkpoints.hint, layout, grace)
         t_world = time.perf_counter()
         try:

@@ -60,8 +60,8 @@ def plan_adaptive(
     if floor_ms < predicted:  # out of time before beating the best static layout: never plan worse
         plan, predicted, status = floor, floor_ms, "batchada"
     if auto:  # each group in its mode; the fastest packing in that time model
-        plan, packing = choose_packing(plan, others, profile)
-        predicted = packing[f"{packing['packing']}_ms"]
+        plan, packings = choose_packing(plan, others, profile)
+        predicted = packings.ran_ms
         bound = recompute_bound(plan, bound, profile)
     why = timeout_reason(sp, limit, skipped)
     return dataclasses.replace(

@@ -207,8 +207,8 @@ class Profile:
         by the attention kernel and its all-to-all back ``(s/d, h, hd)`` by the output projection, two storages
         where one device has one (``hidden`` elements); and K/V heads replicated to ``lcm(kv_heads, d)`` when d
         does not divide them hold ``lcm(kv_heads, d) - kv_heads`` more heads each
-        (``flexorch/workers/attention/ulysses.py``). Measured on the default CPU model: +512 bytes/token at d = 2 and
-        +1,024 at d = 4, exactly this."""
+        (``flexorch/workers/attention/ulysses.py``). ``tests/integration/test_activation_plan.py`` checks it against
+        the bytes a worker of each layout holds."""
         if degree <= 1:
             return 0.0
         replicated = math.lcm(self.num_kv_heads, degree) - self.num_kv_heads

@@ -2,12 +2,11 @@
 the fastest recompute mode whose activations for its shard fit the budget: none, selective (flexorch's decoder:
 only the MLPs are run again) or full.
 
-Recomputing a layer in the backward runs its forward twice: a third more compute (on one H200, a 40,596-token
-micro-batch of a 1.1B Llama: 1,452 ms with full recompute, 1,129 without, compiled; ``benchmarks/gpu/gpu_profile.py``),
-for 8.4 GiB of activations instead of 54 GiB there. The profile's time and memory terms are full recompute's
-(the mode the workers calibrate in); ``Profile.none_act_ratio`` / ``none_time_ratio`` (and ``selective_*``),
-measured on the workers' own model at start (``flexorch.control.recompute_choice``), say what a token keeps and
-what a group takes in the other modes.
+Recomputing a layer in the backward runs its forward twice: about a third more compute, for a small share of the
+activations (measured figures: docs/guide/sharding.md, ``benchmarks/gpu/gpu_profile.py``). The profile's time and
+memory terms are full recompute's (the mode the workers calibrate in); ``Profile.none_act_ratio`` /
+``none_time_ratio`` (and ``selective_*``), measured on the workers' own model at start
+(``flexorch.control.recompute_choice``), say what a token keeps and what a group takes in the other modes.
 
 A step can be packed several ways, and the planner plans them and keeps the fastest in this time model
 (:func:`choose_packing`):
@@ -32,6 +31,7 @@ all-to-all copies (``Profile.act_bytes_per_local_token``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 from flexorch.solver.plan import Plan
 from flexorch.solver.profiles import Profile
@@ -39,6 +39,7 @@ from flexorch.solver.simulator import step_time_ms
 
 __all__ = [
     "PACKINGS",
+    "Packings",
     "choose_modes",
     "choose_packing",
     "concatenated",
@@ -149,22 +150,40 @@ def with_modes(plan: Plan, modes) -> Plan:
     return plan
 
 
-def choose_packing(full_plan: Plan, others: dict, profile: Profile) -> tuple[Plan, dict]:
+class Packings(NamedTuple):
+    """The packings :func:`choose_packing` compared: ``ran``, the mode whose packing won, and ``ms``, each packing's
+    step time in the recompute-aware time model (full's first; None: not planned)."""
+
+    ran: str
+    ms: dict[str, float | None]
+
+    @property
+    def ran_ms(self) -> float:
+        """The winner's step time: the step's prediction."""
+        return self.ms[self.ran]
+
+    def record(self) -> dict:
+        """The step record's ``recompute_packing``: ``{"packing": the winner's mode, "full_ms", "<mode>_ms", ...}``."""
+        return {"packing": self.ran, **{f"{mode}_ms": ms for mode, ms in self.ms.items()}}
+
+
+def choose_packing(full_plan: Plan, others: dict, profile: Profile) -> tuple[Plan, Packings]:
     """The fastest, in the recompute-aware time model, of ``full_plan`` (packed for full recompute's bytes) and
     ``others`` (``{mode: plan packed for that mode's bytes, or None: not planned}``), each group in
-    :func:`choose_modes`' mode, carrying its modes; and what was compared:
-    ``{"packing": the winner's mode, "full_ms", "<mode>_ms" (None: not planned), ...}``."""
-    best, info = full_plan, {"packing": "full"}
+    :func:`choose_modes`' mode, carrying its modes and (in ``meta["recompute_packing"]``) what was compared; and
+    the :class:`Packings` compared."""
+    best, ran, times = full_plan, "full", {}
     for mode, plan in (("full", full_plan), *others.items()):
         if plan is None:
-            info[f"{mode}_ms"] = None
+            times[mode] = None
             continue
         with_modes(plan, choose_modes(plan, profile))
-        info[f"{mode}_ms"] = ms = step_time_ms(plan, profile)
-        if ms < info[f"{info['packing']}_ms"]:
-            best, info["packing"] = plan, mode
-    best.meta["recompute_packing"] = info
-    return best, info
+        times[mode] = ms = step_time_ms(plan, profile)
+        if ms < times[ran]:
+            best, ran = plan, mode
+    packings = Packings(ran, times)
+    best.meta["recompute_packing"] = packings.record()
+    return best, packings
 
 
 def with_chosen_modes(plan: Plan, profile: Profile) -> Plan:

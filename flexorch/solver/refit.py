@@ -149,8 +149,7 @@ def _scaled(profile: Profile, x: float) -> Profile:
 
 COMM_SAMPLES = 16
 """The most recent groups of a (kind, degree) its collectives are refitted on, on a log grid of COMM_GRID
-bandwidths: ``fit_group_comm`` prices every group at every grid point (the calibration's 241 points on 64 groups
-took 8 s)."""
+bandwidths: ``fit_group_comm`` prices every group at every grid point, so its time grows with both."""
 COMM_GRID = 61
 
 
@@ -236,8 +235,8 @@ def refit_times(profile: Profile, window: GroupWindow, static: bool = False) -> 
     steps = window.steps()
     before, after = _median_abs(profile, every), _median_abs(new, every)
     # the groups' refit stands only when it explains the groups better and, each at the level the steps show, the
-    # steps at least as well (on a 3-node hsdp run a refit that explained the groups better priced the slow groups
-    # that set each micro-batch's length 3-5x too fast)
+    # steps at least as well (a refit can explain the groups better yet price the slow groups that set each
+    # micro-batch's length far too fast)
     candidate_steps = _step_error(_leveled(new, steps), steps)
     groups_kept = bool(refitted) and after < before and candidate_steps <= _step_error(_leveled(profile, steps), steps)
     if not groups_kept:
@@ -289,8 +288,8 @@ def _refit_groups(profile: Profile, new: Profile, groups: dict, refitted: list[s
         # is the one that, with each (kind, degree)'s collectives refitted, predicts its groups best. An adaptive
         # planner also plans types the window has no sample of: there the factor is fitted with the collectives as
         # they are (one unknown, identified), then the seen types' collectives are refitted at it. Fitted jointly,
-        # factor and collectives trade off freely: the demo's window of ulysses-2 groups gave compute x0.3 and a
-        # 156 ms all-to-all latency, which priced ulysses-4 (its latency as calibrated) 43 % too cheap.
+        # factor and collectives trade off freely: a window of one type's groups can fit a small factor and a large
+        # latency that price the types it has no sample of far too cheap.
         sp = [s for v in enough.values() for s in v]
         grid = np.geomspace(0.25, 4.0, 41)
         if static:

@@ -9,8 +9,9 @@ the chains' degrees adding up to at most N; a round lasts its longest chain. The
 found exactly (the best chains of each subset of the K, then the best partition into rounds, both by dynamic
 programming over subsets, 3^K steps) and every threshold tau at or below the K-th slowest w takes S >= max(tau*k,
 S_K) in the tall bound above: the rounds are tall micro-batches. It binds where the slow sequences cannot share a
-group (their tokens exceed its memory) and more of them need a large group than N allows side by side (code256's
-five 64-device sequences on 256 devices: two rounds, 97 + 67 s, where tau*k gave 2 x 67 s).
+group (their tokens exceed its memory) and more of them need a large group than N allows side by side (five
+64-device sequences on 256 devices: two rounds, the first as long as the slowest of the five, where tau*k prices
+each round at the threshold tau).
 
 What the rounds leave idle (absorption bound). Take H, the j slowest of those K (at each change of the
 least degree that holds them), and the rest "light", A = sum of the light sequences' least device-time a'(s) = min_t
@@ -28,7 +29,7 @@ rounds do not absorb runs in other micro-batches, at least (A - absorbed)/N long
 
 found by dynamic programming over subsets with the Pareto front of (sum X, sum of X - absorbed/N) per number of
 rounds. It binds where the slowest sequences leave devices idle that memory or slow groups keep the rest from using
-(code256: 64-device groups over slow links beside free devices whose memory holds a few seconds of work).
+(e.g. 64-device groups over slow links beside free devices whose memory holds little of the light work).
 """
 
 from __future__ import annotations

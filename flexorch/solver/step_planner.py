@@ -53,7 +53,7 @@ def planner_profile(
     tokens the costliest, ``Profile.act_bytes_per_local_token``: one device and ring groups then hold a few per cent
     more), and (with ``vocab_size``) the LM head's share of the activations, held
     by the last pipeline stage: the fp32 log-softmax the loss keeps (``vocab * 4`` bytes per token) and the final
-    norm's and the head's inputs (about 4 hidden-size vectors; measured 3.2 on the tiny model), at most half of
+    norm's and the head's inputs (about 4 hidden-size vectors, docs/guide/planner.md), at most half of
     all. ``stage_bytes`` (per layer, head), measured on real stages
     (``flexorch.workers.calibrate.stage_activation_bytes``), replace the activation bytes and the head's share
     (pipelined runs: the budget is then in stage-measured bytes). ``model_state_bytes``: what the executor holds

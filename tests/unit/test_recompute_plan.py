@@ -251,13 +251,14 @@ def test_the_fastest_packing_wins_and_says_what_it_compared():
 
     a, b = two_micro_batches(), two_micro_batches()
     chosen, info = choose_packing(a, {"none": b}, p)
-    assert chosen is a and info["packing"] == "full" and info["none_ms"] == pytest.approx(info["full_ms"])  # a tie
+    assert chosen is a and info.ran == "full" and info.ms["none"] == pytest.approx(info.ms["full"])  # a tie
     chosen, info = choose_packing(a, {"none": None}, p)
-    assert info == {"packing": "full", "full_ms": pytest.approx(step_time_ms(a, p)), "none_ms": None}
-    assert chosen.meta["recompute_packing"] is info
+    assert info.record() == {"packing": "full", "full_ms": pytest.approx(step_time_ms(a, p)), "none_ms": None}
+    assert list(info.record()) == ["packing", "full_ms", "none_ms"]  # the record's key order
+    assert chosen.meta["recompute_packing"] == info.record() and info.ran_ms == info.ms["full"]
     c = one_micro_batch()  # one fixed cost fewer, every group in the same mode
     chosen, info = choose_packing(two_micro_batches(), {"none": None, "selective": c}, p)
-    assert chosen is c and info["packing"] == "selective" and info["selective_ms"] < info["full_ms"]
+    assert chosen is c and info.ran == "selective" and info.ran_ms == info.ms["selective"] < info.ms["full"]
 
 
 def test_profiles_refuse_impossible_ratios():
