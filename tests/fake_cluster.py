@@ -322,12 +322,12 @@ class FakeWorkerGroup(WorkerGroup):
             "move_ms": 0.0,
         }
 
-    def run_step(self, work, block_refs: list[dict]) -> dict:
+    def run_step(self, work, block_specs: list[dict]) -> dict:
         """Run the step: every rank's documents are the batch (the union over the ranks' work, in doc-id order);
         the faults of this step decide who completes it."""
         ids = self.worker_ids
         step = work[0].step
-        blocks = open_blocks({b: a for refs in block_refs for b, a in refs.items()})  # arrays, or store blocks
+        blocks = open_blocks({b: a for refs in block_specs for b, a in refs.items()})  # arrays, or store blocks
         docs = _batch_docs(work)
         hit = self._take_fault("step", step, ids)
         handles = {w: _Handle() for w in ids}

@@ -106,7 +106,7 @@ class WorkerGroup(ABC):
         """Copy stage-local parameters where the next step needs them; returns what moved."""
 
     @abstractmethod
-    def run_step(self, tasks: Sequence, block_refs: Sequence[dict]) -> dict:
+    def run_step(self, tasks: Sequence, block_specs: Sequence[dict]) -> dict:
         """Start every rank's task; returns {worker id: handle} for :meth:`settle`."""
 
     @abstractmethod

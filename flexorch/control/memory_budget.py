@@ -37,7 +37,6 @@ __all__ = [
     "MARGIN_SHARE",
     "OOM_CUT",
     "DeviceBudget",
-    "capped",
     "device_budget",
     "head_chunk_bytes",
     "lowered_after_oom",
@@ -161,11 +160,3 @@ def lowered_after_oom(profile, workers, step: int, errors=()):
         + (f" ({errors[0][1]})" if errors else "")
     )
     return lowered, record, message
-
-
-def capped(profile, cap_bytes: float | None):
-    """``profile`` with its memory budget at most ``cap_bytes`` (a refit made from an older profile keeps a budget
-    an out-of-memory step lowered since)."""
-    if cap_bytes is None or profile.memory_budget_bytes <= cap_bytes:
-        return profile
-    return profile.with_overrides(memory_budget_bytes=cap_bytes)

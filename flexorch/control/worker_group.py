@@ -325,11 +325,11 @@ class RayWorkerGroup(WorkerGroup):
     def detection(self, lost) -> dict | None:
         return self._settler.detection(lost)
 
-    def run_step(self, work, block_refs: list[dict]) -> dict:
+    def run_step(self, work, block_specs: list[dict]) -> dict:
         """Start every rank's step; returns {worker id: outcome ref} (the caller settles them)."""
         return {
             w: self._actors[w].run_step.remote(t, refs)
-            for w, t, refs in zip(self.worker_ids, work, block_refs, strict=True)
+            for w, t, refs in zip(self.worker_ids, work, block_specs, strict=True)
         }
 
     def call(self, method: str, *args) -> list:

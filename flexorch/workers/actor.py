@@ -266,13 +266,13 @@ class Worker:
         err.add_note(text)
         raise err
 
-    def run_step(self, rank_work: StepWork | PipelineWork, block_refs: dict) -> StepOutcome:
-        """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_refs`` maps block
+    def run_step(self, rank_work: StepWork | PipelineWork, block_specs: dict) -> StepOutcome:
+        """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_specs`` maps block
         index -> ``flexorch.data.store.blocks.BlockSpec`` of the stored block it reads."""
         reg, n = self.registry, rank_work.world_size
         if reg is None or reg.rank != rank_work.rank or reg.world_size != n:
             raise RuntimeError(f"worker {self.worker_id} is not rank {rank_work.rank} of a world of {n}")
-        blocks = open_blocks(block_refs)  # each block opened once per process, read where the documents are
+        blocks = open_blocks(block_specs)  # each block opened once per process, read where the documents are
         return self._guarded(self._run_step, rank_work, blocks)
 
     def _run_step(self, rank_work: StepWork | PipelineWork, blocks: dict) -> StepOutcome:

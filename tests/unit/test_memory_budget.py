@@ -100,7 +100,8 @@ def test_a_cpu_worker_reports_no_device_memory():
 def test_out_of_memory_is_a_retry_with_a_cut_budget_not_a_crash():
     from flexorch.control.failures import Failure
     from flexorch.control.membership import ElasticPolicy, Retry, Shrink
-    from flexorch.control.memory_budget import OOM_CUT, capped, lowered_after_oom
+    from flexorch.control.memory_budget import OOM_CUT, lowered_after_oom
+    from flexorch.solver.refit import with_time_terms
 
     policy = ElasticPolicy(1, 4)
     d = policy.on_failure([0, 1, 2, 3], Failure(frozenset(), frozenset({0, 2}), out_of_memory=frozenset({1})), 0)
@@ -118,6 +119,7 @@ def test_out_of_memory_is_a_retry_with_a_cut_budget_not_a_crash():
     oom = "worker 1 ran out of device memory: CUDA out of memory. Tried to allocate 3.92 GiB. GPU 0 has 1.2 GiB free."
     _, record, message = lowered_after_oom(base, {1}, 7, ((1, oom),))
     assert record["errors"] == [[1, oom]] and message.endswith(f"planned again ({oom})")
-    # a refit made from the profile before the cut keeps the cut budget
-    assert capped(base, lowered.memory_budget_bytes).memory_budget_bytes == lowered.memory_budget_bytes
-    assert capped(lowered, None) is lowered and capped(lowered, base.memory_budget_bytes) is lowered
+    # a refit taken up after the cut (its time terms from a profile fitted before it) keeps the cut budget
+    refit = base.with_overrides(a1_ms=base.a1_ms * 1.5)
+    taken = with_time_terms(lowered, refit)
+    assert taken.memory_budget_bytes == lowered.memory_budget_bytes and taken.a1_ms == refit.a1_ms != lowered.a1_ms
