@@ -69,8 +69,19 @@ class RollingBack(RuntimeError):
 
 
 class Elastic:
+    """Executes the ``ElasticPolicy``'s decisions on ``workers`` (see the module's docstring); ``publish`` gets the
+    membership events, ``checkpoint_hint()`` says where the last checkpoint is, ``layout_note(size)`` what the
+    sharding does with a world of that size, ``grace_s`` the time a SIGTERM'd worker gets to leave."""
+
     def __init__(
-        self, workers: WorkerGroup, policy: ElasticPolicy, publish, checkpoint_hint, layout_note=None, grace_s=30.0
+        self,
+        workers: WorkerGroup,
+        policy: ElasticPolicy,
+        publish,
+        checkpoint_hint,
+        *,
+        layout_note=None,
+        grace_s: float = 30.0,
     ):
         self.workers = workers
         self.policy = policy

@@ -32,8 +32,8 @@ class Heartbeats:
         return {w: int(self._store.add(f"beat/{w}", 0)) for w in worker_ids}
 
     def leaving(self, worker_ids) -> dict[int, float]:
-        """Of ``worker_ids``, those whose process got SIGTERM (``Worker._on_sigterm``, announced by its heartbeat
-        thread): id -> when, in unix seconds. One store call while nobody got one."""
+        """Of ``worker_ids``, those whose process got SIGTERM (``WorkerLifecycle._on_sigterm``, announced by its
+        heartbeat thread): id -> when, in unix seconds. One store call while nobody got one."""
         if int(self._store.add("leaving", 0)) == 0:
             return {}
         return {w: float(self._store.get(f"leave/{w}")) for w in worker_ids if self._store.check([f"leave/{w}"])}

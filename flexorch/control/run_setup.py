@@ -190,7 +190,9 @@ class RunStart:
         mode, shard = cfg.sharding_mode, cfg.sharding.shard_size
         layout = functools.partial(uneven_world_note, mode, shard_size=shard)
         grace = cfg.elastic.sigterm_grace_s
-        self.parts.elastic = elastic = Elastic(workers, policy, self._publish, checkpoints.hint, layout, grace)
+        self.parts.elastic = elastic = Elastic(
+            workers, policy, self._publish, checkpoints.hint, layout_note=layout, grace_s=grace
+        )
         t_world = time.perf_counter()
         try:
             workers.form_world()

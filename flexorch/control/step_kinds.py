@@ -101,7 +101,7 @@ class PipelinedSteps:
 
     def before_start(self, work: list[PipelineWork], workers) -> dict | None:
         """Move stage-local parameters to the ranks whose stage runs them; what moved (None: nothing to place).
-        Raises ``control.settle.MembershipFailure`` when a worker dies while they move."""
+        Raises ``control.failures.MembershipFailure`` when a worker dies while they move."""
         if not work[0].stage_params:
             return None
         return workers.place_params(work[0].held_parts())
