@@ -23,13 +23,13 @@ A step's wall time is cut into phases at the calls of the seams and of the drive
 - records: the record built, checked and written, and the step callbacks;
 - recovery: a failed settle to the next plan request (the elastic policy, the world formed again).
 
-``own`` is their sum: the driver's time outside the planner's solve and the workers' compute. ``pickle`` is what a
-Ray group's hand-over would add and the fake does not pay: each rank's work pickled, as each ``run_step.remote``
-call pickles its arguments (block specs left out: here they are the blocks' tokens). ``growth`` is ``own`` at N
-over ``own`` at the fewest workers, divided by the ratio of the workers: above 1 grows faster than linear. A row
-without a loss is the median over its steps after the first; a lost-worker row is its step 3 (the attempt lost,
-the recovery, the re-run). ``--profile`` adds the largest run's cProfile (its functions by cumulative time, the
-fake's and the planner's left out).
+``own`` is their sum: the driver's time outside the planner's solve and the workers' compute; ``gc`` is the
+garbage collector's pauses within it. ``pickle`` is what a Ray group's hand-over would add and the fake does not
+pay: each rank's work pickled, as each ``run_step.remote`` call pickles its arguments (block specs left out: here
+they are the blocks' tokens). ``growth`` is ``own`` at N over ``own`` at the fewest workers, divided by the ratio of
+the workers: above 1 grows faster than linear. A row without a loss is the median over its steps after the first; a
+lost-worker row is its step 3 (the attempt lost, the recovery, the re-run). ``--profile`` adds the largest run's
+cProfile (its functions by cumulative time, the fake's and the planner's left out).
 
     python -m benchmarks.sim.control_plane              # 64, 256, 1,024 workers, 6 steps each (a few minutes)
     python -m benchmarks.sim.control_plane --quick      # 64 and 256 workers, 4 steps
@@ -42,6 +42,7 @@ import argparse
 import cProfile
 import dataclasses
 import functools
+import gc
 import io
 import os
 import pickle
@@ -136,11 +137,20 @@ class PhaseClock:
         self.extra.clear()
         self.stack.clear()
         self.switch("boundary")
+        gc.callbacks.append(self._collected)
         try:
             transition = driver.step()
         finally:
             self.switch(None)
+            gc.callbacks.remove(self._collected)
         return dict(self.ms), transition
+
+    def _collected(self, what: str, info: dict) -> None:
+        """The garbage collector's pauses in the driver's own phases (``gc``: a part of ``own``)."""
+        if what == "start":
+            self._gc_t = time.perf_counter()
+        elif self.phase in PHASES:
+            self.extra["gc"] += (time.perf_counter() - self._gc_t) * 1e3
 
 
 class TimedPlanner:
@@ -166,6 +176,8 @@ def instrument(driver, group, clock: PhaseClock) -> list[str]:
             setattr(driver, name, clock.wrap(getattr(driver, name), phase, after))
         else:
             missing.append(name)
+    if "_plan_attempt" in missing:  # the step's plan still ends the phases before the dispatch
+        driver.planner.plan = clock.wrap(driver.planner.inner.plan, "planner", "dispatch")
     return missing
 
 
@@ -195,8 +207,10 @@ def sim_corpus(workers: int, steps: int, seed: int):
     return memory_corpus([rng.integers(1, 257, int(n)) for n in drawn], vocab_size=257, block_docs=64)
 
 
-def sim_config(workers: int, steps: int, run_dir: str, profile: str, max_context: int, budget: float) -> TrainConfig:
-    plan = PlanSettings(profile=profile, tokens_per_worker=TOKENS_PER_WORKER, time_limit_s=budget, timeout_s=600.0)
+def sim_config(workers: int, steps: int, run_dir: str, profile: str, max_context: int, args) -> TrainConfig:
+    plan = PlanSettings(
+        mode=args.mode, profile=profile, tokens_per_worker=TOKENS_PER_WORKER, time_limit_s=args.budget, timeout_s=600.0
+    )
     return TrainConfig(
         steps=steps,
         workers=workers,
@@ -220,13 +234,13 @@ def sim_profile(path: str) -> str:
     return path
 
 
-def run(workers: int, steps: int, lose: bool, seed: int, budget: float, profiler=None) -> list[dict]:
+def run(workers: int, steps: int, lose: bool, args, profiler=None) -> list[dict]:
     """One run: per step, ms per phase (+ ``own``, ``pickle``, ``fake``, the record's own timing fields)."""
-    corpus = sim_corpus(workers, steps, seed)
+    corpus = sim_corpus(workers, steps, args.seed)
     clock = PhaseClock()
     with tempfile.TemporaryDirectory(prefix="control_plane_") as tmp:
         profile = sim_profile(os.path.join(tmp, "profile.json"))
-        cfg = sim_config(workers, steps, os.path.join(tmp, "run"), profile, int(corpus.lengths.max()), budget)
+        cfg = sim_config(workers, steps, os.path.join(tmp, "run"), profile, int(corpus.lengths.max()), args)
         faults = [Fault(workers // 2, "step", LOSS_STEP)] if lose else []
         group = FakeWorkerGroup(cfg, None, faults, per_node=PER_NODE)
         planner = lambda spec, publish: TimedPlanner(LocalPlannerClient(spec, publish), clock)  # noqa: E731
@@ -252,7 +266,7 @@ def run(workers: int, steps: int, lose: bool, seed: int, budget: float, profiler
                       f"{ms.get('workers', 0):.0f} ms workers, {ms.get('planner', 0):.0f} ms planner",
                       file=sys.stderr, flush=True)  # fmt: skip
         finally:
-            driver.shutdown() if hasattr(driver, "shutdown") else None
+            driver.shutdown()
     return rows
 
 
@@ -278,14 +292,14 @@ def print_tables(results: dict) -> None:
         print(f"| {n:,} | {'worker lost' if lose else 'no loss'} | {cells} | **{_fmt(s['own'])}** | "
               f"{growth:.2f} | {_fmt(s.get('pickle', 0.0))} | {_fmt(s['own'] + s.get('pickle', 0.0))} |")  # fmt: skip
     print("\nBeside it, ms: the excluded time and the record's own timing fields\n")
-    print("| workers | run | workers (fake) | planner | step wall | plan_wait_ms | dispatch_ms | overhead_ms "
-          "| boundary_ms |")  # fmt: skip
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| workers | run | gc in own | workers (fake) | planner | step wall | plan_wait_ms | dispatch_ms "
+          "| overhead_ms | boundary_ms |")  # fmt: skip
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for (n, lose), s in results.items():
         wall = s["own"] + s.get("workers", 0.0) + s.get("planner", 0.0)
         fields = " | ".join(_fmt(s.get(k)) for k in ("plan_wait_ms", "dispatch_ms", "overhead_ms", "boundary_ms"))
-        print(f"| {n:,} | {'worker lost' if lose else 'no loss'} | {_fmt(s.get('workers', 0.0))} | "
-              f"{_fmt(s.get('planner', 0.0))} | {_fmt(wall)} | {fields} |")  # fmt: skip
+        print(f"| {n:,} | {'worker lost' if lose else 'no loss'} | {_fmt(s.get('gc', 0.0))} | "
+              f"{_fmt(s.get('workers', 0.0))} | {_fmt(s.get('planner', 0.0))} | {_fmt(wall)} | {fields} |")  # fmt: skip
     print("\nThe plans run (each step's shape in order: group size x groups per micro-batch)\n")
     print("| workers | run | shapes |")
     print("|---:|---|---|")
@@ -297,7 +311,7 @@ def print_profile(profiler: cProfile.Profile, workers: int, steps: int, top: int
     """The profiled run's functions by cumulative time per step (the fake's, the planner's and torch's left out)."""
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
-    stats.sort_stats("cumulative").print_stats(r"flexorch/(control|records|work|data|solver/step_planner)", top)
+    stats.sort_stats("cumulative").print_stats(r"flexorch/(control|records|work/|data|solver/step_planner)", top)
     print(f"\ncProfile of the {workers:,}-worker run without a loss ({steps} steps, cumulative s over all steps; "
           f"under the profiler every call costs more)\n\n```")  # fmt: skip
     print("\n".join(line for line in out.getvalue().splitlines() if "(" in line or "ncalls" in line))
@@ -310,6 +324,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--budget", type=float, default=1.0, help="planner time limit per solve (s): excluded anyway")
+    ap.add_argument("--mode", default="adaptive", help="plan.mode: adaptive, or a static layout (static-ring-16)")
     ap.add_argument("--quick", action="store_true", help="64 and 256 workers, 4 steps")
     ap.add_argument("--profile", action="store_true", help="cProfile the largest run without a loss")
     ap.add_argument("--top", type=int, default=40, help="functions the profile lists")
@@ -317,19 +332,19 @@ def main(argv=None) -> int:
     sizes, steps = ([64, 256], 4) if args.quick else (sorted(args.workers), args.steps)
     if steps <= LOSS_STEP:
         ap.error(f"--steps must exceed {LOSS_STEP} (the lost-worker step)")
-    print(f"\ncontrol_plane: the real TrainingDriver on FakeWorkerGroup + LocalPlannerClient (adaptive, "
+    print(f"\ncontrol_plane: the real TrainingDriver on FakeWorkerGroup + LocalPlannerClient ({args.mode}, "
           f"{args.budget} s), Wikipedia lengths / {LENGTH_SCALE}, {DOCS_PER_WORKER} documents per worker, "
           f"{TOKENS_PER_WORKER} tokens per worker, {steps} steps, seed {args.seed}, {os.cpu_count()} CPUs")  # fmt: skip
     results = {}
     for n in sizes:
         for lose in (False, True):
-            rows = run(n, steps, lose, args.seed, args.budget)
+            rows = run(n, steps, lose, args)
             results[(n, lose)] = summary(rows, lose)
             results[(n, lose)]["shapes"] = [r["shape"] for r in rows]
     print_tables(results)
     if args.profile:  # a run of its own: the profiler slows every call it sees
         profiler = cProfile.Profile()
-        run(sizes[-1], steps, False, args.seed, args.budget, profiler)
+        run(sizes[-1], steps, False, args, profiler)
         print_profile(profiler, sizes[-1], steps, args.top)
     return 0
 

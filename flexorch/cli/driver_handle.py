@@ -59,7 +59,7 @@ def start_driver(config: dict, restarted: dict | None = None) -> tuple[object, s
     ``restarted``: what the new driver records about the loss it replaces (``TrainingDriver`` keyword)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from flexorch.control.driver import TrainingDriverActor
+    from flexorch.control.driver_process import TrainingDriverActor
 
     here = ray.get_runtime_context().get_node_id()
     why = "this entrypoint is not a Ray node" if _node_ip(here) is None else None

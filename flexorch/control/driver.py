@@ -33,8 +33,6 @@ import dataclasses
 import time
 from pathlib import Path
 
-import ray
-
 from flexorch.config import TrainConfig, config_from_dict
 from flexorch.control.capacity import run_capacity
 from flexorch.control.checkpoint import load_checkpoint
@@ -60,7 +58,7 @@ from flexorch.solver.errors import InfeasibleBatchError
 from flexorch.solver.profiles import Profile
 from flexorch.solver.step_planner import PlannedStep
 
-__all__ = ["TrainingDriver", "TrainingDriverActor"]
+__all__ = ["TrainingDriver"]
 
 
 class TrainingDriver:
@@ -437,8 +435,3 @@ class TrainingDriver:
         if self.planner is not None:
             self.planner.close()
             self.planner = None
-
-
-TrainingDriverActor = ray.remote(num_cpus=0, max_concurrency=4)(TrainingDriver)
-"""The driver as a Ray actor; ``run`` in one thread while the CLI calls ``poll`` from another (the module's
-docstring says what runs on which thread)."""

@@ -150,9 +150,11 @@ def pipeline_work(
     staged, docs: Sequence[DocRef], step: int, *, stage_params: bool = False, tied: bool = False
 ) -> list[PipelineWork]:
     """One PipelineWork per rank of ``staged`` (a ``StagedPlan``); ``docs[i]`` is sequence ``i`` of the batch."""
-    lengths = [
-        sum(p.end - p.start for u in staged.plan.units for p in u.pieces if p.seq == i) for i in range(len(docs))
-    ]
+    lengths = [0] * len(docs)  # tokens of each sequence the plan covers, in one pass over the pieces
+    for u in staged.plan.units:
+        for p in u.pieces:
+            if 0 <= p.seq < len(docs):
+                lengths[p.seq] += p.end - p.start
     for i, (doc, s) in enumerate(zip(docs, lengths, strict=True)):
         if doc.length != s:
             raise ValueError(

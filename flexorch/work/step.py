@@ -8,6 +8,7 @@ construction (a malformed value fails in the driver, naming the numbers, not on 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,10 +66,20 @@ def sp_rank_sets(groups) -> list[tuple[int, ...]]:
     for g in groups:
         ranks = tuple(g.ranks)
         if g.kind == HYBRID:
-            sets |= {s for r in ranks for s in hybrid_sub_groups(ranks, g.ulysses_degree, r)}
+            u = g.ulysses_degree  # every member's (block, ring) of hybrid_sub_groups, each set named once
+            sets |= {ranks[j : j + u] for j in range(0, len(ranks), u)} | {ranks[i::u] for i in range(u)}
         elif len(ranks) > 1:
             sets.add(ranks)
     return sorted(sets, key=lambda r: (len(r), r))
+
+
+@functools.lru_cache(maxsize=4)
+def _rank_set_index(rank_sets: tuple[tuple[int, ...], ...], world_size: int) -> frozenset:
+    """``rank_sets`` checked against the world, as a set: every rank of a step holds the same value, so the check
+    runs once per step and not once per rank (a check per rank grows with the world's size squared)."""
+    for rs in rank_sets:
+        check_ranks("rank set", rs, world_size)
+    return frozenset(rank_sets)
 
 
 @dataclass(frozen=True)
@@ -167,6 +178,11 @@ class GroupWork:
     def degree(self) -> int:
         return len(self.ranks)
 
+    @functools.cached_property
+    def predicted(self) -> int:
+        """Loss-target tokens of the group's documents (summed once: every member's :class:`StepWork` checks it)."""
+        return sum(d.predicted for d in self.docs)
+
 
 @dataclass(frozen=True)
 class StepWork:
@@ -205,14 +221,20 @@ class StepWork:
             raise ValueError(f"StepWork (step {self.step}): rank {self.rank} is outside the world of {self.world_size}")
         check_count(f"StepWork (step {self.step}) num_predicted", self.num_predicted)
         where = f"StepWork (step {self.step}, rank {self.rank})"
-        for rs in self.rank_sets:
-            check_ranks(f"{where}: rank set", rs, self.world_size)
-        sets = set(self.rank_sets)
+        try:
+            sets = _rank_set_index(tuple(self.rank_sets), self.world_size)
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+        except TypeError:  # an unhashable rank set (not a tuple): the check says which
+            for rs in self.rank_sets:
+                check_ranks(f"{where}: rank set", rs, self.world_size)
+            raise
         last = -1
         for w in self.work:
             if not isinstance(w, GroupWork):
                 raise ValueError(f"{where}: work must hold GroupWork values, got {type(w).__name__}")
-            check_ranks(f"{where}: micro-batch {w.micro_batch} group", w.ranks, self.world_size)
+            if max(w.ranks) >= self.world_size:  # the group checked its ranks; the world's bound is checked here
+                check_ranks(f"{where}: micro-batch {w.micro_batch} group", w.ranks, self.world_size)
             if self.rank not in w.ranks:
                 raise ValueError(
                     f"{where}: micro-batch {w.micro_batch} group {w.ranks} does not include rank {self.rank}"
@@ -226,7 +248,7 @@ class StepWork:
             if missing:
                 what = "is" if missing == [w.ranks] else f"needs {missing},"
                 raise ValueError(f"{where}: micro-batch {w.micro_batch} group {w.ranks} {what} not in rank_sets")
-            predicted = sum(d.predicted for d in w.docs)
+            predicted = w.predicted
             if predicted > self.num_predicted:
                 raise ValueError(
                     f"{where}: micro-batch {w.micro_batch} alone predicts {predicted} tokens, more than the batch's "
