@@ -1,15 +1,18 @@
 """The control plane at scale (a benchmark, not a test): the driver's own time per step at 64, 256 and 1,024 fake
 workers, with and without a worker lost mid-run.
 
-Each run steps the real ``TrainingDriver`` (planner client, stream, membership, elastic recovery, records,
-callbacks) without Ray, over the in-process fake worker group (``FakeWorkerGroup``, nodes of 8 workers: one
+Each run steps the real driver as the Ray actor runs it, ``DriverProcess`` (``TrainingDriver`` with what its
+start built moved out of the garbage collector's passes: planner client, stream, membership, elastic recovery,
+records, callbacks), without Ray, over the in-process fake worker group (``FakeWorkerGroup``, nodes of 8 workers: one
 single-process reference step of the whole batch per step, on a tiny model) and ``LocalPlannerClient`` (the
 adaptive planner's real solves, profile gpt-7b-a100). A batch holds 4 documents per worker (``plan_scale``'s 1,024
 x 4,096) drawn from the bundled Wikipedia lengths divided by 16, at 512 tokens per worker: the plans of Wikipedia at
 8,192 tokens per worker, for a sixteenth of the fake's compute (the driver's work depends on the documents and the
 groups, not on their tokens). The lost-worker run kills one worker during step 3 (a ``Fault``): the elastic policy
 shrinks the world and the batch runs again on the rest. The plans, and so the driver's work, change with the
-planner's luck within its budget (``--budget``): compare rows of one run.
+planner's luck within its budget (``--budget``): compare rows of one run. Each run has a fresh process of its own
+(spawned): objects frozen out of the collector are never freed, so an earlier run's would stay in the process and
+weigh on the later runs' collections.
 
 A step's wall time is cut into phases at the calls of the seams and of the driver's step methods:
 
@@ -23,27 +26,32 @@ A step's wall time is cut into phases at the calls of the seams and of the drive
 - records: the record built, checked and written, and the step callbacks;
 - recovery: a failed settle to the next plan request (the elastic policy, the world formed again).
 
-``own`` is their sum: the driver's time outside the planner's solve and the workers' compute; ``gc`` is the
-garbage collector's pauses within it. ``pickle`` is what a Ray group's hand-over would add and the fake does not
-pay: each rank's work pickled, as each ``run_step.remote`` call pickles its arguments (block specs left out: here
-they are the blocks' tokens). ``growth`` is ``own`` at N over ``own`` at the fewest workers, divided by the ratio of
-the workers: above 1 grows faster than linear. A row without a loss is the median over its steps after the first; a
-lost-worker row is its step 3 (the attempt lost, the recovery, the re-run). ``--profile`` adds the largest run's
-cProfile (its functions by cumulative time, the fake's and the planner's left out).
+``own`` is their sum: the driver's time outside the planner's solve and the workers' compute; ``gc`` is the garbage
+collector's pauses within it. ``pickle`` is what a Ray group's hand-over would add and the fake does not pay: the step's
+work pickled once, as ``RayWorkerGroup.run_step``'s one ``ray.put`` does; ``per rank`` beside it is each rank's work
+pickled apart, as one ``run_step.remote`` call per rank with its own work would (block specs left out of both: here they
+are the blocks' tokens); a table gives their kilobytes and what a worker unpickles in each case (the whole step's work,
+or its own). ``growth`` is ``own`` at N over ``own`` at the fewest workers, divided by the ratio of the workers: above 1
+grows faster than linear. A row without a loss is the median over its steps after the first; a lost-worker row is its
+step 3 (the attempt lost, the recovery, the re-run). ``--profile`` adds the largest run's cProfile (its functions by
+cumulative time, the fake's and the planner's left out).
 
     python -m benchmarks.sim.control_plane              # 64, 256, 1,024 workers, 6 steps each (a few minutes)
     python -m benchmarks.sim.control_plane --quick      # 64 and 256 workers, 4 steps
     python -m benchmarks.sim.control_plane --profile    # also profile the 1,024-worker run
+    python -m benchmarks.sim.control_plane --workers 1024 --profile   # just the largest size
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import cProfile
 import dataclasses
 import functools
 import gc
 import io
+import multiprocessing
 import os
 import pickle
 import pstats
@@ -66,7 +74,7 @@ from flexorch.config import (  # noqa: E402
     PlanSettings,
     TrainConfig,
 )
-from flexorch.control.driver import TrainingDriver  # noqa: E402
+from flexorch.control.driver_process import DriverProcess  # noqa: E402
 from flexorch.control.planner_client import LocalPlannerClient  # noqa: E402
 from flexorch.data.lengths import bundled_lengths_path, read_lengths  # noqa: E402
 from flexorch.solver.profiles import get_profile  # noqa: E402
@@ -182,19 +190,33 @@ def instrument(driver, group, clock: PhaseClock) -> list[str]:
 
 
 def _pickling(run_step, clock: PhaseClock):
-    """``run_step`` after pickling each rank's work as ``run_step.remote`` would (timed apart)."""
+    """``run_step`` after pickling the step's work as a Ray group hands it over (once for the step: ``pickle``) and
+    as one call per rank would (``per rank``), timed apart, with their kilobytes and what a worker unpickles: the
+    whole step's work (``loads``), or only its own (``rank_loads``, the largest rank's)."""
 
     def run(work, block_refs):
         t = time.perf_counter()
-        for w in work:
-            pickle.dumps(w, protocol=5)
+        one = pickle.dumps(list(work), protocol=5)
         clock.extra["pickle"] += (time.perf_counter() - t) * 1e3
+        t = time.perf_counter()
+        each = [pickle.dumps(w, protocol=5) for w in work]
+        clock.extra["per_rank"] += (time.perf_counter() - t) * 1e3
+        clock.extra["pickle_kb"] += len(one) / 1024
+        clock.extra["per_rank_kb"] += sum(map(len, each)) / 1024
+        clock.extra["loads"] += _loads_ms(one)
+        clock.extra["rank_loads"] += _loads_ms(max(each, key=len))
         t = time.perf_counter()
         out = run_step(work, block_refs)
         clock.extra["fake"] += (time.perf_counter() - t) * 1e3
         return out
 
     return run
+
+
+def _loads_ms(data: bytes) -> float:
+    t = time.perf_counter()
+    pickle.loads(data)
+    return (time.perf_counter() - t) * 1e3
 
 
 def sim_corpus(workers: int, steps: int, seed: int):
@@ -244,7 +266,7 @@ def run(workers: int, steps: int, lose: bool, args, profiler=None) -> list[dict]
         faults = [Fault(workers // 2, "step", LOSS_STEP)] if lose else []
         group = FakeWorkerGroup(cfg, None, faults, per_node=PER_NODE)
         planner = lambda spec, publish: TimedPlanner(LocalPlannerClient(spec, publish), clock)  # noqa: E731
-        driver = TrainingDriver(cfg, worker_group=group, planner=planner, corpus=corpus)
+        driver = DriverProcess(cfg, worker_group=group, planner=planner, corpus=corpus)
         driver.setup()
         missing = instrument(driver, group, clock)
         if missing:
@@ -300,6 +322,14 @@ def print_tables(results: dict) -> None:
         fields = " | ".join(_fmt(s.get(k)) for k in ("plan_wait_ms", "dispatch_ms", "overhead_ms", "boundary_ms"))
         print(f"| {n:,} | {'worker lost' if lose else 'no loss'} | {_fmt(s.get('gc', 0.0))} | "
               f"{_fmt(s.get('workers', 0.0))} | {_fmt(s.get('planner', 0.0))} | {_fmt(wall)} | {fields} |")  # fmt: skip
+    print("\nThe hand-over a Ray group pays and the fake does not: the step's work pickled by the driver (ms, KB) and")
+    print("unpickled by each worker (ms), once for the step (one put) or each rank's apart (per rank)\n")
+    print("| workers | run | one put | KB | worker unpickles | per rank | KB | worker unpickles (largest) |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    keys = ("pickle", "pickle_kb", "loads", "per_rank", "per_rank_kb", "rank_loads")
+    for (n, lose), s in results.items():
+        cells = " | ".join(_fmt(s.get(k, 0.0)) for k in keys)
+        print(f"| {n:,} | {'worker lost' if lose else 'no loss'} | {cells} |")
     print("\nThe plans run (each step's shape in order: group size x groups per micro-batch)\n")
     print("| workers | run | shapes |")
     print("|---:|---|---|")
@@ -307,15 +337,28 @@ def print_tables(results: dict) -> None:
         print(f"| {n:,} | {'worker lost' if lose else 'no loss'} | {' '.join(s['shapes'])} |")
 
 
-def print_profile(profiler: cProfile.Profile, workers: int, steps: int, top: int) -> None:
+def profile_text(profiler: cProfile.Profile, workers: int, steps: int, top: int) -> str:
     """The profiled run's functions by cumulative time per step (the fake's, the planner's and torch's left out)."""
     out = io.StringIO()
     stats = pstats.Stats(profiler, stream=out)
     stats.sort_stats("cumulative").print_stats(r"flexorch/(control|records|work/|data|solver/step_planner)", top)
-    print(f"\ncProfile of the {workers:,}-worker run without a loss ({steps} steps, cumulative s over all steps; "
-          f"under the profiler every call costs more)\n\n```")  # fmt: skip
-    print("\n".join(line for line in out.getvalue().splitlines() if "(" in line or "ncalls" in line))
-    print("```")
+    lines = "\n".join(line for line in out.getvalue().splitlines() if "(" in line or "ncalls" in line)
+    return (f"\ncProfile of the {workers:,}-worker run without a loss ({steps} steps, cumulative s over all steps; "
+            f"under the profiler every call costs more)\n\n```\n{lines}\n```")  # fmt: skip
+
+
+def case(workers: int, steps: int, lose: bool, args, profile: bool = False) -> tuple[list[dict], str | None]:
+    """:func:`run` in this process: its rows, and with ``profile`` its cProfile's text."""
+    profiler = cProfile.Profile() if profile else None
+    rows = run(workers, steps, lose, args, profiler)
+    return rows, profile_text(profiler, workers, steps, args.top) if profiler is not None else None
+
+
+def fresh_case(workers: int, steps: int, lose: bool, args, profile: bool = False) -> tuple[list[dict], str | None]:
+    """:func:`case` in a fresh process (spawned): what an earlier run froze out of the collector stays behind."""
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        return pool.submit(case, workers, steps, lose, args, profile).result()
 
 
 def main(argv=None) -> int:
@@ -332,20 +375,18 @@ def main(argv=None) -> int:
     sizes, steps = ([64, 256], 4) if args.quick else (sorted(args.workers), args.steps)
     if steps <= LOSS_STEP:
         ap.error(f"--steps must exceed {LOSS_STEP} (the lost-worker step)")
-    print(f"\ncontrol_plane: the real TrainingDriver on FakeWorkerGroup + LocalPlannerClient ({args.mode}, "
+    print(f"\ncontrol_plane: the real driver (DriverProcess) on FakeWorkerGroup + LocalPlannerClient ({args.mode}, "
           f"{args.budget} s), Wikipedia lengths / {LENGTH_SCALE}, {DOCS_PER_WORKER} documents per worker, "
           f"{TOKENS_PER_WORKER} tokens per worker, {steps} steps, seed {args.seed}, {os.cpu_count()} CPUs")  # fmt: skip
     results = {}
     for n in sizes:
         for lose in (False, True):
-            rows = run(n, steps, lose, args)
+            rows, _ = fresh_case(n, steps, lose, args)
             results[(n, lose)] = summary(rows, lose)
             results[(n, lose)]["shapes"] = [r["shape"] for r in rows]
     print_tables(results)
     if args.profile:  # a run of its own: the profiler slows every call it sees
-        profiler = cProfile.Profile()
-        run(sizes[-1], steps, False, args, profiler)
-        print_profile(profiler, sizes[-1], steps, args.top)
+        print(fresh_case(sizes[-1], steps, False, args, profile=True)[1])
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from flexorch.control.calibration_probes import (
+    ProbedGroup,
     calibration_probes,
     calibration_topology,
     cut_note,
@@ -98,7 +99,7 @@ def model_state_fields(cfg, world_size: int) -> dict:
     }
 
 
-def calibrate(group, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, dict]:
+def calibrate(group: ProbedGroup, cfg, *, repeats: int = 5, publish=None) -> tuple[Profile, dict]:
     """Run the probes on a formed worker group and fit a profile; returns (profile, report). ``publish`` gets a
     progress event as each phase starts (a ``RayWorkerGroup`` built with one also reports while its calls run)."""
     t0 = time.perf_counter()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
+from typing import Protocol
 
 from flexorch.control.failures import MembershipFailure
 from flexorch.control.membership import world_topology
@@ -93,7 +94,18 @@ def calibration_probes(
     return compute, groups
 
 
-def calibration_topology(group, cfg) -> Topology | None:
+class ProbedGroup(Protocol):
+    """What calibration needs of a worker group: its size, a call on every rank, and each rank's node. A
+    ``control.group.WorkerGroup`` is one; so is a single worker driven in-process (``benchmarks/gpu``)."""
+
+    size: int
+
+    def call(self, method: str, *args) -> list: ...
+
+    def rank_nodes(self) -> list[str | None]: ...
+
+
+def calibration_topology(group: ProbedGroup, cfg) -> Topology | None:
     """The nodes the worker group's ranks lie on (``group.rank_nodes()``, ``control.membership.world_topology``);
     None (probed as one node) on one node, where a rank's node is unknown, or with ``[plan] topology = "blind"``."""
     if cfg.plan.topology == "blind":

@@ -314,7 +314,7 @@ class TrainingDriver:
             moved = kind.before_start(work, self.workers)  # stage-local parameters to their stage
         except MembershipFailure as e:  # a worker died while parameters moved: nobody has run the step
             return {}, dataclasses.replace(e.failure, completed=frozenset()), None, 0.0
-        block_specs = [self.corpus.block_specs(t.blocks()) for t in work]  # specs, not tokens
+        block_specs = self.corpus.block_specs_each(t.blocks() for t in work)  # specs, not tokens
         refs = self.workers.run_step(work, block_specs)
         dispatch_ms = (time.perf_counter() - t_dispatch) * 1e3
         if self.step_no + 1 < self.cfg.steps and attempt == 0:  # plan the next batch while this one runs

@@ -326,10 +326,14 @@ class RayWorkerGroup(WorkerGroup):
         return self._settler.detection(lost)
 
     def run_step(self, work, block_specs: list[dict]) -> dict:
-        """Start every rank's step; returns {worker id: outcome ref} (the caller settles them)."""
+        """Start every rank's step; returns {worker id: outcome ref} (the caller settles them). The step's
+        ``(work, block specs)`` pairs go into the object store once, and each rank is given the reference and its
+        index: the members of a group share its documents, which pickling each rank's arguments apart would
+        serialize once per member."""
+        pairs = list(zip(work, block_specs, strict=True))
+        step = ray.put(pairs)
         return {
-            w: self._actors[w].run_step.remote(t, refs)
-            for w, t, refs in zip(self.worker_ids, work, block_specs, strict=True)
+            w: self._actors[w].run_step.remote(step, i) for i, w in zip(range(len(pairs)), self.worker_ids, strict=True)
         }
 
     def call(self, method: str, *args) -> list:

@@ -111,18 +111,28 @@ class Corpus:
         if ids.size and (ids.min() < 0 or ids.max() >= self.num_docs):
             bad = int(ids[(ids < 0) | (ids >= self.num_docs)][0])
             raise IndexError(f"document id {bad} is out of range: the corpus has ids 0..{self.num_docs - 1}")
-        b, o, n = self.doc_blocks[ids], self.doc_offsets[ids], self.lengths[ids]
-        t = [None] * len(ids) if self.targets is None else [int(x) for x in self.targets[ids]]
-        k = [0] * len(ids) if self.task_of is None else [int(x) for x in self.task_of[ids]]
-        return [
-            DocRef(int(i), int(bi), int(oi), int(ni), ti, ki)
-            for i, bi, oi, ni, ti, ki in zip(ids, b, o, n, t, k, strict=True)
-        ]
+        # whole arrays to Python ints at once: a conversion per value is slow for a batch of thousands
+        b, o, n = self.doc_blocks[ids].tolist(), self.doc_offsets[ids].tolist(), self.lengths[ids].tolist()
+        t = [None] * len(ids) if self.targets is None else self.targets[ids].tolist()
+        k = [0] * len(ids) if self.task_of is None else self.task_of[ids].tolist()
+        return [DocRef(*fields) for fields in zip(ids.tolist(), b, o, n, t, k, strict=True)]
 
     def block_specs(self, blocks) -> dict:
         """The specs of just these blocks (indices, e.g. ``{loc.block for loc in locations}`` or a rank's
         ``StepWork.blocks()``), by block index in order: what a worker opens to read its documents."""
         return {b: self.blocks[b] for b in sorted(set(blocks))}
+
+    def block_specs_each(self, block_sets) -> list[dict]:
+        """:meth:`block_specs` of each set of blocks (e.g. each rank's ``StepWork.blocks()``); equal sets (the
+        members of a group read the same blocks) share one dict, looked up once."""
+        specs: dict[frozenset, dict] = {}
+        out = []
+        for blocks in block_sets:
+            key = frozenset(blocks)
+            if key not in specs:
+                specs[key] = self.block_specs(key)
+            out.append(specs[key])
+        return out
 
     def get_tokens(self, doc_ids) -> list[np.ndarray]:
         """Driver-side convenience (tests, references): the token ids of `doc_ids`, copied out of the store."""

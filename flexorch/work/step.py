@@ -30,9 +30,14 @@ GROUP_KINDS = (*KINDS, HYBRID)
 """Every kind a group runs (``flexorch.solver.cost_model.GROUP_KINDS``)."""
 
 
+def _is_count(value, minimum: int = 0) -> bool:
+    """Whether ``value`` is an int (not a bool) >= ``minimum``."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
 def check_count(what: str, value, minimum: int = 0) -> None:
     """Raise ValueError unless ``value`` is an int (not a bool) >= ``minimum``, naming ``what`` and the value."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not _is_count(value, minimum):
         raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}")
 
 
@@ -102,6 +107,10 @@ class DocRef:
     through and the weight of their loss."""
 
     def __post_init__(self) -> None:
+        t = self.targets
+        valid = _is_count(self.doc_id) and _is_count(self.block) and _is_count(self.offset) and _is_count(self.task)
+        if valid and _is_count(self.length, 1) and (t is None or (_is_count(t) and t <= self.length - 1)):
+            return  # a batch makes thousands: the messages below are built only for a malformed one
         for name in ("doc_id", "block", "offset", "task"):
             check_count(f"DocRef.{name} (document {self.doc_id!r})", getattr(self, name))
         check_count(f"DocRef.length (document {self.doc_id})", self.length, 1)

@@ -26,6 +26,7 @@ import os
 import socket
 import time
 import traceback
+from collections.abc import Sequence
 from datetime import timedelta
 
 import ray
@@ -266,9 +267,11 @@ class Worker:
         err.add_note(text)
         raise err
 
-    def run_step(self, rank_work: StepWork | PipelineWork, block_specs: dict) -> StepOutcome:
-        """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops). ``block_specs`` maps block
-        index -> ``flexorch.data.store.blocks.BlockSpec`` of the stored block it reads."""
+    def run_step(self, step: Sequence[tuple[StepWork | PipelineWork, dict]], index: int) -> StepOutcome:
+        """Run this rank's part of a step (SP micro-batches, or a pipeline stage's ops): ``step[index]``, of the
+        step's ``(rank work, block specs)`` pairs that every rank is handed once (``RayWorkerGroup.run_step``).
+        The block specs map block index -> ``flexorch.data.store.blocks.BlockSpec`` of the stored block it reads."""
+        rank_work, block_specs = step[index]
         reg, n = self.registry, rank_work.world_size
         if reg is None or reg.rank != rank_work.rank or reg.world_size != n:
             raise RuntimeError(f"worker {self.worker_id} is not rank {rank_work.rank} of a world of {n}")

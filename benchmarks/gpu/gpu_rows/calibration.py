@@ -15,10 +15,14 @@ __all__ = ["LocalGroup", "section_calibration"]
 
 
 class LocalGroup:
-    """The worker group ``flexorch.control.calibration.calibrate`` drives (``size``, ``call``): one worker in this
-    process, running what ``flexorch.workers.actor.Worker.probe`` and ``.activation_bytes_per_token`` run."""
+    """The worker group ``flexorch.control.calibration.calibrate`` drives (``size``, ``call``, ``rank_nodes``): one
+    worker in this process, running what ``flexorch.workers.actor.Worker.probe`` and ``.activation_bytes_per_token``
+    run."""
 
     size = 1
+
+    def rank_nodes(self) -> list[str | None]:
+        return [None]  # one worker: probed as one node
 
     def __init__(self, model, reg, vocab_size: int) -> None:
         self.model, self.reg, self.vocab_size = model, reg, vocab_size
