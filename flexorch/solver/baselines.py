@@ -18,6 +18,7 @@ import numpy as np
 from flexorch.solver.cost_model import RING, ULYSSES, kind_allowed
 from flexorch.solver.errors import PlanningError
 from flexorch.solver.microbatching import iter_candidates
+from flexorch.solver.paced import placed_micro_batches
 from flexorch.solver.packing import (
     GroupType,
     drop_empty,
@@ -26,8 +27,7 @@ from flexorch.solver.packing import (
     time_table,
     type_overheads,
 )
-from flexorch.solver.placement import place_groups
-from flexorch.solver.plan import MicroBatch, Plan
+from flexorch.solver.plan import Plan
 from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.validation import check_batch, largest_degree
@@ -91,7 +91,7 @@ def static_plan(
         return None
     improve_step(best, [caps] * len(best), table, lengths, overheads, deadline=deadline)
     best = drop_empty(best)
-    mbs = [MicroBatch(tuple(place_groups(d, types, range(len(lengths)), topology))) for d in best]
+    mbs = placed_micro_batches(best, types, table, lengths, np.array([cap]), overheads, topology, deadline=deadline)
     return Plan.for_profile(
         num_devices=num_devices,
         seq_lengths=lengths,

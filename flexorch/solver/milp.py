@@ -230,13 +230,17 @@ def _undominated(b_time, types, cp):
 
     A smaller group that is no slower and has at least as much room `cp` (no larger fixed cost) leaves more devices
     for others (and of the same degree, the other attention kind is simply better), so the MILP loses nothing of
-    note by not offering the dominated pair.
+    note by not offering the dominated pair. On ranks of different speeds (``solver.speed_levels``) only a type of
+    the same or a slower level dominates: a faster level's ranks are scarcer.
     """
     deg = np.array([t.degree for t in types])
+    pace = [1.0 if t.speed is None else t.speed for t in types]  # a faster level's ranks are scarcer
     keep = np.ones(b_time.shape, dtype=bool)
     for t in range(len(types)):
         for u in range(len(types)):
-            if u != t and cp[u] >= cp[t] and (deg[u] < deg[t] or (deg[u] == deg[t] and u < t)):
+            if u == t or cp[u] < cp[t] or pace[u] > pace[t]:
+                continue
+            if deg[u] < deg[t] or (deg[u] == deg[t] and (pace[u] < pace[t] or u < t)):
                 keep[:, t] &= ~(b_time[:, u] <= b_time[:, t])
     return keep
 

@@ -45,6 +45,9 @@ class GroupType:
     """Priced as spanning nodes (the profile's inter-node tables): a type of degree > the largest node."""
     ulysses_degree: int | None = None
     """A hybrid type's Ulysses degree u (ring over degree / u positions)."""
+    speed: float | None = None
+    """The pace a group of this type is priced at on ranks of different speeds (``solver.speed_levels``): it lies on
+    ranks at least this fast. None: priced at 1.0, on any ranks (the planner's types before speeds)."""
 
     @property
     def placement(self) -> dict:

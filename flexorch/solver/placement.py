@@ -23,6 +23,14 @@ in nodes); then the others largest first, each best-fit into a node's free run. 
 was priced is put on any free window of consecutive ranks (it then spans, and the plan prices it so: the simulator
 prices every group by where it lies); when even that fails the groups take consecutive ranks from 0 (as without a
 topology), priced where they lie.
+
+**Ranks of different speeds** (``Topology.speeds``): a group runs at its slowest member's pace, so the groups are
+placed heaviest first (by their loads, within the order above), each on the free slot whose slowest rank is fastest:
+any run that holds it (fewest ranks left over among equally fast ones), at an offset of a multiple of its degree
+from the run's start. Such an offset leaves the run's slots of every smaller power of two as many as the start does
+(the prefix is a multiple of the degree, which they divide), so the capacity argument above still holds. Without
+speeds every slot is as fast and this is the best fit at the run's start: the placement is as before. The slow
+ranks then hold the lightest groups, or none; ``solver.paced`` moves work off them by its prices.
 """
 
 from __future__ import annotations
@@ -60,18 +68,27 @@ def counts_fit(counts, rows) -> bool:
     return all(int(np.dot(np.asarray(coef, dtype=np.int64), c)) <= cap for coef, cap in rows)
 
 
-def place(degrees, spans, topology: Topology) -> list[int]:
+def place(degrees, spans, topology: Topology, loads=None, levels=None) -> list[int]:
     """The first rank of each group (``degrees[g]`` consecutive ranks from there); ``spans[g]``: the group is priced
-    as spanning nodes (placed first, on whole nodes). Never fails: see the module docstring."""
+    as spanning nodes (placed first, on whole nodes). ``loads[g]``: the group's time, which places the heavier of
+    equal groups on the faster ranks where the topology has speeds. ``levels[g]``: the speed group g was priced at
+    (``GroupType.speed``; None: any): placed faster levels first, each on the slowest slot at least that fast (the
+    faster slots kept for the faster levels). Never fails: see the module docstring."""
     n = topology.num_devices
     if sum(degrees) > n:
         raise ValueError(f"groups of {sum(degrees)} ranks do not fit {n} devices")
     free = [[(a, a + s)] for a, s in zip(topology.node_starts, topology.node_sizes, strict=True)]
     start = [-1] * len(degrees)
-    order = sorted(range(len(degrees)), key=lambda g: (not spans[g], -degrees[g], g))
+    weight = [0.0] * len(degrees) if loads is None or topology.uniform_speed else [-float(x) for x in loads]
+    speeds = None if topology.uniform_speed else topology.speeds
+    level = [None] * len(degrees) if levels is None or speeds is None else list(levels)
+    order = sorted(range(len(degrees)), key=lambda g: (not spans[g], -degrees[g], -(level[g] or 0.0), weight[g], g))
     for g in order:
         d = degrees[g]
-        s = _whole_nodes(free, topology, d) if spans[g] else _best_fit(free, d)
+        if spans[g]:
+            s = _whole_nodes(free, topology, d, speeds, level[g])
+        else:
+            s = _best_fit(free, d, speeds, level[g])
         if s is None:
             s = _window(free, d)
         if s is None:  # fragmented: consecutive ranks from 0, as without a topology
@@ -89,8 +106,17 @@ def _consecutive(degrees) -> list[int]:
     return out
 
 
-def _whole_nodes(free, topology: Topology, d: int) -> int | None:
-    """First rank of the run of consecutive wholly free nodes that holds d ranks with the fewest left over."""
+def _slot_key(pace: float, level: float | None) -> tuple:
+    """How a slot whose slowest rank has speed ``pace`` ranks for a group priced at ``level`` (lower first): for a
+    level, the slowest slot at least that fast, then any slot fastest first; without one, the fastest."""
+    if level is None:
+        return (0, -pace)
+    return (0, pace) if pace >= level - 1e-9 else (1, -pace)
+
+
+def _whole_nodes(free, topology: Topology, d: int, speeds=None, level=None) -> int | None:
+    """First rank of the run of consecutive wholly free nodes that holds d ranks with the fewest left over (with
+    ``speeds``: the fastest such run first, its slowest rank counting; with a ``level``: :func:`_slot_key`)."""
     whole = [len(f) == 1 and f[0] == (a, a + s) for f, a, s in zip(free, topology.node_starts, topology.node_sizes,
                                                                        strict=True)]  # fmt: skip
     best = None
@@ -99,19 +125,29 @@ def _whole_nodes(free, topology: Topology, d: int) -> int | None:
         while j < topology.num_nodes and whole[j] and total < d:
             total += topology.node_sizes[j]
             j += 1
-        if total >= d and (best is None or total - d < best[0]):
-            best = (total - d, topology.node_starts[i])
+        if total >= d:
+            a = topology.node_starts[i]
+            key = (*(_slot_key(min(speeds[a : a + d]), level) if speeds else ()), total - d)
+            if best is None or key < best[0]:
+                best = (key, a)
     return None if best is None else best[1]
 
 
-def _best_fit(free, d: int) -> int | None:
-    """Start of the smallest free run inside one node that holds d ranks (ties: the lowest rank)."""
+def _best_fit(free, d: int, speeds=None, level=None) -> int | None:
+    """Start of the smallest free run inside one node that holds d ranks (ties: the lowest rank). With ``speeds``:
+    the slot (a run, at an offset of a multiple of d from its start) whose slowest rank is fastest (with a
+    ``level``: :func:`_slot_key`), then the smallest run, then the lowest rank."""
     best = None
     for runs in free:
         for a, b in runs:
-            if b - a >= d and (best is None or (b - a, a) < best):
-                best = (b - a, a)
-    return None if best is None else best[1]
+            if b - a < d:
+                continue
+            offsets = range(a, b - d + 1, d) if speeds else (a,)
+            for s in offsets:
+                key = (*(_slot_key(min(speeds[s : s + d]), level) if speeds else ()), b - a, s)
+                if best is None or key < best:
+                    best = key
+    return None if best is None else best[-1]
 
 
 def _window(free, d: int) -> int | None:
@@ -153,8 +189,8 @@ def place_groups(draft: Draft, types: list[GroupType], seq_ids, topology: Topolo
     if topology is None:
         return layout_groups(draft, types, seq_ids)
     seq_ids = list(seq_ids)
-    live = [(types[t], m) for t, m in zip(draft.group_type, draft.members, strict=True) if m]
-    starts = place([t.degree for t, _ in live], [t.spans for t, _ in live], topology)
+    live = [(types[t], m, x) for t, m, x in zip(draft.group_type, draft.members, draft.loads, strict=True) if m]
+    starts = place([t.degree for t, _, _ in live], [t.spans for t, _, _ in live], topology, [x for *_, x in live])
     order = sorted(range(len(live)), key=lambda g: starts[g])
     return [
         Group(

@@ -39,14 +39,14 @@ from flexorch.solver.bounds import micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.budget import Budget, measured
 from flexorch.solver.halves import split_halves
 from flexorch.solver.microbatching import partition_candidates
+from flexorch.solver.paced import leveled_solve, placed_micro_batches
 from flexorch.solver.packing import (
     Draft,
     best_homogeneous_draft,
     drop_empty,
     improve_step,
 )
-from flexorch.solver.placement import place_groups
-from flexorch.solver.plan import MicroBatch, Plan
+from flexorch.solver.plan import Plan
 from flexorch.solver.planned_step import OUT_OF_TIME, PlannedStep
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.profiles import Profile
@@ -77,6 +77,9 @@ class _Search:
     """(candidate, its micro-batches' solutions before the local search) of the best split."""
     finished: bool = False
     """Some split was planned: its solves all came back, or ``solver.fill`` packed it."""
+    laid: tuple | None = None
+    """On ranks of different speeds, where the leveled solve beat the best split (``solver.paced.leveled_solve``):
+    its (drafts, types, table, caps, overheads) to lay out instead."""
     tried: int = 0
 
 
@@ -146,11 +149,19 @@ class Planner:
         self._bound = functools.partial(
             step_bound_ms, step.table, step.types, lengths, step.n, step.cap, step.overheads, slowest=step.slowest
         )
-        budget = Budget.split(t0, deadline, lengths.size, self._finish_s, self._polish_s)
+        paced = topology is not None and not topology.uniform_speed
+        # on ranks of different speeds, the search at one pace gets half the time, the leveled solve the rest
+        budget = Budget.split(t0, t0 + 0.5 * (deadline - t0) if paced else deadline, lengths.size, self._finish_s,
+                              self._polish_s)  # fmt: skip
         run = {"crashes": 0, "cut": 0}
         search = self._screen(step, budget)
         self._solve(step, search, budget, run)
         self._polish_best(step, search, budget, run)
+        if paced:
+            budget = Budget.split(t0, deadline, lengths.size, self._finish_s, self._polish_s)
+            if search.best_mbs is not None and time.monotonic() + MIN_SOLVE_S < budget.solve:
+                drafts = [d for d, _ in search.best_mbs]
+                search.laid = leveled_solve(step, drafts, self._solves, budget.solve, run, self._while_solving)
         return self._finish(step, search, budget, run)
 
     def _screen(self, step: StepTables, budget: Budget) -> _Search:
@@ -229,12 +240,17 @@ class Planner:
         else:
             status = "milp" if any(m in ("milp", "exact") for _, m in search.best_mbs) else "static"
         topo = step.topology
-        mbs = [MicroBatch(tuple(place_groups(d, step.types, range(len(lengths)), topo))) for d, _ in search.best_mbs]
+        laid = search.laid or ([d for d, _ in search.best_mbs], step.types, step.table, step.caps_t, step.overheads)
+        drafts, types, table, caps, overheads = laid
+        mbs = placed_micro_batches(drafts, types, table, lengths, caps, overheads, topo,
+                                   deadline=budget.polish + 0.5 * (budget.end - budget.polish))  # fmt: skip
         meta = {"planner": "flexorch-milp", "status": status}
         plan = Plan.for_profile(
             num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof, meta=meta, topology=topo
         )
         bound = self._step_bound()  # computed already if a MILP ran in the solver process; else now (in `finish`)
+        if topo is not None:  # at one pace; ranks faster than 1.0 may beat it by their speed
+            bound /= max(1.0, *topo.rank_speeds())
         done = time.monotonic()
         self._finish_s = measured(self._finish_s, done - t_finish)
         self.crashes_total += run["crashes"]

@@ -3,7 +3,8 @@
 Every comparison flexorch reports (planner vs baselines vs bound) goes through `step_time_ms`, so all of them are
 measured with one yardstick: a micro-batch takes as long as its slowest group (its fixed cost b1 + the collective
 latency of its degree and kind, plus the sum of its sequences' times: `solver.cost_model.group_time_ms`,
-docs/design.md §2.1), and a step is its micro-batches one after another.
+docs/design.md §2.1), and a step is its micro-batches one after another. A plan whose topology gives the ranks
+speeds (``Topology.speeds``) runs each group at its slowest member's pace: its time divided by that speed.
 """
 
 from __future__ import annotations
@@ -66,14 +67,21 @@ def span_ms(groups, lengths: np.ndarray, profile: Profile) -> float:
     return worst
 
 
+def _pace(plan: Plan, group) -> float:
+    """The time factor of ``group``'s ranks: 1 over its slowest member's speed (1.0 without speeds)."""
+    topology = plan.topology
+    return 1.0 if topology is None or topology.uniform_speed else 1.0 / topology.speed_of(group.ranks)
+
+
 def micro_batch_times_ms(plan: Plan, profile: Profile) -> list[float]:
     """Makespan of each micro-batch (``span_ms``), a group run without recompute or with selective recompute scaled
-    by its mode's time ratio (``_mode_scales``)."""
+    by its mode's time ratio (``_mode_scales``), and by its ranks' pace (:func:`_pace`)."""
     lengths = np.asarray(plan.seq_lengths, dtype=np.int64)
     scales = _mode_scales(plan, profile)
     out = []
     for mi, mb in enumerate(plan.micro_batches):
         row = [1.0] * len(mb.groups) if scales is None else scales[mi]
+        row = [x * _pace(plan, g) for g, x in zip(mb.groups, row, strict=True)]
         out.append(
             span_ms(
                 [(g.seq_ids, g.degree, g.kind, x, plan.placement(g)) for g, x in zip(mb.groups, row, strict=True)],
@@ -99,7 +107,7 @@ def group_timings(plan: Plan, profile: Profile) -> list[GroupTiming]:
         span = 0.0
         for gi, g in enumerate(mb.groups):
             t = group_time_ms([plan.seq_lengths[i] for i in g.seq_ids], g.degree, g.kind, profile, **plan.placement(g))
-            t *= 1.0 if scales is None else scales[mi][gi]
+            t *= (1.0 if scales is None else scales[mi][gi]) * _pace(plan, g)
             out.append(GroupTiming(mi, gi, g.degree, g.kind, g.ranks[0], start, t))
             span = max(span, t)
         start += span

@@ -4,11 +4,18 @@ Ranks are contiguous per node: node 0 holds ranks ``0 .. node_sizes[0] - 1``, no
 so on. A group whose ranks lie on one node talks over the node's fast link (NVLink: ~100 GB/s per A100 in FlexSP's
 table); a group that spans nodes crosses the slow one (InfiniBand: 5-10 GB/s), and the cost model prices it so
 (``solver.cost_model``: ``spans``). A frozen value that validates itself; no Ray, no torch.
+
+**Speeds.** Each rank may run at its own pace (``speeds``, one relative factor per rank: a throttled GPU, a busy host,
+a faster GPU kind beside slower ones; 1.0 is "the others", estimated per step by ``solver.worker_speeds``). A group
+runs at its slowest member's pace (its collectives wait for it), so the cost model's time of a group on ``ranks`` is
+divided by :meth:`Topology.speed_of` (``solver.simulator``), and the planner prices each group type at the speeds
+the ranks it may lie on have (``solver.packing.group_types``, ``solver.placement``).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter
 from dataclasses import dataclass
 from functools import cached_property
@@ -28,6 +35,8 @@ class Topology:
     """Workers alive on each node, in rank order; each >= 1."""
     node_names: tuple[str, ...] = ()
     """Optional node names (host or Ray node id), one per node; empty: ``node0``, ``node1``, ..."""
+    speeds: tuple[float, ...] = ()
+    """Each rank's relative speed, in rank order (a group runs at its slowest member's); empty: all 1.0."""
 
     def __post_init__(self) -> None:
         sizes = self.node_sizes
@@ -45,6 +54,20 @@ class Topology:
             raise TopologyError(f"{len(names)} node_names for {len(sizes)} nodes; give one per node or none")
         if names and len(set(names)) != len(names):
             raise TopologyError(f"node_names must be distinct, got {list(names)}")
+        speeds = self.speeds
+        if not isinstance(speeds, tuple):
+            object.__setattr__(self, "speeds", speeds := tuple(speeds))
+        if speeds:
+            if len(speeds) != sum(sizes):
+                raise TopologyError(f"{len(speeds)} speeds for {sum(sizes)} ranks; give one per rank or none")
+            bad = [(r, v) for r, v in enumerate(speeds) if isinstance(v, bool) or not isinstance(v, int | float)
+                   or not math.isfinite(v) or v <= 0]  # fmt: skip
+            if bad:
+                raise TopologyError(f"every speed must be a finite number > 0; rank {bad[0][0]} has {bad[0][1]!r}")
+            if all(v == 1.0 for v in speeds):
+                object.__setattr__(self, "speeds", ())  # all 1.0: the same topology as none given
+            else:
+                object.__setattr__(self, "speeds", tuple(float(v) for v in speeds))
 
     # ---- constructors
 
@@ -65,18 +88,43 @@ class Topology:
         """The object :meth:`to_dict` writes (``{"node_sizes": [...], "node_names": [...]}``)."""
         if not isinstance(raw, dict) or "node_sizes" not in raw:
             raise TopologyError(f"a topology is an object with 'node_sizes', got {raw!r}")
-        unknown = sorted(set(raw) - {"node_sizes", "node_names"})
+        unknown = sorted(set(raw) - {"node_sizes", "node_names", "speeds"})
         if unknown:
-            raise TopologyError(f"unknown topology fields {unknown}; known: node_sizes, node_names")
-        return cls(tuple(raw["node_sizes"]), tuple(raw.get("node_names") or ()))
+            raise TopologyError(f"unknown topology fields {unknown}; known: node_sizes, node_names, speeds")
+        return cls(tuple(raw["node_sizes"]), tuple(raw.get("node_names") or ()), tuple(raw.get("speeds") or ()))
 
     def to_dict(self) -> dict:
         out: dict = {"node_sizes": list(self.node_sizes)}
         if self.node_names:
             out["node_names"] = list(self.node_names)
+        if self.speeds:
+            out["speeds"] = list(self.speeds)
         return out
 
+    def with_speeds(self, speeds) -> Topology:
+        """This topology with each rank's speed ``speeds`` (rank order; empty or all 1.0: none)."""
+        return Topology(self.node_sizes, self.node_names, tuple(speeds))
+
+    def without_speeds(self) -> Topology:
+        """This topology with every rank at 1.0 (the speed-blind planner's view)."""
+        return Topology(self.node_sizes, self.node_names)
+
     # ---- queries
+
+    @property
+    def uniform_speed(self) -> bool:
+        """Every rank at 1.0."""
+        return not self.speeds
+
+    def rank_speeds(self) -> tuple[float, ...]:
+        """Each rank's speed (1.0 for all without speeds)."""
+        return self.speeds or (1.0,) * self.num_devices
+
+    def speed_of(self, ranks) -> float:
+        """The pace of a group on ``ranks``: its slowest member's speed (1.0 without speeds)."""
+        if not self.speeds:
+            return 1.0
+        return min(self.speeds[r] for r in ranks)
 
     @property
     def num_devices(self) -> int:
@@ -154,4 +202,9 @@ class Topology:
             if prev is not None:
                 parts.append(f"{prev}x{run}" if run > 1 else f"{prev}")
             prev, run = s, 1
-        return f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''}: {', '.join(parts)}"
+        out = f"{self.num_nodes} node{'s' if self.num_nodes > 1 else ''}: {', '.join(parts)}"
+        off = [(r, v) for r, v in enumerate(self.speeds) if v != 1.0]
+        if off:
+            shown = ", ".join(f"rank {r} {v:.2f}x" for r, v in off[:4])
+            out += f"; speeds {shown}{f' (+{len(off) - 4} more)' if len(off) > 4 else ''}"
+        return out

@@ -1,0 +1,146 @@
+"""A step's groups on ranks of different speeds: placed by their speeds, then work moved off the slow ones by its price.
+
+A plan's groups are chosen by the MILP (``solver.milp``) with every device at one pace. On ranks of different speeds
+(``Topology.speeds``: a throttled GPU, a busy host, a faster GPU kind among slower ones) a group runs at its slowest
+member's pace (its collectives wait for it), so a group's time is its nominal time over that speed
+(``solver.simulator``). Here, once the groups of every micro-batch are known:
+
+1. each micro-batch's groups are placed heaviest first on the fastest slots (``solver.placement.place``: where a
+   slow rank is, the lightest group of a node lies, or none);
+2. every placed group becomes a type of its own, its column of the time table and its fixed cost multiplied by its
+   pace (1 / the speed of its slowest rank), and the step's local search (``solver.packing.improve_step``: move a
+   sequence off the slowest group of the slowest micro-batch while that lowers the step) runs on those prices.
+   It moves work from slow groups to fast ones, from a long sequence's slow group to a faster group of any degree
+   that holds it, across micro-batches too; a group it empties is dropped, and its ranks sit that micro-batch out
+   when that is faster.
+
+So the planner keeps a slow worker out of the heavy groups, gives it fewer or shorter sequences, or none, by the
+prices of the cost model and the measured speeds, not by a rule. The answer is priced by the simulator where the
+groups lie (``Planner._finish``). Straggler work in practice: Megatron-LM's straggler detector and NVIDIA's
+resiliency extension report a slow rank; Hydraulis (arXiv 2412.07894) and HexiScale plan for mixed GPU kinds
+statically; this does it per step, from the speeds each worker showed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flexorch.solver.bounds import micro_batch_bound_ms
+from flexorch.solver.packing import Draft, GroupType, improve_step
+from flexorch.solver.placement import place, place_groups
+from flexorch.solver.plan import Group, MicroBatch
+from flexorch.solver.speed_levels import leveled_step
+from flexorch.solver.topology import Topology
+
+__all__ = ["leveled_solve", "paced_groups", "placed_micro_batches"]
+
+
+def placed_micro_batches(
+    drafts: list[Draft],
+    types: list[GroupType],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    caps_t: np.ndarray,
+    overheads: np.ndarray,
+    topology: Topology | None,
+    *,
+    deadline: float | None = None,
+) -> list[MicroBatch]:
+    """The micro-batches of ``drafts`` on ``topology``: placed by node (``solver.placement.place_groups``), and where
+    the ranks have speeds, paced (:func:`paced_groups`). The one way the planner and the baselines lay out a step."""
+    if topology is None or topology.uniform_speed:
+        return [MicroBatch(tuple(place_groups(d, types, range(len(lengths)), topology))) for d in drafts]
+    paced, _ = paced_groups(drafts, types, table, lengths, caps_t, overheads, topology, deadline=deadline)
+    return [MicroBatch(tuple(groups)) for groups in paced]
+
+
+def paced_groups(
+    drafts: list[Draft],
+    types: list[GroupType],
+    table: np.ndarray,
+    lengths: np.ndarray,
+    caps_t: np.ndarray,
+    overheads: np.ndarray,
+    topology: Topology,
+    *,
+    deadline: float | None = None,
+) -> tuple[list[list[Group]], float]:
+    """The groups of each micro-batch of ``drafts`` (sequence indices into ``table`` / ``lengths``) placed on
+    ``topology``'s ranks by their speeds, with the step's local search run on their paced prices (module
+    docstring), and the micro-batches' paced makespans summed; micro-batches the moves empty are left out.
+    ``deadline``: a ``time.monotonic()`` value the local search stops at (every move keeps the step valid)."""
+    placed = []  # per micro-batch: (type index, first rank, members) of each live group
+    for d in drafts:
+        live = [(t, m, x) for t, m, x in zip(d.group_type, d.members, d.loads, strict=True) if m]
+        starts = place([types[t].degree for t, _, _ in live], [types[t].spans for t, _, _ in live], topology,
+                       [x for *_, x in live], [types[t].speed for t, _, _ in live])  # fmt: skip
+        placed.append([(t, s, list(m)) for (t, m, _), s in zip(live, starts, strict=True)])
+    flat = [g for mb in placed for g in mb]
+    if not flat:
+        return [], 0.0
+    # every placed group its own type: its column and fixed cost at its pace (1 / its slowest rank's speed)
+    pace = np.array([1.0 / topology.speed_of(range(s, s + types[t].degree)) for t, s, _ in flat])
+    own = np.array([t for t, _, _ in flat], dtype=np.int64)
+    paced_table = table[:, own] * pace[None, :]
+    paced_fixed = np.asarray(overheads, dtype=np.float64)[own] * pace
+    caps = np.asarray(caps_t, dtype=np.int64)[own]
+    paced_drafts, cap_rows, j = [], [], 0
+    for mb in placed:
+        ids = list(range(j, j + len(mb)))
+        members = [list(m) for _, _, m in mb]
+        loads = np.array([paced_fixed[g] + paced_table[m, g].sum() for g, m in zip(ids, members, strict=True)])
+        tokens = np.array([int(lengths[m].sum()) for m in members], dtype=np.int64)
+        paced_drafts.append(Draft(ids, members, loads, tokens))
+        cap_rows.append(caps[ids])
+        j += len(mb)
+    moves = max(400, 4 * len(lengths))
+    improve_step(paced_drafts, cap_rows, paced_table, lengths, paced_fixed, max_moves=moves, deadline=deadline)
+    out = []
+    for mb, d in zip(placed, paced_drafts, strict=True):
+        groups = [
+            Group(types[t].degree, types[t].kind, tuple(range(s, s + types[t].degree)), tuple(int(i) for i in m),
+                  types[t].ulysses_degree)
+            for (t, s, _), m in zip(mb, d.members, strict=True)
+            if m
+        ]  # fmt: skip
+        if groups:
+            out.append(sorted(groups, key=lambda g: g.ranks[0]))
+    return out, float(sum(d.makespan() for d in paced_drafts))
+
+
+def leveled_solve(step, drafts: list[Draft], solves, until: float, run: dict, idle=None):
+    """The micro-batches of ``drafts`` (the step's best split, planned at one pace) solved again by the MILP with
+    each type once per speed level (``solver.speed_levels``), from ``drafts`` as starts (each group at the slowest
+    level: it may lie anywhere), by ``until``; both laid out (:func:`placed_micro_batches`) and priced where their
+    groups lie. Returns ``(drafts, types, table, caps, overheads)`` of the faster of the two, the table and fixed
+    costs nominal (the layout paces them), or None when the leveled solve did not come back better.
+    ``solves``: the planner's ``SplitSolver`` (its solver process and deadlines)."""
+    leveled, base_of = leveled_step(step)
+    lowest: dict[int, int] = {}
+    for j, t in enumerate(base_of):
+        lowest.setdefault(int(t), j)  # the levels of a type come slowest first
+    split, starts, bounds = [], [], []
+    fastest = max(step.topology.rank_speeds())
+    for d in drafts:
+        gtype = [lowest[t] for t in d.group_type]
+        members = [list(m) for m in d.members]
+        loads = np.array([leveled.overheads[g] + leveled.table[m, g].sum() if m else 0.0
+                          for g, m in zip(gtype, members, strict=True)])  # fmt: skip
+        starts.append(Draft(gtype, members, loads, d.tokens.copy()))
+        items = sorted(i for m in members for i in m)
+        split.append(items)
+        bounds.append(micro_batch_bound_ms(step.table[items], step.deg, step.n, step.overheads) / fastest)
+    sols, _ = solves.solve(leveled, split, bounds, until, starts, run, until, idle)
+    if sols is None:
+        return None
+    nominal = (step.types, step.table, step.caps_t, step.overheads)
+    mine = ([d for d, _ in sols], leveled.types, step.table[:, base_of], leveled.caps_t, step.overheads[base_of])
+    return mine if _paced_ms(mine, step) < _paced_ms((drafts, *nominal), step) else None
+
+
+def _paced_ms(laid: tuple, step) -> float:
+    """The summed micro-batch makespans of drafts laid out and paced on the step's topology (copies: the layout's
+    local search changes drafts in place)."""
+    drafts, types, table, caps, overheads = laid
+    drafts = [Draft(list(d.group_type), [list(m) for m in d.members], d.loads.copy(), d.tokens.copy()) for d in drafts]
+    return paced_groups(drafts, types, table, step.lengths, caps, overheads, step.topology)[1]
