@@ -23,6 +23,8 @@ statically; this does it per step, from the speeds each worker showed.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from flexorch.solver.bounds import micro_batch_bound_ms
@@ -32,7 +34,7 @@ from flexorch.solver.plan import Group, MicroBatch
 from flexorch.solver.speed_levels import leveled_step
 from flexorch.solver.topology import Topology
 
-__all__ = ["leveled_solve", "paced_groups", "placed_micro_batches"]
+__all__ = ["fastest_layout", "leveled_solve", "paced_groups", "placed_micro_batches"]
 
 
 def placed_micro_batches(
@@ -111,10 +113,9 @@ def paced_groups(
 def leveled_solve(step, drafts: list[Draft], solves, until: float, run: dict, idle=None):
     """The micro-batches of ``drafts`` (the step's best split, planned at one pace) solved again by the MILP with
     each type once per speed level (``solver.speed_levels``), from ``drafts`` as starts (each group at the slowest
-    level: it may lie anywhere), by ``until``; both laid out (:func:`placed_micro_batches`) and priced where their
-    groups lie. Returns ``(drafts, types, table, caps, overheads)`` of the faster of the two, the table and fixed
-    costs nominal (the layout paces them), or None when the leveled solve did not come back better.
-    ``solves``: the planner's ``SplitSolver`` (its solver process and deadlines)."""
+    level: it may lie anywhere), by ``until``: ``(drafts, types, table, caps, overheads)`` with the leveled types,
+    their table and fixed costs nominal (the layout paces them, :func:`fastest_layout` picks), or None when some
+    micro-batch could not be packed. ``solves``: the planner's ``SplitSolver`` (its solver process and deadlines)."""
     leveled, base_of = leveled_step(step)
     lowest: dict[int, int] = {}
     for j, t in enumerate(base_of):
@@ -133,14 +134,28 @@ def leveled_solve(step, drafts: list[Draft], solves, until: float, run: dict, id
     sols, _ = solves.solve(leveled, split, bounds, until, starts, run, until, idle)
     if sols is None:
         return None
-    nominal = (step.types, step.table, step.caps_t, step.overheads)
-    mine = ([d for d, _ in sols], leveled.types, step.table[:, base_of], leveled.caps_t, step.overheads[base_of])
-    return mine if _paced_ms(mine, step) < _paced_ms((drafts, *nominal), step) else None
+    return [d for d, _ in sols], leveled.types, step.table[:, base_of], leveled.caps_t, step.overheads[base_of]
 
 
-def _paced_ms(laid: tuple, step) -> float:
-    """The summed micro-batch makespans of drafts laid out and paced on the step's topology (copies: the layout's
-    local search changes drafts in place)."""
-    drafts, types, table, caps, overheads = laid
-    drafts = [Draft(list(d.group_type), [list(m) for m in d.members], d.loads.copy(), d.tokens.copy()) for d in drafts]
-    return paced_groups(drafts, types, table, step.lengths, caps, overheads, step.topology)[1]
+def fastest_layout(layouts: list[tuple], lengths: np.ndarray, topology: Topology | None, make_plan, price, *,
+                   deadline: float | None = None):  # fmt: skip
+    """The fastest plan (by ``price(plan)``) of the ``layouts`` (each ``(drafts, types, table, caps, overheads)``,
+    the first the step's best split at one pace) laid out on ``topology`` (:func:`placed_micro_batches`; the local
+    search of each stops by its share of the time to ``deadline``); on ranks of different speeds also the first
+    placed as the speed-blind planner places it, so a speed-aware plan is never priced slower than the blind
+    layout of its own split. ``make_plan(micro_batches)`` makes the plan."""
+    if topology is None or topology.uniform_speed:
+        drafts, types, table, caps, overheads = layouts[0]
+        return make_plan(placed_micro_batches(drafts, types, table, lengths, caps, overheads, topology))
+    blind = topology.without_speeds()
+    drafts, types = layouts[0][0], layouts[0][1]
+    plans = [make_plan([MicroBatch(tuple(place_groups(d, types, range(len(lengths)), blind))) for d in drafts])]
+    for k, (drafts, types, table, caps, overheads) in enumerate(layouts):
+        until = None
+        if deadline is not None:
+            until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (len(layouts) - k)
+        copies = [Draft(list(d.group_type), [list(m) for m in d.members], d.loads.copy(), d.tokens.copy())
+                  for d in drafts]  # fmt: skip
+        mbs = placed_micro_batches(copies, types, table, lengths, caps, overheads, topology, deadline=until)
+        plans.append(make_plan(mbs))
+    return min(plans[::-1], key=price)  # ties: the paced layouts

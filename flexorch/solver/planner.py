@@ -39,7 +39,7 @@ from flexorch.solver.bounds import micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.budget import Budget, measured
 from flexorch.solver.halves import split_halves
 from flexorch.solver.microbatching import partition_candidates
-from flexorch.solver.paced import leveled_solve, placed_micro_batches
+from flexorch.solver.paced import fastest_layout, leveled_solve
 from flexorch.solver.packing import (
     Draft,
     best_homogeneous_draft,
@@ -150,8 +150,8 @@ class Planner:
             step_bound_ms, step.table, step.types, lengths, step.n, step.cap, step.overheads, slowest=step.slowest
         )
         paced = topology is not None and not topology.uniform_speed
-        # on ranks of different speeds, the search at one pace gets half the time, the leveled solve the rest
-        budget = Budget.split(t0, t0 + 0.5 * (deadline - t0) if paced else deadline, lengths.size, self._finish_s,
+        # on ranks of different speeds, the search at one pace gets 60 % of the time, the leveled solve the rest
+        budget = Budget.split(t0, t0 + 0.6 * (deadline - t0) if paced else deadline, lengths.size, self._finish_s,
                               self._polish_s)  # fmt: skip
         run = {"crashes": 0, "cut": 0}
         search = self._screen(step, budget)
@@ -240,14 +240,17 @@ class Planner:
         else:
             status = "milp" if any(m in ("milp", "exact") for _, m in search.best_mbs) else "static"
         topo = step.topology
-        laid = search.laid or ([d for d, _ in search.best_mbs], step.types, step.table, step.caps_t, step.overheads)
-        drafts, types, table, caps, overheads = laid
-        mbs = placed_micro_batches(drafts, types, table, lengths, caps, overheads, topo,
-                                   deadline=budget.polish + 0.5 * (budget.end - budget.polish))  # fmt: skip
         meta = {"planner": "flexorch-milp", "status": status}
-        plan = Plan.for_profile(
-            num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof, meta=meta, topology=topo
-        )
+        layouts = [([d for d, _ in search.best_mbs], step.types, step.table, step.caps_t, step.overheads)]
+        layouts += [search.laid] if search.laid is not None else []  # ranks of different speeds: solved leveled
+
+        def make(mbs) -> Plan:
+            return Plan.for_profile(num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof, meta=meta,
+                                    topology=topo)  # fmt: skip
+
+        plan = fastest_layout(layouts, lengths, topo, make, lambda p: step_time_ms(p, prof),
+                              deadline=budget.polish + 0.5 * (budget.end - budget.polish))  # fmt: skip
+        mbs = plan.micro_batches
         bound = self._step_bound()  # computed already if a MILP ran in the solver process; else now (in `finish`)
         if topo is not None:  # at one pace; ranks faster than 1.0 may beat it by their speed
             bound /= max(1.0, *topo.rank_speeds())
