@@ -92,6 +92,11 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
         choices=["aware", "blind"],
         help="with nodes: 'aware' (default) places and prices groups by node; 'blind' plans as one node",
     )
+    p.add_argument(
+        "--speeds",
+        help="simulate slow or fast workers: one relative speed per worker (1,1,0.5,1), RANK=SPEED (3=0.5, others "
+        "1.0) or NODE=SPEED (node1=0.7, with --nodes); plans are priced with them, beside the speed-blind plan",
+    )
 
 
 def _train_flags(p: argparse.ArgumentParser) -> None:
@@ -252,6 +257,7 @@ _PLAN_KEYS = {
     "gpus_per_node",
     "nodes",
     "topology",
+    "speeds",
 }
 
 
@@ -286,7 +292,7 @@ def _merged(args: argparse.Namespace) -> dict:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from flexorch.cli.plan import PlanRunConfig, parse_nodes, parse_pipeline_stages, run_plan
+    from flexorch.cli.plan import PlanRunConfig, parse_nodes, parse_pipeline_stages, parse_speeds, run_plan
     from flexorch.solver.planner import PlannerConfig
     from flexorch.solver.profiles import get_profile
 
@@ -296,11 +302,13 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         profile = profile.with_overrides(num_heads=int(v["heads"]), num_kv_heads=int(v["heads"]))
     planner = PlannerConfig(time_limit_s=float(v.get("time_limit", 1.0)), workers=int(v.get("solver_workers", 1)))
     nodes = parse_nodes(v.get("nodes"), v.get("gpus_per_node"), v.get("workers"))
+    workers = int(v.get("workers", sum(nodes) if nodes else 64))
     cfg = PlanRunConfig(
         lengths=Path(v["lengths"]) if v.get("lengths") else None,
         text_field=v.get("text_field", "text"),
-        workers=int(v.get("workers", sum(nodes) if nodes else 64)),
+        workers=workers,
         nodes=nodes,
+        speeds=parse_speeds(v.get("speeds"), workers, nodes),
         topology=v.get("topology", "aware"),
         max_context=parse_tokens(v["max_context"]) if v.get("max_context") is not None else None,
         over_long=v.get("over_long", "drop"),

@@ -6,6 +6,10 @@ seeded epochs, every sequence once per epoch), plans every step through the trai
 prints per step the plan's shape, the solve time, the predicted step time, the gap to a proven lower bound and the
 speedup against the static layouts in use today.
 
+With ``speeds`` (``--speeds 1,1,0.5,1``, ``3=0.5`` or ``node1=0.7``; :mod:`flexorch.cli.plan_speeds`) the workers run at
+those relative speeds: each step is planned and priced with them, and printed beside the speed-blind plan of the same
+batch (planned as if every worker ran at 1.0, priced with the speeds), with each rank's share of the tokens.
+
 With ``pipeline_stages`` (``--pipeline-stages P|auto``) every step is planned as a pipeline instead (P stages of
 ``workers // P`` workers, SP inside a stage, or the best split per step for ``auto``), never slower than plain 1F1B
 and Seq1F1B on the same stages, and compared against them.
@@ -22,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from flexorch.cli.plan_speeds import SpeedComparison, parse_speeds
 from flexorch.data.errors import DataError
 from flexorch.data.lengths import bundled_lengths_path, read_lengths
 from flexorch.data.stream import Batch, DocumentStream
@@ -35,7 +40,7 @@ from flexorch.solver.step_planner import StepPlanner
 from flexorch.solver.topology import Topology
 from flexorch.solver.validation import largest_degree
 
-__all__ = ["PlanRunConfig", "run_plan", "parse_nodes", "parse_pipeline_stages"]
+__all__ = ["PlanRunConfig", "run_plan", "parse_nodes", "parse_pipeline_stages", "parse_speeds"]
 
 
 def parse_nodes(nodes, gpus_per_node, workers) -> tuple[int, ...] | None:
@@ -117,6 +122,9 @@ class PlanRunConfig:
     pipeline_stages: int | str | None = None
     """None: plan SP groups. P >= 1 or 'auto': plan every step as a pipeline of P stages (``workers // P`` workers
     each, SP inside a stage; the ``workers - P * (workers // P)`` left over sit out) or the best split per step."""
+    speeds: tuple[float, ...] | None = None
+    """Each worker's relative speed in rank order (``--speeds``, :func:`flexorch.cli.plan_speeds.parse_speeds`);
+    None: all 1.0. Plans are made and priced with them, beside the speed-blind plan of each batch."""
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -132,6 +140,11 @@ class PlanRunConfig:
             raise ValueError(f"--topology must be 'aware' or 'blind', got {self.topology!r}")
         if self.nodes is not None and sum(self.nodes) != self.workers:
             raise ValueError(f"--nodes {list(self.nodes)} holds {sum(self.nodes)} workers, --workers is {self.workers}")
+        if self.speeds is not None:
+            if len(self.speeds) != self.workers or not all(s > 0 for s in self.speeds):
+                raise ValueError(f"--speeds needs one speed > 0 per worker ({self.workers}), got {list(self.speeds)}")
+            if p is not None:
+                raise ValueError("--speeds prices SP groups; a pipelined plan (--pipeline-stages) does not take them")
 
 
 def _filter(lengths: np.ndarray, max_context: int, policy: str) -> tuple[np.ndarray, dict]:
@@ -158,9 +171,12 @@ def run_plan(cfg: PlanRunConfig, profile: Profile, out=None) -> list[dict]:
     out = out or sys.stdout
     lengths = _kept_lengths(cfg, profile, out)
     pipelined = cfg.pipeline_stages is not None
-    records, pictures, writer = _plan_steps(cfg, profile, lengths, out)
+    speeds = SpeedComparison(cfg.speeds) if cfg.speeds is not None and not cfg.json else None
+    records, pictures, writer = _plan_steps(cfg, profile, lengths, out, speeds)
     if not cfg.json:
         (_pipeline_summary if pipelined else _summary)(records, out)
+    if speeds is not None:
+        speeds.summary(out)
 
     def picture() -> str:
         if pipelined:
@@ -211,29 +227,49 @@ def _kept_lengths(cfg: PlanRunConfig, profile: Profile, out):
             f"  profile {profile.name}, N={cfg.workers} workers, batch {cfg.batch}, {cfg.steps} steps, "
             f"seed {cfg.seed}"
             + (f", pipeline stages {cfg.pipeline_stages} (SP inside a stage)" if pipelined else "")
-            + (f", {Topology(cfg.nodes).describe()} ({cfg.topology})" if cfg.nodes and not pipelined else ""),
+            + (f", {Topology(cfg.nodes).describe()} ({cfg.topology})" if cfg.nodes and not pipelined else "")
+            + (f", speeds {_speeds_text(cfg.speeds)}" if cfg.speeds is not None else ""),
             file=out,
         )
         print(_pipeline_head() if pipelined else _head(), file=out)
     return lengths
 
 
-def _plan_steps(cfg: PlanRunConfig, profile: Profile, lengths, out):
-    """Plan each step's batch (the train driver's stream over ``lengths``), emitting its record as it is planned;
-    returns the records, each step's picture and the run directory's writer (None without one)."""
+def _speeds_text(speeds) -> str:
+    """'rank 3 0.50x' for each rank off 1.0 (the first 8), or 'all 1.0'."""
+    off = [f"rank {r} {s:.2f}x" for r, s in enumerate(speeds) if s != 1.0]
+    return ", ".join(off[:8]) + (f" (+{len(off) - 8} more)" if len(off) > 8 else "") if off else "all 1.0"
+
+
+def _topologies(cfg: PlanRunConfig) -> tuple[Topology | None, Topology | None, Topology | None, Topology | None]:
+    """(the nodes, what the planner is given without the speeds, with them, what its plan runs on): with --topology
+    blind the planner sees one node (None); with --speeds the planner's topology and the nodes carry the speeds
+    (one node without --nodes)."""
+    nodes = Topology(cfg.nodes) if cfg.nodes is not None and cfg.pipeline_stages is None else None
+    blind = nodes if cfg.topology == "aware" else None
+    if cfg.speeds is None:
+        return nodes, blind, blind, nodes
+    single = Topology.single(cfg.workers)
+    return nodes, blind, (blind or single).with_speeds(cfg.speeds), (nodes or single).with_speeds(cfg.speeds)
+
+
+def _plan_steps(cfg: PlanRunConfig, profile: Profile, lengths, out, speeds: SpeedComparison | None = None):
+    """Plan each step's batch (the train driver's stream over ``lengths``), emitting its record as it is planned
+    (with ``speeds``, and the speed-blind plan beside it); returns the records, each step's picture and the run
+    directory's writer (None without one)."""
     pipelined = cfg.pipeline_stages is not None
     stream = DocumentStream(lengths.size, cfg.batch, cfg.seed)  # the train driver's stream, over the kept lengths
     records, pictures = [], []
     writer = StepRecords(cfg.run_dir) if cfg.run_dir is not None else None
     t_start = time.perf_counter()
-    topo = Topology(cfg.nodes) if cfg.nodes is not None and not pipelined else None
+    nodes, blind, planning, priced = _topologies(cfg)
     with StepPlanner(profile, cfg.planner, pipeline_stages=cfg.pipeline_stages or 1) as planner:
         for step in range(cfg.steps):
             batch = stream.next_batch()
             seqs = lengths[list(batch.doc_ids)]
-            planned = planner.plan(seqs, cfg.workers, topology=topo if cfg.topology == "aware" else None)
-            if topo is not None and cfg.topology == "blind" and planned.plan is not None:
-                planned = on_nodes(planned, topo, profile)
+            planned = planner.plan(seqs, cfg.workers, topology=planning)
+            if nodes is not None and cfg.topology == "blind" and planned.plan is not None:
+                planned = on_nodes(planned, priced, profile)
             if planned.plan is None:  # an error (exit 2); the steps before it stay written
                 where = f" (--pipeline-stages {cfg.pipeline_stages})" if pipelined else ""
                 raise InfeasibleBatchError(f"step {step}{where}: {planned.error}")
@@ -243,6 +279,8 @@ def _plan_steps(cfg: PlanRunConfig, profile: Profile, lengths, out):
             eta = (time.perf_counter() - t_start) / (step + 1) * (cfg.steps - step - 1)
             row = None if cfg.json else (_pipeline_row(rec, eta) if pipelined else _row(rec, eta))
             _emit(cfg, out, writer, records, rec, row)
+            if speeds is not None:  # the same batch planned without the speeds, on the same nodes
+                print(speeds.compare(planner, seqs, cfg.workers, blind, priced, planned, profile), file=out)
     return records, pictures, writer
 
 

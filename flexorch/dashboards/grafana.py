@@ -35,6 +35,8 @@ def panel_query(name: str, kind: str) -> list[tuple[str, str]]:
         return [(f"sum by (run) ({metric}{{{_FILTER}}})", "{{run}}")]
     if name == "flexorch_plan_fallbacks_total":
         return [(f"sum by (run, reason) ({metric}{{{_FILTER}}})", "{{reason}} {{run}}")]
+    if name == "flexorch_worker_speed":  # one series per worker: a slow one stands out (1.0 = the others)
+        return [(f"min by (run, worker, node) ({metric}{{{_FILTER}}})", "worker {{worker}} {{node}} {{run}}")]
     if name == "flexorch_plan_groups":
         return [(f"sum by (run, degree, kind) ({metric}{{{_FILTER}}})", "SP={{degree}} {{kind}} {{run}}")]
     return [(f"max by (run) ({metric}{{{_FILTER}}})", "{{run}}")]

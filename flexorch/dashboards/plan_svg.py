@@ -8,6 +8,12 @@ A step of several ``[[tasks]]`` can be coloured by task instead (``task_of``: ea
 planner's ``task_of``): every SP group runs one task's sequences, so each box takes its task's colour
 (:func:`task_colour`, the palette the multi-task picture and the plan viewer use too) and the legend names the
 tasks. :data:`PALETTE` is the one Tableau palette of the dashboards' SVG pictures.
+
+A plan priced with worker speeds (``plan.topology.speeds``: a group runs at its slowest member's pace,
+``solver.simulator``) shades each device slower than :data:`~flexorch.solver.worker_speeds.SLOW_BELOW` (0.8x the
+others): its row is tinted behind the boxes (``class="slow"``), a mark at the panel's left edge and its speed at the
+right (``0.52x``, ``class="slow-label"``) name it, with a tooltip; a box on such a device says the pace it runs at.
+Runs of consecutive ranks at one speed (a slow node) are shaded and labelled once.
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from html import escape
 from flexorch.solver.plan import Plan
 from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import group_timings, micro_batch_times_ms
+from flexorch.solver.worker_speeds import SLOW_BELOW
 
-__all__ = ["MIXED_COLOUR", "PALETTE", "render_steps_svg", "render_svg", "task_colour"]
+__all__ = ["MIXED_COLOUR", "PALETTE", "SLOW_FILL", "SLOW_TEXT", "render_steps_svg", "render_svg", "task_colour"]
 
 PALETTE = (
     "#4e79a7",
@@ -38,6 +45,12 @@ PALETTE = (
 
 MIXED_COLOUR = "#777"
 """A box whose colour the palette cannot give: a degree past it, a group whose sequences belong to several tasks."""
+
+
+SLOW_FILL = "#f7c6c0"
+"""The tint of a slow device's row (behind the boxes: it shows where the device idles)."""
+SLOW_TEXT = "#b2182b"
+"""A slow device's mark at the panel's left edge and its speed label at the right."""
 
 
 def task_colour(task: int) -> str:
@@ -67,6 +80,8 @@ def _panel(
     parts = [f'<text x="{left}" y="{y0 + 18:.1f}" font-size="13" font-weight="bold">{escape(title)}</text>']
     height = n * row
     parts.append(f'<rect x="{left}" y="{top}" width="{width}" height="{height:.1f}" fill="white" stroke="#333"/>')
+    slow = _slow_runs(plan)
+    parts += _slow_bands(slow, left, top, width, row)
     for g in group_timings(plan, profile):
         grp = plan.micro_batches[g.micro_batch].groups[g.group]
         x = left + g.start_ms * ms_scale
@@ -80,6 +95,9 @@ def _panel(
             f"micro-batch {g.micro_batch}, ranks {grp.ranks[0]}-{grp.ranks[-1]}, degree {g.degree} {kind}, "
             f"{len(grp.seq_ids)} seqs, {g.time_ms:.0f} ms" + (", across nodes" if spans else "")
         )
+        pace = 1.0 if plan.topology is None else plan.topology.speed_of(grp.ranks)
+        if pace != 1.0:
+            tip += f", at {pace:.2f}x (its slowest member's speed)"
         fill, attrs = _colour(g.degree), ""
         if names is not None:  # task mode: a step without tasks (task_of None) is no task's, grey
             task = None if task_of is None else _group_task(grp.seq_ids, task_of)
@@ -103,9 +121,58 @@ def _panel(
             f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{top + height:.1f}" stroke="#000" stroke-dasharray="4 3"/>'
         )
     parts += _node_lines(plan, left, top, width, row)
+    parts += _slow_labels(slow, left, top, width, row)
     parts.append(f'<text x="{left - 6}" y="{top + 10}" font-size="10" text-anchor="end">rank 0</text>')
     parts.append(f'<text x="{left - 6}" y="{top + height:.1f}" font-size="10" text-anchor="end">{n - 1}</text>')
     return parts, top + height + 22
+
+
+def _slow_runs(plan: Plan) -> list[tuple[int, int, float]]:
+    """(first rank, ranks, speed) of each run of consecutive ranks at one speed below ``SLOW_BELOW``, from the
+    speeds the plan was priced with (its topology's); none without speeds."""
+    topo = plan.topology
+    if topo is None or topo.uniform_speed:
+        return []
+    runs: list[tuple[int, int, float]] = []
+    for r, speed in enumerate(topo.rank_speeds()):
+        if speed >= SLOW_BELOW:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == r and runs[-1][2] == speed:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1, speed)
+        else:
+            runs.append((r, 1, speed))
+    return runs
+
+
+def _slow_tip(first: int, count: int, speed: float) -> str:
+    who = f"rank {first}" if count == 1 else f"ranks {first}-{first + count - 1}"
+    return escape(f"{who}: {speed:.2f}x the others (slow: below {SLOW_BELOW:g}x); a group waits for its slowest member")
+
+
+def _slow_bands(runs, left: float, top: float, width: float, row: float) -> list[str]:
+    """Each slow run's row tinted across the panel (drawn before the boxes: it shows where the device idles)."""
+    return [
+        f'<rect class="slow" data-rank="{a}" data-ranks="{k}" data-speed="{v:.3g}" x="{left}" y="{top + a * row:.2f}" '
+        f'width="{width}" height="{k * row:.2f}" fill="{SLOW_FILL}" stroke="none"><title>{_slow_tip(a, k, v)}</title>'
+        "</rect>"
+        for a, k, v in runs
+    ]
+
+
+def _slow_labels(runs, left: float, top: float, width: float, row: float) -> list[str]:
+    """Each slow run's mark at the panel's left edge and its speed at the right (drawn over the boxes)."""
+    out = []
+    for a, k, v in runs:
+        y, h, tip = top + a * row, k * row, _slow_tip(a, k, v)
+        out.append(
+            f'<rect class="slow-mark" x="{left - 4}" y="{y:.2f}" width="4" height="{h:.2f}" fill="{SLOW_TEXT}">'
+            f"<title>{tip}</title></rect>"
+        )
+        out.append(
+            f'<text class="slow-label" data-rank="{a}" x="{left + width + 3:.1f}" y="{y + h / 2 + 3:.2f}" '
+            f'font-size="9" fill="{SLOW_TEXT}"><title>{tip}</title>{v:.2f}x</text>'
+        )
+    return out
 
 
 def _node_lines(plan: Plan, left: float, top: float, width: float, row: float) -> list[str]:
@@ -200,6 +267,13 @@ def render_steps_svg(
             x = 70 + i * 70
             parts.append(f'<rect x="{x}" y="{legend_y - 9}" width="10" height="10" fill="{_colour(d)}"/>')
             parts.append(f'<text x="{x + 14}" y="{legend_y}" font-size="10">SP {d}</text>')
+    if any(_slow_runs(p) for _, p in steps):
+        legend_y += 16
+        parts.append(f'<rect class="legend-slow" x="70" y="{legend_y - 9}" width="10" height="10" fill="{SLOW_FILL}"/>')
+        parts.append(
+            f'<text x="84" y="{legend_y}" font-size="10">slow device (below {SLOW_BELOW:g}x the others; its speed '
+            "at the right)</text>"
+        )
     total_h = legend_y + 12
     head = (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width + 100:.0f}" height="{total_h:.0f}" '

@@ -20,6 +20,10 @@ degree (the legend: each task's name and loss this step; the colours are ``plan_
 pictures); a panel above the pictures says how the tasks were placed (``multitask``: Spindle or in turn, Spindle's
 bound, makespan and gap, the plan's simulated and dataflow times) and each task's ranks, documents, tokens, loss
 targets and loss, and the step table gets a column of the same per step. Records without tasks get neither.
+
+A device slower than 0.8x the others (``viewer_data.rank_speeds``: the worker's measured speed in a trained record,
+else the speed its plan was priced with) has its row shaded in the pictures, its speed at their right (hover: which
+ranks, how slow), and the step summary names it; a group's hover gives the pace it ran at (its slowest member's).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ A step of several ``[[tasks]]`` (its record has ``tasks``) also gets each group'
 (:func:`task_view`): the record does not say which task each sequence is, but a batch holds ``tasks[name].docs``
 documents of each task in task order (``TaskStreams._combine``: first all of task 0's, then task 1's, ...), so
 sequence i is the task whose cumulative range of documents covers i (:func:`seq_tasks`).
+
+Worker speeds (:func:`rank_speeds`): each rank's relative speed, from what the worker showed (a trained record's
+``ranks[i].speed``, the driver's estimate: ``solver.worker_speeds``) or else what the plan was priced with
+(``plan.topology.speeds``); the page shades a rank below ``SLOW_BELOW`` (0.8x the others) with its speed.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ from pathlib import Path
 from flexorch.dashboards.plan_svg import task_colour
 from flexorch.records.schema import RecordError, validate_record
 from flexorch.records.writer import measured_bubble_share
+from flexorch.solver.worker_speeds import SLOW_BELOW
 
-__all__ = ["read_run", "step_view", "pipeline_view", "seq_tasks", "task_view"]
+__all__ = ["read_run", "step_view", "pipeline_view", "rank_speeds", "seq_tasks", "task_view"]
 
 PARTIAL_LINE_GRACE_S = 10.0
 """A last line without its newline is taken as being written for this long, then reported as malformed."""
@@ -266,14 +271,42 @@ def _rank_nodes(rec: dict) -> list[str] | None:
     return nodes if nodes and len(set(nodes)) > 1 else None
 
 
+def _speed(v) -> float | None:
+    """A speed as recorded: a finite number > 0, else None."""
+    v = _number(v)
+    return float(v) if v is not None and v > 0 else None
+
+
+def rank_speeds(rec: dict) -> list[float] | None:
+    """Each rank's relative speed (1.0 = the others), or None where the record says none (every rank at 1.0).
+
+    Per rank: its entry's ``speed`` in ``ranks`` (a trained step: the speed the worker showed, estimated by the
+    driver), else the speed its plan was priced with (``plan.topology.speeds``), else 1.0."""
+    planned = ((rec.get("plan") or {}).get("topology") or {}).get("speeds") or []
+    entries = rec.get("ranks") if isinstance(rec.get("ranks"), list) else []
+    n = rec["world_size"]
+    out, known = [], False
+    for r in range(n):
+        entry = entries[r] if r < len(entries) and isinstance(entries[r], dict) else {}
+        speed = _speed(entry.get("speed"))
+        if speed is None and r < len(planned):
+            speed = _speed(planned[r])
+        known = known or speed is not None
+        out.append(1.0 if speed is None else speed)
+    return out if known else None
+
+
 def step_view(rec: dict) -> dict:
     """One validated record as the page draws it (the record's summary fields plus ``groups`` for SP steps, or
     ``pipeline`` (:func:`pipeline_view`; null for SP steps) for pipelined ones). ``tasks``, ``multitask`` and
     ``task_note`` are :func:`task_view`'s (all null for a record without tasks), and each group's ``task`` the index
     of the task it ran (null without tasks, or where that cannot be told); with 'auto' recompute each group's
     ``recompute`` is the mode it ran in ('none', 'selective', 'full'; null otherwise) and ``recompute_packing`` the
-    planner's packings (the record's). ``nodes``: each rank's node where the ranks lie on several (else null)."""
+    planner's packings (the record's). ``nodes``: each rank's node where the ranks lie on several (else null).
+    ``speeds``: :func:`rank_speeds`; ``slow_ranks``: the ranks below ``SLOW_BELOW`` (``slow_below``), shaded on the
+    page; each group's ``speed`` its slowest member's (null without speeds)."""
     groups = []
+    speeds = rank_speeds(rec)
     of = seq_tasks(rec)
     modes = rec.get("recompute")  # 'auto' recompute: each group's mode, per micro-batch
     if rec["plan"] is not None:
@@ -301,6 +334,7 @@ def step_view(rec: dict) -> dict:
                         "measured_ms": m_ms,
                         "task": None if of is None else _group_task(g["seq_ids"], of),
                         "recompute": modes[mi][gi] if modes else None,
+                        "speed": None if speeds is None else min(speeds[r] for r in g["ranks"]),
                     }
                 )
     keys = (
@@ -313,6 +347,9 @@ def step_view(rec: dict) -> dict:
     view["micro_batches"] = len(rec["plan"]["micro_batches"]) if rec["plan"] else 0
     view["groups"] = groups
     view["nodes"] = _rank_nodes(rec)
+    view["speeds"] = speeds
+    view["slow_ranks"] = [] if speeds is None else [r for r, v in enumerate(speeds) if v < SLOW_BELOW]
+    view["slow_below"] = SLOW_BELOW
     view["pipeline"] = pipeline_view(rec) if rec.get("pipeline") is not None else None
     view.update(task_view(rec, groups) or {"tasks": None, "multitask": None, "task_note": None})
     return view

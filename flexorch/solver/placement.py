@@ -29,8 +29,9 @@ placed heaviest first (by their loads, within the order above), each on the free
 any run that holds it (fewest ranks left over among equally fast ones), at an offset of a multiple of its degree
 from the run's start. Such an offset leaves the run's slots of every smaller power of two as many as the start does
 (the prefix is a multiple of the degree, which they divide), so the capacity argument above still holds. Without
-speeds every slot is as fast and this is the best fit at the run's start: the placement is as before. The slow
-ranks then hold the lightest groups, or none; ``solver.paced`` moves work off them by its prices.
+speeds every slot is as fast and this is the best fit at the run's start described above. The slow
+ranks then hold the lightest groups, or none; ``solver.paced`` moves work off them by its prices. A group priced
+at a speed level (``levels``, ``solver.speed_levels``) takes the slowest slot at least that fast instead.
 """
 
 from __future__ import annotations

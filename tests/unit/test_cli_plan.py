@@ -1,12 +1,14 @@
 """`flexorch plan` end to end on real files: output, JSON schema, and every kind of bad input."""
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
 from flexorch.cli.main import main
+from flexorch.cli.plan import parse_speeds
 from flexorch.data.lengths import parse_tokens, read_lengths
 from flexorch.records.schema import SCHEMA, validate_record
 from flexorch.records.writer import read_records
@@ -371,3 +373,86 @@ def test_gpus_per_node_plans_on_nodes_and_blind_compares(tmp_path, capsys):
     assert code == 2 and "--nodes" in err
     code, _, err = _run(["plan", "--nodes", "8,8", "--workers", "12", "--steps", "1"], capsys)
     assert code == 2 and "--workers is 12" in err
+
+
+SLOW = ["plan", "--workers", "4", "--batch", "16", "--steps", "2", "--time-limit", "0.3"]
+
+
+def test_speeds_plan_around_a_slow_worker_beside_the_speed_blind_plan(tmp_path, capsys):
+    run, svg = tmp_path / "run", tmp_path / "p.svg"
+    code, out, err = _run([*SLOW, "--speeds", "1,1,0.5,1", "--run-dir", str(run), "--svg", str(svg)], capsys)
+    assert code == 0, err
+    assert "seed 0, speeds rank 2 0.50x" in out
+    recs = read_records(run / "steps.jsonl", validate=True)
+    assert [r["plan"]["topology"] for r in recs] == [{"node_sizes": [4], "speeds": [1.0, 1.0, 0.5, 1.0]}] * 2
+    # one line under each step's row: the blind plan of the same batch priced with the speeds, and the ratio
+    lines = [line for line in out.splitlines() if "speeds: speed-blind plan" in line]
+    assert len(lines) == 2
+    for line, rec in zip(lines, recs, strict=True):
+        blind, aware = (float(x) for x in re.findall(r"(\d+) ms", line))
+        assert aware == round(rec["predicted_ms"])
+        assert float(re.search(r"ms: ([\d.]+)x", line).group(1)) == pytest.approx(blind / rec["predicted_ms"], abs=6e-3)
+        assert "tokens rank 2 (0.50x) " in line
+    ratio = re.search(r"speed-blind plans \(same batch, both priced with the speeds\): median ([\d.]+)x", out)
+    assert ratio and float(ratio.group(1)) >= 1.0
+    # the slow worker gets a smaller share of the tokens than the speed-blind planner gives it (~ a quarter)
+    shares = {}
+    for which in ("aware", "blind"):
+        line = next(x for x in out.splitlines() if f"share of the step's tokens per rank, speed-{which}:" in x)
+        shares[which] = [float(x) for x in re.findall(r"rank \d \([\d.]+x\) ([\d.]+)%", line)]
+        assert len(shares[which]) == 4 and sum(shares[which]) == pytest.approx(100, abs=0.3)
+    assert shares["aware"][2] < shares["blind"][2]
+    assert 'class="slow"' in svg.read_text()  # the picture shades the slow device
+
+
+def test_speeds_per_rank_index_per_node_and_from_a_config_file(tmp_path, capsys):
+    code, out, err = _run([*SLOW, "--nodes", "2,2", "--speeds", "node1=0.7,0=0.9", "--json"], capsys)
+    assert code == 0, err
+    recs = [json.loads(line) for line in out.splitlines()]  # --json: stdout stays one record per line
+    assert [r["plan"]["topology"] for r in recs] == [{"node_sizes": [2, 2], "speeds": [0.9, 1.0, 0.7, 0.7]}] * 2
+    conf = tmp_path / "plan.toml"
+    conf.write_text("workers = 4\nbatch = 16\nsteps = 1\ntime_limit = 0.3\njson = true\nspeeds = [1, 1, 1, 0.5]\n")
+    code, out, err = _run(["plan", "--config", str(conf)], capsys)
+    assert code == 0, err
+    assert json.loads(out)["plan"]["topology"]["speeds"] == [1.0, 1.0, 1.0, 0.5]
+    code, out, err = _run(["plan", "--config", str(conf), "--speeds", "3:0.25"], capsys)  # the flag wins
+    assert code == 0, err
+    assert json.loads(out)["plan"]["topology"]["speeds"] == [1.0, 1.0, 1.0, 0.25]
+
+
+def test_parse_speeds_forms():
+    assert parse_speeds(None, 4) is None
+    assert parse_speeds("1, 1,0.5,1", 4) == (1.0, 1.0, 0.5, 1.0)
+    assert parse_speeds("3=0.5", 4) == parse_speeds("3:0.5", 4) == (1.0, 1.0, 1.0, 0.5)
+    assert parse_speeds("node1=0.7", 5, (3, 2)) == (1.0, 1.0, 1.0, 0.7, 0.7)
+    assert parse_speeds("node0=0.5,1=2", 5, (3, 2)) == (0.5, 2.0, 0.5, 1.0, 1.0)  # a rank beside its node wins
+    assert parse_speeds({"node1": 0.7, "0": 0.9}, 4, (2, 2)) == (0.9, 1.0, 0.7, 0.7)  # a TOML table
+    assert parse_speeds([1, 0.5], 2) == (1.0, 0.5)
+
+
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        (["--speeds", "1,1,0.5"], "--speeds gives 3 speed(s) for 4 workers; give one per worker in rank order"),
+        (["--speeds", "1,1,0,1"], "--speeds: the speed of rank 2 must be a number > 0"),
+        (["--speeds", "1,1,-0.5,1"], "--speeds: the speed of rank 2 must be a number > 0"),
+        (["--speeds", "1,fast,1,1"], "--speeds: the speed of rank 1 must be a number > 0 (a relative speed: 1.0"),
+        (["--speeds", "1,1,nan,1"], "--speeds: the speed of rank 2 must be a number > 0"),
+        (["--speeds", "1,1,inf,1"], "--speeds: the speed of rank 2 must be a number > 0"),
+        (["--speeds", "3=0"], "--speeds: the speed of rank 3 must be a number > 0"),
+        (["--speeds", "7=0.5"], "--speeds: rank 7 is outside the 4 workers (ranks 0-3)"),
+        (["--speeds", "node1=0.7"], "--speeds node1=0.7 names a node, but the plan has none: give --nodes"),
+        (["--nodes", "2,2", "--speeds", "node5=0.7"], "--speeds: unknown node 'node5'; the nodes are node0, node1"),
+        (["--nodes", "2,2", "--speeds", "node1=slow"], "--speeds: the speed of node node1 must be a number > 0"),
+        (["--speeds", "1,1,3=0.5,1"], "--speeds mixes plain speeds and KEY=SPEED pairs"),
+        (["--speeds", "3=0.5,3:0.6"], "--speeds names '3' twice"),
+        (["--speeds", " "], "--speeds is empty"),
+        (["--speeds", "1,1,0.5,1", "--pipeline-stages", "2"], "--speeds prices SP groups; a pipelined plan"),
+    ],
+)
+def test_bad_speeds_exit_2_before_any_step(tmp_path, capsys, extra, msg):
+    run = tmp_path / "run"
+    code, out, err = _run([*SLOW, "--run-dir", str(run), *extra], capsys)
+    assert code == 2 and msg in err and err.startswith("flexorch plan: error: "), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert not (run / "steps.jsonl").exists() and "step_ms" not in out  # refused before planning anything

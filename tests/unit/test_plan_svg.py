@@ -102,3 +102,52 @@ def test_node_boundaries_are_drawn_for_a_plan_on_nodes():
     assert len(lines) == 2  # between nodes 0/1 and 1/2
     assert "gpu-c (7)" in svg
     assert 'class="node"' not in render_svg(dataclasses.replace(plan, topology=None), profile)
+
+
+def _slow_plan(speeds):
+    """A plan of the test batch on 8 devices, priced with ``speeds`` (its topology's, as a speed-aware plan has)."""
+    from flexorch.solver.topology import Topology
+
+    plan = heuristic_plan(PROFILE, LENGTHS, 8, None).plan
+    return dataclasses.replace(plan, topology=Topology.single(8).with_speeds(speeds))
+
+
+def test_a_slow_device_is_shaded_with_its_speed():
+    speeds = [1.0, 1.0, 1.0, 0.52, 1.0, 1.0, 0.7, 0.7]
+    plan = _slow_plan(speeds)
+    svg = render_svg(plan, PROFILE)
+    root = ET.fromstring(svg)
+    rects = list(root.iter(f"{NS}rect"))
+    bands = [r for r in rects if r.get("class") == "slow"]
+    # rank 3 alone, ranks 6-7 as one run (a slow node is shaded and labelled once); 0.85x and above is not slow
+    assert [(b.get("data-rank"), b.get("data-ranks"), b.get("data-speed")) for b in bands] == [
+        ("3", "1", "0.52"),
+        ("6", "2", "0.7"),
+    ]
+    assert "rank 3: 0.52x the others" in bands[0].find(f"{NS}title").text
+    assert "ranks 6-7: 0.70x the others" in bands[1].find(f"{NS}title").text
+    # the band covers its device rows, across the panel, behind the boxes (drawn first: it shows where they idle)
+    panel = next(r for r in rects if r.get("fill") == "white" and r.get("stroke") == "#333")
+    row = float(panel.get("height")) / 8
+    assert float(bands[0].get("y")) == pytest.approx(float(panel.get("y")) + 3 * row, abs=0.01)
+    assert float(bands[1].get("height")) == pytest.approx(2 * row, abs=0.01)
+    assert bands[0].get("width") == panel.get("width")
+    assert max(rects.index(b) for b in bands) < min(rects.index(b) for b in _boxes(root))
+    labels = [t for t in root.iter(f"{NS}text") if t.get("class") == "slow-label"]
+    assert [t.find(f"{NS}title").tail for t in labels] == ["0.52x", "0.70x"]
+    assert len([r for r in rects if r.get("class") == "slow-mark"]) == 2
+    assert any("slow device (below 0.8x" in (t.text or "") for t in root.iter(f"{NS}text"))
+    # each box says the pace its group runs at where a member is off 1.0: its slowest member's speed
+    groups = [g for mb in plan.micro_batches for g in mb.groups]
+    for box, g in zip(_boxes(root), groups, strict=True):
+        pace = min(speeds[r] for r in g.ranks)
+        tip = box.find(f"{NS}title").text
+        assert (f"at {pace:.2f}x (its slowest member's speed)" in tip) == (pace != 1.0), tip
+
+
+def test_no_shade_without_a_slow_device():
+    plain = heuristic_plan(PROFILE, LENGTHS, 8, None).plan
+    for plan in (plain, _slow_plan([1.0] * 7 + [0.85])):  # no speeds; one at 0.85x (not slow)
+        svg = render_svg(plan, PROFILE)
+        assert 'class="slow' not in svg and "slow device" not in svg
+    assert "at 0.85x (its slowest member" in render_svg(_slow_plan([1.0] * 7 + [0.85]), PROFILE)

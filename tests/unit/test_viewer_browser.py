@@ -7,7 +7,7 @@ blank page. Pipelined steps (``tests/data/recorded_pipeline_plan``, written by a
 --pipeline-stages`, and a trained step built from it) are drawn stages x time, one bar per forward and backward op,
 with a note; a run mixing both kinds switches between the pictures. A run of several ``[[tasks]]`` (hand-built records
 after the schema) colours each group by its task, with the tasks and their losses in the legend and a panel of the
-tasks' numbers and placement. Screenshots are kept in
+tasks' numbers and placement. A slow worker's device is shaded with its speed. Screenshots are kept in
 ``build/test-artifacts/`` (or ``$FLEXORCH_TEST_ARTIFACTS``).
 
 Without Chromium the test is skipped, unless ``FLEXORCH_REQUIRE_BROWSER=1`` (CI sets it after installing it), where a
@@ -34,7 +34,14 @@ from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import get_profile
 from tests.paths import DATA, REPO
 from tests.pipeline_helpers import RECORDED_PIPELINE, TIGHT_PROFILE, pipeline_plan_records, train_record_from_plan
-from tests.unit.test_viewer_server import AUTO_MODES, auto_recompute_run, multitask_run, recorded_run_with_recoveries
+from tests.unit.test_viewer_server import (
+    AUTO_MODES,
+    SLOW_RANK,
+    auto_recompute_run,
+    multitask_run,
+    recorded_run_with_recoveries,
+    slow_worker_run,
+)
 
 pytestmark = pytest.mark.slow  # headless Chromium end to end: about 25 s
 
@@ -608,5 +615,38 @@ def test_a_run_without_tasks_shows_no_task_column_panel_or_colours(browser):
         assert all(t.startswith("degree ") for t in _legend(browser, "plan-predicted"))
         assert browser.execute_script("return document.getElementById('tasks-note').offsetParent") is None
         assert browser.execute_script("return document.querySelector('#step-table th.tasks').offsetParent") is None
+    finally:
+        server.stop()
+
+
+def test_a_slow_worker_is_shaded_with_its_speed(browser, tmp_path):
+    records = slow_worker_run(tmp_path)
+    last = records[-1]
+    server = ViewerServer(tmp_path, port=0, poll_s=0.5).start()
+    try:
+        browser.get(server.url)
+        _wait(browser, f"return document.getElementById('plan-measured').dataset.step === '{last['step']}'")
+        tip = f"rank {SLOW_RANK}: 0.52x the others (slow: below 0.8x)"
+        for div in ("plan-predicted", "plan-measured"):
+            get = f"document.getElementById('{div}')"
+            assert browser.execute_script(f"return {get}.dataset.slow") == str(SLOW_RANK)
+            bands = browser.execute_script(
+                f"return {get}.layout.shapes.filter(s => s.type === 'rect').map(s => [s.y0, s.y1, s.layer])"
+            )
+            assert bands == [[SLOW_RANK - 0.5, SLOW_RANK + 0.5, "below"]]  # its row, behind the bars
+            labels = browser.execute_script(
+                f"return {get}.layout.annotations.filter(a => a.hovertext).map(a => [a.text, a.hovertext])"
+            )
+            assert labels == [["0.52x", tip]]
+            drawn = browser.execute_script(
+                f"return [...{get}.querySelectorAll('.annotation-text')].map(e => e.textContent)"
+            )
+            assert "0.52x" in drawn
+            # every group on the slow device says the pace it runs at: its slowest member's
+            paces = browser.execute_script(f"return {get}.data.flatMap(t => t.customdata.map(c => c[10]))")
+            assert "<br>at 0.52x (its slowest member's speed)" in paces
+        summary = browser.execute_script("return document.getElementById('step-summary').textContent")
+        assert f" · slow devices (shaded): rank {SLOW_RANK}: 0.52x the others" in summary, summary
+        browser.save_screenshot(str(_artifacts() / "plan_viewer_slow_worker.png"))
     finally:
         server.stop()

@@ -19,7 +19,7 @@ from flexorch.cli.plan import PlanRunConfig, run_plan
 from flexorch.cli.train_console import format_step
 from flexorch.dashboards.plan_svg import task_colour
 from flexorch.dashboards.viewer import ViewerServer
-from flexorch.dashboards.viewer_data import read_run, seq_tasks, step_view
+from flexorch.dashboards.viewer_data import rank_speeds, read_run, seq_tasks, step_view
 from flexorch.records.schema import validate_record
 from flexorch.records.writer import measured_bubble_share
 from flexorch.solver.planner import PlannerConfig
@@ -77,6 +77,65 @@ def test_the_view_names_each_ranks_node_where_the_ranks_lie_on_several():
     del rec["nodes"]
     rec["plan"]["topology"] = {"node_sizes": [n - 1, 1]}  # a plan record: the plan's topology
     assert step_view(rec)["nodes"] == ["node 0"] * (n - 1) + ["node 1"]
+
+
+SLOW_RANK, SLOW_SPEED = 2, 0.52
+"""In :func:`slow_worker_run` worker 2 runs at about half the others' pace."""
+
+
+def slow_worker_run(run_dir: Path) -> list[dict]:
+    """The recorded run as a run with a slow worker records it: each rank's entry has the driver's estimate of its
+    speed (rank 2 at 0.52x, the others about 1.0), its node and pid; from step 1 on the plan is priced with the
+    planner's (snapped) speeds (``plan.topology.speeds``, rank 2 at 0.5x). Written to ``run_dir``, returned."""
+    records = [json.loads(line) for line in (RECORDED / "steps.jsonl").read_text().splitlines()]
+    for i, rec in enumerate(records):
+        for r, entry in enumerate(rec["ranks"]):
+            entry.update(speed=SLOW_SPEED if r == SLOW_RANK else (0.98, 1.0, 1.0, 1.03)[r], node=None, pid=4000 + r)
+        if i:
+            planned = [0.5 if r == SLOW_RANK else 1.0 for r in range(rec["world_size"])]
+            rec["plan"]["topology"] = {"node_sizes": [rec["world_size"]], "speeds": planned}
+        validate_record(rec)
+    (run_dir / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def test_the_view_gives_each_ranks_speed_and_the_slow_ones():
+    rec = json.loads((RECORDED / "steps.jsonl").read_text().splitlines()[1])
+    view = step_view(rec)  # a record without speeds: nothing to shade
+    assert view["speeds"] is None and view["slow_ranks"] == [] and view["slow_below"] == 0.8
+    assert all(g["speed"] is None for g in view["groups"])
+    # a plan record priced with speeds: the plan's speeds (0.85x is not slow)
+    planned = [1.0, 0.85, 0.5, 1.0]
+    rec["plan"]["topology"] = {"node_sizes": [4], "speeds": planned}
+    view = step_view(rec)
+    assert view["speeds"] == planned and view["slow_ranks"] == [2]
+    assert [g["speed"] for g in view["groups"]] == [
+        min(planned[r] for r in g["ranks"]) for mb in rec["plan"]["micro_batches"] for g in mb
+    ]
+    # a trained record's per-rank estimate (what the worker showed) wins over the speed the plan assumed; a rank
+    # without one (an older record, a lost rank's null entry) keeps the plan's
+    rec["ranks"][0]["speed"] = 0.61
+    rec["ranks"][2]["speed"] = 0.97
+    rec["ranks"][3] = None
+    assert rank_speeds(rec) == [0.61, 0.85, 0.97, 1.0]
+    assert step_view(rec)["slow_ranks"] == [0]
+    del rec["plan"]["topology"]
+    rec["ranks"][0]["speed"] = "fast"  # not a number: as if not there
+    assert rank_speeds(rec) == [1.0, 1.0, 0.97, 1.0]
+
+
+def test_slow_workers_reach_the_page_json(tmp_path):
+    records = slow_worker_run(tmp_path)
+    server = ViewerServer(tmp_path, port=0).start()
+    try:
+        data = json.loads(_get(server.url + "api/steps")[2])
+    finally:
+        server.stop()
+    assert data["error"] is None and data["total"] == len(records)
+    for rec, view in zip(records, data["records"], strict=True):
+        assert view["speeds"] == [e["speed"] for e in rec["ranks"]] and view["slow_ranks"] == [SLOW_RANK]
+        for g in view["groups"]:
+            assert g["speed"] == min(view["speeds"][r] for r in g["ranks"])
 
 
 def test_malformed_line_keeps_the_good_records_and_names_it(tmp_path):

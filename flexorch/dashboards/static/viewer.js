@@ -1,6 +1,7 @@
 // flexorch plan viewer: polls /api/steps and draws the selected step (devices x time for SP steps, stages x time
 // for pipelined ones), its baselines, the run's step times and the step table with Plotly.js; a step of several
-// [[tasks]] colours its groups by task, with a legend of the tasks' losses and a panel of how they were placed.
+// [[tasks]] colours its groups by task, with a legend of the tasks' losses and a panel of how they were placed; a
+// device slower than view.slow_below (0.8x the others) is shaded, with its speed at the picture's right.
 // Data shapes: see flexorch/dashboards/viewer_data.py (step_view, pipeline_view, task_view).
 "use strict";
 
@@ -49,11 +50,11 @@ function groupTrace(gs, which, name, color, label, hoverHead) {
     insidetextanchor: "start",
     textangle: 0,
     customdata: gs.map((g) => [g.micro_batch, g.ranks.join(","), g.kind, g.sequences, g.tokens, g.longest,
-      g[`${which}_ms`], g.degree, hoverHead(g), g.recompute ? `<br>${RECOMPUTE[g.recompute]}` : ""]),
+      g[`${which}_ms`], g.degree, hoverHead(g), g.recompute ? `<br>${RECOMPUTE[g.recompute]}` : "", paceText(g)]),
     hovertemplate:  // %{x} of a bar with a base is where it ends: the length comes from customdata
       "%{customdata[8]}micro-batch %{customdata[0]}, ranks %{customdata[1]}<br>degree %{customdata[7]}" +
       " %{customdata[2]}, %{customdata[3]} sequences, %{customdata[4]} tokens (longest %{customdata[5]})" +
-      "%{customdata[9]}<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
+      "%{customdata[9]}%{customdata[10]}<br>%{base:.1f} ms + %{customdata[6]:.1f} ms<extra></extra>",
   };
 }
 
@@ -140,19 +141,58 @@ function nodeLines(view) {  // a boundary between consecutive ranks on different
   return { shapes, annotations };
 }
 
+// ---------------------------------------------------------------- slow devices: worker speeds below slow_below
+function paceText(g) {  // a group on a device off 1.0 runs at its slowest member's speed
+  return isNum(g.speed) && g.speed !== 1 ? `<br>at ${fmt(g.speed, 2)}x (its slowest member's speed)` : "";
+}
+
+function slowRuns(view) {  // consecutive slow ranks at one speed (a slow node) make one band and one label
+  const runs = [];
+  for (const r of view.slow_ranks || []) {
+    const speed = view.speeds[r], last = runs[runs.length - 1];
+    if (last && last.first + last.count === r && last.speed === speed) last.count += 1;
+    else runs.push({ first: r, count: 1, speed });
+  }
+  return runs;
+}
+
+function slowText(run, below) {
+  const who = run.count === 1 ? `rank ${run.first}` : `ranks ${run.first}-${run.first + run.count - 1}`;
+  return `${who}: ${fmt(run.speed, 2)}x the others (slow: below ${below}x)`;
+}
+
+function slowMarks(view) {  // each slow run's rows tinted behind the bars, its speed at the picture's right
+  const shapes = [], annotations = [];
+  for (const run of slowRuns(view)) {
+    shapes.push({ type: "rect", xref: "paper", x0: 0, x1: 1, y0: run.first - 0.5, y1: run.first + run.count - 0.5,
+      fillcolor: "rgba(229, 57, 53, 0.18)", line: { width: 0 }, layer: "below" });
+    annotations.push({ xref: "paper", x: 1, xanchor: "left", y: run.first + (run.count - 1) / 2, yanchor: "middle",
+      showarrow: false, text: `${fmt(run.speed, 2)}x`, hovertext: slowText(run, view.slow_below),
+      font: { size: 10, color: "#b2182b" } });
+  }
+  return { shapes, annotations };
+}
+
+function slowSummary(v) {  // the step summary's part: which devices are slow
+  const runs = slowRuns(v);
+  if (!runs.length) return "";
+  return ` · slow devices (shaded): ${runs.map((run) => slowText(run, v.slow_below).split(" (")[0]).join(", ")}`;
+}
+
 function drawPlan(div, view, which, title) {
   if (!div._fullLayout) div.textContent = "";  // a skipped step left a note there
+  const slow = slowMarks(view);
   const layout = {
     title: { text: title, font: { size: 14 } },
     barmode: "overlay",
     bargap: 0,
     uniformtext: { mode: "hide", minsize: 9 },  // a label that does not fit its bar is left to the hover
-    margin: { l: 60, r: 10, t: 40, b: 40 },
+    margin: { l: 60, r: slow.shapes.length ? 46 : 10, t: 40, b: 40 },
     xaxis: { title: { text: "time (ms)" }, rangemode: "tozero" },
     yaxis: { title: { text: "device (rank)" }, autorange: "reversed", range: [view.world_size - 0.5, -0.5],
              dtick: view.world_size <= 16 ? 1 : undefined, zeroline: false },
-    shapes: [...microBatchLines(view, which), ...nodeLines(view).shapes],
-    annotations: nodeLines(view).annotations,
+    shapes: [...slow.shapes, ...microBatchLines(view, which), ...nodeLines(view).shapes],
+    annotations: [...nodeLines(view).annotations, ...slow.annotations],
     legend: { orientation: "h", y: -0.18 },
     showlegend: true,
   };
@@ -164,6 +204,7 @@ function drawPlan(div, view, which, title) {
     div.dataset.colour = tasks ? "task" : "degree";
     div.dataset.ops = "0";
     div.dataset.nodes = String(nodeLines(view).annotations.length);
+    div.dataset.slow = (view.slow_ranks || []).join(",");
     div.dataset.groups = String(view.groups.filter((g) => g[`${which}_ms`] !== null).length);
     div.dataset.recompute = view.groups.filter((g) => g[`${which}_ms`] !== null && g.recompute)
       .map((g) => g.recompute).join(",");
@@ -254,6 +295,7 @@ function drawPipeline(div, view, which, title) {
   return Plotly.react(div, pipelineTraces(view, which), layout, { displayModeBar: false, responsive: true }).then(() => {
     div.dataset.step = String(view.step);
     div.dataset.layout = "pipeline";
+    div.dataset.slow = "";
     div.dataset.colour = "chain";
     div.dataset.groups = "0";
     div.dataset.ops = String(pipe.ops.filter((o) => o[`${which}_ms`] !== null).length);
@@ -560,7 +602,7 @@ function select(i) {
       (v.fallback ? ` · not the planner's plan (${v.fallback.reason}): ${v.fallback.message}` : "") +
       (v.solver_crashes ? ` · ${v.solver_crashes} MILP solve(s) crashed` : "") +
       (hasTasks(v) ? ` · ${v.tasks.length} tasks` + (v.multitask ? ` (${v.multitask.method})` : "") : "") +
-      recomputeText(v);
+      recomputeText(v) + slowSummary(v);
   $("pipeline-note").style.display = piped ? "block" : "none";
   $("pipeline-note").textContent = piped ? pipelineNote(v) : "";
   drawTasks(v);
