@@ -20,10 +20,10 @@ from flexorch.solver.profiles import Profile
 from flexorch.solver.simulator import span_ms
 from flexorch.solver.topology import Topology
 
-__all__ = ["StepSample", "samples_of_record", "step_of_record"]
+__all__ = ["StepSample", "group_placement", "plan_topology", "samples_of_record", "step_of_record", "time_scales"]
 
 
-def _time_scales(record: dict, ratios: dict[str, float] | None) -> list[list[float]] | None:
+def time_scales(record: dict, ratios: dict[str, float] | None) -> list[list[float]] | None:
     """Per micro-batch, each group's time factor against full recompute: ``ratios[mode]`` for the mode the record ran
     it in ('auto' recompute's ``recompute``; ``Profile.mode_time_ratios``); None without per-group modes."""
     modes = record.get("recompute")
@@ -37,12 +37,14 @@ def samples_of_record(record: dict, ratios: dict[str, float] | None = None) -> l
     of its ranks' ``micro_batch_ms``). Empty for pipelined, skipped and plan-only records, and for groups a lost rank
     did not report. A group run without recompute or with selective recompute ('auto' recompute) counts as its time
     divided by its mode's ratio in ``ratios``: what it would have taken with full recompute, the mode the time terms
-    describe."""
+    describe. A group with a slow worker counts as its time times its slowest rank's ``speed`` (the driver's
+    estimate in the record's rank entries, ``solver.worker_speeds``; absent: 1.0): what it would have taken at the
+    others' pace, so a slow worker does not bend the fit."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return []
     ranks = record.get("ranks") or []
-    scales = _time_scales(record, ratios)
-    topology = _topology(record)
+    scales = time_scales(record, ratios)
+    topology = plan_topology(record)
     out: list[ComputeSample | GroupSample] = []
     for mi, mb in enumerate(record["plan"]["micro_batches"]):
         for gi, g in enumerate(mb):
@@ -50,7 +52,7 @@ def samples_of_record(record: dict, ratios: dict[str, float] | None = None) -> l
             if any(t is None or not t > 0 for t in times) or g["kind"] == HYBRID:
                 continue  # a hybrid group's price is made of the 1-D figures its parts use: those are refitted
             lengths = tuple(int(s) for s in g["seq_lengths"])
-            ms = float(max(times)) / (1.0 if scales is None else scales[mi][gi])
+            ms = float(max(times)) * _rank_speed(ranks, g["ranks"]) / (1.0 if scales is None else scales[mi][gi])
             if g["degree"] == 1:
                 out.append(ComputeSample(seq_lengths=lengths, ms=ms))
             else:
@@ -59,13 +61,19 @@ def samples_of_record(record: dict, ratios: dict[str, float] | None = None) -> l
     return out
 
 
-def _topology(record: dict) -> Topology | None:
+def _rank_speed(ranks: list, group_ranks) -> float:
+    """The pace a record's group ran at: its slowest rank's ``speed`` (1.0 where a rank entry has none)."""
+    speeds = [ranks[r].get("speed") for r in group_ranks]
+    return min((float(v) for v in speeds if isinstance(v, int | float) and v > 0), default=1.0)
+
+
+def plan_topology(record: dict) -> Topology | None:
     """The nodes the record's plan was placed on (None: one node)."""
     raw = record["plan"].get("topology")
     return None if raw is None else Topology.from_dict(raw)
 
 
-def _placement(g: dict, topology: Topology | None) -> dict:
+def group_placement(g: dict, topology: Topology | None) -> dict:
     """The cost model's placement keywords of a record's group (``Plan.placement``)."""
     if topology is not None:
         return topology.placement(tuple(g["ranks"]), g["kind"], g.get("ulysses_degree"))
@@ -106,7 +114,9 @@ class StepSample:
 
 def step_of_record(record: dict, ratios: dict[str, float] | None = None) -> StepSample | None:
     """The step of a trained SP step's record, None for pipelined, skipped and plan-only records; a group run in a
-    mode other than full recompute is priced at ``ratios[mode]`` of its time with full recompute."""
+    mode other than full recompute is priced at ``ratios[mode]`` of its time with full recompute, and a group on
+    ranks the plan gave speeds (``plan.topology.speeds``) at its slowest rank's pace, as the plan was priced
+    (``solver.simulator``)."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return None
     ms, compute = record.get("measured_ms"), record.get("compute_ms")
@@ -116,9 +126,16 @@ def step_of_record(record: dict, ratios: dict[str, float] | None = None) -> Step
         tuple((tuple(int(s) for s in g["seq_lengths"]), int(g["degree"]), str(g["kind"])) for g in mb)
         for mb in record["plan"]["micro_batches"]
     )
-    scales = _time_scales(record, ratios)
-    topology = _topology(record)
-    placements = tuple(tuple(_placement(g, topology) for g in mb) for mb in record["plan"]["micro_batches"])
+    scales = time_scales(record, ratios)
+    topology = plan_topology(record)
+    raw = record["plan"]["micro_batches"]
+    if topology is not None and not topology.uniform_speed:
+        rows = scales or [[1.0] * len(mb) for mb in raw]
+        scales = [
+            [x / topology.speed_of(g["ranks"]) for g, x in zip(mb, row, strict=True)]
+            for mb, row in zip(raw, rows, strict=True)
+        ]
+    placements = tuple(tuple(group_placement(g, topology) for g in mb) for mb in raw)
     return StepSample(
         micro_batches=mbs,
         ms=float(ms),
