@@ -17,11 +17,17 @@
   appears late).
 * Nodes: worker ``w`` runs on node ``f"node-{w // per_node}"``; :meth:`FakeWorkerGroup.drain` starts draining one
   (reason preemption, a deadline), as ``ray drain-node`` does, and the node's slots go with its workers.
+* Speeds: :meth:`FakeWorkerGroup.set_speed` makes a worker slow (0.5: half the others' pace) or fast again, mid-run.
+  Once any speed is set, a rank reports each micro-batch's time as its group's time in the cost model (the run's
+  profile, the group's sequences, degree, kind, placement and recompute mode: what the plan's price of the group is
+  at one speed) over the slowest speed among the group's workers (a group runs at its slowest member's pace);
+  before, the reference step's own time.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass
 
@@ -169,6 +175,8 @@ class FakeWorkerGroup(WorkerGroup):
         self.worlds: list[tuple[int, ...]] = []  # every world formed, in order
         self._late: list[tuple[int, int]] = []  # (polls left, slots) capacity that appears after that many polls
         self.trainer = _Trainer(cfg)  # its initial state is what every new worker builds (same seed)
+        self.speeds: dict[int, float] = {}  # worker id -> its pace (absent: 1.0); empty: measured times
+        self.profile = None  # the cost model the modelled times come from (None: cfg.plan.profile's file)
         first = self.start_workers(min(cfg.workers, self.slots))
         self.admit(first)
         if self.size < cfg.min_workers:
@@ -185,6 +193,16 @@ class FakeWorkerGroup(WorkerGroup):
     def drain(self, node: str, deadline_s: float | None) -> None:
         """Start draining ``node`` for preemption, its deadline ``deadline_s`` from now (None: no deadline)."""
         self.draining[node] = None if deadline_s is None else time.time() + deadline_s
+
+    def set_speed(self, worker_id: int, speed: float) -> None:
+        """From the next step on, ``worker_id`` runs at ``speed`` times the others' pace (1.0: theirs)."""
+        if not speed > 0:
+            raise ValueError(f"a speed must be > 0, got {speed!r}")
+        self.speeds[worker_id] = float(speed)
+
+    def pids_of(self) -> dict[int, int]:
+        """Every fake worker runs in this process."""
+        return dict.fromkeys(self.worker_ids, os.getpid())
 
     def inject(self, *faults: Fault) -> None:
         self.faults += faults
@@ -346,8 +364,30 @@ class FakeWorkerGroup(WorkerGroup):
         for w in ids:
             self.workers[w].set_state(state)
         for r, (w, rank_work) in enumerate(zip(ids, work, strict=True)):
-            handles[w].outcome = _outcome(rank_work, r, loss, ms, lr)
+            times = self._modelled_ms(rank_work) if self.speeds and not isinstance(rank_work, PipelineWork) else None
+            handles[w].outcome = _outcome(rank_work, r, loss, ms, lr, times)
         return handles
+
+    def _modelled_ms(self, rank_work) -> list[float]:
+        """Each of the rank's groups' times: its cost-model time over its slowest worker's speed."""
+        from flexorch.control.membership import world_topology
+        from flexorch.solver.cost_model import group_time_ms
+        from flexorch.solver.profiles import load_profile
+
+        if self.profile is None:
+            self.profile = load_profile(self.cfg.plan.profile)
+        topology = world_topology(self.worker_ids, self.rank_nodes(), self.size)
+        ratio = self.profile.mode_time_ratios()
+        out = []
+        for g in rank_work.work:
+            if topology is not None:
+                place = topology.placement(g.ranks, g.kind, g.ulysses_degree)
+            else:
+                place = {"ulysses_degree": g.ulysses_degree} if g.ulysses_degree is not None else {}
+            t = group_time_ms([d.length for d in g.docs], g.degree, g.kind, self.profile, **place)
+            t *= ratio[g.recompute] if g.recompute is not None else 1.0
+            out.append(t / min(self.speeds.get(self.worker_ids[r], 1.0) for r in g.ranks))
+        return out
 
     def settle(self, handles: dict, timeout_s: float) -> tuple[dict, Failure | None]:
         got = Outcomes(results={w: h.outcome for w, h in handles.items() if h.outcome is not None})
@@ -396,8 +436,9 @@ def _batch_docs(work) -> list:
     return [docs[i] for i in sorted(docs)]
 
 
-def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float) -> StepOutcome:
-    """Rank ``rank``'s report: the real loss, the rank work's own micro-batches or ops, the step's time on each."""
+def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float, times=None) -> StepOutcome:
+    """Rank ``rank``'s report: the real loss, the rank work's own micro-batches or ops, the step's time on each (SP:
+    ``times``, one per micro-batch of the rank, when given)."""
     if isinstance(rank_work, PipelineWork):
         ops = [
             {"kind": k, "unit": u, "start_ms": i * ms, "end_ms": (i + 1) * ms}
@@ -409,10 +450,12 @@ def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float) -> StepOut
                            total_ms=ms, lr=lr, ops=ops, peak_local_tokens=local)  # fmt: skip
     mbs = [w.micro_batch for w in rank_work.work]
     local = [sum(d.length for d in w.docs) // w.degree for w in rank_work.work]
+    times = [ms] * len(mbs) if times is None else list(times)
+    starts = [sum(times[:i]) for i in range(len(mbs))]
     return StepOutcome(
-        rank_work.step, rank, loss, rank_work.num_predicted, sum(local), micro_batch_ms=[ms] * len(mbs),
-        micro_batches=mbs, micro_batch_start_ms=[i * ms for i in range(len(mbs))], compute_end_ms=ms * len(mbs),
-        total_ms=ms * len(mbs), lr=lr, peak_local_tokens=max(local, default=0),
+        rank_work.step, rank, loss, rank_work.num_predicted, sum(local), micro_batch_ms=times,
+        micro_batches=mbs, micro_batch_start_ms=starts, compute_end_ms=sum(times),
+        total_ms=sum(times), lr=lr, peak_local_tokens=max(local, default=0),
     )  # fmt: skip
 
 

@@ -1,4 +1,5 @@
-"""What `flexorch train` prints of a run: the setup line, one line per step, membership changes, checkpoints.
+"""What `flexorch train` prints of a run: the setup line, one line per step, membership changes, checkpoints, and a
+line when a worker's speed drops below 0.8x the others or recovers (``control.speed_watch``).
 
 `print_event` turns each driver event into its console line; `format_step` (plan shape, solve time, loss,
 tokens/s, predicted vs measured step time, ETA and what the step recovered from) and `format_membership` (workers
@@ -190,7 +191,7 @@ def print_event(ev: dict, cfg: TrainConfig, out) -> None:
     kind = ev["event"]
     if kind == "setup":
         print(_describe_setup(ev), file=out, flush=True)
-    elif kind in ("calibrated", "planner", "progress"):
+    elif kind in ("calibrated", "planner", "progress", "speed"):  # speed: a worker dropped below 0.8x, or recovered
         print(ev["message"], file=out, flush=True)
     elif kind == "checkpoint_skipped":
         print(f"--resume: {ev['message']}", file=out, flush=True)

@@ -57,6 +57,14 @@ class PlanSettings:
     places groups inside nodes where they fit and may run hybrid groups across nodes; 'blind': plans as if all
     workers shared one node (ranks in membership order), kept for comparison
     (``benchmarks/sim/topology.py``)."""
+    speeds: str = "aware"
+    """'aware' (default): each worker's speed is estimated every step from its measured micro-batch times against
+    the cost model's (``flexorch.solver.worker_speeds``; seeded from the accelerator kind where GPU nodes mix kinds)
+    and the planner prices a group at its slowest member's speed, so a throttled GPU or a busy host gets less or
+    shorter work, or sits a micro-batch out, and its full share again once it recovers; 'blind': every worker is
+    planned at one speed, kept for comparison (``benchmarks/measured/stragglers.py``). Both record each rank's speed,
+    say on the console when a worker drops below 0.8x the others and when it recovers, and export the metric
+    ``flexorch_worker_speed`` (``flexorch.control.speed_watch``). Pipelined steps are planned at one speed."""
     hybrid: bool = True
     """With ``topology = "aware"`` on several nodes: the planner may choose hybrid groups where a group spans nodes
     (Ulysses inside each node x ring across them); false: Ulysses and ring groups only."""
@@ -104,6 +112,8 @@ class PlanSettings:
             raise ConfigError(f"plan.kinds must be a non-empty subset of ['ulysses', 'ring'], got {list(self.kinds)}")
         if self.topology not in ("aware", "blind"):
             raise ConfigError(f"plan.topology must be 'aware' or 'blind', got {self.topology!r}")
+        if self.speeds not in ("aware", "blind"):
+            raise ConfigError(f"plan.speeds must be 'aware' or 'blind', got {self.speeds!r}")
         if not isinstance(self.hybrid, bool):
             raise ConfigError(f"plan.hybrid must be true or false, got {self.hybrid!r}")
         if self.solver not in ("highs", "cbc"):

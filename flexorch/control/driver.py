@@ -14,9 +14,10 @@ group and ``LocalPlannerClient``.
 The driver is the one place that executes decisions (plans, recoveries, roll-backs, refits) on the run's state
 (step, stream position, records, checkpoints). It is one class built from components, each owning its state and
 given what it needs: the start (``control.run_setup``: ``RunStart`` builds the ``RunParts``), each step's plan
-(``control.step_plans``), the checkpoints (``control.checkpointer``), the end (``control.run_end``), a lost
-driver's recovery (``control.driver_restart``), the profile (``control.profile_revisions``), what runs beside each
-step (``control.step_callbacks``) and what differs by kind of step (``control.step_kinds``).
+(``control.step_plans``), each worker's speed (``control.speed_watch``), the checkpoints (``control.checkpointer``),
+the end (``control.run_end``), a lost driver's recovery (``control.driver_restart``), the profile
+(``control.profile_revisions``), what runs beside each step (``control.step_callbacks``) and what differs by kind of
+step (``control.step_kinds``).
 
 Threads: the driver actor runs up to 4 calls at once (``max_concurrency=4``) and the drain watch has a thread.
 The run loop's thread (:meth:`run`, or a caller of :meth:`setup` and :meth:`step`) alone steps, plans, records and
@@ -96,7 +97,7 @@ class TrainingDriver:
         # the profile planned with, the revisions records name, and the refit loop
         self.revisions = ProfileRevisions.for_run(self.cfg, self._publish)
         # the run's parts, built by setup() (control.run_setup.RunParts), each owned by this driver from then on
-        self.stream = self.elastic = self.checkpoints = self.planner = self.records = self.metrics = None
+        self.stream = self.elastic = self.checkpoints = self.planner = self.records = self.metrics = self.speeds = None
         self.workers: WorkerGroup | None = None
         self.plans: StepPlans | None = None  # each step's plan; the drain watch's thread calls it too
         self.trackers: Trackers | None = None  # [tracking]: TensorBoard, MLflow, W&B, fed every record
@@ -132,7 +133,7 @@ class TrainingDriver:
     def _take(self, parts: RunParts) -> None:
         """Own the parts the start built, and build the components that need them."""
         self.cfg, self.corpus, self.stream, self.workers = parts.cfg, parts.corpus, parts.stream, parts.workers
-        self.elastic, self.plans, self.planner = parts.elastic, parts.plans, parts.planner
+        self.elastic, self.plans, self.planner, self.speeds = parts.elastic, parts.plans, parts.planner, parts.speeds
         self.records, self.metrics, self.trackers = parts.records, parts.metrics, parts.trackers
         self.callbacks, self.checkpoints = parts.callbacks, parts.checkpoints
         if parts.checkpoints is not None:
@@ -214,6 +215,7 @@ class TrainingDriver:
         if self.elastic.driver_drained() and self.checkpointer.at != self.step_no:
             self.checkpoint()  # this node is going: its replacement driver starts from here, nothing re-run
         drained = self.elastic.leave_drained(self.step_no - 1, self._plan_next_for)  # draining nodes' workers first
+        drained += self.elastic.retire_slow(self.speeds, self.cfg.elastic, self.step_no - 1, self._plan_next_for)
         joined = self.elastic.at_boundary()
         self._ask_capacity(joined)
         return drained + ([joined] if joined else [])
@@ -277,7 +279,8 @@ class TrainingDriver:
         if run.mixed is not None:
             record["sources"] = run.mixed
         kind = self.kinds[StepKind.of(planned)]
-        kind.add_fields(record, planned, docs, moved, run.task_epochs)
+        kind.add_fields(record, planned, docs, moved, run.task_epochs)  # then each rank's speed, node, pid:
+        self.speeds.observe(record, priced_by, base["worker_ids"], base["nodes"], self.workers.pids_of())
         if kind.refits:
             self.revisions.after_step(record, self.step_no, priced_by)
         self.step_no += 1

@@ -83,6 +83,11 @@ class WorkerGroup(ABC):
     def rank_nodes(self) -> list[str | None]:
         """Each member's node in rank order (its address where known; None: not known), for plans and records."""
 
+    def pids_of(self) -> dict[int, int]:
+        """{member worker id: its process id} where known, for the records: a user finds a slow worker's process with
+        ``top`` or ``py-spy``. A group that cannot tell leaves it empty."""
+        return {}
+
     @abstractmethod
     def draining_nodes(self) -> list:
         """Nodes being drained (``control.drains.NodeDrain`` values): the elastic executor's drain watch reads them."""

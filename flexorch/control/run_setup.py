@@ -31,6 +31,7 @@ from flexorch.control.memory_budget import resolve_device_budget
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec
 from flexorch.control.profile_revisions import ProfileRevisions
 from flexorch.control.recompute_choice import with_recompute_ratios
+from flexorch.control.speed_watch import SpeedWatch
 from flexorch.control.step_callbacks import StepCallback, step_callbacks
 from flexorch.control.step_plans import StepPlans
 from flexorch.control.worker_group import RayWorkerGroup
@@ -50,10 +51,10 @@ __all__ = ["RunParts", "RunStart", "where_it_runs"]
 class RunParts:
     """What a run's start built, each part the driver's to own: the config as resolved (a tokenizer trained here,
     ``tokens_per_worker = 'auto'``), the corpus and its batch stream, the workers and their elastic executor, the
-    checkpoint store, the step plans and the planner client, the records, metrics and trackers, the callbacks beside
-    every step; where a resumed run starts (``resumed_from``, ``skipped_batches``) and the ``setup`` event
-    published. A start that fails part way leaves the parts after the failing one None: the driver takes those it
-    has (what the failure concerned, and what its shutdown closes)."""
+    checkpoint store, the step plans, the planner client and the workers' speeds (``control.speed_watch``), the
+    records, metrics and trackers, the callbacks beside every step; where a resumed run starts (``resumed_from``,
+    ``skipped_batches``) and the ``setup`` event published. A start that fails part way leaves the parts after the
+    failing one None: the driver takes those it has (what the failure concerned, and what its shutdown closes)."""
 
     cfg: TrainConfig
     corpus: object = None
@@ -63,6 +64,7 @@ class RunParts:
     checkpoints: RunCheckpoints | None = None
     plans: StepPlans | None = None
     planner: object = None
+    speeds: SpeedWatch | None = None
     records: StepRecords | None = None
     metrics: RunMetrics | None = None
     trackers: Trackers | None = None
@@ -102,7 +104,8 @@ class RunStart:
 
     def build(self) -> RunParts:
         """Read the data, start the workers and form the first world, resume from a checkpoint when asked, find the
-        profile to plan with and start the planner, records and trackers; publishes the ``setup`` event."""
+        profile to plan with and start the planner, records, speed watch and trackers; publishes the ``setup``
+        event."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         note = niced_on_busy_node()
         if note:
@@ -122,10 +125,11 @@ class RunStart:
             parts.resumed_from, parts.skipped_batches = int(dstate["step"]), int(dstate.get("skipped_batches", 0))
             parts.workers.set_state(state)
         parts.planner = self._start_planner(parts.workers, parts.resumed_from)
-        parts.plans.use(parts.cfg, parts.planner)
         parts.records = StepRecords(self.run_dir, keep_before_step=parts.resumed_from)
         parts.metrics = RunMetrics(self.run_dir.name)
         cfg = parts.cfg
+        parts.speeds = SpeedWatch.for_run(cfg, parts.workers, self._publish, parts.metrics)
+        parts.plans.use(cfg, parts.planner, parts.speeds)
         (self.run_dir / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1, default=list))
         parts.trackers = Trackers.open(cfg.tracking, self.run_dir, cfg.to_dict(), parts.resumed_from, say=self._say)
         profile_of = lambda: self.revisions.profile  # noqa: E731 - the profile the run plans with now

@@ -4,7 +4,12 @@ the one lock the drain watch's thread goes through.
 While a step runs, the driver asks the planner client for the next batch's plan (:meth:`StepPlans.ahead_of`), so the
 solve overlaps the step; when the world is about to change size at a boundary, for the world it will have. When the
 step starts it takes the plan (:meth:`StepPlans.plan`), solved by then or waited for. Each solve may take a share of
-the last measured step (``[plan] budget``), and sees the world's nodes unless ``[plan] topology = "blind"``.
+the last measured step (``[plan] budget``), and sees the world's nodes unless ``[plan] topology = "blind"``, and the
+ranks' speeds (``control.speed_watch``) when ``[plan] speeds = "aware"`` and some worker runs off the others' pace.
+A plan solved ahead is taken only when it was solved for the topology the step is planned with (the planner client
+keys its solves by stream step, workers and topology): when the speeds observed in between changed the ranks'
+planning speeds, the step's plan is solved again (rare: planning speeds are snapped, and change only when a
+worker's speed does).
 
 The drain watch (``control.drains``, its own thread) calls :meth:`StepPlans.without` when it sees a node draining
 mid-step: the next batch's plan is then also solved for the world without that node's workers, so the step after
@@ -18,12 +23,16 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from flexorch.config import TrainConfig
 from flexorch.control.group import WorkerGroup
 from flexorch.control.membership import world_topology
 from flexorch.solver.step_planner import PlannedStep
 from flexorch.solver.topology import Topology
+
+if TYPE_CHECKING:
+    from flexorch.control.speed_watch import SpeedWatch
 
 __all__ = ["Ahead", "StepPlans"]
 
@@ -50,14 +59,16 @@ class StepPlans:
         self.corpus, self.workers = corpus, workers
         self.cfg: TrainConfig | None = None
         self.planner = None
+        self.speeds: SpeedWatch | None = None  # each worker's speed (None: planned at one speed)
         self.last_step_ms: float | None = None  # the last trained step's measured time: the next plans' budget
         self._lock = threading.RLock()  # the run loop's thread and the drain watch's
         self._ahead: Ahead | None = None
 
-    def use(self, cfg: TrainConfig, planner) -> None:
-        """Plan for ``cfg`` (the run's config, as resolved) with ``planner`` (the run's planner client)."""
+    def use(self, cfg: TrainConfig, planner, speeds: SpeedWatch | None = None) -> None:
+        """Plan for ``cfg`` (the run's config, as resolved) with ``planner`` (the run's planner client) and the
+        workers' ``speeds`` (None: at one speed)."""
         with self._lock:
-            self.cfg, self.planner = cfg, planner
+            self.cfg, self.planner, self.speeds = cfg, planner, speeds
 
     @property
     def ahead(self) -> Ahead | None:
@@ -77,10 +88,17 @@ class StepPlans:
         return {"task_of": [int(x) for x in self.corpus.task_of[list(batch.doc_ids)]]}
 
     def topology(self, n: int, without=()) -> Topology | None:
-        """The nodes of a world of ``n`` workers: the members less ``without`` (``membership.world_topology``)."""
-        if self.cfg.plan.topology == "blind":
-            return None
-        return world_topology(self.workers.worker_ids, self.workers.rank_nodes(), n, without)
+        """The nodes of a world of ``n`` workers: the members less ``without`` (``membership.world_topology``; None:
+        one node, or ``[plan] topology = "blind"``), with the ranks' planning speeds in an SP run whose speeds are
+        planned for (``SpeedWatch.planning_topology``: one node is then ``Topology.single(n)``)."""
+        members = self.workers.worker_ids
+        base = None
+        if self.cfg.plan.topology != "blind":
+            base = world_topology(members, self.workers.rank_nodes(), n, without)
+        if self.speeds is None or self.cfg.pipelined or self.cfg.tasks:  # those plans are made at one speed
+            return base
+        gone = set(without)
+        return self.speeds.planning_topology(base, n, [w for w in members if w not in gone])
 
     def plan(self, batch, lengths: list[int], n: int) -> PlannedStep:
         """The plan of ``batch`` (its documents' ``lengths``) on ``n`` workers: the one solved ahead, or solved now

@@ -94,6 +94,7 @@ class RayWorkerGroup(WorkerGroup):
         self._actors: dict[int, ray.actor.ActorHandle] = {}
         self._nodes: dict[int, str] = {}  # member -> the Ray node id it runs on (from its start's info)
         self._node_ips: dict[str, str] = {}  # Ray node id -> its address (from the starts' info)
+        self._pids: dict[int, int] = {}  # worker id -> its process id (from its start's info)
         self.host = ray.util.get_node_ip_address()
         self.driver_node = ray.get_runtime_context().get_node_id()
         """The Ray node this group (and the driver holding it) runs on: a drain of it is announced as such."""
@@ -241,6 +242,7 @@ class RayWorkerGroup(WorkerGroup):
             self._actors[wid] = self._starts.take(wid)
             info = ray.get(ready)  # its start's ``info``, already answered
             self._nodes[wid] = info.get("node_id")
+            self._pids[wid] = info.get("pid")
             if info.get("node_ip"):
                 self._node_ips[info["node_id"]] = info["node_ip"]
             self._moves.joined(wid)
@@ -256,6 +258,10 @@ class RayWorkerGroup(WorkerGroup):
             out.append(self._node_ips.get(node, node) if node is not None else None)
         return out
 
+    def pids_of(self) -> dict[int, int]:
+        """{member worker id: its process id} (from its start's ``Worker.info``)."""
+        return {w: self._pids[w] for w in list(self.membership.worker_ids) if self._pids.get(w) is not None}
+
     def remove(self, worker_ids, retiring: bool = False) -> None:
         """Drop members (dead, hung or unwanted); their actors are killed if still running. ``retiring``: they are
         alive and idle (they left on notice): each freezes its objects first (``Worker.retire``, a bounded wait), so
@@ -268,6 +274,7 @@ class RayWorkerGroup(WorkerGroup):
             ray.kill(self._actors.pop(wid), no_restart=True)
             self._moves.left(wid)
             self._nodes.pop(wid, None)
+            self._pids.pop(wid, None)
         self.membership.remove(worker_ids)
 
     def form_world(self) -> float:

@@ -21,6 +21,9 @@ tag ``run`` (the run directory's name). Names, kinds and units:
                                                    (0..1; ``[pipeline] stages`` runs only)
 ``flexorch_pipeline_measured_bubble_share``  gauge  the same, measured: time the stage ranks spent outside their
                                                    ops (``flexorch.records.writer.measured_bubble_share``)
+``flexorch_worker_speed``               gauge      each worker's speed relative to the others after the last step
+                                                   (1.0: the median worker's), tags ``worker`` and ``node``
+                                                   (``flexorch.control.speed_watch``)
 ``flexorch_steps_total``                counter    steps trained
 ``flexorch_skipped_batches_total``      counter    batches skipped as infeasible (``plan.on_infeasible="skip"``)
 ``flexorch_recoveries_total``           counter    membership changes, tag ``what``: ``shrink`` (after a
@@ -57,6 +60,7 @@ METRICS = (
     ("flexorch_plan_groups", "gauge", "short", "SP groups per degree"),
     ("flexorch_pipeline_bubble_share", "gauge", "percentunit", "Pipeline bubble share (simulated)"),
     ("flexorch_pipeline_measured_bubble_share", "gauge", "percentunit", "Pipeline bubble share (measured)"),
+    ("flexorch_worker_speed", "gauge", "short", "Worker speed (1.0 = the others)"),
     ("flexorch_steps_total", "counter", "short", "Steps trained"),
     ("flexorch_skipped_batches_total", "counter", "short", "Batches skipped"),
     ("flexorch_plan_fallbacks_total", "counter", "short", "Plan fallbacks by reason"),
@@ -105,6 +109,9 @@ class RunMetrics:
         self.bubble = gauge("flexorch_pipeline_bubble_share", "Simulated bubble share of the step's pipeline")
         self.measured_bubble = gauge(
             "flexorch_pipeline_measured_bubble_share", "Measured bubble share of the step's pipeline"
+        )
+        self.speed = gauge(
+            "flexorch_worker_speed", "Worker speed relative to the others (1.0: median)", ("worker", "node")
         )
         self.steps = Counter("flexorch_steps_total", description="Steps trained", tag_keys=run_tag)
         self.skipped = Counter("flexorch_skipped_batches_total", description="Batches skipped", tag_keys=run_tag)
@@ -162,6 +169,11 @@ class RunMetrics:
             for key in self._group_keys | set(counts):  # a degree absent this step reads 0, not its old count
                 self.groups.set(counts.get(key, 0), tags={**t, "degree": key[0], "kind": key[1]})
             self._group_keys |= set(counts)
+
+    def on_speeds(self, worker_ids, nodes, speeds) -> None:
+        """Each worker's speed after a step (``control.speed_watch.SpeedWatch``; ``nodes``: each one's node or None)."""
+        for w, node, speed in zip(worker_ids, nodes, speeds, strict=True):
+            self.speed.set(speed, tags={**self._tags, "worker": str(w), "node": str(node or "")})
 
     def on_recovery(self, record: dict) -> None:
         what = "rollback" if record.get("rollback") else "grow" if record.get("what") == "grow" else "shrink"

@@ -205,6 +205,18 @@ class RankEntry(TypedDict, total=False):
         list[RankOp] | None,
         Field(description="pipelined: its ops in the order it ran them (empty for a rank no stage uses)"),
     ]
+    speed: Annotated[
+        float | None,
+        Field(
+            gt=0,
+            description="its worker's speed relative to the others after this step (1.0: the median worker's; "
+            "``flexorch.solver.worker_speeds``), 3 decimals",
+        ),
+    ]
+    node: Annotated[
+        str | None, Field(description="the node its worker ran on (address, else Ray node id; null: unknown)")
+    ]
+    pid: Annotated[int | None, Field(ge=0, description="its worker's process id on that node (null: unknown)")]
 
 
 class Drain(Keys):
