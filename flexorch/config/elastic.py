@@ -59,6 +59,17 @@ class ElasticSettings:
     that ``flexorch train`` did not start for it (``--address``, ``RAY_ADDRESS``, ``ray job submit``); without an
     autoscaler the request is a key in the GCS that nobody reads."""
 
+    retire_below_speed: float = 0.0
+    """Retire a worker as failed when its speed (``flexorch.solver.worker_speeds``: its measured pace against the
+    cost model's, relative to the median worker's) stays below this for ``retire_after_steps`` observed steps: at a
+    step boundary it leaves as a drained node's workers do (nothing re-run), and the step record's ``recoveries``
+    say why (``"slow"``, the worker, its node and its speed). Never below ``min_workers``: then it stays, and the
+    console says why once. 0 (the default) turns it off; e.g. 0.3 retires a worker running under a third of the
+    others' pace, which the planner would otherwise keep planning around."""
+    retire_after_steps: int = 5
+    """How many consecutive observed steps a worker's speed must stay below ``retire_below_speed`` before it is
+    retired (a passing hiccup, a compile, a world's first steps do not count)."""
+
     def __post_init__(self) -> None:
         if self.request_capacity not in (True, False, "auto"):
             raise ConfigError(f"elastic.request_capacity must be true, false or 'auto', got {self.request_capacity!r}")
@@ -83,6 +94,16 @@ class ElasticSettings:
         r = self.driver_restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ConfigError(f"elastic.driver_restarts must be an integer >= 0, got {r!r}")
+        v = self.retire_below_speed
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v < 1:
+            raise ConfigError(
+                "elastic.retire_below_speed must be a number in [0, 1): 0 turns it off, e.g. 0.3 retires a worker "
+                f"that runs under 0.3x the others' pace; got {v!r}"
+            )
+        if not _positive_int(self.retire_after_steps):
+            raise ConfigError(
+                f"elastic.retire_after_steps must be a positive integer (steps), got {self.retire_after_steps!r}"
+            )
         h = self.heartbeat_timeout_s
         if isinstance(h, bool) or not isinstance(h, int | float) or not (h == 0 or h >= 2):
             raise ConfigError(

@@ -22,6 +22,9 @@
   nothing is re-run or rolled back. A :class:`~flexorch.control.membership.Stay` (the deadline is too near for a
   handoff) leaves them to the lost-node path when the node goes, and so does a node that goes during the handoff;
   the records say which.
+* :meth:`Elastic.retire_slow` at a step boundary, after the drains: members whose speed stayed below ``[elastic]
+  retire_below_speed`` (``control.slow_retire``) are retired as failed the same way, as the policy's
+  :class:`~flexorch.control.membership.Retire` says (never below ``min_workers``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from flexorch.config.elastic import ElasticSettings
 from flexorch.control.drains import DrainWatch, NodeDrain
 from flexorch.control.failures import Failure, MembershipFailure, WorkerGroupError
 from flexorch.control.group import WorkerGroup
@@ -45,6 +49,7 @@ from flexorch.control.membership import (
     Stay,
     WaitForCapacity,
 )
+from flexorch.control.slow_retire import SlowWorkers, kept_line, retire_line, retire_record, slow_members
 from flexorch.work.placement import PartsLostError
 
 __all__ = ["Elastic", "ElasticError", "RollingBack", "DRAIN_MARGIN_S"]
@@ -90,6 +95,7 @@ class Elastic:
         self.layout_note = layout_note or (lambda size: None)  # world size -> what the sharding does with it, or None
         self.reform_s = 0.0  # how long the last world took to form: a planned leave needs about that again
         self._driver_drain_taken = False
+        self._kept_slow: set[int] = set()  # slow workers the world could not lose, warned about once
         # nodes being drained, seen from a thread within a second; workers that got SIGTERM (their heartbeats)
         self.drains = DrainWatch(
             workers.draining_nodes,
@@ -151,41 +157,98 @@ class Elastic:
             raise TypeError(f"{type(decision).__name__} is not a decision on a drain")
         if plan_for is not None:
             plan_for(len(before) - len(decision.leaving))
+        what = f"leave draining node {drain.name}"
+        moved, recovered = self._planned_leave(decision.leaving, what, f"hand off before node {drain.name} goes", drain)
+        if recovered is not None:
+            return recovered
+        rec.update(moved, left=list(decision.leaving), fallback=None)
+        self.publish({"event": "membership", **rec})
+        return rec
+
+    def retire_slow(
+        self, speeds: SlowWorkers | None, settings: ElasticSettings, after_step: int, plan_for=None
+    ) -> list[dict]:
+        """At a step boundary (``after_step`` the last step trained): members whose speed (``speeds``) stayed below
+        ``settings.retire_below_speed`` (the ``[elastic]`` settings; 0: off) for ``settings.retire_after_steps``
+        observed steps are retired as failed, as the policy's ``Retire`` decides: the slowest first, never below
+        ``min_workers`` (those kept: a warning, once each). ``plan_for(n)`` as in :meth:`leave_drained`. Returns the
+        ``retire`` record (``control.slow_retire.retire_record``), or the usual recovery's record when a worker
+        failed on the way; empty when nobody was retired."""
+        below, steps = settings.retire_below_speed, settings.retire_after_steps
+        if not below or speeds is None:
+            return []
+        w = self.workers
+        slow = slow_members(speeds, w.worker_ids, w.rank_nodes(), below, steps)
+        if not slow:
+            return []
+        decision = self.policy.on_slow(w.worker_ids, [s["worker"] for s in slow])
+        kept = [s for s in slow if s["worker"] in decision.kept and s["worker"] not in self._kept_slow]
+        if kept:
+            self._kept_slow |= {s["worker"] for s in kept}
+            self.publish({"event": "progress", "message": kept_line(kept, below, steps, decision.reason)})
+        if not decision.leaving:
+            return []
+        slow = [s for s in slow if s["worker"] in decision.leaving]
+        before = list(w.worker_ids)
+        if plan_for is not None:
+            plan_for(len(decision.survivors))
+        names = ", ".join(str(s["worker"]) for s in slow)
+        what = f"retire slow worker{'s' if len(slow) > 1 else ''} {names}"
+        left, recovered = self._planned_leave(decision.leaving, what, f"hand off before: {what}")
+        if recovered is not None:
+            return [recovered]
+        rec = retire_record(slow, below, steps, after_step, before, left)
+        self.publish({"event": "progress", "message": retire_line(rec)})
+        return [rec]
+
+    def _planned_leave(
+        self, leaving, what: str, handing_off: str, drain: NodeDrain | None = None
+    ) -> tuple[dict, None] | tuple[None, dict]:
+        """``leaving`` (alive, idle members, at a step boundary) hand off what only they hold, go, and the world
+        re-forms without them: nothing is re-run. Returns the figures for their record (what moved, the world after,
+        ``reform_ms``, ``recovery_ms``, ``rerun``, the layout) and None; or None and the record of the usual recovery,
+        when a worker failed on the way (``handing_off``: what the run was doing if it was the handoff). Raises
+        :class:`RollingBack` when the handoff left some model state without a holder. ``drain``: the leaving's
+        node is being drained (``what`` they do: e.g. ``leave draining node X``)."""
+        w = self.workers
+        where = {} if drain is None else drain.fields()
+        before = len(w.worker_ids)
         t0 = time.perf_counter()
         try:
-            moved = w.hand_off(decision.leaving)
+            moved = w.hand_off(leaving)
         except MembershipFailure as e:  # the node went before the handoff finished (or another failure)
             # nobody ran a step: ``completed`` (workers that finished the call) says nothing about model state
             failure = dataclasses.replace(e.failure, completed=frozenset())
-            why = "the handoff did not finish before the node went"
-            return self.recover(failure, 0, f"hand off before node {drain.name} goes", drain_fallback=why).to_record()
+            why = "the handoff did not finish before the node went" if drain is not None else None
+            return None, self.recover(failure, 0, handing_off, drain_fallback=why).to_record()
         t1 = time.perf_counter()
-        w.remove(decision.leaving, retiring=True)
-        what = f"leave draining node {drain.name}"
+        w.remove(leaving, retiring=True)
         try:
             w.form_world()
         except MembershipFailure as e:  # a stayer failed while the smaller world formed: the usual recovery
             failure = dataclasses.replace(e.failure, completed=frozenset())
-            out = self.recover(failure, 0, "re-form after a drain").to_record()
-            out["drain"] = drain.fields()
-            return out
+            out = self.recover(failure, 0, f"re-form the world ({what})").to_record()
+            if drain is not None:
+                out["drain"] = where
+            return None, out
         except PartsLostError as e:  # the handoff missed a shard: the driver rolls back, and says why
-            left = {**drain.fields(), "fallback": "the handoff left a shard behind"}
+            left = {**where, "fallback": "the handoff left a shard behind"} if drain is not None else None
             raise RollingBack(self.policy.on_parts_lost(e.lost_workers, str(e), what, left)) from e
         missing = w.missing_parts()  # the handoff gave the stayers every part; were any left behind, roll back
         if missing:
-            err = PartsLostError(missing, list(decision.leaving))
-            left = {**drain.fields(), "fallback": "the handoff left a part behind"}
+            err = PartsLostError(missing, list(leaving))
+            left = {**where, "fallback": "the handoff left a part behind"} if drain is not None else None
             raise RollingBack(self.policy.on_parts_lost(err.lost_workers, str(err), what, left))
         t2 = time.perf_counter()
         self.reform_s = t2 - t1
-        rec.update(moved, left=list(decision.leaving), world_after=list(w.worker_ids), fallback=None)
-        rec.update(reform_ms=(t2 - t1) * 1e3, recovery_ms=(t2 - t0) * 1e3, rerun=False)
+        out = {**moved, "world_after": list(w.worker_ids), "reform_ms": (t2 - t1) * 1e3}
+        out.update(recovery_ms=(t2 - t0) * 1e3, rerun=False)
         if w.form_phases_ms:  # where the re-form went (the slowest member's phases)
-            rec["reform_phases_ms"] = w.form_phases_ms
-        self._note_layout(rec)
-        self.publish({"event": "membership", **rec})
-        return rec
+            out["reform_phases_ms"] = w.form_phases_ms
+        note = self._layout(before, len(w.worker_ids))
+        if note:
+            out["layout"] = note
+        return out, None
 
     def _drained(self, lost, why: str | None = None) -> dict | None:
         """The drain of the node the lost workers ran on, if it was being drained, with ``why`` they did not leave

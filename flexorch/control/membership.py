@@ -14,6 +14,9 @@ two apart; the ranks of epoch ``e`` are the alive worker ids, contiguous per nod
 * when a node holding workers is being drained (``control.drains``): :class:`Leave` (at the next step boundary its
   workers hand off what only they hold and the world re-forms without them: nothing is re-run) or :class:`Stay`
   (they stay until the node goes, and the lost-node path recovers then), with why;
+* when workers stayed slow (``[elastic] retire_below_speed``, ``control.slow_retire``): :class:`Retire` (at the
+  step boundary they leave as a drained node's workers do, never taking the world below ``min_workers``: the
+  slowest go first, the others are ``kept``, with why);
 * when some model state lost its every holder (stage-local parameters, or a shard without a copy):
   :class:`RollBack` (load the last checkpoint and train again from its step);
 * when workers ran out of device memory in a step: :class:`ReplanForMemory` (plan the step again with a smaller
@@ -42,6 +45,7 @@ __all__ = [
     "Decision",
     "Leave",
     "Stay",
+    "Retire",
     "RollBack",
     "ReplanForMemory",
     "Recovery",
@@ -204,6 +208,18 @@ class Stay:
 
 
 @dataclass(frozen=True)
+class Retire:
+    """Slow workers retired as failed at a step boundary: ``leaving`` hand off what only they hold and go, and the
+    world re-forms on ``survivors`` (nothing re-run). ``kept``: slow workers that stay, and ``reason`` why (the world
+    would drop below ``min_workers``); both empty when every slow worker goes."""
+
+    leaving: tuple[int, ...]
+    survivors: tuple[int, ...]
+    kept: tuple[int, ...] = ()
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class RollBack:
     """Some model state lost its every holder: the driver loads its last checkpoint on the workers alive and trains
     again from its step."""
@@ -335,6 +351,24 @@ class ElasticPolicy:
                 f"the deadline is {max(left_s, 0.0):.1f} s away and a handoff needs about {needed_s:.1f} s",
             )
         return Leave(leaving, survivors)
+
+    def on_slow(self, alive: Iterable[int], slow: Iterable[int]) -> Retire:
+        """Members ``slow`` (slowest first) stayed below ``[elastic] retire_below_speed``: retire the slowest that the
+        world can lose without dropping below ``min_workers``; the rest are kept, with why."""
+        alive, slow = tuple(sorted(alive)), tuple(dict.fromkeys(slow))
+        unknown = set(slow) - set(alive)
+        if unknown:
+            raise ValueError(f"workers {sorted(unknown)} are slow but not members (alive: {list(alive)})")
+        room = max(0, len(alive) - self.min_workers)
+        leaving, kept = tuple(sorted(slow[:room])), slow[room:]
+        survivors = tuple(w for w in alive if w not in leaving)
+        reason = ""
+        if kept:
+            reason = (
+                f"retiring {'it' if len(kept) == 1 else 'them'} would leave {len(survivors) - len(kept)} workers, "
+                f"below min_workers={self.min_workers}"
+            )
+        return Retire(leaving, survivors, tuple(sorted(kept)), reason)
 
     def on_parts_lost(
         self, lost: Iterable[int], reason: str, what: str | None = None, drain: dict | None = None
