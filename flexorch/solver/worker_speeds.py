@@ -36,7 +36,12 @@ __all__ = ["RECOVERED_AT", "SLOW_BELOW", "SpeedChange", "WorkerSpeeds", "seed_sp
 SLOW_BELOW = 0.8
 """A worker whose estimate drops below this is slow: the console says so once (:class:`SpeedChange`)."""
 RECOVERED_AT = 0.9
-"""A slow worker whose estimate is back at or above this has recovered (said once)."""
+"""A slow worker whose estimate is back at or above this has recovered (said once). One observed step at this pace
+is believed at once (its window refilled with it), so a worker that speeds up gets its full share back on the next
+plan; a drop needs the window's median (two slow steps of three)."""
+PRIOR_GAP = 0.15
+"""Where several members of a group can have set its pace, one whose estimate is lower than every other's by this
+share is taken as the one that did (:func:`_untangle`)."""
 TIGHT = 0.1
 """A group's pace is set by a member whose speed bound is within this share of it (measurement noise)."""
 BAND = 0.1
@@ -89,15 +94,23 @@ def _group_paces(record: dict, profile: Profile) -> list[tuple[tuple[int, ...], 
     return out
 
 
-def _untangle(paces: list[tuple[tuple[int, ...], float]]) -> dict[int, float]:
+def _untangle(paces: list[tuple[tuple[int, ...], float]], priors: dict[int, float] | None = None) -> dict[int, float]:
     """Each rank's pace bound (the fastest of its groups'), less ranks whose every group is explained by another
-    member pinned slow (the one member that can have set the pace of some group of its own)."""
+    member pinned slow (the one member that can have set the pace of some group of its own). ``priors`` (rank ->
+    its estimate before this step): where several members can have set a group's pace, one whose prior is clearly
+    the lowest (by ``PRIOR_GAP``) is pinned, so a fast rank that shares groups with a known slow one is not called
+    slow with it."""
     lo: dict[int, float] = {}
     for members, p in paces:
         for m in members:
             lo[m] = max(lo.get(m, 0.0), p)
     setters = [[m for m in members if lo[m] <= p * (1 + TIGHT)] for members, p in paces]  # who can have set it
     pinned = {s[0] for s in setters if len(s) == 1}
+    for s in setters if priors else ():
+        if len(s) > 1 and not pinned.intersection(s):
+            low = min(s, key=lambda m: priors.get(m, 1.0))
+            if all(priors.get(low, 1.0) <= (1 - PRIOR_GAP) * priors.get(o, 1.0) for o in s if o != low):
+                pinned.add(low)
     explained: dict[int, bool] = {}
     for (members, _), s in zip(paces, setters, strict=True):
         slow = [o for o in s if o in pinned]
@@ -112,12 +125,13 @@ def _median_worker(values) -> float:
     return ordered[len(ordered) // 2]
 
 
-def step_speeds(record: dict, profile: Profile) -> dict[int, float]:
+def step_speeds(record: dict, profile: Profile, priors: dict[int, float] | None = None) -> dict[int, float]:
     """Each observed rank's speed in one trained SP step's record (rank -> speed, the step's median rank 1.0);
-    empty for pipelined, skipped and plan-less records and when fewer than two ranks say anything."""
+    empty for pipelined, skipped and plan-less records and when fewer than two ranks say anything. ``priors``:
+    each rank's estimate before the step (:func:`_untangle`)."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return {}
-    raw = _untangle(_group_paces(record, profile))
+    raw = _untangle(_group_paces(record, profile), priors)
     if len(raw) < 2:
         return {}
     ref = _median_worker(raw.values())
@@ -185,7 +199,8 @@ class WorkerSpeeds:
         if self._skip > 0:
             self._skip -= 1
             return []
-        speeds = step_speeds(record, profile)
+        priors = {rank: self._track(w).estimate() for rank, w in enumerate(workers)}
+        speeds = step_speeds(record, profile, priors)
         if not speeds:
             return []
         changes = []
@@ -197,6 +212,8 @@ class WorkerSpeeds:
                     t.window = deque((t.seed + (v - t.seed) / 2 for v in t.window), maxlen=self.window)
                 continue
             t.missed = 0
+            if t.slow and speeds[rank] >= RECOVERED_AT:  # back at full pace: believed at once (a drop needs two)
+                t.window.extend([speeds[rank]] * self.window)
             t.window.append(speeds[rank])
             t.run = t.run + 1 if speeds[rank] < SLOW_BELOW else 0
             t.spell += t.slow and t.run > 0
