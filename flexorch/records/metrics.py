@@ -177,8 +177,8 @@ class RunMetrics:
 
     def on_recovery(self, record: dict) -> None:
         what = "rollback" if record.get("rollback") else "grow" if record.get("what") == "grow" else "shrink"
-        if record.get("what") == "drain":  # a planned leave of a draining node's workers (or their stay)
-            what = "drain"
+        if record.get("what") in ("drain", "retire"):  # a planned leave: a draining node's or a slow worker's
+            what = record["what"]
             if not record.get("fallback"):
                 for phase, key in (("handoff", "handoff_ms"), ("reform", "reform_ms"), ("total", "recovery_ms")):
                     self.recovery_time.set(record[key], tags={**self._tags, "phase": phase})
