@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import functools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -58,6 +58,9 @@ from flexorch.solver.validation import check_batch, check_num_devices
 
 __all__ = ["PlannerConfig", "Planner", "plan_step"]
 
+LEVELED_MORE = 1
+"""On ranks of different speeds: candidate splits of more micro-batches than the best one solved leveled too."""
+
 
 @dataclass
 class _Search:
@@ -77,9 +80,9 @@ class _Search:
     """(candidate, its micro-batches' solutions before the local search) of the best split."""
     finished: bool = False
     """Some split was planned: its solves all came back, or ``solver.fill`` packed it."""
-    laid: tuple | None = None
-    """On ranks of different speeds, where the leveled solve beat the best split (``solver.paced.leveled_solve``):
-    its (drafts, types, table, caps, overheads) to lay out instead."""
+    laid: list = field(default_factory=list)
+    """On ranks of different speeds, the leveled solves (``solver.paced.leveled_solve``): each one's (drafts, types,
+    table, caps, overheads), laid out beside the best split (``solver.paced.fastest_layout``)."""
     tried: int = 0
 
 
@@ -159,10 +162,32 @@ class Planner:
         self._polish_best(step, search, budget, run)
         if paced:
             budget = Budget.split(t0, deadline, lengths.size, self._finish_s, self._polish_s)
-            if search.best_mbs is not None and time.monotonic() + MIN_SOLVE_S < budget.solve:
-                drafts = [d for d, _ in search.best_mbs]
-                search.laid = leveled_solve(step, drafts, self._solves, budget.solve, run, self._while_solving)
+            self._solve_leveled(step, search, budget, run)
         return self._finish(step, search, budget, run)
+
+    def _solve_leveled(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> None:
+        """On ranks of different speeds: the best split and up to ``LEVELED_MORE`` candidate splits of more
+        micro-batches solved again with each type once per speed level (``solver.paced.leveled_solve``), each by
+        its share of the time left. More, lighter micro-batches let a slow rank take less where every micro-batch of
+        the best split is full (a memory-bound batch: the slow rank's group would hold as much as the others)."""
+        if search.best_mbs is None or search.best_pre is None:
+            return
+        best = search.best_pre[0]
+        more = [ci for ci, _ in search.order if len(search.cands[ci]) > len(search.cands[best])][:LEVELED_MORE]
+        for k, ci in enumerate([best, *more]):
+            left = budget.solve - time.monotonic()
+            if left < MIN_SOLVE_S:
+                break
+            if ci == best:
+                drafts = [d for d, _ in search.best_mbs]
+            else:
+                drafts = step.homogeneous_starts(search.cands[ci], deadline=budget.solve)
+                if any(d is None for d in drafts):
+                    continue
+            until = time.monotonic() + left / (1 + len(more) - k)
+            laid = leveled_solve(step, drafts, self._solves, until, run, self._while_solving)
+            if laid is not None:
+                search.laid.append(laid)
 
     def _screen(self, step: StepTables, budget: Budget) -> _Search:
         """The candidate splits, their bounds, and the order to solve them in (``solver.screening``)."""
@@ -172,7 +197,7 @@ class Planner:
         cands = partition_candidates(
             step.lengths,
             step.area,
-            step.n * step.cap,
+            int(step.cap * _paced_devices(step.topology, step.n)),
             cfg.extra_micro_batches,
             deadline=budget.screen,
             tiers=tiers,
@@ -242,7 +267,7 @@ class Planner:
         topo = step.topology
         meta = {"planner": "flexorch-milp", "status": status}
         layouts = [([d for d, _ in search.best_mbs], step.types, step.table, step.caps_t, step.overheads)]
-        layouts += [search.laid] if search.laid is not None else []  # ranks of different speeds: solved leveled
+        layouts += search.laid  # ranks of different speeds: the splits solved leveled
 
         def make(mbs) -> Plan:
             return Plan.for_profile(num_devices=n, seq_lengths=lengths, micro_batches=mbs, profile=prof, meta=meta,
@@ -325,6 +350,15 @@ class Planner:
         half = len(items) // 2
         args = (types, caps_t, overheads, table, lengths, n)
         return self._split_until_packed(items[:half], *args) + self._split_until_packed(items[half:], *args)
+
+
+def _paced_devices(topology, n: int) -> float:
+    """The devices a micro-batch's tokens are sized for: ``n``, less what slow ranks lack (a rank at speed s < 1
+    counts s), so on ranks of different speeds a memory-bound batch is cut into lighter micro-batches in which a
+    slow rank can take less than its memory holds (``solver.paced``)."""
+    if topology is None or topology.uniform_speed:
+        return n
+    return float(sum(min(1.0, v) for v in topology.rank_speeds()))
 
 
 def _polish(sols, caps_t, table, lengths, overheads, deadline, types=None) -> tuple[float, list]:
