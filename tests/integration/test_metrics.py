@@ -30,6 +30,7 @@ NAMES = [
     "flexorch_workers_alive",
     "flexorch_plan_groups",
     "flexorch_steps_total",
+    "flexorch_worker_speed",
 ]
 
 
@@ -147,6 +148,13 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
                     "flexorch_solver_crashes_total",
                 )
                 assert name in found or name in not_here or name in pp_found, name
+    # each worker's speed: the gauge is the last record's, and each rank names its node and process (issue 63)
+    speeds = {lab["worker"]: v for lab, v in found["flexorch_worker_speed"]}
+    assert sorted(speeds) == sorted(str(w) for w in last["worker_ids"])
+    for w, entry in zip(last["worker_ids"], last["ranks"], strict=True):
+        assert isinstance(entry["pid"], int) and entry["pid"] > 0 and entry["node"], entry
+        assert speeds[str(w)] == pytest.approx(entry["speed"], abs=1e-6) and entry["speed"] > 0
+    assert len({e["pid"] for e in last["ranks"]}) == 4  # one process per worker
     groups = {(lab["degree"], lab["kind"]): v for lab, v in found["flexorch_plan_groups"]}
     expected: dict = {}
     for mb in last["plan"]["micro_batches"]:
