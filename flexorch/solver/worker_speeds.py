@@ -39,7 +39,7 @@ RECOVERED_AT = 0.9
 """A slow worker whose estimate is back at or above this has recovered (said once). One observed step at this pace
 is believed at once (its window refilled with it), so a worker that speeds up gets its full share back on the next
 plan; a drop needs the window's median (two slow steps of three)."""
-PRIOR_GAP = 0.15
+PRIOR_GAP = 0.05
 """Where several members of a group can have set its pace, one whose estimate is lower than every other's by this
 share is taken as the one that did (:func:`_untangle`)."""
 TIGHT = 0.1
@@ -99,24 +99,28 @@ def _untangle(paces: list[tuple[tuple[int, ...], float]], priors: dict[int, floa
     member pinned slow (the one member that can have set the pace of some group of its own). ``priors`` (rank ->
     its estimate before this step): where several members can have set a group's pace, one whose prior is clearly
     the lowest (by ``PRIOR_GAP``) is pinned, so a fast rank that shares groups with a known slow one is not called
-    slow with it."""
+    slow with it; where they are alike and already taken as slow, the group tells nothing of any of them (they
+    are left unobserved, drift back and are planned apart again, where they can be told apart)."""
     lo: dict[int, float] = {}
     for members, p in paces:
         for m in members:
             lo[m] = max(lo.get(m, 0.0), p)
     setters = [[m for m in members if lo[m] <= p * (1 + TIGHT)] for members, p in paces]  # who can have set it
     pinned = {s[0] for s in setters if len(s) == 1}
+    unknown: set[int] = set()  # setters of a group none of whom can be told from the others
     for s in setters if priors else ():
         if len(s) > 1 and not pinned.intersection(s):
             low = min(s, key=lambda m: priors.get(m, 1.0))
             if all(priors.get(low, 1.0) <= (1 - PRIOR_GAP) * priors.get(o, 1.0) for o in s if o != low):
                 pinned.add(low)
+            elif priors.get(low, 1.0) < RECOVERED_AT:  # all already taken as slow, alike: this says nothing new
+                unknown.update(s)
     explained: dict[int, bool] = {}
     for (members, _), s in zip(paces, setters, strict=True):
         slow = [o for o in s if o in pinned]
         for m in members:
             explained[m] = explained.get(m, True) and any(o != m for o in slow)
-    return {m: bound for m, bound in lo.items() if m in pinned or not explained[m]}
+    return {m: bound for m, bound in lo.items() if m in pinned or not (explained[m] or m in unknown)}
 
 
 def _median_worker(values) -> float:

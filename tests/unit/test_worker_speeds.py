@@ -280,3 +280,14 @@ def test_the_step_of_a_plan_priced_with_speeds_predicts_what_it_was_priced_at():
     step = step_of_record(_record(plan, [1.0, 0.5, 1.0, 1.0]))
     assert step.predict_ms(PROFILE) == pytest.approx(step_time_ms(plan, PROFILE))
     assert step.predict_ms(PROFILE) > step_time_ms(plan.__class__(**{**plan.__dict__, "topology": None}), PROFILE)
+
+
+def test_two_ranks_taken_as_slow_alike_are_not_held_slow_by_the_groups_they_share():
+    ws = WorkerSpeeds(window=3, skip_first=0)
+    _feed(ws, [0.5, 0.5, 1.0, 1.0], 3)  # both seen slow, each on its own
+    assert ws.estimate(10) <= 0.55 and ws.estimate(11) <= 0.55
+    paired = _plan([[(0, 2, [0, 3]), (2, 2, [1, 4])], [(0, 2, [2]), (2, 2, [5])]])  # then only ever together
+    _feed(ws, [0.5, 1.0, 1.0, 1.0], 4, plan=paired)  # rank 1 is back: its pair still runs at rank 0's pace
+    assert ws.estimate(11) > 0.6, "the pair says nothing of which: unobserved, it drifts back and is tried again"
+    _feed(ws, [0.5, 1.0, 1.0, 1.0], 2)  # planned apart again: told apart
+    assert ws.estimate(11) >= 0.9 and ws.estimate(10) <= 0.55
