@@ -53,7 +53,8 @@ def static_plan(
     topology=None,
 ) -> Plan | None:
     """Every group of `degree` with `kind` attention; None when that layout cannot run the batch. With a
-    ``topology`` (``solver.topology``) the groups are placed on its nodes and priced where they lie.
+    ``topology`` (``solver.topology``) the groups are placed on its nodes and priced where they lie; where its ranks
+    have speeds they are placed as a static layout is, blind to them, and priced at them.
 
     A split (and every larger M) whose lower bound (per micro-batch O + max(longest time, total time / groups))
     cannot beat the best split packed so far is not packed: the plan is the one packing every split gives (ties
@@ -91,7 +92,9 @@ def static_plan(
         return None
     improve_step(best, [caps] * len(best), table, lengths, overheads, deadline=deadline)
     best = drop_empty(best)
-    mbs = placed_micro_batches(best, types, table, lengths, np.array([cap]), overheads, topology, deadline=deadline)
+    # placed as a static layout is, whatever the ranks' speeds (each group then priced at its slowest rank's pace)
+    blind = None if topology is None else topology.without_speeds()
+    mbs = placed_micro_batches(best, types, table, lengths, np.array([cap]), overheads, blind, deadline=deadline)
     return Plan.for_profile(
         num_devices=num_devices,
         seq_lengths=lengths,

@@ -59,6 +59,8 @@ from flexorch.solver.validation import check_batch, check_num_devices
 __all__ = ["PlannerConfig", "Planner", "plan_step"]
 
 LEVELED_MORE = 1
+NOMINAL_SHARE = 0.4
+"""On ranks of different speeds: the share of the budget the search at one pace gets (the leveled solves the rest)."""
 """On ranks of different speeds: candidate splits of more micro-batches than the best one solved leveled too."""
 
 
@@ -153,13 +155,14 @@ class Planner:
             step_bound_ms, step.table, step.types, lengths, step.n, step.cap, step.overheads, slowest=step.slowest
         )
         paced = topology is not None and not topology.uniform_speed
-        # on ranks of different speeds, the search at one pace gets 60 % of the time, the leveled solve the rest
-        budget = Budget.split(t0, t0 + 0.6 * (deadline - t0) if paced else deadline, lengths.size, self._finish_s,
-                              self._polish_s)  # fmt: skip
+        # on ranks of different speeds, the search at one pace gets a share of the time, the leveled solves the rest
+        until = t0 + NOMINAL_SHARE * (deadline - t0) if paced else deadline
+        budget = Budget.split(t0, until, lengths.size, self._finish_s, self._polish_s)
         run = {"crashes": 0, "cut": 0}
         search = self._screen(step, budget)
         self._solve(step, search, budget, run)
-        self._polish_best(step, search, budget, run)
+        if not paced:  # on ranks of different speeds the leveled solves take that time
+            self._polish_best(step, search, budget, run)
         if paced:
             budget = Budget.split(t0, deadline, lengths.size, self._finish_s, self._polish_s)
             self._solve_leveled(step, search, budget, run)
@@ -170,15 +173,16 @@ class Planner:
         micro-batches solved again with each type once per speed level (``solver.paced.leveled_solve``), each by
         its share of the time left. More, lighter micro-batches let a slow rank take less where every micro-batch of
         the best split is full (a memory-bound batch: the slow rank's group would hold as much as the others)."""
-        if search.best_mbs is None or search.best_pre is None:
+        if not search.order:
             return
-        best = search.best_pre[0]
+        solved = search.best_mbs is not None and search.best_pre is not None
+        best = search.best_pre[0] if solved else search.order[0][0]  # none solved in time: the first in order
         more = [ci for ci, _ in search.order if len(search.cands[ci]) > len(search.cands[best])][:LEVELED_MORE]
         for k, ci in enumerate([best, *more]):
             left = budget.solve - time.monotonic()
             if left < MIN_SOLVE_S:
                 break
-            if ci == best:
+            if ci == best and solved:
                 drafts = [d for d, _ in search.best_mbs]
             else:
                 drafts = step.homogeneous_starts(search.cands[ci], deadline=budget.solve)
