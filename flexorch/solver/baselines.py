@@ -92,8 +92,7 @@ def static_plan(
         return None
     improve_step(best, [caps] * len(best), table, lengths, overheads, deadline=deadline)
     best = drop_empty(best)
-    # placed as a static layout is, whatever the ranks' speeds (each group then priced at its slowest rank's pace)
-    blind = None if topology is None else topology.without_speeds()
+    blind = None if topology is None else topology.without_speeds()  # a static layout places blind to speeds
     mbs = placed_micro_batches(best, types, table, lengths, np.array([cap]), overheads, blind, deadline=deadline)
     return Plan.for_profile(
         num_devices=num_devices,
