@@ -7,9 +7,10 @@ step starts it takes the plan (:meth:`StepPlans.plan`), solved by then or waited
 the last measured step (``[plan] budget``), and sees the world's nodes unless ``[plan] topology = "blind"``, and the
 ranks' speeds (``control.speed_watch``) when ``[plan] speeds = "aware"`` and some worker runs off the others' pace.
 A plan solved ahead is taken when it was solved for the same workers on the same nodes (the planner client keys its
-solves by stream step, workers and topology): the speeds it was asked with stand even when the step just measured
-changed them, so the new speeds are planned with from the next plan ahead, a step later, and no step waits for a
-solve at its start (on 4 CPU workers, solving it again at the start cost each step 0.4-1.0 s of waiting).
+solves by stream step, workers and topology) and no rank's speed has moved much since it was asked (``SPEED_MOVE``):
+small moves are planned with from the next plan ahead, a step later, so steps do not wait for a solve at their start
+(on 4 CPU workers, solving every changed plan again at the start cost most steps 0.4-1.0 s of waiting); a worker that
+went slow or came back is planned for at once.
 
 The drain watch (``control.drains``, its own thread) calls :meth:`StepPlans.without` when it sees a node draining
 mid-step: the next batch's plan is then also solved for the world without that node's workers, so the step after
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
     from flexorch.control.speed_watch import SpeedWatch
 
 __all__ = ["Ahead", "StepPlans"]
+
+SPEED_MOVE = 0.25
+"""A rank whose planning speed moved by this share since a plan was asked ahead has that plan solved again."""
 
 
 @dataclass(frozen=True)
@@ -108,8 +112,8 @@ class StepPlans:
         topology = self.topology(n)
         with self._lock:
             ahead = self._ahead
-        if ahead is not None and ahead.step == batch.step and ahead.n == n and _same_nodes(ahead.topology, topology):
-            # solved ahead with the speeds known then: taken as is, a step behind the latest estimate, rather than
+        if ahead is not None and ahead.step == batch.step and ahead.n == n and _close(ahead.topology, topology):
+            # solved ahead with the speeds known then, which differ little from the latest: taken as is rather than
             # solved again at the step's start (the step would wait for the solve)
             topology = ahead.topology
         return self.planner.plan(batch.step, lengths, n, self.budget(), topology=topology, **self.task_of(batch))
@@ -142,8 +146,14 @@ class StepPlans:
                 pass
 
 
-def _same_nodes(a: Topology | None, b: Topology | None) -> bool:
-    """Whether two topologies have the same nodes (their speeds aside)."""
-    if a is None or b is None:
-        return (a is None or a.num_nodes == 1) and (b is None or b.num_nodes == 1)
-    return a.without_speeds() == b.without_speeds()
+def _close(a: Topology | None, b: Topology | None) -> bool:
+    """Whether a plan solved for ``a`` stands for ``b``: the same nodes, and no rank's speed moved by
+    ``SPEED_MOVE`` or more (a worker that went slow or came back is planned for at once; smaller moves wait for the
+    next plan ahead)."""
+    if (a is not None and a.num_nodes > 1) or (b is not None and b.num_nodes > 1):
+        if a is None or b is None or a.without_speeds() != b.without_speeds():
+            return False
+    n = a.num_devices if a is not None else b.num_devices if b is not None else 0
+    sa = a.rank_speeds() if a is not None else (1.0,) * n
+    sb = b.rank_speeds() if b is not None else (1.0,) * n
+    return len(sa) == len(sb) and all(abs(x - y) < SPEED_MOVE * max(x, y) for x, y in zip(sa, sb, strict=True))

@@ -54,7 +54,8 @@ def static_plan(
 ) -> Plan | None:
     """Every group of `degree` with `kind` attention; None when that layout cannot run the batch. With a
     ``topology`` (``solver.topology``) the groups are placed on its nodes and priced where they lie; where its ranks
-    have speeds they are placed as a static layout is, blind to them, and priced at them.
+    have speeds, laid out at them (``solver.paced``: the layout's groups kept, work moved off the slow ones), so the
+    BatchAda floor is the best static layout at those speeds.
 
     A split (and every larger M) whose lower bound (per micro-batch O + max(longest time, total time / groups))
     cannot beat the best split packed so far is not packed: the plan is the one packing every split gives (ties
@@ -92,8 +93,7 @@ def static_plan(
         return None
     improve_step(best, [caps] * len(best), table, lengths, overheads, deadline=deadline)
     best = drop_empty(best)
-    blind = None if topology is None else topology.without_speeds()  # a static layout places blind to speeds
-    mbs = placed_micro_batches(best, types, table, lengths, np.array([cap]), overheads, blind, deadline=deadline)
+    mbs = placed_micro_batches(best, types, table, lengths, np.array([cap]), overheads, topology, deadline=deadline)
     return Plan.for_profile(
         num_devices=num_devices,
         seq_lengths=lengths,
