@@ -117,8 +117,8 @@ def _untangle(paces: list[tuple[tuple[int, ...], float]], priors: dict[int, floa
             elif priors.get(low, 1.0) < RECOVERED_AT:  # all already taken as slow, alike: this says nothing new
                 unknown.update(s)
     explained: dict[int, bool] = {}
-    for (members, _), s in zip(paces, setters, strict=True):
-        slow = [o for o in s if o in pinned]
+    for members, _ in paces:  # a group holding a member pinned slow says nothing of the others in it
+        slow = [o for o in members if o in pinned]
         for m in members:
             explained[m] = explained.get(m, True) and any(o != m for o in slow)
     return {m: bound for m, bound in lo.items() if m in pinned or not (explained[m] or m in unknown)}
