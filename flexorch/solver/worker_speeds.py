@@ -44,9 +44,10 @@ PRIOR_GAP = 0.05
 share is taken as the one that did (:func:`_untangle`)."""
 TIGHT = 0.1
 """A group's pace is set by a member whose speed bound is within this share of it (measurement noise)."""
-BAND = 0.15
-"""A planning speed within this of 1.0 is 1.0 (noise and small differences re-plan nothing; on 4 CPU workers
-time-sharing 2 cores, workers at one pace measured 0.81-1.36 from step to step)."""
+BAND = 0.2
+"""A planning speed within this of 1.0 is 1.0: the planner plans around a worker the console calls slow (below
+``SLOW_BELOW``), not around noise (on 4 CPU workers time-sharing 2 cores, workers at one pace measured 0.67-1.35 of
+each other from step to step, and plans made around such phantom speeds made the steps of an aware run slower)."""
 STICK = 0.05
 """Hysteresis of the planning speeds: a snapped speed holds while the estimate stays this far past its band."""
 

@@ -227,8 +227,8 @@ def test_planning_speeds_hold_under_three_percent_noise(speed):
 
 
 def test_snapping():
-    assert [snap_speed(v) for v in (0.9, 0.95, 1.1, 1.04, 0.86, 1.14)] == [1.0] * 6
-    assert [snap_speed(v) for v in (0.84, 0.52, 0.53, 1.16, 0.01, 2.0)] == [0.85, 0.5, 0.55, 1.15, 0.05, 2.0]
+    assert [snap_speed(v) for v in (0.9, 0.95, 1.1, 1.04, 0.81, 1.19)] == [1.0] * 6
+    assert [snap_speed(v) for v in (0.79, 0.52, 0.53, 1.21, 0.01, 2.0)] == [0.8, 0.5, 0.55, 1.2, 0.05, 2.0]
 
 
 def test_forget_drops_the_estimate_and_the_seed():
