@@ -459,12 +459,13 @@ def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float, times=None
     )  # fmt: skip
 
 
-def fake_driver(cfg, corpus, slots: int | None = None, faults=()):
-    """The real ``TrainingDriver`` over a :class:`FakeWorkerGroup` and the in-process planner; set up."""
+def fake_driver(cfg, corpus, slots: int | None = None, faults=(), **group_kw):
+    """The real ``TrainingDriver`` over a :class:`FakeWorkerGroup` (``group_kw``: its other arguments, e.g.
+    ``per_node``) and the in-process planner; set up."""
     from flexorch.control.driver import TrainingDriver
     from flexorch.control.planner_client import LocalPlannerClient
 
-    group = FakeWorkerGroup(cfg, slots, faults)
+    group = FakeWorkerGroup(cfg, slots, faults, **group_kw)
     driver = TrainingDriver(cfg, worker_group=group, planner=LocalPlannerClient, corpus=corpus)
     driver.setup()
     return driver, group

@@ -23,6 +23,7 @@ statically; this does it per step, from the speeds each worker showed.
 
 from __future__ import annotations
 
+import copy
 import time
 
 import numpy as np
@@ -154,8 +155,9 @@ def fastest_layout(layouts: list[tuple], lengths: np.ndarray, topology: Topology
         until = None
         if deadline is not None:
             until = time.monotonic() + max(0.0, deadline - time.monotonic()) / (len(layouts) - k)
-        copies = [Draft(list(d.group_type), [list(m) for m in d.members], d.loads.copy(), d.tokens.copy())
-                  for d in drafts]  # fmt: skip
-        mbs = placed_micro_batches(copies, types, table, lengths, caps, overheads, topology, deadline=until)
+        # a copy: the local search moves the members in place
+        mbs = placed_micro_batches(
+            copy.deepcopy(drafts), types, table, lengths, caps, overheads, topology, deadline=until
+        )
         plans.append(make_plan(mbs))
     return min(plans[::-1], key=price)  # ties: the paced layouts

@@ -8,9 +8,9 @@ import dataclasses
 import numpy as np
 import pytest
 
+from flexorch.cli.plan_speeds import token_shares
 from flexorch.solver.packing import GroupType
 from flexorch.solver.placement import place
-from flexorch.solver.plan import Plan
 from flexorch.solver.planner import PlannerConfig
 from flexorch.solver.profiles import get_profile
 from flexorch.solver.simulator import step_time_ms
@@ -25,16 +25,6 @@ CFG = PlannerConfig(time_limit_s=3.0, isolate=False)
 def _lengths(n: int, cap: int, k: int = 48, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.minimum(rng.lognormal(np.log(cap) - 2, 1.3, k).astype(int) + 16, cap * n // 2)
-
-
-def _shares(plan: Plan) -> list[float]:
-    """Each rank's share of the step's tokens (a group's tokens split evenly over its ranks)."""
-    out = [0.0] * plan.num_devices
-    for mb in plan.micro_batches:
-        for g in mb.groups:
-            for r in g.ranks:
-                out[r] += sum(plan.seq_lengths[i] for i in g.seq_ids) / g.degree
-    return [x / sum(out) for x in out]
 
 
 # ---- the topology's speeds
@@ -118,9 +108,9 @@ def test_the_aware_plan_beats_the_blind_one_priced_with_the_same_speeds(n, slow)
     assert aware.predicted_ms == pytest.approx(aware_ms)
     blind_ms = step_time_ms(dataclasses.replace(blind.plan, topology=base.with_speeds(speeds)), PROFILE)
     assert aware_ms < 0.95 * blind_ms, (aware_ms, blind_ms)
-    shares = _shares(aware.plan)
+    shares = token_shares(aware.plan)
     assert shares[-1] < 0.85 / n  # the slow rank gets less than its even share
-    assert _shares(blind.plan)[-1] > shares[-1]
+    assert token_shares(blind.plan)[-1] > shares[-1]
 
 
 def test_a_faster_node_gets_more_work():
@@ -133,5 +123,5 @@ def test_a_faster_node_gets_more_work():
         blind = sp.plan(lengths, n, with_baselines=False, topology=topo)
     blind_ms = step_time_ms(dataclasses.replace(blind.plan, topology=topo.with_speeds(speeds)), PROFILE)
     assert step_time_ms(aware.plan, PROFILE) < 0.8 * blind_ms
-    shares = _shares(aware.plan)
+    shares = token_shares(aware.plan)
     assert sum(shares[8:]) > 0.6

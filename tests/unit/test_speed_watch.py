@@ -28,7 +28,6 @@ from flexorch.config import (
     PlanSettings,
     TrainConfig,
 )
-from flexorch.control.driver import TrainingDriver
 from flexorch.control.planner_client import LocalPlannerClient, PlannerSpec
 from flexorch.control.speed_watch import SpeedWatch, accelerator_kinds, kind_seeds
 from flexorch.control.step_plans import StepPlans
@@ -37,7 +36,7 @@ from flexorch.records.writer import read_records
 from flexorch.solver.planner_config import PlannerConfig
 from flexorch.solver.topology import Topology
 from flexorch.solver.worker_speeds import seed_speeds
-from tests.fake_cluster import FakeWorkerGroup, memory_corpus
+from tests.fake_cluster import FakeWorkerGroup, fake_driver, memory_corpus
 from tests.solver_helpers import TINY
 from tests.train_helpers import cpu_profile
 
@@ -71,9 +70,7 @@ def _run(tmp_path_factory, corpus, profile, speeds: str) -> tuple[list[dict], li
     """A run of ``STEPS`` steps on 4 workers of one node, worker ``SLOW`` at 0.4x from ``SLOW_FROM`` to
     ``FAST_FROM``: (the records as written, the speed events, what the watch said at the slowest point)."""
     cfg = _cfg(tmp_path_factory.mktemp(speeds) / "run", profile, speeds)
-    group = FakeWorkerGroup(cfg, per_node=4)  # one node: the planner's topology is Topology.single(4) with speeds
-    driver = TrainingDriver(cfg, worker_group=group, planner=LocalPlannerClient, corpus=corpus)
-    driver.setup()
+    driver, group = fake_driver(cfg, corpus, per_node=4)  # one node: planned as Topology.single(4) with speeds
     seen = {}
     try:
         group.set_speed(SLOW, 1.0)  # modelled times from the start
