@@ -364,12 +364,15 @@ class FakeWorkerGroup(WorkerGroup):
         for w in ids:
             self.workers[w].set_state(state)
         for r, (w, rank_work) in enumerate(zip(ids, work, strict=True)):
-            times = self._modelled_ms(rank_work) if self.speeds and not isinstance(rank_work, PipelineWork) else None
-            handles[w].outcome = _outcome(rank_work, r, loss, ms, lr, times)
+            modelled = self.speeds and not isinstance(rank_work, PipelineWork)
+            times, waits = self._modelled_ms(rank_work, w) if modelled else (None, None)
+            handles[w].outcome = _outcome(rank_work, r, loss, ms, lr, times, waits)
         return handles
 
-    def _modelled_ms(self, rank_work) -> list[float]:
-        """Each of the rank's groups' times: its cost-model time over its slowest worker's speed."""
+    def _modelled_ms(self, rank_work, worker: int) -> tuple[list[float], list[float]]:
+        """Each of the rank's groups' times (its cost-model time over its slowest worker's speed) and what
+        ``worker`` spent of it waiting for the slowest (the group's time less its own: the cost-model time over its
+        own speed), as a CPU worker reports them."""
         from flexorch.control.membership import world_topology
         from flexorch.solver.cost_model import group_time_ms
         from flexorch.solver.profiles import load_profile
@@ -378,7 +381,7 @@ class FakeWorkerGroup(WorkerGroup):
             self.profile = load_profile(self.cfg.plan.profile)
         topology = world_topology(self.worker_ids, self.rank_nodes(), self.size)
         ratio = self.profile.mode_time_ratios()
-        out = []
+        out, waits = [], []
         for g in rank_work.work:
             if topology is not None:
                 place = topology.placement(g.ranks, g.kind, g.ulysses_degree)
@@ -387,7 +390,8 @@ class FakeWorkerGroup(WorkerGroup):
             t = group_time_ms([d.length for d in g.docs], g.degree, g.kind, self.profile, **place)
             t *= ratio[g.recompute] if g.recompute is not None else 1.0
             out.append(t / min(self.speeds.get(self.worker_ids[r], 1.0) for r in g.ranks))
-        return out
+            waits.append(out[-1] - t / self.speeds.get(worker, 1.0))
+        return out, waits
 
     def settle(self, handles: dict, timeout_s: float) -> tuple[dict, Failure | None]:
         got = Outcomes(results={w: h.outcome for w, h in handles.items() if h.outcome is not None})
@@ -436,9 +440,9 @@ def _batch_docs(work) -> list:
     return [docs[i] for i in sorted(docs)]
 
 
-def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float, times=None) -> StepOutcome:
+def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float, times=None, waits=None) -> StepOutcome:
     """Rank ``rank``'s report: the real loss, the rank work's own micro-batches or ops, the step's time on each (SP:
-    ``times``, one per micro-batch of the rank, when given)."""
+    ``times``, one per micro-batch of the rank, when given, and ``waits``, what it waited of each)."""
     if isinstance(rank_work, PipelineWork):
         ops = [
             {"kind": k, "unit": u, "start_ms": i * ms, "end_ms": (i + 1) * ms}
@@ -455,7 +459,7 @@ def _outcome(rank_work, rank: int, loss: float, ms: float, lr: float, times=None
     return StepOutcome(
         rank_work.step, rank, loss, rank_work.num_predicted, sum(local), micro_batch_ms=times,
         micro_batches=mbs, micro_batch_start_ms=starts, compute_end_ms=sum(times),
-        total_ms=sum(times), lr=lr, peak_local_tokens=max(local, default=0),
+        total_ms=sum(times), lr=lr, peak_local_tokens=max(local, default=0), wait_ms=list(waits or []),
     )  # fmt: skip
 
 

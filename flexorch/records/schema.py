@@ -159,6 +159,8 @@ def _check_relations(rec: dict, where: str) -> None:
         for r, entry in enumerate(ranks):  # None: a rank lost after the update had been applied
             if entry is not None and len(entry.get("micro_batch_ms") or []) != n_mb:
                 raise RecordError(f"{where}: ranks[{r}].micro_batch_ms must hold one time per micro-batch ({n_mb})")
+            if entry is not None and "wait_ms" in entry and len(entry["wait_ms"] or []) != n_mb:
+                raise RecordError(f"{where}: ranks[{r}].wait_ms must hold one time per micro-batch ({n_mb})")
 
 
 def _check_plan(rec: dict, where: str) -> None:

@@ -192,6 +192,13 @@ class RankEntry(TypedDict, total=False):
         Field(description="its group's time in each micro-batch (null: it sat one out); empty when pipelined"),
     ]
     micro_batch_start_ms: Annotated[list[float | None], Field(description="when each began, from the step start")]
+    wait_ms: Annotated[
+        list[float | None],
+        Field(
+            description="of each micro-batch's time, what it spent blocked in its group's collectives, waiting for "
+            "the others (CPU workers, replicated model only; ``flexorch.workers.attention.collective_waits``)"
+        ),
+    ]
     compute_end_ms: Annotated[float | None, Field(description="end of its last micro-batch or op")]
     local_tokens: Annotated[int | None, Field(description="tokens it computed")]
     peak_local_tokens: Annotated[int | None, Field(description="most tokens it held at once")]

@@ -182,7 +182,7 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
     start: list[float | None] = [None] * n_mb
     for mb, t, t0 in zip(o.micro_batches, o.micro_batch_ms, o.micro_batch_start_ms, strict=True):
         ms[mb], start[mb] = t, t0
-    return {
+    entry = {
         "micro_batch_ms": ms,
         "micro_batch_start_ms": start,
         "compute_end_ms": o.compute_end_ms,
@@ -192,6 +192,12 @@ def _rank_entry(o, n_mb: int, pipelined: bool) -> dict | None:
         "state_bytes": o.param_bytes,
         "compile_s": o.compile_s,
     }
+    waits = o.wait_ms
+    if waits and len(waits) == len(o.micro_batches):  # reported where the collectives block the host
+        entry["wait_ms"] = [None] * n_mb
+        for mb, w in zip(o.micro_batches, waits, strict=True):
+            entry["wait_ms"][mb] = round(w, 3)
+    return entry
 
 
 def step_record(

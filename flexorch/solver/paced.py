@@ -7,12 +7,15 @@ member's pace (its collectives wait for it), so a group's time is its nominal ti
 
 1. each micro-batch's groups are placed heaviest first on the fastest slots (``solver.placement.place``: where a
    slow rank is, the lightest group of a node lies, or none);
-2. every placed group becomes a type of its own, its column of the time table and its fixed cost multiplied by its
+2. a rank no group holds in a micro-batch (the placement left a slow one free) gets an empty group of one rank;
+3. every placed group becomes a type of its own, its column of the time table and its fixed cost multiplied by its
    pace (1 / the speed of its slowest rank), and the step's local search (``solver.packing.improve_step``: move a
    sequence off the slowest group of the slowest micro-batch while that lowers the step) runs on those prices.
    It moves work from slow groups to fast ones, from a long sequence's slow group to a faster group of any degree
    that holds it, across micro-batches too; a group it empties is dropped, and its ranks sit that micro-batch out
-   when that is faster.
+   when that is faster;
+4. a rank left idle all step gets the longest sequence it can finish within some micro-batch's time, so the step is
+   no longer and its pace is still measured.
 
 So the planner keeps a slow worker out of the heavy groups, gives it fewer or shorter sequences, or none, by the
 prices of the cost model and the measured speeds, not by a rule. The answer is priced by the simulator where the
@@ -77,7 +80,8 @@ def paced_groups(
         live = [(t, m, x) for t, m, x in zip(d.group_type, d.members, d.loads, strict=True) if m]
         starts = place([types[t].degree for t, _, _ in live], [types[t].spans for t, _, _ in live], topology,
                        [x for *_, x in live], [types[t].speed for t, _, _ in live])  # fmt: skip
-        placed.append([(t, s, list(m)) for (t, m, _), s in zip(live, starts, strict=True)])
+        groups = [(t, s, list(m)) for (t, m, _), s in zip(live, starts, strict=True)]
+        placed.append(groups + _free_slots(groups, types, topology))
     flat = [g for mb in placed for g in mb]
     if not flat:
         return [], 0.0
@@ -91,13 +95,16 @@ def paced_groups(
     for mb in placed:
         ids = list(range(j, j + len(mb)))
         members = [list(m) for _, _, m in mb]
-        loads = np.array([paced_fixed[g] + paced_table[m, g].sum() for g, m in zip(ids, members, strict=True)])
+        loads = np.array([paced_fixed[g] + paced_table[m, g].sum() if m else 0.0
+                          for g, m in zip(ids, members, strict=True)])  # fmt: skip
         tokens = np.array([int(lengths[m].sum()) for m in members], dtype=np.int64)
         paced_drafts.append(Draft(ids, members, loads, tokens))
         cap_rows.append(caps[ids])
         j += len(mb)
     moves = max(400, 4 * len(lengths))
     improve_step(paced_drafts, cap_rows, paced_table, lengths, paced_fixed, max_moves=moves, deadline=deadline)
+    spans = [[(s, types[t].degree) for t, s, _ in mb] for mb in placed]
+    _probe_idle(spans, paced_drafts, cap_rows, paced_table, lengths, paced_fixed)
     out = []
     for mb, d in zip(placed, paced_drafts, strict=True):
         groups = [
@@ -109,6 +116,56 @@ def paced_groups(
         if groups:
             out.append(sorted(groups, key=lambda g: g.ranks[0]))
     return out, float(sum(d.makespan() for d in paced_drafts))
+
+
+def _probe_idle(spans, drafts: list[Draft], caps: list[np.ndarray], table, lengths, fixed) -> None:
+    """A rank the local search left idle all step gets the longest sequence it can finish within some
+    micro-batch's time, taken from another group of that micro-batch (which only gets shorter), so the step is no
+    longer and the rank's pace is still measured: an idle worker says nothing (``solver.worker_speeds``), drifts
+    back toward its old speed and is then given much more to find out. ``spans``: each micro-batch's groups'
+    (first rank, degree), in the drafts' order; the drafts are changed in place."""
+    busy: set[int] = set()
+    for sp, d in zip(spans, drafts, strict=True):
+        for (s, deg), m in zip(sp, d.members, strict=True):
+            if m:
+                busy.update(range(s, s + deg))
+    idle = sorted(
+        {s for sp, d in zip(spans, drafts, strict=True) for (s, deg), m in zip(sp, d.members, strict=True) if not m}
+        - busy
+    )  # the free slots (of one rank each) of ranks no group used
+    for r in idle:
+        best = None  # (time on r, micro-batch, from group, to group, sequence)
+        for k, (sp, d) in enumerate(zip(spans, drafts, strict=True)):
+            h = next((h for h, ((s, deg), m) in enumerate(zip(sp, d.members, strict=True)) if s == r and deg == 1
+                      and not m), None)  # fmt: skip
+            if h is None:
+                continue
+            col, span = d.group_type[h], d.makespan()
+            for g, m in enumerate(d.members):
+                for i in m if g != h else ():
+                    took = fixed[col] + table[i, col]
+                    if took <= span and lengths[i] <= caps[k][h] and (best is None or took > best[0]):
+                        best = (took, k, g, h, i)
+        if best is None:
+            continue
+        took, k, g, h, i = best
+        d = drafts[k]
+        d.members[g].remove(i)
+        d.loads[g] = d.loads[g] - table[i, d.group_type[g]] if d.members[g] else 0.0
+        d.tokens[g] -= lengths[i]
+        d.members[h].append(i)
+        d.loads[h], d.tokens[h] = took, lengths[i]
+
+
+def _free_slots(groups, types: list[GroupType], topology: Topology) -> list[tuple[int, int, list]]:
+    """An empty group of one rank on each rank no group of the micro-batch holds (``(type, rank, [])``), so the local
+    search can give a rank the placement left free (a slow one: ``solver.placement.place``) a share it can finish
+    in time, or leave it idle; none where the types have no group of one rank."""
+    single = [t for t, gt in enumerate(types) if gt.degree == 1]
+    if not single:
+        return []
+    held = {r for t, s, _ in groups for r in range(s, s + types[t].degree)}
+    return [(single[0], r, []) for r in range(topology.num_devices) if r not in held]
 
 
 def leveled_solve(step, drafts: list[Draft], solves, until: float, run: dict, idle=None):

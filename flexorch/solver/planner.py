@@ -37,6 +37,7 @@ import numpy as np
 
 from flexorch.solver.bounds import micro_batch_bound_ms, step_bound_ms
 from flexorch.solver.budget import Budget, measured
+from flexorch.solver.errors import PlanningError
 from flexorch.solver.halves import split_halves
 from flexorch.solver.microbatching import partition_candidates
 from flexorch.solver.paced import fastest_layout, leveled_solve
@@ -54,14 +55,20 @@ from flexorch.solver.screening import screen_splits
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.split_solver import MIN_SOLVE_S, SplitSolver
 from flexorch.solver.step_tables import StepTables, split_tiers, step_tables
+from flexorch.solver.topology import Topology
 from flexorch.solver.validation import check_batch, check_num_devices
 
 __all__ = ["PlannerConfig", "Planner", "plan_step"]
 
 LEVELED_MORE = 1
-NOMINAL_SHARE = 0.4
-"""On ranks of different speeds: the share of the budget the search at one pace gets (the leveled solves the rest)."""
 """On ranks of different speeds: candidate splits of more micro-batches than the best one solved leveled too."""
+NOMINAL_SHARE = 0.3
+"""On ranks of different speeds: the share of the budget the search at one pace on every rank gets."""
+FAST_SHARE = 0.3
+"""On ranks of different speeds: the share the search at one pace on the fast ranks only gets (the leveled solves
+get the rest)."""
+FAST_WITHIN = 0.8
+"""The fast ranks: those at least this share of the fastest rank's speed."""
 
 
 @dataclass
@@ -155,11 +162,15 @@ class Planner:
             step_bound_ms, step.table, step.types, lengths, step.n, step.cap, step.overheads, slowest=step.slowest
         )
         paced = topology is not None and not topology.uniform_speed
-        # on ranks of different speeds, the search at one pace gets a share of the time, the leveled solves the rest
-        until = t0 + NOMINAL_SHARE * (deadline - t0) if paced else deadline
-        budget = Budget.split(t0, until, lengths.size, self._finish_s, self._polish_s)
         run = {"crashes": 0, "cut": 0}
+        # on ranks of different speeds: first the search on the fast ranks alone, then the search at one pace on
+        # every rank, each by its share of the time, then the leveled solves
+        laid = self._solve_fast_ranks(step, t0 + FAST_SHARE * (deadline - t0), run) if paced else []
+        start = time.monotonic() if paced else t0
+        until = start + NOMINAL_SHARE / (1 - FAST_SHARE) * (deadline - start) if paced else deadline
+        budget = Budget.split(start, until, lengths.size, self._finish_s, self._polish_s)
         search = self._screen(step, budget)
+        search.laid += laid
         self._solve(step, search, budget, run)
         if not paced:  # on ranks of different speeds the leveled solves take that time
             self._polish_best(step, search, budget, run)
@@ -167,6 +178,29 @@ class Planner:
             budget = Budget.split(t0, deadline, lengths.size, self._finish_s, self._polish_s)
             self._solve_leveled(step, search, budget, run)
         return self._finish(step, search, budget, run)
+
+    def _solve_fast_ranks(self, step: StepTables, until: float, run: dict) -> list[tuple]:
+        """On ranks of different speeds: the step searched at one pace on the fast ranks alone (``FAST_WITHIN``),
+        by ``until``; its best split as a layout for ``_Search.laid`` (a list of none or one). Placed on every rank,
+        its groups take the fastest slots and leave the slow ranks free, and the paced local search gives those
+        what they can finish in time (``solver.paced``): the layout that keeps a slow worker out of the long
+        sequences' groups, found at the cost of a speed-blind solve. None where no rank is slow, or the fast ranks
+        cannot hold the batch."""
+        fast = fast_ranks(step.topology)
+        if fast is None:
+            return []
+        try:
+            sub = step_tables(step.lengths, fast.num_devices, self.profile, self.config, fast)
+        except PlanningError:  # some sequence needs more devices than the fast ranks have
+            return []
+        budget = Budget.split(time.monotonic(), until, step.lengths.size, self._finish_s, self._polish_s)
+        if budget.solve - time.monotonic() < MIN_SOLVE_S:
+            return []
+        found = self._screen(sub, budget)
+        self._solve(sub, found, budget, run)
+        if found.best_mbs is None:
+            return []
+        return [([d for d, _ in found.best_mbs], sub.types, sub.table, sub.caps_t, sub.overheads)]
 
     def _solve_leveled(self, step: StepTables, search: _Search, budget: Budget, run: dict) -> None:
         """On ranks of different speeds: the best split and up to ``LEVELED_MORE`` candidate splits of more
@@ -354,6 +388,23 @@ class Planner:
         half = len(items) // 2
         args = (types, caps_t, overheads, table, lengths, n)
         return self._split_until_packed(items[:half], *args) + self._split_until_packed(items[half:], *args)
+
+
+def fast_ranks(topology) -> Topology | None:
+    """The nodes of ``topology``'s fast ranks alone (speed at least ``FAST_WITHIN`` of the fastest; a node left
+    with none is dropped), at one pace; None where every rank is fast (or none is)."""
+    if topology is None or topology.uniform_speed:
+        return None
+    speeds = topology.rank_speeds()
+    top = max(speeds)
+    keep = [r for r, v in enumerate(speeds) if v >= FAST_WITHIN * top]
+    if len(keep) == len(speeds):
+        return None
+    counts = [0] * topology.num_nodes
+    for r in keep:
+        counts[topology.node_of(r)] += 1
+    names = tuple(n for n, c in zip(topology.names(), counts, strict=True) if c) if topology.node_names else ()
+    return Topology(tuple(c for c in counts if c), names)
 
 
 def _paced_devices(topology, n: int) -> float:

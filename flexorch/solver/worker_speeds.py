@@ -8,7 +8,11 @@ its slowest member's pace, so each member is at least that fast, and a rank's sp
 the groups it was in (:func:`step_speeds`): a worker that shared a group with a slow one is not called slow when it
 ran elsewhere in the step at full pace. A rank whose every group is explained by another member pinned slow
 elsewhere in the step says nothing that step. Groups with a rank that compiled (``compile_s > 0``) or reported
-nothing are left out. The paces are normalised by the step's median rank (the upper one of an even count: of two
+nothing are left out. Where the ranks say what they spent blocked in their group's collectives (``wait_ms``: CPU
+workers, ``workers.attention.collective_waits``), the member that did clearly more of its own work than the others
+set the group's pace and is pinned slow (:func:`_member_paces`), so two ranks that always run together can still
+be told apart. The
+paces are normalised by the step's median rank (the upper one of an even count: of two
 workers the faster is 1.0), so a cost model that is off for everyone moves no one.
 
 **Over steps** (:class:`WorkerSpeeds`). A world's first ``skip_first`` steps are left out (warm-up, new groups);
@@ -48,6 +52,9 @@ BAND = 0.2
 """A planning speed within this of 1.0 is 1.0: the planner plans around a worker the console calls slow (below
 ``SLOW_BELOW``), not around noise (on 4 CPU workers time-sharing 2 cores, workers at one pace measured 0.67-1.35 of
 each other from step to step, and plans made around such phantom speeds made the steps of an aware run slower)."""
+SETTER_BY = 1.25
+"""A group member whose own work (its time less its waits, ``wait_ms``) is this many times every other member's set
+the group's pace."""
 STICK = 0.05
 """Hysteresis of the planning speeds: a snapped speed holds while the estimate stays this far past its band."""
 
@@ -74,7 +81,21 @@ class SpeedChange:
 
 
 def _group_paces(record: dict, profile: Profile) -> list[tuple[tuple[int, ...], float]]:
-    """``(ranks, predicted / measured)`` of each group of the record's plan that every rank reported, none compiling."""
+    """``(ranks, predicted / measured)`` of the groups of the record's plan that every rank reported, none
+    compiling; the groups of the same ranks in several micro-batches taken together (their predicted times summed
+    over their measured times summed), so a rank that ran alone in many light micro-batches is weighed by its time
+    in them, not by its luckiest one."""
+    summed: dict[tuple[int, ...], list[float]] = {}
+    for members, predicted, took in _group_times(record, profile):
+        acc = summed.setdefault(members, [0.0, 0.0])
+        acc[0] += predicted
+        acc[1] += took
+    return [(members, p / t) for members, (p, t) in summed.items()]
+
+
+def _group_times(record: dict, profile: Profile) -> list[tuple[tuple[int, ...], float, float]]:
+    """``(ranks, predicted, measured)`` of each group of the record's plan that every rank reported, none
+    compiling (where the ranks' waits name the member that set a group's pace, that one alone too)."""
     ranks = record.get("ranks") or []
     scales = time_scales(record, profile.mode_time_ratios())
     topology = plan_topology(record)
@@ -92,8 +113,29 @@ def _group_paces(record: dict, profile: Profile) -> list[tuple[tuple[int, ...], 
             predicted = group_time_ms(lengths, int(g["degree"]), g["kind"], profile, **group_placement(g, topology))
             predicted *= 1.0 if scales is None else scales[mi][gi]
             if predicted > 0:
-                out.append((members, predicted / max(t[0] for t in times)))
+                took = [t[0] for t in times]
+                waits = [(e.get("wait_ms") or [])[mi:][:1] for e in entries]
+                if len(members) > 1 and all(w and w[0] is not None for w in waits):
+                    out += _member_paces(members, predicted, took, [w[0] for w in waits])
+                else:
+                    out.append((members, predicted, max(took)))
     return out
+
+
+def _member_paces(members, predicted: float, took: list[float], waits: list[float]):
+    """The group's ``(members, predicted, measured)`` and, where what each member spent blocked in the group's
+    collectives (``wait_ms``) names the one that set the pace, that one alone too (``((rank,), ...)``). A
+    member's own work is its time less its waits; the one whose own work is at least ``SETTER_BY`` times every
+    other member's set the pace (the others waited for it). The others are then explained by it (``_untangle``):
+    they say nothing this step unless they ran elsewhere, rather than a pace of their own (their own work leaves
+    out the transfers the slow member's work hid, so it would make them look faster than they are)."""
+    whole = max(took)
+    own = [t - w for t, w in zip(took, waits, strict=True)]
+    setter = max(range(len(members)), key=lambda i: own[i])
+    rest = [o for i, o in enumerate(own) if i != setter]
+    if own[setter] > 0 and all(own[setter] >= SETTER_BY * max(o, 0.0) for o in rest):
+        return [((members[setter],), predicted, whole), (members, predicted, whole)]
+    return [(members, predicted, whole)]
 
 
 def _untangle(paces: list[tuple[tuple[int, ...], float]], priors: dict[int, float] | None = None) -> dict[int, float]:
@@ -242,13 +284,18 @@ class WorkerSpeeds:
     def planning_speeds(self, worker_ids) -> tuple[float, ...]:
         """Each rank's speed for the planner (:func:`snap_speed` of its worker's estimate), held while the
         estimate stays within ``STICK`` of the snapped value's band, so noise near a grid boundary does not change
-        the speeds (and force a plan to be solved again) from one step to the next."""
+        the speeds (and force a plan to be solved again) from one step to the next. A worker said slow is planned
+        below 1.0 until a step shows it back (``RECOVERED_AT``): one left idle and drifting back is given some work
+        to show its pace, not its whole share at once."""
         out = []
         for w in worker_ids:
             t = self._track(int(w))
             est = t.estimate()
             if t.planned is None or not _held(t.planned, est):
                 t.planned = snap_speed(est)
+                if t.slow and t.planned == 1.0 and est < RECOVERED_AT:
+                    # said slow and not seen back (drifting while idle): tried again with some work, not all of it
+                    t.planned = round(max(0.05, round(est / 0.05) * 0.05), 2)
             out.append(t.planned)
         return tuple(out)
 

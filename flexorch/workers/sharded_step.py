@@ -44,7 +44,7 @@ def run_sharded_step(ctx: StepContext, rank_work: StepWork, blocks: dict[int, np
         raise ValueError(f"step {rank_work.step}: a sharded step needs the rank work's micro_batches count")
     ctx.optimizer.zero_grad(set_to_none=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    run = MicroBatches(ctx, rank_work, blocks, params, params[0].device)
+    run = MicroBatches(ctx, rank_work, blocks, params, params[0].device, waits=False)  # FSDP's waits untimed
     by_mb = {w.micro_batch: w for w in rank_work.work}
     for mb in range(rank_work.micro_batches):
         if gather == "step":  # gathered once, kept to the step's end; one reduce-scatter after the last backward

@@ -27,6 +27,7 @@ from flexorch.workers.attention.api import (
     varlen_attn_func,
     zigzag_ring_attn_varlen_func,
 )
+from flexorch.workers.attention.collective_waits import WAITS
 from flexorch.workers.attention.sharding import Layout, contiguous_layout, hybrid_layout, shard, zigzag_layout
 from flexorch.workers.model import check_token_range, next_token_labels, stored_token_ids
 from flexorch.workers.model_source import set_activation_checkpointing
@@ -54,6 +55,10 @@ class StepOutcome:
     """The micro-batch index of each entry of ``micro_batch_ms`` (a rank may sit out a micro-batch)."""
     micro_batch_start_ms: list[float] = field(default_factory=list)
     """When each of those groups started, from the start of the step on this rank."""
+    wait_ms: list[float] = field(default_factory=list)
+    """Of each of those groups' time, what this rank spent blocked in the group's collectives (waiting for the
+    others: ``attention.collective_waits``); empty where the collectives do not block the host (NCCL) or other
+    collectives run inside the micro-batch (FSDP's)."""
     compute_end_ms: float = 0.0
     """From the start of the step to the end of this rank's last micro-batch."""
     sync_ms: float = 0.0
@@ -193,8 +198,11 @@ class MicroBatches:
     up to: the summed loss and predicted tokens (``loss``, ``predicted``), each task's loss, and the timings and
     sizes in ``out``. Shared by the replicated and the sharded executor (``workers.sharded_step``)."""
 
-    def __init__(self, ctx: StepContext, rank_work: StepWork, blocks, params, device):
+    def __init__(self, ctx: StepContext, rank_work: StepWork, blocks, params, device, waits: bool = True):
+        """``waits``: report each group's ``wait_ms`` where the device's collectives block the host (the CPU); False
+        where other collectives run inside the micro-batch, untimed (the sharded executor's FSDP)."""
         self.model, self.rank_work, self.blocks, self.group_of = ctx.model, rank_work, blocks, ctx.group_of
+        self.waits = waits and torch.device(device).type == "cpu"
         self.vocab_size, self.backend, self.params, self.device = ctx.vocab_size, ctx.backend, params, device
         self.hook = ctx.hook
         self.t0 = time.perf_counter()
@@ -208,6 +216,7 @@ class MicroBatches:
         model's units still gather and reduce with the others)."""
         model, rank_work, out = self.model, self.rank_work, self.out
         t_mb = time.perf_counter()
+        WAITS.take_ms()  # this group's waits from here
         if work is None:
             ids = pos = labels = torch.zeros(0, dtype=torch.int64)
             attn = _idle_attn
@@ -239,6 +248,8 @@ class MicroBatches:
             out.micro_batch_ms.append((time.perf_counter() - t_mb) * 1e3)
             out.micro_batches.append(work.micro_batch)
             out.micro_batch_start_ms.append((t_mb - self.t0) * 1e3)
+            if self.waits:
+                out.wait_ms.append(WAITS.take_ms())
 
 
 @dataclass(frozen=True)

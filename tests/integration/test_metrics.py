@@ -155,6 +155,14 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
         assert isinstance(entry["pid"], int) and entry["pid"] > 0 and entry["node"], entry
         assert speeds[str(w)] == pytest.approx(entry["speed"], abs=1e-6) and entry["speed"] > 0
     assert len({e["pid"] for e in last["ranks"]}) == 4  # one process per worker
+    # what each rank waited of each of its groups' time (CPU workers): none where it sat out, none in a group alone
+    for rec in records:
+        for r, entry in enumerate(rec["ranks"]):
+            assert len(entry["wait_ms"]) == len(entry["micro_batch_ms"]), entry
+            for mi, (w, t) in enumerate(zip(entry["wait_ms"], entry["micro_batch_ms"], strict=True)):
+                assert (w is None) == (t is None) and (w is None or 0.0 <= w <= t), (rec["step"], r, entry)
+                (group,) = [g for g in rec["plan"]["micro_batches"][mi] if r in g["ranks"]] if t is not None else [None]
+                assert group is None or group["degree"] > 1 or w == 0.0, (rec["step"], r, group, w)
     groups = {(lab["degree"], lab["kind"]): v for lab, v in found["flexorch_plan_groups"]}
     expected: dict = {}
     for mb in last["plan"]["micro_batches"]:

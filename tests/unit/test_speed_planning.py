@@ -11,7 +11,7 @@ import pytest
 from flexorch.cli.plan_speeds import token_shares
 from flexorch.solver.packing import GroupType
 from flexorch.solver.placement import place
-from flexorch.solver.planner import PlannerConfig
+from flexorch.solver.planner import PlannerConfig, fast_ranks
 from flexorch.solver.profiles import get_profile
 from flexorch.solver.simulator import step_time_ms
 from flexorch.solver.speed_levels import level_rows, speed_levels
@@ -125,3 +125,32 @@ def test_a_faster_node_gets_more_work():
     assert step_time_ms(aware.plan, PROFILE) < 0.8 * blind_ms
     shares = token_shares(aware.plan)
     assert sum(shares[8:]) > 0.6
+
+
+def test_the_fast_ranks_alone_keep_their_nodes():
+    topo = Topology((4, 4), ("a", "b"), speeds=(1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.9))
+    assert fast_ranks(topo) == Topology((3, 4), ("a", "b"))  # 0.9 is within FAST_WITHIN of the fastest
+    assert fast_ranks(Topology((2, 2), speeds=(1.0, 1.0, 0.3, 0.3))) == Topology((2,))  # a node left empty goes
+    assert fast_ranks(Topology((4,), speeds=(1.0, 0.9, 0.85, 1.0))) is None  # none slow
+    assert fast_ranks(Topology((4,))) is None and fast_ranks(None) is None
+
+
+def test_a_slow_rank_stays_out_of_the_long_documents_groups_and_takes_short_ones():
+    # six documents that need two ranks each, and short ones: the long ones go to pairs of fast ranks, the slow
+    # rank (3, at half speed) runs short documents alone, less than its even share, never idle all step
+    cap = PROFILE.tokens_per_device
+    rng = np.random.default_rng(5)
+    lengths = np.concatenate([np.full(6, int(1.5 * cap)), rng.integers(cap // 20, cap // 3, 24)])
+    speeds = (1.0, 1.0, 1.0, 0.5)
+    base = Topology.single(4)
+    with StepPlanner(PROFILE, CFG) as sp:
+        aware = sp.plan(lengths, 4, with_baselines=False, topology=base.with_speeds(speeds))
+        blind = sp.plan(lengths, 4, with_baselines=False, topology=base)
+    for mb in aware.plan.micro_batches:
+        for g in mb.groups:
+            if 3 in g.ranks:
+                assert all(lengths[i] <= cap for i in g.seq_ids), (g, mb)
+    share = token_shares(aware.plan)[3]
+    assert 0.0 < share < 0.85 / 4, token_shares(aware.plan)
+    blind_ms = step_time_ms(dataclasses.replace(blind.plan, topology=base.with_speeds(speeds)), PROFILE)
+    assert step_time_ms(aware.plan, PROFILE) < 0.85 * blind_ms

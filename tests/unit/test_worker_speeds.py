@@ -41,10 +41,14 @@ def _plan(groups_per_mb, topology=None, lengths=LENGTHS) -> Plan:
 MIXED = [[(0, 2, [0]), (2, 1, [1]), (3, 1, [2])], [(0, 1, [3]), (1, 1, [4]), (2, 2, [5])]]
 
 
-def _record(plan: Plan, speeds, *, noise=0.0, rng=None, scale=1.0, compile_s=(), modes=None, profile=PROFILE):
+def _record(
+    plan: Plan, speeds, *, noise=0.0, rng=None, scale=1.0, compile_s=(), modes=None, profile=PROFILE, waits=False
+):
     """A trained step's record as ``records.writer.step_record`` writes it, each group taking its nominal time
     (the cost model where it lay, ``modes``' factor) over its slowest rank's speed, times ``scale`` and a noise
-    of +-``noise``; ranks in ``compile_s`` compiled this step."""
+    of +-``noise``; ranks in ``compile_s`` compiled this step. ``waits``: each rank also says what it waited of its
+    group's time (``wait_ms``, as CPU workers do): the group's time less its own at its speed, plus a transfer of a
+    tenth of the nominal time that every member waits (at any pace: the group takes 0.9 / pace + 0.1 of it)."""
     rng = rng or random.Random(0)
     nominal = plan if plan.topology is None else Plan(**{**plan.__dict__, "topology": plan.topology.without_speeds()})
     n_mb = len(plan.micro_batches)
@@ -55,8 +59,13 @@ def _record(plan: Plan, speeds, *, noise=0.0, rng=None, scale=1.0, compile_s=(),
         pace = min(speeds[r] for r in g.ranks)
         mode = 1.0 if modes is None else ratio[modes[t.micro_batch][t.group]]
         ms = t.time_ms * mode / pace * scale * (1 + rng.uniform(-noise, noise))
+        if waits:  # the transfers (a tenth) take as long at any pace
+            ms = (0.9 / pace + 0.1) * t.time_ms * mode * scale
         for r in g.ranks:
             ranks[r]["micro_batch_ms"][t.micro_batch] = ms
+            if waits:
+                own = 0.9 * t.time_ms * mode / speeds[r] * scale
+                ranks[r].setdefault("wait_ms", [None] * n_mb)[t.micro_batch] = ms - own
     for r in compile_s:
         ranks[r]["compile_s"] = 3.5
     rec = {"source": "train", "pipeline": None, "plan": plan.to_dict(), "ranks": ranks, "measured_ms": 1.0}
@@ -72,6 +81,34 @@ def _record(plan: Plan, speeds, *, noise=0.0, rng=None, scale=1.0, compile_s=(),
 def test_a_slow_rank_is_untangled_from_the_partner_it_shared_a_group_with():
     got = step_speeds(_record(_plan(MIXED), [1.0, 0.5, 1.0, 1.0]), PROFILE)
     assert got == pytest.approx({0: 1.0, 1: 0.5, 2: 1.0, 3: 1.0})
+
+
+def test_two_ranks_always_paired_are_told_apart_by_what_each_waited():
+    # ranks 2 and 3 only ever run together; rank 3 is slow: the group's times alone cannot say which one is
+    plan = _plan([[(0, 2, [0]), (2, 2, [1])], [(0, 2, [3]), (2, 2, [4])], [(0, 2, [2, 5])]])
+    speeds = [1.0, 1.0, 1.0, 0.5]
+    blind = step_speeds(_record(plan, speeds), PROFILE)
+    assert blind[2] == blind[3] == pytest.approx(0.5)  # without the waits both look slow
+    got = step_speeds(_record(plan, speeds, waits=True), PROFILE)
+    # rank 3 set the pace (0.9 / 0.5 + 0.1 of the nominal time); rank 2 waited for it and says nothing this step
+    assert got == pytest.approx({0: 1.0, 1: 1.0, 3: 1 / 1.9})
+    # over steps: only rank 3 is estimated slow, and its partner is planned at full speed
+    est = WorkerSpeeds(skip_first=0)
+    for _ in range(3):
+        est.observe(_record(plan, speeds, waits=True), PROFILE, [10, 11, 12, 13])
+    assert est.planning_speeds([10, 11, 12, 13]) == (1.0, 1.0, 1.0, snap_speed(1 / 1.9))
+
+
+def test_a_member_that_waited_for_its_partner_is_not_called_fast():
+    # rank 0 waited nearly all of its group's time in micro-batch 0: rank 1 set that pace, and no one is faster
+    plan = _plan(MIXED)
+    rec = _record(plan, [1.0, 1.0, 1.0, 1.0], waits=True)
+    rec["ranks"][0]["wait_ms"][0] = 0.99 * rec["ranks"][0]["micro_batch_ms"][0]
+    assert step_speeds(rec, PROFILE) == pytest.approx({0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+    # members alike in their own work: neither is pinned, the group's pace is theirs as without the waits
+    alike = _record(plan, [1.0, 0.5, 1.0, 1.0], waits=True)
+    alike["ranks"][0]["wait_ms"][0] = alike["ranks"][1]["wait_ms"][0]
+    assert step_speeds(alike, PROFILE) == pytest.approx({0: 1.0, 1: 1 / 1.9, 2: 1.0, 3: 1.0})  # rank 0 ran alone too
 
 
 def test_a_rank_whose_only_group_a_pinned_slow_rank_explains_says_nothing():

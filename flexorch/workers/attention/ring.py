@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from flexorch.workers.attention.collective_waits import WAITS
 from flexorch.workers.attention.kernels import (
     Seqlens,
     acc_dtype,
@@ -111,8 +112,9 @@ class _InFlight:
         self.recv, self.reqs, self.device = recv, reqs, device
 
     def wait(self) -> torch.Tensor:
-        for req in self.reqs:
-            req.wait()
+        with WAITS.blocked():  # the partner's hop: a slower partner shows here (``collective_waits``)
+            for req in self.reqs:
+                req.wait()
         return self.recv if self.device is None else self.recv.to(self.device, non_blocking=False)
 
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from flexorch.workers.attention.collective_waits import WAITS
 from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend, varlen_attn
 
 __all__ = [
@@ -38,7 +39,8 @@ def _a2a_seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # (s/d, h, hd) -> (s/d, d, h/d, hd) -> (d, s/d, h/d, hd): block j holds head slice j, goes to rank j
     send = x.reshape(s_local, d, h // d, hd).transpose(0, 1).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with WAITS.blocked():  # every member's block: a slower member shows here (``collective_waits``)
+        dist.all_to_all_single(recv, send, group=group)
     # recv block j = tokens of rank j, our head slice: (d, s/d, h/d, hd) -> (s, h/d, hd)
     return recv.reshape(d * s_local, h // d, hd)
 
@@ -51,7 +53,8 @@ def _a2a_head_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     # (s, h/d, hd) -> (d, s/d, h/d, hd): block j holds the tokens of rank j, goes to rank j
     send = x.reshape(d, s // d, h_local, hd).contiguous()
     recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
+    with WAITS.blocked():  # every member's block: a slower member shows here (``collective_waits``)
+        dist.all_to_all_single(recv, send, group=group)
     # recv block j = our tokens, head slice j: (d, s/d, h/d, hd) -> (s/d, d, h/d, hd) -> (s/d, h, hd)
     return recv.transpose(0, 1).reshape(s // d, d * h_local, hd)
 
