@@ -8,12 +8,12 @@ its slowest member's pace, so each member is at least that fast, and a rank's sp
 the groups it was in (:func:`step_speeds`): a worker that shared a group with a slow one is not called slow when it
 ran elsewhere in the step at full pace. A rank whose every group is explained by another member pinned slow
 elsewhere in the step says nothing that step. Groups with a rank that compiled (``compile_s > 0``) or reported
-nothing are left out. Where the ranks say what they spent blocked in their group's collectives (``wait_ms``: CPU
-workers, ``workers.attention.collective_waits``), the member that did clearly more of its own work than the others
-set the group's pace and is pinned slow (:func:`_member_paces`), so two ranks that always run together can still
-be told apart. The
-paces are normalised by the step's median rank (the upper one of an even count: of two
-workers the faster is 1.0), so a cost model that is off for everyone moves no one.
+nothing are left out, and so is a rank busy for less than ``EVIDENCE`` of the busiest rank's time. Where the
+ranks say what they spent blocked in their group's collectives (``wait_ms``: CPU workers,
+``workers.attention.collective_waits``), the member that did clearly more of its own work than the others set the
+group's pace and is pinned slow (:func:`_member_paces`), so two ranks that always run together can still be told
+apart. The paces are normalised by the step's median rank (the upper one of an even count: of two workers the
+faster is 1.0), so a cost model that is off for everyone moves no one.
 
 **Over steps** (:class:`WorkerSpeeds`). A world's first ``skip_first`` steps are left out (warm-up, new groups);
 each worker keeps its last ``window`` step speeds (at first its seed, 1.0 without one) and its estimate is their
@@ -52,6 +52,10 @@ BAND = 0.2
 """A planning speed within this of 1.0 is 1.0: the planner plans around a worker the console calls slow (below
 ``SLOW_BELOW``), not around noise (on 4 CPU workers time-sharing 2 cores, workers at one pace measured 0.67-1.35 of
 each other from step to step, and plans made around such phantom speeds made the steps of an aware run slower)."""
+EVIDENCE = 0.15
+"""A rank busy for less than this share of the busiest rank's time in a step says nothing of its speed that step:
+on a little work the cost model's fixed costs are off by more than a pace (on 4 CPU workers, ranks given 5-10 % of
+a step measured 0.25-0.5x on it, and a rank taken as slow is given less still)."""
 SETTER_BY = 1.25
 """A group member whose own work (its time less its waits, ``wait_ms``) is this many times every other member's set
 the group's pace."""
@@ -180,6 +184,10 @@ def step_speeds(record: dict, profile: Profile, priors: dict[int, float] | None 
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return {}
     raw = _untangle(_group_paces(record, profile), priors)
+    busy = {r: sum(t for t in e.get("micro_batch_ms") or () if t) for r, e in enumerate(record["ranks"])
+            if e is not None and not (e.get("compile_s") or 0) > 0}  # fmt: skip
+    most = max(busy.values(), default=0.0)
+    raw = {r: v for r, v in raw.items() if busy.get(r, 0.0) >= EVIDENCE * most}
     if len(raw) < 2:
         return {}
     ref = _median_worker(raw.values())

@@ -153,6 +153,22 @@ def test_groups_are_priced_where_they_lay_and_in_their_recompute_mode():
     assert blind != pytest.approx({0: 1.0, 1: 0.5, 2: 1.0, 3: 1.0})
 
 
+def test_a_rank_given_a_sliver_of_the_step_says_nothing_of_its_speed():
+    # rank 3 ran one short document; its measured time is 3x the cost model's (fixed costs the model misses on so
+    # little work): not evidence that it is slow, or it would be given less still
+    lengths = (6000, 3000, 150, 4000, 3500, 3000)
+    profile = PROFILE.with_overrides(b1_ms=0.0)  # no fixed cost per group: the short document's price is small
+    plan = _plan([[(0, 2, [0]), (2, 1, [1]), (3, 1, [2])], [(0, 1, [3]), (1, 1, [4]), (2, 1, [5])]], lengths=lengths)
+    rec = _record(plan, [1.0, 1.0, 1.0, 1.0], profile=profile)
+    rec["ranks"][3]["micro_batch_ms"][0] *= 3
+    assert rec["ranks"][3]["micro_batch_ms"][0] < 0.15 * sum(rec["ranks"][0]["micro_batch_ms"])
+    assert step_speeds(rec, profile) == pytest.approx({0: 1.0, 1: 1.0, 2: 1.0})
+    # the same pace on a real share of the step is evidence
+    plan = _plan([[(0, 2, [0]), (2, 1, [1]), (3, 1, [2, 5])], [(0, 1, [3]), (1, 1, [4])]], lengths=lengths)
+    rec = _record(plan, [1.0, 1.0, 1.0, 0.4], profile=profile)
+    assert step_speeds(rec, profile)[3] == pytest.approx(0.4)
+
+
 def test_compiling_and_lost_ranks_and_other_records_are_left_out():
     rec = _record(_plan(MIXED), [1.0, 0.5, 1.0, 1.0], compile_s=[1])
     for mi in range(2):
