@@ -49,9 +49,16 @@ share is taken as the one that did (:func:`_untangle`)."""
 TIGHT = 0.1
 """A group's pace is set by a member whose speed bound is within this share of it (measurement noise)."""
 BAND = 0.2
-"""A planning speed within this of 1.0 is 1.0: the planner plans around a worker the console calls slow (below
-``SLOW_BELOW``), not around noise (on 4 CPU workers time-sharing 2 cores, workers at one pace measured 0.67-1.35 of
-each other from step to step, and plans made around such phantom speeds made the steps of an aware run slower)."""
+"""A planning speed within this of 1.0 is 1.0 (the band before the run has measured its noise, and the band of
+:func:`snap_speed`): the planner plans around a worker that stands out, not around noise (on 4 CPU workers
+time-sharing 2 cores, workers at one pace measured 0.67-1.35 of each other from step to step, and plans made around
+such phantom speeds made the steps of an aware run slower)."""
+NOISE_SAMPLES = 24
+"""The run's measurement noise is the median of the last this many step speeds' deviations from their workers'
+estimates (:attr:`WorkerSpeeds.band`); fewer than a third of them: ``BAND``."""
+BAND_PER_NOISE = 2.5
+"""The band is this many times the measured noise, within ``BAND_LIMITS``."""
+BAND_LIMITS = (0.1, 0.35)
 EVIDENCE = 0.15
 """A rank busy for less than this share of the busiest rank's time in a step says nothing of its speed that step:
 on a little work the cost model's fixed costs are off by more than a pace (on 4 CPU workers, ranks given 5-10 % of
@@ -194,16 +201,20 @@ def step_speeds(record: dict, profile: Profile, priors: dict[int, float] | None 
     return {r: v / ref for r, v in raw.items()}
 
 
-def snap_speed(speed: float) -> float:
-    """A speed as the planner is given it: 1.0 within ``BAND`` of it, else on a 0.05 grid (at least 0.05)."""
-    if 1.0 - BAND <= speed <= 1.0 + BAND:
+def snap_speed(speed: float, band: float = BAND) -> float:
+    """A speed as the planner is given it: 1.0 within ``band`` of it, else on a 0.05 grid (at least 0.05)."""
+    if 1.0 - band <= speed <= 1.0 + band:
         return 1.0
+    return _grid(speed)
+
+
+def _grid(speed: float) -> float:
     return round(max(0.05, round(speed / 0.05) * 0.05), 2)
 
 
-def _held(prev: float, speed: float) -> bool:
+def _held(prev: float, speed: float, band: float = BAND) -> bool:
     """Does the planning speed ``prev`` still hold at estimate ``speed`` (its snap band widened by ``STICK``)?"""
-    half = BAND if prev == 1.0 else 0.025
+    half = band if prev == 1.0 else 0.025
     return prev - half - STICK <= speed <= prev + half + STICK
 
 
@@ -237,6 +248,18 @@ class WorkerSpeeds:
         self._seeds = {int(w): float(v) for w, v in (seeds or {}).items()}
         self._tracks: dict[int, _Track] = {}
         self._skip = self.skip_first
+        self._noise: deque = deque(maxlen=NOISE_SAMPLES)  # step speeds' deviations from their estimates
+
+    @property
+    def band(self) -> float:
+        """Planning speeds within this of 1.0 are 1.0: ``BAND_PER_NOISE`` times the noise the run measured (the
+        median deviation of a step's speed from its worker's estimate), within ``BAND_LIMITS``; ``BAND`` until a
+        third of ``NOISE_SAMPLES`` are in. Workers time-sharing CPU cores measure +-20-30 % from step to step, GPUs
+        a few per cent: a band that fits one would plan around noise on the other, or miss a real straggler."""
+        if len(self._noise) < NOISE_SAMPLES // 3:
+            return BAND
+        lo, hi = BAND_LIMITS
+        return min(hi, max(lo, BAND_PER_NOISE * float(statistics.median(self._noise))))
 
     def _track(self, worker: int) -> _Track:
         if worker not in self._tracks:
@@ -268,6 +291,7 @@ class WorkerSpeeds:
                     t.window = deque((t.seed + (v - t.seed) / 2 for v in t.window), maxlen=self.window)
                 continue
             t.missed = 0
+            self._noise.append(abs(speeds[rank] / t.estimate() - 1.0))
             if t.slow and speeds[rank] >= RECOVERED_AT:  # back at full pace: believed at once (a drop needs two)
                 t.window.extend([speeds[rank]] * self.window)
             t.window.append(speeds[rank])
@@ -292,18 +316,18 @@ class WorkerSpeeds:
     def planning_speeds(self, worker_ids) -> tuple[float, ...]:
         """Each rank's speed for the planner (:func:`snap_speed` of its worker's estimate), held while the
         estimate stays within ``STICK`` of the snapped value's band, so noise near a grid boundary does not change
-        the speeds (and force a plan to be solved again) from one step to the next. A worker said slow is planned
-        below 1.0 until a step shows it back (``RECOVERED_AT``): one left idle and drifting back is given some work
-        to show its pace, not its whole share at once."""
-        out = []
+        the speeds (and force a plan to be solved again) from one step to the next; the band is the run's
+        (:attr:`band`). A worker planned around and then left idle, drifting back, is planned below 1.0 until a
+        step shows it back (``RECOVERED_AT``): given some work to show its pace, not its whole share at once."""
+        out, band = [], self.band
         for w in worker_ids:
             t = self._track(int(w))
             est = t.estimate()
-            if t.planned is None or not _held(t.planned, est):
-                t.planned = snap_speed(est)
-                if t.slow and t.planned == 1.0 and est < RECOVERED_AT:
-                    # said slow and not seen back (drifting while idle): tried again with some work, not all of it
-                    t.planned = round(max(0.05, round(est / 0.05) * 0.05), 2)
+            if t.planned is None or not _held(t.planned, est, band):
+                was, t.planned = t.planned, snap_speed(est, band)
+                if t.missed and was is not None and was < 1.0 and t.planned == 1.0 and est < RECOVERED_AT:
+                    # planned around, then idle and drifting back: tried again with some work, not all of it
+                    t.planned = _grid(est)
             out.append(t.planned)
         return tuple(out)
 

@@ -15,6 +15,8 @@ from flexorch.solver.record_samples import samples_of_record, step_of_record
 from flexorch.solver.simulator import group_timings, step_time_ms
 from flexorch.solver.topology import Topology
 from flexorch.solver.worker_speeds import (
+    BAND,
+    BAND_LIMITS,
     SLOW_BELOW,
     SpeedChange,
     WorkerSpeeds,
@@ -277,6 +279,20 @@ def test_planning_speeds_hold_under_three_percent_noise(speed):
     settled = seen[3:]
     assert len(set(settled)) == 1, f"the planning speeds changed under noise: {sorted(set(settled))}"
     assert settled[0][1] == pytest.approx(snap_speed(speed), abs=0.08) and settled[0][0] == 1.0
+
+
+def test_the_band_follows_the_noise_the_run_measures():
+    # a worker at 0.75x: planned around where steps measure +-2 % (a GPU), not where they measure +-30 % (CPU
+    # workers time-sharing cores, where such a speed is as likely noise)
+    workers = [10, 11, 12, 13]
+    quiet, noisy = WorkerSpeeds(skip_first=0), WorkerSpeeds(skip_first=0)
+    assert quiet.band == BAND  # nothing measured yet
+    _feed(quiet, [1.0, 0.75, 1.0, 1.0], 30, noise=0.02)
+    _feed(noisy, [1.0, 0.75, 1.0, 1.0], 30, noise=0.3, seed=1)
+    assert quiet.band == pytest.approx(BAND_LIMITS[0]) and quiet.planning_speeds(workers) == (1.0, 0.75, 1.0, 1.0)
+    assert noisy.band >= 0.25 and noisy.planning_speeds(workers) == (1.0, 1.0, 1.0, 1.0)
+    _feed(noisy, [1.0, 0.4, 1.0, 1.0], 3, noise=0.3, seed=2)  # a real straggler stands out of the noise
+    assert noisy.planning_speeds(workers)[1] < 0.65
 
 
 def test_snapping():
