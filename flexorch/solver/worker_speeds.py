@@ -60,9 +60,10 @@ BAND_PER_NOISE = 2.5
 """The band is this many times the measured noise, within ``BAND_LIMITS``."""
 BAND_LIMITS = (0.1, 0.35)
 EVIDENCE = 0.15
-"""A rank busy for less than this share of the busiest rank's time in a step says nothing of its speed that step:
-on a little work the cost model's fixed costs are off by more than a pace (on 4 CPU workers, ranks given 5-10 % of
-a step measured 0.25-0.5x on it, and a rank taken as slow is given less still)."""
+"""A rank busy for less than this share of the busiest rank's time in a step says nothing of its speed that step,
+but that a rank taken as slow is back where it ran at full pace: on a little work the cost model's fixed costs are
+off by more than a pace (on 4 CPU workers, ranks given 5-10 % of a step measured 0.25-0.5x on it, and a rank taken
+as slow is given less still)."""
 SETTER_BY = 1.25
 """A group member whose own work (its time less its waits, ``wait_ms``) is this many times every other member's set
 the group's pace."""
@@ -194,11 +195,16 @@ def step_speeds(record: dict, profile: Profile, priors: dict[int, float] | None 
     busy = {r: sum(t for t in e.get("micro_batch_ms") or () if t) for r, e in enumerate(record["ranks"])
             if e is not None and not (e.get("compile_s") or 0) > 0}  # fmt: skip
     most = max(busy.values(), default=0.0)
-    raw = {r: v for r, v in raw.items() if busy.get(r, 0.0) >= EVIDENCE * most}
+    sliver = {r: v for r, v in raw.items() if busy.get(r, 0.0) < EVIDENCE * most}
+    raw = {r: v for r, v in raw.items() if r not in sliver}
     if len(raw) < 2:
         return {}
     ref = _median_worker(raw.values())
-    return {r: v / ref for r, v in raw.items()}
+    out = {r: v / ref for r, v in raw.items()}
+    # a sliver says one thing: that a rank taken as slow is back (its pace at full speed even on so little work)
+    back = {r: v / ref for r, v in sliver.items() if (priors or {}).get(r, 1.0) < SLOW_BELOW}
+    out.update({r: v for r, v in back.items() if v >= RECOVERED_AT})
+    return out
 
 
 def snap_speed(speed: float, band: float = BAND) -> float:

@@ -165,6 +165,12 @@ def test_a_rank_given_a_sliver_of_the_step_says_nothing_of_its_speed():
     rec["ranks"][3]["micro_batch_ms"][0] *= 3
     assert rec["ranks"][3]["micro_batch_ms"][0] < 0.15 * sum(rec["ranks"][0]["micro_batch_ms"])
     assert step_speeds(rec, profile) == pytest.approx({0: 1.0, 1: 1.0, 2: 1.0})
+    # ... but a sliver at full pace says a rank taken as slow is back
+    fast = _record(_plan([[(0, 2, [0]), (2, 1, [1]), (3, 1, [2])], [(0, 1, [3]), (1, 1, [4]), (2, 1, [5])]],
+                         lengths=lengths), [1.0, 1.0, 1.0, 1.0], profile=profile)  # fmt: skip
+    assert 3 not in step_speeds(fast, profile, priors={0: 1.0, 1: 1.0, 2: 1.0, 3: 1.0})
+    assert step_speeds(fast, profile, priors={0: 1.0, 1: 1.0, 2: 1.0, 3: 0.4})[3] == pytest.approx(1.0)
+    assert 3 not in step_speeds(rec, profile, priors={0: 1.0, 1: 1.0, 2: 1.0, 3: 0.4})  # slow on it: nothing
     # the same pace on a real share of the step is evidence
     plan = _plan([[(0, 2, [0]), (2, 1, [1]), (3, 1, [2, 5])], [(0, 1, [3]), (1, 1, [4])]], lengths=lengths)
     rec = _record(plan, [1.0, 1.0, 1.0, 0.4], profile=profile)
