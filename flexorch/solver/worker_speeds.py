@@ -185,10 +185,13 @@ def _median_worker(values) -> float:
     return ordered[len(ordered) // 2]
 
 
-def step_speeds(record: dict, profile: Profile, priors: dict[int, float] | None = None) -> dict[int, float]:
+def step_speeds(
+    record: dict, profile: Profile, priors: dict[int, float] | None = None, slivers: set | None = None
+) -> dict[int, float]:
     """Each observed rank's speed in one trained SP step's record (rank -> speed, the step's median rank 1.0);
     empty for pipelined, skipped and plan-less records and when fewer than two ranks say anything. ``priors``:
-    each rank's estimate before the step (:func:`_untangle`)."""
+    each rank's estimate before the step (:func:`_untangle`); ``slivers``: filled with the ranks whose speed comes
+    from a sliver of the step (``EVIDENCE``: a worker taken as slow seen back at full pace on it)."""
     if record.get("source") != "train" or record.get("pipeline") is not None or not record.get("plan"):
         return {}
     raw = _untangle(_group_paces(record, profile), priors)
@@ -204,6 +207,8 @@ def step_speeds(record: dict, profile: Profile, priors: dict[int, float] | None 
     # a sliver says one thing: that a rank taken as slow is back (its pace at full speed even on so little work)
     back = {r: v / ref for r, v in sliver.items() if (priors or {}).get(r, 1.0) < SLOW_BELOW}
     out.update({r: v for r, v in back.items() if v >= RECOVERED_AT})
+    if slivers is not None:  # the caller's: which ranks said so on a sliver
+        slivers.update(r for r in back if r in out)
     return out
 
 
@@ -285,7 +290,8 @@ class WorkerSpeeds:
             self._skip -= 1
             return []
         priors = {rank: self._track(w).estimate() for rank, w in enumerate(workers)}
-        speeds = step_speeds(record, profile, priors)
+        slivers: set[int] = set()
+        speeds = step_speeds(record, profile, priors, slivers)
         if not speeds:
             return []
         changes = []
@@ -298,7 +304,8 @@ class WorkerSpeeds:
                 continue
             t.missed = 0
             self._noise.append(abs(speeds[rank] / t.estimate() - 1.0))
-            if t.slow and speeds[rank] >= RECOVERED_AT:  # back at full pace: believed at once (a drop needs two)
+            if t.slow and speeds[rank] >= RECOVERED_AT and rank not in slivers:
+                # back at full pace on a real share: believed at once (a drop needs two; on a sliver, two too)
                 t.window.extend([speeds[rank]] * self.window)
             t.window.append(speeds[rank])
             t.run = t.run + 1 if speeds[rank] < SLOW_BELOW else 0
