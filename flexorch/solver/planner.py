@@ -62,9 +62,10 @@ __all__ = ["PlannerConfig", "Planner", "plan_step"]
 
 LEVELED_MORE = 1
 """On ranks of different speeds: candidate splits of more micro-batches than the best one solved leveled too."""
-NOMINAL_SHARE = 0.3
-"""On ranks of different speeds: the share of the budget the search at one pace on every rank gets."""
-FAST_SHARE = 0.3
+NOMINAL_SHARE = 0.4
+"""On ranks of different speeds: the share of the budget the search at one pace on every rank gets (first: the
+split every other layout starts from, and the plan if time runs out)."""
+FAST_SHARE = 0.25
 """On ranks of different speeds: the share the search at one pace on the fast ranks only gets (the leveled solves
 get the rest)."""
 FAST_WITHIN = 0.8
@@ -163,18 +164,16 @@ class Planner:
         )
         paced = topology is not None and not topology.uniform_speed
         run = {"crashes": 0, "cut": 0}
-        # on ranks of different speeds: first the search on the fast ranks alone, then the search at one pace on
-        # every rank, each by its share of the time, then the leveled solves
-        laid = self._solve_fast_ranks(step, t0 + FAST_SHARE * (deadline - t0), run) if paced else []
-        start = time.monotonic() if paced else t0
-        until = start + NOMINAL_SHARE / (1 - FAST_SHARE) * (deadline - start) if paced else deadline
-        budget = Budget.split(start, until, lengths.size, self._finish_s, self._polish_s)
+        # on ranks of different speeds: the search at one pace on every rank, then on the fast ranks alone, each by
+        # its share of the time, then the leveled solves
+        until = t0 + NOMINAL_SHARE * (deadline - t0) if paced else deadline
+        budget = Budget.split(t0, until, lengths.size, self._finish_s, self._polish_s)
         search = self._screen(step, budget)
-        search.laid += laid
         self._solve(step, search, budget, run)
         if not paced:  # on ranks of different speeds the leveled solves take that time
             self._polish_best(step, search, budget, run)
         if paced:
+            search.laid += self._solve_fast_ranks(step, t0 + (NOMINAL_SHARE + FAST_SHARE) * (deadline - t0), run)
             budget = Budget.split(t0, deadline, lengths.size, self._finish_s, self._polish_s)
             self._solve_leveled(step, search, budget, run)
         return self._finish(step, search, budget, run)
