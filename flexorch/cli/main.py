@@ -45,7 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         "directory that AutoModelForCausalLM.from_pretrained loads, with each task's LoRA adapter as a PEFT adapter "
         "in adapters/<task>/",
     )
-    export.add_argument("checkpoint", type=Path, help="a checkpoint directory, or a run directory (its newest)")
+    export.add_argument(
+        "checkpoint",
+        help="a checkpoint directory, a run directory or a checkpoint storage (its newest complete checkpoint); local, "
+        "s3:// or gs://",
+    )
     export.add_argument(
         "out", type=Path, help="the file to write (torch.save of the state dict), or the directory (HF model)"
     )
@@ -106,13 +110,17 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help="directory of text/code files, .jsonl or .parquet (default: Python's stdlib)")
     p.add_argument("--run-dir", help="records, profile and checkpoints go here (default runs/train)")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else a local Ray)")
-    p.add_argument("--resume", action="store_true", default=None, help="continue from the run dir's checkpoint")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoint in storage")
     p.add_argument("--batch-size", type=int, help="documents per global batch (default 16)")
     p.add_argument("--seed", type=int, help="model init and data order seed (default 0)")
     p.add_argument("--mode", help="'adaptive' (default) or a static layout such as static-ulysses-2")
     p.add_argument("--profile", help="'auto' (calibrate at start, default), a built-in name or a profile JSON")
     p.add_argument("--max-context", help="longest document in tokens, e.g. 2K (default 2048)")
     p.add_argument("--checkpoint-every", type=int, help="checkpoint every N steps (default: only at the end)")
+    p.add_argument(
+        "--checkpoint-storage",
+        help="[checkpoint] storage: a directory, s3:// or gs:// prefix (default RUN_DIR/checkpoints)",
+    )
     p.add_argument(
         "--min-workers", type=int, help="[elastic] min_workers: below it, wait for capacity (default: derived)"
     )
@@ -159,6 +167,7 @@ def _train_config(args: argparse.Namespace):
         "batch_size": args.batch_size,
         "seed": args.seed,
         "checkpoint_every": args.checkpoint_every,
+        "checkpoint.storage": getattr(args, "checkpoint_storage", None),
         "elastic.min_workers": args.min_workers,
         "elastic.max_workers": args.max_workers,
         "data.source": args.data,
@@ -340,14 +349,40 @@ def _cmd_profiles(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from flexorch.control.checkpoint import checkpoint_config, export_model, latest_checkpoint
+    import tempfile
 
-    src = args.checkpoint
-    if (src / "checkpoints").is_dir():  # a run directory: its newest complete checkpoint
-        newest = latest_checkpoint(src)
-        if newest is None:
-            raise ValueError(f"{src} has no complete checkpoint")
-        src = Path(newest.path)
+    with tempfile.TemporaryDirectory(prefix="flexorch-export-") as tmp:
+        src, shown = _local_checkpoint(args.checkpoint, tmp)
+        return _export(src, shown, args)
+
+
+def _local_checkpoint(given: str, tmp: str) -> tuple[Path, str]:
+    """The local directory of the checkpoint ``given`` names, and where it is: a checkpoint directory itself, or the
+    newest complete checkpoint of a run directory or of a storage; one in an object store is downloaded into ``tmp``
+    first."""
+    from flexorch.control.checkpoint import latest_checkpoint
+    from flexorch.control.checkpoint_store import PREFIX, CheckpointStore
+
+    store = CheckpointStore(given)
+    name = store.root.rsplit("/", 1)[-1]
+    if name.startswith(PREFIX):
+        parent = given.rstrip("/").rsplit("/", 1)[0]
+        ckpt = CheckpointStore(parent).checkpoint(name)
+    else:
+        if not store.remote and (Path(store.root) / "checkpoints").is_dir():
+            store = CheckpointStore.of_run(store.root)  # a run directory
+        ckpt = latest_checkpoint(store)
+        if ckpt is None:
+            raise ValueError(f"{given} has no complete checkpoint")
+    if not ckpt.store.remote:
+        return Path(ckpt.path), ckpt.path
+    print(f"downloading {ckpt.path} ...", flush=True)
+    return ckpt.store.download(ckpt.name, Path(tmp) / ckpt.name), ckpt.path
+
+
+def _export(src: Path, shown: str, args: argparse.Namespace) -> int:
+    from flexorch.control.checkpoint_export import checkpoint_config, export_model
+
     model = checkpoint_config(src)["model"]
     if model.get("hf") is not None:
         from flexorch.control.hf_export import export_hf
@@ -355,7 +390,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         got = export_hf(src, args.out)
         tok = f"tokenizer from {got['tokenizer']}" if got["tokenizer"] else "no tokenizer files (byte tokenizer)"
         print(
-            f"exported {src} -> {args.out}/ (Hugging Face format: config.json, {len(got['files'])} safetensors "
+            f"exported {shown} -> {args.out}/ (Hugging Face format: config.json, {len(got['files'])} safetensors "
             f"file(s), {tok}): "
             f"{got['tensors']} tensors, {got['parameters']:,} parameters, {got['bytes'] / 2**20:.1f} MiB"
         )
@@ -368,7 +403,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         return 0
     got = export_model(src, args.out)
     print(
-        f"exported {src} -> {args.out}: {got['tensors']} tensors, {got['parameters']:,} parameters, "
+        f"exported {shown} -> {args.out}: {got['tensors']} tensors, {got['parameters']:,} parameters, "
         f"{got['bytes'] / 2**20:.1f} MiB"
     )
     tasks = [a["task"] for a in model.get("adapters") or ()]

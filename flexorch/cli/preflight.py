@@ -2,12 +2,13 @@
 
 Everything that can be wrong without a worker is found here, within seconds of the command, with what was wrong and
 what to do: the versions of the packages the run's optional parts need (``flexorch.config.requirements``), the
-configuration itself (already checked when it was built: ``flexorch.config``), the data source
-(exists, readable, holds at least one document: ``flexorch.data.source_check.check_source``, plain file reads), a local
-tokenizer directory, the checkpoint a ``--resume`` continues from (present, every file matching its manifest, written
-for this model: ``flexorch.control.checkpoint.check_resume``), and a fixed cost-model profile (readable, and
-consistent with the model's shape). What needs the corpus loaded (its fingerprint against the checkpoint's) or the
-workers (calibration) is checked by the driver after the corpus is read, still before any worker starts.
+configuration itself (already checked when it was built: ``flexorch.config``), the data source (exists, readable,
+holds at least one document: ``flexorch.data.source_check.check_source``, plain file reads), a local tokenizer
+directory, the checkpoint storage (writable, its bucket there: ``CheckpointStore.check_writable``), the checkpoint a
+``--resume`` continues from (present, every file matching its manifest, written for this model:
+``flexorch.control.checkpoint.check_resume``), and a fixed cost-model profile (readable, and consistent with the
+model's shape). What needs the corpus loaded (its fingerprint against the checkpoint's) or the workers (calibration)
+is checked by the driver after the corpus is read, still before any worker starts.
 """
 
 from __future__ import annotations
@@ -48,10 +49,14 @@ def preflight(cfg: TrainConfig) -> list[str]:
     spec = cfg.data.tokenizer
     if spec.startswith("hf:") and not Path(spec[3:]).expanduser().is_dir():
         raise ConfigError(f"[data] tokenizer = {spec!r}: directory {spec[3:]!r} does not exist")
+    from flexorch.control.checkpoint_store import CheckpointStore
+
+    store = CheckpointStore.of_run(cfg.run_dir, cfg.checkpoint.storage)
+    store.check_writable()  # the storage every checkpoint goes to: a missing bucket is said before Ray starts
     if cfg.resume:
         from flexorch.control.checkpoint import check_resume
 
-        notes.append(check_resume(cfg.run_dir, cfg.model.to_dict()))
+        notes.append(check_resume(store, cfg.model.to_dict()))
     if cfg.plan.profile != "auto":
         _check_profile(cfg)
     return notes

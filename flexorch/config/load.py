@@ -14,8 +14,8 @@ from pathlib import Path
 from flexorch.config.errors import ConfigError
 from flexorch.config.hf import hf_model_config
 from flexorch.config.model import RUN_KEYS, ModelConfig, model_config
+from flexorch.config.run import CHECKPOINT_ALIASES, TrainConfig
 from flexorch.config.run import TABLES as RUN_TABLES
-from flexorch.config.run import TrainConfig
 from flexorch.config.tasks import task_from_dict
 
 __all__ = ["MOVED_KEYS", "config_from_dict", "load_train_config"]
@@ -128,6 +128,11 @@ def load_train_config(path: Path | str | None, overrides: dict | None = None) ->
             values[table][sub] = v
         else:
             values[key] = v
+        if key in CHECKPOINT_ALIASES.values():  # a flag wins over the [checkpoint] spelling of the file as well
+            table = values.get("checkpoint")
+            alias = next(k for k, run_key in CHECKPOINT_ALIASES.items() if run_key == key)
+            if isinstance(table, dict) and alias in table:
+                table[alias] = v
     try:
         return config_from_dict(values)
     except ConfigError as e:

@@ -1,6 +1,6 @@
 """One training run: the run keys of a run file and its tables, checked against each other on construction.
 
-A run file (see ``examples/train_laptop.toml``) has top-level run keys and eight tables, each a keyword-only
+A run file (see ``examples/train_laptop.toml``) has top-level run keys and nine tables, each a keyword-only
 dataclass that checks its own keys (``flexorch.config.<module>``)::
 
     steps = 20            # run keys (TrainConfig): steps, workers, batch_size, seed, run_dir, checkpoint_every, ...
@@ -12,6 +12,7 @@ dataclass that checks its own keys (``flexorch.config.<module>``)::
     [pipeline]            # pipeline.PipelineSettings: stages, params
     [sharding]            # sharding.ShardingSettings: mode, shard_size, precision, activation_checkpointing
     [tracking]            # tracking.TrackingSettings: tensorboard, mlflow, wandb, run_name, ...
+    [checkpoint]          # checkpoint.CheckpointSettings: storage, every, keep, keep_every
 
 :class:`TrainConfig` checks what spans tables (``data.max_context`` against ``workers x plan.tokens_per_worker``, a
 static layout or pipeline stages against the model and the workers) and derives the elastic bounds in force.
@@ -24,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from flexorch.config.checkpoint import CheckpointSettings
 from flexorch.config.data import CorpusConfig, bpe_vocab
 from flexorch.config.elastic import ElasticSettings
 from flexorch.config.errors import ConfigError
@@ -36,7 +38,7 @@ from flexorch.config.tasks import TaskSettings, batch_counts, lora_specs
 from flexorch.config.tracking import TrackingSettings
 from flexorch.solver.pipeline.stage_count import check_stage_count
 
-__all__ = ["TABLES", "TrainConfig"]
+__all__ = ["CHECKPOINT_ALIASES", "TABLES", "TrainConfig"]
 
 TABLES = {
     "model": ModelConfig,
@@ -47,8 +49,12 @@ TABLES = {
     "pipeline": PipelineSettings,
     "sharding": ShardingSettings,
     "tracking": TrackingSettings,
+    "checkpoint": CheckpointSettings,
 }
 """The tables of a run file by name, each the dataclass of one :class:`TrainConfig` field."""
+
+CHECKPOINT_ALIASES = {"every": "checkpoint_every", "keep": "keep_checkpoints"}
+"""``[checkpoint]`` keys and the top-level run keys they are another spelling of."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,11 +74,11 @@ class TrainConfig:
     run_dir: str = "runs/train"
     """Where the step records, the profile and the checkpoints go."""
     checkpoint_every: int = 0
-    """Checkpoint every this many steps (0: only at the end)."""
+    """Checkpoint every this many steps (0: only at the end); also ``[checkpoint] every``."""
     resume: bool = False
-    """Continue from the newest checkpoint in ``run_dir`` (at the exact next document)."""
+    """Continue from the newest checkpoint in the run's checkpoint storage (at the exact next document)."""
     keep_checkpoints: int = 2
-    """Checkpoints kept on disk (oldest deleted first)."""
+    """The newest checkpoints kept (older ones deleted once a newer one verifies); also ``[checkpoint] keep``."""
     worker_threads: int = 1
     """torch threads per CPU worker (one per worker on a shared machine)."""
     use_gpu: bool = False
@@ -93,6 +99,9 @@ class TrainConfig:
     """The ``[sharding]`` table: model-state sharding (FSDP2), mixed precision, activation checkpointing."""
     tracking: TrackingSettings = field(default_factory=TrackingSettings)
     """The ``[tracking]`` table: TensorBoard, MLflow and Weights & Biases."""
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    """The ``[checkpoint]`` table: where checkpoints are written (a directory or an object store) and which are
+    kept."""
     tasks: tuple[TaskSettings, ...] = ()
     """The ``[[tasks]]`` tables (``flexorch.config.tasks``): several fine-tuning tasks over one base model, each with
     its own data, loss weight, batch share and LoRA adapter; empty: one task on ``[data]``."""
@@ -117,6 +126,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.run_dir, str) or not self.run_dir.strip():
             raise ConfigError(f"run_dir must be a directory path, got {self.run_dir!r}")
+        self._merge_checkpoint_keys()
         self._resolve_tokenizer()
         self._check_pipeline()
         self._check_sharding()
@@ -211,6 +221,21 @@ class TrainConfig:
         """Documents of each task in a full global batch (``flexorch.config.tasks.batch_counts``); () without
         ``[[tasks]]``."""
         return batch_counts(self.tasks, self.batch_size)
+
+    def _merge_checkpoint_keys(self) -> None:
+        """``[checkpoint] every`` / ``keep`` and the top-level ``checkpoint_every`` / ``keep_checkpoints`` are one
+        setting each: the table's value is the run's; both set to different values is an error."""
+        for table_key, run_key in CHECKPOINT_ALIASES.items():
+            v, top = getattr(self.checkpoint, table_key), getattr(self, run_key)
+            if v is None:
+                continue
+            default = next(f.default for f in dataclasses.fields(self) if f.name == run_key)
+            if top not in (default, v):
+                raise ConfigError(
+                    f"checkpoint.{table_key} = {v} and the top-level {run_key} = {top} disagree; set only one of "
+                    f"them ([checkpoint] {table_key} is the newer spelling)"
+                )
+            object.__setattr__(self, run_key, v)
 
     def _resolve_tokenizer(self) -> None:
         """``[data] tokenizer = 'auto'``: 'byte' for flexorch's decoder, the model directory's own tokenizer

@@ -1,219 +1,259 @@
-"""Checkpoints of a training run, in Ray Train's layout: one directory per checkpoint, wrapped as a
-``ray.train.Checkpoint``.
+"""Checkpoints of a training run: one directory per checkpoint in the run's checkpoint store.
 
-``RUN_DIR/checkpoints/checkpoint_<step>/`` holds
+The store (``flexorch.control.checkpoint_store``) is ``[checkpoint] storage``: ``RUN_DIR/checkpoints`` by default, a
+shared path, or an object-store prefix (``s3://bucket/prefix``, ``gs://...``). ``checkpoint_<step>/`` holds
 
 * ``model.pt``: the model's state dict (tensors only);
 * ``train_state.pt``: optimizer, LR schedule and torch RNG state (tensors and plain values);
 * ``driver_state.json``: the step count, the data stream position (the exact next document), the corpus
   fingerprint and the run config;
-* ``manifest.json``: the size and SHA-256 of every other file, checked before anything is loaded (a truncated or
-  corrupted file is an error naming it, and nothing is loaded).
+* ``manifest.json``: every other file's size, and its SHA-256 where the checkpoint is local or the driver wrote the
+  file, checked before anything is loaded (a truncated or corrupted file is an error naming it, and nothing is
+  loaded). On an object store a worker's shard is checked by its size: the store checks content itself, and hashing
+  it would download every shard on each save.
 
-``--resume`` goes on from the newest checkpoint that verifies against its manifest
-(:func:`newest_good_checkpoint`): a newer one that is damaged (a file truncated or altered) or partial (no
-``manifest.json`` or no ``driver_state.json``) is skipped with a message naming the file and why, so a damaged
-checkpoint never ends a run that has a good one. :func:`check_resume` runs the same checks before Ray starts.
+The driver writes ``manifest.json`` last, so a checkpoint is complete only once it is there and verifies; a partial
+one (a crash, a killed upload) is never loaded, and is deleted at the next save. ``--resume`` goes on from the
+newest checkpoint that verifies (:func:`newest_good_checkpoint`): a newer one that is damaged or partial is skipped
+with a message naming the file and why, so a damaged checkpoint never ends a run that has a good one.
+:func:`check_resume` runs the same checks before Ray starts.
 
 With sharded model state (``[sharding] mode = "fsdp"/"hsdp"``) ``model.pt`` and ``train_state.pt`` are replaced by
-``torch.distributed.checkpoint`` files that the workers write themselves, one per worker
-(``flexorch.workers.sharded_checkpoint``), loadable on any number of workers; ``flexorch checkpoint export``
-consolidates them into one ``model.pt``.
+``torch.distributed.checkpoint`` files that the workers write themselves straight into the store, one per worker
+(``flexorch.workers.sharded_checkpoint``), loadable on any number of workers; ``flexorch export`` consolidates them
+into one ``model.pt`` (``flexorch.control.checkpoint_export``; a remote checkpoint is downloaded first).
 
-A checkpoint is written to a hidden temporary directory and renamed into place, so a crash never leaves a
-half-written one that looks complete. Everything is loaded with ``torch.load(weights_only=True)``. Ray Train is
-imported when a checkpoint is first written or found (importing it takes a second or more; a driver stepped in
-tests without Ray and without checkpoints never pays it).
+Retention (:func:`prune`): the newest ``keep`` complete checkpoints, plus every one whose step is a multiple of
+``keep_every``; an older checkpoint is deleted only after a newer one was written and verified. Everything is loaded
+with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
-import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from flexorch.config import ConfigError
 from flexorch.config.model import RUN_KEYS
-
-if TYPE_CHECKING:
-    from ray.train import Checkpoint
+from flexorch.control.checkpoint_store import PREFIX, CheckpointStore, StoredCheckpoint
 
 __all__ = [
     "CheckpointError",
     "RunCheckpoints",
     "check_resume",
-    "checkpoint_config",
-    "consolidated_state",
     "corpus_fingerprint",
-    "export_model",
     "is_sharded",
     "latest_checkpoint",
     "load_checkpoint",
     "newest_good_checkpoint",
     "newest_good_directory",
+    "prune",
     "save_checkpoint",
     "verify_files",
 ]
 
-_PREFIX = "checkpoint_"
 _MANIFEST = "manifest.json"
+_DRIVER = "driver_state.json"
+_DCP_METADATA = ".metadata"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that is missing, incomplete or from another run."""
 
 
-def _root(run_dir: Path | str) -> Path:
-    return Path(run_dir) / "checkpoints"
+def as_store(where: CheckpointStore | Path | str) -> CheckpointStore:
+    """A checkpoint store; a plain path is a run directory, whose checkpoints are in ``RUN_DIR/checkpoints``."""
+    return where if isinstance(where, CheckpointStore) else CheckpointStore.of_run(where)
+
+
+def _digest(chunks) -> str:
+    h = hashlib.sha256()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return _digest(iter(lambda: f.read(1 << 20), b""))
+
+
+def _stored_sha256(ckpt: StoredCheckpoint, file: str) -> str:
+    with ckpt.store.open_read(ckpt.name, file) as f:
+        return _digest(iter(lambda: f.read(1 << 20), b""))
+
+
+def _tensor_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
 
 
 def save_checkpoint(
-    run_dir: Path | str,
+    where: CheckpointStore | Path | str,
     step: int,
     worker_state: dict | None,
     driver_state: dict,
     keep: int = 2,
     write_shards: Callable[[str], None] | None = None,
-) -> Checkpoint:
-    """Write the checkpoint taken after ``step`` steps; keep the newest ``keep`` checkpoints. ``worker_state``:
-    the whole model state (replicas); or ``write_shards(directory)``: the workers write their shards there."""
-    root = _root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{_PREFIX}{step:06d}"
-    tmp = root / f".tmp-{_PREFIX}{step:06d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    keep_every: int = 0,
+) -> StoredCheckpoint:
+    """Write the checkpoint taken after ``step`` steps, then apply retention (:func:`prune`). ``worker_state``: the
+    whole model state (replicas); or ``write_shards(location)``: the workers write their shards there (a local
+    directory or an object-store URI). ``where``: a store, or a run directory (its ``checkpoints/``)."""
+    store = as_store(where)
+    ckpt = store.checkpoint(f"{PREFIX}{step:06d}")
+    store.prepare(ckpt.name)  # a partial save of this step (a crash) is deleted first
+    hashes: dict[str, str] = {}
+
+    def write(file: str, data: bytes) -> None:
+        store.write(ckpt.name, file, data)
+        hashes[file] = hashlib.sha256(data).hexdigest()
+
     if write_shards is not None:
-        write_shards(str(tmp))
+        write_shards(ckpt.path)
     else:
-        torch.save(worker_state["model"], tmp / "model.pt")
-        torch.save(
-            {
-                "optimizer": worker_state["optimizer"],
-                "scheduler": worker_state["scheduler"],
-                "rng": worker_state["rng"],
-            },
-            tmp / "train_state.pt",
-        )
-    (tmp / "driver_state.json").write_text(json.dumps({**driver_state, "step": step}, indent=1, sort_keys=True))
-    files = sorted(f for f in tmp.iterdir() if f.is_file())
-    manifest = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in files}
-    (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    for old in sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    from ray.train import Checkpoint
-
-    return Checkpoint.from_directory(str(final))
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+        write("model.pt", _tensor_bytes(worker_state["model"]))
+        train = {k: worker_state[k] for k in ("optimizer", "scheduler", "rng")}
+        write("train_state.pt", _tensor_bytes(train))
+    write(_DRIVER, json.dumps({**driver_state, "step": step}, indent=1, sort_keys=True).encode())
+    manifest = {}
+    for file, size in sorted(store.files(ckpt.name).items()):
+        if file == _MANIFEST:
+            continue
+        entry = {"bytes": size}
+        if file in hashes:
+            entry["sha256"] = hashes[file]
+        elif not store.remote:  # a worker's shard on a local or shared disk: hashed here, as it always was
+            entry["sha256"] = _stored_sha256(ckpt, file)
+        manifest[file] = entry
+    store.write(ckpt.name, _MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())  # complete from here
+    problem = _file_problem(ckpt)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {ckpt.path} did not verify after it was written: {problem[0]} {problem[1]}")
+    prune(store, keep, keep_every, writing=None)
+    return ckpt
 
 
-def _file_problem(directory: Path) -> tuple[str, str] | None:
+def _manifest(ckpt: StoredCheckpoint) -> dict | None:
+    """The manifest of a checkpoint (None when there is none); raises ValueError when it is unreadable."""
+    if not ckpt.store.has(ckpt.name, _MANIFEST):
+        return None
+    manifest = json.loads(ckpt.store.read(ckpt.name, _MANIFEST))
+    if not isinstance(manifest, dict) or not all(
+        isinstance(w, dict) and "bytes" in w and set(w) <= {"bytes", "sha256"} for w in manifest.values()
+    ):
+        raise ValueError("not a map of file name -> bytes and sha256")
+    return manifest
+
+
+def _file_problem(ckpt: StoredCheckpoint) -> tuple[str, str] | None:
     """The first file of a checkpoint that does not match its manifest: (file name, why), or None when every file
     matches (or there is no manifest: checkpoints written before manifests existed are not checked)."""
-    path = directory / _MANIFEST
-    if not path.is_file():
-        return None
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+        manifest = _manifest(ckpt)
+    except ValueError as e:
         return _MANIFEST, f"is unreadable ({e})"
-    if not isinstance(manifest, dict) or not all(
-        isinstance(w, dict) and {"bytes", "sha256"} <= w.keys() for w in manifest.values()
-    ):
-        return _MANIFEST, "is unreadable (not a map of file name -> bytes and sha256)"
+    if manifest is None:
+        return None
+    sizes = ckpt.store.files(ckpt.name)
     for name, want in manifest.items():
-        f = directory / name
-        if not f.is_file():
+        if name not in sizes:
             return name, "is missing"
-        size = f.stat().st_size
+        size = sizes[name]
         if size != want["bytes"]:
             return name, f"is corrupted ({size} bytes, the manifest says {want['bytes']} bytes)"
-        if _sha256(f) != want["sha256"]:
+        if "sha256" in want and _stored_sha256(ckpt, name) != want["sha256"]:
             return name, f"is corrupted ({size} bytes as the manifest says, but another SHA-256)"
     return None
 
 
-def verify_files(directory: Path) -> None:
+def _checkpoint(ckpt: StoredCheckpoint | Path | str) -> StoredCheckpoint:
+    """A checkpoint given as a stored one or as a local directory path."""
+    if isinstance(ckpt, StoredCheckpoint):
+        return ckpt
+    d = Path(ckpt)
+    return CheckpointStore(d.parent).checkpoint(d.name)
+
+
+def verify_files(ckpt: StoredCheckpoint | Path | str) -> None:
     """Check every file of a checkpoint against its manifest; raise :class:`CheckpointError` naming the first
     missing, truncated or altered one (checkpoints written before manifests existed are not checked)."""
-    problem = _file_problem(directory)
+    ckpt = _checkpoint(ckpt)
+    problem = _file_problem(ckpt)
     if problem is None:
         return
     name, why = problem
     if why == "is missing":
-        raise CheckpointError(f"checkpoint {directory} is incomplete: {name} is missing")
+        raise CheckpointError(f"checkpoint {ckpt.path} is incomplete: {name} is missing")
     raise CheckpointError(
-        f"checkpoint file {directory / name} {why}; nothing was loaded. Resume from an older checkpoint (delete "
-        "this one) or start the run again"
+        f"checkpoint file {ckpt.store.location(ckpt.name, name)} {why}; nothing was loaded. Resume from an older "
+        "checkpoint (delete this one) or start the run again"
     )
 
 
-def _checkpoint_dirs(run_dir: Path | str) -> list[Path]:
-    """Every ``checkpoint_<step>`` directory of a run, newest (highest step) first."""
-    root = _root(run_dir)
-    if not root.is_dir():
-        return []
-
-    def step(p: Path) -> tuple[int, str]:
-        tail = p.name[len(_PREFIX) :]
-        return (int(tail) if tail.isdigit() else -1, p.name)
-
-    return sorted((p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir()), key=step, reverse=True)
-
-
-def _skip_reason(directory: Path) -> str | None:
-    """Why a checkpoint directory cannot be resumed from (partial or damaged), or None when it verifies."""
-    missing = [f for f in (_MANIFEST, "driver_state.json") if not (directory / f).is_file()]
+def _skip_reason(ckpt: StoredCheckpoint) -> str | None:
+    """Why a checkpoint cannot be resumed from (partial or damaged), or None when it verifies."""
+    missing = [f for f in (_MANIFEST, _DRIVER) if not ckpt.store.has(ckpt.name, f)]
     if missing:
         return f"partial checkpoint, {' and '.join(missing)} missing (written by a crash before it was complete)"
-    problem = _file_problem(directory)
+    problem = _file_problem(ckpt)
     if problem is not None:
         return f"{problem[0]} {problem[1]}"
     return None
 
 
-def newest_good_directory(run_dir: Path | str) -> tuple[Path | None, list[str]]:
-    """Like :func:`newest_good_checkpoint`, as a plain directory path (needs neither Ray nor torch)."""
+def newest_good_checkpoint(where: CheckpointStore | Path | str) -> tuple[StoredCheckpoint | None, list[str]]:
+    """The newest checkpoint of a store (or a run directory) whose files all verify against its manifest (None when
+    none does), and one message per newer checkpoint skipped, naming the file and why, e.g. ``"skipped
+    checkpoint_000004: model.pt is corrupted (1234 bytes, the manifest says 5678 bytes)"``. A directory without
+    ``manifest.json`` or ``driver_state.json`` is partial and skipped, never loaded."""
     skipped = []
-    for d in _checkpoint_dirs(run_dir):
-        why = _skip_reason(d)
+    for ckpt in as_store(where).checkpoints():
+        why = _skip_reason(ckpt)
         if why is None:
-            return d, skipped
-        skipped.append(f"skipped {d.name}: {why}")
+            return ckpt, skipped
+        skipped.append(f"skipped {ckpt.name}: {why}")
     return None, skipped
 
 
-def newest_good_checkpoint(run_dir: Path | str) -> tuple[Checkpoint | None, list[str]]:
-    """The newest checkpoint of a run directory whose files all verify against its manifest (None when none
-    does), and one message per newer checkpoint skipped, naming the file and why, e.g. ``"skipped
-    checkpoint_000004: model.pt is corrupted (1234 bytes, the manifest says 5678 bytes)"``. A directory without
-    ``manifest.json`` or ``driver_state.json`` is partial and skipped, never loaded."""
-    d, skipped = newest_good_directory(run_dir)
-    if d is None:
+def newest_good_directory(where: CheckpointStore | Path | str) -> tuple[Path | str | None, list[str]]:
+    """Like :func:`newest_good_checkpoint`, as a location: a local ``Path``, or a URI on an object store."""
+    ckpt, skipped = newest_good_checkpoint(where)
+    if ckpt is None:
         return None, skipped
-    from ray.train import Checkpoint
-
-    return Checkpoint.from_directory(str(d)), skipped
+    return (ckpt.path if ckpt.store.remote else Path(ckpt.path)), skipped
 
 
-def _no_good_checkpoint(run_dir: Path | str, skipped: list[str]) -> ConfigError:
-    root = _root(run_dir)
+def prune(store: CheckpointStore, keep: int, keep_every: int = 0, writing: str | None = None) -> list[str]:
+    """Retention: keep the newest ``keep`` complete checkpoints and every one whose step is a multiple of
+    ``keep_every`` (0: none); delete the other complete ones, and every partial one (no manifest) but ``writing``
+    (a save in flight). Called after a save verified, so a checkpoint is deleted only when a newer one is complete.
+    Returns the names deleted."""
+    complete, gone = [], []
+    for ckpt in store.checkpoints():  # newest first
+        if ckpt.name == writing:
+            continue
+        if store.has(ckpt.name, _MANIFEST):
+            complete.append(ckpt)
+        else:
+            gone.append(ckpt)
+    for i, ckpt in enumerate(complete):
+        kept = i < keep or (keep_every > 0 and ckpt.step > 0 and ckpt.step % keep_every == 0)
+        if not kept:
+            gone.append(ckpt)
+    for ckpt in gone:
+        store.delete(ckpt.name)
+    return sorted(c.name for c in gone)
+
+
+def _no_good_checkpoint(where: CheckpointStore | Path | str, skipped: list[str]) -> ConfigError:
+    root = as_store(where).uri
     if not skipped:
         return ConfigError(f"--resume: no checkpoint in {root}; run without --resume")
     return ConfigError(
@@ -230,25 +270,25 @@ def _plain(value):
     return json.loads(json.dumps(value, default=list))
 
 
-def check_resume(run_dir: Path | str, model_config: dict) -> str:
+def check_resume(where: CheckpointStore | Path | str, model_config: dict) -> str:
     """Preflight of ``--resume``, before Ray starts and without loading any tensor: the checkpoint the run will
-    resume from (the newest that verifies against its manifest, by size and SHA-256) must exist and describe the
-    same model as ``model_config`` (the run's ``ModelConfig.to_dict()``).
+    resume from (the newest that verifies against its manifest) must exist and describe the same model as
+    ``model_config`` (the run's ``ModelConfig.to_dict()``). ``where``: the run's store, or its run directory.
 
     Returns its description, ``"--resume: from checkpoint_000002 (step 2) in RUN/checkpoints"``, then one line
     per newer checkpoint skipped and why. Raises :class:`~flexorch.config.ConfigError` saying what to do when
     there is no checkpoint, when none verifies (listing each and why), or when the checkpoint's model differs
     (naming the differing keys)."""
-    d, skipped = newest_good_directory(run_dir)
-    if d is None:
-        raise _no_good_checkpoint(run_dir, skipped)
+    ckpt, skipped = newest_good_checkpoint(where)
+    if ckpt is None:
+        raise _no_good_checkpoint(where, skipped)
     try:
-        state = json.loads((d / "driver_state.json").read_text())
+        state = json.loads(ckpt.store.read(ckpt.name, _DRIVER))
         saved = state["config"]["model"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(
-            f"--resume: {d / 'driver_state.json'} holds no run config ({type(e).__name__}: {e}); run without "
-            "--resume, or resume a run written by flexorch"
+            f"--resume: {ckpt.store.location(ckpt.name, _DRIVER)} holds no run config ({type(e).__name__}: {e}); run "
+            "without --resume, or resume a run written by flexorch"
         ) from None
     saved, live = _plain(saved), _plain(dict(model_config))
     keys = (set(saved) | set(live)) - RUN_KEYS  # how the model runs (the loss's chunks) is free to change
@@ -258,88 +298,44 @@ def check_resume(run_dir: Path | str, model_config: dict) -> str:
             f"{k}: checkpoint {saved.get(k, '(absent)')!r}, this run {live.get(k, '(absent)')!r}" for k in differ
         )
         raise ConfigError(
-            f"--resume: the checkpoint {d} was written for another model ({what}); set [model] as the checkpoint "
-            "has it, or run without --resume (or with another run_dir) to train this model from scratch"
+            f"--resume: the checkpoint {ckpt.path} was written for another model ({what}); set [model] as the "
+            "checkpoint has it, or run without --resume (or with another run_dir) to train this model from scratch"
         )
-    line = f"--resume: from {d.name} (step {state.get('step', '?')}) in {d.parent}"
+    line = f"--resume: from {ckpt.name} (step {state.get('step', '?')}) in {ckpt.store.uri}"
     return "\n".join([line, *skipped])
 
 
-def is_sharded(directory: Path | str) -> bool:
-    """Whether a checkpoint directory holds sharded (``torch.distributed.checkpoint``) model state."""
-    return (Path(directory) / ".metadata").is_file()
+def is_sharded(ckpt: StoredCheckpoint | Path | str) -> bool:
+    """Whether a checkpoint (or a local checkpoint directory) holds sharded (``torch.distributed.checkpoint``) model
+    state."""
+    ckpt = _checkpoint(ckpt)
+    return ckpt.store.has(ckpt.name, _DCP_METADATA)
 
 
-def latest_checkpoint(run_dir: Path | str) -> Checkpoint | None:
-    """The newest complete checkpoint of a run directory, or None."""
-    root = _root(run_dir)
-    if not root.is_dir():
-        return None
-    done = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and (p / "driver_state.json").is_file())
-    if not done:
-        return None
-    from ray.train import Checkpoint
-
-    return Checkpoint.from_directory(str(done[-1]))
+def latest_checkpoint(where: CheckpointStore | Path | str) -> StoredCheckpoint | None:
+    """The newest complete checkpoint of a store (or a run directory), verified or not; None when there is none."""
+    store = as_store(where)
+    return next((c for c in store.checkpoints() if store.has(c.name, _MANIFEST) and store.has(c.name, _DRIVER)), None)
 
 
-def load_checkpoint(checkpoint: Checkpoint) -> tuple[dict, dict]:
+def load_checkpoint(ckpt: StoredCheckpoint | Path | str) -> tuple[dict, dict]:
     """(worker_state, driver_state) of a checkpoint, every file checked against its manifest first; tensors are
-    loaded with ``weights_only=True``. Sharded: worker_state is ``{"sharded_dir": path}``, which the workers read
-    themselves (each its own rows)."""
-    with checkpoint.as_directory() as d:
-        d = Path(d)
-        verify_files(d)
-        if is_sharded(d):
-            if not (d / "driver_state.json").is_file():
-                raise CheckpointError(f"checkpoint {d} is incomplete: missing driver_state.json")
-            return {"sharded_dir": str(d)}, json.loads((d / "driver_state.json").read_text())
-        missing = [f for f in ("model.pt", "train_state.pt", "driver_state.json") if not (d / f).is_file()]
-        if missing:
-            raise CheckpointError(f"checkpoint {d} is incomplete: missing {missing}")
-        model = torch.load(d / "model.pt", weights_only=True, map_location="cpu")
-        train = torch.load(d / "train_state.pt", weights_only=True, map_location="cpu")
-        driver = json.loads((d / "driver_state.json").read_text())
+    loaded with ``weights_only=True``. Sharded: worker_state is ``{"sharded_dir": location}`` (a local directory or
+    a URI), which the workers read themselves (each its own rows)."""
+    ckpt = _checkpoint(ckpt)
+    verify_files(ckpt)
+    store = ckpt.store
+    if is_sharded(ckpt):
+        if not store.has(ckpt.name, _DRIVER):
+            raise CheckpointError(f"checkpoint {ckpt.path} is incomplete: missing driver_state.json")
+        return {"sharded_dir": ckpt.path}, json.loads(store.read(ckpt.name, _DRIVER))
+    missing = [f for f in ("model.pt", "train_state.pt", _DRIVER) if not store.has(ckpt.name, f)]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt.path} is incomplete: missing {missing}")
+    model = torch.load(io.BytesIO(store.read(ckpt.name, "model.pt")), weights_only=True, map_location="cpu")
+    train = torch.load(io.BytesIO(store.read(ckpt.name, "train_state.pt")), weights_only=True, map_location="cpu")
+    driver = json.loads(store.read(ckpt.name, _DRIVER))
     return {"model": model, **train}, driver
-
-
-def consolidated_state(directory: Path | str) -> dict:
-    """The whole model's state dict (parameter name -> CPU tensor) of a checkpoint, gathered from a sharded
-    checkpoint's per-worker files or read from a replicated one's ``model.pt``; every file is checked against the
-    manifest first. Runs in one process, without a world."""
-    d = Path(directory)
-    verify_files(d)
-    if is_sharded(d):
-        import tempfile
-
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(d, Path(tmp) / "all.pt")
-            return torch.load(Path(tmp) / "all.pt", weights_only=True, map_location="cpu")["model"]
-    if (d / "model.pt").is_file():
-        return torch.load(d / "model.pt", weights_only=True, map_location="cpu")
-    raise CheckpointError(f"{d} is not a flexorch checkpoint (no model.pt and no .metadata)")
-
-
-def checkpoint_config(directory: Path | str) -> dict:
-    """The run configuration a checkpoint was written with (``TrainConfig.to_dict()``)."""
-    f = Path(directory) / "driver_state.json"
-    if not f.is_file():
-        raise CheckpointError(f"{directory} is not a complete flexorch checkpoint: missing driver_state.json")
-    return json.loads(f.read_text())["config"]
-
-
-def export_model(directory: Path | str, out: Path | str) -> dict:
-    """Consolidate a checkpoint's model into one ``torch.save`` file of the whole state dict (parameter name ->
-    tensor); returns ``{"parameters", "tensors", "bytes"}``."""
-    model = consolidated_state(directory)
-    torch.save(model, out)
-    return {
-        "parameters": int(sum(t.numel() for t in model.values())),
-        "tensors": len(model),
-        "bytes": Path(out).stat().st_size,
-    }
 
 
 def corpus_fingerprint(corpus) -> dict:
@@ -348,22 +344,38 @@ def corpus_fingerprint(corpus) -> dict:
     return {"num_docs": c.num_docs, "tokens": c.total_tokens, "first": c.keys[0], "last": c.keys[-1]}
 
 
+MIRRORED = ("config.json", "profile.json", "steps.jsonl")
+"""The run's records copied to ``STORAGE/run/`` at each checkpoint when the storage is not under the run directory
+(a dashboard or a person can open the run from storage alone)."""
+
+
 class RunCheckpoints:
     """The checkpoints one run writes and goes back to: it resumes from, or rolls back to, only its own newest
-    checkpoint (never an older run's in the same directory)."""
+    checkpoint (never an older run's in the same store). ``where``: the run's store, or its run directory (the
+    default store, ``RUN_DIR/checkpoints``); ``run_dir``: the records mirrored to a store elsewhere."""
 
-    def __init__(self, run_dir: Path | str, corpus, keep: int, sharded: bool = False):
-        self.run_dir, self.corpus, self.keep, self.sharded = Path(run_dir), corpus, keep, sharded
-        self.own: Checkpoint | None = None
+    def __init__(
+        self,
+        where: CheckpointStore | Path | str,
+        corpus,
+        keep: int,
+        sharded: bool = False,
+        keep_every: int = 0,
+        run_dir: Path | str | None = None,
+    ):
+        self.store = as_store(where)
+        self.corpus, self.keep, self.keep_every, self.sharded = corpus, keep, keep_every, sharded
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.own: StoredCheckpoint | None = None
         self.skipped: list[str] = []  # newer checkpoints the resume skipped, one message each (file and why)
 
     def resume(self) -> tuple[dict, dict]:
-        """(worker state, driver state) of the run directory's newest checkpoint that verifies against its
-        manifest, taken on this corpus (else a :class:`~flexorch.config.ConfigError` saying why). Newer damaged or
-        partial checkpoints are skipped; :attr:`skipped` says which and why."""
-        ckpt, self.skipped = newest_good_checkpoint(self.run_dir)
+        """(worker state, driver state) of the store's newest checkpoint that verifies against its manifest, taken
+        on this corpus (else a :class:`~flexorch.config.ConfigError` saying why). Newer damaged or partial
+        checkpoints are skipped; :attr:`skipped` says which and why."""
+        ckpt, self.skipped = newest_good_checkpoint(self.store)
         if ckpt is None:
-            raise _no_good_checkpoint(self.run_dir, self.skipped)
+            raise _no_good_checkpoint(self.store, self.skipped)
         state, dstate = load_checkpoint(ckpt)
         if dstate["corpus"] != corpus_fingerprint(self.corpus):
             raise ConfigError(
@@ -382,16 +394,32 @@ class RunCheckpoints:
 
     def save(self, step: int, worker_state: dict | None, driver_state: dict, write_shards=None) -> str:
         """Write this run's checkpoint after ``step`` steps (``driver_state`` plus the corpus fingerprint); the
-        whole ``worker_state``, or shards the workers write with ``write_shards(directory)``."""
+        whole ``worker_state``, or shards the workers write with ``write_shards(location)``. Returns where it is."""
         driver_state = {**driver_state, "corpus": corpus_fingerprint(self.corpus)}
         self.own = save_checkpoint(
-            self.run_dir, step, worker_state, driver_state, keep=self.keep, write_shards=write_shards
+            self.store,
+            step,
+            worker_state,
+            driver_state,
+            keep=self.keep,
+            write_shards=write_shards,
+            keep_every=self.keep_every,
         )
+        self.mirror_records()
         return self.own.path
+
+    def mirror_records(self) -> None:
+        """Copy the run's records (:data:`MIRRORED`) to ``STORAGE/run/`` when the store is not the run directory's."""
+        if self.run_dir is None or self.store == CheckpointStore.of_run(self.run_dir):
+            return
+        for name in MIRRORED:
+            f = self.run_dir / name
+            if f.is_file():
+                self.store.put_file(f, "run", name)
 
     def hint(self) -> str:
         """Where the last checkpoint is and how to go on from it (for errors that stop the run)."""
-        ckpt = latest_checkpoint(self.run_dir)
+        ckpt = latest_checkpoint(self.store)
         if ckpt is None:
             return "No checkpoint was written yet (set checkpoint_every to keep one)"
         return f"The last checkpoint, {ckpt.path}, is intact: run again with --resume when capacity is back"

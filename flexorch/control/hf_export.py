@@ -15,7 +15,8 @@ import shutil
 from pathlib import Path
 
 from flexorch.config.adapters import LoraSpec
-from flexorch.control.checkpoint import CheckpointError, checkpoint_config, consolidated_state
+from flexorch.control.checkpoint import CheckpointError
+from flexorch.control.checkpoint_export import checkpoint_config, consolidated_state
 from flexorch.workers.lora import is_adapter_param
 
 __all__ = ["export_hf"]

@@ -22,6 +22,7 @@ from flexorch.config import ConfigError, TrainConfig
 from flexorch.config.sharding import uneven_world_note
 from flexorch.control.calibration import model_state_fields, run_profile
 from flexorch.control.checkpoint import RunCheckpoints
+from flexorch.control.checkpoint_store import CheckpointStore
 from flexorch.control.elastic import Elastic
 from flexorch.control.failures import MembershipFailure
 from flexorch.control.group import WorkerGroup
@@ -114,7 +115,11 @@ class RunStart:
         corpus, stream = self._open_data()
         cfg = parts.cfg
         sharded = cfg.sharding_mode != "replicate"
-        parts.checkpoints = RunCheckpoints(self.run_dir, corpus, cfg.keep_checkpoints, sharded=sharded)
+        store = CheckpointStore.of_run(self.run_dir, cfg.checkpoint.storage)
+        store.check_writable()  # a bucket that is not there, or no credentials: an error before any worker starts
+        parts.checkpoints = RunCheckpoints(
+            store, corpus, cfg.keep_checkpoints, sharded, keep_every=cfg.checkpoint.keep_every, run_dir=self.run_dir
+        )
         resumed = parts.checkpoints.resume() if cfg.resume else None  # checked before any worker starts
         for message in parts.checkpoints.skipped:  # newer damaged or partial checkpoints the resume passed over
             self._publish({"event": "checkpoint_skipped", "message": message})

@@ -173,7 +173,7 @@ def test_export_loads_with_from_pretrained_and_training_continues_from_it(env, t
     is a model source with weights: a run from it starts at exactly the exported parameters, loaded shard by
     shard under FSDP."""
     from flexorch.cli.main import main
-    from flexorch.control.checkpoint import consolidated_state
+    from flexorch.control.checkpoint_export import consolidated_state
 
     model_dir = write_model_dir(tmp_path / family, family, tie_word_embeddings=family == "qwen2")
     cfg = _cfg(env, f"export-{family}", model_dir, sharding=ShardingSettings(mode=mode))

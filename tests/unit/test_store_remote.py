@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import time
@@ -25,43 +24,17 @@ from flexorch.data.store.remote import (
     open_range_source,
     upload_dir,
 )
+from tests.s3_server import free_port, s3_server
 
 BIG = 20_000_000  # bytes; 8 MiB chunks: two whole chunks and a partial one
 _prefixes = itertools.count()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3():
     """A moto S3 server with bucket ``flexorch-test``; the AWS settings of the environment only inside this module."""
-    server_mod = pytest.importorskip("moto.server")
-    boto3 = pytest.importorskip("boto3")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=_free_port(), verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    try:
-        with pytest.MonkeyPatch.context() as mp:
-            for var in list(os.environ):
-                if var.startswith("AWS_") or var.startswith("FLEXORCH_S3"):
-                    mp.delenv(var)
-            for var, value in {
-                "AWS_ACCESS_KEY_ID": "testing",
-                "AWS_SECRET_ACCESS_KEY": "testing",
-                "AWS_DEFAULT_REGION": "us-east-1",
-                "AWS_EC2_METADATA_DISABLED": "true",
-                "AWS_ENDPOINT_URL": endpoint,
-            }.items():
-                mp.setenv(var, value)
-            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="flexorch-test")
-            yield SimpleNamespace(endpoint=endpoint, root="s3://flexorch-test")
-    finally:
-        server.stop()
+    with s3_server() as server:
+        yield server
 
 
 def _prefix(s3) -> str:
@@ -236,9 +209,9 @@ def test_missing_object_and_bucket(s3, tmp_path):
     ],
 )
 def test_error_messages_say_what_to_set(message, says):
-    from flexorch.data.store.remote import _data_error
+    from flexorch.data.store.remote import store_error
 
-    err = _data_error("s3://b/k", OSError(message))
+    err = store_error("s3://b/k", OSError(message))
     assert isinstance(err, DataError) and str(err).startswith("s3://b/k: ") and says in str(err)
 
 
@@ -251,7 +224,7 @@ def test_flexorch_s3_endpoint(s3, big, monkeypatch):
 
 @pytest.mark.slow
 def test_unreachable_endpoint_says_what_to_set(s3, monkeypatch, tmp_path):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")  # nothing listens there
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens there
     t0 = time.monotonic()
     with pytest.raises(DataError, match=r"s3://flexorch-test/x\.bin: cannot reach .*FLEXORCH_S3_ENDPOINT"):
         open_range_source("s3://flexorch-test/x.bin", cache_dir=str(tmp_path))

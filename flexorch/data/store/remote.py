@@ -35,7 +35,7 @@ from flexorch.data.errors import DataError
 
 __all__ = [
     "RangeSource", "open_range_source", "fetch_small", "is_remote", "join", "exists", "list_dir", "upload_dir",
-    "DEFAULT_CHUNK_BYTES",
+    "filesystem", "store_error", "DEFAULT_CHUNK_BYTES",
 ]  # fmt: skip
 
 DEFAULT_CHUNK_BYTES = 8 << 20
@@ -74,8 +74,8 @@ def _endpoint_uri(uri: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(query=query))
 
 
-def _data_error(uri: str, exc: BaseException) -> DataError:
-    """A message a user can act on for a failed object-store call."""
+def store_error(uri: str, exc: BaseException) -> DataError:
+    """A message a user can act on for a failed object-store call (credentials, endpoint, bucket), naming ``uri``."""
     low = str(exc).lower()
     endpoint = next((f"{v}={os.environ[v]}" for v in _ENDPOINT_VARS if os.environ.get(v)), "the default AWS endpoint")
     if any(s in low for s in ("network_connection", "could not connect", "curlcode", "resolve host", "timed out")):
@@ -98,7 +98,7 @@ def _resolve(uri: str) -> tuple[pafs.FileSystem, str, str]:
     try:
         fs, path = pafs.FileSystem.from_uri(full)
     except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for bad URIs and missing S3/GCS support
-        raise _data_error(uri, exc) from exc
+        raise store_error(uri, exc) from exc
     return fs, path, full
 
 
@@ -125,7 +125,7 @@ def _open_remote(uri: str) -> tuple[pafs.FileSystem, object, int, str, str]:
         bucket = path.split("/", 1)[0]
         if isinstance(exc, FileNotFoundError) and _missing(fs, bucket):
             raise DataError(f"{uri}: the bucket {bucket!r} does not exist (check the URI and the endpoint)") from exc
-        raise _data_error(uri, exc) from exc
+        raise store_error(uri, exc) from exc
     return fs, handle, size, version, full
 
 
@@ -246,7 +246,7 @@ class _RemoteSource(RangeSource):
         try:
             data = self._handle.read_at(want, idx * self.chunk_bytes)
         except OSError as exc:
-            raise _data_error(self.uri, exc) from exc
+            raise store_error(self.uri, exc) from exc
         if len(data) != want:
             raise DataError(f"{self.uri}: got {len(data)} of {want} bytes at {idx * self.chunk_bytes}; was it changed?")
         _atomic_write(path, data)
@@ -310,14 +310,16 @@ def fetch_small(uri: str, cache_dir: str | None = None) -> str:
             try:
                 data = handle.read_at(size, 0) if size else b""
             except OSError as exc:
-                raise _data_error(uri, exc) from exc
+                raise store_error(uri, exc) from exc
             _atomic_write(dest, data)
         return str(dest)
     finally:
         handle.close()
 
 
-def _fs_path(uri: str) -> tuple[pafs.FileSystem, str]:
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """(pyarrow filesystem, path inside it) of a local path or an object-store URI (the endpoint and credentials of
+    the environment, as for reads)."""
     if is_remote(uri):
         return _resolve(uri)[:2]
     return pafs.LocalFileSystem(), os.path.abspath(_local_path(uri))
@@ -325,20 +327,20 @@ def _fs_path(uri: str) -> tuple[pafs.FileSystem, str]:
 
 def exists(uri: str) -> bool:
     """Whether a file (or directory) exists at ``uri``."""
-    fs, path = _fs_path(uri)
+    fs, path = filesystem(uri)
     try:
         return fs.get_file_info(path).type != pafs.FileType.NotFound
     except OSError as exc:
-        raise _data_error(uri, exc) from exc
+        raise store_error(uri, exc) from exc
 
 
 def list_dir(uri: str) -> list[str]:
     """The files under the directory ``uri``, recursively, as sorted ``/``-separated paths relative to it."""
-    fs, path = _fs_path(uri)
+    fs, path = filesystem(uri)
     try:
         infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
     except OSError as exc:
-        raise _data_error(uri, exc) from exc
+        raise store_error(uri, exc) from exc
     base = path.rstrip("/") + "/"
     return sorted(i.path[len(base) :] for i in infos if i.type == pafs.FileType.File and i.path.startswith(base))
 
@@ -348,10 +350,10 @@ def upload_dir(local_dir: str, uri: str) -> None:
     src = os.path.abspath(_local_path(local_dir))
     if not os.path.isdir(src):
         raise DataError(f"{local_dir}: not a directory")
-    dst_fs, dst = _fs_path(uri)
+    dst_fs, dst = filesystem(uri)
     if not is_remote(uri):
         os.makedirs(dst, exist_ok=True)
     try:
         pafs.copy_files(src, dst, source_filesystem=pafs.LocalFileSystem(), destination_filesystem=dst_fs)
     except OSError as exc:
-        raise _data_error(uri, exc) from exc
+        raise store_error(uri, exc) from exc

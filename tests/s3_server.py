@@ -1,0 +1,49 @@
+"""A moto S3 server on 127.0.0.1 for the tests that read corpora from, or write checkpoints to, ``s3://``."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+__all__ = ["free_port", "s3_server"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str = "flexorch-test"):
+    """A moto S3 server with ``bucket``; inside the block the process's AWS settings point at it (and only there).
+    Yields ``endpoint``, ``root`` (``s3://bucket``) and ``env``: the variables a Ray job's ``runtime_env`` passes on
+    so its workers reach the server too."""
+    server_mod = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_ENDPOINT_URL": endpoint,
+    }
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for var in list(os.environ):
+                if var.startswith("AWS_") or var.startswith("FLEXORCH_S3"):
+                    mp.delenv(var)
+            for var, value in env.items():
+                mp.setenv(var, value)
+            boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=bucket)
+            yield SimpleNamespace(endpoint=endpoint, root=f"s3://{bucket}", env=env, boto3=boto3)
+    finally:
+        server.stop()
