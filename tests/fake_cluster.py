@@ -419,6 +419,9 @@ class FakeWorkerGroup(WorkerGroup):
     def save_sharded(self, directory: str) -> None:
         raise WorkerGroupError("the fake group holds no sharded model state")
 
+    def stage_sharded(self, directory: str):
+        raise WorkerGroupError("the fake group holds no sharded model state")
+
     def call(self, method: str, *args) -> list:
         return [getattr(self.workers[w], method)(*args) for w in self.worker_ids]
 

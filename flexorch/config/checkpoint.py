@@ -7,6 +7,7 @@
     every = 100                                # = the top-level checkpoint_every (0: only at the end)
     keep = 2                                   # = the top-level keep_checkpoints: the newest kept
     keep_every = 1000                          # also keep every checkpoint whose step is a multiple (0: none)
+    async = true                               # the steps go on while a checkpoint is written
 
 ``every`` and ``keep`` are the top-level ``checkpoint_every`` and ``keep_checkpoints`` of older run files, which keep
 working; a run file may set either spelling, not both to different values (``flexorch.config.run``). Credentials and
@@ -39,6 +40,11 @@ class CheckpointSettings:
     ``keep_checkpoints``."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: none), beside the newest ``keep``."""
+    async_: bool = False
+    """``async`` in a run file: the steps go on while a checkpoint is written. The state is staged in host memory
+    (a replicated run's on the driver; a sharded run's shards on each worker's node), then written to the storage by
+    a background thread; at most one save is in flight (the next waits for it), and a stop waits for it. A write
+    that fails is reported and the previous checkpoint stays the newest. False: every save blocks the step."""
 
     def __post_init__(self) -> None:
         s = self.storage
@@ -55,6 +61,8 @@ class CheckpointSettings:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
                 what = "an integer >= 0" if low == 0 else "a positive integer"
                 raise ConfigError(f"checkpoint.{name} must be {what}, got {v!r}")
+        if not isinstance(self.async_, bool):
+            raise ConfigError(f"checkpoint.async must be true or false, got {self.async_!r}")
         v = self.keep_every
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"checkpoint.keep_every must be an integer >= 0 (0: keep only the newest), got {v!r}")

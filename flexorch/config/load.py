@@ -8,6 +8,7 @@ Reading a file imports neither Ray nor torch.
 from __future__ import annotations
 
 import dataclasses
+import keyword
 import tomllib
 from pathlib import Path
 
@@ -45,14 +46,20 @@ def _table(values: dict, name: str) -> dict:
     table = values.pop(name, None) or {}
     if not isinstance(table, dict):
         raise ConfigError(f"[{name}] must be a table of keys, got {name} = {table!r}")
-    return {k.replace("-", "_"): v for k, v in table.items()}
+    return {_field_name(k.replace("-", "_")): v for k, v in table.items()}
+
+
+def _field_name(key: str) -> str:
+    """A table key as its dataclass field: a Python keyword gets a trailing underscore (``async`` -> ``async_``)."""
+    return f"{key}_" if keyword.iskeyword(key) else key
 
 
 def _build(cls, table: dict, where: str):
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(table) - known)
     if unknown:
-        raise ConfigError(f"[{where}]: unknown keys {unknown}; known: {sorted(known)}")
+        shown = sorted(k[:-1] if keyword.iskeyword(k[:-1]) else k for k in known)  # async_ is written async
+        raise ConfigError(f"[{where}]: unknown keys {unknown}; known: {shown}")
     values = {k: tuple(v) if isinstance(v, list) else v for k, v in table.items()}
     try:
         return cls(**values)

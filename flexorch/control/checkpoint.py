@@ -43,8 +43,8 @@ from flexorch.config.model import RUN_KEYS
 from flexorch.control.checkpoint_store import PREFIX, CheckpointStore, StoredCheckpoint
 
 __all__ = [
+    "as_store",
     "CheckpointError",
-    "RunCheckpoints",
     "check_resume",
     "corpus_fingerprint",
     "is_sharded",
@@ -52,8 +52,12 @@ __all__ = [
     "load_checkpoint",
     "newest_good_checkpoint",
     "newest_good_directory",
+    "no_good_checkpoint",
+    "begin_checkpoint",
+    "complete_checkpoint",
     "prune",
     "save_checkpoint",
+    "write_model_state",
     "verify_files",
 ]
 
@@ -106,22 +110,42 @@ def save_checkpoint(
     """Write the checkpoint taken after ``step`` steps, then apply retention (:func:`prune`). ``worker_state``: the
     whole model state (replicas); or ``write_shards(location)``: the workers write their shards there (a local
     directory or an object-store URI). ``where``: a store, or a run directory (its ``checkpoints/``)."""
-    store = as_store(where)
-    ckpt = store.checkpoint(f"{PREFIX}{step:06d}")
-    store.prepare(ckpt.name)  # a partial save of this step (a crash) is deleted first
-    hashes: dict[str, str] = {}
-
-    def write(file: str, data: bytes) -> None:
-        store.write(ckpt.name, file, data)
-        hashes[file] = hashlib.sha256(data).hexdigest()
-
+    ckpt = begin_checkpoint(as_store(where), step)
+    hashes = {}
     if write_shards is not None:
         write_shards(ckpt.path)
     else:
-        write("model.pt", _tensor_bytes(worker_state["model"]))
-        train = {k: worker_state[k] for k in ("optimizer", "scheduler", "rng")}
-        write("train_state.pt", _tensor_bytes(train))
-    write(_DRIVER, json.dumps({**driver_state, "step": step}, indent=1, sort_keys=True).encode())
+        hashes = write_model_state(ckpt, worker_state)
+    return complete_checkpoint(ckpt, driver_state, hashes, keep, keep_every)
+
+
+def begin_checkpoint(store: CheckpointStore, step: int) -> StoredCheckpoint:
+    """The empty directory of the checkpoint after ``step`` steps (a partial save of that step is deleted first)."""
+    ckpt = store.checkpoint(f"{PREFIX}{step:06d}")
+    store.prepare(ckpt.name)
+    return ckpt
+
+
+def write_model_state(ckpt: StoredCheckpoint, worker_state: dict) -> dict[str, str]:
+    """Write a replicated run's ``model.pt`` and ``train_state.pt``; returns their SHA-256 by file name."""
+    hashes = {}
+    train = {k: worker_state[k] for k in ("optimizer", "scheduler", "rng")}
+    for file, obj in (("model.pt", worker_state["model"]), ("train_state.pt", train)):
+        data = _tensor_bytes(obj)
+        ckpt.store.write(ckpt.name, file, data)
+        hashes[file] = hashlib.sha256(data).hexdigest()
+    return hashes
+
+
+def complete_checkpoint(
+    ckpt: StoredCheckpoint, driver_state: dict, hashes: dict[str, str], keep: int, keep_every: int = 0
+) -> StoredCheckpoint:
+    """Once the model state is written: the driver's state, then the manifest (the checkpoint is complete from
+    here), a check that it verifies, then retention. ``hashes``: SHA-256 of files already hashed as written."""
+    store, hashes = ckpt.store, dict(hashes)
+    data = json.dumps({**driver_state, "step": ckpt.step}, indent=1, sort_keys=True).encode()
+    store.write(ckpt.name, _DRIVER, data)
+    hashes[_DRIVER] = hashlib.sha256(data).hexdigest()
     manifest = {}
     for file, size in sorted(store.files(ckpt.name).items()):
         if file == _MANIFEST:
@@ -136,7 +160,7 @@ def save_checkpoint(
     problem = _file_problem(ckpt)
     if problem is not None:
         raise CheckpointError(f"checkpoint {ckpt.path} did not verify after it was written: {problem[0]} {problem[1]}")
-    prune(store, keep, keep_every, writing=None)
+    prune(store, keep, keep_every)
     return ckpt
 
 
@@ -252,7 +276,7 @@ def prune(store: CheckpointStore, keep: int, keep_every: int = 0, writing: str |
     return sorted(c.name for c in gone)
 
 
-def _no_good_checkpoint(where: CheckpointStore | Path | str, skipped: list[str]) -> ConfigError:
+def no_good_checkpoint(where: CheckpointStore | Path | str, skipped: list[str]) -> ConfigError:
     root = as_store(where).uri
     if not skipped:
         return ConfigError(f"--resume: no checkpoint in {root}; run without --resume")
@@ -281,7 +305,7 @@ def check_resume(where: CheckpointStore | Path | str, model_config: dict) -> str
     (naming the differing keys)."""
     ckpt, skipped = newest_good_checkpoint(where)
     if ckpt is None:
-        raise _no_good_checkpoint(where, skipped)
+        raise no_good_checkpoint(where, skipped)
     try:
         state = json.loads(ckpt.store.read(ckpt.name, _DRIVER))
         saved = state["config"]["model"]
@@ -342,84 +366,3 @@ def corpus_fingerprint(corpus) -> dict:
     """What a checkpoint records of the corpus it was taken on (a resume on another corpus is refused)."""
     c = corpus
     return {"num_docs": c.num_docs, "tokens": c.total_tokens, "first": c.keys[0], "last": c.keys[-1]}
-
-
-MIRRORED = ("config.json", "profile.json", "steps.jsonl")
-"""The run's records copied to ``STORAGE/run/`` at each checkpoint when the storage is not under the run directory
-(a dashboard or a person can open the run from storage alone)."""
-
-
-class RunCheckpoints:
-    """The checkpoints one run writes and goes back to: it resumes from, or rolls back to, only its own newest
-    checkpoint (never an older run's in the same store). ``where``: the run's store, or its run directory (the
-    default store, ``RUN_DIR/checkpoints``); ``run_dir``: the records mirrored to a store elsewhere."""
-
-    def __init__(
-        self,
-        where: CheckpointStore | Path | str,
-        corpus,
-        keep: int,
-        sharded: bool = False,
-        keep_every: int = 0,
-        run_dir: Path | str | None = None,
-    ):
-        self.store = as_store(where)
-        self.corpus, self.keep, self.keep_every, self.sharded = corpus, keep, keep_every, sharded
-        self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.own: StoredCheckpoint | None = None
-        self.skipped: list[str] = []  # newer checkpoints the resume skipped, one message each (file and why)
-
-    def resume(self) -> tuple[dict, dict]:
-        """(worker state, driver state) of the store's newest checkpoint that verifies against its manifest, taken
-        on this corpus (else a :class:`~flexorch.config.ConfigError` saying why). Newer damaged or partial
-        checkpoints are skipped; :attr:`skipped` says which and why."""
-        ckpt, self.skipped = newest_good_checkpoint(self.store)
-        if ckpt is None:
-            raise _no_good_checkpoint(self.store, self.skipped)
-        state, dstate = load_checkpoint(ckpt)
-        if dstate["corpus"] != corpus_fingerprint(self.corpus):
-            raise ConfigError(
-                f"--resume: the checkpoint was taken on another corpus ({dstate['corpus']}); this run reads "
-                f"{corpus_fingerprint(self.corpus)}"
-            )
-        if ("sharded_dir" in state) != self.sharded:
-            was = "sharded (fsdp/hsdp)" if "sharded_dir" in state else "whole replicas (replicate)"
-            raise ConfigError(
-                f"--resume: the checkpoint {ckpt.path} holds {was} model state and this run's sharding.mode "
-                f"{'is sharded' if self.sharded else 'is replicate'}; resume with the sharding it was written with "
-                "(any world size works within the sharded modes)"
-            )
-        self.own = ckpt
-        return state, dstate
-
-    def save(self, step: int, worker_state: dict | None, driver_state: dict, write_shards=None) -> str:
-        """Write this run's checkpoint after ``step`` steps (``driver_state`` plus the corpus fingerprint); the
-        whole ``worker_state``, or shards the workers write with ``write_shards(location)``. Returns where it is."""
-        driver_state = {**driver_state, "corpus": corpus_fingerprint(self.corpus)}
-        self.own = save_checkpoint(
-            self.store,
-            step,
-            worker_state,
-            driver_state,
-            keep=self.keep,
-            write_shards=write_shards,
-            keep_every=self.keep_every,
-        )
-        self.mirror_records()
-        return self.own.path
-
-    def mirror_records(self) -> None:
-        """Copy the run's records (:data:`MIRRORED`) to ``STORAGE/run/`` when the store is not the run directory's."""
-        if self.run_dir is None or self.store == CheckpointStore.of_run(self.run_dir):
-            return
-        for name in MIRRORED:
-            f = self.run_dir / name
-            if f.is_file():
-                self.store.put_file(f, "run", name)
-
-    def hint(self) -> str:
-        """Where the last checkpoint is and how to go on from it (for errors that stop the run)."""
-        ckpt = latest_checkpoint(self.store)
-        if ckpt is None:
-            return "No checkpoint was written yet (set checkpoint_every to keep one)"
-        return f"The last checkpoint, {ckpt.path}, is intact: run again with --resume when capacity is back"

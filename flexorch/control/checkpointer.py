@@ -1,60 +1,146 @@
-"""The driver's checkpointer: writes the run's checkpoints and knows the step of the newest one on disk.
+"""The driver's checkpointer: writes the run's checkpoints and knows the step of the newest complete one.
 
 A checkpoint is written every ``checkpoint_every`` steps (``control.step_callbacks.CheckpointCallback``), at the
 run's end, when the driver's own node is drained, and after an error from the members that hold the last completed
-step (``control.emergency``). The store on disk, its names and what a resume reads are
-``control.checkpoint.RunCheckpoints``; this component decides nothing, it executes the driver's saves and keeps
-what the end of the run and the emergency save ask: which step the newest checkpoint holds, and where it is.
+step (``control.emergency``). The store, its names and what a resume reads are ``control.run_checkpoints``; this
+component decides nothing, it executes the driver's saves and keeps what the end of the run and the emergency save
+ask: which step the newest complete checkpoint holds, and where it is.
+
+With ``[checkpoint] async`` a periodic save returns once the state is staged in host memory: a replicated run's
+state on the driver (the copy from worker 0), a sharded run's shards on each worker's node
+(``workers.sharded_checkpoint.stage_sharded``). A thread of the driver then writes it (replicated), or waits for the
+workers' copies (sharded), and completes it: the driver's state and the manifest, retention (torchtitan's and
+Megatron-Core's async checkpointing stage and write the same way). At most one save is in flight: the next save, the
+run's end, a stop, an emergency save, a roll-back and a member leaving at a boundary wait for it first. A save that
+fails is reported (``checkpoint_failed``, with its cause), what it wrote is deleted, and the previous checkpoint stays
+the newest: :attr:`at` and :attr:`last` only ever name a complete checkpoint.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
-from flexorch.control.checkpoint import RunCheckpoints
+from flexorch.control.checkpoint import write_model_state
 from flexorch.control.emergency import save_after_error
 from flexorch.control.group import WorkerGroup
+from flexorch.control.run_checkpoints import RunCheckpoints
 
-__all__ = ["Checkpointer"]
+__all__ = ["UPLOAD_TIMEOUT_S", "Checkpointer"]
+
+UPLOAD_TIMEOUT_S = 3600.0
+"""How long an asynchronous save may take to reach its storage before it is abandoned as failed."""
 
 
 class Checkpointer:
     """Saves through ``checkpoints``; ``driver_state`` gives what the driver keeps beside the model (the stream's
     position, the skipped batches, the config); ``publish`` reports each save."""
 
-    def __init__(self, checkpoints: RunCheckpoints, driver_state: Callable[[], dict], publish: Callable[[dict], None]):
+    def __init__(
+        self,
+        checkpoints: RunCheckpoints,
+        driver_state: Callable[[], dict],
+        publish: Callable[[dict], None],
+        asynchronous: bool = False,
+    ):
         self.checkpoints = checkpoints
         self._driver_state = driver_state
         self._publish = publish
+        self.asynchronous = asynchronous
         self.at: int | None = None
-        """The step of the newest checkpoint this run has on disk (written or resumed from); None: none yet."""
+        """The step of the newest complete checkpoint this run has (written or resumed from); None: none yet."""
         self.last: str | None = None
         """Where that checkpoint is."""
+        self._flight: tuple | None = None
+        """The save in flight: (its step, the thread writing it, [its path or the error it failed with], the
+        checkpoint being written)."""
 
     def resumed(self, step: int) -> None:
         """The run resumed from its checkpoint of ``step``: that one is on disk already."""
         self.at, self.last = step, str(self.checkpoints.own.path)
 
-    def save(self, step: int, workers: WorkerGroup) -> str:
+    def save(self, step: int, workers: WorkerGroup, wait: bool = True) -> str | None:
         """Write the checkpoint after ``step`` steps (model state assembled from ``workers``, or every worker's own
-        shard when the model state is sharded); returns its path."""
+        shard when the model state is sharded); returns its path. With asynchronous saves and ``wait`` false it
+        returns None once the state is staged, and the write goes on in the background."""
+        self.wait()  # at most one save in flight
         driver_state = self._driver_state()
-        if workers.sharded:  # every worker writes its own shard
-            path = self.checkpoints.save(step, None, driver_state, write_shards=workers.save_sharded)
+        if not self.asynchronous:
+            if workers.sharded:  # every worker writes its own shard
+                path = self.checkpoints.save(step, None, driver_state, write_shards=workers.save_sharded)
+            else:
+                path = self.checkpoints.save(step, workers.get_state(0), driver_state)
+            return self._done(step, path)
+        ckpt = self.checkpoints.begin(step)
+        if workers.sharded:  # staged on every worker's node; each copies its own files
+            uploads = workers.stage_sharded(ckpt.path)
+            write = lambda: self.checkpoints.complete(ckpt, driver_state, check_uploads(uploads))  # noqa: E731
         else:
-            path = self.checkpoints.save(step, workers.get_state(0), driver_state)
+            state = workers.get_state(0)  # staged: the driver's copy of worker 0's state
+            write = lambda: self.checkpoints.complete(  # noqa: E731
+                ckpt, driver_state, write_model_state(ckpt, state)
+            )
+        out: list = []
+
+        def run() -> None:
+            try:
+                out.append(write())
+            except BaseException as e:  # noqa: BLE001 - reported by wait(), on the driver's thread
+                out.append(e)
+
+        thread = threading.Thread(target=run, name=f"flexorch-checkpoint-{step}", daemon=True)
+        thread.start()
+        self._flight = (step, thread, out, ckpt)
+        return self.wait() if wait else None
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the save being written in the background, or None."""
+        return None if self._flight is None else self._flight[0]
+
+    def wait(self, why: str | None = None) -> str | None:
+        """Wait for the save in flight (``why``: said on the console first, e.g. a stop); returns its path, or None
+        when there is none or it failed (reported, with its cause; the previous checkpoint stays the newest)."""
+        if self._flight is None:
+            return None
+        step, thread, out, ckpt = self._flight
+        if why is not None and thread.is_alive():
+            self._publish({"event": "checkpoint_wait", "step": step, "message": f"{why}: waiting for the checkpoint "
+                           f"of step {step} to finish writing to {ckpt.path}"})  # fmt: skip
+        thread.join()
+        self._flight = None
+        result = out[0] if out else RuntimeError("the checkpoint's writer ended without a result")
+        if isinstance(result, BaseException):
+            try:
+                self.checkpoints.abandon(ckpt)
+            except Exception:  # noqa: BLE001 - a partial checkpoint is never loaded; the next save deletes it
+                pass
+            self._publish({"event": "checkpoint_failed", "step": step, "path": ckpt.path,
+                           "error": f"{type(result).__name__}: {result}", "newest": self.last})  # fmt: skip
+            return None
+        return self._done(step, result)
+
+    def poll(self) -> None:
+        """Complete the save in flight if it is done (between steps; never waits)."""
+        if self._flight is not None and not self._flight[1].is_alive():
+            self.wait()
+
+    def _done(self, step: int, path: str) -> str:
         self.at, self.last = step, path
         self._publish({"event": "checkpoint", "step": step, "path": path})
         return path
 
     def at_end(self, step: int, workers: WorkerGroup) -> str:
-        """The checkpoint of the run's end after ``step`` steps: a periodic one of that step is kept."""
+        """The checkpoint of the run's end after ``step`` steps: a periodic one of that step is kept (one still in
+        flight is waited for)."""
+        self.wait("the run ends")
         return self.last if self.at == step else self.save(step, workers)
 
     def keep_work(self, e: Exception, step: int, workers: WorkerGroup | None, resume: str) -> Exception:
         """The run stops on ``e`` after ``step`` steps: write a checkpoint of the state after the last completed step
         from the members that hold it (``control.emergency``); the error to raise says where it is, or why there is
         none. ``resume``: the command to go on with."""
+        self.wait("the run stops on an error")  # a save in flight completes (or fails) before anything else
         hint = self.checkpoints.hint()  # what the error says about checkpoints (ElasticError appends it)
         path, note = save_after_error(
             workers,
@@ -72,3 +158,10 @@ class Checkpointer:
             return type(e)(text)
         except Exception:  # noqa: BLE001 - an exception class that takes other arguments
             return RuntimeError(text)
+
+
+def check_uploads(wait: Callable[[float], dict[int, dict[str, int]]]) -> None:
+    """Wait for every worker's copy of its staged shard (``WorkerGroup.stage_sharded``); raises the first failure."""
+    got = wait(UPLOAD_TIMEOUT_S)
+    if not any(got.values()):
+        raise RuntimeError("no worker wrote a file of the checkpoint")

@@ -115,7 +115,7 @@ class TrainingDriver:
             planner_factory=planner or RayPlannerClient,
             revisions=self.revisions,
             fallbacks=self._fallbacks,
-            save=self.checkpoint,
+            save=lambda: self.checkpointer.save(self.step_no, self.workers, wait=False),  # async: the steps go on
             started=lambda: self.step_started,
         )  # what setup() builds the run's parts with
 
@@ -137,7 +137,9 @@ class TrainingDriver:
         self.records, self.metrics, self.trackers = parts.records, parts.metrics, parts.trackers
         self.callbacks, self.checkpoints = parts.callbacks, parts.checkpoints
         if parts.checkpoints is not None:
-            self.checkpointer = Checkpointer(parts.checkpoints, self._driver_state, self._publish)
+            self.checkpointer = Checkpointer(
+                parts.checkpoints, self._driver_state, self._publish, asynchronous=parts.cfg.checkpoint.async_
+            )
         if parts.resumed_from is not None:
             self.step_no = self.resumed_from = parts.resumed_from
             self.skipped_batches = parts.skipped_batches
@@ -212,6 +214,9 @@ class TrainingDriver:
     def _at_boundary(self) -> list[dict]:
         """Between steps: a checkpoint when this driver's node is drained, workers on draining nodes leave, ready
         joiners are admitted, and the autoscaler is asked for what the world lacks. The records of what changed."""
+        self.checkpointer.poll()  # a save written in the background and done: complete, reported
+        if self.elastic.driver_drained() or self.elastic.may_leave(self.cfg.elastic):  # copies in flight finish
+            self.checkpointer.wait("the driver's node or members' nodes may go at this step boundary")
         if self.elastic.driver_drained() and self.checkpointer.at != self.step_no:
             self.checkpoint()  # this node is going: its replacement driver starts from here, nothing re-run
         drained = self.elastic.leave_drained(self.step_no - 1, self._plan_next_for)  # draining nodes' workers first
@@ -332,6 +337,7 @@ class TrainingDriver:
         the workers alive and continue from its step; the steps after it are trained again on the same batches, and
         their records are rewritten (the roll-back is recorded with the next step). Without a checkpoint the run
         stops with what to do. ``taken``: membership changes made before the loss showed, during this transition."""
+        self.checkpointer.wait("a roll-back to the last checkpoint")  # a save in flight completes or fails first
         ckpt = self.checkpoints.own  # the newest checkpoint this run wrote or resumed from (never an older run's)
         if ckpt is None:
             raise ElasticError(
@@ -390,7 +396,7 @@ class TrainingDriver:
         self.end.request_stop(reason, self.step_no)
 
     def checkpoint(self) -> str:
-        """Write this run's checkpoint after :attr:`step_no` steps (model state assembled from the workers)."""
+        """This run's checkpoint after :attr:`step_no` steps, complete; its path (None: an async write failed)."""
         return self.checkpointer.save(self.step_no, self.workers)
 
     def run(self) -> dict:
@@ -425,9 +431,11 @@ class TrainingDriver:
         return self.workers.call("parameters_digest")
 
     def shutdown(self) -> None:
-        """Stop the workers and the planner. Called while :meth:`run` is still going (a second Ctrl-C, the CLI
-        failing), the loop is told to stop and whatever then fails in it is not reported as the run's error."""
+        """Stop the workers and the planner (after a save in flight). Called while :meth:`run` is still going (a
+        second Ctrl-C, the CLI failing), the loop is told to stop and what then fails in it is not the run's error."""
         self.end.shutdown_came()
+        if self.checkpointer is not None:  # a save in flight completes (or fails) while the workers still live
+            self.checkpointer.wait("shutting down")
         self.revisions.close()
         for part in (self.elastic, self._capacity, self.trackers):  # the drain watch's thread, the autoscaler's ask
             if part is not None:

@@ -127,6 +127,13 @@ class Elastic:
         self._driver_drain_taken = True
         return True
 
+    def may_leave(self, settings: ElasticSettings) -> bool:
+        """Whether members may leave at this step boundary: a member's node is draining, or slow members may be
+        retired (``settings.retire_below_speed``). A checkpoint still being copied by the members is waited for
+        first (``control.checkpointer``)."""
+        nodes = set(self.workers.nodes_of().values())
+        return settings.retire_below_speed > 0 or any(self.drains.draining(n) for n in nodes)
+
     def leave_drained(self, after_step: int, plan_for=None) -> list[dict]:
         """At a step boundary (``after_step`` the last step trained): members on draining nodes leave, one node at
         a time, soonest deadline first, as the policy decides. ``plan_for(n)`` is called once a leave is decided,

@@ -10,7 +10,7 @@ worker_group=...)``). A call that fails because workers died, hung or saw the wo
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from flexorch.control.failures import Failure
@@ -135,6 +135,12 @@ class WorkerGroup(ABC):
     @abstractmethod
     def save_sharded(self, directory: str) -> None:
         """Every member writes its shard of the model state into ``directory`` (:attr:`sharded` state only)."""
+
+    @abstractmethod
+    def stage_sharded(self, directory: str) -> Callable[[float], dict[int, dict[str, int]]]:
+        """An asynchronous :meth:`save_sharded`: every member stages its shard in host memory (waited for here) and
+        copies it to ``directory`` in the background; returns ``wait(timeout_s)``, which returns {worker id: its
+        files and sizes} once every copy is done or raises why one failed, and may be called from another thread."""
 
     @abstractmethod
     def call(self, method: str, *args) -> list:

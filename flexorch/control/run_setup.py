@@ -21,7 +21,6 @@ import ray
 from flexorch.config import ConfigError, TrainConfig
 from flexorch.config.sharding import uneven_world_note
 from flexorch.control.calibration import model_state_fields, run_profile
-from flexorch.control.checkpoint import RunCheckpoints
 from flexorch.control.checkpoint_store import CheckpointStore
 from flexorch.control.elastic import Elastic
 from flexorch.control.failures import MembershipFailure
@@ -32,6 +31,7 @@ from flexorch.control.memory_budget import resolve_device_budget
 from flexorch.control.planner_client import PlannerFactory, PlannerSpec
 from flexorch.control.profile_revisions import ProfileRevisions
 from flexorch.control.recompute_choice import with_recompute_ratios
+from flexorch.control.run_checkpoints import RunCheckpoints
 from flexorch.control.speed_watch import SpeedWatch
 from flexorch.control.step_callbacks import StepCallback, step_callbacks
 from flexorch.control.step_plans import StepPlans

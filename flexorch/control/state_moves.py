@@ -10,6 +10,7 @@ member holds (``flexorch.work.placement``), which the group updates as members c
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import ray
 
@@ -148,6 +149,22 @@ class StateMoves:
         self.call_all(
             {w: self._actors[w].save_sharded.remote(directory) for w in self.worker_ids}, "save", self.timeout_s
         )
+
+    def stage_sharded(self, directory: str) -> Callable[[float], dict[int, dict[str, int]]]:
+        """Every member stages its shard in host memory (a collective, waited for here) and copies it to ``directory``
+        in the background. Returns ``wait(timeout_s)``: {worker id: its files and their sizes} once every copy is
+        done, else the error of the first that failed (a member lost meanwhile fails it). ``wait`` holds this
+        world's actors, so it can be called from another thread while the group changes."""
+        self.call_all(
+            {w: self._actors[w].stage_sharded.remote(directory) for w in self.worker_ids}, "stage", self.timeout_s
+        )
+        actors = {w: self._actors[w] for w in self.worker_ids}
+
+        def wait(timeout_s: float) -> dict[int, dict[str, int]]:
+            refs = {w: a.finish_upload.remote(timeout_s) for w, a in actors.items()}
+            return {w: ray.get(r, timeout=timeout_s + 30) for w, r in refs.items()}
+
+        return wait
 
     def set_state(self, state: dict) -> None:
         if "sharded_dir" in state:  # a sharded checkpoint: each member reads its own rows, on any world size

@@ -386,5 +386,8 @@ class RayWorkerGroup(WorkerGroup):
     def save_sharded(self, directory: str) -> None:
         self._moves.save_sharded(directory)
 
+    def stage_sharded(self, directory: str):
+        return self._moves.stage_sharded(directory)
+
     def state_versions(self, timeout_s: float) -> dict[int, int]:
         return self._moves.state_versions(timeout_s)

@@ -352,6 +352,16 @@ class Worker:
         """:meth:`~flexorch.workers.sharded_state.ShardedState.save_sharded`."""
         self.state.save_sharded(directory)
 
+    def stage_sharded(self, directory: str) -> None:
+        """:meth:`~flexorch.workers.sharded_state.ShardedState.stage_sharded`."""
+        self.state.stage_sharded(directory)
+
+    @ray.method(concurrency_group="io")
+    def finish_upload(self, timeout_s: float | None = None) -> dict[str, int]:
+        """:meth:`~flexorch.workers.sharded_state.ShardedState.finish_upload`: on a thread of its own, so the driver
+        waits for a checkpoint's copy while this worker trains the next steps."""
+        return self.state.finish_upload(timeout_s)
+
     def load_sharded(self, directory: str) -> int:
         """:meth:`~flexorch.workers.sharded_state.ShardedState.load_sharded`."""
         return self.state.load_sharded(directory)
@@ -387,7 +397,7 @@ def _wants_gpu(use_gpu: bool | None) -> bool:
     return torch.cuda.is_available()
 
 
-_ACTOR = ray.remote(concurrency_groups={"control": 1})(Worker)
+_ACTOR = ray.remote(concurrency_groups={"control": 1, "io": 1})(Worker)
 
 
 def worker_actor(sharding: dict | None):

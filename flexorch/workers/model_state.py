@@ -5,8 +5,8 @@ moved whole through the object store) and ``workers.sharded_state.ShardedState``
 world forms). The worker actor (``workers.actor.Worker``) holds one, chosen by the run's ``[sharding] mode``, and
 never branches on the mode itself. Each kind also moves its state its own way (replicated: :meth:`get_state`,
 :meth:`set_state`, :meth:`export_parts`, :meth:`import_parts`; sharded: :meth:`take_handoff`, :meth:`save_sharded`,
-:meth:`load_sharded`); the control plane calls those by the run's mode (``control.state_moves``), and the other kind
-refuses them.
+:meth:`load_sharded`, :meth:`stage_sharded`, :meth:`finish_upload`); the control plane calls those by the run's mode
+(``control.state_moves``), and the other kind refuses them.
 """
 
 from __future__ import annotations
@@ -129,6 +129,14 @@ class ModelState(abc.ABC):
     def save_sharded(self, directory: str) -> None:
         """Sharded state only (``ShardedState.save_sharded``)."""
         raise self._refused("save_sharded")
+
+    def stage_sharded(self, directory: str) -> None:
+        """Sharded state only (``ShardedState.stage_sharded``)."""
+        raise self._refused("stage_sharded")
+
+    def finish_upload(self, timeout_s: float | None = None) -> dict[str, int]:
+        """Sharded state only (``ShardedState.finish_upload``)."""
+        raise self._refused("finish_upload")
 
     def load_sharded(self, directory: str) -> int:
         """Sharded state only (``ShardedState.load_sharded``)."""

@@ -15,6 +15,10 @@ its own state and the manifest last (``flexorch.control.checkpoint``).
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
+import threading
 
 import torch
 import torch.distributed as dist
@@ -23,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from flexorch.data.store.remote import filesystem, is_remote
 
-__all__ = ["TRAIN_STATE", "load_sharded", "save_sharded"]
+__all__ = ["TRAIN_STATE", "Upload", "load_sharded", "save_sharded", "stage_sharded"]
 
 TRAIN_STATE = "train_state.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -42,6 +46,84 @@ def save_sharded(directory: str, model, optimizer, scheduler, version: int) -> N
         with fs.open_output_stream(f"{path}/{TRAIN_STATE}") as f:
             f.write(json.dumps(state, default=_plain).encode())
     dist.barrier()
+
+
+class Upload:
+    """A rank's staged checkpoint files being copied to the checkpoint's directory by a background thread."""
+
+    def __init__(self, staged: str, directory: str):
+        self.staged, self.directory = staged, directory
+        self.error: BaseException | None = None
+        self.files: dict[str, int] = {}
+        self._thread = threading.Thread(target=self._run, name="flexorch-checkpoint-upload", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import pyarrow.fs as pafs
+
+        try:
+            self.files = {f: os.path.getsize(os.path.join(self.staged, f)) for f in os.listdir(self.staged)}
+            fs, path = filesystem(self.directory)
+            if not is_remote(self.directory):
+                fs.create_dir(path, recursive=True)
+            for f in self.files:  # one rank's file(s): its shard, and rank 0's .metadata and train_state.json
+                pafs.copy_files(os.path.join(self.staged, f), f"{path}/{f}",
+                                source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)  # fmt: skip
+        except BaseException as e:  # noqa: BLE001 - reported to the driver by wait()
+            self.error = e
+        finally:
+            shutil.rmtree(self.staged, ignore_errors=True)
+
+    def wait(self, timeout_s: float | None = None) -> dict[str, int]:
+        """The files this rank wrote and their sizes, once the copy is done; raises what made it fail (with the
+        checkpoint's directory named)."""
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"the upload of {self.staged} to {self.directory} is still running after {timeout_s} s")
+        if self.error is not None:
+            raise RuntimeError(
+                f"writing this worker's shard to {self.directory} failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
+        return self.files
+
+
+def _staging_dir(nbytes: int) -> str:
+    """A fresh directory for a rank's staged files: in host memory (``/dev/shm``) when it has room for twice the
+    state, else the temporary directory's disk (``FLEXORCH_STAGING_DIR`` overrides both)."""
+    root = os.environ.get("FLEXORCH_STAGING_DIR")
+    if root is None and os.path.isdir("/dev/shm"):
+        st = os.statvfs("/dev/shm")
+        if st.f_bavail * st.f_frsize > 2 * nbytes:
+            root = "/dev/shm"
+    return tempfile.mkdtemp(prefix="flexorch-ckpt-", dir=root)
+
+
+def _state_bytes(*dicts) -> int:
+    total = 0
+    for d in dicts:
+        for v in d.values():
+            if isinstance(v, torch.Tensor):
+                local = getattr(v, "_local_tensor", v)  # a DTensor: this rank's rows
+                total += local.numel() * local.element_size()
+            elif isinstance(v, dict):
+                total += _state_bytes(v)
+    return total
+
+
+def stage_sharded(directory: str, model, optimizer, scheduler, version: int) -> Upload:
+    """An asynchronous :func:`save_sharded`: every rank (a collective) writes its shard to a staging directory of its
+    node's host memory, as DCP writes it anywhere, and returns at once; a background thread then copies this rank's
+    files to ``directory`` (:class:`Upload`). The collectives all run here, in the foreground: the background copy
+    uses no process group, so it can neither block nor be blocked by the training steps that run meanwhile. The
+    files are the bytes a direct :func:`save_sharded` writes."""
+    msd, osd = get_state_dict(model, optimizer, options=_OPTIONS) if optimizer is not None else ({}, {})
+    staged = _staging_dir(_state_bytes(msd, osd))
+    try:
+        save_sharded(staged, model, optimizer, scheduler, version)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return Upload(staged, directory)
 
 
 def load_sharded(directory: str, model, optimizer, scheduler) -> int:

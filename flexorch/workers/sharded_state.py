@@ -32,6 +32,8 @@ class ShardedState(ModelState):
         self._handed: list = []
         """Holdings handed to this worker by workers that left (:meth:`take_handoff`), until a re-shard takes them."""
         self._positions: dict = {}
+        self._upload = None
+        """The copy of the last staged checkpoint shard to its storage while it runs (:meth:`stage_sharded`)."""
 
     def holding(self):
         return self._holding()
@@ -158,6 +160,22 @@ class ShardedState(ModelState):
         from flexorch.workers.sharded_checkpoint import save_sharded
 
         self._guard(save_sharded, directory, self.model, self.optimizer, self.scheduler, self.version)
+
+    def stage_sharded(self, directory: str) -> None:
+        """Stage this worker's shard in host memory (a collective, as :meth:`save_sharded`) and copy it to
+        ``directory`` in the background (``sharded_checkpoint.stage_sharded``); :meth:`finish_upload` waits for it.
+        A copy still running from the save before is waited for first (at most one in flight)."""
+        from flexorch.workers.sharded_checkpoint import stage_sharded
+
+        if self._upload is not None:
+            self.finish_upload()
+        self._upload = self._guard(stage_sharded, directory, self.model, self.optimizer, self.scheduler, self.version)
+
+    def finish_upload(self, timeout_s: float | None = None) -> dict[str, int]:
+        """The files this worker's staged shard was copied to and their sizes, once the copy is done; raises why
+        it failed. Nothing in flight: ``{}``."""
+        upload, self._upload = self._upload, None
+        return {} if upload is None else upload.wait(timeout_s)
 
     def load_sharded(self, directory: str) -> int:
         """Load a sharded checkpoint written on any number of workers (a collective: each worker reads the rows

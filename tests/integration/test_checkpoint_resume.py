@@ -16,7 +16,6 @@ import torch
 
 from flexorch.config import ConfigError, ModelConfig
 from flexorch.control.checkpoint import (
-    RunCheckpoints,
     check_resume,
     corpus_fingerprint,
     latest_checkpoint,
@@ -25,6 +24,7 @@ from flexorch.control.checkpoint import (
     newest_good_directory,
     save_checkpoint,
 )
+from flexorch.control.run_checkpoints import RunCheckpoints
 
 CORPUS = SimpleNamespace(num_docs=3, lengths=np.array([4, 5, 6]), total_tokens=15, keys=["a", "b", "c"])
 

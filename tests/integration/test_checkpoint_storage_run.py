@@ -5,6 +5,7 @@ fsdp worker wrote its shard straight to S3); ``flexorch export`` reads a checkpo
 
 from __future__ import annotations
 
+import pickle
 import shutil
 from pathlib import Path
 
@@ -53,9 +54,9 @@ def env(tmp_path_factory):
             ray.shutdown()
 
 
-def _cfg(env, name: str, mode: str, **kw):
+def _cfg(env, name: str, mode: str, asynchronous: bool = False, **kw):
     root, corpus_dir, profile, _, s3 = env
-    storage = CheckpointSettings(storage=f"{s3.root}/{mode}")
+    storage = CheckpointSettings(storage=f"{s3.root}/{name}", async_=asynchronous)
     return train_config(
         corpus_dir, root / name, profile, workers=2, plan={"tokens_per_worker": 128}, checkpoint=storage,
         sharding=ShardingSettings(mode=mode), **kw,
@@ -65,7 +66,7 @@ def _cfg(env, name: str, mode: str, **kw):
 @pytest.mark.parametrize("mode", ["replicate", "fsdp"])
 def test_a_run_resumes_from_object_storage_alone_in_a_new_run_dir(env, mode):
     root, _, _, corpus, _ = env
-    first = _cfg(env, f"{mode}-first", mode, steps=2, checkpoint_every=1)
+    first = _cfg(env, f"{mode}-first", mode, asynchronous=True, steps=2, checkpoint_every=1)  # written in the back
     head, _ = run_driver(first, corpus)  # stepped without run(): the periodic checkpoint after step 1 only
     head = head[:1]
     store = CheckpointStore(first.checkpoint.storage)
@@ -77,6 +78,7 @@ def test_a_run_resumes_from_object_storage_alone_in_a_new_run_dir(env, mode):
     shutil.rmtree(first.run_dir)  # nothing of the run is left on this machine
 
     more = first.replace(run_dir=str(root / f"{mode}-elsewhere"), steps=3, resume=True)
+    more = more.replace(checkpoint=CheckpointSettings(storage=first.checkpoint.storage))  # synchronous saves
     tail, replicas = run_driver(more, corpus)
     assert [r["step"] for r in tail] == [1, 2]
     check_against_reference(more, corpus, head + tail, replicas)
@@ -94,3 +96,41 @@ def test_a_run_resumes_from_object_storage_alone_in_a_new_run_dir(env, mode):
     for name, value in exported.items():
         np.testing.assert_allclose(value.numpy(), ref[name], rtol=1e-4, atol=2e-5, err_msg=name)
     assert not Path(first.run_dir).exists()
+
+
+def test_an_async_sharded_save_writes_the_bytes_a_synchronous_one_writes(env):
+    """Each fsdp worker staged its shard in host memory and copied it to S3 in the background: the same shards, byte
+    for byte, as the synchronous save of the same state straight to S3, and the same DCP metadata (where every
+    parameter's rows are) but for the save's own id and path."""
+    from flexorch.control.checkpointer import Checkpointer
+    from flexorch.control.driver import TrainingDriver
+    from flexorch.control.run_checkpoints import RunCheckpoints
+
+    _, _, _, corpus, s3 = env
+    cfg = _cfg(env, "fsdp-bytes", "fsdp", asynchronous=True, steps=2)
+    driver = TrainingDriver(cfg, corpus=corpus)
+    try:
+        driver.setup()
+        driver.step()
+        assert driver.checkpointer.save(1, driver.workers, wait=False) is None
+        assert driver.checkpointer.in_flight == 1
+        a = _contents(driver.checkpointer.wait())
+        sync_run = RunCheckpoints(CheckpointStore(f"{s3.root}/fsdp-bytes-sync"), corpus, keep=2)
+        sync = Checkpointer(sync_run, driver._driver_state, lambda e: None, asynchronous=False)
+        b = _contents(sync.save(1, driver.workers))
+    finally:
+        driver.shutdown()
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "manifest.json"} <= set(a)
+    assert a.keys() == b.keys()
+    for f in set(a) - {".metadata", "manifest.json"}:  # the manifest holds .metadata's size
+        assert a[f] == b[f], f
+    ma, mb = pickle.loads(a[".metadata"]), pickle.loads(b[".metadata"])
+    assert ma.state_dict_metadata == mb.state_dict_metadata and ma.storage_data == mb.storage_data
+    assert ma.storage_meta.save_id != mb.storage_meta.save_id  # DCP's id of each save: why the bytes differ there
+
+
+def _contents(path: str) -> dict[str, bytes]:
+    """Every file of the checkpoint at ``path`` (a URI) and its bytes."""
+    parent, name = path.rsplit("/", 1)
+    store = CheckpointStore(parent)
+    return {f: store.read(name, f) for f in store.files(name)}

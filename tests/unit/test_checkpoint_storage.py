@@ -14,7 +14,6 @@ import torch
 
 from flexorch.config import ConfigError, ModelConfig, load_train_config
 from flexorch.control.checkpoint import (
-    RunCheckpoints,
     check_resume,
     corpus_fingerprint,
     latest_checkpoint,
@@ -24,6 +23,7 @@ from flexorch.control.checkpoint import (
     save_checkpoint,
 )
 from flexorch.control.checkpoint_store import CheckpointStore, StoreError
+from flexorch.control.run_checkpoints import RunCheckpoints
 from tests.s3_server import s3_server
 
 CORPUS = SimpleNamespace(num_docs=3, lengths=np.array([4, 5, 6]), total_tokens=15, keys=["a", "b", "c"])
