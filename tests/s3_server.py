@@ -12,20 +12,20 @@ import pytest
 __all__ = ["free_port", "s3_server"]
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
 @contextlib.contextmanager
-def s3_server(bucket: str = "flexorch-test"):
-    """A moto S3 server with ``bucket``; inside the block the process's AWS settings point at it (and only there).
-    Yields ``endpoint``, ``root`` (``s3://bucket``) and ``env``: the variables a Ray job's ``runtime_env`` passes on
-    so its workers reach the server too."""
+def s3_server(bucket: str = "flexorch-test", host: str = "127.0.0.1"):
+    """A moto S3 server on ``host`` (loopback, or the bridge of emulated hosts) with ``bucket``; inside the block the
+    process's AWS settings point at it (and only there). Yields ``endpoint``, ``root`` (``s3://bucket``) and ``env``:
+    the variables a Ray job's ``runtime_env`` passes on so its workers reach the server too."""
     server_mod = pytest.importorskip("moto.server")
     boto3 = pytest.importorskip("boto3")
-    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server = server_mod.ThreadedMotoServer(ip_address=host, port=free_port(host), verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     endpoint = f"http://{host}:{port}"

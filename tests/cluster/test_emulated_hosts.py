@@ -185,6 +185,70 @@ def test_a_host_lost_mid_run_shrinks_the_world_to_the_other_host_and_trains_on(e
     check_against_reference(cfg, corpus, records, replicas)
 
 
+def test_a_sharded_run_on_s3_resumes_on_the_other_host_when_the_first_and_the_run_dir_are_gone(
+    emulated_hosts, tmp_path
+):
+    """fsdp on both hosts with its checkpoints on S3 (a server on the bridge, where the hosts reach it; asynchronous
+    saves): every worker copies its own shard from its own host. Then host 0 is gone (every process on it killed, as
+    a preempted node) and so is the run directory (the disk of the node the run was launched from); the run,
+    resubmitted with a new run directory and nothing local, resumes from S3 alone on host 1's 2 workers, exactly."""
+    import shutil
+
+    import ray
+
+    from flexorch.config import ShardingSettings
+    from flexorch.config.checkpoint import CheckpointSettings
+    from flexorch.control.checkpoint_store import CheckpointStore
+    from flexorch.control.driver import TrainingDriver
+    from tests.s3_server import s3_server
+    from tests.train_helpers import check_against_reference, cpu_profile, next_record, train_config, write_corpus
+
+    hosts = emulated_hosts
+    hosts.use_env({})
+    if ray.is_initialized():
+        ray.shutdown()
+    driver = None
+    try:
+        with s3_server(host=hosts.bridge_ip) as s3:
+            ray.init(address=hosts.head_address, logging_level="ERROR", log_to_driver=False,
+                     runtime_env={"env_vars": s3.env})  # fmt: skip
+            corpus_dir = write_corpus(tmp_path / "corpus")
+            corpus = load_corpus(CorpusConfig(source=str(corpus_dir), max_context=256))
+            storage = CheckpointSettings(storage=f"{s3.root}/run", async_=True)
+            cfg = train_config(corpus_dir, tmp_path / "run", cpu_profile(tmp_path / "profile.json"), steps=3,
+                               checkpoint_every=1, checkpoint=storage, sharding=ShardingSettings(mode="fsdp"),
+                               plan={"tokens_per_worker": 128})  # fmt: skip
+            driver = TrainingDriver(cfg, corpus=corpus)
+            driver.setup()
+            records = [next_record(driver), next_record(driver)]
+            assert sorted(set(records[1]["nodes"])) == sorted(hosts.host_ips)
+            driver.shutdown()  # after the save of step 2 completes
+            driver = None
+            files = CheckpointStore(storage.storage).files("checkpoint_000002")
+            assert {f"__{r}_0.distcp" for r in range(4)} | {".metadata", "manifest.json"} <= set(files)
+            ray.shutdown()
+            hosts.stop_host(0)
+            hosts.wait_for_nodes()  # host 0's node declared dead (~3 s): only host 1 is left to start workers on
+            shutil.rmtree(cfg.run_dir)
+
+            more = cfg.replace(run_dir=str(tmp_path / "elsewhere"), workers=2, resume=True)
+            ray.init(address=hosts.head_address, logging_level="ERROR", log_to_driver=False,
+                     runtime_env={"env_vars": s3.env})  # fmt: skip
+            driver = TrainingDriver(more, corpus=corpus)
+            driver.setup()
+            assert driver.resumed_from == 2
+            records.append(next_record(driver))
+            assert records[2]["step"] == 2 and records[2]["nodes"] == [hosts.host_ips[1]] * 2
+            replicas = driver.replica_parameters()
+    finally:
+        if driver is not None:
+            driver.shutdown()
+        ray.shutdown()
+        hosts.stop_host(0)
+        hosts.start_host(0)
+    check_against_reference(more, corpus, records, replicas)
+
+
 def test_collectives_bound_to_loopback_fail_in_seconds_naming_the_addresses(emulated_hosts, tmp_path):
     hosts = emulated_hosts
     hosts.use_env({"GLOO_SOCKET_IFNAME": "lo"})  # the user's own setting: it wins over the product's choice
