@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import importlib.util
 import inspect
+import keyword
 import os
 import re
 import textwrap
@@ -108,7 +109,8 @@ def _fields_block(cls, skip=(), missing_doc: str = "") -> list[str]:
         if f.name in skip:
             continue
         annotation, doc = sources.get(f.name, (str(f.type), ""))
-        lines += [f"**`{f.name}`** · `{annotation}` · default: {_default(f)}", ""]
+        key = f.name[:-1] if keyword.iskeyword(f.name[:-1]) else f.name  # the field async_ is the key async
+        lines += [f"**`{key}`** · `{annotation}` · default: {_default(f)}", ""]
         text = _markdown(doc) if doc else missing_doc
         if text:
             lines += [text, ""]

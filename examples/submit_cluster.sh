@@ -14,6 +14,9 @@ export RAY_AUTH_MODE="${RAY_AUTH_MODE:-token}"
 # every node, or add: --runtime-env-json '{"pip": ["torch==2.13.0", "mip==2.0"]}')
 # `ray job stop` sends SIGTERM: flexorch finishes the step in flight, writes a checkpoint and exits 0; Ray SIGKILLs
 # the job RAY_JOB_STOP_WAIT_TIME_S after the SIGTERM (3 s by default), so give it the time a step and a checkpoint take
+# [checkpoint] storage in the run file is an S3 prefix: the driver and every worker write there, with the credentials
+# of the nodes' environment, or the job's: add "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY" (and "AWS_DEFAULT_REGION",
+# "AWS_ENDPOINT_URL" for an S3-compatible server) to env_vars below, or set them on every node
 ray job submit --address "$ADDRESS" --working-dir . \
     --runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}' -- \
     python -m flexorch.cli.main train --config examples/train_cluster.toml "${@:2}"

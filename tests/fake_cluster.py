@@ -422,6 +422,9 @@ class FakeWorkerGroup(WorkerGroup):
     def stage_sharded(self, directory: str):
         raise WorkerGroupError("the fake group holds no sharded model state")
 
+    def write_whole(self, directory: str, background: bool):
+        return None  # the fake workers' state is in this process: the driver writes it (get_state)
+
     def call(self, method: str, *args) -> list:
         return [getattr(self.workers[w], method)(*args) for w in self.worker_ids]
 

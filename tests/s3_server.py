@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import socket
 from types import SimpleNamespace
@@ -23,6 +24,7 @@ def s3_server(bucket: str = "flexorch-test", host: str = "127.0.0.1"):
     """A moto S3 server on ``host`` (loopback, or the bridge of emulated hosts) with ``bucket``; inside the block the
     process's AWS settings point at it (and only there). Yields ``endpoint``, ``root`` (``s3://bucket``) and ``env``:
     the variables a Ray job's ``runtime_env`` passes on so its workers reach the server too."""
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # not a line per request
     server_mod = pytest.importorskip("moto.server")
     boto3 = pytest.importorskip("boto3")
     server = server_mod.ThreadedMotoServer(ip_address=host, port=free_port(host), verbose=False)

@@ -6,10 +6,13 @@ step (``control.emergency``). The store, its names and what a resume reads are `
 component decides nothing, it executes the driver's saves and keeps what the end of the run and the emergency save
 ask: which step the newest complete checkpoint holds, and where it is.
 
-With ``[checkpoint] async`` a periodic save returns once the state is staged in host memory: a replicated run's
-state on the driver (the copy from worker 0), a sharded run's shards on each worker's node
-(``workers.sharded_checkpoint.stage_sharded``). A thread of the driver then writes it (replicated), or waits for the
-workers' copies (sharded), and completes it: the driver's state and the manifest, retention (torchtitan's and
+The workers write the model state themselves, straight to the storage: a replicated run's worker that holds the
+whole model writes ``model.pt`` and ``train_state.pt`` (the driver assembles the state only when no worker holds it
+all: stage-local pipeline parameters), a sharded run's workers each their shard. With ``[checkpoint] async`` a
+periodic save returns once the state is staged in host memory: a copy of the replicated state on its worker, a
+sharded run's shards on each worker's node (``workers.sharded_checkpoint.stage_sharded``), written from a thread of
+each worker while it trains on. A thread of the driver waits for them and completes the checkpoint: the driver's
+state and the manifest, retention (torchtitan's and
 Megatron-Core's async checkpointing stage and write the same way). At most one save is in flight: the next save, the
 run's end, a stop, an emergency save, a roll-back and a member leaving at a boundary wait for it first. A save that
 fails is reported (``checkpoint_failed``, with its cause), what it wrote is deleted, and the previous checkpoint stays
@@ -60,31 +63,36 @@ class Checkpointer:
         self.at, self.last = step, str(self.checkpoints.own.path)
 
     def save(self, step: int, workers: WorkerGroup, wait: bool = True) -> str | None:
-        """Write the checkpoint after ``step`` steps (model state assembled from ``workers``, or every worker's own
-        shard when the model state is sharded); returns its path. With asynchronous saves and ``wait`` false it
-        returns None once the state is staged, and the write goes on in the background."""
+        """Write the checkpoint after ``step`` steps: every worker's own shard when the model state is sharded, else
+        the whole model written by a worker that holds it (or assembled on the driver from the holders of its
+        parts); returns its path. With asynchronous saves and ``wait`` false it returns None once the state is
+        staged, and the write goes on in the background."""
         self.wait()  # at most one save in flight
         driver_state = self._driver_state()
-        if not self.asynchronous:
-            if workers.sharded:  # every worker writes its own shard
-                path = self.checkpoints.save(step, None, driver_state, write_shards=workers.save_sharded)
-            else:
-                path = self.checkpoints.save(step, workers.get_state(0), driver_state)
-            return self._done(step, path)
+        background = self.asynchronous
         ckpt = self.checkpoints.begin(step)
-        if workers.sharded:  # staged on every worker's node; each copies its own files
-            uploads = workers.stage_sharded(ckpt.path)
-            write = lambda: self.checkpoints.complete(ckpt, driver_state, check_uploads(uploads))  # noqa: E731
+        if workers.sharded:  # every worker writes its own shard (staged in host memory first, when async)
+            if background:
+                uploads = workers.stage_sharded(ckpt.path)
+                write = lambda: check_uploads(uploads)  # noqa: E731
+            else:
+                workers.save_sharded(ckpt.path)
+                write = dict
         else:
-            state = workers.get_state(0)  # staged: the driver's copy of worker 0's state
-            write = lambda: self.checkpoints.complete(  # noqa: E731
-                ckpt, driver_state, write_model_state(ckpt, state)
-            )
+            written = workers.write_whole(ckpt.path, background)
+            if written is not None:
+                write = lambda: written(UPLOAD_TIMEOUT_S)  # noqa: E731 - the files' SHA-256
+            else:  # no worker holds the whole model (stage-local parts): the driver assembles and writes it
+                state = workers.get_state(0)
+                write = lambda: write_model_state(ckpt, state)  # noqa: E731
+        finish = lambda: self.checkpoints.complete(ckpt, driver_state, write())  # noqa: E731
+        if not background:
+            return self._done(step, finish())
         out: list = []
 
         def run() -> None:
             try:
-                out.append(write())
+                out.append(finish())
             except BaseException as e:  # noqa: BLE001 - reported by wait(), on the driver's thread
                 out.append(e)
 
@@ -160,8 +168,10 @@ class Checkpointer:
             return RuntimeError(text)
 
 
-def check_uploads(wait: Callable[[float], dict[int, dict[str, int]]]) -> None:
-    """Wait for every worker's copy of its staged shard (``WorkerGroup.stage_sharded``); raises the first failure."""
+def check_uploads(wait: Callable[[float], dict[int, dict[str, int]]]) -> dict:
+    """Wait for every worker's copy of its staged shard (``WorkerGroup.stage_sharded``); raises the first failure.
+    No hashes: the files' sizes go into the manifest, and a local store hashes them (``control.checkpoint``)."""
     got = wait(UPLOAD_TIMEOUT_S)
     if not any(got.values()):
         raise RuntimeError("no worker wrote a file of the checkpoint")
+    return {}

@@ -143,6 +143,12 @@ class WorkerGroup(ABC):
         files and sizes} once every copy is done or raises why one failed, and may be called from another thread."""
 
     @abstractmethod
+    def write_whole(self, directory: str, background: bool) -> Callable[[float], dict[str, str]] | None:
+        """Replicated state: a member holding the whole model writes ``model.pt`` and ``train_state.pt`` into
+        ``directory`` itself (``background``: from a thread, while it trains on); returns ``wait(timeout_s)`` ->
+        {file: SHA-256}, or None when no member holds the whole model (then :meth:`get_state` assembles it)."""
+
+    @abstractmethod
     def call(self, method: str, *args) -> list:
         """Call a worker method on every rank; results in rank order."""
 

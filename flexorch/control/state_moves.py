@@ -166,6 +166,21 @@ class StateMoves:
 
         return wait
 
+    def write_whole(self, directory: str, background: bool) -> Callable[[float], dict[str, str]] | None:
+        """Replicated state: the first member holding the whole model writes ``model.pt`` and ``train_state.pt``
+        into ``directory`` itself (now, or with ``background`` from a thread of its own while it trains on), so the
+        state never travels to the driver. Returns ``wait(timeout_s)``: {file: SHA-256} once written, else the
+        error; None when no member holds the whole model (stage-local parameters: ``get_state`` assembles it)."""
+        whole = next((w for w in self.worker_ids if self.held.get(w) is ALL), None)
+        if whole is None:
+            return None
+        actor = self._actors[whole]
+        ref = actor.write_state.remote(directory, background)
+        got = self.call_all({whole: ref}, "write the checkpoint", self.timeout_s)[whole]
+        if not background:
+            return lambda timeout_s: got
+        return lambda timeout_s: ray.get(actor.finish_upload.remote(timeout_s), timeout=timeout_s + 30)
+
     def set_state(self, state: dict) -> None:
         if "sharded_dir" in state:  # a sharded checkpoint: each member reads its own rows, on any world size
             d = state["sharded_dir"]

@@ -389,5 +389,8 @@ class RayWorkerGroup(WorkerGroup):
     def stage_sharded(self, directory: str):
         return self._moves.stage_sharded(directory)
 
+    def write_whole(self, directory: str, background: bool):
+        return self._moves.write_whole(directory, background)
+
     def state_versions(self, timeout_s: float) -> dict[int, int]:
         return self._moves.state_versions(timeout_s)

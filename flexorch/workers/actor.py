@@ -356,10 +356,14 @@ class Worker:
         """:meth:`~flexorch.workers.sharded_state.ShardedState.stage_sharded`."""
         self.state.stage_sharded(directory)
 
+    def write_state(self, directory: str, background: bool) -> dict[str, str] | None:
+        """:meth:`~flexorch.workers.replicated_state.ReplicatedState.write_state`."""
+        return self.state.write_state(directory, background)
+
     @ray.method(concurrency_group="io")
-    def finish_upload(self, timeout_s: float | None = None) -> dict[str, int]:
-        """:meth:`~flexorch.workers.sharded_state.ShardedState.finish_upload`: on a thread of its own, so the driver
-        waits for a checkpoint's copy while this worker trains the next steps."""
+    def finish_upload(self, timeout_s: float | None = None) -> dict:
+        """:meth:`~flexorch.workers.model_state.ModelState.finish_upload`: on a thread of its own, so the driver
+        waits for a checkpoint's write while this worker trains the next steps."""
         return self.state.finish_upload(timeout_s)
 
     def load_sharded(self, directory: str) -> int:

@@ -5,8 +5,8 @@ moved whole through the object store) and ``workers.sharded_state.ShardedState``
 world forms). The worker actor (``workers.actor.Worker``) holds one, chosen by the run's ``[sharding] mode``, and
 never branches on the mode itself. Each kind also moves its state its own way (replicated: :meth:`get_state`,
 :meth:`set_state`, :meth:`export_parts`, :meth:`import_parts`; sharded: :meth:`take_handoff`, :meth:`save_sharded`,
-:meth:`load_sharded`, :meth:`stage_sharded`, :meth:`finish_upload`); the control plane calls those by the run's mode
-(``control.state_moves``), and the other kind refuses them.
+:meth:`load_sharded`, :meth:`stage_sharded`; replicated: :meth:`write_state`; either: :meth:`finish_upload`); the
+control plane calls those by the run's mode (``control.state_moves``), and the other kind refuses them.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class ModelState(abc.ABC):
         self.scheduler = None
         self.version = 0
         """Optimizer steps applied to the state this worker holds."""
+        self._upload = None
+        """A checkpoint write running on a thread (``workers.checkpoint_writes.BackgroundWrite``), until waited for."""
 
     @abc.abstractmethod
     def holding(self):
@@ -134,9 +136,16 @@ class ModelState(abc.ABC):
         """Sharded state only (``ShardedState.stage_sharded``)."""
         raise self._refused("stage_sharded")
 
-    def finish_upload(self, timeout_s: float | None = None) -> dict[str, int]:
-        """Sharded state only (``ShardedState.finish_upload``)."""
-        raise self._refused("finish_upload")
+    def write_state(self, directory: str, background: bool) -> dict[str, str] | None:
+        """Replicated state only (``ReplicatedState.write_state``)."""
+        raise self._refused("write_state")
+
+    def finish_upload(self, timeout_s: float | None = None) -> dict:
+        """What the checkpoint write in the background (:meth:`write_state` or :meth:`stage_sharded`) wrote, once
+        it is done (a replicated state: each file's SHA-256; a sharded one: its files and sizes); raises why it
+        failed. Nothing in flight: ``{}``."""
+        upload, self._upload = self._upload, None
+        return {} if upload is None else upload.wait(timeout_s)
 
     def load_sharded(self, directory: str) -> int:
         """Sharded state only (``ShardedState.load_sharded``)."""

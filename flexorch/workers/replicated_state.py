@@ -71,6 +71,23 @@ class ReplicatedState(ModelState):
             "parts": None if self.held.held is ALL else sorted(self.held.held),
         }
 
+    def write_state(self, directory: str, background: bool) -> dict[str, str] | None:
+        """Write this worker's whole state (:meth:`get_state`'s copies, so training may go on) into the checkpoint
+        directory ``directory`` as ``model.pt`` and ``train_state.pt`` (``workers.checkpoint_writes``): their SHA-256
+        now, or with ``background`` None at once, the write on a thread (:meth:`finish_upload` waits for it; one
+        still running is waited for first)."""
+        from flexorch.workers.checkpoint_writes import BackgroundWrite, write_state_files
+
+        if self.held.held is not ALL:
+            raise RuntimeError(f"worker {self.spec.worker_id} holds only some parts of the model: it cannot write it")
+        if self._upload is not None:
+            self.finish_upload()
+        state = self.get_state()
+        if not background:
+            return write_state_files(directory, state)
+        self._upload = BackgroundWrite(lambda: write_state_files(directory, state), directory)
+        return None
+
     def set_state(self, state: dict) -> None:
         """Take ``state`` (whole or partial, from :meth:`get_state` or a checkpoint): hold exactly its parts."""
         self.held.set_from(state["model"])

@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 import tempfile
-import threading
 
 import torch
 import torch.distributed as dist
@@ -26,8 +25,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from flexorch.data.store.remote import filesystem, is_remote
+from flexorch.workers.checkpoint_writes import BackgroundWrite
 
-__all__ = ["TRAIN_STATE", "Upload", "load_sharded", "save_sharded", "stage_sharded"]
+__all__ = ["TRAIN_STATE", "load_sharded", "save_sharded", "stage_sharded"]
 
 TRAIN_STATE = "train_state.json"
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -48,43 +48,18 @@ def save_sharded(directory: str, model, optimizer, scheduler, version: int) -> N
     dist.barrier()
 
 
-class Upload:
-    """A rank's staged checkpoint files being copied to the checkpoint's directory by a background thread."""
+def _copy_staged(staged: str, directory: str) -> dict[str, int]:
+    """Copy this rank's staged files to ``directory``; their names and sizes."""
+    import pyarrow.fs as pafs
 
-    def __init__(self, staged: str, directory: str):
-        self.staged, self.directory = staged, directory
-        self.error: BaseException | None = None
-        self.files: dict[str, int] = {}
-        self._thread = threading.Thread(target=self._run, name="flexorch-checkpoint-upload", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import pyarrow.fs as pafs
-
-        try:
-            self.files = {f: os.path.getsize(os.path.join(self.staged, f)) for f in os.listdir(self.staged)}
-            fs, path = filesystem(self.directory)
-            if not is_remote(self.directory):
-                fs.create_dir(path, recursive=True)
-            for f in self.files:  # one rank's file(s): its shard, and rank 0's .metadata and train_state.json
-                pafs.copy_files(os.path.join(self.staged, f), f"{path}/{f}",
-                                source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)  # fmt: skip
-        except BaseException as e:  # noqa: BLE001 - reported to the driver by wait()
-            self.error = e
-        finally:
-            shutil.rmtree(self.staged, ignore_errors=True)
-
-    def wait(self, timeout_s: float | None = None) -> dict[str, int]:
-        """The files this rank wrote and their sizes, once the copy is done; raises what made it fail (with the
-        checkpoint's directory named)."""
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            raise TimeoutError(f"the upload of {self.staged} to {self.directory} is still running after {timeout_s} s")
-        if self.error is not None:
-            raise RuntimeError(
-                f"writing this worker's shard to {self.directory} failed: {type(self.error).__name__}: {self.error}"
-            ) from self.error
-        return self.files
+    files = {f: os.path.getsize(os.path.join(staged, f)) for f in os.listdir(staged)}
+    fs, path = filesystem(directory)
+    if not is_remote(directory):
+        fs.create_dir(path, recursive=True)
+    for f in files:  # one rank's file(s): its shard, and rank 0's .metadata and train_state.json
+        pafs.copy_files(os.path.join(staged, f), f"{path}/{f}",
+                        source_filesystem=pafs.LocalFileSystem(), destination_filesystem=fs)  # fmt: skip
+    return files
 
 
 def _staging_dir(nbytes: int) -> str:
@@ -110,12 +85,13 @@ def _state_bytes(*dicts) -> int:
     return total
 
 
-def stage_sharded(directory: str, model, optimizer, scheduler, version: int) -> Upload:
+def stage_sharded(directory: str, model, optimizer, scheduler, version: int) -> BackgroundWrite:
     """An asynchronous :func:`save_sharded`: every rank (a collective) writes its shard to a staging directory of its
     node's host memory, as DCP writes it anywhere, and returns at once; a background thread then copies this rank's
-    files to ``directory`` (:class:`Upload`). The collectives all run here, in the foreground: the background copy
-    uses no process group, so it can neither block nor be blocked by the training steps that run meanwhile. The
-    files are the bytes a direct :func:`save_sharded` writes."""
+    files to ``directory`` (``workers.checkpoint_writes.BackgroundWrite``; its result: the files and their sizes).
+    The collectives all run here, in the foreground: the background copy uses no process group, so it can neither
+    block nor be blocked by the training steps that run meanwhile. The files are the bytes a direct
+    :func:`save_sharded` writes."""
     msd, osd = get_state_dict(model, optimizer, options=_OPTIONS) if optimizer is not None else ({}, {})
     staged = _staging_dir(_state_bytes(msd, osd))
     try:
@@ -123,7 +99,8 @@ def stage_sharded(directory: str, model, optimizer, scheduler, version: int) -> 
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    return Upload(staged, directory)
+    cleanup = lambda: shutil.rmtree(staged, ignore_errors=True)  # noqa: E731
+    return BackgroundWrite(lambda: _copy_staged(staged, directory), directory, cleanup)
 
 
 def load_sharded(directory: str, model, optimizer, scheduler) -> int:

@@ -32,8 +32,6 @@ class ShardedState(ModelState):
         self._handed: list = []
         """Holdings handed to this worker by workers that left (:meth:`take_handoff`), until a re-shard takes them."""
         self._positions: dict = {}
-        self._upload = None
-        """The copy of the last staged checkpoint shard to its storage while it runs (:meth:`stage_sharded`)."""
 
     def holding(self):
         return self._holding()
@@ -170,12 +168,6 @@ class ShardedState(ModelState):
         if self._upload is not None:
             self.finish_upload()
         self._upload = self._guard(stage_sharded, directory, self.model, self.optimizer, self.scheduler, self.version)
-
-    def finish_upload(self, timeout_s: float | None = None) -> dict[str, int]:
-        """The files this worker's staged shard was copied to and their sizes, once the copy is done; raises why
-        it failed. Nothing in flight: ``{}``."""
-        upload, self._upload = self._upload, None
-        return {} if upload is None else upload.wait(timeout_s)
 
     def load_sharded(self, directory: str) -> int:
         """Load a sharded checkpoint written on any number of workers (a collective: each worker reads the rows

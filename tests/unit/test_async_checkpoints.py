@@ -1,8 +1,8 @@
 """Asynchronous saves (``[checkpoint] async``) through the driver's checkpointer: the step goes on while the state is
 written, the files are the bytes a synchronous save writes, at most one save is in flight, and a failed write is
 reported with its cause while the previous checkpoint stays the newest. The worker group here is a stand-in that
-hands out a replicated state (its real side, and the sharded workers' background copies, run in
-``tests/integration/test_checkpoint_storage_run.py``)."""
+hands out a replicated state for the driver to write, as with stage-local parts (the workers' own writes, whole or
+sharded, now or from their threads, run in ``tests/integration/test_checkpoint_storage_run.py``)."""
 
 from __future__ import annotations
 
@@ -28,6 +28,9 @@ class _Replicas:
 
     def __init__(self):
         self.step = 0
+
+    def write_whole(self, directory: str, background: bool):
+        return None  # no worker writes: the driver assembles the state and writes it (stage-local parts)
 
     def get_state(self, rank: int = 0) -> dict:
         return {

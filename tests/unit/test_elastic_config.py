@@ -76,3 +76,4 @@ def test_example_run_files_are_valid(name):
     if name == "train_cluster.toml":
         assert (cfg.min_workers, cfg.max_workers, cfg.elastic.wait_s) == (2, 8, 120)
         assert (cfg.elastic.max_attempts, cfg.elastic.collective_timeout_s) == (5, 120)
+        assert cfg.checkpoint.storage.startswith("s3://") and cfg.checkpoint.async_  # no NFS needed

@@ -1,0 +1,72 @@
+"""A checkpoint's files written by a worker itself, straight to the checkpoint's storage (a local or shared directory,
+or an object-store URI: ``flexorch.data.store.remote``'s pyarrow filesystems), now or from a background thread.
+
+A replicated run's worker holding the whole model writes ``model.pt`` and ``train_state.pt``
+(:func:`write_state_files`), so 100s of MB of state never travel to the driver; a sharded run's workers copy the DCP
+files they staged in host memory (``workers.sharded_checkpoint.stage_sharded``). :class:`BackgroundWrite` runs
+either on a thread of the worker while it trains the next steps; the driver waits for it through the actor's ``io``
+concurrency group (``control.checkpointer``). No process group is used here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import threading
+from collections.abc import Callable
+
+import torch
+
+from flexorch.data.store.remote import filesystem, is_remote
+
+__all__ = ["BackgroundWrite", "write_state_files"]
+
+
+def write_state_files(directory: str, state: dict) -> dict[str, str]:
+    """Write a replicated state (``ReplicatedState.get_state``: model, optimizer, scheduler, rng) as ``model.pt``
+    and ``train_state.pt`` into ``directory``; returns each file's SHA-256 (of the bytes written)."""
+    fs, path = filesystem(directory)
+    if not is_remote(directory):
+        fs.create_dir(path, recursive=True)
+    train = {k: state[k] for k in ("optimizer", "scheduler", "rng")}
+    hashes = {}
+    for name, obj in (("model.pt", state["model"]), ("train_state.pt", train)):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = buf.getvalue()
+        with fs.open_output_stream(f"{path}/{name}") as f:
+            f.write(data)
+        hashes[name] = hashlib.sha256(data).hexdigest()
+    return hashes
+
+
+class BackgroundWrite:
+    """``write()`` run on a thread of its own; :meth:`wait` gives its result or raises why it failed, naming
+    ``directory``. ``cleanup`` runs after it either way (a staging directory deleted)."""
+
+    def __init__(self, write: Callable[[], dict], directory: str, cleanup: Callable[[], None] | None = None):
+        self.directory = directory
+        self._write, self._cleanup = write, cleanup
+        self.result: dict | None = None
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="flexorch-checkpoint-write", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._write()
+        except BaseException as e:  # noqa: BLE001 - reported to the driver by wait()
+            self.error = e
+        finally:
+            if self._cleanup is not None:
+                self._cleanup()
+
+    def wait(self, timeout_s: float | None = None) -> dict:
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise TimeoutError(f"writing this worker's part of {self.directory} still runs after {timeout_s} s")
+        if self.error is not None:
+            raise RuntimeError(
+                f"writing this worker's part of {self.directory} failed: {type(self.error).__name__}: {self.error}"
+            ) from self.error
+        return self.result
