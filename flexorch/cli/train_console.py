@@ -203,3 +203,9 @@ def print_event(ev: dict, cfg: TrainConfig, out) -> None:
         print(f"membership: {ev['message']}", file=out, flush=True)
     elif kind == "checkpoint":
         print(f"checkpoint after step {ev['step']}: {ev['path']}", file=out, flush=True)
+    elif kind == "checkpoint_wait":  # a stop or the run's end waits for the save in flight
+        print(ev["message"], file=out, flush=True)
+    elif kind == "checkpoint_failed":
+        newest = f"the newest checkpoint is still {ev['newest']}" if ev["newest"] else "no checkpoint is complete yet"
+        print(f"checkpoint after step {ev['step']} failed ({ev['error']}); what it wrote is deleted and {newest}; "
+              "the run goes on", file=out, flush=True)  # fmt: skip

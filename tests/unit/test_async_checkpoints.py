@@ -140,3 +140,22 @@ def test_async_is_a_checkpoint_key(tmp_path):
     f.write_text("[checkpoint]\nasink = true\n")
     with pytest.raises(ValueError, match=r"unknown keys \['asink'\]; known: \['async', 'every', 'keep'"):
         load_train_config(f)
+
+
+def test_the_console_says_when_a_save_is_waited_for_and_when_one_failed(tmp_path):
+    import io
+
+    from flexorch.cli.train_console import print_event
+    from flexorch.config import TrainConfig
+
+    out, cfg = io.StringIO(), TrainConfig()
+    wait = {"event": "checkpoint_wait", "step": 4, "message": "the run ends: waiting for the checkpoint of step 4 ..."}
+    print_event(wait, cfg, out)
+    failed = {"event": "checkpoint_failed", "step": 5, "path": "s3://b/checkpoint_000005",
+              "error": "OSError: the bucket went away", "newest": "s3://b/checkpoint_000004"}  # fmt: skip
+    print_event(failed, cfg, out)
+    assert out.getvalue().splitlines() == [
+        "the run ends: waiting for the checkpoint of step 4 ...",
+        "checkpoint after step 5 failed (OSError: the bucket went away); what it wrote is deleted and the newest "
+        "checkpoint is still s3://b/checkpoint_000004; the run goes on",
+    ]
