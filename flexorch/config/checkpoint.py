@@ -7,7 +7,7 @@
     every = 100                                # = the top-level checkpoint_every (0: only at the end)
     keep = 2                                   # = the top-level keep_checkpoints: the newest kept
     keep_every = 1000                          # also keep every checkpoint whose step is a multiple (0: none)
-    async = true                               # the steps go on while a checkpoint is written
+    async = true                               # the default: the steps go on while a checkpoint is written
 
 ``every`` and ``keep`` are the top-level ``checkpoint_every`` and ``keep_checkpoints`` of older run files, which keep
 working; a run file may set either spelling, not both to different values (``flexorch.config.run``). Credentials and
@@ -40,11 +40,13 @@ class CheckpointSettings:
     ``keep_checkpoints``."""
     keep_every: int = 0
     """Also keep every checkpoint whose step is a multiple of this (0: none), beside the newest ``keep``."""
-    async_: bool = False
+    async_: bool = True
     """``async`` in a run file: the steps go on while a checkpoint is written. The state is staged in host memory
-    (a replicated run's on the driver; a sharded run's shards on each worker's node), then written to the storage by
-    a background thread; at most one save is in flight (the next waits for it), and a stop waits for it. A write
-    that fails is reported and the previous checkpoint stays the newest. False: every save blocks the step."""
+    (a copy of a replicated state on the worker that writes it; a sharded run's shards on each worker's node), then
+    written to the storage by a background thread; at most one save is in flight (the next waits for it), and a
+    stop waits for it. A write that fails is reported and the previous checkpoint stays the newest. The default: it
+    measured faster than synchronous saves (``benchmarks/measured/checkpoint.py``). False: every save blocks the
+    step."""
 
     def __post_init__(self) -> None:
         s = self.storage

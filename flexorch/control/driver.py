@@ -215,9 +215,10 @@ class TrainingDriver:
         """Between steps: a checkpoint when this driver's node is drained, workers on draining nodes leave, ready
         joiners are admitted, and the autoscaler is asked for what the world lacks. The records of what changed."""
         self.checkpointer.poll()  # a save written in the background and done: complete, reported
-        if self.elastic.driver_drained() or self.elastic.may_leave(self.cfg.elastic):  # copies in flight finish
+        driver_goes = self.elastic.driver_drained()  # said once per drain
+        if driver_goes or self.elastic.may_leave(self.cfg.elastic):  # copies in flight finish before a node goes
             self.checkpointer.wait("the driver's node or members' nodes may go at this step boundary")
-        if self.elastic.driver_drained() and self.checkpointer.at != self.step_no:
+        if driver_goes and self.checkpointer.at != self.step_no:
             self.checkpoint()  # this node is going: its replacement driver starts from here, nothing re-run
         drained = self.elastic.leave_drained(self.step_no - 1, self._plan_next_for)  # draining nodes' workers first
         drained += self.elastic.retire_slow(self.speeds, self.cfg.elastic, self.step_no - 1, self._plan_next_for)

@@ -78,7 +78,7 @@ def test_a_run_resumes_from_object_storage_alone_in_a_new_run_dir(env, mode):
     shutil.rmtree(first.run_dir)  # nothing of the run is left on this machine
 
     more = first.replace(run_dir=str(root / f"{mode}-elsewhere"), steps=3, resume=True)
-    more = more.replace(checkpoint=CheckpointSettings(storage=first.checkpoint.storage))  # synchronous saves
+    more = more.replace(checkpoint=CheckpointSettings(storage=first.checkpoint.storage, async_=False))  # sync saves
     tail, replicas = run_driver(more, corpus)
     assert [r["step"] for r in tail] == [1, 2]
     check_against_reference(more, corpus, head + tail, replicas)

@@ -344,3 +344,37 @@ def test_a_retiring_worker_freezes_its_objects_so_dying_collects_nothing():
         gc.unfreeze()
     gc.collect()
     assert probe() is None, "unfrozen, the same cycle is collected"
+
+
+def test_a_checkpoint_still_being_written_completes_before_a_drained_node_s_workers_leave(
+    tmp_path, profile, corpus, monkeypatch
+):
+    """With asynchronous saves (the default) the save of step 2 is still being written at the boundary where the
+    drained node's workers leave: the boundary waits for it, so the save completes whole, then they leave."""
+    import threading
+
+    from flexorch.control import checkpointer as checkpointer_mod
+
+    real, started = checkpointer_mod.write_model_state, threading.Event()
+
+    def slow(ckpt, state):
+        started.set()
+        time.sleep(0.5)
+        return real(ckpt, state)
+
+    monkeypatch.setattr(checkpointer_mod, "write_model_state", slow)
+    cfg = _cfg(tmp_path, profile, steps=4, checkpoint_every=2)
+    assert cfg.checkpoint.async_
+    driver, group = fake_driver(cfg, corpus)
+    try:
+        _drain_after(driver, group, 2, "node-1", 45.0)  # the save of step 2 began after the second step
+        assert started.wait(5) and driver.checkpointer.in_flight == 2
+        t = driver.step()
+        events = driver.events.poll(0)[0]
+    finally:
+        driver.shutdown()
+    assert t.recoveries[0]["left"] == [2, 3]
+    kinds = [
+        (e["event"], e.get("step")) for e in events if e["event"] in ("checkpoint", "checkpoint_wait", "membership")
+    ]
+    assert kinds == [("checkpoint_wait", 2), ("checkpoint", 2), ("membership", None)], kinds
