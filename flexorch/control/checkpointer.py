@@ -54,6 +54,8 @@ class Checkpointer:
         """The step of the newest complete checkpoint this run has (written or resumed from); None: none yet."""
         self.last: str | None = None
         """Where that checkpoint is."""
+        self.failed: str | None = None
+        """Why the last save that failed failed (``Type: message``); None: none has."""
         self._flight: tuple | None = None
         """The save in flight: (its step, the thread writing it, [its path or the error it failed with], the
         checkpoint being written)."""
@@ -123,8 +125,9 @@ class Checkpointer:
                 self.checkpoints.abandon(ckpt)
             except Exception:  # noqa: BLE001 - a partial checkpoint is never loaded; the next save deletes it
                 pass
+            self.failed = f"{type(result).__name__}: {result}"
             self._publish({"event": "checkpoint_failed", "step": step, "path": ckpt.path,
-                           "error": f"{type(result).__name__}: {result}", "newest": self.last})  # fmt: skip
+                           "error": self.failed, "newest": self.last})  # fmt: skip
             return None
         return self._done(step, result)
 
@@ -132,6 +135,13 @@ class Checkpointer:
         """Complete the save in flight if it is done (between steps; never waits)."""
         if self._flight is not None and not self._flight[1].is_alive():
             self.wait()
+
+    def _saved(self, step: int, workers: WorkerGroup) -> str:
+        """:meth:`save`, waited for; a failed write raises its cause (the emergency save reports it)."""
+        path = self.save(step, workers)
+        if path is None:
+            raise RuntimeError(f"the checkpoint's write failed ({self.failed})")
+        return path
 
     def _done(self, step: int, path: str) -> str:
         self.at, self.last = step, path
@@ -155,7 +165,7 @@ class Checkpointer:
             step,
             checkpointed_at=self.at,
             last_checkpoint=self.last,
-            save=lambda: self.save(step, workers),
+            save=lambda: self._saved(step, workers),
             resume=resume,
         )
         if path is not None:

@@ -159,3 +159,22 @@ def test_the_console_says_when_a_save_is_waited_for_and_when_one_failed(tmp_path
         "checkpoint after step 5 failed (OSError: the bucket went away); what it wrote is deleted and the newest "
         "checkpoint is still s3://b/checkpoint_000004; the run goes on",
     ]
+
+
+def test_an_emergency_save_whose_write_fails_says_why_and_where_the_last_checkpoint_is(tmp_path, monkeypatch):
+    events, workers = [], _Replicas()
+    workers.worker_ids = [0]
+    workers.state_versions = lambda timeout_s: {0: 3}
+    ck = _checkpointer(tmp_path, True, events)
+    first = ck.save(2, workers)
+
+    def broken(ckpt, state):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(checkpointer_mod, "write_model_state", broken)
+    err = ck.keep_work(RuntimeError("the run failed."), 3, workers, "resume it")
+    assert str(err) == (
+        "the run failed. No emergency checkpoint could be written (RuntimeError: the checkpoint's write failed "
+        f"(OSError: disk full)); the last checkpoint is {first}"
+    )
+    assert (ck.at, ck.last) == (2, first)
