@@ -36,12 +36,17 @@ class ModelShape(Protocol):
     its adapters with this module, so this module cannot import it)."""
 
     hf: str | None
+    family: str
     vocab_size: int
     dim: int
+    num_layers: int
     num_heads: int
     num_kv_heads: int
+    head_dim: int
     ffn_dim: int
     qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
     tie_embeddings: bool
 
 
@@ -134,17 +139,14 @@ def target_modules(model_cfg: ModelShape) -> tuple[str, ...]:
     """The leaf names a :class:`LoraSpec` may target on this model, in the layer's order.
 
     Our decoder: :data:`OWN_TARGETS`. A Hugging Face model: the leaf names of the linear maps of its decoder layer 0,
-    from :func:`flexorch.config.hf.hf_param_shapes` (the 2-D ``.weight`` parameters of a Llama/Mistral/Qwen2 layer
+    from :func:`flexorch.config.hf.hf_param_shapes` (the 2-D ``.weight`` parameters of a decoder layer of each family
     are exactly its ``nn.Linear`` modules: q/k/v/o_proj, gate/up/down_proj; ``tests/unit/test_lora.py`` checks this
     against the module Transformers builds). No torch: the run file is checked before any worker starts."""
     if model_cfg.hf is None:
         return OWN_TARGETS
     from flexorch.config.hf import hf_param_shapes
 
-    keys = ("vocab_size", "dim", "num_heads", "num_kv_heads", "ffn_dim", "qkv_bias")
-    shapes = hf_param_shapes(
-        **{k: getattr(model_cfg, k) for k in keys}, num_layers=1, tie_embeddings=model_cfg.tie_embeddings
-    )
+    shapes = hf_param_shapes(model_cfg, num_layers=1)
     return tuple(next(iter(_layer_linears(shapes).values()), {}))
 
 

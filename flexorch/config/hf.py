@@ -7,12 +7,18 @@ can be wrong with the directory is found here, from ``config.json`` and the safe
 is 8 bytes of little-endian length, then JSON naming each tensor's dtype and shape), before any worker starts:
 
 - a path that does not exist (a Hub id gets its own message: flexorch never downloads);
-- a model that is not a causal LM of a family flexorch runs (``llama``, ``mistral``, ``qwen2``: pre-norm RMSNorm
-  decoders with rotary embeddings, grouped-query attention and a SwiGLU MLP, whose attention Transformers lets us
-  replace through its ``AttentionInterface``);
-- an option flexorch's attention does not compute (attention dropout, a head size other than hidden / heads,
-  biases Transformers' config adds; a sliding window shorter than the run's longest document, checked by the run);
+- a model that is not a causal LM of a family flexorch runs (:data:`HF_FAMILIES`: decoders with rotary embeddings
+  and grouped-query attention whose attention Transformers lets us replace through its ``AttentionInterface``;
+  their layouts are in :data:`FAMILY_LAYOUTS`);
+- an option flexorch's attention does not compute (attention dropout, logit soft-capping, bidirectional attention,
+  layer kinds other than full and sliding-window attention, RoPE variants whose frequencies depend on the batch);
 - weights missing from the checkpoint or of another shape than the config implies.
+
+What differs between families is read from the config, not assumed: the head size (``head_dim``; Qwen3 and Gemma 3
+set one other than hidden / heads), biases (``attention_bias``, Llama's ``mlp_bias``, Qwen2's q/k/v biases), q/k
+norms (Qwen3, Gemma 3: per head; OLMo 2: over the whole projection), the activation, the RoPE scaling
+(``rope_parameters`` / ``rope_scaling``: linear, llama3, YaRN) and which layers use a sliding window
+(``layer_types`` with ``sliding_window``; Mistral and Phi-3: every layer).
 """
 
 from __future__ import annotations
@@ -20,44 +26,113 @@ from __future__ import annotations
 import json
 import re
 import struct
+from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from flexorch.config.errors import ConfigError
 
-__all__ = ["HF_FAMILIES", "hf_model_config", "hf_param_shapes", "hf_weight_files", "read_safetensors_header"]
+__all__ = [
+    "FAMILY_LAYOUTS",
+    "HF_FAMILIES",
+    "REFUSED_FAMILIES",
+    "FamilyLayout",
+    "hf_model_config",
+    "hf_param_shapes",
+    "hf_weight_files",
+    "read_safetensors_header",
+]
 
-HF_FAMILIES = ("llama", "mistral", "qwen2")
+
+@dataclass(frozen=True)
+class FamilyLayout:
+    """How a family's decoder layer names and shapes its parameters (``named_parameters`` order)."""
+
+    layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
+    """The layer's norms, after its attention and MLP parameters, in registration order."""
+    qk_norm: str | None = None
+    """``"head"``: ``q_norm``/``k_norm`` of one head's size (Qwen3, Gemma 3); ``"projection"``: of the whole q and
+    k projections (OLMo 2); None: no q/k norms."""
+    fused: bool = False
+    """One ``qkv_proj`` and one ``gate_up_proj`` (Phi-3), the output projection registered first."""
+    bias_key: str | None = "attention_bias"
+    """The config key that gives q/k/v/o biases (None: the family has none, or fixed ones: ``qkv_bias``)."""
+    qkv_bias: bool = False
+    """q/k/v biases always, no o bias (Qwen2)."""
+    mlp_bias_key: str | None = None
+    """The config key that gives the MLP's biases (Llama's ``mlp_bias``)."""
+    activation_key: str = "hidden_act"
+    norm_ones: bool = True
+    """RMSNorm weights start at 1 (``x * w``); False: at 0 (Gemma's ``x * (1 + w)``)."""
+
+
+FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
+    "llama": FamilyLayout(mlp_bias_key="mlp_bias"),
+    "mistral": FamilyLayout(bias_key=None),
+    "qwen2": FamilyLayout(bias_key=None, qkv_bias=True),
+    "qwen3": FamilyLayout(qk_norm="head"),
+    "olmo2": FamilyLayout(qk_norm="projection", layer_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
+    "phi3": FamilyLayout(fused=True, bias_key=None),
+    "gemma3_text": FamilyLayout(
+        qk_norm="head",
+        layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"),
+        activation_key="hidden_activation",
+        norm_ones=False,
+    ),
+}  # fmt: skip
+"""Each family flexorch trains and how its decoder layer is laid out; ``tests/unit/test_hf_model.py`` checks every
+layout against the model Transformers builds."""
+
+HF_FAMILIES = tuple(FAMILY_LAYOUTS)
 """``model_type`` values flexorch trains (their modeling code is used as Transformers ships it)."""
+
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu_python", "relu")
+"""Activations of the MLP flexorch accepts (Transformers computes them; the cost model counts the matmuls)."""
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""RoPE variants whose frequencies are fixed by the config: every token of a document is rotated the same on every
+shard of every plan."""
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def hf_param_shapes(
-    *, vocab_size: int, dim: int, num_layers: int, num_heads: int, num_kv_heads: int, ffn_dim: int,
-    qkv_bias: bool, tie_embeddings: bool,
-) -> list[tuple[str, tuple[int, ...]]]:  # fmt: skip
-    """``(name, shape)`` of every parameter of a Llama/Mistral/Qwen2 ``...ForCausalLM`` in ``named_parameters``
-    order (the names its safetensors files use; ``lm_head.weight`` only when untied). A test checks this list
-    against the model Transformers builds for each family."""
-    hd = dim // num_heads
-    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (vocab_size, dim))]
-    for i in range(num_layers):
+def hf_param_shapes(m, num_layers: int | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every parameter of the ``...ForCausalLM`` of ``m`` (a :class:`~flexorch.config.model.
+    ModelConfig` of an HF model, or anything with its fields: ``family``, ``vocab_size``, ``dim``, ``num_layers``,
+    ``num_heads``, ``num_kv_heads``, ``head_dim``, ``ffn_dim``, ``qkv_bias``, ``o_bias``, ``mlp_bias``,
+    ``tie_embeddings``) in ``named_parameters`` order (the names its safetensors files use; ``lm_head.weight`` only
+    when untied). ``num_layers``: that many layers instead of ``m``'s."""
+    lay = FAMILY_LAYOUTS[m.family]
+    hd, dim, ffn = m.head_dim, m.dim, m.ffn_dim
+    q_rows, kv_rows = m.num_heads * hd, m.num_kv_heads * hd
+    out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (m.vocab_size, dim))]
+    for i in range(m.num_layers if num_layers is None else num_layers):
         p = f"model.layers.{i}."
-        for proj, rows in (("q", num_heads * hd), ("k", num_kv_heads * hd), ("v", num_kv_heads * hd)):
-            out.append((f"{p}self_attn.{proj}_proj.weight", (rows, dim)))
-            if qkv_bias:
-                out.append((f"{p}self_attn.{proj}_proj.bias", (rows,)))
-        out += [
-            (p + "self_attn.o_proj.weight", (dim, num_heads * hd)),
-            (p + "mlp.gate_proj.weight", (ffn_dim, dim)),
-            (p + "mlp.up_proj.weight", (ffn_dim, dim)),
-            (p + "mlp.down_proj.weight", (dim, ffn_dim)),
-            (p + "input_layernorm.weight", (dim,)),
-            (p + "post_attention_layernorm.weight", (dim,)),
-        ]
+        if lay.fused:
+            out += [
+                (p + "self_attn.o_proj.weight", (dim, q_rows)),
+                (p + "self_attn.qkv_proj.weight", (q_rows + 2 * kv_rows, dim)),
+                (p + "mlp.gate_up_proj.weight", (2 * ffn, dim)),
+                (p + "mlp.down_proj.weight", (dim, ffn)),
+            ]
+        else:
+            for proj, rows, cols, bias in (("q", q_rows, dim, m.qkv_bias), ("k", kv_rows, dim, m.qkv_bias),
+                                           ("v", kv_rows, dim, m.qkv_bias), ("o", dim, q_rows, m.o_bias)):  # fmt: skip
+                out.append((f"{p}self_attn.{proj}_proj.weight", (rows, cols)))
+                if bias:
+                    out.append((f"{p}self_attn.{proj}_proj.bias", (rows,)))
+            if lay.qk_norm is not None:
+                q_norm, k_norm = (hd, hd) if lay.qk_norm == "head" else (q_rows, kv_rows)
+                out += [(p + "self_attn.q_norm.weight", (q_norm,)), (p + "self_attn.k_norm.weight", (k_norm,))]
+            for proj, rows, cols in (("gate", ffn, dim), ("up", ffn, dim), ("down", dim, ffn)):
+                out.append((f"{p}mlp.{proj}_proj.weight", (rows, cols)))
+                if m.mlp_bias:
+                    out.append((f"{p}mlp.{proj}_proj.bias", (rows,)))
+        out += [(p + norm + ".weight", (dim,)) for norm in lay.layer_norms]
     out.append(("model.norm.weight", (dim,)))
-    if not tie_embeddings:
-        out.append(("lm_head.weight", (vocab_size, dim)))
+    if not m.tie_embeddings:
+        out.append(("lm_head.weight", (m.vocab_size, dim)))
     return out
 
 
@@ -91,8 +166,27 @@ def _read_config(d: Path) -> dict:
     return cfg
 
 
+_MOE = "a mixture-of-experts model; flexorch does not run MoE blocks yet (their router loss and expert costs)"
+REFUSED_FAMILIES = {
+    "gemma3": "Gemma 3 with its vision tower (Gemma3ForConditionalGeneration); flexorch trains text decoders: use "
+    "the text model, model_type gemma3_text (Gemma3ForCausalLM: save its config and weights with save_pretrained)",
+    "qwen3_next": "Qwen3-Next mixes linear-attention (Gated DeltaNet) layers with full attention; flexorch's "
+    "sequence-parallel attention computes softmax attention only",
+    "qwen3_moe": _MOE,
+    "mixtral": _MOE,
+    "olmoe": _MOE,
+    "gpt_oss": _MOE + " and GPT-OSS's attention sinks",
+}
+"""``model_type`` values refused with a reason of their own (the rest: the list of :data:`HF_FAMILIES`)."""
+
+
 def _check_family(cfg: dict, d: Path) -> str:
     family = cfg.get("model_type")
+    if family in REFUSED_FAMILIES:
+        raise ConfigError(
+            f"[model] hf: {d} has model_type {family!r}: {REFUSED_FAMILIES[family]}. flexorch trains the "
+            f"{', '.join(HF_FAMILIES)} families"
+        )
     arches = cfg.get("architectures") or []
     not_lm = [a for a in arches if not str(a).endswith("ForCausalLM")]
     if arches and len(not_lm) == len(arches):
@@ -115,33 +209,112 @@ def _int(cfg: dict, key: str, d: Path, default=None) -> int:
     return v
 
 
-def _window(cfg: dict, family: str, d: Path) -> int | None:
-    """The sliding attention window (tokens) the model uses, or None. flexorch's attention is full causal attention
-    within each document, the same as a window no shorter than the longest document: the run checks
-    ``[data] max_context`` against it (``TrainConfig``)."""
+def _layer_types(cfg: dict, family: str, layers: int, where: str) -> list[str]:
+    """Each layer's kind, ``"full_attention"`` or ``"sliding_attention"``, as Transformers' config class derives
+    them: ``layer_types`` when the config names them; else Qwen2/Qwen3 slide from layer ``max_window_layers`` on when
+    ``use_sliding_window``, Gemma 3 every layer but each ``sliding_window_pattern``-th (6), Mistral and Phi-3 every
+    layer when ``sliding_window`` is set."""
     window = cfg.get("sliding_window")
-    if window is None or (family == "qwen2" and not cfg.get("use_sliding_window")):
-        return None
+    types = cfg.get("layer_types")
+    if types is None:
+        if family in ("qwen2", "qwen3"):
+            on = bool(cfg.get("use_sliding_window")) and window is not None
+            first = cfg.get("max_window_layers", 28)
+            types = ["sliding_attention" if on and i >= first else "full_attention" for i in range(layers)]
+        elif family == "gemma3_text":
+            pattern = cfg.get("sliding_window_pattern", 6)
+            types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+        elif family in ("mistral", "phi3") and window is not None:
+            types = ["sliding_attention"] * layers
+        else:
+            types = ["full_attention"] * layers
+    if not isinstance(types, list) or len(types) != layers:
+        raise ConfigError(f"{where}: layer_types must list one kind per layer ({layers}), got {types!r}")
+    other = sorted({t for t in types if t not in ("full_attention", "sliding_attention")}, key=str)
+    if other:
+        raise ConfigError(
+            f"{where}: layer_types has {other[0]!r} layers; flexorch's sequence-parallel attention computes "
+            "full_attention and sliding_attention layers only (linear-attention and chunked layers are not supported)"
+        )
+    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+        types = ["full_attention"] * layers  # Transformers sets sliding_window to None then
+    return types
+
+
+def _windows(cfg: dict, family: str, layers: int, where: str) -> tuple[int | None, tuple[int, ...]]:
+    """``(window, layers that use it)``: the sliding attention window in tokens (a query attends to the ``window``
+    latest keys of its document, itself included, as Transformers' masks do) and the indices of the layers that
+    slide; ``(None, ())`` when none does."""
+    types = _layer_types(cfg, family, layers, where)
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    if not sliding:
+        return None, ()
+    window = cfg.get("sliding_window")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ConfigError(f"[model] hf: {d}/config.json: sliding_window must be an integer or null, got {window!r}")
-    return window
+        raise ConfigError(
+            f"{where}: layers {list(sliding)[:4]} use sliding-window attention but sliding_window is {window!r}; "
+            "it must be an integer >= 1"
+        )
+    return window, sliding
 
 
-def _check_unsupported(cfg: dict, family: str, d: Path, dim: int, heads: int) -> None:
+def _rope(cfg: dict, where: str) -> float:
+    """The RoPE base of the full-attention layers, after checking every RoPE variant in the config is one whose
+    frequencies do not depend on the batch (:data:`ROPE_TYPES`)."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise ConfigError(f"{where}: rope_parameters must be an object, got {params!r}")
+    per_kind = params if params and all(isinstance(v, dict) for v in params.values()) else {"full_attention": params}
+    for kind, p in per_kind.items():
+        rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type in ("dynamic", "longrope"):
+            raise ConfigError(
+                f"{where}: rope_type {rope_type!r}{'' if kind == 'full_attention' else f' ({kind})'}: its frequencies "
+                "change with the longest position in each forward call, so the same document would be rotated "
+                "differently depending on what it is packed with and how a plan shards it; flexorch runs "
+                f"{', '.join(ROPE_TYPES)} (e.g. Llama 3.1's llama3 or YaRN, which reach long context with fixed "
+                "frequencies)"
+            )
+        if rope_type not in ROPE_TYPES:
+            raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported; flexorch runs {', '.join(ROPE_TYPES)}")
+    main = per_kind.get("full_attention") or next(iter(per_kind.values()))
+    return float(cfg.get("rope_theta", main.get("rope_theta", 10000.0)))
+
+
+def _check_unsupported(cfg: dict, family: str, d: Path) -> None:
     where = f"[model] hf: {d}/config.json"
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"{where}: hidden_act {cfg['hidden_act']!r}; flexorch's cost model and tests cover silu")
+    lay = FAMILY_LAYOUTS[family]
+    act = cfg.get(lay.activation_key, cfg.get("hidden_act", "silu"))
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"{where}: {lay.activation_key} {act!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
     if float(cfg.get("attention_dropout", 0.0) or 0.0) != 0.0:
         raise ConfigError(f"{where}: attention_dropout {cfg['attention_dropout']}; flexorch's attention has no "
                           "dropout: set it to 0.0")  # fmt: skip
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise ConfigError(
+                f"{where}: {key} = {cfg[key]}; flexorch's attention kernels and its fused LM-head loss compute no "
+                f"soft-capping: set {key} to null (Gemma 3 trains without it)"
+            )
+    if cfg.get("use_bidirectional_attention"):
+        raise ConfigError(f"{where}: use_bidirectional_attention is set; flexorch trains causal language models only")
+    if lay.bias_key is None and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+        raise ConfigError(f"{where}: attention_bias / mlp_bias: a {family} model has no such biases; set them to false")
+    if lay.mlp_bias_key is None and cfg.get("mlp_bias"):
+        raise ConfigError(f"{where}: mlp_bias: a {family} model's MLP has no biases; set it to false")
+
+
+def _head_size(cfg: dict, d: Path, dim: int, heads: int) -> int:
+    """The config's ``head_dim`` when it differs from hidden / heads (0 otherwise: ModelConfig derives it)."""
     head_dim = cfg.get("head_dim")
-    if head_dim is not None and head_dim != dim // heads:
-        raise ConfigError(
-            f"{where}: head_dim {head_dim} differs from hidden_size / num_attention_heads = {dim // heads}; "
-            "flexorch's cost model and sharding assume head_dim = hidden / heads"
-        )
-    if family != "qwen2" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
-        raise ConfigError(f"{where}: attention_bias / mlp_bias are not supported; set them to false")
+    if head_dim is None:
+        if dim % heads:
+            raise ConfigError(f"[model] hf: {d}/config.json: hidden_size {dim} is not divisible by {heads} heads")
+        return 0
+    head_dim = _int(cfg, "head_dim", d)
+    if head_dim % 2:
+        raise ConfigError(f"[model] hf: {d}/config.json: head_dim {head_dim} must be even for RoPE")
+    return 0 if heads * head_dim == dim else head_dim
 
 
 def hf_weight_files(d: Path) -> dict[str, Path]:
@@ -209,37 +382,43 @@ def _check_weights(d: Path, files: dict[str, Path], shapes: list) -> None:
 
 def hf_model_config(path: str) -> dict:
     """The :class:`~flexorch.config.model.ModelConfig` fields of the model in directory ``path`` (checked; see the
-    module docstring): shape, ``hf`` (the absolute directory), ``family``, ``qkv_bias``, ``hf_weights``."""
+    module docstring): shape, ``hf`` (the absolute directory), ``family``, biases, windows, ``hf_weights``."""
     d = _where_is(path)
     cfg = _read_config(d)
     family = _check_family(cfg, d)
+    where = f"[model] hf: {d}/config.json"
     dim = _int(cfg, "hidden_size", d)
     heads = _int(cfg, "num_attention_heads", d)
-    if dim % heads:
-        raise ConfigError(f"[model] hf: {d}/config.json: hidden_size {dim} is not divisible by {heads} heads")
-    _check_unsupported(cfg, family, d, dim, heads)
-    rope = cfg.get("rope_parameters") or {}
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0)
+    layers = _int(cfg, "num_hidden_layers", d)
+    _check_unsupported(cfg, family, d)
+    lay = FAMILY_LAYOUTS[family]
+    biased = bool(lay.bias_key and cfg.get(lay.bias_key))
+    window, window_layers = _windows(cfg, family, layers, where)
     fields = {
         "vocab_size": _int(cfg, "vocab_size", d),
         "dim": dim,
-        "num_layers": _int(cfg, "num_hidden_layers", d),
+        "num_layers": layers,
         "num_heads": heads,
         "num_kv_heads": _int(cfg, "num_key_value_heads", d, heads),
+        "head_size": _head_size(cfg, d, dim, heads),
         "ffn_dim": _int(cfg, "intermediate_size", d),
-        "rope_theta": float(theta),
+        "rope_theta": _rope(cfg, where),
         "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
         "init_std": float(cfg.get("initializer_range", 0.02)),
-        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", family == "gemma3_text")),
         "hf": str(d),
         "family": family,
-        "attention_window": _window(cfg, family, d),
-        "qkv_bias": family == "qwen2",
+        "attention_window": window,
+        "window_layers": window_layers,
+        "qkv_bias": lay.qkv_bias or biased,
+        "o_bias": biased,
+        "mlp_bias": bool(lay.mlp_bias_key and cfg.get(lay.mlp_bias_key)),
     }
+    if fields["num_kv_heads"] > heads or heads % fields["num_kv_heads"]:
+        raise ConfigError(f"{where}: num_key_value_heads {fields['num_kv_heads']} must divide num_attention_heads {heads}")
     files = hf_weight_files(d)
     if files:
-        keys = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "qkv_bias")
-        shapes = hf_param_shapes(**{k: fields[k] for k in keys}, tie_embeddings=fields["tie_embeddings"])
-        _check_weights(d, files, shapes)
+        shape = SimpleNamespace(**fields, head_dim=fields["head_size"] or dim // heads)
+        _check_weights(d, files, hf_param_shapes(shape))
     fields["hf_weights"] = bool(files)
     return fields

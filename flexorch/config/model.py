@@ -49,11 +49,21 @@ class ModelConfig:
     hf_model_config`): the model is that directory's Transformers model, and the fields above are its shape."""
     family: str = "flexorch"
     """'flexorch' (our decoder, ``flexorch.workers.model``) or a Transformers ``model_type`` in ``HF_FAMILIES``."""
+    head_size: int = 0
+    """The size of one attention head when a Hugging Face config sets one other than dim / num_heads (``head_dim``:
+    Qwen3, Gemma 3); 0: dim / num_heads (:attr:`head_dim` reads either)."""
     qkv_bias: bool = False
-    """The q/k/v projections have biases (Qwen2)."""
+    """The q/k/v projections have biases (Qwen2; ``attention_bias`` of Llama, Qwen3, OLMo 2, Gemma 3)."""
+    o_bias: bool = False
+    """The attention's output projection has a bias (``attention_bias`` of Llama, Qwen3, OLMo 2, Gemma 3)."""
+    mlp_bias: bool = False
+    """The MLP's projections have biases (Llama's ``mlp_bias``)."""
     attention_window: int | None = None
-    """A sliding attention window (Mistral's ``sliding_window``): documents may not be longer (flexorch's attention
-    is full causal attention within each document)."""
+    """The sliding attention window of the layers in :attr:`window_layers` (Mistral's, Gemma 3's ``sliding_window``):
+    a query attends to the ``attention_window`` latest keys of its document, itself included."""
+    window_layers: tuple[int, ...] = ()
+    """The layers that use :attr:`attention_window` (every layer when the window is set and this is empty, as a
+    config written before it existed meant); the others attend to their whole document."""
     hf_weights: bool = False
     """``hf``'s directory holds safetensors weights (else the model starts from a random initialisation)."""
     loss_chunk_tokens: int = 4096
@@ -93,22 +103,50 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be a finite number > 0, got {value!r}")
         if not isinstance(self.tie_embeddings, bool):
             raise ValueError(f"ModelConfig.tie_embeddings must be a bool, got {self.tie_embeddings!r}")
-        if self.dim % self.num_heads:
+        hs = self.head_size
+        if isinstance(hs, bool) or not isinstance(hs, int) or hs < 0:
+            raise ValueError(f"ModelConfig.head_size must be an integer >= 0 (0: dim / num_heads), got {hs!r}")
+        if hs and self.hf is None:
+            raise ValueError(f"ModelConfig.head_size={hs}: flexorch's own decoder's heads are dim / num_heads; set 0")
+        if not hs and self.dim % self.num_heads:
             raise ValueError(f"ModelConfig: dim={self.dim} is not divisible by num_heads={self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"ModelConfig: num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
-        if (self.family == "flexorch") != (self.hf is None) or (self.family == "flexorch" and self.qkv_bias):
+        biased = self.qkv_bias or self.o_bias or self.mlp_bias
+        if (self.family == "flexorch") != (self.hf is None) or (self.family == "flexorch" and biased):
             raise ValueError(
-                f"ModelConfig: family {self.family!r} with hf={self.hf!r}, qkv_bias={self.qkv_bias}: a Hugging Face "
+                f"ModelConfig: family {self.family!r} with hf={self.hf!r}, biases {biased}: a Hugging Face "
                 "model comes from [model] hf = DIR alone"
             )
+        self._set_window_layers()
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} (dim / num_heads) must be even for RoPE")
         if not isinstance(self.base_trainable, bool):
             raise ValueError(f"ModelConfig.base_trainable must be true or false, got {self.base_trainable!r}")
         self._set_adapters()
+
+    def _set_window_layers(self) -> None:
+        w, layers = self.attention_window, self.window_layers
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+            raise ValueError(f"ModelConfig.attention_window must be an integer >= 1 or None, got {w!r}")
+        if isinstance(layers, str | bytes) or not isinstance(layers, tuple | list):
+            raise ValueError(f"ModelConfig.window_layers must be a list of layer indices, got {layers!r}")
+        layers = tuple(layers) if w is None or layers else tuple(range(self.num_layers))
+        if w is None and layers:
+            raise ValueError(f"ModelConfig.window_layers={list(layers)} without an attention_window")
+        bad = [i for i in layers if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_layers]
+        if bad or len(set(layers)) != len(layers) or list(layers) != sorted(layers):
+            raise ValueError(
+                f"ModelConfig.window_layers must be distinct layer indices in [0, {self.num_layers}) in order, got "
+                f"{list(layers)}"
+            )
+        object.__setattr__(self, "window_layers", layers)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of decoder layer ``layer`` (None: it attends to its whole document)."""
+        return self.attention_window if layer in self.window_layers else None
 
     def _set_adapters(self) -> None:
         """``adapters`` as a tuple of :class:`LoraSpec` (dicts, as ``to_dict`` and JSON give them back, are
@@ -122,8 +160,8 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """Size of one attention head: dim / num_heads."""
-        return self.dim // self.num_heads
+        """Size of one attention head: :attr:`head_size`, else dim / num_heads."""
+        return self.head_size or self.dim // self.num_heads
 
     def num_params(self) -> int:
         """Parameter count computed from the shape (equals the built model's), adapters included."""
@@ -146,8 +184,7 @@ class ModelConfig:
         if self.hf is not None:
             from flexorch.config.hf import hf_param_shapes
 
-            keys = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "qkv_bias")
-            return hf_param_shapes(**{k: getattr(self, k) for k in keys}, tie_embeddings=self.tie_embeddings)
+            return hf_param_shapes(self)
         kv = self.num_kv_heads * self.head_dim
         out: list[tuple[str, tuple[int, ...]]] = [("tok_embeddings.weight", (self.vocab_size, self.dim))]
         for i in range(self.num_layers):

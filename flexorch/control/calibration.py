@@ -184,6 +184,7 @@ def _profile_dims(cfg, act: float) -> dict:
         hidden=model.dim,
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
+        head_size=model.head_size,
         bytes_per_element=2 if cfg.precision == "bf16" else 4,  # what SP collectives move per element
         act_bytes_per_token=act,
         memory_budget_bytes=state_bytes + (cfg.tokens_per_worker + 0.5) * act,
@@ -308,6 +309,7 @@ def fitted_profile(
         base,
         num_heads=cfg.model.num_heads,
         num_kv_heads=cfg.model.num_kv_heads,
+        head_size=cfg.model.head_size,
         tokens_per_worker=cfg.tokens_per_worker,
         num_layers=cfg.model.num_layers,
         vocab_size=cfg.model.vocab_size,

@@ -167,6 +167,7 @@ def fit_profile(
     hidden: int,
     num_heads: int,
     num_kv_heads: int,
+    head_size: int = 0,
     bytes_per_element: int = 2,
     compute_samples: Sequence[ComputeSample | dict],
     comm_samples: Sequence[CommSample | dict],
@@ -194,6 +195,7 @@ def fit_profile(
         hidden=hidden,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
+        head_size=head_size,
         bytes_per_element=bytes_per_element,
         a2a_gbps={2: 1.0},
     )

@@ -90,10 +90,11 @@ def kind_allowed(kind: str, d: int, profile: Profile, ulysses_degree: int | None
 
 
 def _ulysses_bytes_per_token(profile: Profile) -> float:
-    # per layer and direction, all-to-alls of q and o (h each) and of k and v (h_kv * head_dim each); with
-    # h_kv == h this is FlexSP's 4 all-to-alls * 2 (fwd+bwd) * L * h * 2 bytes
+    # per layer and direction, all-to-alls of q and o (heads * head_dim each: the hidden size unless the model sets
+    # its head size) and of k and v (h_kv * head_dim each); with h_kv == h this is FlexSP's 4 all-to-alls * 2
+    # (fwd+bwd) * L * h * 2 bytes
     kv_dim = profile.num_kv_heads * profile.head_dim
-    return 2 * profile.num_layers * (2 * profile.hidden + 2 * kv_dim) * profile.bytes_per_element
+    return 2 * profile.num_layers * (2 * profile.q_dim + 2 * kv_dim) * profile.bytes_per_element
 
 
 def _ring_step_bytes_per_token(profile: Profile) -> float:

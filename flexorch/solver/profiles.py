@@ -87,6 +87,9 @@ class Profile:
     """Query heads; Ulysses at degree d needs num_heads % d == 0."""
     num_kv_heads: int
     """Key/value heads (GQA); ring attention moves only these."""
+    head_size: int = 0
+    """The size of one head when the model sets one other than hidden / num_heads (Qwen3, Gemma 3: ``head_dim``);
+    0: hidden / num_heads (:attr:`head_dim` reads either)."""
     a2a_gbps: dict[int, float] = field(default_factory=dict)
     """All-to-all bandwidth per device in GB/s for a group of d devices (keys: powers of two >= 2)."""
     p2p_gbps: dict[int, float] = field(default_factory=dict)
@@ -166,7 +169,9 @@ class Profile:
                 problems.append(f"{f} must be a positive integer, got {v!r}")
         if not problems and self.num_heads % self.num_kv_heads:
             problems.append(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
-        if not problems and self.hidden % self.num_heads:
+        if isinstance(self.head_size, bool) or not isinstance(self.head_size, int) or self.head_size < 0:
+            problems.append(f"head_size must be an integer >= 0 (0: hidden / num_heads), got {self.head_size!r}")
+        elif not problems and not self.head_size and self.hidden % self.num_heads:
             problems.append(f"hidden={self.hidden} must be a multiple of num_heads={self.num_heads}")
         if self.memory_budget_bytes <= self.model_state_bytes:
             problems.append(
@@ -192,7 +197,12 @@ class Profile:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.num_heads
+        return self.head_size or self.hidden // self.num_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of a token's queries (and of the attention's output before its projection): heads x head size."""
+        return self.num_heads * self.head_dim
 
     @property
     def tokens_per_device(self) -> int:
@@ -205,14 +215,14 @@ class Profile:
         """Bytes a device of a Ulysses group of ``degree`` holds per local token beyond ``act_bytes_per_token``
         (measured on one device), in every layer: the attention output in head shards ``(s, h/d, hd)`` is saved
         by the attention kernel and its all-to-all back ``(s/d, h, hd)`` by the output projection, two storages
-        where one device has one (``hidden`` elements); and K/V heads replicated to ``lcm(kv_heads, d)`` when d
+        where one device has one (``h * hd`` elements, ``hidden`` unless the model sets its head size); and K/V heads replicated to ``lcm(kv_heads, d)`` when d
         does not divide them hold ``lcm(kv_heads, d) - kv_heads`` more heads each
         (``flexorch/workers/attention/ulysses.py``). ``tests/integration/test_activation_plan.py`` checks it against
         the bytes a worker of each layout holds."""
         if degree <= 1:
             return 0.0
         replicated = math.lcm(self.num_kv_heads, degree) - self.num_kv_heads
-        per_layer = self.hidden + 2 * replicated * self.head_dim
+        per_layer = self.q_dim + 2 * replicated * self.head_dim
         return float(self.num_layers * per_layer * self.bytes_per_element)
 
     def act_bytes_per_local_token(self, kind: str, degree: int) -> float:

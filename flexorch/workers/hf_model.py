@@ -1,11 +1,13 @@
-"""Hugging Face causal LMs (Llama, Mistral, Qwen2) trained with flexorch's sequence-parallel attention.
+"""Hugging Face causal LMs (``flexorch.config.hf.HF_FAMILIES``: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma 3)
+trained with flexorch's sequence-parallel attention.
 
 Transformers' modeling code runs as shipped; the one thing replaced is the attention kernel, through its
 ``AttentionInterface`` (the way DeepSpeed ALST and verl put Ulysses SP into Hugging Face models): the model is built
 with ``attn_implementation="flexorch"``, and :func:`flexorch_attention` receives each layer's q/k/v as
 ``(1, heads, tokens, head_dim)`` after the model's own projections and rotary embedding, and calls the attention
 callable the step bound to this micro-batch (single device, Ulysses or zigzag ring over its SP group, causal within
-each packed document; ``flexorch.workers.step_exec.group_attention``). That callable travels as the keyword
+each packed document, within the layer's sliding window where the model gives one:
+``flexorch.workers.step_exec.group_attention``). That callable travels as the keyword
 ``flexorch_attn`` of the model's forward, which Transformers passes through every decoder layer to the attention
 function. The model is fed ``position_ids`` holding each token's position in its *own document* (global, not local
 to a shard), so the model's rotary embedding rotates every token the same whatever the plan.
@@ -16,8 +18,9 @@ its state dict is the checkpoint's.
 
 Initial values come from the directory's safetensors weights (:func:`hf_weights`: one tensor at a time, and a
 sharded worker reads only its rows), or, with no weights, from Transformers' initialisation scheme
-(:func:`hf_random_init`: normal(0, initializer_range) weight matrices and embeddings, zero biases, unit norms) drawn
-in parameter order from a seeded generator, so every worker and every world size gets the same values.
+(:func:`hf_random_init`: normal(0, initializer_range) weight matrices and embeddings, zero biases, norms at 1, at 0
+for Gemma's ``1 + w`` norms) drawn in parameter order from a seeded generator, so every worker and every world size
+gets the same values.
 Transformers is imported only here, and only when a run uses an HF model.
 """
 
@@ -61,7 +64,10 @@ def flexorch_attention(module, query, key, value, attention_mask, scaling=None, 
     """Transformers' attention-function signature around flexorch's varlen SP attention: ``query (1, h, t, hd)``,
     ``key``/``value (1, h_kv, t, hd)`` -> ``(1, t, h, hd)``, no attention weights. The packed documents' boundaries
     and the SP group come with ``kwargs["flexorch_attn"]``; ``attention_mask`` is ignored (documents are separated by
-    ``cu_seqlens``, and Transformers builds no mask for this implementation)."""
+    ``cu_seqlens``, and Transformers builds no mask for this implementation). A layer with a sliding window (Mistral,
+    Gemma 3's local layers, Qwen's ``use_sliding_window``) passes it as ``sliding_window``: a query attends to that
+    many latest keys of its document, itself included (Transformers' ``sliding_window_overlay``), and the kernel is
+    given it as ``window``."""
     attn = kwargs.get("flexorch_attn")
     if attn is None:
         raise RuntimeError(
@@ -70,6 +76,8 @@ def flexorch_attention(module, query, key, value, attention_mask, scaling=None, 
         )
     if dropout:
         raise ValueError(f"flexorch attention has no dropout, got dropout={dropout}")
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"flexorch attention computes no logit soft-capping, got softcap={kwargs['softcap']}")
     if query.shape[0] != 1:
         raise ValueError(f"flexorch attention takes one packed sequence (batch 1), got batch {query.shape[0]}")
     q = query[0].transpose(0, 1)  # (1, h, t, hd) -> (t, h, hd)
@@ -77,6 +85,8 @@ def flexorch_attention(module, query, key, value, attention_mask, scaling=None, 
     v = value[0].transpose(0, 1)
     default = q.shape[-1] ** -0.5
     kw = {} if scaling is None or scaling == default else {"softmax_scale": scaling}
+    if kwargs.get("sliding_window") is not None:
+        kw["window"] = int(kwargs["sliding_window"])
     out = call_attention(attn, q, k, v, **kw)  # the compiled layer's graph breaks here (regional compile)
     return out.unsqueeze(0), None  # (t, h, hd) -> (1, t, h, hd)
 
@@ -155,14 +165,24 @@ class HFDecoder(nn.Module):
         return self._head(out.last_hidden_state[0])[:0].clone()
 
     def to_empty(self, *, device, recurse: bool = True) -> HFDecoder:
-        """``nn.Module.to_empty``, then the rotary embedding's buffers (computed from the config, not parameters,
-        so left as uninitialised memory by ``to_empty``) built again on ``device``."""
+        """``nn.Module.to_empty``, then the buffers computed from the config, not parameters, so left as
+        uninitialised memory by ``to_empty``, set again on ``device``: the rotary embedding's frequencies (each layer
+        kind's, with the config's RoPE scaling) and Gemma's embedding scale (``sqrt(hidden)``). Any other buffer is
+        an error, not a silent garbage value."""
         super().to_empty(device=device, recurse=recurse)
         rotary = self.model.rotary_emb
         with torch.device("cpu"):
             fresh = type(rotary)(config=self.hf_config)
         for name, buf in fresh.named_buffers():
             rotary.get_buffer(name).copy_(buf)
+        done = {f"model.rotary_emb.{n}" for n, _ in fresh.named_buffers()}
+        embed = self.model.embed_tokens
+        if hasattr(embed, "embed_scale"):  # Gemma3TextScaledWordEmbedding: the embedding times sqrt(hidden)
+            embed.embed_scale.fill_(getattr(embed, "scalar_embed_scale", self.hf_config.hidden_size**0.5))
+            done.add("model.embed_tokens.embed_scale")
+        left = [n for n, _ in self.named_buffers() if n not in done]
+        if left:
+            raise RuntimeError(f"{self.cfg.family}: buffers {left} are not rebuilt after to_empty")
         return self
 
     def set_recompute(self, mode: str) -> None:
@@ -194,7 +214,7 @@ class HFDecoder(nn.Module):
 
 
 def _selective_mlps(layers) -> list[nn.Module]:
-    """Each decoder layer's MLP (``layer.mlp``: Llama, Mistral, Qwen2 and most Transformers decoders), its forward
+    """Each decoder layer's MLP (``layer.mlp``: every family of ``HF_FAMILIES``), its forward
     wrapped once so that with ``flexorch_recompute`` set it runs under :func:`flexorch.workers.recompute.checkpointed`
     (only its input is kept; its activations are recomputed in the backward). The wrapper is an instance attribute:
     parameter names, state dicts and FSDP units are unchanged. It calls ``flexorch_plain_forward``, the MLP's own
@@ -281,18 +301,22 @@ def hf_weights(cfg: ModelConfig, shapes, rows=None, *, seed: int = 0):
 
 def hf_random_init(cfg: ModelConfig, seed: int, shapes):
     """Yield ``(name, float32 CPU tensor)`` of each whole parameter in ``shapes``, Transformers' initialisation
-    scheme (normal(0, initializer_range) matrices and embeddings, zero biases, unit norms) drawn in order from a
+    scheme (normal(0, initializer_range) matrices and embeddings, zero biases, norms at 1, Gemma's ``1 + w`` norms
+    at 0) drawn in order from a
     generator seeded with ``seed``. Adapter parameters come from generators of their own
     (``flexorch.workers.lora.initial_adapter_value``): the base values are those of the model without them."""
     return with_adapter_values(lambda base: _random_base(cfg, seed, base), shapes, seed, cfg.adapters)
 
 
 def _random_base(cfg: ModelConfig, seed: int, shapes):
+    from flexorch.config.hf import FAMILY_LAYOUTS
+
+    norm = torch.ones if FAMILY_LAYOUTS[cfg.family].norm_ones else torch.zeros
     gen = torch.Generator().manual_seed(seed)
     for name, shape in shapes:
         if name.endswith(".bias"):
             yield name, torch.zeros(shape, dtype=torch.float32)
         elif len(shape) == 1:  # RMSNorm weights
-            yield name, torch.ones(shape, dtype=torch.float32)
+            yield name, norm(shape, dtype=torch.float32)
         else:
             yield name, torch.empty(shape, dtype=torch.float32).normal_(0.0, cfg.init_std, generator=gen)

@@ -1,5 +1,8 @@
 """Hugging Face models in one process: the model directory's checks, and flexorch's attention inside Transformers'
-layers against Transformers' own ``sdpa`` attention (an oracle we did not write) on packed documents."""
+layers against Transformers' own ``sdpa`` attention and masks (an oracle we did not write) on packed documents, for
+every family flexorch trains: grouped-query attention, biases, a head size other than hidden / heads (Qwen3, Gemma 3),
+q/k norms (Qwen3, OLMo 2, Gemma 3), fused projections (Phi-3), sliding windows on every layer (Mistral) or some
+(Gemma 3), and scaled RoPE (llama3, YaRN) at positions beyond the original context."""
 
 from __future__ import annotations
 
@@ -17,12 +20,29 @@ from safetensors.torch import load_file, save_file  # noqa: E402  (a dependency 
 
 SHAPE = {"hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "vocab_size": 96}  # fmt: skip
-FAMILIES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+_LLAMA3 = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 8}  # fmt: skip
+CASES = {
+    "llama": ("llama", {}),
+    "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
+    "llama-rope-llama3": ("llama", {"rope_scaling": _LLAMA3}),  # documents of 30 tokens: beyond the original 8
+    "llama-rope-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 8}}),  # fmt: skip
+    "mistral": ("mistral", {"sliding_window": 16}),  # every layer windowed, shorter than the longest document
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {"head_dim": 16}),  # 4 heads of 16 on a hidden size of 32
+    "phi3": ("phi3", {"pad_token_id": None}),
+    "olmo2": ("olmo2", {"pad_token_id": None}),
+    "gemma3_text": ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}),
+}
+"""Test models: name -> (model_type, config options beyond SHAPE)."""
+FAMILIES = [name for name, (family, _) in CASES.items() if name == family]
 
 
-def _dir(tmp_path, family="llama", weights=False, **extra):
-    conf = getattr(transformers, FAMILIES[family])(**{**SHAPE, **extra})
-    d = tmp_path / f"{family}{'-w' if weights else ''}"
+def _dir(tmp_path, case="llama", weights=False, **extra):
+    family, options = CASES[case]
+    conf = transformers.AutoConfig.for_model(family, **{**SHAPE, **options, **extra})
+    d = tmp_path / f"{case}{'-w' if weights else ''}"
     if weights:
         torch.manual_seed(1)
         transformers.AutoModelForCausalLM.from_config(conf).save_pretrained(d)
@@ -35,11 +55,11 @@ def _model_cfg(d) -> ModelConfig:
     return ModelConfig.from_dict(hf_model_config(str(d)))
 
 
-@pytest.mark.parametrize("family,tied", [("llama", False), ("mistral", False), ("qwen2", True), ("qwen2", False)])
-def test_param_shapes_are_the_transformers_models(tmp_path, family, tied):
+@pytest.mark.parametrize("case,tied", [(c, False) for c in CASES] + [("qwen2", True), ("gemma3_text", True)])
+def test_param_shapes_are_the_transformers_models(tmp_path, case, tied):
     from flexorch.workers.model_source import build_model
 
-    d = _dir(tmp_path, family, tie_word_embeddings=tied)
+    d = _dir(tmp_path, case, tie_word_embeddings=tied)
     cfg = _model_cfg(d)
     conf = transformers.AutoConfig.from_pretrained(d)
     with torch.device("meta"):
@@ -51,29 +71,30 @@ def test_param_shapes_are_the_transformers_models(tmp_path, family, tied):
     assert [(n, tuple(p.shape)) for n, p in model.named_parameters()] == theirs
     again = build_model(cfg, 3)
     assert all(torch.equal(v, again.state_dict()[k]) for k, v in model.state_dict().items())
-    # the rotary buffers are rebuilt after to_empty, not left as uninitialised memory
-    expected = transformers.AutoModelForCausalLM.from_config(conf).model.rotary_emb.inv_freq
-    torch.testing.assert_close(model.model.rotary_emb.inv_freq, expected)
+    # the buffers (rotary frequencies of each layer kind, Gemma's embedding scale) are rebuilt after to_empty, not
+    # left as uninitialised memory
+    expected = dict(transformers.AutoModelForCausalLM.from_config(conf).named_buffers())
+    assert set(expected) == {n for n, _ in model.named_buffers()}
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(buf, expected[name], rtol=0, atol=0, msg=name)
 
 
-def _packed(docs):
+def _their_logits(ref, docs):
+    """Transformers' model on each document alone, with the masks it builds itself (causal, its sliding windows):
+    ``(sum of lengths, vocab)``, in the packed order."""
+    return torch.cat([ref(input_ids=doc[None]).logits[0] for doc in docs])
+
+
+@pytest.mark.parametrize(
+    "case,recompute", [(c, "none") for c in CASES] + [(f, r) for f in FAMILIES for r in ("full", "selective")]
+)
+def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_documents(tmp_path, case, recompute):
     from flexorch.testing.reference import pack_documents
-
-    b = pack_documents(docs)
-    seg = torch.repeat_interleave(torch.arange(len(docs)), torch.diff(b.cu_seqlens.long()))
-    t = b.tokens.numel()
-    allowed = (seg[:, None] == seg[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-    return b, torch.zeros(1, 1, t, t).masked_fill(~allowed, torch.finfo(torch.float32).min)
-
-
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
-def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_documents(tmp_path, family, recompute):
     from flexorch.workers.attention.api import varlen_attn_func
     from flexorch.workers.model import loss_sum
     from flexorch.workers.model_source import build_model, set_activation_checkpointing
 
-    cfg = _model_cfg(_dir(tmp_path, family))
+    cfg = _model_cfg(_dir(tmp_path, case))
     ours = build_model(cfg, 0)
     set_activation_checkpointing(ours, recompute)
     ours.train()
@@ -82,10 +103,10 @@ def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_docume
     ref.load_state_dict(ours.state_dict())
     gen = torch.Generator().manual_seed(0)
     docs = [torch.randint(0, 96, (n,), generator=gen) for n in (7, 30, 1, 12)]
-    b, mask = _packed(docs)
+    b = pack_documents(docs)
     attn = functools.partial(varlen_attn_func, cu_seqlens=b.cu_seqlens, max_seqlen=b.max_seqlen)
     loss_sum(ours(b.tokens, b.position_ids, attn), b.labels).backward()
-    logits = ref(input_ids=b.tokens[None], position_ids=b.position_ids[None], attention_mask=mask).logits[0]
+    logits = _their_logits(ref, docs)
     loss_sum(logits, b.labels).backward()
     torch.testing.assert_close(ours(b.tokens, b.position_ids, attn), logits, rtol=1e-5, atol=1e-5)
     theirs = dict(ref.named_parameters())
@@ -93,7 +114,7 @@ def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_docume
         torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", FAMILIES)
 def test_selective_recompute_of_a_transformers_model_keeps_between_none_and_full(tmp_path, family):
     # 'selective' recomputes each layer's MLP only (flexorch.workers.hf_model): its intermediate activations, most
     # of a layer's bytes, are dropped; the rest of the layer keeps what it keeps without recompute
@@ -164,14 +185,38 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "family,extra,match",
+    "case,extra,match",
     [("llama", {"attention_dropout": 0.1}, "dropout"),
-     ("llama", {"head_dim": 16}, "head_dim"), ("llama", {"attention_bias": True}, "attention_bias"),
-     ("llama", {"hidden_act": "gelu"}, "hidden_act")],
+     ("mistral", {"attention_bias": True}, "attention_bias / mlp_bias: a mistral model has no such biases"),
+     ("llama", {"hidden_act": "tanh"}, "hidden_act 'tanh' is not supported; use one of silu"),
+     ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0.*no soft-capping"),
+     ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0"),
+     ("gemma3_text", {"use_bidirectional_attention": True}, "causal language models only"),
+     ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+      "rope_type 'dynamic'.*longest position in each forward call.*llama3, yarn")],
 )  # fmt: skip
-def test_options_flexorch_does_not_compute_are_refused(tmp_path, family, extra, match):
+def test_options_flexorch_does_not_compute_are_refused(tmp_path, case, extra, match):
     with pytest.raises(ConfigError, match=match):
-        hf_model_config(str(_dir(tmp_path, family, **extra)))
+        hf_model_config(str(_dir(tmp_path, case, **extra)))
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [({"model_type": "qwen3_next"}, "model_type 'qwen3_next': Qwen3-Next mixes linear-attention"),
+     ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
+      "vision tower.*model_type gemma3_text"),
+     ({"model_type": "mixtral"}, "model_type 'mixtral': a mixture-of-experts model"),
+     ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types has 'chunked_attention' layers"),
+     ({"layer_types": ["full_attention"]}, "one kind per layer \\(2\\)"),
+     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
+     ({"sliding_window": None, "layer_types": ["sliding_attention"] * 2}, "sliding_window is None")],
+)  # fmt: skip
+def test_config_keys_flexorch_does_not_run_are_named_with_the_reason(tmp_path, edit, match):
+    d = _dir(tmp_path, "llama")
+    conf = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**conf, **edit}))
+    with pytest.raises(ConfigError, match=match):
+        hf_model_config(str(d))
 
 
 def test_missing_and_misshaped_weights_are_named(tmp_path):
