@@ -276,7 +276,9 @@ def _rope(cfg: dict, where: str) -> float:
                 "frequencies)"
             )
         if rope_type not in ROPE_TYPES:
-            raise ConfigError(f"{where}: rope_type {rope_type!r} is not supported; flexorch runs {', '.join(ROPE_TYPES)}")
+            raise ConfigError(
+                f"{where}: rope_type {rope_type!r} is not supported; flexorch runs {', '.join(ROPE_TYPES)}"
+            )
     main = per_kind.get("full_attention") or next(iter(per_kind.values()))
     return float(cfg.get("rope_theta", main.get("rope_theta", 10000.0)))
 
@@ -286,7 +288,9 @@ def _check_unsupported(cfg: dict, family: str, d: Path) -> None:
     lay = FAMILY_LAYOUTS[family]
     act = cfg.get(lay.activation_key, cfg.get("hidden_act", "silu"))
     if act not in ACTIVATIONS:
-        raise ConfigError(f"{where}: {lay.activation_key} {act!r} is not supported; use one of {', '.join(ACTIVATIONS)}")
+        raise ConfigError(
+            f"{where}: {lay.activation_key} {act!r} is not supported; use one of {', '.join(ACTIVATIONS)}"
+        )
     if float(cfg.get("attention_dropout", 0.0) or 0.0) != 0.0:
         raise ConfigError(f"{where}: attention_dropout {cfg['attention_dropout']}; flexorch's attention has no "
                           "dropout: set it to 0.0")  # fmt: skip
@@ -415,7 +419,9 @@ def hf_model_config(path: str) -> dict:
         "mlp_bias": bool(lay.mlp_bias_key and cfg.get(lay.mlp_bias_key)),
     }
     if fields["num_kv_heads"] > heads or heads % fields["num_kv_heads"]:
-        raise ConfigError(f"{where}: num_key_value_heads {fields['num_kv_heads']} must divide num_attention_heads {heads}")
+        raise ConfigError(
+            f"{where}: num_key_value_heads {fields['num_kv_heads']} must divide num_attention_heads {heads}"
+        )
     files = hf_weight_files(d)
     if files:
         shape = SimpleNamespace(**fields, head_dim=fields["head_size"] or dim // heads)

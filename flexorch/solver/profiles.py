@@ -215,8 +215,9 @@ class Profile:
         """Bytes a device of a Ulysses group of ``degree`` holds per local token beyond ``act_bytes_per_token``
         (measured on one device), in every layer: the attention output in head shards ``(s, h/d, hd)`` is saved
         by the attention kernel and its all-to-all back ``(s/d, h, hd)`` by the output projection, two storages
-        where one device has one (``h * hd`` elements, ``hidden`` unless the model sets its head size); and K/V heads replicated to ``lcm(kv_heads, d)`` when d
-        does not divide them hold ``lcm(kv_heads, d) - kv_heads`` more heads each
+        where one device has one (``h * hd`` elements, ``hidden`` unless the model sets its head size); and K/V heads
+        replicated to ``lcm(kv_heads, d)`` when d does not divide them hold ``lcm(kv_heads, d) - kv_heads`` more heads
+        each
         (``flexorch/workers/attention/ulysses.py``). ``tests/integration/test_activation_plan.py`` checks it against
         the bytes a worker of each layout holds."""
         if degree <= 1:

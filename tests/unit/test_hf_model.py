@@ -26,8 +26,10 @@ CASES = {
     "llama": ("llama", {}),
     "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "llama-rope-llama3": ("llama", {"rope_scaling": _LLAMA3}),  # documents of 30 tokens: beyond the original 8
-    "llama-rope-yarn": ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
-                                                   "original_max_position_embeddings": 8}}),  # fmt: skip
+    "llama-rope-yarn": (
+        "llama",
+        {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}},
+    ),  # fmt: skip
     "mistral": ("mistral", {"sliding_window": 16}),  # every layer windowed, shorter than the longest document
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 16}),  # 4 heads of 16 on a hidden size of 32
