@@ -144,6 +144,11 @@ class ModelConfig:
             )
         object.__setattr__(self, "window_layers", layers)
 
+    @property
+    def window_fraction(self) -> float:
+        """The share of the layers that attend within :attr:`attention_window` (0.0 without one)."""
+        return len(self.window_layers) / self.num_layers if self.attention_window is not None else 0.0
+
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of decoder layer ``layer`` (None: it attends to its whole document)."""
         return self.attention_window if layer in self.window_layers else None

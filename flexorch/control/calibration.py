@@ -43,6 +43,7 @@ from flexorch.solver.calibration import (
     intra_from_inter,
     prediction_errors,
 )
+from flexorch.solver.cost_model import attention_square
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile, get_profile
 from flexorch.solver.step_planner import planner_profile
@@ -185,6 +186,8 @@ def _profile_dims(cfg, act: float) -> dict:
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
         head_size=model.head_size,
+        attention_window=model.attention_window or 0,
+        window_fraction=model.window_fraction,
         bytes_per_element=2 if cfg.precision == "bf16" else 4,  # what SP collectives move per element
         act_bytes_per_token=act,
         memory_budget_bytes=state_bytes + (cfg.tokens_per_worker + 0.5) * act,
@@ -208,7 +211,7 @@ def _group_samples(base: Profile, groups, ms) -> tuple[list[CommSample], list[Gr
     for p, m in zip(groups, ms, strict=True):
         s = np.asarray(p.lengths, dtype=np.float64)
         spans = p.placement == "inter"
-        compute_ms = base.b1_ms + float((base.a1_ms * s * s + base.a2_ms * s).sum()) / p.degree
+        compute_ms = base.b1_ms + float((base.a1_ms * attention_square(s, base) + base.a2_ms * s).sum()) / p.degree
         tokens = int(s.sum()) // p.degree
         comm_samples.append(
             CommSample(kind=p.kind, degree=p.degree, tokens_per_rank=tokens, ms=max(0.01, m - compute_ms), spans=spans)
@@ -310,6 +313,8 @@ def fitted_profile(
         num_heads=cfg.model.num_heads,
         num_kv_heads=cfg.model.num_kv_heads,
         head_size=cfg.model.head_size,
+        attention_window=cfg.model.attention_window or 0,
+        window_fraction=cfg.model.window_fraction,
         tokens_per_worker=cfg.tokens_per_worker,
         num_layers=cfg.model.num_layers,
         vocab_size=cfg.model.vocab_size,

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from flexorch.solver.calibration_samples import CommSample, ComputeSample, GroupSample
-from flexorch.solver.cost_model import RING, ULYSSES, comm_bytes, group_time_ms
+from flexorch.solver.cost_model import RING, ULYSSES, attention_square, comm_bytes, group_time_ms
 from flexorch.solver.errors import ProfileError
 from flexorch.solver.profiles import Profile
 
@@ -135,10 +135,16 @@ def _relative_fit(features: np.ndarray, ms: np.ndarray, what: str, hint: str) ->
     return _nnls(rows, np.ones(ms.size))
 
 
-def fit_compute_terms(samples: Sequence[ComputeSample], what: str = "compute_samples") -> tuple[float, float, float]:
+def fit_compute_terms(
+    samples: Sequence[ComputeSample], what: str = "compute_samples", profile: Profile | None = None
+) -> tuple[float, float, float]:
     """(b1, a1, a2) of ``ms = b1 + a1 * sum s^2 + a2 * sum s`` fitted to degree-1 samples (NNLS on relative errors);
-    ProfileError when the samples do not separate the three."""
-    feats = np.array([[1.0, sum(s * s for s in c.seq_lengths), sum(c.seq_lengths)] for c in samples], dtype=np.float64)
+    ProfileError when the samples do not separate the three. ``profile``: the model's sliding windows, if any, make
+    ``s^2`` the window-aware ``attention_square(s)`` (``flexorch.solver.cost_model``), so a1 is the price of one
+    key-query pair whatever the window."""
+    feats = np.array(
+        [[1.0, float(_squares(c.seq_lengths, profile).sum()), sum(c.seq_lengths)] for c in samples], dtype=np.float64
+    )
     b1, a1, a2 = _relative_fit(
         feats,
         np.array([c.ms for c in samples]),
@@ -146,6 +152,11 @@ def fit_compute_terms(samples: Sequence[ComputeSample], what: str = "compute_sam
         "time micro-batches of different total tokens, some one long sequence, some many short ones packed",
     )
     return float(b1), float(a1), float(a2)
+
+
+def _squares(lengths, profile: Profile | None) -> np.ndarray:
+    s = np.asarray(lengths, dtype=np.float64)
+    return s * s if profile is None else attention_square(s, profile)
 
 
 def _coerce(samples, cls, what: str) -> list:
@@ -168,6 +179,8 @@ def fit_profile(
     num_heads: int,
     num_kv_heads: int,
     head_size: int = 0,
+    attention_window: int = 0,
+    window_fraction: float = 0.0,
     bytes_per_element: int = 2,
     compute_samples: Sequence[ComputeSample | dict],
     comm_samples: Sequence[CommSample | dict],
@@ -196,13 +209,15 @@ def fit_profile(
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
+        attention_window=attention_window,
+        window_fraction=window_fraction,
         bytes_per_element=bytes_per_element,
         a2a_gbps={2: 1.0},
     )
     comp = _coerce(compute_samples, ComputeSample, "compute_samples")
     comms = _coerce(comm_samples, CommSample, "comm_samples")
     notes: list[str] = []
-    b1, a1, a2 = _fit_compute(comp, notes)
+    b1, a1, a2 = _fit_compute(comp, notes, dims)
     by_group = _comm_groups(comms)
     tables = _fit_comm_tables(by_group, dims, notes)
     profile = dims.with_overrides(a1_ms=float(a1), a2_ms=float(a2), b1_ms=float(b1), **tables)
@@ -253,14 +268,14 @@ def _group_name(kind: str, d: int, spans: bool) -> str:
     return f"{kind}-{d}{' across nodes' if spans else ''}"
 
 
-def _fit_compute(comp: list[ComputeSample], notes: list[str]) -> tuple[float, float, float]:
+def _fit_compute(comp: list[ComputeSample], notes: list[str], dims: Profile) -> tuple[float, float, float]:
     """(b1, a1, a2) from the compute samples; a note when time did not grow with tokens."""
     if len(comp) < MIN_COMPUTE_SAMPLES:
         raise ProfileError(
             f"compute_samples: got {len(comp)}, need at least {MIN_COMPUTE_SAMPLES} (one per unknown b1, a1, a2; "
             "a dozen from short to long sequences, single and packed, fit much better)"
         )
-    b1, a1, a2 = fit_compute_terms(comp)
+    b1, a1, a2 = fit_compute_terms(comp, profile=dims)
     if a1 <= 0 and a2 <= 0:
         tokens = [sum(c.seq_lengths) for c in comp]
         notes.append(

@@ -22,6 +22,12 @@ For a sequence of s tokens on an SP group of degree d (all d devices work on it 
             False: a call without a placement is priced as inside one node.
 * hybrid:   Ulysses over u ranks inside a node x zigzag ring over r = d/u ring positions across nodes
             (:func:`hybrid_seq_times_ms`, derivation there).
+* windows:  a model whose layers (a share f of them) attend within a sliding window of w tokens pays, in those
+            layers, attention over ``2 s w - w^2`` key-query pairs (twice the pairs of ``w^2/2 + (s - w) w``, the
+            window's band) instead of ``s^2`` once s > w: ``s^2`` in every a1 term above becomes
+            ``attention_square(s) = (1 - f) s^2 + f min(s^2, 2 s w - w^2)`` (Gemma 3 slides 5 layers of 6, so a
+            32K-token document with a 1K window costs about a fifth of the quadratic model's attention). The ring's
+            K/V still travels the whole ring, so its exchange term is unchanged.
 * memory:   a group of degree d holds at most d * tokens_per_device tokens (s/d * act_per_token per device); a
             Ulysses group's tokens also cost its all-to-all copies (``Profile.act_bytes_per_local_token``), so it
             holds ``Profile.group_token_cap("ulysses", d)``, a few per cent less.
@@ -38,6 +44,7 @@ import numpy as np
 from flexorch.solver.profiles import Profile
 
 __all__ = [
+    "attention_square",
     "KINDS",
     "GROUP_KINDS",
     "ULYSSES",
@@ -87,6 +94,16 @@ def kind_allowed(kind: str, d: int, profile: Profile, ulysses_degree: int | None
         u = ulysses_degree
         return u is not None and u >= 2 and d % u == 0 and d // u >= 2 and profile.num_heads % u == 0
     raise ValueError(f"unknown attention kind {kind!r}; expected one of {GROUP_KINDS}")
+
+
+def attention_square(s, profile: Profile) -> np.ndarray:
+    """The ``s^2`` of the attention term (``a1 * s^2``) of sequences of ``s`` tokens on the profile's model: with a
+    sliding window w on a share f of the layers, ``(1 - f) s^2 + f min(s^2, 2 s w - w^2)`` (module docstring)."""
+    s = np.asarray(s, dtype=np.float64)
+    w, f = profile.attention_window, profile.window_fraction
+    if not w or not f:
+        return s * s
+    return (1.0 - f) * s * s + f * np.where(s <= w, s * s, 2.0 * s * w - float(w) * w)
 
 
 def _ulysses_bytes_per_token(profile: Profile) -> float:
@@ -149,7 +166,7 @@ def hybrid_seq_times_ms(
     """
     s = np.asarray(lengths, dtype=np.float64)
     r = d // _u(d, u)
-    attn = profile.a1_ms * s * s
+    attn = profile.a1_ms * attention_square(s, profile)
     bw_a = profile.bandwidth_gbps(u, inter=ulysses_spans) * 1e9
     a2a = _ulysses_bytes_per_token(profile) * s / (d * bw_a) * 1e3
     bw_p = profile.bandwidth_gbps(r, ring=True, inter=spans) * 1e9
@@ -174,7 +191,7 @@ def seq_times_ms(
     ``spans``: the group's ranks span nodes (its collectives priced with the profile's inter-node tables); a hybrid
     group names ``ulysses_degree`` and whether a ring position itself spans nodes (``ulysses_spans``)."""
     s = np.asarray(lengths, dtype=np.float64)
-    attn = profile.a1_ms * s * s
+    attn = profile.a1_ms * attention_square(s, profile)
     linear = profile.a2_ms * s
     if d == 1:
         return attn + linear
@@ -260,7 +277,7 @@ def group_comm_ms(
         moved = float((_ulysses_bytes_per_token(profile) * s / (d * bw) * 1e3).sum())
     else:
         bw = profile.bandwidth_gbps(d, ring=True, inter=spans) * 1e9
-        c = profile.a1_ms * s * s / (d * d)
+        c = profile.a1_ms * attention_square(s, profile) / (d * d)
         m = _ring_step_bytes_per_token(profile) * (s / d) / bw * 1e3
         moved = float(((d - 1) * np.maximum(m - c, 0.0)).sum())
     return latency + moved

@@ -90,6 +90,12 @@ class Profile:
     head_size: int = 0
     """The size of one head when the model sets one other than hidden / num_heads (Qwen3, Gemma 3: ``head_dim``);
     0: hidden / num_heads (:attr:`head_dim` reads either)."""
+    attention_window: int = 0
+    """The sliding attention window (tokens) of the model's windowed layers; 0: every layer attends to its whole
+    document. A windowed layer's attention over s tokens costs ``2 s w - w^2`` where a full one costs ``s^2``
+    (``flexorch.solver.cost_model.attention_square``)."""
+    window_fraction: float = 0.0
+    """The share of the layers that use :attr:`attention_window` (Gemma 3: 5 of 6; Mistral: 1)."""
     a2a_gbps: dict[int, float] = field(default_factory=dict)
     """All-to-all bandwidth per device in GB/s for a group of d devices (keys: powers of two >= 2)."""
     p2p_gbps: dict[int, float] = field(default_factory=dict)
@@ -169,6 +175,11 @@ class Profile:
                 problems.append(f"{f} must be a positive integer, got {v!r}")
         if not problems and self.num_heads % self.num_kv_heads:
             problems.append(f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}")
+        w, f = self.attention_window, self.window_fraction
+        if isinstance(w, bool) or not isinstance(w, int) or w < 0:
+            problems.append(f"attention_window must be an integer >= 0 (0: no window), got {w!r}")
+        elif isinstance(f, bool) or not isinstance(f, int | float) or not 0 <= f <= 1 or (f > 0) != (w > 0):
+            problems.append(f"window_fraction must be in (0, 1] with an attention_window, 0 without, got {f!r}")
         if isinstance(self.head_size, bool) or not isinstance(self.head_size, int) or self.head_size < 0:
             problems.append(f"head_size must be an integer >= 0 (0: hidden / num_heads), got {self.head_size!r}")
         elif not problems and not self.head_size and self.hidden % self.num_heads:

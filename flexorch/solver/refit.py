@@ -266,7 +266,7 @@ def _refit_compute(profile: Profile, compute, refitted: list[str]) -> Profile:
     """``profile`` with b1, a1, a2 refitted on the window's degree-1 groups where they show them ("compute")."""
     if len(compute) >= MIN_COMPUTE:
         try:
-            b1, a1, a2 = fit_compute_terms(compute, "refit")
+            b1, a1, a2 = fit_compute_terms(compute, "refit", profile)
         except ProfileError:  # the window does not separate b1, a1, a2 (e.g. every group the same size)
             pass
         else:

@@ -43,6 +43,8 @@ def planner_profile(
     num_kv_heads: int,
     tokens_per_worker: int,
     head_size: int = 0,
+    attention_window: int = 0,
+    window_fraction: float = 0.0,
     num_layers: int | None = None,
     vocab_size: int | None = None,
     stage_bytes: tuple[float, float] | None = None,
@@ -72,7 +74,14 @@ def planner_profile(
     if stage_bytes is None and vocab_size is not None:
         head = 4.0 * vocab_size + 4.0 * profile.hidden * profile.bytes_per_element
         extra["head_bytes_per_token"] = min(head, 0.5 * profile.act_bytes_per_token)
-    profile = profile.with_overrides(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, **extra)
+    profile = profile.with_overrides(
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        attention_window=attention_window,
+        window_fraction=window_fraction,
+        **extra,
+    )
     degrees = [d for d in (2**i for i in range(num_heads.bit_length())) if kind_allowed(ULYSSES, d, profile)]
     costliest = max(profile.act_bytes_per_local_token(ULYSSES, d) for d in degrees)
     act = (tokens_per_worker + 0.5) * costliest if activation_budget_bytes is None else activation_budget_bytes

@@ -310,3 +310,19 @@ def test_group_refit_across_nodes_fills_the_inter_tables_only(kind):
     assert group_time_ms(lengths[0], 4, kind, copied) == pytest.approx(
         group_time_ms(lengths[0], 4, kind, fitted, spans=True)
     )
+
+
+def test_a_windowed_models_probes_are_fitted_with_its_window():
+    """Compute probes of a model whose layers slide (a share 5/6, window 512) recover a1 only when the fit knows
+    the window: fitted with s^2 the long probes' attention looks cheap and a1 comes out far too low."""
+    windowed = dict(attention_window=512, window_fraction=5 / 6)
+    truth = TRUTH.with_overrides(**windowed)
+    compute = []
+    for lengths in ([64], [256], [1024], [2048], [4096], [8192], [64] * 16, [256] * 8, [512] * 4, [3000] * 2):
+        compute.append(ComputeSample(lengths, group_time_ms(lengths, 1, "ulysses", truth)))
+    _, comm = _samples(noise=0.0)
+    aware, report = fit_profile("win", **DIMS, **MEMORY, **windowed, compute_samples=compute, comm_samples=comm)
+    assert (aware.attention_window, aware.window_fraction) == (512, 5 / 6)
+    assert aware.a1_ms == pytest.approx(TRUTH.a1_ms, rel=1e-6) and report.max_rel_error < 1e-6
+    blind, blind_report = _fit(compute, comm)
+    assert blind.a1_ms < 0.5 * TRUTH.a1_ms and blind_report.compute.max_rel_error > 0.01

@@ -456,3 +456,24 @@ def test_bad_speeds_exit_2_before_any_step(tmp_path, capsys, extra, msg):
     assert code == 2 and msg in err and err.startswith("flexorch plan: error: "), err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert not (run / "steps.jsonl").exists() and "step_ms" not in out  # refused before planning anything
+
+
+def test_a_window_prices_the_steps_attention_by_its_band_and_bad_windows_exit_2(tmp_path, capsys):
+    """--window / --window-share (or config keys window, window_share): the same batch with a 1K window on 5 of 6
+    layers is predicted cheaper than the quadratic model's (its long documents' attention costs ``2 s w - w^2``)."""
+    base = ["plan", "--workers", "16", "--batch", "64", "--steps", "1", "--json", "--time-limit", "0.5"]
+    predicted = {}
+    for name, extra in (("global", []), ("windowed", ["--window", "1K", "--window-share", "5/6"])):
+        code, out, _ = _run([*base, *extra], capsys)
+        assert code == 0
+        predicted[name] = json.loads(out.strip().splitlines()[0])["predicted_ms"]
+    assert predicted["windowed"] < 0.97 * predicted["global"], predicted
+    cfg = tmp_path / "plan.toml"
+    cfg.write_text('window = "1K"\nwindow_share = "5/6"\n')
+    code, out, _ = _run([*base, "--config", str(cfg)], capsys)
+    assert code == 0 and json.loads(out.strip().splitlines()[0])["predicted_ms"] < 0.97 * predicted["global"]
+    for extra, msg in ((["--window-share", "1"], "--window-share needs --window"),
+                       (["--window", "1K", "--window-share", "7"], "--window-share must be in (0, 1]"),
+                       (["--window", "1K", "--window-share", "a/b"], "must be a fraction like 5/6")):  # fmt: skip
+        code, _, err = _run([*base, *extra], capsys)
+        assert code == 2 and msg in err, err

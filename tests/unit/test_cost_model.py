@@ -96,3 +96,54 @@ def test_comm_part_is_what_sp_adds_over_compute_and_bounds_the_share():
     share = comm_share(plan, P)
     assert share == pytest.approx(group_comm_ms([s, 512], d, "ulysses", P) / step_time_ms(plan, P))
     assert 0 < share < 1
+
+
+def test_a_sliding_window_prices_a_windowed_layers_attention_by_its_band():
+    from flexorch.solver.cost_model import attention_square
+
+    w = 1024
+    all_local = P.with_overrides(attention_window=w, window_fraction=1.0)
+    gemma = P.with_overrides(attention_window=w, window_fraction=5 / 6)
+    s = [512, 1024, 4096, 32768]
+    # within the window a windowed layer is a full one; beyond it, the band: w^2/2 + (s - w) w pairs, doubled
+    assert list(attention_square(s, all_local)) == [512.0**2, 1024.0**2, 2 * 4096 * w - w * w, 2 * 32768 * w - w * w]
+    assert list(attention_square(s, P)) == [float(x) * x for x in s]
+    mixed = attention_square(s, gemma)
+    assert mixed == pytest.approx(
+        [(x * x + 5 * float(a)) / 6 for x, a in zip(s, attention_square(s, all_local), strict=True)]
+    )
+    # a 32K document with a 1K window on 5 of 6 layers: about a fifth of the quadratic attention
+    assert 0.19 < mixed[-1] / 32768**2 < 0.23
+    # every a1 term takes it: one device, Ulysses, ring (its exchange unchanged), hybrid
+    linear = 0.18396 * 32768
+    assert seq_time_ms(32768, 1, "ulysses", gemma) == pytest.approx(5.128e-6 * mixed[-1] + linear)
+    assert seq_time_ms(32768, 8, "ulysses", gemma) < seq_time_ms(32768, 8, "ulysses", P)
+    assert seq_time_ms(32768, 4, "ring", gemma) < seq_time_ms(32768, 4, "ring", P)
+    assert comm_bytes(32768, 4, "ring", gemma) == comm_bytes(32768, 4, "ring", P)
+    hybrid = {"ulysses_degree": 2}
+    assert seq_time_ms(32768, 8, "hybrid", gemma, **hybrid) < seq_time_ms(32768, 8, "hybrid", P, **hybrid)
+    # short documents never reach the window: priced as before
+    assert seq_time_ms(800, 2, "ulysses", gemma) == pytest.approx(seq_time_ms(800, 2, "ulysses", P))
+
+
+def test_a_head_size_other_than_hidden_over_heads_moves_the_all_to_all_volume():
+    wide = P.with_overrides(head_size=256)  # 32 heads of 256 on a hidden size of 4096: q and o twice as wide
+    q_dim, kv_dim = 32 * 256, 32 * 256
+    per_token = 2 * 32 * (2 * q_dim + 2 * kv_dim) * 2
+    assert comm_bytes(8192, 8, "ulysses", wide) == pytest.approx(per_token * 8192 / 8)
+    assert comm_bytes(8192, 8, "ulysses", wide) == pytest.approx(2 * comm_bytes(8192, 8, "ulysses", P))
+
+
+@pytest.mark.parametrize(
+    "changes,match",
+    [({"attention_window": -1}, "attention_window must be an integer >= 0"),
+     ({"attention_window": 1024}, "window_fraction must be in \\(0, 1\\] with an attention_window"),
+     ({"window_fraction": 0.5}, "0 without"),
+     ({"attention_window": 1024, "window_fraction": 1.5}, "window_fraction"),
+     ({"head_size": -8}, "head_size must be an integer >= 0")],
+)  # fmt: skip
+def test_bad_window_and_head_size_fields_are_refused(changes, match):
+    from flexorch.solver import ProfileError
+
+    with pytest.raises(ProfileError, match=match):
+        P.with_overrides(**changes)
