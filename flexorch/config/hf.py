@@ -48,6 +48,8 @@ __all__ = [
 class FamilyLayout:
     """How a family's decoder layer names and shapes its parameters (``named_parameters`` order)."""
 
+    architecture: str
+    """Its ``...ForCausalLM`` class (what an export's config.json names)."""
     layer_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     """The layer's norms, after its attention and MLP parameters, in registration order."""
     qk_norm: str | None = None
@@ -67,13 +69,15 @@ class FamilyLayout:
 
 
 FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
-    "llama": FamilyLayout(mlp_bias_key="mlp_bias"),
-    "mistral": FamilyLayout(bias_key=None),
-    "qwen2": FamilyLayout(bias_key=None, qkv_bias=True),
-    "qwen3": FamilyLayout(qk_norm="head"),
-    "olmo2": FamilyLayout(qk_norm="projection", layer_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
-    "phi3": FamilyLayout(fused=True, bias_key=None),
+    "llama": FamilyLayout("LlamaForCausalLM", mlp_bias_key="mlp_bias"),
+    "mistral": FamilyLayout("MistralForCausalLM", bias_key=None),
+    "qwen2": FamilyLayout("Qwen2ForCausalLM", bias_key=None, qkv_bias=True),
+    "qwen3": FamilyLayout("Qwen3ForCausalLM", qk_norm="head"),
+    "olmo2": FamilyLayout("Olmo2ForCausalLM", qk_norm="projection",
+                          layer_norms=("post_attention_layernorm", "post_feedforward_layernorm")),
+    "phi3": FamilyLayout("Phi3ForCausalLM", fused=True, bias_key=None),
     "gemma3_text": FamilyLayout(
+        "Gemma3ForCausalLM",
         qk_norm="head",
         layer_norms=("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"),

@@ -278,13 +278,6 @@ class TrainConfig:
                 "which a Transformers model does not expose without forking its code; use SP steps (remove "
                 "pipeline.stages), with sharding.mode = 'fsdp' for the model state"
             )
-        window = self.model.attention_window
-        if window is not None and self.data.max_context > window:
-            raise ConfigError(
-                f"data.max_context={self.data.max_context} is longer than the model's sliding attention window of "
-                f"{window} tokens; flexorch computes full causal attention within each document, which equals the "
-                f"window's only for documents of at most {window} tokens: set data.max_context <= {window}"
-            )
 
     def _check_sharding(self) -> None:
         mode, precision = self.sharding.resolved(self.use_gpu)

@@ -15,13 +15,14 @@ import shutil
 from pathlib import Path
 
 from flexorch.config.adapters import LoraSpec
+from flexorch.config.hf import FAMILY_LAYOUTS
 from flexorch.control.checkpoint import CheckpointError
 from flexorch.control.checkpoint_export import checkpoint_config, consolidated_state
 from flexorch.workers.lora import is_adapter_param
 
 __all__ = ["export_hf"]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {family: layout.architecture for family, layout in FAMILY_LAYOUTS.items()}
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
     "merges.txt", "added_tokens.json", "chat_template.jinja",

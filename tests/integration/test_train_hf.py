@@ -1,12 +1,14 @@
 """Hugging Face models trained by `flexorch train` match Transformers' own attention in one process.
 
-Tiny random Llama and Qwen2 configs (grouped-query attention; Qwen2 with q/k/v biases and tied embeddings) are
-trained 3 steps on 4 real Ray workers with adaptive plans (Ulysses and zigzag-ring groups, a 256-token document
-four times one worker's 64-token budget). The oracle is not flexorch code: the same Transformers class built with
-``attn_implementation="sdpa"`` (Llama) or ``"eager"`` (Qwen2), run in ONE process on each step's documents packed
-into one sequence with a block-diagonal causal mask, its loss summed over the predicted tokens, then the same
-AdamW. Per-step losses and the final parameters must agree at fp32 tolerances, under replicated and FSDP2-sharded
-model state.
+Tiny random configs of every family (grouped-query attention; Qwen2 with q/k/v biases and tied embeddings; Qwen3
+with a head size other than hidden / heads and q/k norms; Phi-3's fused projections; OLMo 2's norms; Gemma 3's
+sliding-window layers beside a global one; Mistral windowed on every layer; Llama 3's scaled RoPE past its original
+context) are trained 3 steps on 4 real Ray workers with adaptive plans (Ulysses and zigzag-ring groups, a 256-token
+document four times one worker's 64-token budget, longer than the windows). The oracle is not flexorch code: the
+same Transformers class built with ``attn_implementation="sdpa"`` or ``"eager"``, run in ONE process on each step's
+documents one at a time (so the masks are the family's own: causal, and its sliding windows), its loss summed over
+the predicted tokens, then the same AdamW. Per-step losses and the final parameters must agree at fp32 tolerances,
+under replicated and FSDP2-sharded model state.
 """
 
 from __future__ import annotations
@@ -30,10 +32,24 @@ SHAPE = {"hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 2, "n
          "num_key_value_heads": 2, "vocab_size": 320}  # fmt: skip
 
 
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}  # fmt: skip
+VARIANTS = {
+    "llama-rope": ("llama", {"rope_scaling": _LLAMA3}),  # the 256-token document: 4x the original context
+    "mistral": ("mistral", {"sliding_window": 48}),
+    "qwen3": ("qwen3", {"head_dim": 32}),  # 4 heads of 32 on a hidden size of 64
+    "phi3": ("phi3", {"pad_token_id": None}),
+    "olmo2": ("olmo2", {"pad_token_id": None}),
+    "gemma3_text": ("gemma3_text", {"head_dim": 16, "sliding_window": 40, "sliding_window_pattern": 2}),
+}
+"""Test models beyond plain Llama and Qwen2: name -> (model_type, config options beyond SHAPE)."""
+
+
 def write_model_dir(path, family: str, **extra):
-    """A random-init model directory as ``save_pretrained`` writes it (config.json only)."""
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
-    cls(**{**SHAPE, **extra}).save_pretrained(path)
+    """A random-init model directory as ``save_pretrained`` writes it (config.json only); ``family``: a model_type
+    or a name in ``VARIANTS``."""
+    family, options = VARIANTS.get(family, (family, {}))
+    transformers.AutoConfig.for_model(family, **{**SHAPE, **options, **extra}).save_pretrained(path)
     return path
 
 
@@ -51,9 +67,9 @@ def _cfg(env, name, model_dir, **kw):
 
 
 def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[list[float], dict]:
-    """Transformers' own model and attention (``impl``) in one process, on each step's documents packed with a
-    block-diagonal causal mask; starts from ``start`` (default: flexorch's initial parameters, which the test of
-    weight loading checks on their own), trains with the run's AdamW."""
+    """Transformers' own model and attention (``impl``) in one process, on each step's documents one at a time (the
+    masks it builds: causal, and the family's sliding windows); starts from ``start`` (default: flexorch's initial
+    parameters, which the test of weight loading checks on their own), trains with the run's AdamW."""
     from flexorch.testing.reference import pack_documents
     from flexorch.workers.model_source import build_model
     from flexorch.workers.optim import build_optimizer
@@ -70,12 +86,9 @@ def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[li
     losses = []
     for docs in batches:
         b = pack_documents(docs)
-        doc_of = torch.repeat_interleave(torch.arange(len(docs)), torch.diff(b.cu_seqlens.long()))
-        t = b.tokens.numel()
-        allowed = (doc_of[:, None] == doc_of[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
-        mask = torch.zeros(1, 1, t, t).masked_fill(~allowed, torch.finfo(torch.float32).min)  # (1, 1, T, T)
         optimizer.zero_grad(set_to_none=True)
-        logits = model(input_ids=b.tokens[None], position_ids=b.position_ids[None], attention_mask=mask).logits[0]
+        ids = [torch.as_tensor(d, dtype=torch.long) for d in docs]
+        logits = torch.cat([model(input_ids=d[None]).logits[0] for d in ids])  # (T, vocab) in the packed order
         loss = torch.nn.functional.cross_entropy(logits.float(), b.labels, reduction="sum") / b.n_predicted
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -89,14 +102,18 @@ def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[li
 @pytest.mark.parametrize(
     "family,mode,impl,recompute",
     [("llama", "replicate", "sdpa", "none"), ("qwen2", "replicate", "eager", "none"),
-     ("llama", "fsdp", "sdpa", "full"), ("qwen2", "fsdp", "sdpa", "selective"), ("llama", "fsdp", "sdpa", "auto")],
+     ("llama", "fsdp", "sdpa", "full"), ("qwen2", "fsdp", "sdpa", "selective"), ("llama", "fsdp", "sdpa", "auto"),
+     ("qwen3", "fsdp", "sdpa", "none"), ("phi3", "replicate", "sdpa", "none"), ("olmo2", "fsdp", "eager", "selective"),
+     ("gemma3_text", "replicate", "eager", "none"), ("gemma3_text", "fsdp", "sdpa", "full"),
+     ("mistral", "fsdp", "sdpa", "none"), ("llama-rope", "replicate", "sdpa", "none")],
 )  # fmt: skip
 def test_hf_model_steps_equal_transformers_own_attention_in_one_process(env, tmp_path, family, mode, impl, recompute):
-    tied = family == "qwen2"
+    tied = family in ("qwen2", "gemma3_text")
     model_dir = write_model_dir(tmp_path / family, family, tie_word_embeddings=tied)
     sharding = ShardingSettings(mode=mode, activation_checkpointing=recompute)
     cfg = _cfg(env, f"{family}-{mode}", model_dir, sharding=sharding)
-    assert (cfg.model.family, cfg.model.qkv_bias, cfg.model.tie_embeddings) == (family, family == "qwen2", tied)
+    assert (cfg.model.family, cfg.model.tie_embeddings) == (VARIANTS.get(family, (family,))[0], tied)
+    assert cfg.model.qkv_bias == (family == "qwen2")
     corpus = env[3]
     records, replicas = run_driver(cfg, corpus)
     assert len(records) == 3
@@ -107,6 +124,8 @@ def test_hf_model_steps_equal_transformers_own_attention_in_one_process(env, tmp
         for r in records:  # which modes run depends on the packing the measured times pick (2 busy cores here)
             assert [len(row) for row in r["recompute"]] == [len(mb) for mb in r["plan"]["micro_batches"]]
             assert {m for row in r["recompute"] for m in row} <= {"none", "selective", "full"}, r["recompute"]
+    if cfg.model.attention_window is not None:  # the windows matter: some document is longer
+        assert max(len(d) for r in records for d in corpus.get_tokens(r["doc_ids"])) > cfg.model.attention_window
     batches = [corpus.get_tokens(r["doc_ids"]) for r in records]
     losses, params = oracle_train(cfg, batches, impl)
     assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
