@@ -58,9 +58,19 @@ def _run(model, batch, labels: bool = False):
     return model(batch.tokens, batch.position_ids, attn, batch.labels if labels else None)
 
 
+FAMILY_OPTIONS = {
+    "qwen3": {"head_dim": 16},
+    "phi3": {"pad_token_id": None},
+    "olmo2": {"pad_token_id": None},
+    "gemma3_text": {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2},
+}
+"""Options of the test configs of the families beyond Llama and Qwen2 (a head size of their own, windows)."""
+
+
 def _hf_dir(tmp_path, family="llama", weights=False, **extra):
     transformers = pytest.importorskip("transformers")
-    conf = getattr(transformers, {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}[family])(**{**HF_SHAPE, **extra})
+    options = {**HF_SHAPE, **FAMILY_OPTIONS.get(family, {}), **extra}
+    conf = transformers.AutoConfig.for_model(family, **options)
     d = tmp_path / f"{family}{'-w' if weights else ''}"
     if weights:
         torch.manual_seed(1)
@@ -379,7 +389,8 @@ def _peft_twin(cfg: ModelConfig, ours, specs):
     from flexorch.workers.hf_model import hf_config
 
     lm = transformers.AutoModelForCausalLM.from_config(hf_config(cfg), dtype=torch.float32)
-    lm.load_state_dict({k: v for k, v in ours.state_dict().items() if ".lora." not in k})
+    missing, _ = lm.load_state_dict({k: v for k, v in ours.state_dict().items() if ".lora." not in k}, strict=False)
+    assert set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set()), missing
     twin = None
     for s in specs:
         conf = peft.LoraConfig(
@@ -443,6 +454,39 @@ def test_hf_adapters_equal_peft_logits_and_gradients_for_each_task(tmp_path, rec
             torch.testing.assert_close(g, theirs[_their_name(name, theirs)].grad, rtol=1e-5, atol=1e-7, msg=name)
         other = "code" if task == "chat" else "chat"
         assert all(p.grad is None or not p.grad.any() for n, p in theirs.items() if f"lora_A.{other}." in n)
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing:FutureWarning")  # inside PEFT
+@pytest.mark.parametrize("family", list(FAMILY_OPTIONS))
+def test_every_familys_projections_take_adapters_equal_to_peft(tmp_path, family):
+    """An adapter on every linear map of a decoder layer of each family (Phi-3's fused qkv_proj and gate_up_proj
+    included): logits and every gradient equal PEFT's on the same Transformers model."""
+    from flexorch.config.adapters import target_modules
+
+    plain = _hf_cfg(_hf_dir(tmp_path, family))
+    targets = target_modules(plain)
+    assert ("qkv_proj" in targets) == (family == "phi3") and "o_proj" in targets and "down_proj" in targets
+    specs = (LoraSpec("chat", 2, 4.0, targets, init_b_std=0.05),)
+    cfg = _hf_cfg(plain.hf, adapters=specs)
+    ours = build_model(cfg, 0).train()
+    twin, theirs = _peft_twin(cfg, ours, specs)
+    twin.train()
+    for p in twin.parameters():
+        p.requires_grad_(True)
+    batch = pack_documents(_docs(6, (7, 30, 1, 12), vocab=96))
+    attn = functools.partial(varlen_attn_func, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+    set_active_task(ours, "chat")
+    logits = _run(ours, batch)
+    ref = twin(
+        input_ids=batch.tokens[None], position_ids=batch.position_ids[None], flexorch_attn=attn, use_cache=False
+    ).logits[0]
+    torch.testing.assert_close(logits, ref, **TOL)
+    loss_sum(logits, batch.labels).backward()
+    loss_sum(ref, batch.labels).backward()
+    got = _grads(ours)
+    assert {n.split(".")[-2] for n in got if ".lora." in n} == set(targets)
+    for name, g in got.items():
+        torch.testing.assert_close(g, theirs[_their_name(name, theirs)].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # ------------------------------------------------------------------ FSDP2: a world of two gloo processes
