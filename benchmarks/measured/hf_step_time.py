@@ -25,12 +25,19 @@ each, by self CPU time, and the operators whose time differs most.
     python -m benchmarks.measured.hf_step_time            # about 5 minutes on 2 cores: replicate and fsdp
     python -m benchmarks.measured.hf_step_time --quick    # about 2 minutes: replicate only, fewer steps
     python -m benchmarks.measured.hf_step_time --quick --json runs/hf_step_time.json --profile
+    python -m benchmarks.measured.hf_step_time --quick --families all   # a row per family (about 15 minutes)
+
+``--families`` builds each family's twin of the same shape instead of Llama alone, one family after another, each
+against the same own decoder: Mistral and Gemma 3 with a 256-token sliding window (on every layer; on 5 of 6), so
+the 900-byte documents run windowed attention; Qwen3, OLMo 2 and Gemma 3 add q/k norms (their parameter count is
+a little larger: the table gives both); Phi-3 fuses its projections; Gemma 3's MLP is GeGLU (tanh GELU).
 """
 
 from __future__ import annotations
 
 import argparse
 import inspect
+import itertools
 import json
 import tempfile
 import time
@@ -45,7 +52,18 @@ from flexorch.config import CorpusConfig, ModelConfig, OptimConfig, PlanSettings
 from flexorch.config.sharding import ShardingSettings  # noqa: E402
 
 TARGET = 1.1
+_RUNS = itertools.count()
 SHAPE_KEYS = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "rope_theta", "norm_eps")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3_text")
+WINDOW = 256
+FAMILY_OPTIONS = {  # beyond the shape: what makes each twin run as its family does
+    "mistral": {"sliding_window": WINDOW},
+    "qwen2": {},
+    "qwen3": {},
+    "phi3": {"pad_token_id": None},
+    "olmo2": {"pad_token_id": None},
+    "gemma3_text": {"sliding_window": WINDOW, "sliding_window_pattern": 6, "tie_word_embeddings": False},
+}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -59,21 +77,45 @@ def own_model(dim: int, layers: int, heads: int, kv_heads: int, ffn: int, vocab:
     )
 
 
-def hf_twin(own: ModelConfig, directory: Path) -> ModelConfig:
-    """A Transformers ``LlamaConfig`` of ``own``'s shape saved into ``directory``; its ModelConfig (``[model] hf``),
-    checked to have the same shape and parameter count."""
+def hf_twin(own: ModelConfig, directory: Path, family: str = "llama") -> ModelConfig:
+    """A Transformers config of ``family`` and ``own``'s shape saved into ``directory``; its ModelConfig (``[model]
+    hf``), checked to have the same shape (Llama: and parameter count; the families with q/k norms have a few more)."""
     from flexorch.config.hf import hf_model_config
 
-    save_llama_config(own, directory, initializer_range=own.init_std, max_position_embeddings=4096)
+    if family == "llama":
+        save_llama_config(own, directory, initializer_range=own.init_std, max_position_embeddings=4096)
+    else:
+        import transformers
+
+        transformers.AutoConfig.for_model(
+            family,
+            hidden_size=own.dim,
+            intermediate_size=own.ffn_dim,
+            num_hidden_layers=own.num_layers,
+            num_attention_heads=own.num_heads,
+            num_key_value_heads=own.num_kv_heads,
+            head_dim=own.head_dim,
+            vocab_size=own.vocab_size,
+            rms_norm_eps=own.norm_eps,
+            initializer_range=own.init_std,
+            max_position_embeddings=4096,
+            **{"tie_word_embeddings": own.tie_embeddings, **FAMILY_OPTIONS[family]},
+        ).save_pretrained(directory)
     hf = ModelConfig.from_dict(hf_model_config(str(directory)))
-    diff = {k: (getattr(own, k), getattr(hf, k)) for k in SHAPE_KEYS if getattr(own, k) != getattr(hf, k)}
-    if diff or hf.num_params() != own.num_params():
-        raise RuntimeError(f"the Llama twin differs: {diff}, params {hf.num_params()} vs {own.num_params()}")
+    keys = SHAPE_KEYS if family == "llama" else SHAPE_KEYS[:6]
+    diff = {k: (getattr(own, k), getattr(hf, k)) for k in keys if getattr(own, k) != getattr(hf, k)}
+    if diff or (family == "llama" and hf.num_params() != own.num_params()):
+        raise RuntimeError(f"the {family} twin differs: {diff}, params {hf.num_params()} vs {own.num_params()}")
     return hf
 
 
 def label(cfg: ModelConfig) -> str:
-    return "own" if cfg.hf is None else "hf-llama"
+    return "own" if cfg.hf is None else f"hf-{cfg.family}"
+
+
+def other(names) -> str:
+    """The HF model's label among ``names`` (the other is ``own``)."""
+    return next(n for n in names if n != "own")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -118,8 +160,9 @@ def single_process(models: list[ModelConfig], sizes: list[int], reps: int, profi
                 fwd_bwd(built[k], batch)
                 times[k].append((time.perf_counter() - t0) * 1e3)
         ms = {k: float(np.median(t)) for k, t in times.items()}
-        pairwise = float(np.median(np.array(times["hf-llama"]) / np.array(times["own"])))
-        out["sizes"][n] = {"ms": ms, "ratio": ms["hf-llama"] / ms["own"], "pairwise": pairwise}
+        hf = other(built)
+        pairwise = float(np.median(np.array(times[hf]) / np.array(times["own"])))
+        out["sizes"][n] = {"ms": ms, "ratio": ms[hf] / ms["own"], "pairwise": pairwise}
         if profile and n == max(sizes):
             out["profile_tokens"] = n
             out["profile"] = {k: profile_ops(m, batch) for k, m in built.items()}
@@ -137,18 +180,16 @@ def profile_ops(model, batch, reps: int = 3) -> dict[str, list[float]]:
 
 
 def report_single(r: dict, top: int = 12) -> None:
+    hf = other(next(iter(r["sizes"].values()))["ms"])
     print("single process, 1 thread, forward+backward (median ms, models interleaved):")
-    print("| tokens | own ms | hf-llama ms | HF/own | pairwise HF/own |")
+    print(f"| tokens | own ms | {hf} ms | HF/own | pairwise HF/own |")
     print("|---:|---:|---:|---:|---:|")
     for n, row in r["sizes"].items():
-        print(
-            f"| {n} | {row['ms']['own']:.1f} | {row['ms']['hf-llama']:.1f} | {row['ratio']:.3f}x | "
-            f"{row['pairwise']:.3f}x |"
-        )
+        print(f"| {n} | {row['ms']['own']:.1f} | {row['ms'][hf]:.1f} | {row['ratio']:.3f}x | {row['pairwise']:.3f}x |")
     if "profile" not in r:
         return
-    p_own, p_hf = r["profile"]["own"], r["profile"]["hf-llama"]
-    for name, p in (("own", p_own), ("hf-llama", p_hf)):
+    p_own, p_hf = r["profile"]["own"], r["profile"][hf]
+    for name, p in (("own", p_own), (hf, p_hf)):
         total = sum(ms for ms, _ in p.values())
         print(
             f"\n  top operators of {name} at {r['profile_tokens']} tokens, self CPU ms per forward+backward "
@@ -159,12 +200,12 @@ def report_single(r: dict, top: int = 12) -> None:
     zero = [0.0, 0.0]
     ops = set(p_own) | set(p_hf)
     diffs = {op: p_hf.get(op, zero)[0] - p_own.get(op, zero)[0] for op in ops}
-    print("\n  largest time differences, hf-llama minus own (self CPU ms per forward+backward; timings are noisy):")
+    print(f"\n  largest time differences, {hf} minus own (self CPU ms per forward+backward; timings are noisy):")
     for op, d in sorted(diffs.items(), key=lambda kv: -abs(kv[1]))[:top]:
         print(f"    {d:+8.2f}  {op}  (own {p_own.get(op, zero)[0]:.2f}, hf {p_hf.get(op, zero)[0]:.2f})")
     calls = {op: p_hf.get(op, zero)[1] - p_own.get(op, zero)[1] for op in ops}
     more = sorted((op for op in ops if calls[op]), key=lambda op: -abs(calls[op]))[:top]
-    print("\n  operators called a different number of times (calls per forward+backward, own -> hf-llama; exact):")
+    print(f"\n  operators called a different number of times (calls per forward+backward, own -> {hf}; exact):")
     for op in more:
         print(
             f"    {p_own.get(op, zero)[1]:6.0f} -> {p_hf.get(op, zero)[1]:6.0f}  {op}  (hf self "
@@ -207,7 +248,7 @@ def write_profile(path: Path, model: ModelConfig) -> Path:
 def make_driver(args, model: ModelConfig, mode: str, data: CorpusConfig, corpus, profile: Path, steps: int):
     from flexorch.control.driver import TrainingDriver
 
-    run_dir = args.out / f"{mode}-{label(model)}"
+    run_dir = args.out / f"{mode}-{label(model)}-{next(_RUNS)}"  # our decoder runs once per family
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(
         steps=steps,
@@ -273,13 +314,14 @@ def rank_compute(record: dict) -> float:
     return float(np.median([r["compute_end_ms"] for r in record["ranks"] if r is not None]))
 
 
-def summarise(kept: dict[str, list[dict]], params: int) -> dict:
-    own, hf = kept["own"], kept["hf-llama"]
+def summarise(kept: dict[str, list[dict]], params: dict[str, int]) -> dict:
+    name_hf = other(kept)
+    own, hf = kept["own"], kept[name_hf]
     same_plan = [a["plan"] == b["plan"] and a["doc_ids"] == b["doc_ids"] for a, b in zip(own, hf, strict=True)]
     rows = {}
     for name, recs in kept.items():
         rows[name] = {
-            "params": params,
+            "params": params[name],
             "steps": len(recs),
             "step_ms": float(np.median([r["measured_ms"] for r in recs])),
             "compute_ms": float(np.median([r["compute_ms"] for r in recs])),
@@ -294,12 +336,12 @@ def summarise(kept: dict[str, list[dict]], params: int) -> dict:
         }
     pairs = [(a, b) for (a, b), same in zip(zip(own, hf, strict=True), same_plan, strict=True) if same]
     ratio = {
-        "step": rows["hf-llama"]["step_ms"] / rows["own"]["step_ms"],
-        "compute": rows["hf-llama"]["compute_ms"] / rows["own"]["compute_ms"],
-        "wall": rows["hf-llama"]["wall_ms"] / rows["own"]["wall_ms"],
+        "step": rows[name_hf]["step_ms"] / rows["own"]["step_ms"],
+        "compute": rows[name_hf]["compute_ms"] / rows["own"]["compute_ms"],
+        "wall": rows[name_hf]["wall_ms"] / rows["own"]["wall_ms"],
         "pairwise_step": float(np.median([b["measured_ms"] / a["measured_ms"] for a, b in pairs])) if pairs else None,
         "pairwise_compute": float(np.median([b["compute_ms"] / a["compute_ms"] for a, b in pairs])) if pairs else None,
-        "rank_compute": rows["hf-llama"]["rank_compute_ms"] / rows["own"]["rank_compute_ms"],
+        "rank_compute": rows[name_hf]["rank_compute_ms"] / rows["own"]["rank_compute_ms"],
         "pairwise_rank_compute": float(np.median([rank_compute(b) / rank_compute(a) for a, b in pairs]))
         if pairs
         else None,
@@ -316,11 +358,12 @@ def report(results: dict[str, dict]) -> list[str]:
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     verdicts = []
-    for mode, r in results.items():
+    for key, r in results.items():
+        mode = key.split(" ")[-1]
         ratio = r["ratio"]
         for name, row in r["rows"].items():
             cells = ["", "", "", ""]
-            if name == "hf-llama":
+            if name != "own":
                 pw = ratio["pairwise_step"], ratio["pairwise_compute"]
                 cells = [
                     f"{ratio['step']:.3f}x",
@@ -338,7 +381,7 @@ def report(results: dict[str, dict]) -> list[str]:
         judged = pw if pw is not None else ratio["step"]
         statuses = {n: Counter(row["status"]) for n, row in r["rows"].items()}
         verdicts.append(
-            f"{mode}: target (HF step time at most {TARGET}x own's) {'met' if judged <= TARGET else 'NOT met'}: "
+            f"{key}: target (HF step time at most {TARGET}x own's) {'met' if judged <= TARGET else 'NOT met'}: "
             f"median of the per-step ratios over the {ratio['same_plan_steps']}/{ratio['steps']} steps with identical "
             f"plans: step "
             + (f"{pw:.3f}x" if pw is not None else "n/a")
@@ -379,29 +422,39 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="torch.profiler's top operators in the single process")
     ap.add_argument("--out", type=Path, default=None, help="run directories (default: a temporary directory)")
     ap.add_argument("--json", type=Path, default=None, help="write the results here")
+    ap.add_argument(
+        "--families",
+        default="llama",
+        help=f"comma-separated twins to compare with our decoder, or 'all' ({', '.join(FAMILIES)}; default llama)",
+    )
     args = ap.parse_args(argv)
     args.rounds = args.rounds or (4 if args.quick else 8)
     args.steps_per_round = args.steps_per_round or 2
     args.single_reps = args.single_reps or (4 if args.quick else 8)
     modes = (args.modes or ("replicate" if args.quick else "replicate,fsdp")).split(",")
 
+    families = FAMILIES if args.families == "all" else tuple(args.families.split(","))
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        ap.error(f"--families: unknown {unknown}; choose among {', '.join(FAMILIES)} or 'all'")
+
     tmp = tempfile.TemporaryDirectory(prefix="flexorch-hf-bench-")
     args.out = args.out or Path(tmp.name)
     own = own_model(args.dim, args.layers, args.heads, args.kv_heads, args.ffn, args.vocab)
-    hf = hf_twin(own, args.out / "llama")
-    models = [own, hf]
-    params = own.num_params()
+    twins = {f: hf_twin(own, args.out / f, f) for f in families}
+    params = {label(m): m.num_params() for m in (own, *twins.values())}
     print(
         f"shape: dim {own.dim}, {own.num_layers} layers, {own.num_heads} heads ({own.num_kv_heads} kv), ffn "
         f"{own.ffn_dim}, vocab {own.vocab_size}, rope theta {own.rope_theta:g}, eps {own.norm_eps:g}; parameters: "
-        f"own {own.num_params():,}, hf-llama {hf.num_params():,}",
+        + ", ".join(f"{k} {v:,}" for k, v in params.items()),
         flush=True,
     )
-    results: dict = {"shape": {k: getattr(own, k) for k in SHAPE_KEYS}, "params": params}
+    results: dict = {"shape": {k: getattr(own, k) for k in SHAPE_KEYS}, "params": params, "single_process": {}}
 
-    single = single_process(models, [128, 512, 1024], args.single_reps, args.profile)
-    report_single(single)
-    results["single_process"] = single
+    for family, hf in twins.items():
+        single = single_process([own, hf], [128, 512, 1024], args.single_reps, args.profile)
+        report_single(single)
+        results["single_process"][family] = single
 
     if not args.no_ray:
         import ray
@@ -421,9 +474,10 @@ def main(argv=None) -> int:
         )
         runs = {}
         try:
-            for mode in modes:
-                kept = compare_mode(args, models, mode, data, corpus, profile)
-                runs[mode] = summarise(kept, params)
+            for hf in twins.values():
+                for mode in modes:
+                    kept = compare_mode(args, [own, hf], mode, data, corpus, profile)
+                    runs[f"{label(hf)} {mode}"] = summarise(kept, params)
         finally:
             ray.shutdown()
         verdicts = report(runs)

@@ -31,9 +31,13 @@ def test_hf_twin_has_our_shape_and_single_process_part_runs(tmp_path, capsys):
 
     out = tmp_path / "r.json"
     args = ["--no-ray", "--dim", "32", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--ffn", "88"]
-    assert bench.main([*args, "--vocab", "260", "--single-reps", "1", "--out", str(tmp_path), "--json", str(out)]) == 0
+    args += ["--vocab", "260", "--single-reps", "1", "--out", str(tmp_path), "--json", str(out)]
+    assert bench.main([*args, "--families", "llama,gemma3_text"]) == 0
     r = json.loads(out.read_text())
-    assert r["params"] == own.num_params()
-    assert set(r["single_process"]["sizes"]) == {"128", "512", "1024"}
-    assert all(row["ratio"] > 0 for row in r["single_process"]["sizes"].values())
-    assert "pairwise HF/own" in capsys.readouterr().out
+    assert r["params"]["own"] == r["params"]["hf-llama"] == own.num_params()
+    assert r["params"]["hf-gemma3_text"] > own.num_params()  # its q/k norms and two more norms a layer
+    for family in ("llama", "gemma3_text"):
+        sizes = r["single_process"][family]["sizes"]
+        assert set(sizes) == {"128", "512", "1024"} and all(row["ratio"] > 0 for row in sizes.values())
+    printed = capsys.readouterr().out
+    assert "pairwise HF/own" in printed and "hf-gemma3_text ms" in printed
