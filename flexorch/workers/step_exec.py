@@ -188,8 +188,9 @@ def run_step(ctx: StepContext, rank_work: StepWork, blocks: dict[int, np.ndarray
     return out
 
 
-def _idle_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Attention of a micro-batch with no tokens on this rank: ``q`` is ``(0, h, hd)``, so is the output."""
+def _idle_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Attention of a micro-batch with no tokens on this rank: ``q`` is ``(0, h, hd)``, so is the output. The
+    keywords the model passes (``softmax_scale``, ``window``) change nothing here and are ignored."""
     return q
 
 

@@ -1,7 +1,8 @@
 """Every attention path in every float dtype: exact to that dtype's tolerance, or refused at the call.
 
 The matrix (issue 18): fp16, bf16, fp32, fp64 through the single-device varlen function, Ulysses and zigzag ring
-attention (degree 2, real gloo between two processes) and segment attention (a K/V prefix), on each CPU backend.
+attention (degree 2, real gloo between two processes) and segment attention (a K/V prefix), on each CPU backend; with a
+sliding window too (single device in every dtype, Ulysses and the ring in fp32 and bf16).
 References: a float64 dense attention with autograd (``test_sp_attention.reference``), which is itself checked
 against torch's own ``scaled_dot_product_attention``. Low-precision results are compared with what the same inputs,
 rounded to that dtype, give in float64 (so the tolerance measures the kernel, not the input rounding).
@@ -40,11 +41,11 @@ def _name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
-def _case(dtype, seed=3, lengths=LENGTHS, heads=(4, 2)):
-    """Inputs rounded to ``dtype`` and the float64 reference on those rounded inputs."""
+def _case(dtype, seed=3, lengths=LENGTHS, heads=(4, 2), window=None):
+    """Inputs rounded to ``dtype`` and the float64 reference on those rounded inputs (with a sliding ``window``)."""
     q, k, v, dout, offsets = make_case(seed, lengths, *heads)
     q, k, v, dout = (x.to(dtype).double() for x in (q, k, v, dout))
-    return (q, k, v, dout, offsets), expected(q, k, v, dout, offsets, True)
+    return (q, k, v, dout, offsets), expected(q, k, v, dout, offsets, True, window)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, dtype, what: str, grad: bool = False) -> None:
@@ -64,13 +65,17 @@ def test_the_float64_reference_is_torch_sdpa():
         torch.testing.assert_close(out[a:b], want.transpose(0, 1), rtol=1e-12, atol=1e-12)
 
 
+WINDOW = 6  # shorter than three of LENGTHS' documents (40 is several windows long), as long as none
+
+
+@pytest.mark.parametrize("window", [None, WINDOW], ids=["causal", "window"])
 @pytest.mark.parametrize("backend", ["torch_cpu", "math"])
 @pytest.mark.parametrize("dtype", DTYPES_ALL, ids=_name)
-def test_single_device_every_dtype(dtype, backend):
-    (q, k, v, dout, offsets), ref = _case(dtype)
+def test_single_device_every_dtype(dtype, backend, window):
+    (q, k, v, dout, offsets), ref = _case(dtype, window=window)
     leaves = [x.to(dtype).requires_grad_() for x in (q, k, v)]
     cu = torch.tensor(offsets)
-    out, lse = varlen_attn_func(*leaves, cu, return_lse=True, backend=backend)
+    out, lse = varlen_attn_func(*leaves, cu, return_lse=True, backend=backend, window=window)
     assert out.dtype == dtype and lse.dtype == acc_dtype(dtype)
     out.backward(dout.to(dtype))
     _close(out, ref[0], dtype, "out")
@@ -98,7 +103,7 @@ def test_segment_attention_every_dtype(dtype):
     _close(torch.cat([prefix[0].grad, leaves[1].grad[:30]]), dk[:40], dtype, "dk", grad=True)
 
 
-def _sp_job(ctx, method, dtype_name, backend):
+def _sp_job(ctx, method, dtype_name, backend, window=None):
     dtype = getattr(torch, dtype_name)
     fn, layout_fn = (
         (ulysses_attn_varlen_func, contiguous_layout)
@@ -106,10 +111,11 @@ def _sp_job(ctx, method, dtype_name, backend):
         else (zigzag_ring_attn_varlen_func, zigzag_layout)
     )
     with ctx.registry() as reg:
-        (q, k, v, dout, offsets), ref = _case(dtype, seed=7)
+        (q, k, v, dout, offsets), ref = _case(dtype, seed=7, window=window)
         layout = layout_fn(offsets, ctx.rank, ctx.world_size)
         local = [shard(x, layout).to(dtype).requires_grad_() for x in (q, k, v)]
-        out, lse = fn(*local, layout.cu_seqlens, layout.max_seqlen, reg.world, return_lse=True, backend=backend)
+        kw = {"return_lse": True, "backend": backend, "window": window}
+        out, lse = fn(*local, layout.cu_seqlens, layout.max_seqlen, reg.world, **kw)
         assert out.dtype == dtype and lse.dtype == acc_dtype(dtype), (out.dtype, lse.dtype)
         out.backward(shard(dout, layout).to(dtype))
         real, idx = layout.loss_mask, layout.index[layout.loss_mask]
@@ -136,6 +142,15 @@ def test_sequence_parallel_every_dtype(pool, method, dtype, backend):
     # fp64 keeps fp64 end to end (the ring's merge and gradient accumulators included), low precisions accumulate
     # in float32 and stay within their own tolerance
     assert pool.run(_sp_job, method, _name(dtype), backend) == [1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_name)
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_sequence_parallel_window_low_precision(pool, method, dtype):
+    # a sliding window through both methods on the CPU kernel: the ring's masked edge blocks and skipped blocks
+    # keep the dtype's tolerance (accumulation in float32)
+    assert pool.run(_sp_job, method, _name(dtype), "torch_cpu", WINDOW) == [1, 1]
 
 
 def test_bf16_matches_the_fp32_result_at_bf16_tolerance():

@@ -34,23 +34,24 @@ def _sub_groups(reg, ranks, rank):
     return tuple(reg.group(s) for s in hybrid_sub_groups(ranks, U, rank))
 
 
-def _check_hybrid(ctx, reg, ranks, mix, heads, seed, dtype=torch.float64, backend=None, tol=TOL):
+def _check_hybrid(ctx, reg, ranks, mix, heads, seed, dtype=torch.float64, backend=None, tol=TOL, window=None):
     """One hybrid case on ``ranks``: out, LSE, dq, dk, dv against the reference; 1 on members, 0 elsewhere."""
     if ctx.rank not in ranks:
         return 0
     q, k, v, dout, offsets = make_case(seed, MIXES[mix], *HEADS[heads])
     q, k, v, dout = (x.to(dtype).double() for x in (q, k, v, dout))  # the reference sees the rounded inputs
-    ref = expected(q, k, v, dout, offsets, True)
+    ref = expected(q, k, v, dout, offsets, True, window)
     layout = hybrid_layout(offsets, ranks.index(ctx.rank), len(ranks), U)
     local = [shard(x, layout).to(dtype).requires_grad_() for x in (q, k, v)]
     ulysses_group, ring_group = _sub_groups(reg, ranks, ctx.rank)
     out, lse = hybrid_attn_varlen_func(
-        *local, layout.cu_seqlens, layout.max_seqlen, ulysses_group, ring_group, return_lse=True, backend=backend
-    )
+        *local, layout.cu_seqlens, layout.max_seqlen, ulysses_group, ring_group, return_lse=True, backend=backend,
+        window=window,
+    )  # fmt: skip
     assert out.dtype == dtype
     out.backward(shard(dout, layout).to(dtype))
     real, idx = layout.loss_mask, layout.index[layout.loss_mask]
-    msg = f"ranks {ranks} {mix} {heads} {dtype} {backend}"
+    msg = f"ranks {ranks} {mix} {heads} {dtype} {backend} window {window}"
     torch.testing.assert_close(out[real].double(), ref[0][idx], **tol, msg=lambda m: f"{msg} out: {m}")
     torch.testing.assert_close(lse[:, real].double(), ref[1][:, idx], **tol, msg=lambda m: f"{msg} lse: {m}")
     for name, x, want in zip("qkv", local, ref[2:], strict=True):
@@ -119,6 +120,18 @@ def test_hybrid_low_precision_within_dtype_tolerance(pool):
     assert pool.run(_parity_job, cases) == [sum(r in c[0] for c in cases) for r in range(6)]
 
 
+@pytest.mark.slow
+def test_hybrid_sliding_window_fp64(pool):
+    # the window flows through the all-to-all into the ring: the 77-token document's ring chunks (20 tokens) lie
+    # beyond a window of 5 from 2 chunks on (skipped), one chunk apart at its edge; windows of 1 and 9 too
+    cases = [
+        (HYBRID_RANKS[0], "one_doc", "gqa", 70, torch.float64, None, TOL, 5),
+        (HYBRID_RANKS[1], "random", "u_beyond_kv", 71, torch.float64, None, TOL, 9),
+        (HYBRID_RANKS[0], "tiny", "kv3", 72, torch.float64, "math", TOL, 1),
+    ]
+    assert pool.run(_parity_job, cases) == [sum(r in c[0] for c in cases) for r in range(6)]
+
+
 def _bad_input_job(ctx):
     """Bad input raises ValueError on every member before any collective; the sub-groups stay usable."""
     ranks = HYBRID_RANKS[1]
@@ -133,6 +146,7 @@ def _bad_input_job(ctx):
             ((x, x, x, [0, 6, 16]), {}, r"document 0 has 6 tokens, not a multiple of 2 \* degree = 4"),
             ((x, x, x, [0, 12]), {}, "ends at 12 but .* 16 tokens"),
             ((x, x, x, [0, 16]), {"causal": False}, "causal=True only"),
+            ((x, x, x, [0, 16]), {"window": -2}, "window must be an int >= 1.*got -2"),
         ]
         raised = 0
         for args, kw, pattern in bad:
@@ -148,7 +162,7 @@ def _bad_input_job(ctx):
 
 @pytest.mark.slow
 def test_hybrid_bad_input_raises_before_any_collective(pool):
-    assert pool.run(_bad_input_job, timeout_s=60) == [4, 4, 4, 4, 0, 0]
+    assert pool.run(_bad_input_job, timeout_s=60) == [5, 5, 5, 5, 0, 0]
 
 
 # ---- the model: a hybrid group's loss and gradients equal a Ulysses group's and one device's ----

@@ -2,7 +2,9 @@
 
 Real processes, real gloo: one pool of 4 spawned processes per module runs every multi-process case; groups of
 degree 1, 2 and 4 (overlapping ones too) run inside one world. Tolerance: float32 results against a float64
-dense reference with rtol = atol = 1e-5 (observed errors are ~1e-6).
+dense reference with rtol = atol = 1e-5 (observed errors are ~1e-6). Sliding windows run in float64 end to end,
+within 1e-10 of the reference, and the ring's kernel calls are counted against its plan (blocks outside every window
+make none).
 """
 
 from __future__ import annotations
@@ -24,14 +26,18 @@ METHODS = {
 }
 
 
-def reference(q, k, v, offsets, causal, scale):
-    """Dense single-device attention over the packed batch with a block-diagonal (causal) mask; autograd."""
+def reference(q, k, v, offsets, causal, scale, window=None):
+    """Dense single-device attention over the packed batch with a block-diagonal (causal) mask; autograd.
+    ``window``: Transformers' ``sliding_window``, query i sees keys i - window < j <= i of its document."""
     t, h = q.shape[:2]
     lengths = torch.tensor([b - a for a, b in zip(offsets[:-1], offsets[1:], strict=True)])
     doc = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     allowed = doc[:, None] == doc[None, :]
     if causal:
         allowed &= torch.ones(t, t, dtype=torch.bool).tril()
+    if window is not None:
+        pos = torch.arange(t)
+        allowed &= pos[:, None] - pos[None, :] < window  # same document: global distance = in-document distance
     g = h // k.shape[1]
     s = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(g, 1)) * scale
     s = s.masked_fill(~allowed, float("-inf"))
@@ -49,9 +55,9 @@ def make_case(seed, lengths, h, h_kv, hd=16):
     return q, k, v, dout, offsets
 
 
-def expected(q, k, v, dout, offsets, causal):
+def expected(q, k, v, dout, offsets, causal, window=None):
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
-    out, lse = reference(*leaves, offsets, causal, q.shape[2] ** -0.5)
+    out, lse = reference(*leaves, offsets, causal, q.shape[2] ** -0.5, window)
     out.backward(dout)
     return out.detach(), lse, *(x.grad for x in leaves)
 
@@ -152,6 +158,97 @@ def test_overlapping_groups_attention(pool):
     assert done == [sum(r in c[0] for c in cases) for r in range(4)]
 
 
+# ---- sliding windows, float64 end to end ----
+
+# Documents shorter than, as long as and several times longer than a window of 16: ring chunks of 96 tokens are 12
+# (degree 4) or 24 (degree 2) tokens, so blocks several chunks apart are skipped and the ones at the edge are masked.
+WINDOW_MIXES = {"mixed": [1, 7, 16, 96, 37, 64], "long": [200], "tiny": [1, 2, 3, 1, 5, 2, 4]}
+WINDOW_TOL = {"rtol": 1e-10, "atol": 1e-10}
+
+
+def _count_calls(module, names):
+    """Wrap ``module``'s kernel entry points ``names`` with call counters; returns (counts, restore)."""
+    counts, saved = dict.fromkeys(names, 0), {n: getattr(module, n) for n in names}
+
+    def wrap(name):
+        def counted(*args, **kwargs):
+            counts[name] += 1
+            return saved[name](*args, **kwargs)
+
+        return counted
+
+    for n in names:
+        setattr(module, n, wrap(n))
+    return counts, lambda: [setattr(module, n, f) for n, f in saved.items()]
+
+
+def _check_window_case(ctx, reg, case):
+    """One fp64 window case: out, LSE, dq, dk, dv within 1e-10 of the reference; for the ring, the kernel calls made
+    equal its plan's. Returns the ring's skipped blocks on this rank (0 for Ulysses), None on non-members."""
+    from flexorch.workers.attention import ring as ring_mod
+    from flexorch.workers.attention.ring_plan import ring_plan, zigzag_blocks
+
+    ranks, method, mix, heads, window, seed, backend = case
+    if ctx.rank not in ranks:
+        return None
+    fn, layout_fn = METHODS[method]
+    q, k, v, dout, offsets = make_case(seed, WINDOW_MIXES[mix], *HEADS[heads])
+    ref = expected(q, k, v, dout, offsets, True, window)
+    rank, d = ranks.index(ctx.rank), len(ranks)
+    layout = layout_fn(offsets, rank, d)
+    local = [shard(x, layout).requires_grad_() for x in (q, k, v)]
+    counts, restore = _count_calls(ring_mod, ("attn_forward", "attn_backward"))
+    try:
+        out, lse = fn(*local, layout.cu_seqlens, layout.max_seqlen, reg.group(ranks), return_lse=True,
+                      backend=backend, window=window)  # fmt: skip
+        out.backward(shard(dout, layout))
+    finally:
+        restore()
+    real, idx = layout.loss_mask, layout.index[layout.loss_mask]
+    msg = f"case {case}"
+    torch.testing.assert_close(out[real], ref[0][idx], **WINDOW_TOL, msg=lambda m: f"{msg} out: {m}")
+    torch.testing.assert_close(lse[:, real], ref[1][:, idx], **WINDOW_TOL, msg=lambda m: f"{msg} lse: {m}")
+    for name, x, want in zip("qkv", local, ref[2:], strict=True):
+        torch.testing.assert_close(x.grad[real], want[idx], **WINDOW_TOL, msg=lambda m, n=name: f"{msg} d{n}: {m}")
+        assert torch.count_nonzero(x.grad[~real]) == 0, f"{msg}: gradient on padding in d{name}"
+    if method != "ring":
+        assert counts == {"attn_forward": 0, "attn_backward": 0}
+        return 0
+    plan = ring_plan(zigzag_blocks(Seqlens(tuple(layout.cu_seqlens.tolist())), d), rank, d, window)
+    assert counts == {"attn_forward": plan.calls, "attn_backward": plan.calls}, f"{msg}: {counts} vs {plan.calls}"
+    return plan.blocks_skipped
+
+
+def _window_job(ctx, groups, cases):
+    with ctx.registry() as reg:
+        reg.ensure(groups)
+        return [_check_window_case(ctx, reg, case) for case in cases]
+
+
+def _window_cases(method, group_sets, seed0):
+    cases, seed = [], seed0
+    for i, (mix, window) in enumerate([("mixed", 16), ("mixed", 5), ("long", 1), ("tiny", 2), ("long", 37)]):
+        for ranks in group_sets:
+            seed += 1
+            heads = ("gqa", "mha", "gqa1")[(i + seed) % 3]
+            cases.append((ranks, method, mix, heads, window, seed, "math" if i == 3 else None))
+    return cases
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["ulysses", "ring"])
+def test_window_parity_fp64(pool, method):
+    # degree 2 on {0,1} and {2,3} at once, then degree 4; every case checks out, lse and the three gradients
+    groups = [(0, 1), (2, 3), (0, 1, 2, 3)]
+    cases = _window_cases(method, [(0, 1), (2, 3)], 500) + _window_cases(method, [(0, 1, 2, 3)], 600)
+    skipped = pool.run(_window_job, groups, cases)
+    for r in range(4):
+        assert sum(s is not None for s in skipped[r]) == sum(r in c[0] for c in cases)
+    if method == "ring":  # the 200-token document under windows of 1 and 37: blocks outside every window skipped
+        long_cases = [i for i, c in enumerate(cases) if c[2] == "long"]
+        assert all(sum(skipped[r][i] or 0 for r in range(4)) > 0 for i in long_cases)
+
+
 def _bad_input_job(ctx):
     """Every bad input raises ValueError on every rank before any collective; the group stays usable."""
     with ctx.registry() as reg:
@@ -193,6 +290,19 @@ def _bad_input_job(ctx):
                 (q, q, q, cu_ring),
                 "causal=True only",
             ),
+            (lambda *a: ulysses_attn_varlen_func(*a, window=0), (q, q, q, cu), "window must be an int >= 1.*got 0"),
+            (lambda *a: zigzag_ring_attn_varlen_func(*a, window=True), (q, q, q, cu_ring), "got True"),
+            (lambda *a: zigzag_ring_attn_varlen_func(*a, window=2.0), (q, q, q, cu_ring), "got 2.0"),
+            (
+                lambda *a: ulysses_attn_varlen_func(*a, window=4, causal=False),
+                (q, q, q, cu),
+                "window=4 needs causal=True",
+            ),
+            (
+                lambda *a: ulysses_attn_varlen_func(*a, window=4, backend="torch_cudnn"),
+                (q, q, q, cu),
+                "'torch_cudnn' cannot compute a sliding window",
+            ),
         ]
         raised = 0
         for fn, args, pattern in bad:
@@ -216,7 +326,7 @@ def _bad_input_job(ctx):
 
 @pytest.mark.slow
 def test_bad_input_raises_clear_errors_without_hanging(pool):
-    assert pool.run(_bad_input_job, timeout_s=60) == [13] * 4
+    assert pool.run(_bad_input_job, timeout_s=60) == [18] * 4
 
 
 def _one_rank_bad_input_job(ctx):

@@ -10,6 +10,10 @@ of size 1 runs the same code):
 * :func:`hybrid_attn_varlen_func`: Ulysses inside blocks of ``u`` ranks x zigzag ring across them
   (``sharding.hybrid_layout``); takes the two sub-groups.
 * :func:`varlen_attn_func`: the single-device reference path (same kernels, no communication).
+
+Each takes ``window=w`` for a sliding window (Hugging Face Transformers' ``sliding_window``: a query at position
+``i`` of a document attends to the keys ``i - w < j <= i`` of that document, itself included; causal only; None:
+the whole causal prefix). Bad values raise ValueError before any collective.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from flexorch.workers.attention.hybrid import hybrid_attn_varlen_func
-from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend, varlen_attn
+from flexorch.workers.attention.kernels import check_varlen_args, check_window, resolve_backend, varlen_attn
 from flexorch.workers.attention.ring import zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.ulysses import ulysses_attn_varlen_func
 
@@ -35,10 +39,13 @@ def varlen_attn_func(
     causal: bool = True,
     return_lse: bool = False,
     backend: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Single-device varlen attention: ``q (t, h, hd)``, ``k, v (t, h_kv, hd)`` -> ``(t, h, hd)`` [, lse]."""
+    """Single-device varlen attention: ``q (t, h, hd)``, ``k, v (t, h_kv, hd)`` -> ``(t, h, hd)`` [, lse].
+    ``window``: a sliding window of that many keys (needs ``causal``)."""
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, 1, where="varlen_attn_func")
-    backend = resolve_backend(backend, q)  # a dtype/device the kernels cannot run fails here, on every rank
+    check_window(window, causal, where="varlen_attn_func")
+    backend = resolve_backend(backend, q, window=window)  # what the kernels cannot run fails here, on every rank
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    out, lse = varlen_attn(q, k, v, seqlens, causal=causal, softmax_scale=scale, backend=backend)
+    out, lse = varlen_attn(q, k, v, seqlens, causal=causal, softmax_scale=scale, backend=backend, window=window)
     return (out, lse) if return_lse else out

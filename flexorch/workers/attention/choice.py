@@ -14,6 +14,11 @@ the order may differ), so ``[model] attention = "auto"`` (the default) does not 
    the worker reports (``describe()``).
 
 On a CPU there is one fused kernel (``torch_cpu``) and nothing is measured.
+
+A model with a sliding window (``ModelConfig.attention_window``; any window, since some layers use it) considers only
+the kernels that compute one (:data:`~.kernels.WINDOW_BACKENDS`), checks them with the window (the model's and one of
+:data:`CHECK_WINDOW` keys, where a key too many or too few in a window moves the output by ~1/16, over every
+tolerance) and times them with the model's window; a named kernel that cannot compute a window is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 
 from flexorch.config.model import ModelConfig
 from flexorch.workers.attention.kernels import (
+    WINDOW_BACKENDS,
     Seqlens,
     acc_dtype,
     attn_backward,
@@ -37,17 +43,21 @@ from flexorch.workers.attention.kernels import (
 
 __all__ = [
     "CHECK_LENGTHS",
+    "CHECK_WINDOW",
     "PROBE_LENGTHS",
     "TOLERANCE",
     "Choice",
     "choose_backend",
     "kernel_error",
+    "model_window",
     "set_attention",
 ]
 
 CHECK_LENGTHS = (4100, 300, 1, 1)
 """Documents of the exactness check: one past ``torch_cudnn.MIN_TOKENS`` and not a multiple of its padding, a short
 one and two single tokens."""
+CHECK_WINDOW = 16
+"""A sliding window the exactness check of a windowed model also runs (short: an error at its edge shows)."""
 PROBE_LENGTHS = (8192, 4096, 2048, 1000)
 """Documents of the timed probe."""
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2, torch.float32: 1e-4, torch.float64: 1e-10}
@@ -95,29 +105,53 @@ def _inputs(lengths, heads, kv_heads, head_dim, device, dtype, seed):
     return [torch.randn(s, generator=g).to(device=device, dtype=dtype) for s in shapes]
 
 
-def _run(name, q, k, v, dout, cu, scale):
-    out, lse = attn_forward(q, k, v, cu, cu, causal=True, softmax_scale=scale, backend=name)
-    return (out, lse, *attn_backward(dout, q, k, v, out, lse, cu, cu, causal=True, softmax_scale=scale, backend=name))
+def _run(name, q, k, v, dout, cu, scale, window=None):
+    kw = {"causal": True, "softmax_scale": scale, "backend": name, "window": window}
+    out, lse = attn_forward(q, k, v, cu, cu, **kw)
+    return (out, lse, *attn_backward(dout, q, k, v, out, lse, cu, cu, **kw))
 
 
-def kernel_error(name: str, heads: int, kv_heads: int, head_dim: int, device, dtype, lengths=CHECK_LENGTHS) -> float:
-    """Largest relative error of ``name``'s out, lse, dq, dk, dv against ``math`` in :func:`acc_dtype`."""
+def kernel_error(
+    name: str,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    device,
+    dtype,
+    lengths=CHECK_LENGTHS,
+    window: int | None = None,
+) -> float:
+    """Largest relative error of ``name``'s out, lse, dq, dk, dv against ``math`` in :func:`acc_dtype` (with a
+    sliding ``window``: at that window and at one of at most :data:`CHECK_WINDOW` keys)."""
     q, k, v, dout = _inputs(lengths, heads, kv_heads, head_dim, device, dtype, seed=0)
     cu, scale = _offsets(lengths), head_dim**-0.5
-    got = _run(name, q, k, v, dout, cu, scale)
-    ref = _run("math", *(x.to(acc_dtype(dtype)) for x in (q, k, v, dout)), cu, scale)
-    pairs = zip(got, ref, strict=True)
-    return max(float((a.to(b.dtype) - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in pairs)
+    err = 0.0
+    for w in (None,) if window is None else sorted({window, min(window, CHECK_WINDOW)}):
+        got = _run(name, q, k, v, dout, cu, scale, w)
+        ref = _run("math", *(x.to(acc_dtype(dtype)) for x in (q, k, v, dout)), cu, scale, w)
+        pairs = zip(got, ref, strict=True)
+        err = max(err, *(float((a.to(b.dtype) - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in pairs))
+    return err
 
 
-def _time_ms(name, q, k, v, dout, cu, scale, reps: int) -> float:
+def model_window(cfg: ModelConfig) -> int | None:
+    """The sliding window the model's attention must compute (None: none): ``attention_window``, or the smallest
+    of a per-layer list; any window means the kernel must support one."""
+    window = getattr(cfg, "attention_window", None)
+    if window is None or isinstance(window, int):
+        return window
+    windows = [w for w in window if w is not None]
+    return min(windows) if windows else None
+
+
+def _time_ms(name, q, k, v, dout, cu, scale, reps: int, window=None) -> float:
     cuda = q.device.type == "cuda"
     laps = []
     for i in range(1 + reps):
         if cuda:
             torch.cuda.synchronize(q.device)
         t0 = time.perf_counter()
-        _run(name, q, k, v, dout, cu, scale)
+        _run(name, q, k, v, dout, cu, scale, window)
         if cuda:
             torch.cuda.synchronize(q.device)
         if i:
@@ -136,12 +170,16 @@ def choose_backend(
     probe: tuple[int, ...] = PROBE_LENGTHS,
     check: tuple[int, ...] = CHECK_LENGTHS,
     reps: int = 3,
+    window: int | None = None,
 ) -> Choice:
     """Measure, choose and set the default attention kernel for ``dtype`` on ``device`` (see the module doc).
-    ``candidates``: the kernels to consider (default: every one available here but the ``math`` reference)."""
+    ``candidates``: the kernels to consider (default: every one available here but the ``math`` reference);
+    ``window``: the model's sliding window (only kernels that compute one are considered, checked and timed with it)."""
     if candidates is None:
         available = available_backends(device, dtype)
         candidates = tuple(b for b in available if b != "math") or ("math",)
+    if window is not None:
+        candidates = tuple(b for b in candidates if b in WINDOW_BACKENDS) or ("math",)
     if len(candidates) == 1:
         set_default_backend(device, dtype, candidates[0])
         return Choice(candidates[0])
@@ -151,11 +189,11 @@ def choose_backend(
     cu, scale = _offsets(probe), head_dim**-0.5
     for name in candidates:
         try:
-            errors[name] = err = kernel_error(name, heads, kv_heads, head_dim, device, dtype, check)
+            errors[name] = err = kernel_error(name, heads, kv_heads, head_dim, device, dtype, check, window)
             if not err <= TOLERANCE[dtype]:
                 refused[name] = f"error {err:.1e} against the reference (bound {TOLERANCE[dtype]:.0e})"
                 continue
-            ms[name] = _time_ms(name, q, k, v, dout, cu, scale, reps)
+            ms[name] = _time_ms(name, q, k, v, dout, cu, scale, reps, window)
         except Exception as e:  # noqa: BLE001 - a kernel that cannot run here is not chosen; the reason is reported
             refused[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
         finally:
@@ -175,11 +213,18 @@ def set_attention(cfg: ModelConfig, device: torch.device | None, precision: str)
     static default. Returns what was chosen, in words."""
     dev = device or torch.device("cpu")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    window = model_window(cfg)
     if cfg.attention != "auto":
+        if window is not None and cfg.attention not in WINDOW_BACKENDS:
+            raise ValueError(
+                f"[model] attention = {cfg.attention!r} cannot compute the model's sliding window (attention_window "
+                f"= {window}): choose one of {list(WINDOW_BACKENDS)} or 'auto'"
+            )
         set_default_backend(dev, dtype, cfg.attention)
         return f"attention kernel {cfg.attention} (as set)"
     if dev.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-        return "attention kernel " + (default_backend(dev, dtype) if dev.type != "cuda" else "math (fp32 on CUDA)")
-    choice = choose_backend(dev, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        fallback = default_backend(dev, dtype, window=window is not None) if dev.type != "cuda" else None
+        return "attention kernel " + (fallback or "math (fp32 on CUDA)")
+    choice = choose_backend(dev, dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, window=window)
     print(f"worker on {dev}: {choice.describe()}", flush=True)
     return choice.describe()

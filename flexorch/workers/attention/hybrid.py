@@ -22,6 +22,9 @@ ring backward). GQA: when ``u`` does not divide ``h_kv`` (``u`` may exceed it), 
 ``lcm(h_kv, u)`` before the all-to-all (:func:`~.ulysses.spread_kv_heads`) and their gradients summed back by
 autograd, so each head slice carries the KV heads its query heads read; the ring then moves ``lcm(h_kv, u) / u``
 KV heads per rank.
+
+A sliding window flows through: the all-to-all keeps every token's place in its document, and the ring skips and
+masks its blocks as a zigzag ring of degree ``r`` does (:mod:`~.ring_plan`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend
+from flexorch.workers.attention.kernels import check_varlen_args, check_window, resolve_backend
 from flexorch.workers.attention.ring import zigzag_blocks, zigzag_ring_attn
 from flexorch.workers.attention.ulysses import check_head_degree, ulysses_around
 
@@ -49,6 +52,7 @@ def hybrid_attn_varlen_func(
     causal: bool = True,
     return_lse: bool = False,
     backend: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a packed batch sharded in the hybrid layout over ``u x r`` ranks.
 
@@ -64,6 +68,8 @@ def hybrid_attn_varlen_func(
         causal: must be True (the ring is zigzag: ``zigzag_ring_attn_varlen_func``).
         return_lse: also return the local log-sum-exp ``(h, t/u)`` (float32; float64 for fp64 inputs).
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
+        window: a sliding window of that many keys (query ``i`` sees keys ``i - window < j <= i`` of its document,
+            Transformers' ``sliding_window``).
 
     Returns:
         ``(t/u, h, hd)`` output, or ``(out, lse)``.
@@ -72,7 +78,8 @@ def hybrid_attn_varlen_func(
     where = "hybrid_attn_varlen_func"
     # Every check before the first collective: bad input fails the same way on every rank of both sub-groups.
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, u * r, where=where)
-    backend = resolve_backend(backend, q)
+    check_window(window, causal, where=where)
+    backend = resolve_backend(backend, q, window=window)
     if not causal:
         raise ValueError(f"{where} supports causal=True only (its ring is zigzag)")
     check_head_degree(q.shape[1], u, where=where)
@@ -81,6 +88,6 @@ def hybrid_attn_varlen_func(
 
     def ring(q_h, k_h, v_h):
         # q_h (t, h/u, hd), k_h/v_h (t, h_kv'/u, hd): this ring position's zigzag shard of head slice i
-        return zigzag_ring_attn(q_h, k_h, v_h, blocks, ring_group, scale, backend)  # (t, h/u, hd), (h/u, t)
+        return zigzag_ring_attn(q_h, k_h, v_h, blocks, ring_group, scale, backend, window)  # (t, h/u, hd), (h/u, t)
 
     return ulysses_around(q, k, v, ulysses_group, ring, return_lse=return_lse, where=where)

@@ -8,6 +8,16 @@ follow flash-attn's varlen convention: ``q`` is ``(t_q, h, hd)``, ``k``/``v`` ar
 attention, not of this block, so that ring attention can sum block gradients (flash-attn backward;
 FlashAttention-2, arXiv 2307.08691, Alg. 2).
 
+Sliding window (``window=w``, Hugging Face Transformers' ``sliding_window``: ``masking_utils.sliding_window_overlay``
+keeps ``kv_idx > q_idx - sliding_window``): a query at position ``i`` of a document sees the keys at positions
+``i - w < j <= i`` of that document, ``w`` keys itself included; it needs ``causal``. A call may say where its
+blocks sit inside each document with ``shift``: per document, the position of its first query row minus that of its
+first key row (None: 0 for every document, the top-left diagonal). Query row ``a`` and key row ``b`` of document
+``i`` are then ``a + shift[i] - b`` positions apart; causal keeps distances ``>= 0``, the window ``< w``. Ring
+attention uses it for a K/V block that sits at another offset of the document than its queries (:mod:`~.ring_plan`).
+A query row that sees no key of the call gets ``out = 0``, ``lse = -inf`` and no gradient (the merge then ignores
+it, :mod:`~.merge`).
+
 Backends, fastest first (:func:`available_backends`), and the dtypes each runs (:data:`DTYPES`; anything else is
 refused at the call with the policy in the message, never run at a silently lower precision):
 
@@ -27,12 +37,20 @@ Which one runs by default on a GPU is measured, not assumed: :mod:`~.choice` tim
 worker's device, dtype and head shape at start and sets it (:func:`set_default_backend`); until then, and where
 nothing was measured, flash_attn, else torch_flash.
 
+Windows (:data:`WINDOW_BACKENDS`): flash_attn and torch_flash pass ``(w - 1, 0)`` as the kernels' (left, right)
+window, which flash-attn aligns bottom-right (query ``i`` sees keys ``[i + lk - lq - left, i + lk - lq + right]``),
+so only blocks whose shift is ``lk - lq`` in every document go to them (all of Ulysses' and the varlen function's,
+the ring's diagonal); the others (the ring's window-edge blocks, a pipeline segment's prefix) run on
+:data:`OFFSET_BACKENDS` (``math`` on CUDA). torch_cudnn refuses a window: torch's cuDNN attention ops take none.
+
 fp32 and fp64 on CUDA have no fused kernel here: :func:`default_backend` refuses them (train in bf16, ``[sharding]
 precision``) unless ``backend="math"`` is asked for. Accumulation (the LSE, ring and merge buffers) is in
 :func:`acc_dtype`: float32 for 16- and 32-bit inputs, float64 for fp64, so an fp64 call is fp64-exact end to end.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -41,11 +59,18 @@ from flexorch.workers.attention.seqlens import Seqlens
 from flexorch.workers.attention.sharding import check_cu_seqlens
 from flexorch.workers.attention.torch_cpu import acc_dtype, cpu_backward, cpu_forward, math_backward, math_forward
 from flexorch.workers.attention.torch_cudnn import torch_cudnn_available, torch_cudnn_backward, torch_cudnn_forward
-from flexorch.workers.attention.torch_flash import torch_flash_available, torch_flash_backward, torch_flash_forward
+from flexorch.workers.attention.torch_flash import (
+    torch_flash_available,
+    torch_flash_backward,
+    torch_flash_forward,
+    torch_flash_window_available,
+)
 
 __all__ = [
     "BACKENDS",
     "DTYPES",
+    "OFFSET_BACKENDS",
+    "WINDOW_BACKENDS",
     "Seqlens",
     "acc_dtype",
     "attn_backward",
@@ -53,6 +78,7 @@ __all__ = [
     "available_backends",
     "check_qkv",
     "check_varlen_args",
+    "check_window",
     "default_backend",
     "resolve_backend",
     "set_default_backend",
@@ -71,6 +97,24 @@ DTYPES: dict[str, tuple[torch.dtype, ...]] = {
 }
 """The input dtypes each backend runs exactly (to that dtype's tolerance)."""
 _DEVICE = {"flash_attn": "cuda", "torch_cudnn": "cuda", "torch_flash": "cuda", "torch_cpu": "cpu"}  # math: any device
+WINDOW_BACKENDS = ("flash_attn", "torch_flash", "torch_cpu", "math")
+"""The backends that compute a sliding window (``window=``); torch_cudnn does not (torch's cuDNN ops take none)."""
+OFFSET_BACKENDS = ("torch_cpu", "math")
+"""The backends that take any per-document ``shift``; a block the others cannot align runs on ``math`` instead."""
+_FLASH_WINDOW = functools.cache(torch_flash_window_available)  # this torch's flash ops take a window
+
+
+def check_window(window: int | None, causal: bool, *, where: str) -> None:
+    """Raise ValueError unless ``window`` is None or an int >= 1 and the attention is causal (a sliding window is)."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"{where}: window must be an int >= 1 (query i sees keys i - window < j <= i of its document) or None, "
+            f"got {window!r}"
+        )
+    if not causal:
+        raise ValueError(f"{where}: window={window} needs causal=True (a sliding window is causal)")
 
 
 def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, where: str) -> None:
@@ -161,11 +205,13 @@ def _policy(device: torch.device, dtype: torch.dtype) -> str:
     )
 
 
-def default_backend(device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+def default_backend(device: torch.device, dtype: torch.dtype = torch.float32, *, window: bool = False) -> str:
     """The fastest backend for ``dtype`` on ``device``: flash_attn, else torch_flash on CUDA (fp16/bf16); torch_cpu
-    on CPU; math elsewhere. fp32/fp64 on CUDA raise ValueError (no fused kernel; the math path is opt-in)."""
+    on CPU; math elsewhere. fp32/fp64 on CUDA raise ValueError (no fused kernel; the math path is opt-in).
+    ``window``: for a call with a sliding window, one of :data:`WINDOW_BACKENDS` (a measured default that is not one
+    is passed over for the static preference, which is)."""
     chosen = _CHOSEN.get((device.type, dtype))
-    if chosen is not None:
+    if chosen is not None and (not window or chosen in WINDOW_BACKENDS):
         return chosen
     if device.type == "cuda":
         if dtype not in _HALF:
@@ -201,12 +247,18 @@ _BACKWARD = {
 }
 
 
-def resolve_backend(backend: str | None, q: torch.Tensor) -> str:
-    """The backend that runs ``q``'s device and dtype (``backend``, or :func:`default_backend`); ValueError with the
-    dtype policy when it cannot. Depends only on ``q``'s device and dtype: called before any collective."""
-    name = backend or default_backend(q.device, q.dtype)
+def resolve_backend(backend: str | None, q: torch.Tensor, *, window: int | None = None) -> str:
+    """The backend that runs ``q``'s device and dtype (``backend``, or :func:`default_backend`) and, given one,
+    a sliding ``window``; ValueError with the policy when it cannot. Depends only on ``q``'s device and dtype and on
+    the window: called before any collective."""
+    name = backend or default_backend(q.device, q.dtype, window=window is not None)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
+    if window is not None and (name not in WINDOW_BACKENDS or name == "torch_flash" and not _FLASH_WINDOW()):
+        why = "torch's cuDNN attention ops take none" if name == "torch_cudnn" else "this torch's flash ops take none"
+        raise ValueError(
+            f"backend {name!r} cannot compute a sliding window (window={window}): {why}; use one of {WINDOW_BACKENDS}"
+        )
     want = _DEVICE.get(name)
     if want is not None and q.device.type != want:
         raise ValueError(f"backend {name!r} needs {want.upper()} tensors, got {q.device}")
@@ -215,6 +267,34 @@ def resolve_backend(backend: str | None, q: torch.Tensor) -> str:
     if q.dtype not in DTYPES[name]:
         raise ValueError(f"backend {name!r} cannot run {q.dtype}: {_policy(q.device, q.dtype)}")
     return name
+
+
+def _bottom_right(cu_q: Seqlens, cu_k: Seqlens, shift: tuple[int, ...] | None) -> bool:
+    """True when every document's first query row sits ``lk - lq`` positions after its first key row: the causal
+    diagonal (and window) where flash-attn's and ATen's kernels put it (bottom-right)."""
+    if shift is None:
+        return cu_q.offsets == cu_k.offsets  # top-left = bottom-right for equal lengths
+    q, k = cu_q.offsets, cu_k.offsets
+    return all(shift[i] == (k[i + 1] - k[i]) - (q[i + 1] - q[i]) for i in range(len(q) - 1))
+
+
+def _kernel(backend, q, cu_q, cu_k, causal, window, shift) -> tuple[str, int | None]:
+    """The backend of one call and the window it needs (None where no distance in it reaches the window)."""
+    name = resolve_backend(backend, q, window=window)
+    if shift is not None and len(shift) != len(cu_q.offsets) - 1:
+        raise ValueError(f"shift has {len(shift)} entries for {len(cu_q.offsets) - 1} documents")
+    if window is not None and shift is None and cu_q.max_seqlen <= window:
+        window = None  # every distance is < max_seqlen <= window: plain causal attention, the fast path
+    if causal and name not in OFFSET_BACKENDS and not _bottom_right(cu_q, cu_k, shift):
+        name = "math"  # flash-attn / ATen align the diagonal bottom-right only: this block runs where any aligns
+    return name, window
+
+
+def _extra(name: str, window: int | None, shift: tuple[int, ...] | None) -> dict:
+    """The keywords a backend function gets beyond the plain call: ``shift`` only where any is taken (elsewhere the
+    block is bottom-right aligned, which is the kernel's own), ``window`` where set."""
+    extra = {"window": window} if window is not None else {}
+    return (extra | {"shift": shift}) if shift is not None and name in OFFSET_BACKENDS else extra
 
 
 def attn_forward(
@@ -227,9 +307,15 @@ def attn_forward(
     causal: bool,
     softmax_scale: float,
     backend: str | None = None,
+    window: int | None = None,
+    shift: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t_q, h, hd), (t_k, h_kv, hd) x2 -> out (t_q, h, hd), lse (h, t_q) in acc_dtype(q.dtype)."""
-    return _FORWARD[resolve_backend(backend, q)](q, k, v, cu_q, cu_k, causal, softmax_scale)
+    """(t_q, h, hd), (t_k, h_kv, hd) x2 -> out (t_q, h, hd), lse (h, t_q) in acc_dtype(q.dtype).
+
+    ``window``: a sliding window (needs ``causal``); ``shift``: per document, the position of its first query row
+    minus that of its first key row (None: 0). See the module doc."""
+    name, window = _kernel(backend, q, cu_q, cu_k, causal, window, shift)
+    return _FORWARD[name](q, k, v, cu_q, cu_k, causal, softmax_scale, **_extra(name, window, shift))
 
 
 def attn_backward(
@@ -245,28 +331,32 @@ def attn_backward(
     causal: bool,
     softmax_scale: float,
     backend: str | None = None,
+    window: int | None = None,
+    shift: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of q, k, v for one block given the full attention's ``out`` and ``lse``."""
-    return _BACKWARD[resolve_backend(backend, q)](dout, q, k, v, out, lse, cu_q, cu_k, causal, softmax_scale)
+    """Gradients of q, k, v for one block given the full attention's ``out`` and ``lse`` (``window``, ``shift``: as
+    in :func:`attn_forward`)."""
+    name, window = _kernel(backend, q, cu_q, cu_k, causal, window, shift)
+    args = (dout, q, k, v, out, lse, cu_q, cu_k, causal, softmax_scale)
+    return _BACKWARD[name](*args, **_extra(name, window, shift))
 
 
 class _VarlenAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seqlens, causal, scale, backend):
-        out, lse = attn_forward(q, k, v, seqlens, seqlens, causal=causal, softmax_scale=scale, backend=backend)
+    def forward(ctx, q, k, v, seqlens, causal, scale, backend, window):
+        kw = {"causal": causal, "softmax_scale": scale, "backend": backend, "window": window}
+        out, lse = attn_forward(q, k, v, seqlens, seqlens, **kw)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (seqlens, causal, scale, backend)
+        ctx.args = (seqlens, kw)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        seqlens, causal, scale, backend = ctx.args
-        grads = attn_backward(
-            dout, q, k, v, out, lse, seqlens, seqlens, causal=causal, softmax_scale=scale, backend=backend
-        )
-        return (*grads, None, None, None, None)
+        seqlens, kw = ctx.args
+        grads = attn_backward(dout, q, k, v, out, lse, seqlens, seqlens, **kw)
+        return (*grads, None, None, None, None, None)
 
 
 def varlen_attn(
@@ -278,6 +368,8 @@ def varlen_attn(
     causal: bool,
     softmax_scale: float,
     backend: str | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable single-device varlen attention (same documents for q and k): returns (out, lse)."""
-    return _VarlenAttn.apply(q, k, v, seqlens, causal, softmax_scale, backend)
+    """Differentiable single-device varlen attention (same documents for q and k): returns (out, lse).
+    ``window``: a sliding window of that many keys (needs ``causal``)."""
+    return _VarlenAttn.apply(q, k, v, seqlens, causal, softmax_scale, backend, window)

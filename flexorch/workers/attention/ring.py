@@ -12,72 +12,35 @@ exactly with their log-sum-exp. Zigzag layout and varlen handling follow zhuzili
 
 Every step after the first costs half a block on every rank: causal work is balanced. The backward runs the
 same ring; dK/dV accumulators travel with K/V and reach their owner after one more hop.
+
+Which rows meet which at each step is a :class:`~.ring_plan.RingPlan` (pure, per rank): the three shapes above, or,
+with a sliding ``window``, per (query chunk, key chunk) pair and document: skipped outside every window, one
+unmasked call where every key is in every window, a masked call with the block's position offset on the window's
+edge (:mod:`~.ring_plan`, with how much work a window saves). A skipped block makes no kernel call: its rows'
+``out``/``lse`` keep the other blocks' merge and its gradients are zero. The calls run in plan order, forward and
+backward; K/V (and dK/dV) still travel the whole ring.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from flexorch.workers.attention.collective_waits import WAITS
 from flexorch.workers.attention.kernels import (
-    Seqlens,
     acc_dtype,
     attn_backward,
     attn_forward,
     check_varlen_args,
+    check_window,
     resolve_backend,
 )
 from flexorch.workers.attention.merge import merge_attn_outputs
+from flexorch.workers.attention.ring_plan import RingPlan, ZigzagBlocks, ring_plan, zigzag_blocks
 
 __all__ = ["ZigzagBlocks", "zigzag_blocks", "zigzag_ring_attn", "zigzag_ring_attn_varlen_func"]
 
 _KV_TAG, _DKV_TAG = 0, 1  # distinct tags so the K/V and dK/dV messages in flight never match each other
-
-
-@dataclass(frozen=True)
-class ZigzagBlocks:
-    """Local document boundaries and chunk indices of one rank's zigzag shard."""
-
-    full: Seqlens
-    """Local documents (two chunks each): global cu_seqlens // d."""
-    half: Seqlens
-    """One chunk per document: global cu_seqlens // (2d)."""
-    front: torch.Tensor | slice
-    """Local token indices of every document's first chunk (chunk r)."""
-    back: torch.Tensor | slice
-    """Local token indices of every document's second chunk (chunk 2d-1-r)."""
-
-
-def zigzag_blocks(
-    seqlens: Seqlens,
-    degree: int,
-    device: torch.device | None = None,
-    *,
-    where: str = "zigzag_ring_attn_varlen_func",
-    layout: str = "shard_zigzag",
-) -> ZigzagBlocks:
-    """Pure: local block structure from the global padded boundaries; ValueError unless 2d-aligned (``where`` and
-    ``layout``, the ``sharding`` function that pads, name the caller in the message)."""
-    two_d = 2 * degree
-    for i, (a, b) in enumerate(zip(seqlens.offsets[:-1], seqlens.offsets[1:], strict=True)):
-        if (b - a) % two_d:
-            raise ValueError(
-                f"{where}: document {i} has {b - a} tokens, not a multiple of 2 * degree"
-                f" = {two_d}; pad documents with flexorch.workers.attention.sharding.{layout}"
-            )
-    full = Seqlens(tuple(x // degree for x in seqlens.offsets))
-    half = Seqlens(tuple(x // two_d for x in seqlens.offsets))
-    if len(full.offsets) == 2:  # one document: plain slices, no gather
-        return ZigzagBlocks(full, half, slice(0, half.total), slice(half.total, full.total))
-    chunk = torch.tensor(half.offsets[1:]) - torch.tensor(half.offsets[:-1])  # (n_docs,)
-    # Token j of chunk i sits at local position full.offsets[i] + j (front) or + chunk[i] + j (back).
-    inner = torch.arange(half.total) - torch.repeat_interleave(torch.tensor(half.offsets[:-1]), chunk)
-    front = torch.repeat_interleave(torch.tensor(full.offsets[:-1]), chunk) + inner
-    back = front + torch.repeat_interleave(chunk, chunk)
-    return ZigzagBlocks(full, half, front.to(device), back.to(device))
 
 
 class _Ring:
@@ -118,61 +81,77 @@ class _InFlight:
         return self.recv if self.device is None else self.recv.to(self.device, non_blocking=False)
 
 
-def _ring_forward(q, k, v, blocks: ZigzagBlocks, ring: _Ring, scale: float, backend):
-    kw = {"softmax_scale": scale, "backend": backend}
-    full, half, front, back = blocks.full, blocks.half, blocks.front, blocks.back
+def _is_all(rows) -> bool:
+    return isinstance(rows, slice) and rows == slice(None)
+
+
+def _kernel_kw(call, scale, backend) -> dict:
+    return dict(causal=call.causal, window=call.window, shift=call.shift, softmax_scale=scale, backend=backend)
+
+
+def _ring_forward(q, k, v, plan: RingPlan, ring: _Ring, scale: float, backend):
     kv = torch.stack([k, v])  # 2 x (t, h_kv, hd) -> (2, t, h_kv, hd): one message per step
     out = lse = None
-    for step in range(ring.size):
+    for step, calls in enumerate(plan.steps):
         if step + 1 < ring.size:
             hop = ring.start(kv, _KV_TAG)
-        src = (ring.rank - step) % ring.size
-        if step == 0:
-            out, lse = attn_forward(q, kv[0], kv[1], full, full, causal=True, **kw)
-            out = out.to(acc_dtype(q.dtype))  # merged in the accumulation dtype: fp64 stays fp64
-        elif src < ring.rank:
-            blk = attn_forward(q, kv[0][front], kv[1][front], full, half, causal=False, **kw)
-            out, lse = merge_attn_outputs(out, lse, *blk)
-        else:
-            blk_out, blk_lse = attn_forward(q[back], kv[0], kv[1], half, full, causal=False, **kw)
-            out[back], lse[:, back] = merge_attn_outputs(out[back], lse[:, back], blk_out, blk_lse)
+        for call in calls:
+            rows, keys = call.q_rows, call.k_rows
+            blk_out, blk_lse = attn_forward(
+                q[rows], kv[0][keys], kv[1][keys], call.cu_q, call.cu_k, **_kernel_kw(call, scale, backend)
+            )
+            if out is None:  # step 0's first call: every row, causal
+                out, lse = blk_out.to(acc_dtype(q.dtype)), blk_lse  # merged in the accumulation dtype
+            elif _is_all(rows):
+                out, lse = merge_attn_outputs(out, lse, blk_out, blk_lse)
+            else:
+                out[rows], lse[:, rows] = merge_attn_outputs(out[rows], lse[:, rows], blk_out, blk_lse)
         if step + 1 < ring.size:
             kv = hop.wait()
     return out.to(q.dtype), lse
 
 
-def _ring_backward(dout, q, k, v, out, lse, blocks: ZigzagBlocks, ring: _Ring, scale: float, backend):
-    kw = {"softmax_scale": scale, "backend": backend}
-    full, half, front, back = blocks.full, blocks.half, blocks.front, blocks.back
-    dout_b, q_b, out_b, lse_b = dout[back], q[back], out[back], lse[:, back].contiguous()
+class _Rows:
+    """``dout, q, out, lse`` at one call's query rows; the last rows' gather is reused (the causal plan asks the
+    back chunk's at every step with ``src > r``)."""
+
+    def __init__(self, dout, q, out, lse):
+        self.full, self.rows, self.taken = (dout, q, out, lse), None, None
+
+    def __call__(self, rows):
+        if _is_all(rows):
+            return self.full
+        if rows is not self.rows:
+            dout, q, out, lse = self.full
+            self.rows, self.taken = rows, (dout[rows], q[rows], out[rows], lse[:, rows].contiguous())
+        return self.taken
+
+
+def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: _Ring, scale: float, backend):
+    at = _Rows(dout, q, out, lse)
     kv = torch.stack([k, v])  # (2, t, h_kv, hd)
     acc = acc_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dkv = dkv_hop = None
-    for step in range(ring.size):
+    for step, calls in enumerate(plan.steps):
         if step + 1 < ring.size:
             hop = ring.start(kv, _KV_TAG)
-        src = (ring.rank - step) % ring.size
-        if step == 0:
-            dq_i, dk_i, dv_i = attn_backward(dout, q, kv[0], kv[1], out, lse, full, full, causal=True, **kw)
-            dq += dq_i
-            rows = slice(None)
-        elif src < ring.rank:
+        grads = []
+        for call in calls:
+            rows, keys = call.q_rows, call.k_rows
             dq_i, dk_i, dv_i = attn_backward(
-                dout, q, kv[0][front], kv[1][front], out, lse, full, half, causal=False, **kw
-            )
-            dq += dq_i
-            rows = front
-        else:
-            dq_i, dk_i, dv_i = attn_backward(dout_b, q_b, kv[0], kv[1], out_b, lse_b, half, full, causal=False, **kw)
-            dq[back] += dq_i
-            rows = slice(None)
+                *at(rows)[:2], kv[0][keys], kv[1][keys], *at(rows)[2:], call.cu_q, call.cu_k,
+                **_kernel_kw(call, scale, backend),
+            )  # fmt: skip
+            dq[rows] += dq_i
+            grads.append((keys, dk_i, dv_i))
         if step == 0:
-            dkv = torch.stack([dk_i, dv_i]).to(acc)  # accumulator of our own K/V block
+            dkv = torch.zeros((2, *k.shape), dtype=acc, device=k.device)  # accumulator of our own K/V block
         else:
             dkv = dkv_hop.wait()  # the accumulator of block src arrives from the previous rank
-            dkv[0][rows] += dk_i
-            dkv[1][rows] += dv_i
+        for keys, dk_i, dv_i in grads:
+            dkv[0][keys] += dk_i
+            dkv[1][keys] += dv_i
         if step + 1 < ring.size:
             kv = hop.wait()
         if ring.size > 1:
@@ -184,18 +163,19 @@ def _ring_backward(dout, q, k, v, out, lse, blocks: ZigzagBlocks, ring: _Ring, s
 
 class _ZigzagRingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, blocks, group, scale, backend):
+    def forward(ctx, q, k, v, blocks, group, scale, backend, window):
         ring = _Ring(group)
-        out, lse = _ring_forward(q, k, v, blocks, ring, scale, backend)
+        plan = ring_plan(blocks, ring.rank, ring.size, window, q.device)
+        out, lse = _ring_forward(q, k, v, plan, ring, scale, backend)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (blocks, ring, scale, backend)
+        ctx.args = (plan, ring, scale, backend)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None)
+        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None)
 
 
 def zigzag_ring_attn(
@@ -206,13 +186,14 @@ def zigzag_ring_attn(
     group: dist.ProcessGroup,
     scale: float,
     backend: str,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable causal zigzag ring attention on checked inputs: ``(out (t, h, hd), lse (h, t))``.
 
-    ``blocks``: :func:`zigzag_blocks` of the global batch for a ring of ``group``'s size; ``backend`` resolved. The
-    validation lives in :func:`zigzag_ring_attn_varlen_func` and in callers that run other collectives first
-    (``hybrid``), which must check before any of them."""
-    return _ZigzagRingAttn.apply(q, k, v, blocks, group, scale, backend)
+    ``blocks``: :func:`zigzag_blocks` of the global batch for a ring of ``group``'s size; ``backend`` resolved;
+    ``window``: a checked sliding window or None. The validation lives in :func:`zigzag_ring_attn_varlen_func` and in
+    callers that run other collectives first (``hybrid``), which must check before any of them."""
+    return _ZigzagRingAttn.apply(q, k, v, blocks, group, scale, backend, window)
 
 
 def zigzag_ring_attn_varlen_func(
@@ -227,6 +208,7 @@ def zigzag_ring_attn_varlen_func(
     causal: bool = True,
     return_lse: bool = False,
     backend: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a packed batch sharded in the zigzag layout over ``group``.
 
@@ -242,17 +224,21 @@ def zigzag_ring_attn_varlen_func(
             and its padding is invisible to real tokens only under a causal mask.
         return_lse: also return the local log-sum-exp ``(h, t)`` (float32; float64 for fp64 inputs).
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
+        window: a sliding window of that many keys (query ``i`` sees keys ``i - window < j <= i`` of its document,
+            Transformers' ``sliding_window``); key blocks outside every window are skipped (:mod:`~.ring_plan`).
 
     Returns:
         ``(t, h, hd)`` output, or ``(out, lse)``.
     """
     d = dist.get_world_size(group)
-    seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, d, where="zigzag_ring_attn_varlen_func")
-    backend = resolve_backend(backend, q)  # a dtype/device the kernels cannot run fails here, on every rank
+    where = "zigzag_ring_attn_varlen_func"
+    seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, d, where=where)
+    check_window(window, causal, where=where)
+    backend = resolve_backend(backend, q, window=window)  # what the kernels cannot run fails here, on every rank
     if not causal:
         # Non-causal attention would let real queries see every document's padding (and needs no zigzag).
         raise ValueError("zigzag_ring_attn_varlen_func supports causal=True only")
     blocks = zigzag_blocks(seqlens, d, q.device)
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    out, lse = zigzag_ring_attn(q, k, v, blocks, group, scale, backend)
+    out, lse = zigzag_ring_attn(q, k, v, blocks, group, scale, backend, window)
     return (out, lse) if return_lse else out

@@ -5,7 +5,8 @@ packed batch with all ``h`` heads; an all-to-all gives each rank the whole seque
 ordinary varlen attention over the global ``cu_seqlens`` is exact; a second all-to-all restores the sequence
 sharding. The all-to-all's backward is the reverse all-to-all (yunchang's ``SeqAllToAll4D``).
 :func:`ulysses_around` is those all-to-alls around any exact attention of a head shard: plain varlen attention here,
-a zigzag ring in ``hybrid``.
+a zigzag ring in ``hybrid``. A sliding window needs nothing more: after the all-to-all a rank holds whole documents
+(for ``h/d`` heads), so the varlen kernel applies it as on one device.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from flexorch.workers.attention.collective_waits import WAITS
-from flexorch.workers.attention.kernels import check_varlen_args, resolve_backend, varlen_attn
+from flexorch.workers.attention.kernels import check_varlen_args, check_window, resolve_backend, varlen_attn
 
 __all__ = [
     "InnerAttn",
@@ -151,6 +152,7 @@ def ulysses_attn_varlen_func(
     causal: bool = True,
     return_lse: bool = False,
     backend: str | None = None,
+    window: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a packed batch whose tokens are sharded contiguously over ``group``.
 
@@ -166,6 +168,8 @@ def ulysses_attn_varlen_func(
         causal: causal within each document.
         return_lse: also return the local log-sum-exp ``(h, s/d)`` (float32; float64 for fp64 inputs).
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
+        window: a sliding window of that many keys (query ``i`` sees keys ``i - window < j <= i`` of its document,
+            Transformers' ``sliding_window``); needs ``causal``.
 
     Returns:
         ``(s/d, h, hd)`` output, or ``(out, lse)``.
@@ -173,10 +177,12 @@ def ulysses_attn_varlen_func(
     d = dist.get_world_size(group)
     where = "ulysses_attn_varlen_func"
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, d, where=where)
-    backend = resolve_backend(backend, q)  # a dtype/device the kernels cannot run fails here, on every rank
+    check_window(window, causal, where=where)
+    backend = resolve_backend(backend, q, window=window)  # what the kernels cannot run fails here, on every rank
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
 
     def inner(q_h, k_h, v_h):
-        return varlen_attn(q_h, k_h, v_h, seqlens, causal=causal, softmax_scale=scale, backend=backend)
+        # whole documents of h/d heads: (s, h/d, hd) -> (s, h/d, hd), lse (h/d, s)
+        return varlen_attn(q_h, k_h, v_h, seqlens, causal=causal, softmax_scale=scale, backend=backend, window=window)
 
     return ulysses_around(q, k, v, group, inner, return_lse=return_lse, where=where)
