@@ -8,6 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from flexorch.cli.plan_window import add_window_flags, with_window
 from flexorch.cli.prepare import add_prepare_parser, cmd_prepare
 from flexorch.data.errors import DataError
 from flexorch.data.lengths import parse_tokens
@@ -69,15 +70,7 @@ def _plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, help=argparse.SUPPRESS)  # renamed --workers: refused, see _merged
     p.add_argument("--profile", help="built-in profile name or profile JSON file (default gpt-7b-a100)")
     p.add_argument("--heads", type=int, help="override the profile's attention heads (Ulysses needs d | heads)")
-    p.add_argument(
-        "--window",
-        help="the model's sliding attention window in tokens, e.g. 4K (default: the profile's): windowed "
-        "layers are priced by their window, not s^2",
-    )
-    p.add_argument(
-        "--window-share",
-        help="the share of layers that use --window, e.g. 5/6 (Gemma 3) or 1 (Mistral) (default 1 with --window)",
-    )
+    add_window_flags(p)
     p.add_argument("--max-context", help="longest sequence in tokens, e.g. 384K (default: what N devices hold)")
     p.add_argument("--over-long", choices=["drop", "reject"], help="sequences over --max-context (default drop)")
     p.add_argument("--batch", type=int, help="sequences per global batch (default 512)")
@@ -311,24 +304,6 @@ def _merged(args: argparse.Namespace) -> dict:
     return values
 
 
-def _with_window(profile, v: dict):
-    """``profile`` with ``--window`` / ``--window-share`` (config keys ``window``, ``window_share``) set."""
-    if v.get("window") is None:
-        if v.get("window_share") is not None:
-            raise DataError("--window-share needs --window (the window those layers use)")
-        return profile
-    window = parse_tokens(str(v["window"]))
-    share = v.get("window_share", 1 if window else 0)
-    try:
-        num, _, den = str(share).partition("/")
-        fraction = float(num) / float(den) if den else float(num)
-    except (ValueError, ZeroDivisionError):
-        raise DataError(f"--window-share must be a fraction like 5/6 or 0.5, got {share!r}") from None
-    if not 0 < fraction <= 1 and window:
-        raise DataError(f"--window-share must be in (0, 1], got {share!r}")
-    return profile.with_overrides(attention_window=window, window_fraction=fraction if window else 0.0)
-
-
 def _cmd_plan(args: argparse.Namespace) -> int:
     from flexorch.cli.plan import PlanRunConfig, parse_nodes, parse_pipeline_stages, parse_speeds, run_plan
     from flexorch.solver.planner import PlannerConfig
@@ -338,7 +313,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     profile = get_profile(v.get("profile", "gpt-7b-a100"))
     if v.get("heads") is not None:
         profile = profile.with_overrides(num_heads=int(v["heads"]), num_kv_heads=int(v["heads"]))
-    profile = _with_window(profile, v)
+    profile = with_window(profile, v)
     planner = PlannerConfig(time_limit_s=float(v.get("time_limit", 1.0)), workers=int(v.get("solver_workers", 1)))
     nodes = parse_nodes(v.get("nodes"), v.get("gpus_per_node"), v.get("workers"))
     workers = int(v.get("workers", sum(nodes) if nodes else 64))

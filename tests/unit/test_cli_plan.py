@@ -474,6 +474,7 @@ def test_a_window_prices_the_steps_attention_by_its_band_and_bad_windows_exit_2(
     assert code == 0 and json.loads(out.strip().splitlines()[0])["predicted_ms"] < 0.97 * predicted["global"]
     for extra, msg in ((["--window-share", "1"], "--window-share needs --window"),
                        (["--window", "1K", "--window-share", "7"], "--window-share must be in (0, 1]"),
-                       (["--window", "1K", "--window-share", "a/b"], "must be a fraction like 5/6")):  # fmt: skip
+                       (["--window", "1K", "--window-share", "a/b"], "must be a fraction like 5/6"),
+                       (["--window", "lots"], "--window: not a token count")):  # fmt: skip
         code, _, err = _run([*base, *extra], capsys)
         assert code == 2 and msg in err, err
