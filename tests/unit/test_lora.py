@@ -423,6 +423,23 @@ def _their_name(name: str, theirs: dict) -> str:
     return match
 
 
+def _backward_equals_peft(ours, twin, theirs, batch) -> dict:
+    """Forward and backward of ``ours`` (its active task) and of its PEFT ``twin`` (its active adapter) on
+    ``batch``: the logits and every gradient of ours equal theirs; returns our gradients by name."""
+    attn = functools.partial(varlen_attn_func, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+    logits = _run(ours, batch)
+    ref = twin(
+        input_ids=batch.tokens[None], position_ids=batch.position_ids[None], flexorch_attn=attn, use_cache=False
+    ).logits[0]
+    torch.testing.assert_close(logits, ref, **TOL)
+    loss_sum(logits, batch.labels).backward()
+    loss_sum(ref, batch.labels).backward()
+    got = _grads(ours)
+    for name, g in got.items():
+        torch.testing.assert_close(g, theirs[_their_name(name, theirs)].grad, rtol=1e-5, atol=1e-7, msg=name)
+    return got
+
+
 @pytest.mark.parametrize("recompute", ["none", "full"])
 def test_hf_adapters_equal_peft_logits_and_gradients_for_each_task(tmp_path, recompute):
     cfg = _hf_cfg(_hf_dir(tmp_path, "llama"), adapters=HF_SPECS)
@@ -430,9 +447,7 @@ def test_hf_adapters_equal_peft_logits_and_gradients_for_each_task(tmp_path, rec
     set_activation_checkpointing(ours, recompute)
     twin, theirs = _peft_twin(cfg, ours, HF_SPECS)
     twin.train()
-    docs = _docs(6, (7, 30, 1, 12), vocab=96)
-    batch = pack_documents(docs)
-    attn = functools.partial(varlen_attn_func, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
+    batch = pack_documents(_docs(6, (7, 30, 1, 12), vocab=96))
     for task in ("chat", "code"):
         set_active_task(ours, task)
         twin.set_adapter(task)
@@ -440,18 +455,9 @@ def test_hf_adapters_equal_peft_logits_and_gradients_for_each_task(tmp_path, rec
             p.requires_grad_(True)
             p.grad = None
         ours.zero_grad(set_to_none=True)
-        logits = _run(ours, batch)
-        ref = twin(
-            input_ids=batch.tokens[None], position_ids=batch.position_ids[None], flexorch_attn=attn, use_cache=False
-        ).logits[0]
-        torch.testing.assert_close(logits, ref, **TOL)
-        loss_sum(logits, batch.labels).backward()
-        loss_sum(ref, batch.labels).backward()
-        got = _grads(ours)
+        got = _backward_equals_peft(ours, twin, theirs, batch)
         assert any(f".lora.{task}." in n for n in got)
         assert not any(".lora." in n and f".lora.{task}." not in n for n in got)
-        for name, g in got.items():
-            torch.testing.assert_close(g, theirs[_their_name(name, theirs)].grad, rtol=1e-5, atol=1e-7, msg=name)
         other = "code" if task == "chat" else "chat"
         assert all(p.grad is None or not p.grad.any() for n, p in theirs.items() if f"lora_A.{other}." in n)
 
@@ -473,20 +479,9 @@ def test_every_familys_projections_take_adapters_equal_to_peft(tmp_path, family)
     twin.train()
     for p in twin.parameters():
         p.requires_grad_(True)
-    batch = pack_documents(_docs(6, (7, 30, 1, 12), vocab=96))
-    attn = functools.partial(varlen_attn_func, cu_seqlens=batch.cu_seqlens, max_seqlen=batch.max_seqlen)
     set_active_task(ours, "chat")
-    logits = _run(ours, batch)
-    ref = twin(
-        input_ids=batch.tokens[None], position_ids=batch.position_ids[None], flexorch_attn=attn, use_cache=False
-    ).logits[0]
-    torch.testing.assert_close(logits, ref, **TOL)
-    loss_sum(logits, batch.labels).backward()
-    loss_sum(ref, batch.labels).backward()
-    got = _grads(ours)
+    got = _backward_equals_peft(ours, twin, theirs, pack_documents(_docs(6, (7, 30, 1, 12), vocab=96)))
     assert {n.split(".")[-2] for n in got if ".lora." in n} == set(targets)
-    for name, g in got.items():
-        torch.testing.assert_close(g, theirs[_their_name(name, theirs)].grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 # ------------------------------------------------------------------ FSDP2: a world of two gloo processes
