@@ -35,7 +35,7 @@ __all__ = [
     "results_arg",
     "results_path",
     "run_main",
-    "save_llama_config",
+    "save_hf_config",
     "start_local_ray",
     "write_report",
     "write_results",
@@ -188,24 +188,24 @@ def start_local_ray(num_cpus: int) -> None:
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="ERROR")
 
 
-def save_llama_config(own, directory: Path | str, **extra) -> None:
-    """Save a Transformers ``LlamaConfig`` of the shape of ``own`` (a ``flexorch.config.ModelConfig``) to
-    ``directory``, with ``extra`` keys (e.g. ``max_position_embeddings``) added: the Transformers twin of
-    flexorch's decoder that the HF rows build."""
+def save_hf_config(own, directory: Path | str, family: str = "llama", **extra) -> None:
+    """Save a Transformers config of ``family`` (default Llama) and the shape of ``own`` (a
+    ``flexorch.config.ModelConfig``) to ``directory``, with ``extra`` keys (e.g. ``max_position_embeddings``) added
+    or overriding: the Transformers twin of flexorch's decoder that the HF rows build."""
     import transformers
 
-    transformers.LlamaConfig(
-        hidden_size=own.dim,
-        intermediate_size=own.ffn_dim,
-        num_hidden_layers=own.num_layers,
-        num_attention_heads=own.num_heads,
-        num_key_value_heads=own.num_kv_heads,
-        vocab_size=own.vocab_size,
-        rms_norm_eps=own.norm_eps,
-        rope_theta=own.rope_theta,
-        tie_word_embeddings=own.tie_embeddings,
-        **extra,
-    ).save_pretrained(directory)
+    shape = {
+        "hidden_size": own.dim,
+        "intermediate_size": own.ffn_dim,
+        "num_hidden_layers": own.num_layers,
+        "num_attention_heads": own.num_heads,
+        "num_key_value_heads": own.num_kv_heads,
+        "vocab_size": own.vocab_size,
+        "rms_norm_eps": own.norm_eps,
+        "rope_theta": own.rope_theta,
+        "tie_word_embeddings": own.tie_embeddings,
+    }
+    transformers.AutoConfig.for_model(family, **{**shape, **extra}).save_pretrained(directory)
 
 
 def matmul_tflops(device, n: int = 8192, warmup: int = 3, reps: int = 10) -> float | None:

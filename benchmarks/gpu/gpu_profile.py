@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import gpu_results_path, run_main, save_llama_config
+from benchmarks.common import gpu_results_path, run_main, save_hf_config
 from benchmarks.gpu.gpu_rows.measure import BWD_OVER_FWD, attn_fwd_flops, offsets_of
 from flexorch.config.model import ModelConfig
 
@@ -255,7 +255,7 @@ def model_config(kind: str, cfg: dict, tmp: Path) -> ModelConfig:
         return own
     from flexorch.config.hf import hf_model_config
 
-    save_llama_config(own, tmp, max_position_embeddings=131072)
+    save_hf_config(own, tmp, max_position_embeddings=131072)
     return ModelConfig.from_dict({**hf_model_config(str(tmp)), "loss_chunk_tokens": 4096})
 
 

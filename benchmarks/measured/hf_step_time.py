@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import run_main, save_llama_config, start_local_ray  # noqa: E402
+from benchmarks.common import run_main, save_hf_config, start_local_ray  # noqa: E402
 from benchmarks.measured.fixed_profile import write_fixed_profile  # noqa: E402
 from flexorch.config import CorpusConfig, ModelConfig, OptimConfig, PlanSettings, TrainConfig  # noqa: E402
 from flexorch.config.sharding import ShardingSettings  # noqa: E402
@@ -82,25 +82,8 @@ def hf_twin(own: ModelConfig, directory: Path, family: str = "llama") -> ModelCo
     hf``), checked to have the same shape (Llama: and parameter count; the families with q/k norms have a few more)."""
     from flexorch.config.hf import hf_model_config
 
-    if family == "llama":
-        save_llama_config(own, directory, initializer_range=own.init_std, max_position_embeddings=4096)
-    else:
-        import transformers
-
-        transformers.AutoConfig.for_model(
-            family,
-            hidden_size=own.dim,
-            intermediate_size=own.ffn_dim,
-            num_hidden_layers=own.num_layers,
-            num_attention_heads=own.num_heads,
-            num_key_value_heads=own.num_kv_heads,
-            head_dim=own.head_dim,
-            vocab_size=own.vocab_size,
-            rms_norm_eps=own.norm_eps,
-            initializer_range=own.init_std,
-            max_position_embeddings=4096,
-            **{"tie_word_embeddings": own.tie_embeddings, **FAMILY_OPTIONS[family]},
-        ).save_pretrained(directory)
+    options = {"head_dim": own.head_dim, **FAMILY_OPTIONS[family]} if family != "llama" else {}
+    save_hf_config(own, directory, family, initializer_range=own.init_std, max_position_embeddings=4096, **options)
     hf = ModelConfig.from_dict(hf_model_config(str(directory)))
     keys = SHAPE_KEYS if family == "llama" else SHAPE_KEYS[:6]
     diff = {k: (getattr(own, k), getattr(hf, k)) for k in keys if getattr(own, k) != getattr(hf, k)}
