@@ -130,6 +130,8 @@ def _layer_linears(shapes) -> dict[str, dict[str, tuple[int, int]]]:
             continue
         layer = out.setdefault(m.group(1), {})
         parts = name.split(".")
+        if parts[-3:] == ["mlp", "gate", "weight"]:  # an MoE router (a module of its own, not an nn.Linear)
+            continue
         if parts[-1] == "weight" and len(shape) == 2:
             layer.setdefault(parts[-2], (int(shape[0]), int(shape[1])))
     return out
@@ -138,16 +140,18 @@ def _layer_linears(shapes) -> dict[str, dict[str, tuple[int, int]]]:
 def target_modules(model_cfg: ModelShape) -> tuple[str, ...]:
     """The leaf names a :class:`LoraSpec` may target on this model, in the layer's order.
 
-    Our decoder: :data:`OWN_TARGETS`. A Hugging Face model: the leaf names of the linear maps of its decoder layer 0,
-    from :func:`flexorch.config.hf.hf_param_shapes` (the 2-D ``.weight`` parameters of a decoder layer of each family
-    are exactly its ``nn.Linear`` modules: q/k/v/o_proj, gate/up/down_proj; ``tests/unit/test_lora.py`` checks this
-    against the module Transformers builds). No torch: the run file is checked before any worker starts."""
+    Our decoder: :data:`OWN_TARGETS`. A Hugging Face model: the leaf names of the linear maps every decoder layer
+    has, in layer 0's order, from :func:`flexorch.config.hf.hf_param_shapes` (the 2-D ``.weight`` parameters of a
+    decoder layer of each family are exactly its ``nn.Linear`` modules: q/k/v/o_proj, gate/up/down_proj, an MoE
+    router aside; an MoE layer's experts are 3-D parameters, not linear maps, so its MLP takes no adapter;
+    ``tests/unit/test_lora.py`` checks this against the module Transformers builds). No torch: the run file is
+    checked before any worker starts."""
     if model_cfg.hf is None:
         return OWN_TARGETS
     from flexorch.config.hf import hf_param_shapes
 
-    shapes = hf_param_shapes(model_cfg, num_layers=1)
-    return tuple(next(iter(_layer_linears(shapes).values()), {}))
+    layers = list(_layer_linears(hf_param_shapes(model_cfg)).values())
+    return tuple(n for n in (layers[0] if layers else {}) if all(n in layer for layer in layers))
 
 
 def check_adapters(model_cfg: ModelShape, specs) -> None:

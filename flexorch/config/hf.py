@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from flexorch.config.errors import ConfigError
+from flexorch.config.hf_moe import MOE_LAYOUTS, moe_fields, moe_mlp_shapes
 
 __all__ = [
     "FAMILY_LAYOUTS",
@@ -84,6 +85,9 @@ FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
         activation_key="hidden_activation",
         norm_ones=False,
     ),
+    "qwen3_moe": FamilyLayout("Qwen3MoeForCausalLM", qk_norm="head"),
+    "mixtral": FamilyLayout("MixtralForCausalLM", bias_key=None),
+    "olmoe": FamilyLayout("OlmoeForCausalLM", qk_norm="projection"),
 }  # fmt: skip
 """Each family flexorch trains and how its decoder layer is laid out; ``tests/unit/test_hf_model.py`` checks every
 layout against the model Transformers builds."""
@@ -129,10 +133,13 @@ def hf_param_shapes(m, num_layers: int | None = None) -> list[tuple[str, tuple[i
             if lay.qk_norm is not None:
                 q_norm, k_norm = (hd, hd) if lay.qk_norm == "head" else (q_rows, kv_rows)
                 out += [(p + "self_attn.q_norm.weight", (q_norm,)), (p + "self_attn.k_norm.weight", (k_norm,))]
-            for proj, rows, cols in (("gate", ffn, dim), ("up", ffn, dim), ("down", dim, ffn)):
-                out.append((f"{p}mlp.{proj}_proj.weight", (rows, cols)))
-                if m.mlp_bias:
-                    out.append((f"{p}mlp.{proj}_proj.bias", (rows,)))
+            if i in getattr(m, "moe_layers", ()):  # experts and their router (flexorch.config.hf_moe)
+                out += moe_mlp_shapes(m, p)
+            else:
+                for proj, rows, cols in (("gate", ffn, dim), ("up", ffn, dim), ("down", dim, ffn)):
+                    out.append((f"{p}mlp.{proj}_proj.weight", (rows, cols)))
+                    if m.mlp_bias:
+                        out.append((f"{p}mlp.{proj}_proj.bias", (rows,)))
         out += [(p + norm + ".weight", (dim,)) for norm in lay.layer_norms]
     out.append(("model.norm.weight", (dim,)))
     if not m.tie_embeddings:
@@ -170,16 +177,13 @@ def _read_config(d: Path) -> dict:
     return cfg
 
 
-_MOE = "a mixture-of-experts model; flexorch does not run MoE blocks yet (their router loss and expert costs)"
 REFUSED_FAMILIES = {
     "gemma3": "Gemma 3 with its vision tower (Gemma3ForConditionalGeneration); flexorch trains text decoders: use "
     "the text model, model_type gemma3_text (Gemma3ForCausalLM: save its config and weights with save_pretrained)",
     "qwen3_next": "Qwen3-Next mixes linear-attention (Gated DeltaNet) layers with full attention; flexorch's "
     "sequence-parallel attention computes softmax attention only",
-    "qwen3_moe": _MOE,
-    "mixtral": _MOE,
-    "olmoe": _MOE,
-    "gpt_oss": _MOE + " and GPT-OSS's attention sinks",
+    "gpt_oss": "GPT-OSS adds a learned sink logit to each head's softmax (self_attn.sinks); flexorch's "
+    "sequence-parallel attention kernels compute plain softmax attention without sinks",
 }
 """``model_type`` values refused with a reason of their own (the rest: the list of :data:`HF_FAMILIES`)."""
 
@@ -221,14 +225,14 @@ def _layer_types(cfg: dict, family: str, layers: int, where: str) -> list[str]:
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is None:
-        if family in ("qwen2", "qwen3"):
+        if family in ("qwen2", "qwen3", "qwen3_moe"):
             on = bool(cfg.get("use_sliding_window")) and window is not None
             first = cfg.get("max_window_layers", 28)
             types = ["sliding_attention" if on and i >= first else "full_attention" for i in range(layers)]
         elif family == "gemma3_text":
             pattern = cfg.get("sliding_window_pattern", 6)
             types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-        elif family in ("mistral", "phi3") and window is not None:
+        elif family in ("mistral", "phi3", "mixtral") and window is not None:
             types = ["sliding_attention"] * layers
         else:
             types = ["full_attention"] * layers
@@ -240,7 +244,7 @@ def _layer_types(cfg: dict, family: str, layers: int, where: str) -> list[str]:
             f"{where}: layer_types has {other[0]!r} layers; flexorch's sequence-parallel attention computes "
             "full_attention and sliding_attention layers only (linear-attention and chunked layers are not supported)"
         )
-    if family in ("qwen2", "qwen3") and not cfg.get("use_sliding_window"):
+    if family in ("qwen2", "qwen3", "qwen3_moe") and not cfg.get("use_sliding_window"):
         types = ["full_attention"] * layers  # Transformers sets sliding_window to None then
     return types
 
@@ -421,6 +425,7 @@ def hf_model_config(path: str) -> dict:
         "qkv_bias": lay.qkv_bias or biased,
         "o_bias": biased,
         "mlp_bias": bool(lay.mlp_bias_key and cfg.get(lay.mlp_bias_key)),
+        **(moe_fields(cfg, family, layers, where) if family in MOE_LAYOUTS else {}),
     }
     if fields["num_kv_heads"] > heads or heads % fields["num_kv_heads"]:
         raise ConfigError(

@@ -58,6 +58,17 @@ class ModelConfig:
     """The attention's output projection has a bias (``attention_bias`` of Llama, Qwen3, OLMo 2, Gemma 3)."""
     mlp_bias: bool = False
     """The MLP's projections have biases (Llama's ``mlp_bias``)."""
+    num_experts: int = 0
+    """Experts in each MoE layer (Qwen3-MoE, Mixtral, OLMoE: ``flexorch.config.hf_moe``); 0: a dense model."""
+    experts_per_token: int = 0
+    """The experts each token is routed to (``num_experts_per_tok``): what it computes (:meth:`active_params`)."""
+    expert_ffn_dim: int = 0
+    """One expert's intermediate size."""
+    moe_layers: tuple[int, ...] = ()
+    """The layers whose MLP is an MoE block (the others keep a dense MLP of ``ffn_dim``)."""
+    router_aux_coef: float = 0.0
+    """The weight of the router's load-balancing loss in the objective (``router_aux_loss_coef`` where the config
+    sets ``output_router_logits``; ``flexorch.workers.router_loss``); 0.0: not trained."""
     attention_window: int | None = None
     """The sliding attention window of the layers in :attr:`window_layers` (Mistral's, Gemma 3's ``sliding_window``):
     a query attends to the ``attention_window`` latest keys of its document, itself included."""
@@ -121,6 +132,7 @@ class ModelConfig:
                 "model comes from [model] hf = DIR alone"
             )
         self._set_window_layers()
+        self._set_moe()
         if self.head_dim % 2:
             raise ValueError(f"ModelConfig: head_dim={self.head_dim} (dim / num_heads) must be even for RoPE")
         if not isinstance(self.base_trainable, bool):
@@ -143,6 +155,40 @@ class ModelConfig:
                 f"{list(layers)}"
             )
         object.__setattr__(self, "window_layers", layers)
+
+    def _set_moe(self) -> None:
+        e, k, f, layers = self.num_experts, self.experts_per_token, self.expert_ffn_dim, self.moe_layers
+        if isinstance(layers, str | bytes) or not isinstance(layers, tuple | list):
+            raise ValueError(f"ModelConfig.moe_layers must be a list of layer indices, got {layers!r}")
+        object.__setattr__(self, "moe_layers", tuple(layers))
+        ints = all(isinstance(v, int) and not isinstance(v, bool) for v in (e, k, f, *layers))
+        coef = self.router_aux_coef
+        if not ints or not isinstance(coef, int | float) or isinstance(coef, bool) or not 0 <= coef < math.inf:
+            raise ValueError(
+                "ModelConfig: num_experts, experts_per_token, expert_ffn_dim and moe_layers must be integers and "
+                f"router_aux_coef a number >= 0, got {e, k, f, list(layers), coef}"
+            )
+        if e == 0:
+            if k or f or layers or coef:
+                raise ValueError(
+                    "ModelConfig: experts_per_token, expert_ffn_dim, moe_layers and router_aux_coef need num_experts"
+                )
+            return
+        if self.hf is None:
+            raise ValueError(
+                "ModelConfig.num_experts: flexorch's own decoder is dense; an MoE model comes from [model] hf"
+            )
+        if (
+            not 1 <= k <= e
+            or f < 1
+            or not layers
+            or list(layers) != sorted(set(layers))
+            or not 0 <= layers[0] <= layers[-1] < self.num_layers
+        ):
+            raise ValueError(
+                f"ModelConfig: {e} experts need 1 <= experts_per_token <= {e} (got {k}), expert_ffn_dim >= 1 (got {f}) "
+                f"and moe_layers distinct indices in [0, {self.num_layers}) in order (got {list(layers)})"
+            )
 
     @property
     def window_fraction(self) -> float:
@@ -179,6 +225,16 @@ class ModelConfig:
         embed = self.vocab_size * self.dim
         head = 0 if self.tie_embeddings else self.vocab_size * self.dim
         return embed + self.num_layers * per_layer + self.dim + head  # + final norm
+
+    def active_params(self) -> int:
+        """Parameters a token computes with: :meth:`num_params` less, in each MoE layer, the experts it is not
+        routed to (``num_experts - experts_per_token`` of them). The model holds all of them (:meth:`num_params`)."""
+        if not self.num_experts:
+            return self.num_params()
+        from flexorch.config.hf_moe import expert_params
+
+        idle = (self.num_experts - self.experts_per_token) * expert_params(self)
+        return self.num_params() - len(self.moe_layers) * idle
 
     def param_shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, shape)`` of every parameter in the built model's ``named_parameters`` order: the base model's,

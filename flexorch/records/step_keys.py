@@ -375,6 +375,12 @@ class TrainRecord(PlanRecord):
     tokens_per_s: float | None = Field(description="``tokens`` over ``measured_ms``")
     lr: float | None = Field(description="the learning rate the step used")
     grad_norm: float | None = Field(allow_inf_nan=True, description="the gradient's norm before clipping")
+    router_aux_loss: float | None = Field(
+        default=None, allow_inf_nan=True,
+        description="an MoE model that trains its router loss: the step's load-balancing loss, unweighted (the "
+        "objective is ``loss + router_aux_loss_coef * router_aux_loss``)",
+    )  # fmt: skip
+    router_ms: float | None = Field(default=None, description="the forward-only pass that counted the step's routing")
     ranks: list[RankEntry | None] | None = Field(description="per rank; null for a rank lost after the update")
     targets: int | None = Field(
         default=None,

@@ -231,7 +231,15 @@ def step_record(
         "grad_norm": done[0].grad_norm,
         "ranks": [_rank_entry(o, n_mb, pipelined) for o in outcomes],
         **({"task_losses": dict(done[0].task_losses)} if done[0].task_losses else {}),
+        **_router_fields(done),
     }
+
+
+def _router_fields(done: list) -> dict:
+    """An MoE model's router loss (the same on every rank) and its counting pass (the slowest rank's)."""
+    if done[0].router_aux_loss is None:
+        return {}
+    return {"router_aux_loss": done[0].router_aux_loss, "router_ms": max(o.router_ms for o in done)}
 
 
 def _leveled(prices: dict | None, level: float) -> dict | None:

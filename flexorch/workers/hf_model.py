@@ -40,6 +40,7 @@ from flexorch.workers.lora import (
     with_adapter_values,
 )
 from flexorch.workers.model import call_attention, check_token_range, loss_sum
+from flexorch.workers.router_loss import RouterBalance, RouterSpec, routing_sums
 
 __all__ = ["ATTN_IMPLEMENTATION", "HFDecoder", "flexorch_attention", "hf_random_init", "hf_weights", "meta_hf_decoder"]
 
@@ -119,18 +120,34 @@ class HFDecoder(nn.Module):
         self.lm_head = None if cfg.tie_embeddings else lm.lm_head
         self.cfg = cfg
         self.hf_config = lm.config
+        # an MoE model whose config trains the router loss (flexorch.workers.router_loss): the step arms
+        # router_balance with the world's routing counts, and each forward with labels adds its term
+        self.router_spec = (
+            RouterSpec(cfg.num_experts, cfg.experts_per_token, cfg.router_aux_coef) if cfg.router_aux_coef else None
+        )
+        self.router_balance: RouterBalance | None = None
 
     @property
     def layers(self) -> nn.ModuleList:
         return self.model.layers
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attn, labels: torch.Tensor | None = None
-    ) -> torch.Tensor:
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        attn,
+        labels: torch.Tensor | None = None,
+        routing: torch.Tensor | None = None,
+    ):
         """``input_ids (t,)``, ``position_ids (t,)`` (position inside each token's document) -> logits
         ``(t, vocab_size)`` float32, or with ``labels (t,)`` the loss summed over them (float32 scalar; the head fused
         with the loss in chunks, ``flexorch.workers.chunked_loss``); ``attn`` (q, k, v (t, heads, hd)) is the only
-        call that sees other tokens."""
+        call that sees other tokens. An armed ``router_balance`` gets each forward's router logits (their term of
+        the router loss, taken by the step). ``routing (t,) bool`` (the tokens that are not padding): an MoE model's
+        routing sums of those tokens instead, no head (``flexorch.workers.router_loss.routing_sums``; the step's
+        forward-only count, through this forward so that FSDP gathers as in any other)."""
+        if routing is not None:
+            return self._routing_sums(input_ids, position_ids, attn, routing)
         if input_ids.dim() != 1 or position_ids.shape != input_ids.shape:
             raise ValueError(
                 f"input_ids and position_ids must both be (t,), got {tuple(input_ids.shape)} and "
@@ -140,12 +157,28 @@ class HFDecoder(nn.Module):
         if input_ids.numel() == 0:  # an idle rank's empty micro-batch (FSDP): Transformers cannot run 0 tokens
             logits = self._empty_logits(input_ids.device)
             return logits if labels is None else loss_sum(logits, labels)
+        balance = self.router_balance if labels is not None else None
+        extra = {"output_router_logits": True} if balance is not None else {}
         out = self.model(
-            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, flexorch_attn=attn
+            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, flexorch_attn=attn, **extra
         )  # (t,) -> (1, t) in, (1, t, dim) out
+        if balance is not None:
+            balance.add(out.router_logits)  # one (t, experts) tensor per MoE layer
         if labels is not None:
             return head_loss_sum(out.last_hidden_state[0], self._head_weight(), labels, self.cfg.loss_chunk_tokens)
         return self._head(out.last_hidden_state[0])
+
+    def _routing_sums(self, input_ids, position_ids, attn, real):
+        if self.router_spec is None:
+            raise RuntimeError(f"{self.cfg.family}: the model trains no router loss (no router_aux_coef)")
+        if input_ids.numel() == 0:  # an idle rank under FSDP: every unit still gathers; it counts nothing
+            self._empty_logits(input_ids.device)
+            return routing_sums((), self.router_spec)
+        out = self.model(
+            input_ids=input_ids[None], position_ids=position_ids[None], use_cache=False, flexorch_attn=attn,
+            output_router_logits=True,
+        )  # fmt: skip
+        return routing_sums(out.router_logits, self.router_spec, real)
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

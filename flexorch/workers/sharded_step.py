@@ -46,13 +46,15 @@ def run_sharded_step(ctx: StepContext, rank_work: StepWork, blocks: dict[int, np
     params = [p for p in model.parameters() if p.requires_grad]
     run = MicroBatches(ctx, rank_work, blocks, params, params[0].device, waits=False)  # FSDP's waits untimed
     by_mb = {w.micro_batch: w for w in rank_work.work}
-    for mb in range(rank_work.micro_batches):
-        if gather == "step":  # gathered once, kept to the step's end; one reduce-scatter after the last backward
-            last = mb == rank_work.micro_batches - 1
-            model.set_reshard_after_forward(False)
-            model.set_reshard_after_backward(last)
-            model.set_requires_gradient_sync(last)
-        run.run(by_mb.get(mb))
+    works = [by_mb.get(mb) for mb in range(rank_work.micro_batches)]
+    with run.router_loss(works, ctx.world):  # an MoE model's router loss: the world's routing counted first
+        for mb, work in enumerate(works):
+            if gather == "step":  # gathered once, kept to the step's end; one reduce-scatter after the last backward
+                last = mb == rank_work.micro_batches - 1
+                model.set_reshard_after_forward(False)
+                model.set_reshard_after_backward(last)
+                model.set_requires_gradient_sync(last)
+            run.run(work)
     out = run.out
     out.compute_end_ms = (time.perf_counter() - run.t0) * 1e3
 

@@ -10,6 +10,7 @@ steps the same optimizer on the same numbers, so the replicas stay identical.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import dataclass, field
@@ -81,6 +82,11 @@ class StepOutcome:
     task_losses: dict[str, float] = field(default_factory=dict)
     """``[[tasks]]``: each task's mean cross-entropy per target token over the global batch (identical on every
     rank); empty in a run of one task."""
+    router_aux_loss: float | None = None
+    """An MoE model that trains its router loss: the step's load-balancing loss (unweighted, identical on every
+    rank; ``flexorch.workers.router_loss``); ``loss`` is the cross-entropy alone."""
+    router_ms: float = 0.0
+    """The forward-only pass that counted the step's routing for that loss, before the first micro-batch."""
     compile_s: float = 0.0
     """Seconds ``torch.compile`` spent compiling during this step (the first steps of a compiled model, and a
     recompile; ``flexorch.workers.compile.compile_seconds``)."""
@@ -178,8 +184,9 @@ def run_step(ctx: StepContext, rank_work: StepWork, blocks: dict[int, np.ndarray
     optimizer.zero_grad(set_to_none=False)
     params = [p for p in model.parameters() if p.requires_grad]
     run = MicroBatches(ctx, rank_work, blocks, params, next(model.parameters()).device)
-    for work in rank_work.work:
-        run.run(work)
+    with run.router_loss(rank_work.work, ctx.world):  # an MoE model's router loss: the world's routing counted
+        for work in rank_work.work:
+            run.run(work)
     out = run.out
     out.compute_end_ms = (time.perf_counter() - run.t0) * 1e3
 
@@ -211,6 +218,44 @@ class MicroBatches:
         self.loss = torch.zeros((), dtype=torch.float64)
         self.predicted = 0
         self.per_task = TaskLosses(rank_work)
+        self.router = None
+
+    @contextlib.contextmanager
+    def router_loss(self, works: list, world):
+        """Around the step's micro-batches (``works``, in the order this rank runs them): for an MoE model that
+        trains its router loss, count the world's routing first (``flexorch.workers.router_loss.router_prepass``)
+        and arm the model with it; disarmed when the block ends, however it ends."""
+        from flexorch.workers.router_loss import router_prepass
+
+        t = time.perf_counter()
+        self.router = router_prepass(self, works, world, self.rank_work.world_size)
+        if self.router is not None:
+            self.out.router_aux_loss = self.router.aux_loss
+            self.out.router_ms = (time.perf_counter() - t) * 1e3
+            self.model.router_balance = self.router
+        try:
+            yield
+        finally:
+            if self.router is not None:
+                self.model.router_balance = None
+
+    def inputs(self, work: GroupWork | None):
+        """``(input ids, position ids, labels, attn, real)`` of this rank's part of ``work`` (None: an idle rank's
+        empty micro-batch), with the group's recompute mode set on the model; ``real``: which of its tokens are the
+        batch's (not a shard's padding)."""
+        if work is None:
+            ids = pos = labels = torch.zeros(0, dtype=torch.int64)
+            return ids, pos, labels, _idle_attn, torch.zeros(0, dtype=torch.bool)
+        tokens, cu = _documents(work, self.blocks)
+        check_token_range(stored_token_ids(tokens), self.vocab_size)
+        group_rank = work.ranks.index(self.rank_work.rank)
+        ids, pos, labels, layout = micro_batch_inputs(
+            tokens, cu, group_rank, work.degree, work.kind, work.ulysses_degree
+        )
+        attn = group_attention(layout, work, sp_groups(work, self.rank_work.rank, self.group_of), self.backend)
+        if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
+            set_activation_checkpointing(self.model, work.recompute)
+        return ids, pos, labels, attn, layout.loss_mask
 
     def run(self, work: GroupWork | None) -> None:
         """Forward and backward of one micro-batch; ``work`` None: this rank has no tokens in it (a sharded
@@ -218,19 +263,9 @@ class MicroBatches:
         model, rank_work, out = self.model, self.rank_work, self.out
         t_mb = time.perf_counter()
         WAITS.take_ms()  # this group's waits from here
-        if work is None:
-            ids = pos = labels = torch.zeros(0, dtype=torch.int64)
-            attn = _idle_attn
-        else:
-            tokens, cu = _documents(work, self.blocks)
-            check_token_range(stored_token_ids(tokens), self.vocab_size)
-            group_rank = work.ranks.index(rank_work.rank)
-            ids, pos, labels, layout = micro_batch_inputs(
-                tokens, cu, group_rank, work.degree, work.kind, work.ulysses_degree
-            )
-            attn = group_attention(layout, work, sp_groups(work, rank_work.rank, self.group_of), self.backend)
-            if work.recompute is not None:  # [sharding] activation_checkpointing = "auto": this group's choice
-                set_activation_checkpointing(model, work.recompute)
+        ids, pos, labels, attn, real = self.inputs(work)
+        if self.router is not None:  # the rows of this micro-batch its router loss counts
+            self.router.real = real
         scale = begin_group(model, rank_work, work)  # [[tasks]]: this group's adapter and loss weight
         d = self.device
         with saved_tensor_meter(self.params) as meter:  # activation bytes held for backward: the plan's memory
@@ -240,7 +275,10 @@ class MicroBatches:
         self.per_task.add(work, loss)
         if scale != 1.0:
             loss = loss * scale
-        loss.backward()  # sharded: FSDP reduce-scatters each layer's gradient (a sum over the mesh) into the shards
+        router = self.router.take() if self.router is not None else None  # its share of the router loss
+        (
+            loss if router is None else loss + router
+        ).backward()  # sharded: FSDP reduce-scatters each layer's gradient (a sum over the mesh) into the shards
         self.loss += loss.detach().double().cpu()
         self.predicted += int((labels != -100).sum())
         if work is not None:

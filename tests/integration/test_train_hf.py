@@ -14,6 +14,7 @@ under replicated and FSDP2-sharded model state.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -41,7 +42,12 @@ VARIANTS = {
     "phi3": ("phi3", {"pad_token_id": None}),
     "olmo2": ("olmo2", {"pad_token_id": None}),
     "gemma3_text": ("gemma3_text", {"head_dim": 16, "sliding_window": 40, "sliding_window_pattern": 2}),
-}
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "output_router_logits": True, "router_aux_loss_coef": 0.1}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                            "output_router_logits": True, "router_aux_loss_coef": 0.1}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": None}),  # no router loss
+}  # fmt: skip
 """Test models beyond plain Llama and Qwen2: name -> (model_type, config options beyond SHAPE)."""
 
 
@@ -66,10 +72,13 @@ def _cfg(env, name, model_dir, **kw):
     return train_config(corpus_dir, root / name, profile, model=model, data=data, **kw)
 
 
-def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[list[float], dict]:
+def oracle_train(cfg, batches, impl: str, start: dict | None = None, aux: list | None = None):
     """Transformers' own model and attention (``impl``) in one process, on each step's documents one at a time (the
     masks it builds: causal, and the family's sliding windows); starts from ``start`` (default: flexorch's initial
-    parameters, which the test of weight loading checks on their own), trains with the run's AdamW."""
+    parameters, which the test of weight loading checks on their own), trains with the run's AdamW. An MoE model
+    that trains its router loss adds ``router_aux_loss_coef`` times Transformers' ``load_balancing_loss_func`` over
+    the router logits of all the step's documents (appended to ``aux``); the losses returned are the cross-entropy.
+    Returns (losses, parameters)."""
     from flexorch.testing.reference import pack_documents
     from flexorch.workers.model_source import build_model
     from flexorch.workers.optim import build_optimizer
@@ -88,9 +97,17 @@ def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[li
         b = pack_documents(docs)
         optimizer.zero_grad(set_to_none=True)
         ids = [torch.as_tensor(d, dtype=torch.long) for d in docs]
-        logits = torch.cat([model(input_ids=d[None]).logits[0] for d in ids])  # (T, vocab) in the packed order
+        outs = [model(input_ids=d[None], output_router_logits=bool(cfg.model.router_aux_coef) or None) for d in ids]
+        logits = torch.cat([o.logits[0] for o in outs])  # (T, vocab) in the packed order
         loss = torch.nn.functional.cross_entropy(logits.float(), b.labels, reduction="sum") / b.n_predicted
-        loss.backward()
+        objective = loss
+        if cfg.model.router_aux_coef:  # every document's router logits, layer by layer, into one loss
+            per_layer = tuple(torch.cat(layer) for layer in zip(*(o.router_logits for o in outs), strict=True))
+            lbl = sys.modules[type(model).__module__].load_balancing_loss_func  # the family's own
+            step_aux = lbl(per_layer, cfg.model.num_experts, cfg.model.experts_per_token)
+            aux.append(float(step_aux.detach()))
+            objective = loss + cfg.model.router_aux_coef * step_aux
+        objective.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         scheduler.step()
@@ -105,7 +122,9 @@ def oracle_train(cfg, batches, impl: str, start: dict | None = None) -> tuple[li
      ("llama", "fsdp", "sdpa", "full"), ("qwen2", "fsdp", "sdpa", "selective"), ("llama", "fsdp", "sdpa", "auto"),
      ("qwen3", "fsdp", "sdpa", "none"), ("phi3", "replicate", "sdpa", "none"), ("olmo2", "fsdp", "eager", "selective"),
      ("gemma3_text", "replicate", "eager", "none"), ("gemma3_text", "fsdp", "sdpa", "full"),
-     ("mistral", "fsdp", "sdpa", "none"), ("llama-rope", "replicate", "sdpa", "none")],
+     ("mistral", "fsdp", "sdpa", "none"), ("llama-rope", "replicate", "sdpa", "none"),
+     ("qwen3_moe", "fsdp", "sdpa", "none"), ("mixtral", "replicate", "sdpa", "selective"),
+     ("olmoe", "replicate", "eager", "none")],
 )  # fmt: skip
 def test_hf_model_steps_equal_transformers_own_attention_in_one_process(env, tmp_path, family, mode, impl, recompute):
     tied = family in ("qwen2", "gemma3_text")
@@ -127,8 +146,11 @@ def test_hf_model_steps_equal_transformers_own_attention_in_one_process(env, tmp
     if cfg.model.attention_window is not None:  # the windows matter: some document is longer
         assert max(len(d) for r in records for d in corpus.get_tokens(r["doc_ids"])) > cfg.model.attention_window
     batches = [corpus.get_tokens(r["doc_ids"]) for r in records]
-    losses, params = oracle_train(cfg, batches, impl)
+    aux = []
+    losses, params = oracle_train(cfg, batches, impl, aux=aux)
     assert [r["loss"] for r in records] == pytest.approx(losses, rel=1e-5, abs=1e-6)
+    assert [r.get("router_aux_loss") for r in records] == (pytest.approx(aux, rel=1e-5) if aux else [None] * 3)
+    assert bool(aux) == bool(cfg.model.router_aux_coef) and all(r.get("router_ms", 0) >= 0 for r in records)
     assert_params_close(replicas, params)
 
 

@@ -36,6 +36,18 @@ CASES = {
     "phi3": ("phi3", {"pad_token_id": None}),
     "olmo2": ("olmo2", {"pad_token_id": None}),
     "gemma3_text": ("gemma3_text", {"head_dim": 16, "sliding_window": 8, "sliding_window_pattern": 2}),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "head_dim": 16,
+            "mlp_only_layers": [1],
+        },
+    ),  # a dense layer after an MoE one
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": None}),
 }
 """Test models: name -> (model_type, config options beyond SHAPE)."""
 FAMILIES = [name for name, (family, _) in CASES.items() if name == family]
@@ -195,6 +207,8 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(tmp_path):
      ("gemma3_text", {"final_logit_softcapping": 30.0}, "final_logit_softcapping = 30.0.*no soft-capping"),
      ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping = 50.0"),
      ("gemma3_text", {"use_bidirectional_attention": True}, "causal language models only"),
+     ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise 0.1: .*fresh random noise per token"),
+     ("olmoe", {"num_experts_per_tok": 5}, "num_experts_per_tok 5 is more than the 4 experts"),
      ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
       "rope_type 'dynamic'.*longest position in each forward call.*llama3, yarn")],
 )  # fmt: skip
@@ -208,7 +222,7 @@ def test_options_flexorch_does_not_compute_are_refused(tmp_path, case, extra, ma
     [({"model_type": "qwen3_next"}, "model_type 'qwen3_next': Qwen3-Next mixes linear-attention"),
      ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
       "vision tower.*model_type gemma3_text"),
-     ({"model_type": "mixtral"}, "model_type 'mixtral': a mixture-of-experts model"),
+     ({"model_type": "gpt_oss"}, "model_type 'gpt_oss': GPT-OSS adds a learned sink logit"),
      ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types has 'chunked_attention' layers"),
      ({"layer_types": ["full_attention"]}, "one kind per layer \\(2\\)"),
      ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
