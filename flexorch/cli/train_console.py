@@ -23,6 +23,12 @@ def _fmt_eta(s: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
+def _active(ev: dict) -> str:
+    """An MoE model: the parameters a token computes with (its routed experts), beside all it holds."""
+    active = ev.get("model_active_params")
+    return f" ({active / 1e6:.2f}M active per token)" if active and active != ev["model_params"] else ""
+
+
 def format_step(ev: dict, total: int) -> str:
     head = f"step {ev['step'] + 1:>4}/{total}"
     if ev.get("skipped"):
@@ -38,6 +44,8 @@ def format_step(ev: dict, total: int) -> str:
         f"tok/s {ev['tokens_per_s']:>8,.0f}  pred {ev['predicted_ms']:7.1f} ms  meas {ev['measured_ms']:7.1f} ms "
         f"(compute {ev['compute_ms']:7.1f} ms)  ETA {_fmt_eta(ev['eta_s'])}"
     )
+    if ev.get("router_aux_loss") is not None:  # an MoE model's router load-balancing loss (unweighted)
+        line += f"  router loss {ev['router_aux_loss']:.4f}"
     if ev.get("task_losses"):  # [[tasks]]: each task's own loss (the step's is their weighted mean)
         line += "  [" + ", ".join(f"{n} {x:.4f}" for n, x in ev["task_losses"].items()) + "]"
     if ev.get("recompute"):  # 'auto' recompute: how many groups ran without, and the packing the planner chose
@@ -153,7 +161,7 @@ def _describe_setup(ev: dict) -> str:
     return (
         f"flexorch train: {ev['workers']} worker{'s' * (ev['workers'] != 1)} "
         f"(elastic {ev['min_workers']}..{ev['max_workers']}), "
-        f"model {ev['model_params'] / 1e6:.2f}M params{_sharding(ev)}, corpus "
+        f"model {ev['model_params'] / 1e6:.2f}M params{_active(ev)}{_sharding(ev)}, corpus "
         f"{', '.join(parts)}; {ev['batches_per_epoch']} batches per epoch; profile {ev['profile']} "
         f"({_budget(ev)}){resumed}{attention}{compiled}"
     )

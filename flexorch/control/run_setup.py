@@ -231,6 +231,7 @@ class RunStart:
             "resumed_from": parts.resumed_from,
             "steps": cfg.steps,
             "model_params": cfg.model.num_params(),
+            "model_active_params": cfg.model.active_params(),  # MoE: what a token computes with
             "pipeline_stages": cfg.pipeline.stages,
             "sharding": model_state_fields(cfg, workers.size),
             "kernels": {k: workers.call("info")[0].get(k) for k in ("attention", "compiled_layers")},

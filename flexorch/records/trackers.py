@@ -32,7 +32,7 @@ __all__ = ["FIGURES", "Trackers", "step_figures"]
 
 FIGURES = (
     "loss tokens_per_s lr grad_norm measured_ms predicted_ms compute_ms solve_s plan_wait_ms plan_budget_s gap "
-    "tokens targets epoch"
+    "tokens targets epoch router_aux_loss router_ms"
 ).split()
 """Record keys logged under their own name whenever the record has a number there (``flexorch.records.schema``
 says what each means): a skipped step has no loss, an unplanned one no ``gap``."""
