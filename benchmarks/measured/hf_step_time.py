@@ -30,7 +30,9 @@ each, by self CPU time, and the operators whose time differs most.
 ``--families`` builds each family's twin of the same shape instead of Llama alone, one family after another, each
 against the same own decoder: Mistral and Gemma 3 with a 256-token sliding window (on every layer; on 5 of 6), so
 the 900-byte documents run windowed attention; Qwen3, OLMo 2 and Gemma 3 add q/k norms (their parameter count is
-a little larger: the table gives both); Phi-3 fuses its projections; Gemma 3's MLP is GeGLU (tanh GELU).
+a little larger: the table gives both); Phi-3 fuses its projections; Gemma 3's MLP is GeGLU (tanh GELU); Qwen3-MoE
+has 4 experts of half the MLP's width, 2 per token (as many active parameters as the dense decoder), and trains its
+router loss (its counting pass, ``router_ms``, is reported: part of the MoE row's ratio).
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ from flexorch.config.sharding import ShardingSettings  # noqa: E402
 TARGET = 1.1
 _RUNS = itertools.count()
 SHAPE_KEYS = ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "ffn_dim", "rope_theta", "norm_eps")
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3_text")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma3_text", "qwen3_moe")
 WINDOW = 256
 FAMILY_OPTIONS = {  # beyond the shape: what makes each twin run as its family does
     "mistral": {"sliding_window": WINDOW},
@@ -63,7 +65,11 @@ FAMILY_OPTIONS = {  # beyond the shape: what makes each twin run as its family d
     "phi3": {"pad_token_id": None},
     "olmo2": {"pad_token_id": None},
     "gemma3_text": {"sliding_window": WINDOW, "sliding_window_pattern": 6, "tie_word_embeddings": False},
-}
+    # 4 experts of half the MLP's width, 2 per token: a token computes with as many parameters as the dense twin's;
+    # the router loss trains (over the global batch: one more forward without the head per step, ``router_ms``)
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+                  "router_aux_loss_coef": 0.01},
+}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -83,6 +89,8 @@ def hf_twin(own: ModelConfig, directory: Path, family: str = "llama") -> ModelCo
     from flexorch.config.hf import hf_model_config
 
     options = {"head_dim": own.head_dim, **FAMILY_OPTIONS[family]} if family != "llama" else {}
+    if family == "qwen3_moe":
+        options["moe_intermediate_size"] = own.ffn_dim // 2
     save_hf_config(own, directory, family, initializer_range=own.init_std, max_position_embeddings=4096, **options)
     hf = ModelConfig.from_dict(hf_model_config(str(directory)))
     keys = SHAPE_KEYS if family == "llama" else SHAPE_KEYS[:6]
@@ -316,6 +324,7 @@ def summarise(kept: dict[str, list[dict]], params: dict[str, int]) -> dict:
             "shapes": [r["shape"] for r in recs],
             "status": [r["status"] for r in recs],
             "plan_wait_ms": float(np.median([r["plan_wait_ms"] for r in recs])),
+            "router_ms": float(np.median([r.get("router_ms") or 0.0 for r in recs])),  # MoE: the routing count
         }
     pairs = [(a, b) for (a, b), same in zip(zip(own, hf, strict=True), same_plan, strict=True) if same]
     ratio = {
@@ -373,6 +382,11 @@ def report(results: dict[str, dict]) -> list[str]:
             + f"; ratio of the medians over all steps: step {ratio['step']:.3f}x, compute {ratio['compute']:.3f}x, "
             f"wall {ratio['wall']:.3f}x; median rank's compute {ratio['rank_compute']:.3f}x, pairwise "
             + (f"{ratio['pairwise_rank_compute']:.3f}x" if ratio["pairwise_rank_compute"] is not None else "n/a")
+            + "".join(
+                f"; {n}'s router-loss counting pass: median {row['router_ms']:.0f} ms a step"
+                for n, row in r["rows"].items()
+                if row["router_ms"]
+            )
             + " (planner status: "
             + "; ".join(f"{n} " + ", ".join(f"{k} {c}" for k, c in st.items()) for n, st in statuses.items())
             + ")"
