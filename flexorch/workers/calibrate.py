@@ -134,6 +134,7 @@ def run_probes(
             if mine is None:
                 if every_rank:
                     empty = torch.zeros(0, dtype=torch.int64, device=device)
+                    _routing_count(model, empty, empty, None, torch.zeros(0, dtype=torch.bool))
                     model(empty, empty, lambda q, k, v: q, labels=empty).backward()
                     model.zero_grad(set_to_none=True)
                 times.append(0.0)
@@ -145,6 +146,7 @@ def run_probes(
             t0 = time.perf_counter()
             ids, pos, labels, layout = micro_batch_inputs(tokens, cu, rank - first, d, probe.kind)
             attn = group_attention(layout, work, group_of(work.ranks) if d > 1 else None, None)
+            _routing_count(model, ids.to(device), pos.to(device), attn, layout.loss_mask)
             model(ids.to(device), pos.to(device), attn, labels=labels.to(device)).backward()  # head + loss, chunked
             _sync(device)  # CUDA runs asynchronously: time the kernels, not their launch
             if rep:
@@ -152,6 +154,14 @@ def run_probes(
             model.zero_grad(set_to_none=True)
         out.append(float(np.median(times)))
     return out
+
+
+def _routing_count(model, ids, pos, attn, real) -> None:
+    """An MoE model that trains its router loss counts the step's routing in a forward of its own before each
+    micro-batch (``flexorch.workers.router_loss``): a probe runs it too, so the fitted compute terms include it."""
+    if getattr(model, "router_spec", None) is not None:
+        with torch.no_grad():
+            model(ids, pos, attn, routing=real)
 
 
 def activation_bytes_per_token(model, vocab_size: int, tokens: int = 512) -> float:

@@ -153,3 +153,25 @@ def test_a_model_without_the_router_loss_has_no_routing_pass(tmp_path):
     cfg = ModelConfig.from_dict(hf_model_config(str(_dir(tmp_path, "mixtral", output_router_logits=False))))
     assert cfg.router_aux_coef == 0.0 and cfg.num_experts == 4
     assert build_model(cfg, 0).router_spec is None
+
+
+@pytest.mark.parametrize("aux", [True, False])
+def test_a_calibration_probe_runs_the_routing_count_as_a_step_does(tmp_path, aux):
+    """The step of a model that trains its router loss runs a forward-only count before each micro-batch: the
+    probes that fit the cost model run it too (one per timed run, and one warm-up), and no other model does."""
+    from flexorch.workers.calibrate import Probe, run_probes
+    from flexorch.workers.model_source import build_model
+
+    cfg = ModelConfig.from_dict(hf_model_config(str(_dir(tmp_path, "mixtral", output_router_logits=aux))))
+    model = build_model(cfg, 0)
+    counted = []
+    plain = model.forward
+
+    def forward(*args, routing=None, **kwargs):
+        counted.append(routing is not None)
+        return plain(*args, routing=routing, **kwargs)
+
+    model.forward = forward
+    (ms,) = run_probes(model, [Probe(1, "ulysses", (9, 5), repeats=2)], 0, 1, None, None, 96)
+    assert ms > 0
+    assert counted == ([True, False] * 3 if aux else [False] * 3)
