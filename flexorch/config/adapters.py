@@ -130,7 +130,7 @@ def _layer_linears(shapes) -> dict[str, dict[str, tuple[int, int]]]:
             continue
         layer = out.setdefault(m.group(1), {})
         parts = name.split(".")
-        if parts[-3:] == ["mlp", "gate", "weight"]:  # an MoE router (a module of its own, not an nn.Linear)
+        if parts[-3] == "mlp" and parts[-2] in ("gate", "router"):  # an MoE router (its own module, not nn.Linear)
             continue
         if parts[-1] == "weight" and len(shape) == 2:
             layer.setdefault(parts[-2], (int(shape[0]), int(shape[1])))

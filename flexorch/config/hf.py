@@ -67,6 +67,8 @@ class FamilyLayout:
     activation_key: str = "hidden_act"
     norm_ones: bool = True
     """RMSNorm weights start at 1 (``x * w``); False: at 0 (Gemma's ``x * (1 + w)``)."""
+    sinks: bool = False
+    """A learned sink logit per head in the attention's softmax (``self_attn.sinks``, GPT-OSS), registered first."""
 
 
 FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
@@ -88,6 +90,7 @@ FAMILY_LAYOUTS: dict[str, FamilyLayout] = {
     "qwen3_moe": FamilyLayout("Qwen3MoeForCausalLM", qk_norm="head"),
     "mixtral": FamilyLayout("MixtralForCausalLM", bias_key=None),
     "olmoe": FamilyLayout("OlmoeForCausalLM", qk_norm="projection"),
+    "gpt_oss": FamilyLayout("GptOssForCausalLM", sinks=True),
 }  # fmt: skip
 """Each family flexorch trains and how its decoder layer is laid out; ``tests/unit/test_hf_model.py`` checks every
 layout against the model Transformers builds."""
@@ -117,6 +120,7 @@ def hf_param_shapes(m, num_layers: int | None = None) -> list[tuple[str, tuple[i
     out: list[tuple[str, tuple[int, ...]]] = [("model.embed_tokens.weight", (m.vocab_size, dim))]
     for i in range(m.num_layers if num_layers is None else num_layers):
         p = f"model.layers.{i}."
+        out += [(p + "self_attn.sinks", (m.num_heads,))] if lay.sinks else []
         if lay.fused:
             out += [
                 (p + "self_attn.o_proj.weight", (dim, q_rows)),
@@ -182,8 +186,6 @@ REFUSED_FAMILIES = {
     "the text model, model_type gemma3_text (Gemma3ForCausalLM: save its config and weights with save_pretrained)",
     "qwen3_next": "Qwen3-Next mixes linear-attention (Gated DeltaNet) layers with full attention; flexorch's "
     "sequence-parallel attention computes softmax attention only",
-    "gpt_oss": "GPT-OSS adds a learned sink logit to each head's softmax (self_attn.sinks); flexorch's "
-    "sequence-parallel attention kernels compute plain softmax attention without sinks",
 }
 """``model_type`` values refused with a reason of their own (the rest: the list of :data:`HF_FAMILIES`)."""
 

@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE) as read from ``config.json``, checked without torch.
+"""The mixture-of-experts families (Qwen3-MoE, Mixtral, OLMoE, GPT-OSS) as read from ``config.json``, without torch.
 
 Transformers 5 stores a layer's experts as two 3-D parameters, ``mlp.experts.gate_up_proj (experts, 2 ffn, hidden)``
 and ``mlp.experts.down_proj (experts, hidden, ffn)``, beside the router ``mlp.gate.weight (experts, hidden)``. Each
@@ -35,12 +35,17 @@ class MoeLayout:
     """The router (``mlp.gate``) is registered before the experts (Mixtral, OLMoE); False: after (Qwen3-MoE)."""
     sparse_layers: bool = False
     """Some layers may keep a dense MLP (Qwen3-MoE's ``mlp_only_layers`` and ``decoder_sparse_step``)."""
+    router: str = "gate"
+    """The router's module name in the MLP (``mlp.gate``; GPT-OSS: ``mlp.router``)."""
+    biased: bool = False
+    """The router and the experts have biases, and the experts' weights are stored ``(experts, in, out)`` (GPT-OSS)."""
 
 
 MOE_LAYOUTS: dict[str, MoeLayout] = {
     "qwen3_moe": MoeLayout("moe_intermediate_size", router_first=False, sparse_layers=True),
     "mixtral": MoeLayout("intermediate_size", router_first=True),
     "olmoe": MoeLayout("intermediate_size", router_first=True),
+    "gpt_oss": MoeLayout("intermediate_size", router_first=True, router="router", biased=True),
 }
 """The MoE families flexorch trains (their blocks run as Transformers ships them, experts replicated or sharded)."""
 
@@ -102,11 +107,18 @@ def moe_mlp_shapes(m, prefix: str) -> list[tuple[str, tuple[int, ...]]]:
     ``named_parameters`` order; ``m``: a ModelConfig-like with ``family``, ``dim``, ``num_experts``,
     ``expert_ffn_dim``."""
     e, f, dim = m.num_experts, m.expert_ffn_dim, m.dim
-    router = [(prefix + "mlp.gate.weight", (e, dim))]
-    experts = [(prefix + "mlp.experts.gate_up_proj", (e, 2 * f, dim)), (prefix + "mlp.experts.down_proj", (e, dim, f))]
-    return router + experts if MOE_LAYOUTS[m.family].router_first else experts + router
+    lay = MOE_LAYOUTS[m.family]
+    r, x = f"{prefix}mlp.{lay.router}.", prefix + "mlp.experts."
+    if lay.biased:  # GPT-OSS: (experts, in, out) weights, each with a bias
+        return [(r + "weight", (e, dim)), (r + "bias", (e,)),
+                (x + "gate_up_proj", (e, dim, 2 * f)), (x + "gate_up_proj_bias", (e, 2 * f)),
+                (x + "down_proj", (e, f, dim)), (x + "down_proj_bias", (e, dim))]  # fmt: skip
+    router = [(r + "weight", (e, dim))]
+    experts = [(x + "gate_up_proj", (e, 2 * f, dim)), (x + "down_proj", (e, dim, f))]
+    return router + experts if lay.router_first else experts + router
 
 
 def expert_params(m) -> int:
-    """Parameters of one expert (its gated MLP: gate, up and down projections)."""
-    return 3 * m.dim * m.expert_ffn_dim
+    """Parameters of one expert (its gated MLP: gate, up and down projections, and GPT-OSS's biases)."""
+    biases = 2 * m.expert_ffn_dim + m.dim if MOE_LAYOUTS[m.family].biased else 0
+    return 3 * m.dim * m.expert_ffn_dim + biases

@@ -1,5 +1,5 @@
-"""Hugging Face causal LMs (``flexorch.config.hf.HF_FAMILIES``: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma 3)
-trained with flexorch's sequence-parallel attention.
+"""Hugging Face causal LMs (``flexorch.config.hf.HF_FAMILIES``: Llama, Mistral, Qwen2, Qwen3, Phi-3, OLMo 2, Gemma 3,
+and the mixture-of-experts Qwen3-MoE, Mixtral, OLMoE and GPT-OSS) trained with flexorch's sequence-parallel attention.
 
 Transformers' modeling code runs as shipped; the one thing replaced is the attention kernel, through its
 ``AttentionInterface`` (the way DeepSpeed ALST and verl put Ulysses SP into Hugging Face models): the model is built
@@ -18,9 +18,9 @@ its state dict is the checkpoint's.
 
 Initial values come from the directory's safetensors weights (:func:`hf_weights`: one tensor at a time, and a
 sharded worker reads only its rows), or, with no weights, from Transformers' initialisation scheme
-(:func:`hf_random_init`: normal(0, initializer_range) weight matrices and embeddings, zero biases, norms at 1, at 0
-for Gemma's ``1 + w`` norms) drawn in parameter order from a seeded generator, so every worker and every world size
-gets the same values.
+(:func:`hf_random_init`: normal(0, initializer_range) weight matrices, expert weights, embeddings and GPT-OSS's
+sinks, zero biases, norms at 1, at 0 for Gemma's ``1 + w`` norms) drawn in parameter order from a seeded
+generator, so every worker and every world size gets the same values.
 Transformers is imported only here, and only when a run uses an HF model.
 """
 
@@ -68,7 +68,8 @@ def flexorch_attention(module, query, key, value, attention_mask, scaling=None, 
     ``cu_seqlens``, and Transformers builds no mask for this implementation). A layer with a sliding window (Mistral,
     Gemma 3's local layers, Qwen's ``use_sliding_window``) passes it as ``sliding_window``: a query attends to that
     many latest keys of its document, itself included (Transformers' ``sliding_window_overlay``), and the kernel is
-    given it as ``window``."""
+    given it as ``window``. GPT-OSS passes its attention sinks as ``s_aux`` (one logit per head): given as
+    ``sinks`` (``flexorch.workers.attention.kernels.with_sinks``)."""
     attn = kwargs.get("flexorch_attn")
     if attn is None:
         raise RuntimeError(
@@ -88,6 +89,8 @@ def flexorch_attention(module, query, key, value, attention_mask, scaling=None, 
     kw = {} if scaling is None or scaling == default else {"softmax_scale": scaling}
     if kwargs.get("sliding_window") is not None:
         kw["window"] = int(kwargs["sliding_window"])
+    if kwargs.get("s_aux") is not None:  # GPT-OSS's sinks: a learned logit per head in every row's softmax
+        kw["sinks"] = kwargs["s_aux"]
     out = call_attention(attn, q, k, v, **kw)  # the compiled layer's graph breaks here (regional compile)
     return out.unsqueeze(0), None  # (t, h, hd) -> (1, t, h, hd)
 
@@ -347,9 +350,9 @@ def _random_base(cfg: ModelConfig, seed: int, shapes):
     norm = torch.ones if FAMILY_LAYOUTS[cfg.family].norm_ones else torch.zeros
     gen = torch.Generator().manual_seed(seed)
     for name, shape in shapes:
-        if name.endswith(".bias"):
+        if name.endswith(".bias") or name.endswith("_bias"):
             yield name, torch.zeros(shape, dtype=torch.float32)
-        elif len(shape) == 1:  # RMSNorm weights
+        elif len(shape) == 1 and not name.endswith(".sinks"):  # RMSNorm weights (GPT-OSS's sinks: drawn)
             yield name, norm(shape, dtype=torch.float32)
         else:
             yield name, torch.empty(shape, dtype=torch.float32).normal_(0.0, cfg.init_std, generator=gen)

@@ -48,6 +48,8 @@ CASES = {
     ),  # a dense layer after an MoE one
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": None}),
+    "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
+                            "pad_token_id": None}),  # sinks; sliding and full layers in turn; YaRN
 }
 """Test models: name -> (model_type, config options beyond SHAPE)."""
 FAMILIES = [name for name, (family, _) in CASES.items() if name == family]
@@ -113,7 +115,8 @@ def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_docume
     set_activation_checkpointing(ours, recompute)
     ours.train()
     conf = transformers.AutoConfig.from_pretrained(cfg.hf)
-    ref = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation="sdpa")
+    impl = "eager" if case == "gpt_oss" else "sdpa"  # GPT-OSS's sinks: Transformers' eager attention only
+    ref = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation=impl)
     missing, unexpected = ref.load_state_dict(ours.state_dict(), strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if cfg.tie_embeddings else set())
     gen = torch.Generator().manual_seed(0)
@@ -222,7 +225,7 @@ def test_options_flexorch_does_not_compute_are_refused(tmp_path, case, extra, ma
     [({"model_type": "qwen3_next"}, "model_type 'qwen3_next': Qwen3-Next mixes linear-attention"),
      ({"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"]},
       "vision tower.*model_type gemma3_text"),
-     ({"model_type": "gpt_oss"}, "model_type 'gpt_oss': GPT-OSS adds a learned sink logit"),
+     ({"model_type": "deepseek_v3"}, "model_type 'deepseek_v3'; flexorch trains the llama, .*, gpt_oss families"),
      ({"layer_types": ["chunked_attention", "full_attention"]}, "layer_types has 'chunked_attention' layers"),
      ({"layer_types": ["full_attention"]}, "one kind per layer \\(2\\)"),
      ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),

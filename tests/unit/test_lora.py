@@ -66,10 +66,11 @@ FAMILY_OPTIONS = {
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "head_dim": 16},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": None},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "pad_token_id": None},
 }
 """Options of the test configs of the families beyond Llama and Qwen2 (a head size of their own, windows, experts:
 their MLPs' 3-D expert weights take no adapter, their attention does)."""
-MOE = ("qwen3_moe", "mixtral", "olmoe")
+MOE = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")
 
 
 def _hf_dir(tmp_path, family="llama", weights=False, **extra):
@@ -414,10 +415,11 @@ def _peft_twin(cfg: ModelConfig, ours, specs):
 
 
 def _their_name(name: str, theirs: dict) -> str:
-    """PEFT's name of our parameter ``name``: a target's base weight moves to ``<target>.base_layer.weight``."""
+    """PEFT's name of our parameter ``name``: a target's base weight (and bias) moves to ``<target>.base_layer.*``."""
     if ".lora." not in name:
         plain = f"base_model.model.{name}"
-        return plain if plain in theirs else plain.removesuffix(".weight") + ".base_layer.weight"
+        module, _, leaf = plain.rpartition(".")
+        return plain if plain in theirs else f"{module}.base_layer.{leaf}"
     layer, _, rest = name.partition(".lora.")  # model.layers.0 / chat.q_proj.A
     task, target, which = rest.split(".")
     (match,) = [
@@ -477,7 +479,7 @@ def test_every_familys_projections_take_adapters_equal_to_peft(tmp_path, family)
     plain = _hf_cfg(_hf_dir(tmp_path, family))
     targets = target_modules(plain)
     assert ("qkv_proj" in targets) == (family == "phi3") and "o_proj" in targets
-    assert ("down_proj" in targets) != (family in MOE) and "gate" not in targets
+    assert ("down_proj" in targets) != (family in MOE) and "gate" not in targets and "router" not in targets
     specs = (LoraSpec("chat", 2, 4.0, targets, init_b_std=0.05),)
     cfg = _hf_cfg(plain.hf, adapters=specs)
     ours = build_model(cfg, 0).train()

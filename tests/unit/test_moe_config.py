@@ -30,7 +30,8 @@ def _cfg(tmp_path, family, **options) -> tuple[ModelConfig, object]:
                     "decoder_sparse_step": 2, "mlp_only_layers": [3]}, (1,)),
      ("qwen3_moe", {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}, (0, 1, 2, 3)),
      ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 1}, (0, 1, 2, 3)),
-     ("olmoe", {"num_experts": 6, "num_experts_per_tok": 3, "pad_token_id": None}, (0, 1, 2, 3))],
+     ("olmoe", {"num_experts": 6, "num_experts_per_tok": 3, "pad_token_id": None}, (0, 1, 2, 3)),
+     ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}, (0, 1, 2, 3))],
 )  # fmt: skip
 def test_moe_layers_and_active_parameters_are_the_models(tmp_path, family, options, layers):
     cfg, lm = _cfg(tmp_path, family, **options)

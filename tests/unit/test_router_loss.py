@@ -23,9 +23,20 @@ MOE = {
     "qwen3_moe": {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16, "mlp_only_layers": [1]},
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "olmoe": {"num_experts": 5, "num_experts_per_tok": 3, "pad_token_id": None},
+    "gpt_oss": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "head_dim": 8,
+        "sliding_window": 8,
+        "pad_token_id": None,
+    },
 }
 """Tiny MoE configs that train the router loss (a large coefficient, so its gradient is not lost in the tolerance);
-Qwen3-MoE with a dense layer among its MoE layers."""
+Qwen3-MoE with a dense layer among its MoE layers; GPT-OSS with its sinks and a window on every other layer."""
+
+
+def _impl(family):
+    return "eager" if family == "gpt_oss" else "sdpa"  # GPT-OSS's sinks: Transformers' eager attention only
 
 
 def _theirs(family):
@@ -79,7 +90,9 @@ def test_one_document_equals_transformers_output_router_logits_loss(tmp_path, fa
     cfg = ModelConfig.from_dict(hf_model_config(str(_dir(tmp_path, family))))
     assert cfg.router_aux_coef == 0.3 and cfg.num_experts == MOE[family].get("num_experts", 4)
     ours = build_model(cfg, 0)
-    ref = transformers.AutoModelForCausalLM.from_config(ours.hf_config, attn_implementation="sdpa")
+    conf = transformers.AutoConfig.from_pretrained(cfg.hf)  # its own copy: from_config sets the implementation on it
+    ref = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation=_impl(family))
+    assert ours.hf_config._attn_implementation == "flexorch"  # ours runs flexorch's attention, the oracle its own
     ref.load_state_dict(ours.state_dict())
     doc = torch.randint(0, 96, (23,), generator=torch.Generator().manual_seed(1))
     out = ref(input_ids=doc[None], labels=doc[None])
@@ -100,7 +113,9 @@ def test_one_document_equals_transformers_output_router_logits_loss(tmp_path, fa
         torch.testing.assert_close(q.grad, theirs[name].grad, rtol=1e-4, atol=1e-7, msg=name)
 
 
-@pytest.mark.parametrize("family,recompute", [("qwen3_moe", "none"), ("mixtral", "full"), ("olmoe", "selective")])
+@pytest.mark.parametrize(
+    "family,recompute", [("qwen3_moe", "none"), ("mixtral", "full"), ("olmoe", "selective"), ("gpt_oss", "none")]
+)
 def test_micro_batches_equal_transformers_loss_on_the_whole_batch(tmp_path, family, recompute):
     """Five documents in three micro-batches, counted first, then each micro-batch's loss plus its router term
     backward: the loss and every gradient equal Transformers' model on the whole batch (each document alone, its
@@ -113,7 +128,9 @@ def test_micro_batches_equal_transformers_loss_on_the_whole_batch(tmp_path, fami
     cfg = ModelConfig.from_dict(hf_model_config(str(_dir(tmp_path, family))))
     ours = build_model(cfg, 0)
     set_activation_checkpointing(ours, recompute)
-    ref = transformers.AutoModelForCausalLM.from_config(ours.hf_config, attn_implementation="sdpa")
+    conf = transformers.AutoConfig.from_pretrained(cfg.hf)  # its own copy: from_config sets the implementation on it
+    ref = transformers.AutoModelForCausalLM.from_config(conf, attn_implementation=_impl(family))
+    assert ours.hf_config._attn_implementation == "flexorch"  # ours runs flexorch's attention, the oracle its own
     ref.load_state_dict(ours.state_dict())
     gen = torch.Generator().manual_seed(2)
     docs = [torch.randint(0, 96, (n,), generator=gen) for n in (9, 30, 1, 14, 6)]

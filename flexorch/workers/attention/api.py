@@ -13,7 +13,8 @@ of size 1 runs the same code):
 
 Each takes ``window=w`` for a sliding window (Hugging Face Transformers' ``sliding_window``: a query at position
 ``i`` of a document attends to the keys ``i - w < j <= i`` of that document, itself included; causal only; None:
-the whole causal prefix). Bad values raise ValueError before any collective.
+the whole causal prefix), and ``sinks=`` for a learned logit per head in every row's softmax (GPT-OSS's attention
+sinks: ``kernels.with_sinks``). Bad values raise ValueError before any collective.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from __future__ import annotations
 import torch
 
 from flexorch.workers.attention.hybrid import hybrid_attn_varlen_func
-from flexorch.workers.attention.kernels import check_varlen_args, check_window, resolve_backend, varlen_attn
+from flexorch.workers.attention.kernels import (
+    check_sinks,
+    check_varlen_args,
+    check_window,
+    resolve_backend,
+    varlen_attn,
+)
 from flexorch.workers.attention.ring import zigzag_ring_attn_varlen_func
 from flexorch.workers.attention.ulysses import ulysses_attn_varlen_func
 
@@ -40,12 +47,17 @@ def varlen_attn_func(
     return_lse: bool = False,
     backend: str | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Single-device varlen attention: ``q (t, h, hd)``, ``k, v (t, h_kv, hd)`` -> ``(t, h, hd)`` [, lse].
-    ``window``: a sliding window of that many keys (needs ``causal``)."""
+    ``window``: a sliding window of that many keys (needs ``causal``); ``sinks (h,)``: a learned logit per head in
+    every row's softmax (GPT-OSS)."""
     seqlens = check_varlen_args(q, k, v, cu_seqlens, max_seqlen, 1, where="varlen_attn_func")
     check_window(window, causal, where="varlen_attn_func")
+    check_sinks(sinks, q, where="varlen_attn_func")
     backend = resolve_backend(backend, q, window=window)  # what the kernels cannot run fails here, on every rank
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    out, lse = varlen_attn(q, k, v, seqlens, causal=causal, softmax_scale=scale, backend=backend, window=window)
+    out, lse = varlen_attn(
+        q, k, v, seqlens, causal=causal, softmax_scale=scale, backend=backend, window=window, sinks=sinks
+    )
     return (out, lse) if return_lse else out

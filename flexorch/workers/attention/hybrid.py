@@ -32,9 +32,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from flexorch.workers.attention.kernels import check_varlen_args, check_window, resolve_backend
+from flexorch.workers.attention.kernels import check_sinks, check_varlen_args, check_window, resolve_backend
 from flexorch.workers.attention.ring import zigzag_blocks, zigzag_ring_attn
-from flexorch.workers.attention.ulysses import check_head_degree, ulysses_around
+from flexorch.workers.attention.ulysses import check_head_degree, head_shard, ulysses_around
 
 __all__ = ["hybrid_attn_varlen_func"]
 
@@ -53,6 +53,7 @@ def hybrid_attn_varlen_func(
     return_lse: bool = False,
     backend: str | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a packed batch sharded in the hybrid layout over ``u x r`` ranks.
 
@@ -70,6 +71,7 @@ def hybrid_attn_varlen_func(
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
         window: a sliding window of that many keys (query ``i`` sees keys ``i - window < j <= i`` of its document,
             Transformers' ``sliding_window``).
+        sinks: ``(h,)`` a learned logit per head in every row's softmax (GPT-OSS; ``kernels.with_sinks``).
 
     Returns:
         ``(t/u, h, hd)`` output, or ``(out, lse)``.
@@ -85,9 +87,11 @@ def hybrid_attn_varlen_func(
     check_head_degree(q.shape[1], u, where=where)
     blocks = zigzag_blocks(seqlens, r, q.device, where=f"{where} (ring degree {r})", layout="hybrid_layout")
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
+    check_sinks(sinks, q, where=where)
+    mine = head_shard(sinks, ulysses_group)
 
     def ring(q_h, k_h, v_h):
         # q_h (t, h/u, hd), k_h/v_h (t, h_kv'/u, hd): this ring position's zigzag shard of head slice i
-        return zigzag_ring_attn(q_h, k_h, v_h, blocks, ring_group, scale, backend, window)  # (t, h/u, hd), (h/u, t)
+        return zigzag_ring_attn(q_h, k_h, v_h, blocks, ring_group, scale, backend, window, mine)  # (t, h/u, hd), lse
 
     return ulysses_around(q, k, v, ulysses_group, ring, return_lse=return_lse, where=where)

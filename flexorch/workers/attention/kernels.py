@@ -77,12 +77,15 @@ __all__ = [
     "attn_forward",
     "available_backends",
     "check_qkv",
+    "check_sinks",
     "check_varlen_args",
     "check_window",
     "default_backend",
     "resolve_backend",
+    "sink_grad",
     "set_default_backend",
     "varlen_attn",
+    "with_sinks",
 ]
 
 BACKENDS = ("flash_attn", "torch_cudnn", "torch_flash", "torch_cpu", "math")
@@ -102,6 +105,17 @@ WINDOW_BACKENDS = ("flash_attn", "torch_flash", "torch_cpu", "math")
 OFFSET_BACKENDS = ("torch_cpu", "math")
 """The backends that take any per-document ``shift``; a block the others cannot align runs on ``math`` instead."""
 _FLASH_WINDOW = functools.cache(torch_flash_window_available)  # this torch's flash ops take a window
+
+
+def check_sinks(sinks, q: torch.Tensor, *, where: str) -> None:
+    """Raise ValueError unless ``sinks`` is None or a float tensor of one logit per query head of ``q``."""
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point() or tuple(sinks.shape) != (q.shape[1],):
+        got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(
+            f"{where}: sinks must be a float tensor of one logit per query head ({q.shape[1]},), got {got}"
+        )
 
 
 def check_window(window: int | None, causal: bool, *, where: str) -> None:
@@ -341,22 +355,45 @@ def attn_backward(
     return _BACKWARD[name](*args, **_extra(name, window, shift))
 
 
+def with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention whose softmax also holds a learned logit per head (GPT-OSS's ``sinks``: Transformers'
+    ``eager_attention_forward`` of ``gpt_oss`` concatenates it to each row's scores and drops its column after the
+    softmax): a key with that score and a zero value. ``out (t, h, hd)``, ``lse (h, t)`` of the attention without it
+    -> the same with the sink in every row's normaliser: ``lse' = logaddexp(lse, sink)``, ``out' = out * exp(lse -
+    lse')``. A standard backward given ``out'`` and ``lse'`` is then the exact gradient of q, k and v
+    (``P' = exp(S - lse') = P w``, ``D = rowsum(dO * out')``), so every kernel runs it unchanged; the sinks' own
+    gradient is :func:`sink_grad`."""
+    lse_s = torch.logaddexp(lse, sinks.detach().to(lse.dtype)[:, None])  # (h, t)
+    return out * torch.exp(lse - lse_s).t()[..., None].to(out.dtype), lse_s  # (h, t) -> (t, h, 1)
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sinks (h,) from ``dout``, and ``out``/``lse`` as :func:`with_sinks` returned them: with
+    ``w = exp(lse_plain - lse)``, ``d out / d sink = -out (1 - w)`` and ``1 - w = exp(sink - lse)``."""
+    acc = lse.dtype
+    along = (dout.to(acc) * out.to(acc)).sum(-1).t()  # (t, h) -> (h, t)
+    return -(along * torch.exp(sinks.detach().to(acc)[:, None] - lse)).sum(1).to(sinks.dtype)
+
+
 class _VarlenAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, seqlens, causal, scale, backend, window):
+    def forward(ctx, q, k, v, seqlens, causal, scale, backend, window, sinks):
         kw = {"causal": causal, "softmax_scale": scale, "backend": backend, "window": window}
         out, lse = attn_forward(q, k, v, seqlens, seqlens, **kw)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (seqlens, kw)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         seqlens, kw = ctx.args
         grads = attn_backward(dout, q, k, v, out, lse, seqlens, seqlens, **kw)
-        return (*grads, None, None, None, None, None)
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
+        return (*grads, None, None, None, None, None, dsinks)
 
 
 def varlen_attn(
@@ -369,7 +406,9 @@ def varlen_attn(
     softmax_scale: float,
     backend: str | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable single-device varlen attention (same documents for q and k): returns (out, lse).
-    ``window``: a sliding window of that many keys (needs ``causal``)."""
-    return _VarlenAttn.apply(q, k, v, seqlens, causal, softmax_scale, backend, window)
+    ``window``: a sliding window of that many keys (needs ``causal``); ``sinks (h,)``: a learned logit per head in
+    every row's softmax (:func:`with_sinks`), differentiable."""
+    return _VarlenAttn.apply(q, k, v, seqlens, causal, softmax_scale, backend, window, sinks)

@@ -31,9 +31,12 @@ from flexorch.workers.attention.kernels import (
     acc_dtype,
     attn_backward,
     attn_forward,
+    check_sinks,
     check_varlen_args,
     check_window,
     resolve_backend,
+    sink_grad,
+    with_sinks,
 )
 from flexorch.workers.attention.merge import merge_attn_outputs
 from flexorch.workers.attention.ring_plan import RingPlan, ZigzagBlocks, ring_plan, zigzag_blocks
@@ -163,19 +166,22 @@ def _ring_backward(dout, q, k, v, out, lse, plan: RingPlan, ring: _Ring, scale: 
 
 class _ZigzagRingAttn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, blocks, group, scale, backend, window):
+    def forward(ctx, q, k, v, blocks, group, scale, backend, window, sinks):
         ring = _Ring(group)
         plan = ring_plan(blocks, ring.rank, ring.size, window, q.device)
         out, lse = _ring_forward(q, k, v, plan, ring, scale, backend)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:  # GPT-OSS: the merged rows' normalisers take the sinks (kernels.with_sinks)
+            out, lse = with_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (plan, ring, scale, backend)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dsinks = sink_grad(dout, out, lse, sinks) if sinks is not None and ctx.needs_input_grad[8] else None
+        return (*_ring_backward(dout, q, k, v, out, lse, *ctx.args), None, None, None, None, None, dsinks)
 
 
 def zigzag_ring_attn(
@@ -187,13 +193,15 @@ def zigzag_ring_attn(
     scale: float,
     backend: str,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Differentiable causal zigzag ring attention on checked inputs: ``(out (t, h, hd), lse (h, t))``.
+    """Differentiable causal zigzag ring attention on checked inputs: ``(out (t, h, hd), lse (h, t))``; ``sinks
+    (h,)``: a learned logit per head in every row's softmax (``kernels.with_sinks``).
 
     ``blocks``: :func:`zigzag_blocks` of the global batch for a ring of ``group``'s size; ``backend`` resolved;
     ``window``: a checked sliding window or None. The validation lives in :func:`zigzag_ring_attn_varlen_func` and in
     callers that run other collectives first (``hybrid``), which must check before any of them."""
-    return _ZigzagRingAttn.apply(q, k, v, blocks, group, scale, backend, window)
+    return _ZigzagRingAttn.apply(q, k, v, blocks, group, scale, backend, window, sinks)
 
 
 def zigzag_ring_attn_varlen_func(
@@ -209,6 +217,7 @@ def zigzag_ring_attn_varlen_func(
     return_lse: bool = False,
     backend: str | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a packed batch sharded in the zigzag layout over ``group``.
 
@@ -226,6 +235,7 @@ def zigzag_ring_attn_varlen_func(
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
         window: a sliding window of that many keys (query ``i`` sees keys ``i - window < j <= i`` of its document,
             Transformers' ``sliding_window``); key blocks outside every window are skipped (:mod:`~.ring_plan`).
+        sinks: ``(h,)`` a learned logit per head in every row's softmax (GPT-OSS; ``kernels.with_sinks``).
 
     Returns:
         ``(t, h, hd)`` output, or ``(out, lse)``.
@@ -240,5 +250,6 @@ def zigzag_ring_attn_varlen_func(
         raise ValueError("zigzag_ring_attn_varlen_func supports causal=True only")
     blocks = zigzag_blocks(seqlens, d, q.device)
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
-    out, lse = zigzag_ring_attn(q, k, v, blocks, group, scale, backend, window)
+    check_sinks(sinks, q, where=where)
+    out, lse = zigzag_ring_attn(q, k, v, blocks, group, scale, backend, window, sinks)
     return (out, lse) if return_lse else out

@@ -18,7 +18,13 @@ import torch
 import torch.distributed as dist
 
 from flexorch.workers.attention.collective_waits import WAITS
-from flexorch.workers.attention.kernels import check_varlen_args, check_window, resolve_backend, varlen_attn
+from flexorch.workers.attention.kernels import (
+    check_sinks,
+    check_varlen_args,
+    check_window,
+    resolve_backend,
+    varlen_attn,
+)
 
 __all__ = [
     "InnerAttn",
@@ -81,6 +87,15 @@ def seq_to_head(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 def head_to_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-to-all ``(s, h/d, hd) -> (s/d, h, hd)``, the inverse of :func:`seq_to_head`."""
     return _AllToAll.apply(x, group, False)
+
+
+def head_shard(x: torch.Tensor | None, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """This rank's slice of a per-head tensor ``(h,) -> (h/d,)``: the heads :func:`seq_to_head` gives it (slice
+    ``rank``); differentiable, so each head's gradient comes from the rank holding it."""
+    if x is None:
+        return None
+    d = dist.get_world_size(group)
+    return x.chunk(d)[dist.get_rank(group)] if d > 1 else x
 
 
 def check_head_degree(h: int, d: int, *, where: str) -> None:
@@ -153,6 +168,7 @@ def ulysses_attn_varlen_func(
     return_lse: bool = False,
     backend: str | None = None,
     window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention over a packed batch whose tokens are sharded contiguously over ``group``.
 
@@ -170,6 +186,8 @@ def ulysses_attn_varlen_func(
         backend: kernel backend (``flexorch.workers.attention.kernels``), default chosen by device.
         window: a sliding window of that many keys (query ``i`` sees keys ``i - window < j <= i`` of its document,
             Transformers' ``sliding_window``); needs ``causal``.
+        sinks: ``(h,)`` a learned logit per head in every row's softmax (GPT-OSS; ``kernels.with_sinks``); each
+            rank applies its head shard's.
 
     Returns:
         ``(s/d, h, hd)`` output, or ``(out, lse)``.
@@ -180,9 +198,12 @@ def ulysses_attn_varlen_func(
     check_window(window, causal, where=where)
     backend = resolve_backend(backend, q, window=window)  # what the kernels cannot run fails here, on every rank
     scale = softmax_scale if softmax_scale is not None else q.shape[2] ** -0.5
+    check_sinks(sinks, q, where=where)
+    mine = head_shard(sinks, group)
 
     def inner(q_h, k_h, v_h):
         # whole documents of h/d heads: (s, h/d, hd) -> (s, h/d, hd), lse (h/d, s)
-        return varlen_attn(q_h, k_h, v_h, seqlens, causal=causal, softmax_scale=scale, backend=backend, window=window)
+        kw = {"causal": causal, "softmax_scale": scale, "backend": backend, "window": window, "sinks": mine}
+        return varlen_attn(q_h, k_h, v_h, seqlens, **kw)
 
     return ulysses_around(q, k, v, group, inner, return_lse=return_lse, where=where)
