@@ -49,15 +49,16 @@ def probe_tokens(profile, room_tokens: int, max_context: int) -> int:
 
 def with_recompute_ratios(cfg, group, profile, say=None):
     """``profile`` with the modes' byte and time ratios measured on ``group``'s workers when the run uses 'auto'
-    recompute on SP steps; ``profile`` unchanged otherwise. ``say(message)`` reports what was measured."""
+    recompute on SP steps; ``profile`` unchanged otherwise. ``say(message)`` reports what was measured: each mode's
+    bytes per token (the largest any worker measured) and their ratio to full recompute's, unclipped, so that a mode
+    that keeps no more than full recompute (its checkpointing not applied to the model) shows."""
     if cfg.recompute != "auto" or cfg.pipelined:
         return profile
     modes = ("none", "selective")
     full = group.call("activation_bytes_per_token", "full")
-    act = {}
-    for mode in modes:
-        got = group.call("activation_bytes_per_token", mode)
-        act[mode] = max(1.0, float(max(a / b for a, b in zip(got, full, strict=True))))
+    got = {mode: group.call("activation_bytes_per_token", mode) for mode in modes}
+    raw = {mode: float(max(a / b for a, b in zip(got[mode], full, strict=True))) for mode in modes}
+    act = {mode: max(1.0, r) for mode, r in raw.items()}  # a profile's ratios are >= 1 (memory errs on the safe side)
     room = profile.memory_budget_bytes - profile.model_state_bytes
     tokens = probe_tokens(profile, room // (act["none"] * profile.act_bytes_per_token), cfg.data.max_context)
     times = group.call("recompute_times", tokens, (*modes, "full"))  # per worker: ms per mode, full last
@@ -68,12 +69,26 @@ def with_recompute_ratios(cfg, group, profile, say=None):
     if say is not None:
         ms = [statistics.median(t[i] for t in times) for i in range(len(modes) + 1)]
         each = "; ".join(
-            f"{'without recompute' if m == 'none' else 'with selective recompute'} a token keeps {act[m]:.2f}x the "
-            f"activations and the document takes {ms[i]:.1f} ms (ratio {ratio[m]:.3f})"
+            f"{'without recompute' if m == 'none' else 'with selective recompute'} a token keeps {raw[m]:.2f}x the "
+            f"activations ({_kib(max(got[m]))}){_not_applied(raw[m])} and the document takes {ms[i]:.1f} ms "
+            f"(ratio {ratio[m]:.3f})"
             for i, m in enumerate(modes)
         )
-        say(f"recompute 'auto' ({tokens:,}-token document, {ms[-1]:.1f} ms with full recompute): {each}")
+        say(
+            f"recompute 'auto' ({tokens:,}-token document, {ms[-1]:.1f} ms with full recompute, which keeps "
+            f"{_kib(max(full))} per token): {each}"
+        )
     return profile.with_overrides(
         none_act_ratio=act["none"], none_time_ratio=ratio["none"],
         selective_act_ratio=act["selective"], selective_time_ratio=ratio["selective"],
     )  # fmt: skip
+
+
+def _kib(n: float) -> str:
+    return f"{n / 1024:,.1f} KiB"
+
+
+def _not_applied(ratio: float) -> str:
+    """What a ratio of at most 1.05 means: the model kept the same whatever the mode (a transformer layer keeps
+    several times its input without recompute), so the modes were not applied to it when it was measured."""
+    return "" if ratio > 1.05 else ", no more than with full recompute: the modes did not change what the model keeps"

@@ -4,10 +4,15 @@
 custom ``autograd.Function``'s ``save_for_backward``, e.g. the SP attention kernels). Several saved tensors
 often share one storage (views, the same input saved by two ops), so bytes are summed over *distinct storages*
 (deduplicated by the storage's data pointer). Storages of parameters and buffers are not activations and can
-be excluded. Tensors an activation checkpoint keeps alive for its recompute are reported to the active meter by
+be excluded; a parameter saved as itself or as a view (a matmul saves ``w.t()``: under FSDP2 a view of the gathered
+parameter, freed after the unit's forward and gathered again for its backward) is never counted. Tensors an
+activation checkpoint keeps alive for its recompute are reported to the active meter by
 ``flexorch.workers.recompute.note_kept``. What the meter cannot see: tensors an ``autograd.Function`` stashes on
-``ctx`` by attribute, and the allocator's transient peak inside a kernel. The result is what the planner's
-``act_per_token`` models (docs/design.md §2.1): ``measure_activation_bytes(...) / tokens``.
+``ctx`` by attribute or a recompute's closure holds (a Transformers layer's cos/sin under full recompute), and the
+allocator's transient peak inside a kernel or during a layer's recompute in the backward. The result is what the
+planner's ``act_per_token`` models (docs/design.md §2.1): ``measure_activation_bytes(...) / tokens``. Its figures
+match a count by hand of what each layer keeps (``flexorch.workers.activation_count``) and ``torch.profiler``'s memory
+events (``tests/unit/test_activation_count.py``).
 """
 
 from __future__ import annotations
@@ -43,8 +48,8 @@ class SavedTensorMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.saved_tensors += 1
-        if isinstance(t, nn.Parameter):  # FSDP2's gathered parameters during forward: model state, not activations
-            return t
+        if isinstance(t if t._base is None else t._base, nn.Parameter):
+            return t  # a parameter or a view of one (``w.t()`` saved by a matmul): model state, not activations
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr not in self.exclude and storage.nbytes() > 0:

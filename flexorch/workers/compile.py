@@ -13,15 +13,24 @@ What is compiled is the function activation checkpointing wraps, so a recompute 
 
 * flexorch's decoder (:class:`~flexorch.workers.model.Block`): ``_forward`` (the block) and ``_mlp`` (the part
   ``selective`` recompute checkpoints);
-* a Transformers decoder layer: its ``forward``; Transformers' ``GradientCheckpointingLayer.__call__`` wraps it;
-  and its MLP's own forward (``mlp.flexorch_plain_forward``, what ``selective`` recompute checkpoints inside the
-  layer, a second graph break there: ``flexorch.workers.hf_model``).
+* a Transformers decoder layer: its class's ``forward``, looked up at each call (:func:`_class_forward`), and its
+  MLP's own forward (``mlp.flexorch_plain_forward``, what ``selective`` recompute checkpoints inside the layer, a
+  second graph break there: ``flexorch.workers.hf_model``).
 
-Only the bound methods of each layer instance are replaced (``layer.forward = torch.compile(layer.forward)``), so
-parameter names, ``state_dict`` keys, FSDP2 units and checkpoints are those of the eager model.
+Transformers 5.24 checkpoints a ``GradientCheckpointingLayer`` by wrapping its class's ``forward``, and wraps every
+subclass's again, FSDP2's ``FSDP<Layer>`` among them; only the outermost wrapper, the one ``type(layer).forward``
+is, checkpoints (``is_outermost``). ``fully_shard`` makes that subclass after the layers are compiled (TorchTitan's
+order), so a ``forward`` bound at compile time is the inner wrapper, and a sharded compiled layer was never
+recomputed: 'full' kept what 'none' keeps and took as long (``recompute 'auto'`` measured 1.00x for every mode on an
+H200). The class's ``forward`` is therefore read when the layer runs, not when it is compiled.
+
+Only methods of each layer instance are replaced (``layer.forward``, ``layer._forward``...), so parameter
+names, ``state_dict`` keys, FSDP2 units and checkpoints are those of the eager model.
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 from torch import nn
@@ -54,13 +63,22 @@ def compile_layers(model: nn.Module) -> int:
         if getattr(layer, _ATTR, False) or not any(True for _ in layer.parameters()):
             continue  # compiled already, or a layer another pipeline stage holds (no parameters here)
         for name in _targets(layer):
-            setattr(layer, name, torch.compile(getattr(layer, name)))
+            if name == "forward":  # a Transformers layer: its class's forward, whatever class it has when it runs
+                layer.forward = types.MethodType(torch.compile(_class_forward), layer)
+            else:
+                setattr(layer, name, torch.compile(getattr(layer, name)))
         mlp = getattr(layer, "mlp", None)
         if hasattr(mlp, "flexorch_plain_forward"):  # an HF layer's MLP, wrapped for selective recompute
             mlp.flexorch_plain_forward = torch.compile(mlp.flexorch_plain_forward)
         setattr(layer, _ATTR, True)
         n += 1
     return n
+
+
+def _class_forward(layer: nn.Module, *args, **kwargs):
+    """``type(layer).forward(layer, ...)``: the forward of the class ``layer`` has now (FSDP2's subclass once it is
+    sharded), so Transformers' outermost checkpointing wrapper runs, and checkpoints, inside the compiled region."""
+    return type(layer).forward(layer, *args, **kwargs)
 
 
 def compiled_layers(model: nn.Module) -> int:

@@ -95,24 +95,32 @@ class WorkerMeasurements:
         return self._memory
 
     def activation_bytes_per_token(self, mode: str | None = None) -> float:
-        """Activation bytes one token costs on this worker's model, in its own recompute mode or in ``mode``.
+        """Activation bytes one token costs on this worker's model, in its own recompute mode or in ``mode``: what
+        its forward keeps for the backward, and with recompute ('full', 'selective') also what the backward
+        re-creates for one layer at a time (:func:`~flexorch.workers.calibrate.with_recompute_transient`, from a
+        second measurement without recompute).
 
         The measurement is a forward without a backward. On a sharded model that leaves FSDP2's root unit with its
         gathered parameters registered and in its forward state, and the next step would train with the root's
         parameters of one update before (its losses then leave the reference's; calibration makes this call in every
         calibrated run), so the units are put back to their shards after it (``reshard_after_failure``: local, no
         collective)."""
-        from flexorch.workers.calibrate import activation_bytes_per_token
+        from flexorch.workers.calibrate import activation_bytes_per_token, with_recompute_transient
 
         model = self._probe_model()
-        if mode is not None:
-            set_activation_checkpointing(model, mode)
+        built = built_mode(self.spec.sharding)
+        mode = mode or built
+        vocab = self.spec.model_cfg.vocab_size
         try:
             with probing_task(model):
-                return activation_bytes_per_token(model, self.spec.model_cfg.vocab_size)
+                set_activation_checkpointing(model, mode)
+                kept = activation_bytes_per_token(model, vocab)
+                if mode == "none" or not self.spec.model_cfg.num_layers:
+                    return kept
+                set_activation_checkpointing(model, "none")
+                return with_recompute_transient(kept, activation_bytes_per_token(model, vocab), model)
         finally:
-            if mode is not None:
-                set_activation_checkpointing(model, built_mode(self.spec.sharding))
+            set_activation_checkpointing(model, built)
             self._after_forward_only(model)
 
     def _after_forward_only(self, model) -> None:
