@@ -4,13 +4,13 @@ Tiny random configs of every family (grouped-query attention; Qwen2 with q/k/v b
 with a head size other than hidden / heads and q/k norms; Phi-3's fused projections; OLMo 2's norms; Gemma 3's
 sliding-window layers beside a global one; Mistral windowed on every layer; Llama 3's scaled RoPE past its original
 context; Qwen3-MoE, Mixtral and GPT-OSS with 4 experts, 2 per token, and their router loss over the whole global
-batch, GPT-OSS with its attention sinks) are trained 3 steps on 4 real Ray workers with adaptive plans (Ulysses and zigzag-ring groups, a 256-token
-document four times one worker's 64-token budget, longer than the windows). The oracle is not flexorch code: the
-same Transformers class built with ``attn_implementation="sdpa"`` or ``"eager"``, run in ONE process on each step's
-documents one at a time (so the masks are the family's own: causal, and its sliding windows), its loss summed over
-the predicted tokens (an MoE model's plus its own ``load_balancing_loss_func`` over every document's router
-logits), then the same AdamW. Per-step losses and the final parameters must agree at fp32 tolerances,
-under replicated and FSDP2-sharded model state.
+batch, GPT-OSS with its attention sinks) are trained 3 steps on 4 real Ray workers with adaptive plans (Ulysses and
+zigzag-ring groups, a 256-token document four times one worker's 64-token budget, longer than the windows). The
+oracle is not flexorch code: the same Transformers class built with ``attn_implementation="sdpa"`` or ``"eager"``,
+run in ONE process on each step's documents one at a time (so the masks are the family's own: causal, and its
+sliding windows), its loss summed over the predicted tokens (an MoE model's plus its own
+``load_balancing_loss_func`` over every document's router logits), then the same AdamW. Per-step losses and the
+final parameters must agree at fp32 tolerances, under replicated and FSDP2-sharded model state.
 """
 
 from __future__ import annotations
