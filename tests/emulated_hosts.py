@@ -9,6 +9,12 @@ address in the root namespace with no CPU slots; each host runs ``ray start --ad
 namespace (``/etc/hosts`` is shared, as on this machine): that is the condition under which a process announcing
 "its hostname's address" to peers on other hosts announces an address they cannot reach.
 
+Each host has a ``resolv.conf`` of its own (``/etc/netns/NAME/resolv.conf``, which ``ip netns exec`` mounts over
+``/etc/resolv.conf``) naming a nameserver on the host's own loopback, where none listens: a DNS query fails at once,
+as on a host whose resolver answers. This machine's nameserver cannot be reached from a namespace, so each query
+timed out after 10 s instead (c10d looks up the name of every peer that connects to its store: every world took 10 s
+longer to form, seen on 2026-12-03), with the same answer.
+
 Used as a context manager (a benchmark script) or through the ``emulated_hosts`` fixture of ``tests/cluster``::
 
     with EmulatedHosts(2, workers_per_host=2, rate="200mbit") as hosts:
@@ -20,13 +26,13 @@ Used as a context manager (a benchmark script) or through the ``emulated_hosts``
 Teardown (``close``, also on an exception or KeyboardInterrupt, and at interpreter exit as a last resort) SIGKILLs
 exactly the processes the harness started: every process inside its namespaces, and the head's ``ray start``
 process tree plus any process naming the harness's private Ray temp dir; then it deletes the namespaces (their veth
-ends go with them), the root-side veths, the bridge and the temp dir. It never runs ``ray stop`` (which ends every
-Ray on the machine) and touches nothing it did not create; a harness whose process was SIGKILLed before its
-teardown is cleaned up by the next one to start (``/tmp/flexorch-emulated-hosts/K.json`` names what it made and
-its pid). Ray's token authentication is set explicitly on every node (``EmulatedHosts._auth``) and subprocess
-clients take ``client_env()``. Where namespaces cannot be made (not root, no ``ip``,
-``ip netns add`` refused) the constructor's ``start`` raises :class:`EmulatedHostsUnavailable`, whose message is the
-reason (the fixture skips with it); :func:`unavailable_reason` checks without starting anything.
+ends go with them) and their ``/etc/netns/NAME``, the root-side veths, the bridge and the temp dir. It never runs
+``ray stop`` (which ends every Ray on the machine) and touches nothing it did not create; a harness whose process
+was SIGKILLed before its teardown is cleaned up by the next one to start (``/tmp/flexorch-emulated-hosts/K.json``
+names what it made and its pid). Ray's token authentication is set explicitly on every node
+(``EmulatedHosts._auth``) and subprocess clients take ``client_env()``. Where namespaces cannot be made (not root,
+no ``ip``, ``ip netns add`` refused) the constructor's ``start`` raises :class:`EmulatedHostsUnavailable`, whose
+message is the reason (the fixture skips with it); :func:`unavailable_reason` checks without starting anything.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ _STATE = Path("/tmp/flexorch-emulated-hosts")
 one ``K.json`` per live harness: its owner's pid and what it made, so a harness whose process died without its
 teardown (SIGKILL) is cleaned up by the next one."""
 _NETNS_DIR = Path("/var/run/netns")
+_NETNS_ETC = Path("/etc/netns")
+"""Per-namespace files ``ip netns exec`` mounts over ``/etc`` (``NAME/resolv.conf``)."""
+_RESOLV = "# flexorch emulated host: no nameserver listens here, so a DNS query fails at once\nnameserver 127.0.0.1\n"
 _TBF = ("burst", "256kb", "latency", "100ms")
 
 
@@ -170,10 +179,16 @@ def _reap_dead_owners() -> None:
         _sigkill(pids)
         for ns in made["namespaces"]:
             _ip("netns", "del", ns, check=False)
+            _remove_resolv(ns)
         for link in [*made["veths"], made["bridge"]]:
             _ip("link", "del", link, check=False)
         shutil.rmtree(made["temp"], ignore_errors=True)
         state.unlink(missing_ok=True)
+
+
+def _remove_resolv(netns: str) -> None:
+    """Delete the namespace's ``/etc/netns/NAME`` (``/etc/netns``, iproute2's own directory, stays)."""
+    shutil.rmtree(_NETNS_ETC / netns, ignore_errors=True)
 
 
 @dataclass
@@ -316,6 +331,8 @@ class EmulatedHosts:
             self.hosts.append(h)
             peer = f"fxp{k}h{i}"
             _ip("netns", "add", h.netns)
+            (_NETNS_ETC / h.netns).mkdir(parents=True, exist_ok=True)
+            (_NETNS_ETC / h.netns / "resolv.conf").write_text(_RESOLV)
             _ip("link", "add", h.veth, "type", "veth", "peer", "name", peer)
             _ip("link", "set", peer, "netns", h.netns)
             _ip("link", "set", h.veth, "master", self.bridge)
@@ -420,20 +437,50 @@ class EmulatedHosts:
     def nodes(self) -> list[dict]:
         """The cluster's alive nodes as the GCS lists them: ``[{"ip", "cpus", "node_id"}, ...]`` (asked from a
         subprocess, so the calling process's own Ray connection, if any, is left alone)."""
-        script = (
-            "import json, ray\n"
-            f"ray.init(address={self.head_address!r}, logging_level='ERROR', log_to_driver=False)\n"
-            "print('FXNODES', json.dumps([{'ip': n['NodeManagerAddress'], 'cpus': n['Resources'].get('CPU', 0),"
-            " 'node_id': n['NodeID']} for n in ray.nodes() if n['Alive']]))\n"
-        )
-        out = subprocess.run(
-            [sys.executable, "-c", script], env=self._base_env({}), capture_output=True, text=True, timeout=120
-        )
-        if out.returncode != 0:
-            raise RuntimeError(f"listing the nodes failed: {out.stderr[-2000:]}")
-        found = [ln for ln in out.stdout.splitlines() if ln.startswith("FXNODES ")]  # Ray may print more
+        return self._list_nodes(None, 0.0)
+
+    _NODES_SCRIPT = """
+import json, sys, time, ray
+want, deadline = json.loads(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+ray.init(address=sys.argv[1], logging_level='ERROR', log_to_driver=False)
+while True:
+    got = [{'ip': n['NodeManagerAddress'], 'cpus': n['Resources'].get('CPU', 0), 'node_id': n['NodeID']}
+           for n in ray.nodes() if n['Alive']]
+    if want is None or sorted([g['ip'], g['cpus']] for g in got) == sorted(want) or time.monotonic() > deadline:
+        break
+    time.sleep(0.2)
+print('FXNODES', json.dumps(got), flush=True)
+"""
+    """Lists the alive nodes, once or (a wanted ``[[ip, cpus], ...]``) every 0.2 s over one connection until they
+    are the wanted ones or the time is up: one Ray client start (~1.5 s of CPU) for a whole wait, not one a poll."""
+
+    def _list_nodes(self, want: list | None, timeout_s: float) -> list[dict]:
+        """The alive nodes, once the GCS lists ``want`` (None: at once) or ``timeout_s`` passed; RuntimeError when
+        the listing failed (the head not up yet) or a node's ``ray start`` exited meanwhile."""
+        cmd = [sys.executable, "-c", self._NODES_SCRIPT, self.head_address, json.dumps(want), str(timeout_s)]
+        with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:  # no pipe to fill up
+            proc = subprocess.Popen(cmd, env=self._base_env({}), stdout=out_f, stderr=err_f, text=True)
+            try:
+                give_up = time.monotonic() + timeout_s + 120
+                while proc.poll() is None:
+                    for who, p in [("head", self._head), *((f"host {h.index}", h.proc) for h in self.hosts)]:
+                        if p is not None and p.poll() is not None:
+                            raise RuntimeError(f"the {who}'s `ray start` exited ({p.returncode}); see {self.root}")
+                    if time.monotonic() > give_up:
+                        raise RuntimeError("listing the nodes did not answer")
+                    time.sleep(0.2)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            out_f.seek(0)
+            err_f.seek(0)
+            out, err = out_f.read(), err_f.read()
+        if proc.returncode != 0:
+            raise RuntimeError(f"listing the nodes failed: {err[-2000:]}")
+        found = [ln for ln in out.splitlines() if ln.startswith("FXNODES ")]  # Ray may print more
         if not found:
-            raise RuntimeError(f"listing the nodes printed no list: {out.stdout[-2000:]} {out.stderr[-2000:]}")
+            raise RuntimeError(f"listing the nodes printed no list: {out[-2000:]} {err[-2000:]}")
         return json.loads(found[-1].split(" ", 1)[1])
 
     def wait_for_nodes(self, timeout_s: float | None = None, hosts: bool = True) -> list[dict]:
@@ -446,20 +493,22 @@ class EmulatedHosts:
         got: list[dict] = []
         error = ""
         while True:
-            for who, proc in [("head", self._head), *((f"host {h.index}", h.proc) for h in self.hosts)]:
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"the {who}'s `ray start` exited ({proc.returncode}); see {self.root}")
             try:
-                got = self.nodes()
+                left = max(0.0, deadline - time.monotonic())
+                got = self._list_nodes(sorted([ip, cpus] for ip, cpus in want.items()), left)
                 if sorted((g["ip"], g["cpus"]) for g in got) == sorted(want.items()):
                     return got
-            except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError) as e:
+            except json.JSONDecodeError as e:
+                error = f" (the last listing: {e})"
+            except RuntimeError as e:
+                if "`ray start` exited" in str(e):
+                    raise
                 error = f" (the last listing: {e})"
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"the emulated cluster did not form: want {want}, alive {got}{error}; logs in {self.root}"
                 )
-            time.sleep(1)
+            time.sleep(1)  # the listing failed (the head not answering yet): ask again
 
     # ---- inside a host ---------------------------------------------------------------------------------------
     def command(self, host: int, argv: list[str]) -> list[str]:
@@ -532,13 +581,22 @@ class EmulatedHosts:
         self.wait_for_nodes()
 
     def use_env(self, env: dict | None = None) -> bool:
-        """Make every host's node run with exactly ``env`` added (restarting those that do not, ~10 s); whether any
-        was restarted. A test that needs an environment calls this, so the tests of a module that share a cluster do
-        not depend on each other's order."""
+        """Make every host's node run with exactly ``env`` added (restarting every node when one has another, ~10 s;
+        else starting only those that are down, e.g. a host an earlier test stopped); whether any was (re)started. A
+        test that needs an environment calls this, so the tests of a module that share a cluster do not depend on
+        each other's order, and a test that stops a host may leave it stopped."""
         want = {k: str(v) for k, v in (env or {}).items()}
-        if all(h.env == want and h.proc is not None for h in self.hosts):
+        if any(h.env != want for h in self.hosts):
+            self.restart_hosts(want)
+            return True
+        # the environment is right: only hosts a test stopped (and left for the next test to start) start again
+        down = [h for h in self.hosts if h.proc is None or h.proc.poll() is not None]
+        if not down:
             return False
-        self.restart_hosts(want)
+        for h in down:
+            self.stop_host(h.index)  # anything left of a node whose `ray start` exited
+            self._start_node(h)
+        self.wait_for_nodes()
         return True
 
     def _save_ray_logs(self) -> None:
@@ -589,6 +647,7 @@ class EmulatedHosts:
                 out = _ip(*args, check=False)
                 if out.returncode != 0 and "Cannot find" not in out.stderr and "No such" not in out.stderr:
                     errors.append(f"ip {' '.join(args)}: {out.stderr.strip()}")
+            _remove_resolv(h.netns)
         if self.bridge is not None:
             out = _ip("link", "del", self.bridge, check=False)
             if out.returncode != 0 and "Cannot find" not in out.stderr:
@@ -613,6 +672,8 @@ class EmulatedHosts:
         for h in self.hosts:
             if h.netns in namespaces:
                 left.append(f"netns {h.netns}")
+            if (_NETNS_ETC / h.netns).exists():
+                left.append(f"dir {_NETNS_ETC / h.netns}")
             if f" {h.veth}@" in links or f" {h.veth}:" in links:
                 left.append(f"link {h.veth}")
         if self.bridge and f" {self.bridge}:" in links:

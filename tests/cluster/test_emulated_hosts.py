@@ -180,8 +180,7 @@ def test_a_host_lost_mid_run_shrinks_the_world_to_the_other_host_and_trains_on(e
         if driver is not None:
             driver.shutdown()
         ray.shutdown()
-        hosts.stop_host(1)  # idempotent: nothing left when the test got that far
-        hosts.start_host(1)
+        hosts.stop_host(1)  # idempotent: nothing left when the test got that far; the next test's use_env starts it
     check_against_reference(cfg, corpus, records, replicas)
 
 
@@ -244,8 +243,7 @@ def test_a_sharded_run_on_s3_resumes_on_the_other_host_when_the_first_and_the_ru
         if driver is not None:
             driver.shutdown()
         ray.shutdown()
-        hosts.stop_host(0)
-        hosts.start_host(0)
+        hosts.stop_host(0)  # the next test's use_env starts it again (the last one restarts every host anyway)
     check_against_reference(more, corpus, records, replicas)
 
 
@@ -256,7 +254,8 @@ def test_collectives_bound_to_loopback_fail_in_seconds_naming_the_addresses(emul
     why = f"rc {rc} after {seconds}:\n{out[-6000:]}"
     assert rc not in (0, None), why
     # the whole command: 36-42 s here on 2026-12-02 (~15 s of it starting workers; the failure 12.5 s after the world
-    # began forming); before the fix the world hung in gloo past the collective timeout (120 s)
+    # began forming, 10 s of which were reverse DNS lookups timing out in the hosts, which now fail at once: ~28 s
+    # and 0.3 s on 2026-12-03); before the fix the world hung in gloo past the collective timeout (120 s)
     assert seconds["wall"] < 60, why
     assert "could not connect" in out and "GLOO_SOCKET_IFNAME" in out, why
     pair = re.search(r"at (\d+\.\d+\.\d+\.\d+)\S* could not connect to .*? at (\d+\.\d+\.\d+\.\d+):\d+", out)

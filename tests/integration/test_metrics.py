@@ -76,12 +76,13 @@ def test_flexorch_metrics_reach_the_prometheus_export(tmp_path):
             records = [driver.step().record for _ in range(cfg.steps)]
         finally:
             driver.shutdown()
-        # a pipelined run beside it (2 steps): its schedule's bubble share is exported too
+        # a pipelined run beside it (2 steps): its schedule's bubble share is exported too. 2 workers, one a stage
+        # (a whole document fits one: 256 tokens), where 4 took twice as long to start (~11 s here) for the same metric
         from flexorch.config import ModelConfig
 
         pp_cfg = train_config(
             corpus_dir, tmp_path / "metrics-pp", cfg.plan.profile, steps=2, model=ModelConfig(num_layers=4),
-            pipeline={"stages": 2},
+            pipeline={"stages": 2}, workers=2, plan={"tokens_per_worker": 256},
         )  # fmt: skip
         pp_driver = TrainingDriver(pp_cfg)
         try:
