@@ -342,7 +342,8 @@ def main(argv=None) -> int:
             from flexorch.config.hf import hf_model_config
             from flexorch.config.model import ModelConfig
 
-            params = ModelConfig.from_dict(hf_model_config(str(tmp / "model"))).active_params()  # MoE: routed experts only
+            model = ModelConfig.from_dict(hf_model_config(str(tmp / "model")))
+            params = model.active_params()  # what a token computes with (an MoE model: its routed experts only)
             r = {"row": row, "params": params}
             try:
                 res = run_flexorch(tmp / "run.toml", tmp / "run", out / f"flexorch_{shape_name}_{context}.log",

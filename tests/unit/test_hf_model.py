@@ -50,7 +50,7 @@ CASES = {
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "pad_token_id": None}),
     "gpt_oss": ("gpt_oss", {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": 16, "sliding_window": 8,
                             "pad_token_id": None}),  # sinks; sliding and full layers in turn; YaRN
-}
+}  # fmt: skip
 """Test models: name -> (model_type, config options beyond SHAPE)."""
 FAMILIES = [name for name, (family, _) in CASES.items() if name == family]
 
