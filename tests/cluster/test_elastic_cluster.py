@@ -123,6 +123,7 @@ def test_below_min_workers_waits_for_capacity(cluster, node_joins):
     try:
         driver.setup()
         records = [next_record(driver)]
+        driver.checkpointer.wait()  # step 1's checkpoint written (async by default) before its writer's node goes
         c.remove_node(node_b)
         if node_joins:
             # the step waits for capacity in a thread; the node joins from this (main) thread, as Ray requires

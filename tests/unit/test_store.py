@@ -162,6 +162,7 @@ def test_a_killed_prepare_is_finished_by_the_next_one_redoing_only_the_rest(tmp_
     src = _jsonl(tmp_path / "d.jsonl", 60_000, width=200)  # ~7 MB: over 100 blocks of 64 KiB
     out = tmp_path / "s"
     cmd = [sys.executable, "-m", "flexorch", "prepare", str(src), str(out), "--parallelism", "0", "--part-mb"]
+    shm_before = set(os.listdir("/dev/shm"))  # what other runs left there is not this prepare's
     proc = subprocess.Popen([*cmd, "0.0625"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 60
     while len(list((out / "parts").glob("*.done.json"))) < 5 and time.monotonic() < deadline:
@@ -171,7 +172,7 @@ def test_a_killed_prepare_is_finished_by_the_next_one_redoing_only_the_rest(tmp_
     done = {p.name: p.stat().st_mtime_ns for p in (out / "parts").glob("*.done.json")}
     units = len(json.loads((out / "plan.json").read_text())["units"])
     assert units > 100 and 5 <= len(done) < units and not (out / "manifest.json").exists()
-    assert not [p for p in os.listdir("/dev/shm") if "flexorch" in p]
+    assert not [p for p in set(os.listdir("/dev/shm")) - shm_before if "flexorch" in p]  # the killed prepare left none
     run = subprocess.run([*cmd, "0.0625"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert f"{len(done)} of {units} blocks already done" in run.stdout
