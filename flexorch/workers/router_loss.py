@@ -43,6 +43,13 @@ class RouterSpec:
     coef: float
 
 
+def _probs(logits, real):
+    """One layer's router probabilities ``(rows, E)`` over the rows that are tokens (``real``; None: all)."""
+    if real is not None:
+        logits = logits[real.to(logits.device)]  # (rows, E) -> (real rows, E)
+    return torch.softmax(logits, dim=-1)
+
+
 def routing_sums(router_logits, spec: RouterSpec, real=None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(c (E,) float64 without gradient, P (E,) float32 with it, R)`` of one forward's router logits (one
     ``(rows, E)`` tensor per MoE layer), as Transformers' ``load_balancing_loss_func`` counts them: a softmax of each
@@ -50,21 +57,22 @@ def routing_sums(router_logits, spec: RouterSpec, real=None) -> tuple[torch.Tens
     that are tokens of the batch (a shard's padding is not: Transformers' ``attention_mask`` leaves it out too)."""
     e = spec.num_experts
     counts = torch.zeros(e, dtype=torch.float64)
-    probs = None
+    probs = torch.zeros(e, dtype=torch.float32)
     rows = 0
     for logits in router_logits:
-        if real is not None:
-            logits = logits[real.to(logits.device)]  # (rows, E) -> (real rows, E)
-        p = torch.softmax(logits, dim=-1)  # (rows, E)
+        p = _probs(logits, real)
         with torch.no_grad():
             chosen = torch.topk(p, spec.top_k, dim=-1).indices  # (rows, k)
             counts += torch.bincount(chosen.reshape(-1), minlength=e).cpu().double()
-        s = p.float().sum(0)  # (E,)
-        probs = s if probs is None else probs + s
-        rows += int(logits.shape[0])
-    if probs is None:
-        probs = torch.zeros(e, dtype=torch.float32)
+        probs = probs.to(p.device) + p.float().sum(0)  # (E,)
+        rows += int(p.shape[0])
     return counts, probs, rows
+
+
+def prob_sums(router_logits, spec: RouterSpec, real=None) -> torch.Tensor:
+    """``P (E,)`` float32 of :func:`routing_sums`, with its gradient (what a micro-batch's term needs)."""
+    sums = [_probs(logits, real).float().sum(0) for logits in router_logits]  # (E,) per layer
+    return torch.stack(sums).sum(0) if sums else torch.zeros(spec.num_experts, dtype=torch.float32)
 
 
 @dataclass
@@ -93,7 +101,7 @@ class RouterBalance:
 
     def add(self, router_logits) -> None:
         """Add the term of one forward's router logits (its own rows) to what :meth:`take` returns."""
-        _, probs, _ = routing_sums(router_logits, self.spec, self.real)
+        probs = prob_sums(router_logits, self.spec, self.real)
         r = max(self.rows, 1)
         w = self.spec.coef * self.predicted * self.spec.num_experts / r**2 * self.counts  # (E,)
         term = (probs * w.to(probs.device, probs.dtype)).sum()
