@@ -97,9 +97,9 @@ def _run(cfg: TrainConfig, corpus, args, roots: dict) -> tuple[float, dict[str, 
     try:
         driver.setup()
         driver.step(), driver.step()
-        ways = {w: _checkpointer(driver, w, roots.get(w.split()[-1], "")) for w in WAYS}
+        ways = {w: _checkpointer(driver, w, roots.get(w.split()[-1], "")) for w in args.ways}
         times = _measure(driver, ways, args.steps, args.rounds)
-        return _state_mb(ways["sync local"]), times
+        return _state_mb(next(ck for ck in ways.values() if ck is not None)), times
     finally:
         driver.shutdown()
 
@@ -117,8 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="small,large", help="comma-separated: small, large (default both)")
     ap.add_argument("--modes", default="replicate,fsdp", help="comma-separated sharding modes (default both)")
     ap.add_argument("--workers", default="2,1", help="comma-separated worker counts (default 2,1)")
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of: {', '.join(WAYS)} (default all)")
     ap.add_argument("--quick", action="store_true", help="one round, the small model")
     args = ap.parse_args(argv)
+    args.ways = tuple(w for w in WAYS if w in {x.strip() for x in args.ways.split(",")} or w == "none")
     if args.quick:
         args.rounds, args.models, args.workers = 1, "small", "2"
     import ray
@@ -138,8 +140,10 @@ def main(argv=None) -> int:
             for workers, model_name, mode in itertools.product(
                 map(int, args.workers.split(",")), args.models.split(","), args.modes.split(",")
             ):
-                cfg = _config(work, corpus_dir, model_name, mode, 3 + len(WAYS) * args.steps * args.rounds, workers)
-                print(f"{workers} workers, {model_name} model, {mode}: {len(WAYS)} ways x {args.rounds} rounds x "
+                cfg = _config(
+                    work, corpus_dir, model_name, mode, 3 + len(args.ways) * args.steps * args.rounds, workers
+                )
+                print(f"{workers} workers, {model_name} model, {mode}: {len(args.ways)} ways x {args.rounds} rounds x "
                       f"{args.steps} steps")  # fmt: skip
                 state, times = _run(cfg, corpus, args, roots={"s3": s3.root, "local": str(work / "ckpt")})
                 rows.append((workers, model_name, mode, state, {w: statistics.median(v) for w, v in times.items()}))
@@ -147,10 +151,12 @@ def main(argv=None) -> int:
             ray.shutdown()
     print()
     print("median ms per step with a checkpoint after every step; x: against the steps without saves")
-    head = f"{'workers':>7s} {'model':6s} {'mode':9s} {'state MB':>8s} " + " ".join(f"{w:>18s}" for w in WAYS)
+    head = f"{'workers':>7s} {'model':6s} {'mode':9s} {'state MB':>8s} " + " ".join(f"{w:>18s}" for w in args.ways)
     print(head)
     for workers, model_name, mode, state, med in rows:
-        cells = [f"{med['none']:10.0f}        "] + [f"{med[w]:10.0f} ({med[w] / med['none']:4.2f}x)" for w in WAYS[1:]]
+        cells = [f"{med['none']:10.0f}        "] + [
+            f"{med[w]:10.0f} ({med[w] / med['none']:4.2f}x)" for w in args.ways[1:]
+        ]
         print(f"{workers:7d} {model_name:6s} {mode:9s} {state:8.1f} " + " ".join(f"{c:>18s}" for c in cells))
     (work / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"raw figures: {work / 'results.json'}")

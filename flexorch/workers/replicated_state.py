@@ -36,6 +36,8 @@ class ReplicatedState(ModelState):
             compile_layers(self.model)
         self.optimizer, self.scheduler = build_optimizer(self.model, spec.optim_cfg)
         self.held = HeldParams(self.model, self.optimizer)  # the whole model until a stage-local step drops parts
+        self._staging = None
+        """Host buffers of asynchronous checkpoints (``workers.host_staging.HostStaging``), made at the first."""
 
     def holding(self):
         return None  # a replica moves whole, through the driver (get_state, export_parts), never re-sharded
@@ -62,29 +64,39 @@ class ReplicatedState(ModelState):
     def get_state(self) -> dict:
         """Model, optimizer, schedule and RNG state (CPU tensors), for checkpoints and new workers. With stage-local
         parameters only the parts held (``parts``; None: the whole model) and their optimizer state."""
+        state = self._live_state()
+        return {**state, "model": _to_cpu(state["model"]), "optimizer": _to_cpu(state["optimizer"])}
+
+    def _live_state(self) -> dict:
+        """:meth:`get_state`'s tree with the live tensors themselves (no copies)."""
         held = set(self.held.held_names())
         return {
-            "model": {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if k in held},
-            "optimizer": _to_cpu(self.optimizer.state_dict()),
+            "model": {k: v.detach() for k, v in self.model.state_dict().items() if k in held},
+            "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": torch.get_rng_state(),
             "parts": None if self.held.held is ALL else sorted(self.held.held),
         }
 
     def write_state(self, directory: str, background: bool) -> dict[str, str] | None:
-        """Write this worker's whole state (:meth:`get_state`'s copies, so training may go on) into the checkpoint
-        directory ``directory`` as ``model.pt`` and ``train_state.pt`` (``workers.checkpoint_writes``): their SHA-256
-        now, or with ``background`` None at once, the write on a thread (:meth:`finish_upload` waits for it; one
-        still running is waited for first)."""
+        """Write this worker's whole state into the checkpoint directory ``directory`` as ``model.pt`` and
+        ``train_state.pt`` (``workers.checkpoint_writes``): their SHA-256 now, or with ``background`` None at once,
+        the write on a thread from a copy in host buffers kept from save to save (``workers.host_staging``), so
+        training may go on (:meth:`finish_upload` waits for it; one still running is waited for first)."""
         from flexorch.workers.checkpoint_writes import BackgroundWrite, write_state_files
+        from flexorch.workers.host_staging import HostStaging
 
         if self.held.held is not ALL:
             raise RuntimeError(f"worker {self.spec.worker_id} holds only some parts of the model: it cannot write it")
         if self._upload is not None:
             self.finish_upload()
-        state = self.get_state()
-        if not background:
-            return write_state_files(directory, state)
+        if not background:  # nothing runs meanwhile: the live tensors are written as they are (from a GPU: copies)
+            return write_state_files(
+                directory, self.get_state() if self.spec.device is not None else self._live_state()
+            )
+        if self._staging is None:
+            self._staging = HostStaging()
+        state = self._staging.copy(self._live_state())
         self._upload = BackgroundWrite(lambda: write_state_files(directory, state), directory)
         return None
 
