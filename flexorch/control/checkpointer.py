@@ -76,7 +76,7 @@ class Checkpointer:
         if workers.sharded:  # every worker writes its own shard (staged in host memory first, when async)
             if background:
                 uploads = workers.stage_sharded(ckpt.path)
-                write = lambda: check_uploads(uploads)  # noqa: E731
+                write = lambda: check_uploads(uploads, hashes=not ckpt.store.remote)  # noqa: E731
             else:
                 workers.save_sharded(ckpt.path)
                 write = dict
@@ -178,10 +178,12 @@ class Checkpointer:
             return RuntimeError(text)
 
 
-def check_uploads(wait: Callable[[float], dict[int, dict[str, int]]]) -> dict:
+def check_uploads(wait: Callable[[float], dict[int, dict[str, str]]], hashes: bool = True) -> dict[str, str]:
     """Wait for every worker's copy of its staged shard (``WorkerGroup.stage_sharded``); raises the first failure.
-    No hashes: the files' sizes go into the manifest, and a local store hashes them (``control.checkpoint``)."""
+    Returns the files' SHA-256, taken by the workers as they copied them, for the manifest (so the driver reads
+    nothing back); ``hashes`` false: none (an object store's shards are checked by their sizes,
+    ``control.checkpoint``)."""
     got = wait(UPLOAD_TIMEOUT_S)
     if not any(got.values()):
         raise RuntimeError("no worker wrote a file of the checkpoint")
-    return {}
+    return {f: h for files in got.values() for f, h in files.items()} if hashes else {}

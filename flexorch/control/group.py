@@ -137,10 +137,11 @@ class WorkerGroup(ABC):
         """Every member writes its shard of the model state into ``directory`` (:attr:`sharded` state only)."""
 
     @abstractmethod
-    def stage_sharded(self, directory: str) -> Callable[[float], dict[int, dict[str, int]]]:
+    def stage_sharded(self, directory: str) -> Callable[[float], dict[int, dict[str, str]]]:
         """An asynchronous :meth:`save_sharded`: every member stages its shard in host memory (waited for here) and
         copies it to ``directory`` in the background; returns ``wait(timeout_s)``, which returns {worker id: its
-        files and sizes} once every copy is done or raises why one failed, and may be called from another thread."""
+        files and their SHA-256} once every copy is done or raises why one failed, and may be called from another
+        thread."""
 
     @abstractmethod
     def write_whole(self, directory: str, background: bool) -> Callable[[float], dict[str, str]] | None:

@@ -150,9 +150,9 @@ class StateMoves:
             {w: self._actors[w].save_sharded.remote(directory) for w in self.worker_ids}, "save", self.timeout_s
         )
 
-    def stage_sharded(self, directory: str) -> Callable[[float], dict[int, dict[str, int]]]:
+    def stage_sharded(self, directory: str) -> Callable[[float], dict[int, dict[str, str]]]:
         """Every member stages its shard in host memory (a collective, waited for here) and copies it to ``directory``
-        in the background. Returns ``wait(timeout_s)``: {worker id: its files and their sizes} once every copy is
+        in the background. Returns ``wait(timeout_s)``: {worker id: its files and their SHA-256} once every copy is
         done, else the error of the first that failed (a member lost meanwhile fails it). ``wait`` holds this
         world's actors, so it can be called from another thread while the group changes."""
         self.call_all(
@@ -160,7 +160,7 @@ class StateMoves:
         )
         actors = {w: self._actors[w] for w in self.worker_ids}
 
-        def wait(timeout_s: float) -> dict[int, dict[str, int]]:
+        def wait(timeout_s: float) -> dict[int, dict[str, str]]:
             refs = {w: a.finish_upload.remote(timeout_s) for w, a in actors.items()}
             return {w: ray.get(r, timeout=timeout_s + 30) for w, r in refs.items()}
 

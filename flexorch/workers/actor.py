@@ -115,6 +115,10 @@ class Worker:
         self._aborted_epoch: int | None = None  # the epoch abort_world shut down last
         self._probes: list = []  # called at PROBE_POINTS (add_probe); none in a run
         self.state: ModelState = model_state_class(spec.sharding)(spec, self._world, self._guarded)
+        if isinstance(self.state, ShardedState):
+            from flexorch.workers.shard_staging import sweep_staging
+
+            sweep_staging()  # the shards a worker of this node killed mid-save left staged in host memory
         self.measure = WorkerMeasurements(spec, self.state, self._world, memory)
         self.life = WorkerLifecycle(worker_id, _in_actor())
 

@@ -142,7 +142,7 @@ class ModelState(abc.ABC):
 
     def finish_upload(self, timeout_s: float | None = None) -> dict:
         """What the checkpoint write in the background (:meth:`write_state` or :meth:`stage_sharded`) wrote, once
-        it is done (a replicated state: each file's SHA-256; a sharded one: its files and sizes); raises why it
+        it is done (a replicated state: each file's SHA-256; a sharded one: its files' too); raises why it
         failed. Nothing in flight: ``{}``."""
         upload, self._upload = self._upload, None
         return {} if upload is None else upload.wait(timeout_s)

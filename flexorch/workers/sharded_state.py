@@ -163,7 +163,7 @@ class ShardedState(ModelState):
         """Stage this worker's shard in host memory (a collective, as :meth:`save_sharded`) and copy it to
         ``directory`` in the background (``sharded_checkpoint.stage_sharded``); :meth:`finish_upload` waits for it.
         A copy still running from the save before is waited for first (at most one in flight)."""
-        from flexorch.workers.sharded_checkpoint import stage_sharded
+        from flexorch.workers.shard_staging import stage_sharded
 
         if self._upload is not None:
             self.finish_upload()
