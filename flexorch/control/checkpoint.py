@@ -92,12 +92,6 @@ def _stored_sha256(ckpt: StoredCheckpoint, file: str) -> str:
         return _digest(iter(lambda: f.read(1 << 20), b""))
 
 
-def _tensor_bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
 def save_checkpoint(
     where: CheckpointStore | Path | str,
     step: int,
@@ -127,14 +121,11 @@ def begin_checkpoint(store: CheckpointStore, step: int) -> StoredCheckpoint:
 
 
 def write_model_state(ckpt: StoredCheckpoint, worker_state: dict) -> dict[str, str]:
-    """Write a replicated run's ``model.pt`` and ``train_state.pt``; returns their SHA-256 by file name."""
-    hashes = {}
-    train = {k: worker_state[k] for k in ("optimizer", "scheduler", "rng")}
-    for file, obj in (("model.pt", worker_state["model"]), ("train_state.pt", train)):
-        data = _tensor_bytes(obj)
-        ckpt.store.write(ckpt.name, file, data)
-        hashes[file] = hashlib.sha256(data).hexdigest()
-    return hashes
+    """Write a replicated run's ``model.pt`` and ``train_state.pt``; returns their SHA-256 by file name (the files a
+    worker that holds the whole model writes itself, ``workers.checkpoint_writes.write_state_files``)."""
+    from flexorch.workers.checkpoint_writes import write_state_files
+
+    return write_state_files(ckpt.path, worker_state)
 
 
 def complete_checkpoint(

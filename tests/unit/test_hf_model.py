@@ -128,8 +128,11 @@ def test_flexorch_attention_inside_transformers_equals_its_sdpa_on_packed_docume
     loss_sum(logits, b.labels).backward()
     torch.testing.assert_close(ours(b.tokens, b.position_ids, attn), logits, rtol=1e-5, atol=1e-5)
     theirs = dict(ref.named_parameters())
-    for name, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, theirs[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name, p in ours.named_parameters():  # atol: float reordering, at the gradient's own scale (Transformers
+        # 5.25 moved one element of 2,048 of a Gemma-3 gradient, 3.9e-3, by 1.4e-6)
+        want = theirs[name].grad
+        atol = max(1e-6, 1e-4 * float(want.abs().max()))
+        torch.testing.assert_close(p.grad, want, rtol=1e-4, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
