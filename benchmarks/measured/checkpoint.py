@@ -71,15 +71,20 @@ def _checkpointer(driver: TrainingDriver, way: str, root: str) -> Checkpointer |
     return Checkpointer(run, driver._driver_state, lambda e: None, asynchronous=kind == "async")
 
 
-def _measure(driver, ways: dict, steps: int, rounds: int) -> dict[str, list[float]]:
+def _measure(driver, ways: dict, steps: int, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each way's step times, and the times its ``save`` calls blocked the driver (staging, and any wait for the
+    save before)."""
     times: dict[str, list[float]] = {w: [] for w in ways}
+    blocked: dict[str, list[float]] = {w: [] for w in ways}
     for r in range(rounds):
         for way, ck in ways.items():
             t = time.perf_counter()
             for _ in range(steps):
                 driver.step()
                 if ck is not None:
+                    t_save = time.perf_counter()
                     ck.save(driver.step_no, driver.workers, wait=False)
+                    blocked[way].append((time.perf_counter() - t_save) * 1e3)
                 now = time.perf_counter()
                 times[way].append((now - t) * 1e3)
                 t = now
@@ -87,19 +92,21 @@ def _measure(driver, ways: dict, steps: int, rounds: int) -> dict[str, list[floa
                 t0 = time.perf_counter()
                 ck.wait()
                 times[way][-1] += (time.perf_counter() - t0) * 1e3
-            print(f"  round {r + 1}: {way:12s} {statistics.median(times[way][-steps:]):8.0f} ms/step", flush=True)
-    return times
+            held = f" (save blocked {statistics.median(blocked[way][-steps:]):5.0f} ms)" if ck is not None else ""
+            print(f"  round {r + 1}: {way:12s} {statistics.median(times[way][-steps:]):8.0f} ms/step{held}", flush=True)
+    return times, blocked
 
 
-def _run(cfg: TrainConfig, corpus, args, roots: dict) -> tuple[float, dict[str, list[float]]]:
-    """One driver: two warm-up steps (the first build and compile), then the blocks; (state MB, step times)."""
+def _run(cfg: TrainConfig, corpus, args, roots: dict) -> tuple[float, dict, dict]:
+    """One driver: two warm-up steps (the first build and compile), then the blocks; (state MB, step times, times
+    the saves blocked)."""
     driver = TrainingDriver(cfg, corpus=corpus)
     try:
         driver.setup()
         driver.step(), driver.step()
         ways = {w: _checkpointer(driver, w, roots.get(w.split()[-1], "")) for w in args.ways}
-        times = _measure(driver, ways, args.steps, args.rounds)
-        return _state_mb(next(ck for ck in ways.values() if ck is not None)), times
+        times, blocked = _measure(driver, ways, args.steps, args.rounds)
+        return _state_mb(next(ck for ck in ways.values() if ck is not None)), times, blocked
     finally:
         driver.shutdown()
 
@@ -145,19 +152,26 @@ def main(argv=None) -> int:
                 )
                 print(f"{workers} workers, {model_name} model, {mode}: {len(args.ways)} ways x {args.rounds} rounds x "
                       f"{args.steps} steps")  # fmt: skip
-                state, times = _run(cfg, corpus, args, roots={"s3": s3.root, "local": str(work / "ckpt")})
-                rows.append((workers, model_name, mode, state, {w: statistics.median(v) for w, v in times.items()}))
+                state, times, blocked = _run(cfg, corpus, args, roots={"s3": s3.root, "local": str(work / "ckpt")})
+                med = {w: statistics.median(v) for w, v in times.items()}
+                held = {w: statistics.median(v) for w, v in blocked.items() if v}
+                rows.append((workers, model_name, mode, state, med, held))
         finally:
             ray.shutdown()
     print()
     print("median ms per step with a checkpoint after every step; x: against the steps without saves")
     head = f"{'workers':>7s} {'model':6s} {'mode':9s} {'state MB':>8s} " + " ".join(f"{w:>18s}" for w in args.ways)
     print(head)
-    for workers, model_name, mode, state, med in rows:
+    for workers, model_name, mode, state, med, _ in rows:
         cells = [f"{med['none']:10.0f}        "] + [
             f"{med[w]:10.0f} ({med[w] / med['none']:4.2f}x)" for w in args.ways[1:]
         ]
         print(f"{workers:7d} {model_name:6s} {mode:9s} {state:8.1f} " + " ".join(f"{c:>18s}" for c in cells))
+    print()
+    print("median ms a save blocked the driver (its staging, and any wait for the save before it)")
+    print(f"{'workers':>7s} {'model':6s} {'mode':9s} " + " ".join(f"{w:>12s}" for w in args.ways[1:]))
+    for workers, model_name, mode, _, _, held in rows:
+        print(f"{workers:7d} {model_name:6s} {mode:9s} " + " ".join(f"{held[w]:12.0f}" for w in args.ways[1:]))
     (work / "results.json").write_text(json.dumps(rows, indent=1))
     print(f"raw figures: {work / 'results.json'}")
     return 0

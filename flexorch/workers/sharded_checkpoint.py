@@ -47,10 +47,13 @@ def write_sharded(directory: str, state: dict, scheduler, version: int, staging:
     """:func:`save_sharded` of a state dict already taken (``{"model", "optim"}``, by ``get_state_dict``).
     ``staging``: ``directory`` is a rank's staging directory in host memory, whose files are copied to the
     checkpoint's storage afterwards: DCP does not ``fsync`` them there (the copy's destination is synced)."""
-    if staging:
-        dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
-    else:
-        dcp.save(state, **_target(directory, write=True))
+    from flexorch.workers.checkpoint_writes import without_zip_crc
+
+    with without_zip_crc():
+        if staging:
+            dcp.save(state, storage_writer=FileSystemWriter(directory, sync_files=False))
+        else:
+            dcp.save(state, **_target(directory, write=True))
     if dist.get_rank() == 0:
         state = {"scheduler": scheduler.state_dict(), "version": version}
         fs, path = filesystem(directory)
