@@ -10,7 +10,12 @@ asynchronous save, any wait for the one before it still in flight; the block's l
 counted. Prints the median step time per way and its ratio to the steps without saves, and the state's size.
 
 ``--workers 1,2``: with 2 workers on this 2-core machine every core trains, so a background write takes CPU from the
-steps; with 1 worker a core is free for it, as a GPU node's host CPUs are while its GPUs train.
+steps; with 1 worker the other core is shared by the driver (planning the next step), Ray and the write.
+
+``--in-process``: what a save costs a step when a core is free for the write, as a GPU node's host CPUs are while
+its GPUs train: no Ray and no driver, one replicated model state (``workers.replicated_state``) trained on one
+thread in this process, saving through its own ``write_state`` after every step (none, sync, async in turn, the same
+blocks and rounds), to a local directory.
 
     python -m benchmarks.measured.checkpoint           # ~25 minutes on 2 cores
     python -m benchmarks.measured.checkpoint --quick   # one round, the small model only
@@ -19,9 +24,11 @@ steps; with 1 worker a core is free for it, as a GPU node's host CPUs are while 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -117,6 +124,59 @@ def _state_mb(ck: Checkpointer) -> float:
     return sum(store.files(newest.name).values()) / 2**20
 
 
+def _in_process(args) -> int:
+    import torch
+
+    from flexorch.testing.reference import pack_documents
+    from flexorch.workers.attention.api import varlen_attn_func
+    from flexorch.workers.model import loss_sum
+    from flexorch.workers.model_state import StateSpec
+    from flexorch.workers.replicated_state import ReplicatedState
+
+    torch.set_num_threads(1)  # one core trains (a worker's own setting); the other is free for the write
+    cfg = MODELS["large"]
+    sharding = {"mode": "replicate", "shard_size": None, "precision": "fp32", "recompute": "none"}
+    spec = StateSpec(0, cfg, OptimConfig(lr=1e-4, warmup_steps=1), 0, sharding, None)
+    state = ReplicatedState(spec, world=lambda: None, guard=lambda f, *a: f(*a))
+    gen = torch.Generator().manual_seed(0)
+    b = pack_documents([torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in (384, 256, 128)])
+    attn = functools.partial(varlen_attn_func, cu_seqlens=b.cu_seqlens, max_seqlen=b.max_seqlen)
+
+    def step() -> None:
+        state.optimizer.zero_grad()
+        loss_sum(state.model(b.tokens, b.position_ids, attn), b.labels).backward()
+        state.optimizer.step()
+        state.scheduler.step()
+
+    root = Path(tempfile.mkdtemp(prefix="flexorch-ckpt-bench-"))
+    ways = {"none": None, "sync local": False, "async local": True}
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    step(), step()  # warm-up
+    print(f"in process, large model, replicate, 1 training thread: {len(ways)} ways x {args.rounds} rounds x "
+          f"{args.steps} steps")  # fmt: skip
+    for r in range(args.rounds):
+        for way, background in ways.items():
+            t = time.perf_counter()
+            for i in range(args.steps):
+                step()
+                if background is not None:
+                    state.write_state(str(root / f"{way.split()[0]}-{i % 2}"), background)
+                now = time.perf_counter()
+                times[way].append((now - t) * 1e3)
+                t = now
+            if background:
+                t0 = time.perf_counter()
+                state.finish_upload()
+                times[way][-1] += (time.perf_counter() - t0) * 1e3
+            print(f"  round {r + 1}: {way:12s} {statistics.median(times[way][-args.steps :]):8.0f} ms/step", flush=True)
+    med = {w: statistics.median(v) for w, v in times.items()}
+    print("\nmedian ms per step with a checkpoint after every step; x: against the steps without saves")
+    print(" ".join(f"{w:>18s}" for w in ways))
+    print(" ".join(f"{med[w]:10.0f} ({med[w] / med['none']:4.2f}x)" for w in ways))
+    shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=2, help="blocks of each way, taken in turn (default 2)")
@@ -126,7 +186,10 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", default="2,1", help="comma-separated worker counts (default 2,1)")
     ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of: {', '.join(WAYS)} (default all)")
     ap.add_argument("--quick", action="store_true", help="one round, the small model")
+    ap.add_argument("--in-process", action="store_true", help="no Ray: one replicated state saving in this process")
     args = ap.parse_args(argv)
+    if args.in_process:
+        return _in_process(args)
     args.ways = tuple(w for w in WAYS if w in {x.strip() for x in args.ways.split(",")} or w == "none")
     if args.quick:
         args.rounds, args.models, args.workers = 1, "small", "2"
