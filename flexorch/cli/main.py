@@ -8,6 +8,7 @@ import sys
 import tomllib
 from pathlib import Path
 
+from flexorch.cli.dashboard import add_dashboard_parser, cmd_dashboard
 from flexorch.cli.plan_window import add_window_flags, with_window
 from flexorch.cli.prepare import add_prepare_parser, cmd_prepare
 from flexorch.data.errors import DataError
@@ -31,11 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_prepare_parser(sub)
 
-    dash = sub.add_parser("dashboard", help="serve the plan viewer page for a run directory (live while it runs)")
-    dash.add_argument("run_dir", type=Path, help="run directory of `flexorch train` or `flexorch plan --run-dir`")
-    dash.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    dash.add_argument("--port", type=int, default=8266, help="port (default 8266; 0 picks a free one)")
-    dash.add_argument("--poll", type=float, default=2.0, help="seconds between the page's refreshes (default 2)")
+    add_dashboard_parser(sub)
 
     prof = sub.add_parser("profiles", help="list the built-in cost-model profiles, or print one as JSON")
     prof.add_argument("name", nargs="?", help="profile name or JSON file to print")
@@ -222,20 +219,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     finally:
         if viewer is not None:
             viewer.stop()
-    return 0
-
-
-def _cmd_dashboard(args: argparse.Namespace) -> int:
-    from flexorch.dashboards.viewer import ViewerServer
-
-    server = ViewerServer(args.run_dir, host=args.host, port=args.port, poll_s=args.poll)
-    print(f"flexorch dashboard: serving {args.run_dir} at {server.url} (Ctrl-C to stop)", flush=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.server_close()
     return 0
 
 
@@ -429,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             "profiles": _cmd_profiles,
             "train": _cmd_train,
             "profile": _cmd_profile,
-            "dashboard": _cmd_dashboard,
+            "dashboard": cmd_dashboard,
             "export": _cmd_export,
             "prepare": cmd_prepare,
         }

@@ -23,7 +23,7 @@ from flexorch.control.checkpoint import (
 )
 from flexorch.control.checkpoint_store import CheckpointStore, StoredCheckpoint
 
-__all__ = ["MIRRORED", "RunCheckpoints"]
+__all__ = ["MIRRORED", "RunCheckpoints", "fetch_records"]
 
 
 MIRRORED = ("config.json", "profile.json", "steps.jsonl")
@@ -116,3 +116,26 @@ class RunCheckpoints:
         if ckpt is None:
             return "No checkpoint was written yet (set checkpoint_every to keep one)"
         return f"The last checkpoint, {ckpt.path}, is intact: run again with --resume when capacity is back"
+
+
+def fetch_records(storage: str, into: Path) -> list[str]:
+    """Copy a run's records mirrored to ``STORAGE/run/`` (:data:`MIRRORED`, as its last checkpoint left them) into
+    the local directory ``into`` (``flexorch dashboard s3://...``); returns the names copied. Each file is written
+    beside its old copy and renamed over it, so a reader never sees half of one. Raises
+    :class:`~flexorch.config.ConfigError` saying what to do when the storage holds no run records."""
+    store = CheckpointStore(storage)
+    if not store.has("run", "steps.jsonl"):
+        raise ConfigError(
+            f"{store.location('run', 'steps.jsonl')} does not exist: pass the [checkpoint] storage of a run (its "
+            "records are copied there at each checkpoint, when the storage is not under the run directory), or a "
+            "local run directory"
+        )
+    into.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for name in MIRRORED:
+        if store.has("run", name):
+            part = into / f".{name}.part"
+            part.write_bytes(store.read("run", name))
+            part.replace(into / name)
+            copied.append(name)
+    return copied
