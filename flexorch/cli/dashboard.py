@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import threading
-import time
 from pathlib import Path
 
 __all__ = ["add_dashboard_parser", "cmd_dashboard"]
@@ -29,22 +28,26 @@ def add_dashboard_parser(sub) -> None:
 def cmd_dashboard(args: argparse.Namespace) -> int:
     from flexorch.dashboards.viewer import ViewerServer
 
-    run_dir, what = _dashboard_source(args)
-    server = ViewerServer(run_dir, host=args.host, port=args.port, poll_s=args.poll)
-    print(f"flexorch dashboard: serving {what} at {server.url} (Ctrl-C to stop)", flush=True)
+    stop = threading.Event()
+    run_dir, what = _dashboard_source(args, stop)
     try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
+        server = ViewerServer(run_dir, host=args.host, port=args.port, poll_s=args.poll)
+        print(f"flexorch dashboard: serving {what} at {server.url} (Ctrl-C to stop)", flush=True)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.server_close()
     finally:
-        server.server_close()
+        stop.set()
     return 0
 
 
-def _dashboard_source(args: argparse.Namespace) -> tuple[Path, str]:
+def _dashboard_source(args: argparse.Namespace, stop: threading.Event) -> tuple[Path, str]:
     """The local directory the dashboard serves, and what to call it: a run directory as it is; a checkpoint
     storage's records copied into a local cache, then copied again every ``--refresh`` seconds by a thread (they
-    change at each checkpoint)."""
+    change at each checkpoint) until ``stop`` is set."""
     from flexorch.data.store.remote import is_remote
 
     if not is_remote(args.run_dir):
@@ -56,8 +59,7 @@ def _dashboard_source(args: argparse.Namespace) -> tuple[Path, str]:
     fetch_records(args.run_dir, local)
 
     def refresh() -> None:
-        while True:
-            time.sleep(args.refresh)
+        while not stop.wait(args.refresh):
             try:
                 fetch_records(args.run_dir, local)
             except Exception as e:  # noqa: BLE001 - the page keeps the last copy; said once per failure

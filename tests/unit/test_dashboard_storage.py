@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
 import urllib.request
 
@@ -48,7 +49,8 @@ def test_the_records_in_storage_are_copied_back_and_again_as_they_change(s3, tmp
     assert fetch_records(storage, into) == [n for n in MIRRORED if n in ("config.json", "steps.jsonl")]
     assert len((into / "steps.jsonl").read_text().splitlines()) == 2
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    local, what = _dashboard_source(argparse.Namespace(run_dir=storage, refresh=0.2))
+    stop = threading.Event()
+    local, what = _dashboard_source(argparse.Namespace(run_dir=storage, refresh=0.2), stop)
     assert what.startswith(f"{storage}/run (copied to {local}") and local.is_relative_to(tmp_path / "home")
     server = ViewerServer(local, port=0).start()
     try:
@@ -60,6 +62,7 @@ def test_the_records_in_storage_are_copied_back_and_again_as_they_change(s3, tmp
         with urllib.request.urlopen(server.url, timeout=10) as page:
             assert page.status == 200
     finally:
+        stop.set()  # the refreshing thread ends (else it would go on copying from the next test's server)
         server.shutdown()
         server.server_close()
 
